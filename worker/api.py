@@ -1,0 +1,187 @@
+"""Plain dataclasses at the engine's and the worker actor's seams.
+
+These are what the router, the load generator and the CLI see of a worker: no torch, no
+protobuf. `SamplingParams.validate` is the single place where per-request parameters are
+checked; it raises `InvalidRequestError` with a message a user can act on.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvmesh.worker.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = -1  # -1 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None  # per-request generator: same seed, same output, alone or batched
+    repetition_penalty: float = 1.0  # >1 discourages tokens already in prompt or output
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()  # stop strings, matched across token boundaries, not emitted
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # benchmarks: generate exactly max_tokens
+    min_tokens: int = 0  # EOS and stop strings are ignored before this many tokens
+    logprobs: bool = False  # return the chosen token's logprob
+    n: int = 1  # parallel samples of one prompt (share the prompt's KV blocks)
+
+    def validate(self, max_new_tokens: int | None = None) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if max_new_tokens is not None and self.max_tokens > max_new_tokens:
+            raise InvalidRequestError(
+                f"max_tokens {self.max_tokens} exceeds this server's limit of {max_new_tokens}")
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1 or self.top_k == 0:
+            raise InvalidRequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not (-2.0 <= self.presence_penalty <= 2.0):
+            raise InvalidRequestError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not (-2.0 <= self.frequency_penalty <= 2.0):
+            raise InvalidRequestError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.n < 1:
+            raise InvalidRequestError(f"n must be >= 1, got {self.n}")
+        if any((not isinstance(s, str)) or s == "" for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation request as a worker receives it.
+
+    Exactly one of `prompt` (text) and `prompt_token_ids` is set; `chat` messages are
+    rendered to `prompt` by the caller (router or CLI) with the model's chat template.
+    """
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0  # lower value = more important; ties by arrival
+    tenant_id: str = "default"
+    cache_salt: str | None = None  # tenant cache isolation: part of the block hash extra keys
+    deadline_s: float | None = None  # absolute time.time() deadline
+    attempt: int = 1  # 1 = first attempt; >1 = client retry
+    trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent carrier
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, stop token id or stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # cancelled by the client or the router
+    ERROR = "error"  # failed; see RequestDelta.error
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """Per-request figures the articles ask for (seconds, absolute times from time.time())."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    peak_kv_tokens: int = 0
+
+    @property
+    def queue_time_s(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """One streamed increment of a request's output.
+
+    `text` is valid UTF-8 (bytes of a partial character are held back until complete);
+    the last delta of a request has `finished=True`, a finish reason and usage.
+    """
+
+    request_id: str
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] | None = None
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: RequestTimings | None = None
+    error: str | None = None  # set with finish_reason=ERROR
+    sample_index: int = 0  # which of the n samples this delta belongs to
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """Load and KV figures a worker reports for routing and admission."""
+
+    worker_id: str
+    healthy: bool
+    block_size: int
+    num_blocks_total: int
+    num_blocks_used: int  # referenced by running requests
+    num_blocks_cached: int  # unreferenced, holding reusable prefix KV (evictable)
+    num_blocks_free: int
+    kv_tokens_used: int  # tokens held by running requests
+    kv_tokens_capacity: int  # max_total_kv_tokens (or the pool's token capacity)
+    kv_tokens_reserved: int  # prompt + reserved output of running and waiting requests
+    num_running: int
+    num_waiting: int
+    queued_prompt_tokens: int
+    prefix_cache_hit_rate: float  # cached prompt tokens / prompt tokens, since start
+    output_tokens_per_s: float  # recent decode throughput (drain rate), for retry-after
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+    prefix_event_seq: int = 0  # sequence number of the newest prefix-cache event
+
+
+class PrefixEventKind(str, enum.Enum):
+    STORED = "stored"  # blocks with these hashes became reusable on this worker
+    EVICTED = "evicted"  # blocks with these hashes are gone
+    CLEARED = "cleared"  # everything is gone (restart, cache reset)
+
+
+@dataclass(frozen=True)
+class PrefixEvent:
+    seq: int
+    kind: PrefixEventKind
+    block_hashes: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class PrefixEventBatch:
+    """Events after a sequence number. `reset` means the caller missed events (the worker's
+    ring buffer moved on, or the worker restarted) and must drop what it knows of this
+    worker; `all_hashes` then carries the worker's current cached block hashes."""
+
+    worker_id: str
+    next_seq: int
+    events: tuple[PrefixEvent, ...] = ()
+    reset: bool = False
+    all_hashes: tuple[bytes, ...] = ()

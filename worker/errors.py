@@ -1,0 +1,60 @@
+"""The error hierarchy kvmesh raises across its seams.
+
+Each class names what went wrong for the caller; the mapping to gRPC status codes and HTTP
+statuses lives in exactly one place (router/status_map.py). No torch import here: the router
+imports this module.
+"""
+
+from __future__ import annotations
+
+
+class KvmeshError(Exception):
+    """Base of every error kvmesh reports to a caller."""
+
+    retryable: bool = False
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidRequestError(KvmeshError):
+    """The request can never succeed as sent (bad parameter, prompt too long, ...)."""
+
+
+class UnauthenticatedError(KvmeshError):
+    """Missing or unknown API key."""
+
+
+class QuotaExceededError(KvmeshError):
+    """The tenant's token or concurrency limit is reached; retry after `retry_after_s`."""
+
+    retryable = True
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = float(retry_after_s)
+
+
+class OverloadedError(KvmeshError):
+    """Capacity is exhausted right now (KV budget, queue full, queue timeout)."""
+
+    retryable = True
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = float(retry_after_s)
+
+
+class RequestCancelledError(KvmeshError):
+    """The request was cancelled (client gone, Cancel RPC)."""
+
+
+class DeadlineExceededError(KvmeshError):
+    """The request's deadline passed before it finished."""
+
+
+class WorkerFailedError(KvmeshError):
+    """The worker (or its model forward) failed; a retry may land on a healthy worker."""
+
+    retryable = True
