@@ -134,6 +134,11 @@ class RequestDelta:
     usage: Usage | None = None
     timings: RequestTimings | None = None
     error: str | None = None  # set with finish_reason=ERROR
+    # With finish_reason=ERROR: which kvmesh.worker.errors class the failure maps to
+    # ("OverloadedError" for a queue timeout, "WorkerFailedError" for a failed forward, ...)
+    # and, for retryable ones, when to retry.
+    error_type: str | None = None
+    retry_after_s: float | None = None
     sample_index: int = 0  # which of the n samples this delta belongs to
 
 

@@ -1,0 +1,73 @@
+"""`kvmesh generate PROMPT`: stream a completion from an in-process engine to stdout.
+
+Exactly the generated text goes to stdout (logs go to stderr), so scripts can capture it:
+
+    kvmesh generate "The capital of France is" --max-tokens 8 --temperature 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text for a prompt (in-process engine)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prompt", help="prompt text ('-' reads it from stdin)")
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.set_defaults(func=run)
+
+
+def _sampling(args):
+    from kvmesh.worker.api import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop))
+
+
+def run(args) -> int:
+    from kvmesh.deploy.config import ConfigError, KvmeshConfig
+    from kvmesh.worker.api import FinishReason, GenerateRequest
+    from kvmesh.worker.engine import Engine
+    from kvmesh.worker.errors import KvmeshError
+    from kvmesh.worker.tokenizer import render_chat
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    try:
+        config = KvmeshConfig.from_dict({"model": {"path": args.model, "dtype": args.dtype},
+                                         "parallel": {"device": args.device}})
+        sampling = _sampling(args)
+        sampling.validate()
+        engine = Engine.from_config(config)
+        if args.chat:
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                [{"role": "user", "content": prompt}]
+            prompt = render_chat(engine.tokenizer, messages)
+        engine.add_request(GenerateRequest("cli-0", prompt=prompt, sampling=sampling))
+    except (ConfigError, KvmeshError) as exc:
+        print(f"kvmesh generate: {exc}", file=sys.stderr)
+        return 2
+    interactive = sys.stdout.isatty()
+    while engine.has_unfinished():
+        for delta in engine.step():
+            if delta.text:
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+            if delta.finished and delta.finish_reason == FinishReason.ERROR:
+                print(f"\nkvmesh generate: {delta.error}", file=sys.stderr)
+                return 1
+    if interactive:
+        sys.stdout.write("\n")
+    return 0

@@ -1,0 +1,211 @@
+"""Building one engine's parts from the config: device, dtype, weights, KV cache sizing.
+
+KV cache sizing follows the articles' formula (bytes per token = 2 x L x Hkv x D x b, plus
+scales for quantized KV); the number of blocks comes from a memory budget, never a constant:
+
+    CPU:   budget = cache.cpu_kv_cache_gib
+    CUDA:  budget = gpu_memory_utilization x device memory
+                    - memory in use after loading weights - profiled peak activation
+    num_blocks = budget // (bytes_per_token x block_size)      (cache.num_blocks overrides)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.deploy.config import ConfigError, KvmeshConfig
+from kvmesh.kv.kv_cache_manager import KVCacheManager
+from kvmesh.worker.attention import LayerKVCache
+from kvmesh.worker.model import LlamaForCausalLM
+from kvmesh.worker.model_loader import ensure_hf_dir, load_hf_config, load_state_dict
+from kvmesh.worker.model_runner import (TORCH_DTYPES, ModelRunner, allocate_kv_caches, kv_bytes_per_token,
+                                        kv_storage_dtype)
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    weight_bytes: int
+    kv_bytes_per_token: int
+    block_size: int
+    num_blocks: int
+    num_swap_blocks: int
+    kv_cache_bytes: int
+    peak_activation_bytes: int  # CUDA only (profiled); 0 on CPU
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+@dataclass
+class EngineParts:
+    runner: ModelRunner
+    kv_manager: KVCacheManager
+    tokenizer: object
+    hf_config: object
+    model_name: str
+    kv_cache_dtype: str  # the effective KV dtype name (for block hash extra keys)
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    plan: MemoryPlan
+    device: torch.device
+
+
+def pick_device(config: KvmeshConfig) -> torch.device:
+    want = config.parallel.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("parallel.device=cuda but torch sees no CUDA device")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def pick_dtype(config: KvmeshConfig, device: torch.device) -> torch.dtype:
+    if config.model.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return TORCH_DTYPES[config.model.dtype]
+
+
+def pick_backend(config: KvmeshConfig, device: torch.device):
+    want = config.parallel.attention_backend
+    if want == "triton" or (want == "auto" and device.type == "cuda"):
+        try:
+            from kvmesh.worker.attention_triton import TritonAttentionBackend
+        except ImportError as exc:
+            if want == "triton":
+                raise ConfigError(f"attention_backend=triton but Triton is unavailable: {exc}") from exc
+        else:
+            return TritonAttentionBackend()
+    from kvmesh.worker.attention_torch import TorchAttentionBackend
+
+    return TorchAttentionBackend()
+
+
+def _effective_kv_dtype_name(config: KvmeshConfig, dtype: torch.dtype) -> str:
+    if config.cache.kv_cache_dtype != "auto":
+        return config.cache.kv_cache_dtype
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+def _eos_ids(hf_config, tokenizer) -> tuple[int, ...]:
+    ids = set()
+    eos = getattr(hf_config, "eos_token_id", None)
+    for v in (eos if isinstance(eos, (list, tuple)) else [eos]):
+        if v is not None:
+            ids.add(int(v))
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def _plan_memory(config: KvmeshConfig, model, hf_config, device, storage: torch.dtype,
+                 profile_peak) -> MemoryPlan:
+    cache_cfg = config.cache
+    head_dim = model.head_dim
+    per_token = kv_bytes_per_token(hf_config.num_hidden_layers, hf_config.num_key_value_heads, head_dim, storage)
+    per_block = per_token * cache_cfg.block_size
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + \
+        sum(b.numel() * b.element_size() for b in model.buffers())
+    peak = 0
+    if cache_cfg.num_blocks is not None:
+        num_blocks = cache_cfg.num_blocks
+    elif device.type == "cuda":
+        peak = profile_peak()
+        total = torch.cuda.get_device_properties(device).total_memory
+        free, _ = torch.cuda.mem_get_info(device)
+        in_use = total - free
+        budget = int(total * cache_cfg.gpu_memory_utilization) - in_use - peak
+        num_blocks = budget // per_block
+    else:
+        num_blocks = int(cache_cfg.cpu_kv_cache_gib * GIB) // per_block
+    if num_blocks < 1:
+        raise ConfigError(f"no memory left for the KV cache (one block needs {per_block} bytes)")
+    num_swap = int(cache_cfg.swap_space_gib * GIB) // per_block
+    return MemoryPlan(weight_bytes, per_token, cache_cfg.block_size, num_blocks, num_swap,
+                      num_blocks * per_block, peak)
+
+
+def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> EngineParts:
+    from kvmesh.worker.tokenizer import load_tokenizer
+
+    resolved = ensure_hf_dir(config.model)
+    hf_config = load_hf_config(resolved.hf_dir)
+    device = pick_device(config)
+    dtype = pick_dtype(config, device)
+    native_len = int(getattr(hf_config, "max_position_embeddings", 2048))
+    max_model_len = config.model.max_model_len or native_len
+    if max_model_len > native_len:
+        raise ConfigError(f"model.max_model_len {max_model_len} exceeds the model's {native_len} positions")
+    model = LlamaForCausalLM(hf_config, max_model_len)
+    model.load_hf_state_dict(load_state_dict(resolved.hf_dir))
+    model.to(dtype=dtype)
+    model.rotary.to(torch.float32)  # rope tables stay fp32, cast per use like HF
+    if config.quant.weight != "none":
+        from kvmesh.quant.linear import quantize_model
+
+        quantize_model(model, config.quant)
+    model.to(device).eval()
+    tokenizer = load_tokenizer(config.model)
+
+    storage = kv_storage_dtype(config.cache.kv_cache_dtype, dtype)
+    if storage == getattr(torch, "float8_e4m3fn", None) and device.type == "cpu":
+        logger.info("fp8 KV on CPU: stored as float8_e4m3fn, dequantized in the torch backend")
+    backend = pick_backend(config, device)
+    plan = _plan_memory(config, model, hf_config, device, storage,
+                        profile_peak=lambda: _profile_peak(model, config, device))
+    layers, hkv = hf_config.num_hidden_layers, hf_config.num_key_value_heads
+    kv_caches = allocate_kv_caches(layers, plan.num_blocks, plan.block_size, hkv, model.head_dim, storage, device)
+    swap_caches: list[LayerKVCache] | None = None
+    if plan.num_swap_blocks > 0:
+        swap_caches = allocate_kv_caches(layers, plan.num_swap_blocks, plan.block_size, hkv, model.head_dim,
+                                         storage, torch.device("cpu"), pin=device.type == "cuda")
+    runner = ModelRunner(model, backend, device, kv_caches, swap_caches, plan.block_size, seed=config.model.seed)
+    kv_manager = KVCacheManager(plan.num_blocks, plan.block_size,
+                                enable_prefix_caching=config.cache.enable_prefix_caching,
+                                num_cpu_blocks=plan.num_swap_blocks, worker_id=worker_id)
+    logger.info(
+        "engine memory: weights %.1f MiB, KV %d bytes/token (%s), %d blocks x %d tokens = %d tokens "
+        "(%.1f MiB), swap %d blocks, peak activation %.1f MiB, device %s, dtype %s, backend %s",
+        plan.weight_bytes / 2**20, plan.kv_bytes_per_token, storage, plan.num_blocks, plan.block_size,
+        plan.kv_capacity_tokens, plan.kv_cache_bytes / 2**20, plan.num_swap_blocks,
+        plan.peak_activation_bytes / 2**20, device, dtype, backend.name)
+    return EngineParts(runner, kv_manager, tokenizer, hf_config, resolved.name,
+                       _effective_kv_dtype_name(config, dtype), max_model_len,
+                       _eos_ids(hf_config, tokenizer), plan, device)
+
+
+def _profile_peak(model, config: KvmeshConfig, device: torch.device) -> int:
+    """Peak extra memory of one forward of max_num_batched_tokens prompt tokens (CUDA)."""
+    from kvmesh.worker.attention import AttentionMetadata
+
+    n = config.scheduler.max_num_batched_tokens
+    bs = config.cache.block_size
+    nb = -(-n // bs)
+    dtype = next(model.parameters()).dtype
+    caches = allocate_kv_caches(model.config.num_hidden_layers, nb, bs, model.num_kv_heads, model.head_dim,
+                                dtype, device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+        block_tables=torch.arange(nb, dtype=torch.int32, device=device)[None],
+        slot_mapping=torch.arange(n, dtype=torch.long, device=device), max_query_len=n, max_seq_len=n,
+        query_lens_host=(n,), seq_lens_host=(n,))
+    with torch.inference_mode():
+        hidden = model(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device), caches,
+                       meta, pick_backend(config, device))
+        model.compute_logits(hidden[-1:])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del caches, hidden
+    torch.cuda.empty_cache()
+    return int(peak)

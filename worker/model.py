@@ -1,0 +1,160 @@
+"""Llama-family decoder over a flat, unpadded token batch with a paged KV cache.
+
+Module and parameter names mirror Hugging Face's LlamaForCausalLM
+(`model.layers.N.self_attn.q_proj`, `model.layers.N.mlp.gate_proj`, ...), so a HF
+state dict loads as is and weight-only quantization (quant/) finds the projections by name.
+RoPE tables come from transformers' own rotary embedding for the config (rope_theta and any
+rope scaling), so positions encode exactly as in the reference implementation.
+
+Shapes: T = tokens in the step (all requests, flat), H = hidden size, Hq / Hkv = query / KV
+heads, D = head_dim, V = vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvmesh.worker.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As HF: normalise in fp32, cast back, then scale.
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryTables(nn.Module):
+    """cos/sin per position, [max_positions, D] fp32, from transformers' rotary module."""
+
+    def __init__(self, hf_config, max_positions: int):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        rope = LlamaRotaryEmbedding(config=hf_config)  # signature differs across versions; config= works in all
+        probe = torch.zeros(1, dtype=torch.float32)
+        positions = torch.arange(max_positions, dtype=torch.long)[None, :]
+        cos, sin = rope(probe, positions)  # [1, P, D]
+        self.register_buffer("cos", cos[0].to(torch.float32), persistent=False)
+        self.register_buffer("sin", sin[0].to(torch.float32), persistent=False)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, Hq, D], k: [T, Hkv, D], positions: [T]
+        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.scale = self.head_dim ** -0.5
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryTables, cache: LayerKVCache,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, -1, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(t, -1, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(t, -1, self.head_dim)
+        q, k = rotary.apply(q, k, positions)
+        backend.write_kv(cache, k, v, meta.slot_mapping)
+        out = backend.attend(q, cache, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(t, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryTables(cfg, max_positions)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.model.layers[0].self_attn.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, H] (pre lm_head)."""
+        x = self.model.embed_tokens(input_ids)
+        for layer, cache in zip(self.model.layers, kv_caches):
+            x = layer(x, positions, self.rotary, cache, meta, backend)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] -> logits [N, V] in fp32 (sampling and logprobs want fp32)."""
+        return self.lm_head(hidden).to(torch.float32)
+
+    def load_hf_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        if self.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        missing = [m for m in missing if not (self.tie_word_embeddings and m == "lm_head.weight")]
+        unexpected = [u for u in unexpected if "rotary_emb" not in u]
+        if missing or unexpected:
+            raise ValueError(f"weights do not match the model: missing={missing[:5]} unexpected={unexpected[:5]}")

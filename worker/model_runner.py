@@ -1,0 +1,152 @@
+"""Turns a SchedulerOutput into tensors, runs the model, samples.
+
+For each scheduled request the runner feeds tokens
+all_token_ids[num_computed_tokens : num_computed_tokens + num_scheduled_tokens] at those
+positions, writes their K/V into the request's blocks, and samples a token only for requests
+whose scheduled tokens reach the end of what is known (a finished prefill or a decode).
+Mid-prompt chunks produce no token.
+
+KV cache memory (per layer, see worker/attention.py for the block layout):
+
+    device:  key/value [num_blocks, block_size, Hkv, D]  (+ fp32 scales when quantized)
+    swap:    same shape with num_swap_blocks, pinned CPU memory on CUDA
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.worker.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from kvmesh.worker.sampler import SampleResult, SamplingRow, sample
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype == "int8":
+        return torch.int8
+    if kv_cache_dtype == "fp8":
+        return torch.float8_e4m3fn
+    return TORCH_DTYPES[kv_cache_dtype]
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, storage: torch.dtype) -> int:
+    """2 x L x Hkv x D x bytes (K and V), plus per-token per-head fp32 scales when quantized."""
+    elem = torch.empty((), dtype=storage).element_size()
+    scales = 2 * num_layers * num_kv_heads * 4 if storage in (torch.int8, torch.float8_e4m3fn) else 0
+    return 2 * num_layers * num_kv_heads * head_dim * elem + scales
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       storage: torch.dtype, device: torch.device, pin: bool = False) -> list[LayerKVCache]:
+    quantized = storage in (torch.int8, torch.float8_e4m3fn)
+    caches = []
+    for _ in range(num_layers):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        k = torch.zeros(shape, dtype=storage, device=device, pin_memory=pin)
+        v = torch.zeros(shape, dtype=storage, device=device, pin_memory=pin)
+        ks = vs = None
+        if quantized:
+            ks = torch.ones(shape[:3], dtype=torch.float32, device=device, pin_memory=pin)
+            vs = torch.ones(shape[:3], dtype=torch.float32, device=device, pin_memory=pin)
+        caches.append(LayerKVCache(k, v, ks, vs))
+    return caches
+
+
+@dataclass(frozen=True)
+class StepResult:
+    sampled: dict[str, int]  # request_id -> token id
+    logprobs: dict[str, float]  # request_id -> chosen token's logprob (when asked)
+    num_tokens: int  # tokens run through the model this step
+
+
+def _copy_blocks(dst_caches: list[LayerKVCache], src_caches: list[LayerKVCache], pairs: list[tuple[int, int]]) -> None:
+    if not pairs:
+        return
+    src_idx = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+    dst_idx = torch.tensor([d for _, d in pairs], dtype=torch.long)
+    for dst, src in zip(dst_caches, src_caches):
+        s_dev, d_dev = src_idx.to(src.key_cache.device), dst_idx.to(dst.key_cache.device)
+        dst.key_cache[d_dev] = src.key_cache[s_dev].to(dst.key_cache.device)
+        dst.value_cache[d_dev] = src.value_cache[s_dev].to(dst.key_cache.device)
+        if dst.quantized:
+            dst.key_scale[d_dev] = src.key_scale[s_dev].to(dst.key_cache.device)
+            dst.value_scale[d_dev] = src.value_scale[s_dev].to(dst.key_cache.device)
+
+
+class ModelRunner:
+    def __init__(self, model, backend: AttentionBackend, device: torch.device, kv_caches: list[LayerKVCache],
+                 swap_caches: list[LayerKVCache] | None, block_size: int, seed: int = 0):
+        self.model = model
+        self.backend = backend
+        self.device = device
+        self.kv_caches = kv_caches
+        self.swap_caches = swap_caches
+        self.block_size = block_size
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.fault_hook: Callable[[], None] | None = None  # tests inject forward failures here
+
+    def apply_block_ops(self, sched_out) -> None:
+        """Swap-out, swap-in and copy-on-write copies, before the forward that needs them."""
+        if sched_out.swap_out:
+            _copy_blocks(self.swap_caches, self.kv_caches, [(d, c) for d, c in sched_out.swap_out])
+        if sched_out.swap_in:
+            _copy_blocks(self.kv_caches, self.swap_caches, [(c, d) for c, d in sched_out.swap_in])
+        if sched_out.copy_blocks:
+            _copy_blocks(self.kv_caches, self.kv_caches, list(sched_out.copy_blocks))
+
+    @torch.inference_mode()
+    def execute(self, scheduled, rows_for: Callable[[object], SamplingRow]) -> StepResult:
+        """scheduled: ScheduledRequest entries (worker/scheduler_output.py) in batch order."""
+        if self.fault_hook is not None:
+            self.fault_hook()
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        sample_at: list[int] = []  # flat index of the last token of each sampling request
+        sample_reqs = []
+        for entry in scheduled:
+            blocks = entry.block_ids
+            input_ids.extend(entry.token_ids)
+            for p in entry.positions:
+                positions.append(p)
+                slots.append(blocks[p // bs] * bs + p % bs)
+            query_lens.append(entry.num_scheduled_tokens)
+            seq_lens.append(entry.num_computed_tokens + entry.num_scheduled_tokens)
+            if entry.sample:
+                sample_at.append(len(input_ids) - 1)
+                sample_reqs.append(entry.request)
+        max_blocks = max(len(e.block_ids) for e in scheduled)
+        table = torch.zeros((len(scheduled), max_blocks), dtype=torch.int32)
+        for i, e in enumerate(scheduled):
+            table[i, :len(e.block_ids)] = torch.tensor(e.block_ids, dtype=torch.int32)
+        dev = self.device
+        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0)
+        meta = AttentionMetadata(
+            query_start_loc=qsl.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=table.to(dev), slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            query_lens_host=tuple(query_lens), seq_lens_host=tuple(seq_lens))
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
+                            torch.tensor(positions, dtype=torch.long, device=dev), self.kv_caches, meta, self.backend)
+        if not sample_reqs:
+            return StepResult({}, {}, len(input_ids))
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_at, device=dev)]).cpu()
+        result: SampleResult = sample(logits, [rows_for(r) for r in sample_reqs], self.generator)
+        sampled = {r.request_id: t for r, t in zip(sample_reqs, result.token_ids)}
+        logprobs = {}
+        if result.logprobs is not None:
+            logprobs = {r.request_id: lp for r, lp in zip(sample_reqs, result.logprobs) if r.sampling.logprobs}
+        return StepResult(sampled, logprobs, len(input_ids))
