@@ -1,0 +1,329 @@
+"""Admission control at the router: token budgets from measured capacity, a bounded wait
+queue, a separate smaller lane for retries, and fast rejection with a measured retry-after.
+
+Budget (the articles' rule, per worker, from its latest `WorkerStats`):
+
+    committed_w = kv_tokens_reserved_w            prompt + reserved output of everything the
+                                                  worker runs or queues (its stats)
+                + in_flight_w                     tokens this router admitted to w after
+                                                  those stats were taken (not in them yet)
+    a request of cost C = n x K x ceil((prompt + max_tokens) / K) fits on w when
+                                                  committed_w + C <= kv_tokens_capacity_w
+
+The cluster budget is the sum over healthy workers; a request is admitted when at least one
+worker has room, and routing then chooses among the workers that do (the `route` callback).
+Capacity is whatever the workers measure and report: nothing here is a hard-coded threshold.
+
+In-flight accounting: a burst arriving between two stats refreshes would all see the same
+stale figures and over-admit. Each admission is recorded against its worker with the time it
+was sent; `update_stats(stats, taken_at)` forgets the ones sent before `taken_at` (the worker
+counts them now), and a ticket released early removes its own.
+
+Queue: requests that do not fit wait (FIFO per lane) until a refresh or a release makes room,
+up to `max_queue_wait_s` or their deadline. Two lanes:
+
+    first attempts   max_queue_len - retry_slots slots; served first (a retry is admitted
+                     only while no first attempt is waiting)
+    retries          retry_slots = floor(max_queue_len x retry_lane_fraction) slots, and the
+                     retries admitted and still running may hold at most retry_lane_fraction
+                     of the cluster's KV capacity (one retry may always run, so retries
+                     cannot starve forever)
+
+so a retry storm fills its own small lane and is rejected there, while first attempts keep
+their queue and their share of the budget.
+
+Over the limit (lane full, or the wait ran out) the answer is immediate: `OverloadedError`
+with `retry_after_s = tokens that must drain / measured drain rate`, where the tokens are
+the request's overflow on its best worker plus the cost of everything queued ahead of it,
+and the drain rate is the sum of the healthy workers' `output_tokens_per_s` (reservations are
+freed as output is produced, so this errs long, never short). Before any rate has been
+measured the answer is one stats refresh interval: nothing better is known until then.
+
+`acquire` returns an `AdmissionTicket`; releasing it (a `with` block, or `release()`,
+idempotent) on every terminal path returns the in-flight reservation. Single-owner state on
+the replica's event loop: no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from kvmesh.deploy.config import RouterConfig
+from kvmesh.worker.api import SamplingParams, WorkerStats
+from kvmesh.worker.errors import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    OverloadedError,
+    WorkerFailedError,
+)
+
+logger = logging.getLogger(__name__)
+
+# route(eligible workers, in-flight tokens per worker) -> chosen worker id (one of eligible)
+RouteFn = Callable[[list[WorkerStats], Mapping[str, int]], str]
+
+
+def request_cost_tokens(prompt_tokens: int, sampling: SamplingParams, block_size: int = 1) -> int:
+    """KV tokens the worker will reserve for a request, as its admission counts them: each of
+    the n samples reserves prompt + max_tokens rounded up to whole blocks (K x ceil(S / K)).
+    Pass the workers' block_size to match them exactly; 1 gives the unrounded figure."""
+    per_sample = prompt_tokens + sampling.max_tokens
+    return sampling.n * block_size * -(-per_sample // block_size)
+
+
+class AdmissionTicket:
+    """An admitted request's reservation on one worker; release it exactly when it ends."""
+
+    def __init__(self, owner: "AdmissionController", worker_id: str, cost_tokens: int, attempt: int,
+                 sent_at: float, queue_wait_s: float):
+        self._owner = owner
+        self.worker_id = worker_id
+        self.cost_tokens = cost_tokens
+        self.attempt = attempt
+        self.sent_at = sent_at  # monotonic clock of the controller
+        self.queue_wait_s = queue_wait_s
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._owner._release(self)
+
+    def __enter__(self) -> "AdmissionTicket":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
+
+    async def __aenter__(self) -> "AdmissionTicket":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self.release()
+
+
+@dataclass
+class _Waiter:
+    cost_tokens: int
+    attempt: int
+    route: RouteFn | None
+    enqueued_at: float
+    future: asyncio.Future
+
+
+@dataclass(frozen=True)
+class AdmissionSnapshot:
+    """Figures for GetStats and metrics."""
+
+    num_queued_first: int
+    num_queued_retry: int
+    num_in_flight: int  # tickets not yet released
+    retry_tokens_in_flight: int
+    committed_tokens: int  # cluster: reserved (stats) + in flight since refresh
+    capacity_tokens: int
+    drain_tokens_per_s: float
+
+
+class AdmissionController:
+    def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic):
+        self._config = config
+        self._clock = clock
+        self._stats: dict[str, WorkerStats] = {}
+        self._pending: dict[str, list[AdmissionTicket]] = collections.defaultdict(list)  # sent since refresh
+        self._live: set[AdmissionTicket] = set()
+        self._retry_tokens_live = 0
+        self._first_lane: collections.deque[_Waiter] = collections.deque()
+        self._retry_lane: collections.deque[_Waiter] = collections.deque()
+        self.retry_slots = math.floor(config.max_queue_len * config.retry_lane_fraction)
+        self.first_slots = config.max_queue_len - self.retry_slots
+
+    # ---- inputs ---------------------------------------------------------------------------
+
+    def update_stats(self, workers: Sequence[WorkerStats], taken_at: float | None = None) -> None:
+        """Replace the workers' figures. `taken_at` (this controller's clock) is when the
+        stats were requested: admissions sent before it are assumed counted by the workers."""
+        taken_at = self._clock() if taken_at is None else taken_at
+        self._stats = {w.worker_id: w for w in workers}
+        for worker_id in list(self._pending):
+            kept = [t for t in self._pending[worker_id] if t.sent_at >= taken_at and worker_id in self._stats]
+            if kept:
+                self._pending[worker_id] = kept
+            else:
+                del self._pending[worker_id]
+        self._pump()
+
+    async def acquire(self, cost_tokens: int, *, attempt: int = 1, route: RouteFn | None = None,
+                      deadline_s: float | None = None) -> AdmissionTicket:
+        """Admit now, wait for room, or raise (OverloadedError, WorkerFailedError,
+        InvalidRequestError, DeadlineExceededError). `deadline_s` is absolute time.time()."""
+        healthy = self._healthy()
+        if not healthy:
+            raise WorkerFailedError("no healthy worker to admit the request to")
+        largest = max(w.kv_tokens_capacity for w in healthy)
+        if cost_tokens > largest:
+            raise InvalidRequestError(
+                f"prompt plus max_tokens needs {cost_tokens} KV tokens; the largest worker holds {largest}")
+        lane = self._retry_lane if attempt > 1 else self._first_lane
+        if not lane and not (attempt > 1 and self._first_lane):  # nobody ahead: admit at once if it fits
+            ticket = self._try_admit(cost_tokens, attempt, route, queued_since=None)
+            if ticket is not None:
+                return ticket
+        slots = self.retry_slots if attempt > 1 else self.first_slots
+        if len(lane) >= slots:
+            raise self._overloaded(cost_tokens, attempt, "admission queue full")
+        return await self._wait(lane, cost_tokens, attempt, route, deadline_s)
+
+    # ---- queries --------------------------------------------------------------------------
+
+    def in_flight_tokens(self) -> dict[str, int]:
+        """Tokens admitted per worker since its stats were taken (add them to its load)."""
+        return {w: sum(t.cost_tokens for t in ts) for w, ts in self._pending.items()}
+
+    def snapshot(self) -> AdmissionSnapshot:
+        healthy = self._healthy()
+        return AdmissionSnapshot(
+            num_queued_first=len(self._first_lane), num_queued_retry=len(self._retry_lane),
+            num_in_flight=len(self._live), retry_tokens_in_flight=self._retry_tokens_live,
+            committed_tokens=sum(self._committed(w.worker_id) for w in healthy),
+            capacity_tokens=sum(w.kv_tokens_capacity for w in healthy),
+            drain_tokens_per_s=sum(w.output_tokens_per_s for w in healthy))
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _healthy(self) -> list[WorkerStats]:
+        return [w for w in self._stats.values() if w.healthy]
+
+    def _committed(self, worker_id: str) -> int:
+        pending = sum(t.cost_tokens for t in self._pending.get(worker_id, ()))
+        return self._stats[worker_id].kv_tokens_reserved + pending
+
+    def _retry_budget_allows(self, cost_tokens: int) -> bool:
+        if self._retry_tokens_live == 0:
+            return True  # one retry may always run
+        capacity = sum(w.kv_tokens_capacity for w in self._healthy())
+        return self._retry_tokens_live + cost_tokens <= self._config.retry_lane_fraction * capacity
+
+    def _try_admit(self, cost_tokens: int, attempt: int, route: RouteFn | None,
+                   queued_since: float | None) -> AdmissionTicket | None:
+        if attempt > 1 and not self._retry_budget_allows(cost_tokens):
+            return None
+        eligible = [w for w in self._healthy() if self._committed(w.worker_id) + cost_tokens <= w.kv_tokens_capacity]
+        if not eligible:
+            return None
+        eligible.sort(key=lambda w: w.worker_id)
+        if route is None:
+            worker_id = max(eligible, key=lambda w: w.kv_tokens_capacity - self._committed(w.worker_id)).worker_id
+        else:
+            worker_id = route(eligible, self.in_flight_tokens())
+            if worker_id not in {w.worker_id for w in eligible}:
+                raise ValueError(f"route chose {worker_id!r}, not one of the workers with room")
+        now = self._clock()
+        ticket = AdmissionTicket(self, worker_id, cost_tokens, attempt, sent_at=now,
+                                 queue_wait_s=0.0 if queued_since is None else now - queued_since)
+        self._pending[worker_id].append(ticket)
+        self._live.add(ticket)
+        if attempt > 1:
+            self._retry_tokens_live += cost_tokens
+        return ticket
+
+    def _release(self, ticket: AdmissionTicket) -> None:
+        self._live.discard(ticket)
+        if ticket.attempt > 1:
+            self._retry_tokens_live -= ticket.cost_tokens
+        pending = self._pending.get(ticket.worker_id)
+        if pending and ticket in pending:
+            pending.remove(ticket)
+            if not pending:
+                del self._pending[ticket.worker_id]
+        self._pump()
+
+    async def _wait(self, lane: collections.deque, cost_tokens: int, attempt: int, route: RouteFn | None,
+                    deadline_s: float | None) -> AdmissionTicket:
+        waiter = _Waiter(cost_tokens, attempt, route, self._clock(), asyncio.get_running_loop().create_future())
+        lane.append(waiter)
+        wait_s = self._config.max_queue_wait_s
+        deadline_first = deadline_s is not None and deadline_s - time.time() < wait_s
+        if deadline_first:
+            wait_s = max(0.0, deadline_s - time.time())
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout=wait_s)
+        except asyncio.TimeoutError:
+            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+                return waiter.future.result()  # admitted in the same instant the wait ran out
+            ahead = self._ahead_of(lane, waiter)
+            self._discard(lane, waiter)
+            if deadline_first:
+                raise DeadlineExceededError("deadline passed while waiting for admission") from None
+            raise self._overloaded(cost_tokens, attempt, f"no capacity within {wait_s:g} s", ahead=ahead) from None
+        except asyncio.CancelledError:  # the caller went away: give back whatever it got
+            self._discard(lane, waiter)
+            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+                waiter.future.result().release()
+            raise
+
+    def _discard(self, lane: collections.deque, waiter: _Waiter) -> None:
+        if not waiter.future.done():
+            waiter.future.cancel()
+        if waiter in lane:
+            lane.remove(waiter)
+            self._pump()  # a large head leaving may unblock smaller requests behind it
+
+    def _pump(self) -> None:
+        """Admit waiting heads that fit now (FIFO within a lane). Retries go only when no
+        first attempt is waiting: under overload the retry lane is the one that times out."""
+        healthy = bool(self._healthy())
+        for lane in (self._first_lane, self._retry_lane):
+            while lane and not (lane is self._retry_lane and self._first_lane):
+                head = lane[0]
+                if head.future.done():
+                    lane.popleft()
+                    continue
+                if not healthy:
+                    lane.popleft()
+                    head.future.set_exception(WorkerFailedError("no healthy worker left while queued"))
+                    continue
+                try:
+                    ticket = self._try_admit(head.cost_tokens, head.attempt, head.route, head.enqueued_at)
+                except Exception as exc:  # a failing route callback fails its own request only
+                    lane.popleft()
+                    head.future.set_exception(exc)
+                    continue
+                if ticket is None:
+                    break
+                lane.popleft()
+                head.future.set_result(ticket)
+
+    def _ahead_of(self, lane: collections.deque, waiter: _Waiter | None) -> int:
+        """Tokens queued ahead: the whole first lane counts for a retry (it is served first)."""
+        ahead = 0
+        if lane is self._retry_lane:
+            ahead += sum(w.cost_tokens for w in self._first_lane)
+        for w in lane:
+            if w is waiter:
+                break
+            ahead += w.cost_tokens
+        return ahead
+
+    def _overloaded(self, cost_tokens: int, attempt: int, reason: str, ahead: int | None = None) -> OverloadedError:
+        lane = self._retry_lane if attempt > 1 else self._first_lane
+        ahead = self._ahead_of(lane, None) if ahead is None else ahead
+        retry_after_s = self.retry_after_s(cost_tokens, ahead)
+        logger.debug("admission rejected (%s): cost=%d ahead=%d retry_after=%.3fs", reason, cost_tokens, ahead,
+                     retry_after_s)
+        lane_name = "retry" if attempt > 1 else "first-attempt"
+        return OverloadedError(f"server overloaded: {reason} ({lane_name} lane)", retry_after_s=retry_after_s)
+
+    def retry_after_s(self, cost_tokens: int, tokens_ahead: int) -> float:
+        """Seconds until `tokens_ahead` plus this request's overflow should have drained."""
+        healthy = self._healthy()
+        drain = sum(w.output_tokens_per_s for w in healthy)
+        if drain <= 0 or not healthy:
+            return self._config.stats_refresh_s
+        overflow = min(max(0, self._committed(w.worker_id) + cost_tokens - w.kv_tokens_capacity) for w in healthy)
+        return max(self._config.stats_refresh_s, (overflow + tokens_ahead) / drain)

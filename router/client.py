@@ -1,0 +1,273 @@
+"""The kvmesh gRPC client library: `KvmeshClient` (blocking) and `AsyncKvmeshClient` (asyncio).
+
+    with KvmeshClient("127.0.0.1:50051", api_key="sk-...") as client:
+        for delta in client.generate("Hello", sampling=SamplingParams(max_tokens=16, temperature=0)):
+            print(delta.text, end="")
+
+Both yield plain `kvmesh.worker.api.RequestDelta`s (the last one has finished=True, the
+finish reason and usage) and raise the typed errors of `kvmesh.worker.errors`, rebuilt from
+the gRPC status by `router/status_map.py`.
+
+Retries (router/retry.py): RESOURCE_EXHAUSTED and UNAVAILABLE only, exponential backoff
+with full jitter on top of the server's `retry-after-ms`, a shared retry budget (gRPC retry
+throttling), attempt numbers sent as `x-kvmesh-attempt` so the router puts retries in its
+retry lane, and an overall deadline (`timeout_s`) that covers every attempt and the sleeps
+between them. One request id is kept across attempts (client-assigned when not given) so
+`cancel(request_id)` reaches whichever attempt is running.
+
+Streaming retry semantics (our choice): by default a stream is retried only if it failed
+before delivering any token: the caller has seen nothing, so a retry is invisible. A stream
+that fails after tokens arrived raises (the error carries `tokens_received`). With
+`restart_mid_stream=True` such a stream is restarted from scratch instead, and the
+generator first yields a `StreamRestart` marker: discard everything received so far. For
+greedy or seeded sampling the restarted output is the same text again; otherwise it may
+differ, which is why this is opt-in.
+
+Stopping early (breaking out of the loop, closing the generator, cancelling the consuming
+task) cancels the RPC, and the server aborts the request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.router import convert, status_map
+from kvmesh.router.retry import RetryBudget, RetryPolicy, decide_retry
+from kvmesh.worker.api import RequestDelta, SamplingParams
+from kvmesh.worker.errors import DeadlineExceededError, KvmeshError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamRestart:
+    """Yielded when a failed stream restarts from scratch: drop the deltas received so far."""
+
+    attempt: int  # the attempt now starting
+    reason: str
+
+
+class _Call:
+    """Per-request retry state shared by the blocking and the asyncio client."""
+
+    def __init__(self, client: "_ClientBase", timeout_s: float | None, trace_context: dict[str, str] | None):
+        self.client = client
+        self.attempt = 1
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.trace_context = dict(trace_context or {})
+
+    def time_left_s(self) -> float | None:
+        if self.deadline is None:
+            return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceededError(f"deadline passed after {self.attempt - 1} attempt(s)")
+        return left
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        meta = convert.CallMetadata(api_key=self.client.api_key, attempt=self.attempt,
+                                    trace_context=self.trace_context)
+        return convert.call_metadata_to_grpc(meta)
+
+    def on_failure(self, error: grpc.RpcError, tokens_received: int = 0, restart_mid_stream: bool = False) -> float:
+        """Seconds to wait before the next attempt, or raise the typed error."""
+        code, details, trailing = error.code(), error.details(), error.trailing_metadata()
+        retry_after_s = status_map.retry_after_from_metadata(trailing)
+        left = None if self.deadline is None else self.deadline - time.monotonic()
+        decision = decide_retry(code, self.attempt, retry_after_s, self.client.policy, self.client.budget,
+                                self.client.rng, tokens_received=tokens_received,
+                                restart_mid_stream=restart_mid_stream, time_left_s=left)
+        if not decision.retry:
+            typed = status_map.error_from_grpc(code, details, trailing)
+            typed.attempts = self.attempt
+            typed.tokens_received = tokens_received
+            if status_map.is_retryable(code):
+                logger.debug("not retrying %s: %s", code.name, decision.reason)
+            raise typed from None
+        logger.debug("attempt %d failed with %s; retrying in %.3f s", self.attempt, code.name, decision.delay_s)
+        self.attempt += 1
+        return decision.delay_s
+
+
+class _ClientBase:
+    def __init__(self, api_key: str | None, retry_policy: RetryPolicy | None, rng: random.Random | None,
+                 restart_mid_stream: bool):
+        self.api_key = api_key
+        self.policy = retry_policy or RetryPolicy()
+        self.budget = RetryBudget(self.policy.budget_max_tokens, self.policy.budget_token_ratio)
+        self.rng = rng or random.Random()
+        self.restart_mid_stream = restart_mid_stream
+
+    @staticmethod
+    def build_request(prompt: str | None, messages: Sequence[dict] | None, prompt_token_ids: Sequence[int] | None,
+                      sampling: SamplingParams | None, model: str, request_id: str | None,
+                      priority: int) -> pb.GenerateRequest:
+        chat = None if messages is None else tuple(convert.ChatMessage(m["role"], m["content"]) for m in messages)
+        request = convert.GenerateInput(
+            request_id=request_id or uuid.uuid4().hex, model=model, prompt=prompt, messages=chat,
+            prompt_token_ids=None if prompt_token_ids is None else tuple(prompt_token_ids),
+            sampling=sampling or SamplingParams(), priority=priority)
+        return convert.generate_input_to_pb(request)
+
+
+def _delivered(delta: RequestDelta) -> bool:
+    return bool(delta.token_ids or delta.text)
+
+
+class KvmeshClient(_ClientBase):
+    """Blocking client over one gRPC channel. Thread-safe like the channel it wraps."""
+
+    def __init__(self, target: str, *, api_key: str | None = None, retry_policy: RetryPolicy | None = None,
+                 rng: random.Random | None = None, restart_mid_stream: bool = False,
+                 channel: grpc.Channel | None = None):
+        super().__init__(api_key, retry_policy, rng, restart_mid_stream)
+        self._channel = channel or grpc.insecure_channel(target)
+        self._stub = pb_grpc.KvmeshStub(self._channel)
+
+    def generate(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
+                 prompt_token_ids: Sequence[int] | None = None, sampling: SamplingParams | None = None,
+                 model: str = "", request_id: str | None = None, priority: int = 0,
+                 timeout_s: float | None = None, trace_context: dict[str, str] | None = None,
+                 ) -> Iterator[RequestDelta | StreamRestart]:
+        request = self.build_request(prompt, messages, prompt_token_ids, sampling, model, request_id, priority)
+        call = _Call(self, timeout_s, trace_context)
+        while True:
+            received = 0
+            stream = self._stub.Generate(request, metadata=call.metadata(), timeout=call.time_left_s())
+            try:
+                for message in stream:
+                    delta = convert.delta_from_pb(message)
+                    received += _delivered(delta)
+                    yield delta
+                self.budget.record_success()
+                return
+            except grpc.RpcError as error:
+                delay_s = call.on_failure(error, received, self.restart_mid_stream)
+            finally:
+                stream.cancel()  # no-op once finished; aborts the request if the caller stopped early
+            time.sleep(delay_s)
+            if received:
+                yield StreamRestart(call.attempt, "stream failed mid-way; restarted from scratch")
+
+    def cancel(self, request_id: str, timeout_s: float | None = None) -> bool:
+        return self._unary(self._stub.Cancel, pb.CancelRequest(request_id=request_id), timeout_s).found
+
+    def list_models(self, timeout_s: float | None = None) -> list[convert.ModelInfo]:
+        return convert.models_from_pb(self._unary(self._stub.ListModels, pb.ListModelsRequest(), timeout_s))
+
+    def health(self, timeout_s: float | None = None) -> convert.HealthStatus:
+        return convert.health_from_pb(self._unary(self._stub.Health, pb.HealthRequest(), timeout_s))
+
+    def get_stats(self, timeout_s: float | None = None) -> convert.ClusterStats:
+        return convert.cluster_stats_from_pb(self._unary(self._stub.GetStats, pb.GetStatsRequest(), timeout_s))
+
+    def _unary(self, method, request, timeout_s: float | None):
+        call = _Call(self, timeout_s, None)
+        while True:
+            try:
+                response = method(request, metadata=call.metadata(), timeout=call.time_left_s())
+                self.budget.record_success()
+                return response
+            except grpc.RpcError as error:
+                time.sleep(call.on_failure(error))
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "KvmeshClient":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class AsyncKvmeshClient(_ClientBase):
+    """asyncio client (grpc.aio). Create and use it on one event loop."""
+
+    def __init__(self, target: str, *, api_key: str | None = None, retry_policy: RetryPolicy | None = None,
+                 rng: random.Random | None = None, restart_mid_stream: bool = False,
+                 channel: grpc.aio.Channel | None = None):
+        super().__init__(api_key, retry_policy, rng, restart_mid_stream)
+        self._channel = channel or grpc.aio.insecure_channel(target)
+        self._stub = pb_grpc.KvmeshStub(self._channel)
+
+    async def generate(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
+                       prompt_token_ids: Sequence[int] | None = None, sampling: SamplingParams | None = None,
+                       model: str = "", request_id: str | None = None, priority: int = 0,
+                       timeout_s: float | None = None, trace_context: dict[str, str] | None = None,
+                       ) -> AsyncIterator[RequestDelta | StreamRestart]:
+        request = self.build_request(prompt, messages, prompt_token_ids, sampling, model, request_id, priority)
+        call = _Call(self, timeout_s, trace_context)
+        while True:
+            received = 0
+            stream = self._stub.Generate(request, metadata=call.metadata(), timeout=call.time_left_s())
+            try:
+                async for message in stream:
+                    delta = convert.delta_from_pb(message)
+                    received += _delivered(delta)
+                    yield delta
+                self.budget.record_success()
+                return
+            except grpc.RpcError as error:
+                delay_s = call.on_failure(error, received, self.restart_mid_stream)
+            finally:
+                stream.cancel()
+            await asyncio.sleep(delay_s)
+            if received:
+                yield StreamRestart(call.attempt, "stream failed mid-way; restarted from scratch")
+
+    async def cancel(self, request_id: str, timeout_s: float | None = None) -> bool:
+        return (await self._unary(self._stub.Cancel, pb.CancelRequest(request_id=request_id), timeout_s)).found
+
+    async def list_models(self, timeout_s: float | None = None) -> list[convert.ModelInfo]:
+        return convert.models_from_pb(await self._unary(self._stub.ListModels, pb.ListModelsRequest(), timeout_s))
+
+    async def health(self, timeout_s: float | None = None) -> convert.HealthStatus:
+        return convert.health_from_pb(await self._unary(self._stub.Health, pb.HealthRequest(), timeout_s))
+
+    async def get_stats(self, timeout_s: float | None = None) -> convert.ClusterStats:
+        response = await self._unary(self._stub.GetStats, pb.GetStatsRequest(), timeout_s)
+        return convert.cluster_stats_from_pb(response)
+
+    async def _unary(self, method, request, timeout_s: float | None):
+        call = _Call(self, timeout_s, None)
+        while True:
+            try:
+                response = await method(request, metadata=call.metadata(), timeout=call.time_left_s())
+                self.budget.record_success()
+                return response
+            except grpc.RpcError as error:
+                await asyncio.sleep(call.on_failure(error))
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncKvmeshClient":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+
+def collect_text(deltas: Sequence[RequestDelta | StreamRestart]) -> str:
+    """The final text of a finished stream's deltas, honouring restarts (sample 0)."""
+    text: list[str] = []
+    for item in deltas:
+        if isinstance(item, StreamRestart):
+            text.clear()
+        elif item.sample_index == 0:
+            text.append(item.text)
+    return "".join(text)
+
+
+__all__ = ["AsyncKvmeshClient", "KvmeshClient", "KvmeshError", "StreamRestart", "collect_text"]

@@ -1,0 +1,129 @@
+"""Routing policy: which worker serves a request. Pure functions of their inputs.
+
+`choose_worker(matched_blocks, workers, config, rng, ...)` decides from
+
+- matched_blocks: {worker_id: leading prompt blocks that worker has cached}, from
+  `PrefixIndex.longest_prefix(block_hashes)`;
+- workers: the latest `WorkerStats` of every worker (unhealthy ones are never chosen);
+- config: `RouterConfig` (policy, imbalance_ratio, imbalance_abs_tokens);
+- rng: a `random.Random` the caller owns (seeded in tests);
+- extra_load_tokens: tokens the router sent a worker since its stats were taken
+  (admission's in-flight accounting), so a burst between refreshes is not all sent to the
+  one worker that looked idle.
+
+A worker's load is `kv_tokens_used + queued_prompt_tokens (+ extra)`: KV it holds now plus
+prompt tokens waiting to be prefilled there.
+
+Policies (RouterConfig.policy):
+
+    prefix_aware   the worker with the longest cached prefix (ties: lower load), unless its
+                   load exceeds the least loaded worker's by BOTH imbalance_ratio (x) and
+                   imbalance_abs_tokens (+); then, or when nothing matched, power of two
+                   choices by load. Both thresholds must trip so that small absolute
+                   differences on an idle cluster (10 vs 40 tokens) do not break affinity,
+                   and large ones at high load do.
+    least_loaded   the lowest load (ties broken by rng).
+    round_robin    the next healthy worker in id order; the position lives in a
+                   `RoundRobinCursor` the caller keeps (no module state).
+
+The decision records the path taken, for metrics and traces.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvmesh.deploy.config import RouterConfig
+from kvmesh.worker.api import WorkerStats
+from kvmesh.worker.errors import WorkerFailedError
+
+
+class RoutingPath(str, enum.Enum):
+    PREFIX_MATCH = "prefix_match"  # longest cached prefix, load within bounds
+    PREFIX_IMBALANCED = "prefix_imbalanced"  # a prefix matched but its worker is overloaded -> p2c
+    NO_PREFIX = "no_prefix"  # nothing cached anywhere -> p2c
+    LEAST_LOADED = "least_loaded"
+    ROUND_ROBIN = "round_robin"
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    worker_id: str
+    matched_blocks: int  # prompt blocks already cached on the chosen worker
+    path: RoutingPath
+    load_tokens: int  # the chosen worker's load when it was chosen
+
+
+class RoundRobinCursor:
+    """The round-robin position: one per router replica, passed to `choose_worker`."""
+
+    def __init__(self) -> None:
+        self._count = 0
+
+    def take(self, worker_ids: Sequence[str]) -> str:
+        chosen = worker_ids[self._count % len(worker_ids)]
+        self._count += 1
+        return chosen
+
+
+def worker_load_tokens(stats: WorkerStats, extra_tokens: int = 0) -> int:
+    """KV tokens in use plus prompt tokens queued for prefill (plus router in-flight)."""
+    return stats.kv_tokens_used + stats.queued_prompt_tokens + extra_tokens
+
+
+def is_imbalanced(load_tokens: int, min_load_tokens: int, config: RouterConfig) -> bool:
+    """True when `load_tokens` exceeds the minimum by both the ratio and the absolute margin."""
+    return (load_tokens > min_load_tokens * config.imbalance_ratio
+            and load_tokens - min_load_tokens > config.imbalance_abs_tokens)
+
+
+def choose_worker(matched_blocks: Mapping[str, int], workers: Sequence[WorkerStats], config: RouterConfig,
+                  rng: random.Random, cursor: RoundRobinCursor | None = None,
+                  extra_load_tokens: Mapping[str, int] | None = None) -> RoutingDecision:
+    """Pick the worker for one request (see the module docstring for the policies)."""
+    healthy = sorted((w for w in workers if w.healthy), key=lambda w: w.worker_id)
+    if not healthy:
+        raise WorkerFailedError(f"no healthy worker among {len(workers)}")
+    extra = extra_load_tokens or {}
+    loads = {w.worker_id: worker_load_tokens(w, extra.get(w.worker_id, 0)) for w in healthy}
+    ids = [w.worker_id for w in healthy]
+
+    def decide(worker_id: str, path: RoutingPath) -> RoutingDecision:
+        return RoutingDecision(worker_id, matched_blocks.get(worker_id, 0), path, loads[worker_id])
+
+    if config.policy == "round_robin":
+        if cursor is None:
+            raise ValueError("round_robin routing needs a RoundRobinCursor")
+        return decide(cursor.take(ids), RoutingPath.ROUND_ROBIN)
+    if config.policy == "least_loaded":
+        return decide(_least_loaded(ids, loads, rng), RoutingPath.LEAST_LOADED)
+    return _prefix_aware(ids, loads, matched_blocks, config, rng, decide)
+
+
+def _prefix_aware(ids: list[str], loads: dict[str, int], matched_blocks: Mapping[str, int],
+                  config: RouterConfig, rng: random.Random, decide) -> RoutingDecision:
+    matching = [w for w in ids if matched_blocks.get(w, 0) > 0]
+    if not matching:
+        return decide(_power_of_two(ids, loads, rng), RoutingPath.NO_PREFIX)
+    # Longest match first; among equal matches the less loaded one keeps affinity cheaper.
+    best = min(matching, key=lambda w: (-matched_blocks[w], loads[w], w))
+    if not is_imbalanced(loads[best], min(loads.values()), config):
+        return decide(best, RoutingPath.PREFIX_MATCH)
+    return decide(_power_of_two(ids, loads, rng), RoutingPath.PREFIX_IMBALANCED)
+
+
+def _least_loaded(ids: list[str], loads: dict[str, int], rng: random.Random) -> str:
+    lowest = min(loads[w] for w in ids)
+    return rng.choice([w for w in ids if loads[w] == lowest])
+
+
+def _power_of_two(ids: list[str], loads: dict[str, int], rng: random.Random) -> str:
+    """Two random workers, the less loaded wins: near least-loaded balance without every
+    router replica stampeding onto the same 'least loaded' worker between refreshes."""
+    if len(ids) == 1:
+        return ids[0]
+    first, second = rng.sample(ids, 2)
+    return first if loads[first] <= loads[second] else second

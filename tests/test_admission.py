@@ -1,0 +1,211 @@
+"""router/admission.py: budgets from stats, in-flight accounting, lanes, measured retry-after."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kvmesh.deploy.config import RouterConfig
+from kvmesh.router.admission import AdmissionController, request_cost_tokens
+from kvmesh.worker.api import SamplingParams, WorkerStats
+from kvmesh.worker.errors import DeadlineExceededError, InvalidRequestError, OverloadedError, WorkerFailedError
+
+
+def stats(worker_id, reserved=0, capacity=1000, rate=50.0, healthy=True):
+    return WorkerStats(worker_id=worker_id, healthy=healthy, block_size=16, num_blocks_total=capacity // 16,
+                       num_blocks_used=0, num_blocks_cached=0, num_blocks_free=capacity // 16,
+                       kv_tokens_used=reserved, kv_tokens_capacity=capacity, kv_tokens_reserved=reserved,
+                       num_running=0, num_waiting=0, queued_prompt_tokens=0, prefix_cache_hit_rate=0.0,
+                       output_tokens_per_s=rate)
+
+
+class FakeClock:
+    """Monotonic time the test moves by hand, so 'sent before the stats were taken' is exact."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def controller(workers, clock=None, **router):
+    config = RouterConfig(**{"max_queue_len": 10, "retry_lane_fraction": 0.2, "max_queue_wait_s": 5.0, **router})
+    admission = AdmissionController(config, clock=clock or FakeClock())
+    admission.update_stats(workers)
+    return admission
+
+
+async def settle():
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+def test_request_cost_matches_the_workers_block_granular_reservation():
+    # the worker reserves K x ceil((prompt + max_tokens) / K) for each of the n samples
+    assert request_cost_tokens(40, SamplingParams(max_tokens=30), block_size=16) == 80
+    assert request_cost_tokens(100, SamplingParams(max_tokens=20, n=3), block_size=16) == 3 * 128
+    assert request_cost_tokens(100, SamplingParams(max_tokens=20)) == 120
+
+
+def test_admits_where_it_fits_and_routes_only_among_workers_with_room():
+    async def main():
+        admission = controller([stats("w0", reserved=950), stats("w1", reserved=100), stats("w2", healthy=False)])
+        seen = []
+
+        def route(eligible, in_flight):
+            seen.append([w.worker_id for w in eligible])
+            return eligible[0].worker_id
+
+        ticket = await admission.acquire(200, route=route)
+        assert seen == [["w1"]] and ticket.worker_id == "w1"
+        assert admission.in_flight_tokens() == {"w1": 200}
+        with pytest.raises(ValueError):
+            await admission.acquire(10, route=lambda eligible, in_flight: "w2")
+    asyncio.run(main())
+
+
+def test_a_burst_between_refreshes_cannot_over_admit():
+    async def main():
+        clock = FakeClock()
+        admission = controller([stats("w0", capacity=1000)], clock=clock)
+        tickets = [await admission.acquire(300) for _ in range(3)]
+        fourth = asyncio.ensure_future(admission.acquire(300))
+        await settle()
+        assert not fourth.done()  # 900 in flight + 300 > 1000, though the stats still say 0
+        # The worker now reports the three (stats requested after they were sent): same total.
+        clock.now += 1
+        admission.update_stats([stats("w0", reserved=900)], taken_at=clock.now)
+        assert admission.in_flight_tokens() == {}
+        await settle()
+        assert not fourth.done()
+        tickets[0].release()  # finishing frees nothing the router can see until the next refresh
+        await settle()
+        assert not fourth.done()
+        clock.now += 1
+        admission.update_stats([stats("w0", reserved=600)], taken_at=clock.now)
+        ticket = await asyncio.wait_for(fourth, 1)
+        assert ticket.worker_id == "w0"
+        assert admission.snapshot().num_in_flight == 3
+    asyncio.run(main())
+
+
+def test_releasing_before_the_next_refresh_returns_the_in_flight_tokens():
+    async def main():
+        admission = controller([stats("w0", capacity=1000)])
+        with await admission.acquire(800) as ticket:
+            assert admission.in_flight_tokens() == {"w0": 800}
+        assert ticket.released and admission.in_flight_tokens() == {}
+        ticket.release()  # idempotent
+        async with await admission.acquire(1000):
+            assert admission.snapshot().num_in_flight == 1
+        assert admission.snapshot().num_in_flight == 0
+    asyncio.run(main())
+
+
+def test_full_queue_rejects_at_once_with_retry_after_from_the_measured_drain_rate():
+    async def main():
+        # 2 first-attempt slots; two workers draining 40 + 60 = 100 output tokens/s.
+        admission = controller([stats("w0", reserved=900, rate=40.0), stats("w1", reserved=950, rate=60.0)],
+                               max_queue_len=2, retry_lane_fraction=0.0)
+        waiting = [asyncio.ensure_future(admission.acquire(300)) for _ in range(2)]
+        await settle()
+        with pytest.raises(OverloadedError) as info:
+            await admission.acquire(300)
+        # overflow on the best worker: 900 + 300 - 1000 = 200; queued ahead: 600 -> 800 / 100
+        assert info.value.retry_after_s == pytest.approx(8.0)
+        # twice the drain rate, half the wait: the answer follows measurements, not a constant
+        admission.update_stats([stats("w0", reserved=900, rate=80.0), stats("w1", reserved=950, rate=120.0)])
+        with pytest.raises(OverloadedError) as info:
+            await admission.acquire(300)
+        assert info.value.retry_after_s == pytest.approx(4.0)
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        assert admission.snapshot().num_queued_first == 0
+    asyncio.run(main())
+
+
+def test_without_a_measured_rate_retry_after_is_one_refresh_interval():
+    admission = controller([stats("w0", rate=0.0)], stats_refresh_s=0.4)
+    assert admission.retry_after_s(5000, 1000) == 0.4
+
+
+def test_a_retry_storm_fills_only_its_own_lane():
+    async def main():
+        # max_queue_len 10, retry_lane_fraction 0.2 -> 2 retry slots, 8 first-attempt slots
+        admission = controller([stats("w0", reserved=1000)])
+        assert (admission.first_slots, admission.retry_slots) == (8, 2)
+        retries = [asyncio.ensure_future(admission.acquire(100, attempt=2)) for _ in range(2)]
+        await settle()
+        with pytest.raises(OverloadedError, match="retry lane"):
+            await admission.acquire(100, attempt=3)
+        firsts = [asyncio.ensure_future(admission.acquire(100)) for _ in range(8)]
+        await settle()
+        assert admission.snapshot().num_queued_first == 8  # first attempts still had their queue
+        # Room for two requests: the first attempts go first even though the retries queued earlier.
+        admission.update_stats([stats("w0", reserved=800)])
+        await settle()
+        assert [t.done() for t in firsts] == [True, True] + [False] * 6
+        assert not any(t.done() for t in retries)
+        for task in retries + firsts:
+            task.cancel()
+        await asyncio.gather(*retries, *firsts, return_exceptions=True)
+    asyncio.run(main())
+
+
+def test_running_retries_hold_at_most_their_fraction_of_capacity():
+    async def main():
+        admission = controller([stats("w0", capacity=1000)], retry_lane_fraction=0.2)
+        first = await admission.acquire(150, attempt=2)  # one retry may always run
+        blocked = asyncio.ensure_future(admission.acquire(100, attempt=2))  # 250 > 0.2 x 1000
+        await settle()
+        assert not blocked.done()
+        assert (await admission.acquire(500)).worker_id == "w0"  # first attempts are not held back
+        first.release()
+        assert (await asyncio.wait_for(blocked, 1)).attempt == 2
+    asyncio.run(main())
+
+
+def test_waiting_too_long_is_overloaded_and_a_sooner_deadline_is_deadline_exceeded():
+    async def main():
+        admission = controller([stats("w0", reserved=1000)], max_queue_wait_s=0.05)
+        with pytest.raises(OverloadedError):
+            await admission.acquire(100)
+        with pytest.raises(DeadlineExceededError):
+            await admission.acquire(100, deadline_s=time.time() + 0.01)
+        assert admission.snapshot().num_queued_first == 0
+    asyncio.run(main())
+
+
+def test_impossible_requests_and_no_healthy_worker_fail_fast():
+    async def main():
+        admission = controller([stats("w0", capacity=1000), stats("w1", capacity=4000, healthy=False)])
+        with pytest.raises(InvalidRequestError):
+            await admission.acquire(1001)
+        empty = controller([stats("w0", healthy=False)])
+        with pytest.raises(WorkerFailedError):
+            await empty.acquire(10)
+        # queued, then the last healthy worker goes away: the waiter fails instead of hanging
+        full = controller([stats("w0", reserved=1000)])
+        waiting = asyncio.ensure_future(full.acquire(10))
+        await settle()
+        full.update_stats([stats("w0", reserved=1000, healthy=False)])
+        with pytest.raises(WorkerFailedError):
+            await waiting
+    asyncio.run(main())
+
+
+def test_a_cancelled_waiter_leaves_the_queue_and_unblocks_those_behind_it():
+    async def main():
+        admission = controller([stats("w0", reserved=500)])
+        big = asyncio.ensure_future(admission.acquire(900))  # head: does not fit
+        small = asyncio.ensure_future(admission.acquire(100))  # FIFO: waits behind it
+        await settle()
+        assert not small.done()
+        big.cancel()
+        ticket = await asyncio.wait_for(small, 1)
+        assert ticket.queue_wait_s >= 0 and admission.snapshot().num_queued_first == 0
+    asyncio.run(main())

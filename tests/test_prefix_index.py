@@ -1,0 +1,123 @@
+"""router/prefix_index.py: learns from STORED/EVICTED/CLEARED events and resets."""
+
+from __future__ import annotations
+
+import random
+
+from kvmesh.kv.hashing import hash_full_blocks
+from kvmesh.router.prefix_index import PrefixIndex
+from kvmesh.worker.api import PrefixEvent, PrefixEventBatch, PrefixEventKind
+
+BLOCK = 4
+EXTRA = ("model=test", "rev=main", "kv=auto")
+
+
+def hashes(tokens):
+    return hash_full_blocks(tokens, BLOCK, EXTRA)
+
+
+def stored(worker, seq, block_hashes, next_seq=None):
+    return PrefixEventBatch(worker_id=worker, next_seq=seq + 1 if next_seq is None else next_seq,
+                            events=(PrefixEvent(seq, PrefixEventKind.STORED, tuple(block_hashes)),))
+
+
+def test_worked_example_from_the_docstring():
+    system = list(range(100, 108))  # two shared blocks
+    a = hashes(system + [1, 2, 3, 4, 5, 6, 7, 8])  # h0 h1 h2 h3
+    b = hashes(system + [9, 9, 9, 9])  # h0 h1 h5
+    index = PrefixIndex()
+    index.apply(stored("w1", 0, a[:3]))
+    index.apply(stored("w2", 0, b))
+    assert index.longest_prefix(a) == {"w1": 3, "w2": 2}
+    assert index.longest_prefix(b) == {"w1": 2, "w2": 3}
+    assert index.longest_prefix(hashes([7] * 8)) == {}
+    assert index.longest_prefix([]) == {}
+    index.check_integrity()
+
+
+def test_a_match_stops_at_the_first_missing_block_even_if_later_ones_are_held():
+    h = hashes(list(range(16)))  # 4 blocks
+    index = PrefixIndex()
+    index.apply(stored("w1", 0, [h[0], h[2], h[3]]))  # block 1 evicted earlier
+    assert index.longest_prefix(h) == {"w1": 1}
+
+
+def test_eviction_and_clear_events_are_learned():
+    h = hashes(list(range(16)))
+    index = PrefixIndex()
+    index.apply(PrefixEventBatch("w1", next_seq=3, events=(
+        PrefixEvent(0, PrefixEventKind.STORED, tuple(h)),
+        PrefixEvent(1, PrefixEventKind.EVICTED, (h[2],)),
+    )))
+    assert index.longest_prefix(h) == {"w1": 2}
+    index.apply(stored("w2", 0, h))
+    index.apply(PrefixEventBatch("w1", next_seq=4, events=(PrefixEvent(3, PrefixEventKind.CLEARED),)))
+    assert index.longest_prefix(h) == {"w2": 4}
+    assert index.num_blocks("w1") == 0
+    assert index.next_seq("w1") == 4
+    index.check_integrity()
+
+
+def test_reset_replaces_everything_known_about_the_worker():
+    h = hashes(list(range(16)))
+    other = hashes([5] * 8)
+    index = PrefixIndex()
+    index.apply(stored("w1", 0, h))
+    index.apply(PrefixEventBatch("w1", next_seq=50, reset=True, all_hashes=tuple(other)))
+    assert index.longest_prefix(h) == {}
+    assert index.longest_prefix(other) == {"w1": 2}
+    assert index.next_seq("w1") == 50
+    index.check_integrity()
+
+
+def test_a_batch_delivered_twice_is_not_replayed():
+    h = hashes(list(range(8)))
+    index = PrefixIndex()
+    first = stored("w1", 0, h)
+    index.apply(first)
+    index.apply(PrefixEventBatch("w1", next_seq=2, events=(PrefixEvent(1, PrefixEventKind.EVICTED, tuple(h)),)))
+    index.apply(first)  # a late duplicate must not resurrect evicted blocks
+    assert index.longest_prefix(h) == {}
+
+
+def test_removed_worker_is_never_matched_again():
+    h = hashes(list(range(8)))
+    index = PrefixIndex()
+    index.apply(stored("w1", 0, h))
+    index.apply(stored("w2", 0, h[:1]))
+    index.remove_worker("w1")
+    assert index.longest_prefix(h) == {"w2": 1}
+    assert index.workers() == ["w2"]
+    assert index.next_seq("w1") == 0
+    index.check_integrity()
+
+
+def test_random_event_streams_agree_with_a_brute_force_model():
+    rng = random.Random(7)
+    families = [hashes([f] * 4 + list(range(f, f + 12))) for f in range(6)]  # 4 blocks each
+    index = PrefixIndex()
+    truth: dict[str, set] = {f"w{i}": set() for i in range(3)}
+    seq = {w: 0 for w in truth}
+    for _ in range(300):
+        worker = rng.choice(sorted(truth))
+        blocks = rng.choice(families)[: rng.randint(1, 4)]
+        kind = rng.choice([PrefixEventKind.STORED] * 3 + [PrefixEventKind.EVICTED] * 2 + [PrefixEventKind.CLEARED])
+        if kind is PrefixEventKind.STORED:
+            truth[worker] |= set(blocks)
+        elif kind is PrefixEventKind.EVICTED:
+            truth[worker] -= set(blocks)
+        else:
+            truth[worker].clear()
+        payload = () if kind is PrefixEventKind.CLEARED else tuple(blocks)
+        index.apply(PrefixEventBatch(worker, seq[worker] + 1, (PrefixEvent(seq[worker], kind, payload),)))
+        seq[worker] += 1
+        index.check_integrity()
+        query = rng.choice(families)
+        expected = {}
+        for w, held in truth.items():
+            n = 0
+            while n < len(query) and query[n] in held:
+                n += 1
+            if n:
+                expected[w] = n
+        assert index.longest_prefix(query) == expected
