@@ -1,0 +1,318 @@
+"""Prometheus metrics for the whole cluster, served at the router's `/metrics`.
+
+Names follow vLLM's (`vllm:x` -> `kvmesh_x`) where vLLM has one, so existing dashboards map.
+
+    metrics = RouterMetrics(max_num_seqs=config.scheduler.max_num_seqs)
+    metrics.observe_request_end("acme", final_delta.timings, final_delta.usage, final_delta.finish_reason)
+    metrics.observe_rejection("quota")           # quota | overload | invalid | unauthenticated
+    metrics.observe_retry()                      # a request that says it is a client retry
+    metrics.update_worker_stats(stats_list)      # every stats refresh (list[WorkerStats])
+    metrics.set_quota_fallback(True)             # FallbackQuotaStore's on_fallback_change
+    body = metrics.render(peer_snapshots)        # bytes for GET /metrics (CONTENT_TYPE)
+
+    engine_metrics = EngineMetrics()             # worker side: what only the engine sees
+    engine_metrics.observe_step(step_time_s=0.021)
+    engine_metrics.snapshot() -> bytes           # returned by the worker's stats call
+
+Why prometheus_client and not ray.util.metrics. Ray's metrics go through each node's metrics
+agent and appear on the node's metrics export port (prefixed `ray_`), not on our router's
+HTTP port; a scrape of `/metrics` on the service would see nothing, and tests would need the
+dashboard agent running. With prometheus_client every process owns a private
+`CollectorRegistry`, and we make the router's `/metrics` correct for the cluster by merging:
+
+- request-level metrics (latency histograms, token counters, finish reasons, rejections) are
+  observed at the router, from the `RequestTimings` and `Usage` each final delta carries, so
+  the worker need not export them;
+- worker-level figures (running/waiting, KV blocks, preemptions) come from the `WorkerStats`
+  the router already polls for routing, rendered with a `worker` label;
+- what only an engine sees (step time) travels as an `EngineMetrics.snapshot()` (the text
+  exposition format, plain bytes over the Ray call) and is merged in;
+- Serve routes a scrape to ANY router replica, so each replica's request-level metrics must
+  be visible from every other: `snapshot()` gives a replica's own text, and `render()` sums
+  the peers' snapshots into its own (counters and histogram buckets add; gauges carry a
+  `replica` or `worker` label so they never collide). Snapshots meet on a `MetricsBoard`,
+  one named Ray actor: each replica publishes its snapshot every few seconds and, on a
+  scrape, renders its own live registry plus the others' latest snapshots:
+
+      board = get_or_create_board()                          # named, detached actor
+      task = start_publishing(board, metrics, interval_s=2)  # asyncio task per replica
+      body = metrics.render(await board.snapshots.remote(exclude=metrics.replica_id))
+
+  A replica that stops publishing (scaled down, crashed) drops out after `stale_after_s`;
+  its counters then leave the sum, which Prometheus' rate() treats as a counter reset.
+
+Histograms are one observation per request; `inter_token_latency_seconds` observes the
+request's mean gap (decode time / (completion tokens - 1)), like vLLM's per-request
+time_per_output_token. Prefix-cache queries/hits count prompt tokens, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvmesh.worker.api import FinishReason, RequestTimings, Usage, WorkerStats
+
+logger = logging.getLogger(__name__)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+METRICS_BOARD_ACTOR = "kvmesh-metrics-board"
+PREFIX = "kvmesh_"
+REJECTION_REASONS = ("quota", "overload", "invalid", "unauthenticated")
+
+# Seconds. Latency buckets span 1 ms (CPU decode step) to 5 min (long generations in a queue).
+_LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                      2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+_ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3,
+                  0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+def default_replica_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class RouterMetrics:
+    def __init__(self, replica_id: str | None = None, max_num_seqs: int | None = None):
+        self.replica_id = replica_id or default_replica_id()
+        self._max_num_seqs = max_num_seqs  # denominator of batch_fill_ratio
+        self._registry = CollectorRegistry(auto_describe=True)
+        self._worker_stats: list[WorkerStats] = []
+        r = self._registry
+
+        def hist(name: str, doc: str, buckets=_LATENCY_BUCKETS_S) -> Histogram:
+            return Histogram(PREFIX + name, doc, buckets=buckets, registry=r)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first output token.")
+        self.itl = hist("inter_token_latency_seconds", "Mean gap between output tokens, per request.", _ITL_BUCKETS_S)
+        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last output token.")
+        self.queue = hist("request_queue_time_seconds", "Time waiting before first scheduled.")
+        self.prefill = hist("request_prefill_time_seconds", "Time from first scheduled to first token.")
+        self.decode = hist("request_decode_time_seconds", "Time from first token to finish.")
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.",
+                                     ["tenant"], registry=r)
+        self.cached_prompt_tokens = Counter(PREFIX + "cached_prompt_tokens",
+                                            "Prompt tokens served from the prefix cache.", ["tenant"], registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Output tokens generated.",
+                                         ["tenant"], registry=r)
+        self.prefix_cache_queries = Counter(PREFIX + "prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.", registry=r)
+        self.prefix_cache_hits = Counter(PREFIX + "prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache.", registry=r)
+        self.requests = Counter(PREFIX + "requests", "Finished requests by finish reason.",
+                                ["finish_reason", "tenant"], registry=r)
+        self.rejections = Counter(PREFIX + "rejections", "Requests rejected before running, by reason.",
+                                  ["reason"], registry=r)
+        for reason in REJECTION_REASONS:
+            self.rejections.labels(reason)  # present at 0, so rate() works from the start
+        self.retries_seen = Counter(PREFIX + "retries_seen", "Requests that arrived as a client retry.",
+                                    registry=r)
+        self.quota_fallback = Gauge(PREFIX + "quota_store_fallback_active",
+                                    "1 while Redis is unreachable and local per-replica limits apply.",
+                                    ["replica"], registry=r)
+        self.quota_fallback.labels(self.replica_id).set(0)
+
+    # ---- what the router core calls ------------------------------------------------------
+
+    def observe_request_end(self, tenant: str, timings: RequestTimings | None, usage: Usage | None,
+                            finish_reason: FinishReason | str | None) -> None:
+        reason = finish_reason.value if isinstance(finish_reason, FinishReason) else str(finish_reason or "error")
+        self.requests.labels(reason, tenant).inc()
+        if usage is not None:
+            self.prompt_tokens.labels(tenant).inc(usage.prompt_tokens)
+            self.cached_prompt_tokens.labels(tenant).inc(usage.cached_tokens)
+            self.generation_tokens.labels(tenant).inc(usage.completion_tokens)
+            self.prefix_cache_queries.inc(usage.prompt_tokens)
+            self.prefix_cache_hits.inc(usage.cached_tokens)
+        if timings is not None:
+            self._observe_timings(timings, usage.completion_tokens if usage is not None else 0)
+
+    def _observe_timings(self, t: RequestTimings, completion_tokens: int) -> None:
+        def observe(hist: Histogram, start: float | None, end: float | None) -> None:
+            if start is not None and end is not None and end >= start:
+                hist.observe(end - start)
+
+        observe(self.queue, t.arrival_time, t.first_scheduled_time)
+        observe(self.ttft, t.arrival_time, t.first_token_time)
+        observe(self.prefill, t.first_scheduled_time, t.first_token_time)
+        observe(self.decode, t.first_token_time, t.finished_time)
+        observe(self.e2e, t.arrival_time, t.finished_time)
+        if completion_tokens >= 2 and t.first_token_time is not None and t.finished_time is not None:
+            self.itl.observe(max(0.0, t.finished_time - t.first_token_time) / (completion_tokens - 1))
+
+    def observe_rejection(self, reason: str) -> None:
+        if reason not in REJECTION_REASONS:
+            raise ValueError(f"rejection reason must be one of {REJECTION_REASONS}, got {reason!r}")
+        self.rejections.labels(reason).inc()
+
+    def observe_retry(self) -> None:
+        self.retries_seen.inc()
+
+    def set_quota_fallback(self, active: bool) -> None:
+        self.quota_fallback.labels(self.replica_id).set(1 if active else 0)
+
+    def update_worker_stats(self, stats: Sequence[WorkerStats]) -> None:
+        """The latest stats of every worker; a worker missing from the list disappears."""
+        self._worker_stats = list(stats)
+
+    # ---- exposition ----------------------------------------------------------------------
+
+    def snapshot(self) -> bytes:
+        """This replica's own metrics (no worker gauges), for a peer's `render`."""
+        return generate_latest(self._registry)
+
+    def render(self, peer_snapshots: Iterable[bytes] = ()) -> bytes:
+        """`/metrics` body: own + peers' snapshots merged, plus the workers' gauges."""
+        return render_merged([self.snapshot(), *peer_snapshots],
+                             worker_families(self._worker_stats, self._max_num_seqs))
+
+
+class EngineMetrics:
+    """Worker-process metrics the router cannot derive: shipped as `snapshot()` bytes."""
+
+    def __init__(self, worker_id: str = ""):
+        self._registry = CollectorRegistry(auto_describe=True)
+        self.step_time = Histogram(PREFIX + "step_time_seconds", "Engine step time (schedule + forward + sample).",
+                                   ["worker"], buckets=_STEP_BUCKETS_S, registry=self._registry)
+        self.worker_id = worker_id
+
+    def observe_step(self, step_time_s: float) -> None:
+        self.step_time.labels(self.worker_id).observe(step_time_s)
+
+    def snapshot(self) -> bytes:
+        return generate_latest(self._registry)
+
+
+# ---- worker gauges and merging -----------------------------------------------------------
+
+def worker_families(stats: Sequence[WorkerStats], max_num_seqs: int | None) -> list[Metric]:
+    """Gauges (and cumulative preemption counters) with a `worker` label, from WorkerStats."""
+    gauges = {
+        "num_requests_running": "Requests running on the worker.",
+        "num_requests_waiting": "Requests waiting in the worker's queue.",
+        "kv_cache_usage_ratio": "KV blocks referenced by running requests / all blocks (0..1).",
+        "kv_blocks_used": "KV blocks referenced by running requests.",
+        "kv_blocks_cached": "Unreferenced KV blocks holding reusable prefixes (evictable).",
+        "kv_blocks_free": "Empty KV blocks.",
+        "kv_block_fragmentation_ratio": "Slots in used blocks holding no token (internal fragmentation).",
+        "batch_size": "Requests in the current batch.",
+        "batch_fill_ratio": "Batch size / max_num_seqs.",
+        "worker_healthy": "1 if the worker answered its last stats call healthy.",
+    }
+    families = {name: Metric(PREFIX + name, doc, "gauge") for name, doc in gauges.items()}
+    preemptions = Metric(PREFIX + "preemptions", "Preemptions since the worker started, by mode.", "counter")
+    for s in stats:
+        labels = {"worker": s.worker_id}
+        slots_used = s.num_blocks_used * s.block_size
+        values = {
+            "num_requests_running": s.num_running,
+            "num_requests_waiting": s.num_waiting,
+            "kv_cache_usage_ratio": s.num_blocks_used / s.num_blocks_total if s.num_blocks_total else 0.0,
+            "kv_blocks_used": s.num_blocks_used,
+            "kv_blocks_cached": s.num_blocks_cached,
+            "kv_blocks_free": s.num_blocks_free,
+            "kv_block_fragmentation_ratio": 1.0 - s.kv_tokens_used / slots_used if slots_used else 0.0,
+            "batch_size": s.num_running,
+            "batch_fill_ratio": s.num_running / max_num_seqs if max_num_seqs else 0.0,
+            "worker_healthy": 1.0 if s.healthy else 0.0,
+        }
+        for name, value in values.items():
+            families[name].add_sample(PREFIX + name, labels, float(value))
+        for mode, count in (("recompute", s.num_preemptions_recompute), ("swap", s.num_preemptions_swap)):
+            preemptions.add_sample(PREFIX + "preemptions_total", {**labels, "mode": mode}, float(count))
+    return [*families.values(), preemptions]
+
+
+def render_merged(snapshots: Iterable[bytes], extra_families: Iterable[Metric] = ()) -> bytes:
+    """Sum samples with the same name and labels across snapshots (counters, histogram
+    buckets/count/sum, and gauges, which carry a replica/worker label so they do not
+    collide). `_created` timestamps are dropped: they cannot be merged."""
+    merged: dict[str, Metric] = {}
+    values: dict[str, dict[tuple, float]] = {}
+    for blob in snapshots:
+        for family in text_string_to_metric_families(blob.decode()):
+            if family.name.endswith("_created"):
+                continue
+            merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            acc = values.setdefault(family.name, {})
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                acc[key] = acc.get(key, 0.0) + sample.value
+    families = []
+    for name, family in merged.items():
+        for (sample_name, labels), value in values[name].items():
+            family.add_sample(sample_name, dict(labels), value)
+        families.append(family)
+    families.extend(extra_families)
+    return generate_latest(_StaticCollector(families))
+
+
+class _StaticCollector:
+    """A registry-like object for generate_latest over prepared families."""
+
+    def __init__(self, families: list[Metric]):
+        self._families = families
+
+    def collect(self):
+        return iter(self._families)
+
+
+# ---- where replicas' snapshots meet ------------------------------------------------------
+
+class MetricsBoard:
+    """Latest snapshot per source (router replica or engine). A plain class: run it as one
+    named Ray actor (`get_or_create_board`); unit tests use it directly."""
+
+    def __init__(self, stale_after_s: float = 60.0, clock=time.monotonic):
+        self._stale_after_s = stale_after_s
+        self._clock = clock
+        self._latest: dict[str, tuple[float, bytes]] = {}  # source id -> (published at, snapshot)
+
+    def publish(self, source_id: str, snapshot: bytes) -> None:
+        self._latest[source_id] = (self._clock(), snapshot)
+
+    def snapshots(self, exclude: str | None = None) -> list[bytes]:
+        """Fresh snapshots of every source but `exclude` (the caller renders its own live)."""
+        now = self._clock()
+        for source_id, (published_at, _) in list(self._latest.items()):
+            if now - published_at > self._stale_after_s:
+                del self._latest[source_id]
+        return [snap for source_id, (_, snap) in sorted(self._latest.items()) if source_id != exclude]
+
+
+def get_or_create_board(stale_after_s: float = 60.0):
+    """The cluster's MetricsBoard actor handle (created by the first caller). Needs ray.init."""
+    import ray
+
+    board_actor = ray.remote(num_cpus=0)(MetricsBoard)
+    return board_actor.options(name=METRICS_BOARD_ACTOR, get_if_exists=True, lifetime="detached").remote(
+        stale_after_s=stale_after_s)
+
+
+def start_publishing(board, metrics: RouterMetrics, interval_s: float) -> asyncio.Task:
+    """Publish `metrics.snapshot()` to the board actor every `interval_s` (awaits the Ray
+    call; never blocks the event loop). Cancel the task to stop."""
+    async def loop() -> None:
+        failing = False
+        while True:
+            try:
+                await board.publish.remote(metrics.replica_id, metrics.snapshot())
+                failing = False
+            except Exception as exc:  # the board restarts with the cluster; keep serving meanwhile
+                if not failing:
+                    logger.warning("metrics board publish failed (%s); /metrics elsewhere lacks this "
+                                   "replica until it succeeds", type(exc).__name__)
+                failing = True
+            await asyncio.sleep(interval_s)
+    return asyncio.get_running_loop().create_task(loop())

@@ -1,0 +1,242 @@
+"""RouterMetrics / EngineMetrics: a known synthetic workload, scraped with prometheus_client's
+parser; and `kvmesh stats` scraping a real HTTP /metrics endpoint."""
+
+import argparse
+import asyncio
+import http.server
+import os
+import threading
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvmesh.deploy import cmd_stats
+from kvmesh.router.metrics import (METRICS_BOARD_ACTOR, EngineMetrics, MetricsBoard, RouterMetrics,
+                                   get_or_create_board, start_publishing)
+from kvmesh.worker.api import FinishReason, RequestTimings, Usage, WorkerStats
+
+# (tenant, timings as offsets from arrival (scheduled, first token, finished), usage, finish)
+WORKLOAD = [
+    ("acme", (0.01, 0.05, 0.45), Usage(prompt_tokens=100, completion_tokens=9, cached_tokens=32), FinishReason.STOP),
+    ("acme", (0.2, 0.3, 2.3), Usage(prompt_tokens=50, completion_tokens=21, cached_tokens=0), FinishReason.LENGTH),
+    ("beta", (1.0, 3.0, 3.0), Usage(prompt_tokens=7, completion_tokens=1, cached_tokens=0), FinishReason.STOP),
+    ("beta", (0.5, None, None), Usage(prompt_tokens=12, completion_tokens=0, cached_tokens=0), FinishReason.ABORT),
+]
+
+
+def scrape(body: bytes) -> dict[tuple, float]:
+    samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def value(samples, name, **labels) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def run_workload(metrics: RouterMetrics, arrival: float = 1000.0) -> None:
+    for tenant, (sched, first, done), usage, reason in WORKLOAD:
+        timings = RequestTimings(arrival_time=arrival, first_scheduled_time=arrival + sched,
+                                 first_token_time=None if first is None else arrival + first,
+                                 finished_time=None if done is None else arrival + done)
+        metrics.observe_request_end(tenant, timings, usage, reason)
+
+
+def worker_stats(worker_id: str, used: int, tokens_used: int) -> WorkerStats:
+    return WorkerStats(worker_id=worker_id, healthy=True, block_size=16, num_blocks_total=100,
+                       num_blocks_used=used, num_blocks_cached=10, num_blocks_free=90 - used,
+                       kv_tokens_used=tokens_used, kv_tokens_capacity=1600, kv_tokens_reserved=0,
+                       num_running=3, num_waiting=2, queued_prompt_tokens=0, prefix_cache_hit_rate=0.0,
+                       output_tokens_per_s=0.0, num_preemptions_recompute=4, num_preemptions_swap=1)
+
+
+def test_counters_equal_the_workload_token_counts():
+    metrics = RouterMetrics(replica_id="r0", max_num_seqs=4)
+    run_workload(metrics)
+    s = scrape(metrics.render())
+    assert value(s, "kvmesh_prompt_tokens_total", tenant="acme") == 150
+    assert value(s, "kvmesh_prompt_tokens_total", tenant="beta") == 19
+    assert value(s, "kvmesh_generation_tokens_total", tenant="acme") == 30
+    assert value(s, "kvmesh_generation_tokens_total", tenant="beta") == 1
+    assert value(s, "kvmesh_cached_prompt_tokens_total", tenant="acme") == 32
+    assert value(s, "kvmesh_prefix_cache_queries_total") == 169
+    assert value(s, "kvmesh_prefix_cache_hits_total") == 32
+    assert value(s, "kvmesh_requests_total", finish_reason="stop", tenant="acme") == 1
+    assert value(s, "kvmesh_requests_total", finish_reason="stop", tenant="beta") == 1
+    assert value(s, "kvmesh_requests_total", finish_reason="length", tenant="acme") == 1
+    assert value(s, "kvmesh_requests_total", finish_reason="abort", tenant="beta") == 1
+
+
+def test_histogram_counts_and_buckets():
+    metrics = RouterMetrics(replica_id="r0")
+    run_workload(metrics)
+    s = scrape(metrics.render())
+    # TTFT 0.05, 0.3, 3.0 (the aborted request has none).
+    assert value(s, "kvmesh_time_to_first_token_seconds_count") == 3
+    assert value(s, "kvmesh_time_to_first_token_seconds_sum") == pytest.approx(3.35)
+    assert value(s, "kvmesh_time_to_first_token_seconds_bucket", le="0.06") == 1
+    assert value(s, "kvmesh_time_to_first_token_seconds_bucket", le="0.5") == 2
+    assert value(s, "kvmesh_time_to_first_token_seconds_bucket", le="2.5") == 2
+    assert value(s, "kvmesh_time_to_first_token_seconds_bucket", le="+Inf") == 3
+    assert value(s, "kvmesh_request_queue_time_seconds_count") == 4
+    assert value(s, "kvmesh_request_queue_time_seconds_sum") == pytest.approx(1.71)
+    assert value(s, "kvmesh_request_prefill_time_seconds_sum") == pytest.approx(0.04 + 0.1 + 2.0)
+    assert value(s, "kvmesh_request_decode_time_seconds_count") == 3
+    assert value(s, "kvmesh_e2e_request_latency_seconds_sum") == pytest.approx(0.45 + 2.3 + 3.0)
+    # ITL: only requests with >= 2 tokens: 0.4/8 = 0.05 and 2.0/20 = 0.1.
+    assert value(s, "kvmesh_inter_token_latency_seconds_count") == 2
+    assert value(s, "kvmesh_inter_token_latency_seconds_sum") == pytest.approx(0.15)
+    assert value(s, "kvmesh_inter_token_latency_seconds_bucket", le="0.075") == 1
+
+
+def test_rejections_retries_and_quota_fallback():
+    metrics = RouterMetrics(replica_id="r0")
+    for reason in ("quota", "quota", "overload", "unauthenticated"):
+        metrics.observe_rejection(reason)
+    metrics.observe_retry()
+    with pytest.raises(ValueError):
+        metrics.observe_rejection("bored")
+    metrics.set_quota_fallback(True)
+    s = scrape(metrics.render())
+    assert value(s, "kvmesh_rejections_total", reason="quota") == 2
+    assert value(s, "kvmesh_rejections_total", reason="overload") == 1
+    assert value(s, "kvmesh_rejections_total", reason="invalid") == 0
+    assert value(s, "kvmesh_rejections_total", reason="unauthenticated") == 1
+    assert value(s, "kvmesh_retries_seen_total") == 1
+    assert value(s, "kvmesh_quota_store_fallback_active", replica="r0") == 1
+    metrics.set_quota_fallback(False)
+    assert value(scrape(metrics.render()), "kvmesh_quota_store_fallback_active", replica="r0") == 0
+
+
+def test_worker_gauges_from_stats():
+    metrics = RouterMetrics(replica_id="r0", max_num_seqs=4)
+    metrics.update_worker_stats([worker_stats("w0", used=20, tokens_used=300),
+                                 worker_stats("w1", used=0, tokens_used=0)])
+    s = scrape(metrics.render())
+    assert value(s, "kvmesh_kv_cache_usage_ratio", worker="w0") == pytest.approx(0.2)
+    assert value(s, "kvmesh_kv_blocks_used", worker="w0") == 20
+    assert value(s, "kvmesh_kv_blocks_free", worker="w0") == 70
+    assert value(s, "kvmesh_kv_blocks_cached", worker="w1") == 10
+    # 20 blocks x 16 slots = 320 slots for 300 tokens: 20 empty slots.
+    assert value(s, "kvmesh_kv_block_fragmentation_ratio", worker="w0") == pytest.approx(20 / 320)
+    assert value(s, "kvmesh_batch_fill_ratio", worker="w1") == pytest.approx(0.75)
+    assert value(s, "kvmesh_num_requests_waiting", worker="w0") == 2
+    assert value(s, "kvmesh_preemptions_total", worker="w0", mode="recompute") == 4
+    assert value(s, "kvmesh_preemptions_total", worker="w1", mode="swap") == 1
+    metrics.update_worker_stats([worker_stats("w1", used=0, tokens_used=0)])
+    assert ("kvmesh_kv_blocks_used", (("worker", "w0"),)) not in scrape(metrics.render())
+
+
+def test_render_merges_peer_replicas_and_engine_snapshots():
+    a, b = RouterMetrics(replica_id="a"), RouterMetrics(replica_id="b")
+    run_workload(a)
+    run_workload(b)
+    b.observe_rejection("overload")
+    b.set_quota_fallback(True)
+    engine = EngineMetrics(worker_id="w0")
+    for step_time_s in (0.004, 0.03, 0.03):
+        engine.observe_step(step_time_s)
+    s = scrape(a.render([b.snapshot(), engine.snapshot()]))
+    assert value(s, "kvmesh_prompt_tokens_total", tenant="acme") == 300
+    assert value(s, "kvmesh_time_to_first_token_seconds_count") == 6
+    assert value(s, "kvmesh_time_to_first_token_seconds_bucket", le="0.5") == 4
+    assert value(s, "kvmesh_rejections_total", reason="overload") == 1
+    assert value(s, "kvmesh_quota_store_fallback_active", replica="a") == 0
+    assert value(s, "kvmesh_quota_store_fallback_active", replica="b") == 1
+    assert value(s, "kvmesh_step_time_seconds_count", worker="w0") == 3
+    assert value(s, "kvmesh_step_time_seconds_bucket", worker="w0", le="0.005") == 1
+    assert not any(name.endswith("_created") for name, _ in s)
+
+
+def run_cli(argv: list[str]) -> int:
+    """The `kvmesh stats` subcommand as the CLI wires it (only this module's parser)."""
+    parser = argparse.ArgumentParser(prog="kvmesh")
+    cmd_stats.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+class _MetricsHandler(http.server.BaseHTTPRequestHandler):
+    body = b""
+
+    def do_GET(self):
+        self.send_response(200 if self.path == "/metrics" else 404)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_kvmesh_stats_scrapes_a_live_metrics_endpoint(capsys):
+    metrics = RouterMetrics(replica_id="r0", max_num_seqs=4)
+    run_workload(metrics)
+    metrics.observe_rejection("quota")
+    metrics.update_worker_stats([worker_stats("w0", used=20, tokens_used=300)])
+    _MetricsHandler.body = metrics.render()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _MetricsHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        summary = cmd_stats.summarize(cmd_stats.scrape(url))
+        assert summary.requests_by_reason == {"stop": 2, "length": 1, "abort": 1}
+        assert summary.prompt_tokens == 169 and summary.generation_tokens == 31
+        assert summary.rejections == {"quota": 1, "overload": 0, "invalid": 0, "unauthenticated": 0}
+        assert summary.prefix_cache_hit_ratio == pytest.approx(32 / 169)
+        assert summary.workers["w0"]["kv_cache_usage_ratio"] == pytest.approx(0.2)
+        # TTFT p50 lies in the (0.25, 0.5] bucket: 3 observations, the 2nd is 0.3.
+        assert 0.25 < summary.ttft_quantiles_s[0.5] <= 0.5
+        assert run_cli(["stats", "--url", url]) == 0
+        out = capsys.readouterr().out
+        assert "w0" in out and "stop" in out and "prompt tokens" in out
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_metrics_board_keeps_fresh_snapshots_and_excludes_the_caller():
+    now = [0.0]
+    board = MetricsBoard(stale_after_s=10.0, clock=lambda: now[0])
+    board.publish("a", b"A1")
+    board.publish("b", b"B1")
+    board.publish("a", b"A2")
+    assert board.snapshots() == [b"A2", b"B1"]
+    assert board.snapshots(exclude="a") == [b"B1"]
+    now[0] = 5.0
+    board.publish("b", b"B2")
+    now[0] = 12.0  # "a" last published at 0: gone
+    assert board.snapshots() == [b"B2"]
+
+
+def test_two_replicas_render_the_same_cluster_totals_through_a_ray_board():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=1, include_dashboard=False, namespace=f"kvmesh-metrics-{os.getpid()}",
+             log_to_driver=False)
+    try:
+        replicas = [RouterMetrics(replica_id="r0"), RouterMetrics(replica_id="r1")]
+        run_workload(replicas[0])
+        run_workload(replicas[1])
+        replicas[1].observe_request_end("acme", None, Usage(prompt_tokens=5, completion_tokens=2), "stop")
+
+        async def scenario():
+            board = get_or_create_board()
+            assert ray.get_actor(METRICS_BOARD_ACTOR) is not None
+            tasks = [start_publishing(board, m, interval_s=0.05) for m in replicas]
+            while len(await board.snapshots.remote()) < 2:
+                await asyncio.sleep(0.05)
+            bodies = [m.render(await board.snapshots.remote(exclude=m.replica_id)) for m in replicas]
+            for task in tasks:
+                task.cancel()
+            return bodies
+
+        for body in asyncio.run(scenario()):
+            s = scrape(body)
+            assert value(s, "kvmesh_prompt_tokens_total", tenant="acme") == 305
+            assert value(s, "kvmesh_requests_total", finish_reason="stop", tenant="acme") == 3
+            assert value(s, "kvmesh_time_to_first_token_seconds_count") == 6
+    finally:
+        ray.shutdown()
