@@ -1,0 +1,227 @@
+"""KvmeshConfig <-> Ray Serve config file (the ``serve deploy`` YAML and KubeRay's serveConfigV2).
+
+The whole KvmeshConfig travels as the ``args`` of one Serve application, so the config file,
+the CLI ``--set`` overrides and the Helm values' ``kvmesh:`` block are one tree:
+
+    proxy_location: EveryNode
+    http_options: {host: <router.host>, port: <router.http_port>}
+    grpc_options: {port: <router.grpc_port>, grpc_servicer_functions: [<the router's servicer>]}
+    applications:
+    - name: kvmesh
+      route_prefix: /
+      import_path: kvmesh.deploy.serve_app:build_app
+      args: {model: {...}, cache: {...}, ..., observability: {...}}   # KvmeshConfig.to_dict()
+
+Two values are secrets on Kubernetes and reach the process as plumbing instead of args:
+the Redis URL (``KVMESH_REDIS_URL``, from a Secret) and the tenants' API-key hashes (a YAML
+file ``{tenant_id: [hash, ...]}`` mounted from a Secret, path in ``KVMESH_API_KEY_HASHES_FILE``).
+``config_from_serve_args`` merges them back; the Serve app builder calls it on its args.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from kvmesh.deploy.config import ConfigError, KvmeshConfig
+
+logger = logging.getLogger(__name__)
+
+SERVE_APP_IMPORT_PATH = "kvmesh.deploy.serve_app:build_app"
+REDIS_URL_ENV = "KVMESH_REDIS_URL"
+API_KEY_HASHES_FILE_ENV = "KVMESH_API_KEY_HASHES_FILE"
+PROXY_LOCATIONS = ("EveryNode", "HeadOnly", "Disabled")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What the Serve file carries besides the KvmeshConfig (Serve's own plumbing)."""
+
+    app_name: str = "kvmesh"
+    route_prefix: str = "/"
+    # HeadOnly on KubeRay: proxies only on the head pod (the Service target), none on GPU workers.
+    proxy_location: str = "EveryNode"
+    # Serve's gRPC proxy serves these servicers on router.grpc_port. None = the router's own
+    # (kvmesh.router.app.GRPC_SERVICER_FUNCTION, looked up at build time); () = no gRPC.
+    grpc_servicer_functions: tuple[str, ...] | None = None
+
+    def servicers(self) -> tuple[str, ...]:
+        if self.grpc_servicer_functions is not None:
+            return self.grpc_servicer_functions
+        from kvmesh.router.app import GRPC_SERVICER_FUNCTION  # imports Serve: only when building
+
+        return (GRPC_SERVICER_FUNCTION,)
+
+    def validate(self) -> None:
+        if not self.app_name:
+            raise ConfigError("serve app_name must be non-empty")
+        if not self.route_prefix.startswith("/"):
+            raise ConfigError(f"serve route_prefix must start with '/', got {self.route_prefix!r}")
+        if self.proxy_location not in PROXY_LOCATIONS:
+            raise ConfigError(f"serve proxy_location must be one of {list(PROXY_LOCATIONS)}, "
+                              f"got {self.proxy_location!r}")
+
+
+# ---- KvmeshConfig -> Serve file -------------------------------------------------------
+
+
+def build_serve_config(config: KvmeshConfig, options: ServeOptions = ServeOptions()) -> dict:
+    """The Serve config file (a plain dict) that deploys `config`; checked by Ray's schema."""
+    options.validate()
+    serve_config: dict[str, Any] = {
+        "proxy_location": options.proxy_location,
+        "http_options": {"host": config.router.host, "port": config.router.http_port},
+    }
+    servicers = options.servicers()
+    if servicers:
+        serve_config["grpc_options"] = {"port": config.router.grpc_port, "grpc_servicer_functions": list(servicers)}
+    serve_config["applications"] = [{
+        "name": options.app_name,
+        "route_prefix": options.route_prefix,
+        "import_path": SERVE_APP_IMPORT_PATH,
+        "args": config.to_dict(),
+    }]
+    validate_with_ray_schema(serve_config)
+    return serve_config
+
+
+class _IndentedListDumper(yaml.SafeDumper):
+    """Indents list items under their key (the style yamllint and kubectl output expect)."""
+
+    def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
+        return super().increase_indent(flow, False)
+
+
+def serve_config_yaml(serve_config: dict) -> str:
+    """YAML text in the key order Serve's docs use (not sorted), stable across runs."""
+    return yaml.dump(serve_config, Dumper=_IndentedListDumper, sort_keys=False, default_flow_style=False)
+
+
+def validate_with_ray_schema(serve_config: dict) -> None:
+    """Parse with Ray's own ServeDeploySchema (what `serve deploy` and KubeRay's head run)."""
+    from pydantic import ValidationError  # ray.serve.schema is pydantic; imported with it
+    from ray.serve.schema import ServeDeploySchema
+
+    try:
+        ServeDeploySchema.model_validate(serve_config)
+    except ValidationError as exc:
+        raise ConfigError(f"Serve config rejected by Ray's ServeDeploySchema: {exc}") from None
+
+
+# ---- Serve file -> KvmeshConfig -------------------------------------------------------
+
+
+def kvmesh_app(serve_config: dict, app_name: str | None = None) -> dict:
+    """The application entry that runs kvmesh (by import path, or by name when given)."""
+    if not isinstance(serve_config, dict):
+        raise ConfigError(f"Serve config must be a mapping, got {type(serve_config).__name__}")
+    apps = serve_config.get("applications") or []
+    matches = [a for a in apps if isinstance(a, dict) and a.get("import_path") == SERVE_APP_IMPORT_PATH
+               and (app_name is None or a.get("name") == app_name)]
+    if len(matches) != 1:
+        raise ConfigError(f"Serve config must hold exactly one application with import_path "
+                          f"{SERVE_APP_IMPORT_PATH!r}{'' if app_name is None else f' named {app_name!r}'}; "
+                          f"found {len(matches)}")
+    return matches[0]
+
+
+def kvmesh_config_from_serve_config(serve_config: dict, app_name: str | None = None) -> KvmeshConfig:
+    """Validate a whole Serve file (Ray's schema, then ours) and return the app's KvmeshConfig."""
+    validate_with_ray_schema(serve_config)
+    return KvmeshConfig.from_dict(kvmesh_app(serve_config, app_name).get("args") or {})
+
+
+def config_from_serve_args(args: Mapping | None, environ: Mapping[str, str] = os.environ) -> KvmeshConfig:
+    """The KvmeshConfig a Serve app builder runs with: its args plus the secret plumbing.
+
+    - ``KVMESH_REDIS_URL`` set: it becomes tenants.redis_url (args must then leave it null,
+      so there is never a question which of two URLs wins).
+    - ``KVMESH_API_KEY_HASHES_FILE`` set: the file's ``{tenant_id: [hash, ...]}`` is added to
+      the matching tenants' api_key_hashes; a tenant id absent from the config is an error.
+    """
+    data = KvmeshConfig.from_dict(dict(args or {})).to_dict()  # validates, fills defaults
+    redis_url = environ.get(REDIS_URL_ENV)
+    if redis_url:
+        if data["tenants"]["redis_url"] is not None:
+            raise ConfigError(f"tenants.redis_url is set in the config and in ${REDIS_URL_ENV}; keep one")
+        data["tenants"]["redis_url"] = redis_url
+    hashes_file = environ.get(API_KEY_HASHES_FILE_ENV)
+    if hashes_file:
+        _merge_api_key_hashes(data["tenants"]["tenants"], load_api_key_hashes(hashes_file))
+    return KvmeshConfig.from_dict(data)
+
+
+def load_api_key_hashes(path: str) -> dict[str, list[str]]:
+    """Read ``{tenant_id: [hash, ...]}`` (the Secret's file); only salted hashes belong there."""
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read API key hashes file {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping tenant_id -> [hash, ...]")
+    for tenant_id, hashes in data.items():
+        if not isinstance(hashes, list) or not all(isinstance(h, str) and h.count("$") == 2 for h in hashes):
+            raise ConfigError(f"{path}: tenant {tenant_id!r} must map to a list of "
+                              f"'scheme$salt$hexdigest' strings")
+    return data
+
+
+def _merge_api_key_hashes(tenants: list[dict], hashes_by_tenant: dict[str, list[str]]) -> None:
+    by_id = {t["id"]: t for t in tenants}
+    unknown = sorted(set(hashes_by_tenant) - set(by_id))
+    if unknown:
+        raise ConfigError(f"API key hashes for tenant(s) {unknown} that the config does not define")
+    for tenant_id, hashes in hashes_by_tenant.items():
+        merged = list(by_id[tenant_id]["api_key_hashes"])
+        merged += [h for h in hashes if h not in merged]
+        by_id[tenant_id]["api_key_hashes"] = merged
+    logger.info("API key hashes loaded for %d tenant(s)", len(hashes_by_tenant))
+
+
+# ---- CLI flags onto the same fields -------------------------------------------------
+
+
+def apply_overrides(config: KvmeshConfig, overrides: Sequence[str]) -> KvmeshConfig:
+    """Apply ``section.field=value`` overrides (value parsed as YAML: 8, 0.5, true, null, [..]).
+
+    The flag names are the config's own dotted field names, so the CLI cannot drift from the
+    config file or the Helm values: ``--set scheduler.max_num_seqs=32``.
+    """
+    data = config.to_dict()
+    for item in overrides:
+        path, value = _parse_override(item)
+        section, name = path
+        if section not in data:
+            raise ConfigError(f"--set {item!r}: unknown section {section!r}; known: {sorted(data)}")
+        if name not in data[section]:
+            raise ConfigError(f"--set {item!r}: unknown field {name!r} in {section}; "
+                              f"known: {sorted(data[section])}")
+        data[section][name] = value
+    return KvmeshConfig.from_dict(data)
+
+
+def _parse_override(item: str) -> tuple[tuple[str, str], Any]:
+    key, sep, raw = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set expects section.field=value, got {item!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {item!r}: value is not valid YAML: {exc}") from None
+    return (parts[0], parts[1]), value
+
+
+def config_field_paths(config: KvmeshConfig | None = None) -> list[str]:
+    """Every ``section.field`` of the tree (what the Helm values and --set must cover)."""
+    config = config or KvmeshConfig()
+    return [f"{section.name}.{f.name}"
+            for section in dataclasses.fields(config)
+            for f in dataclasses.fields(getattr(config, section.name))]
