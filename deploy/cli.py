@@ -12,6 +12,11 @@ import sys
 
 COMMAND_MODULES = [
     "generate",
+    "capacity",
+    "serve_config",
+    "tenants",
+    "stats",
+    "load",
 ]
 
 

@@ -152,6 +152,9 @@ class RouterConfig:
     max_queue_len: int = 256
     retry_lane_fraction: float = 0.2
     stats_refresh_s: float = 0.25
+    # Longest a request waits in the router's admission queue before OverloadedError
+    # (a request's own deadline, when sooner, wins).
+    max_queue_wait_s: float = 30.0
 
     def validate(self) -> None:
         _one_of("router.policy", self.policy, ("prefix_aware", "least_loaded", "round_robin"))
@@ -163,6 +166,7 @@ class RouterConfig:
         _check(self.max_queue_len >= 0, "router.max_queue_len must be >= 0")
         _check(0 <= self.retry_lane_fraction <= 1, "router.retry_lane_fraction must be in [0, 1]")
         _check(self.stats_refresh_s > 0, "router.stats_refresh_s must be > 0")
+        _check(self.max_queue_wait_s > 0, "router.max_queue_wait_s must be > 0")
 
 
 @dataclass(frozen=True)
@@ -192,10 +196,17 @@ class TenantsConfig:
     redis_url: str | None = None  # None = in-process quota store
     default_tenant: str = "default"
     tenants: tuple[TenantConfig, ...] = ()
+    # Tenant records written by `kvmesh tenants ...` when there is no redis_url (YAML file);
+    # with redis_url they live in Redis. Either overlays `tenants` above, reloaded periodically.
+    tenants_file: str | None = None
+    tenant_refresh_s: float = 5.0
+    quota_probe_interval_s: float = 1.0  # Redis reconnect probe while on local fallback limits
 
     def validate(self) -> None:
         ids = [t.id for t in self.tenants]
         _check(len(ids) == len(set(ids)), f"tenants: duplicate tenant ids in {ids}")
+        _check(self.tenant_refresh_s > 0, "tenants.tenant_refresh_s must be > 0")
+        _check(self.quota_probe_interval_s > 0, "tenants.quota_probe_interval_s must be > 0")
         for t in self.tenants:
             t.validate()
 

@@ -1,1 +1,45 @@
 """Shared fixtures. Keep expensive ones (model loads, Ray clusters, redis) session/module scoped."""
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """A real redis-server on a free loopback port (tests/redis_server.py), one per test module.
+    Skips when the binary is missing (CI: apt-get install -y redis-server)."""
+    from redis_server import RedisServer, redis_server_binary
+
+    if redis_server_binary() is None:
+        pytest.skip("redis-server not installed (apt-get install -y redis-server)")
+    server = RedisServer.start(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The embedded SmolLM2-135M-Instruct as a cached HF folder (GGUF converted once)."""
+    from kvmesh.deploy.config import ModelConfig
+    from kvmesh.worker.model_loader import ensure_hf_dir
+
+    return str(ensure_hf_dir(ModelConfig()).hf_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm2_dir):
+    """A random-initialised tiny Llama (2 layers, GQA 4:2, head_dim 16) saved as a HF folder
+    with SmolLM2's tokenizer, so text in and out works while every forward is cheap."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # larger logits spread: sampled tokens vary, greedy ties are unlikely
+        model.model.embed_tokens.weight.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
+    return str(path)
