@@ -1,0 +1,330 @@
+"""Scheduler: chunked prefill, budgets, priority, batching policies, preemption, admission limits.
+
+Driven by tests/fake_paged_model.py: a deterministic "model" that reads its history back
+through the block tables, so every final token sequence is checkable against
+`expected_output` (the unpressured, uncached answer).
+"""
+
+import pytest
+from fake_paged_model import (FakePagedModel, assert_pool_whole, engine_step, expected_output, outputs_of,
+                              run_until_idle)
+
+from kvmesh.deploy.config import SchedulerConfig
+from kvmesh.kv.kv_cache_manager import KVCacheManager
+from kvmesh.worker.api import SamplingParams
+from kvmesh.worker.errors import InvalidRequestError, OverloadedError
+from kvmesh.worker.request import Request, RequestStatus
+from kvmesh.worker.scheduler import Scheduler
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def build(num_blocks=64, block_size=4, num_cpu_blocks=0, prefix=True, clock=None, **sched):
+    config = SchedulerConfig(**sched)
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix, num_cpu_blocks=num_cpu_blocks)
+    scheduler = Scheduler(config, kv, clock=clock or FakeClock())
+    return scheduler, FakePagedModel(num_blocks, block_size, num_cpu_blocks)
+
+
+def submit(scheduler, rid, prompt, max_tokens=4, priority=0, **kw) -> Request:
+    request = Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                      arrival_time=scheduler.clock(), priority=priority, **kw)
+    scheduler.add_request(request)
+    return request
+
+
+def is_decode(entry) -> bool:
+    return entry.sample and entry.num_scheduled_tokens == 1 and entry.request.num_output_tokens > 0
+
+
+def test_single_request_matches_the_reference_and_returns_its_blocks():
+    scheduler, model = build()
+    request = submit(scheduler, "a", range(1, 11), max_tokens=6)
+    run_until_idle(scheduler, model)
+    assert request.output_token_ids == expected_output(list(range(1, 11)), 6)
+    assert request.status is RequestStatus.FINISHED
+    assert_pool_whole(scheduler)
+
+
+def test_chunked_prefill_splits_a_long_prompt_and_decodes_never_stall():
+    scheduler, model = build(max_num_batched_tokens=12, max_prefill_tokens_per_step=8)
+    short = submit(scheduler, "short", range(3), max_tokens=20)
+    engine_step(scheduler, model)  # short's prompt
+    long_prompt = list(range(100, 140))
+    long = submit(scheduler, "long", long_prompt, max_tokens=3)
+    chunks = []
+    while long.num_output_tokens == 0:
+        output = engine_step(scheduler, model)
+        sizes = output.num_scheduled_tokens
+        assert sizes["short"] == 1, "the decode must run every step of the long prefill"
+        chunks.append(sizes.get("long", 0))
+        assert output.total_num_scheduled_tokens <= 12
+    assert sum(chunks) == 40 and max(chunks) == 8 and len(chunks) == 5
+    run_until_idle(scheduler, model)
+    assert long.output_token_ids == expected_output(long_prompt, 3)
+    assert short.output_token_ids == expected_output(list(range(3)), 20)
+    assert_pool_whole(scheduler)
+
+
+def test_decodes_go_before_a_more_important_prefill():
+    scheduler, model = build(max_num_batched_tokens=8, max_prefill_tokens_per_step=8)
+    low = submit(scheduler, "low", [1, 2], max_tokens=12, priority=1)
+    engine_step(scheduler, model)
+    submit(scheduler, "urgent", range(100, 140), max_tokens=2, priority=0)
+    for _ in range(5):  # urgent's 40-token prompt in chunks of 7, low decoding every step
+        sizes = engine_step(scheduler, model).num_scheduled_tokens
+        assert sizes["low"] == 1 and sizes["urgent"] == 7
+    run_until_idle(scheduler, model)
+    assert low.output_token_ids == expected_output([1, 2], 12)
+
+
+def test_budgets_and_max_num_seqs_hold_every_step():
+    scheduler, model = build(num_blocks=256, max_num_seqs=3, max_num_batched_tokens=10, max_prefill_tokens_per_step=6)
+    requests = [submit(scheduler, f"r{i}", range(i, i + 5 + 3 * i), max_tokens=2 + i % 3) for i in range(8)]
+    outputs = run_until_idle(scheduler, model)
+    for output in outputs:
+        assert len(output.scheduled) <= 3
+        assert output.total_num_scheduled_tokens <= 10
+        assert sum(e.num_scheduled_tokens for e in output.scheduled if not is_decode(e)) <= 6
+    assert max(len(o.scheduled) for o in outputs) == 3
+    for r in requests:
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.sampling.max_tokens)
+    stats = scheduler.stats()
+    assert 0 < stats.batch_fill_rate <= 1 and stats.num_steps == len(outputs)
+    assert_pool_whole(scheduler)
+
+
+def test_admission_follows_priority_then_arrival():
+    clock = FakeClock()
+    scheduler, model = build(clock=clock, max_num_seqs=1)
+    order = []
+    for rid, priority in [("low1", 5), ("high", 0), ("low2", 5), ("mid", 2)]:
+        submit(scheduler, rid, [1, 2, 3], max_tokens=1, priority=priority)
+        clock.now += 1
+    while scheduler.has_unfinished():
+        output = engine_step(scheduler, model)
+        order += [e.request_id for e in output.scheduled if e.request_id not in order]
+    assert order == ["high", "mid", "low1", "low2"]
+
+
+def test_static_policy_admits_nothing_until_the_batch_has_finished():
+    scheduler, model = build(policy="static", static_batch_size=2)
+    a = submit(scheduler, "a", [1, 2], max_tokens=2)
+    b = submit(scheduler, "b", [3, 4], max_tokens=6)
+    c = submit(scheduler, "c", [5, 6], max_tokens=2)
+    while b.status is not RequestStatus.FINISHED:
+        a_done = a.is_finished
+        output = engine_step(scheduler, model)
+        assert "c" not in output.num_scheduled_tokens
+        if a_done:  # a's slot stays empty: the batch runs to completion
+            assert set(output.num_scheduled_tokens) == {"b"}
+    output = engine_step(scheduler, model)
+    assert set(output.num_scheduled_tokens) == {"c"}
+    run_until_idle(scheduler, model)
+    assert c.output_token_ids == expected_output([5, 6], 2)
+
+
+def test_continuous_policy_fills_the_freed_slot_at_once():
+    scheduler, model = build(max_num_seqs=2)
+    a = submit(scheduler, "a", [1, 2], max_tokens=2)
+    submit(scheduler, "b", [3, 4], max_tokens=6)
+    submit(scheduler, "c", [5, 6], max_tokens=2)
+    while not a.is_finished:
+        engine_step(scheduler, model)
+    output = engine_step(scheduler, model)
+    assert set(output.num_scheduled_tokens) == {"b", "c"}
+
+
+def test_dynamic_policy_waits_for_the_window_or_a_full_batch():
+    clock = FakeClock()
+    scheduler, model = build(clock=clock, policy="dynamic", static_batch_size=3, dynamic_batch_window_s=1.0)
+    submit(scheduler, "a", [1, 2], max_tokens=1)
+    submit(scheduler, "b", [3, 4], max_tokens=1)
+    assert engine_step(scheduler, model).is_empty
+    clock.now += 0.5
+    assert engine_step(scheduler, model).is_empty
+    submit(scheduler, "c", [5, 6], max_tokens=1)  # batch full: starts without waiting out the window
+    assert set(engine_step(scheduler, model).num_scheduled_tokens) == {"a", "b", "c"}
+    submit(scheduler, "d", [7, 8], max_tokens=1)
+    assert engine_step(scheduler, model).is_empty
+    clock.now += 1.01  # window elapsed: a partial batch starts
+    assert set(engine_step(scheduler, model).num_scheduled_tokens) == {"d"}
+
+
+def _pressure_workload(scheduler):
+    return [submit(scheduler, f"p{i}", range(10 * i, 10 * i + 6 + i), max_tokens=9) for i in range(5)]
+
+
+@pytest.mark.parametrize("mode,prefix", [("recompute", True), ("recompute", False), ("swap", True)])
+def test_preemption_reproduces_the_unpressured_tokens(mode, prefix):
+    relaxed, relaxed_model = build(num_blocks=64)
+    relaxed_requests = _pressure_workload(relaxed)
+    run_until_idle(relaxed, relaxed_model)
+    assert relaxed.stats().num_preemptions_recompute == relaxed.stats().num_preemptions_swap == 0
+    reference = outputs_of(relaxed_requests)
+    # 10 blocks of 4 tokens for five requests needing 4-5 blocks each: over-committed on purpose.
+    scheduler, model = build(num_blocks=10, num_cpu_blocks=32, prefix=prefix, preemption_mode=mode,
+                             max_total_kv_tokens=10_000)
+    requests = _pressure_workload(scheduler)
+    run_until_idle(scheduler, model)
+    assert outputs_of(requests) == reference
+    for r in requests:
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, 9)
+    preemptions = scheduler.stats()
+    assert getattr(preemptions, f"num_preemptions_{mode}") > 0
+    assert sum(r.num_preemptions for r in requests) == (preemptions.num_preemptions_recompute
+                                                        + preemptions.num_preemptions_swap)
+    assert_pool_whole(scheduler)
+
+
+def test_swap_falls_back_to_recompute_when_swap_space_is_full():
+    scheduler, model = build(num_blocks=10, num_cpu_blocks=1, preemption_mode="swap", max_total_kv_tokens=10_000)
+    requests = _pressure_workload(scheduler)
+    run_until_idle(scheduler, model)
+    stats = scheduler.stats()
+    assert stats.num_preemptions_recompute > 0
+    for r in requests:
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, 9)
+    assert_pool_whole(scheduler)
+
+
+def test_preemption_picks_the_least_important_newest_request():
+    clock = FakeClock()
+    scheduler, model = build(clock=clock, num_blocks=6, max_total_kv_tokens=10_000)
+    vip = submit(scheduler, "vip", range(7), max_tokens=12, priority=0)
+    clock.now += 1
+    old = submit(scheduler, "old", range(20, 27), max_tokens=12, priority=1)
+    clock.now += 1
+    new = submit(scheduler, "new", range(40, 47), max_tokens=12, priority=1)
+    preempted = []
+    while scheduler.has_unfinished():
+        preempted += engine_step(scheduler, model).preempted_ids
+    assert preempted and preempted[0] == "new"
+    assert vip.num_preemptions == 0
+    for r in (vip, old, new):
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, 12)
+
+
+def test_queue_timeout_rejects_and_holds_nothing():
+    clock = FakeClock()
+    scheduler, model = build(clock=clock, num_blocks=16, max_num_seqs=1, max_queue_time_s=5.0)
+    running = submit(scheduler, "running", range(5), max_tokens=8)
+    stuck = submit(scheduler, "stuck", range(5), max_tokens=2)
+    engine_step(scheduler, model)
+    clock.now += 6.0
+    output = engine_step(scheduler, model)
+    assert [(f.request_id, f.status) for f in output.finished] == [("stuck", RequestStatus.REJECTED)]
+    assert stuck.status is RequestStatus.REJECTED and stuck.block_ids == [] and stuck.reserved_kv_tokens == 0
+    assert running.status is RequestStatus.DECODING  # already served: never rejected by the queue clock
+    run_until_idle(scheduler, model)
+    assert_pool_whole(scheduler)
+
+
+def test_overloaded_with_retry_after_and_never_fits_is_invalid():
+    clock = FakeClock()
+    scheduler, model = build(clock=clock, num_blocks=8, block_size=4)  # budget: 32 tokens
+    with pytest.raises(InvalidRequestError):
+        submit(scheduler, "huge", range(30), max_tokens=3)  # 33 > 32, can never fit
+    overcommitted, _ = build(num_blocks=8, block_size=4, max_total_kv_tokens=1000)
+    with pytest.raises(InvalidRequestError):
+        submit(overcommitted, "huge", range(30), max_tokens=3)  # over-commit, but bigger than the pool
+    first = submit(scheduler, "first", range(10), max_tokens=10)  # reserves 20
+    assert scheduler.admission.reserved_tokens == 20
+    with pytest.raises(OverloadedError) as exc:
+        submit(scheduler, "second", range(10), max_tokens=3)  # 13 -> 16; 20 + 16 > 32
+    assert exc.value.retry_after_s > 0 and exc.value.retryable
+    assert "second" not in scheduler.requests
+    # Once a request drains, retry-after follows the measured drain rate.
+    clock.now += 2.0
+    scheduler.abort_requests(["first"])
+    assert scheduler.stats().drain_tokens_per_s == pytest.approx(20 / 2.0)
+    submit(scheduler, "big", range(10), max_tokens=10)  # 20 reserved again
+    with pytest.raises(OverloadedError) as exc:
+        submit(scheduler, "third", range(10), max_tokens=10)  # 20 + 20 - 32 = 8 over, at 10 tokens/s
+    assert exc.value.retry_after_s == pytest.approx(0.8)
+    assert first.output_token_ids == []  # never truncated, never half-served silently
+
+
+def test_queue_full_and_bad_requests():
+    scheduler, _ = build(max_queue_len=2, max_new_tokens=16)
+    submit(scheduler, "a", [1])
+    submit(scheduler, "b", [1])
+    with pytest.raises(OverloadedError):
+        submit(scheduler, "c", [1])
+    with pytest.raises(InvalidRequestError):
+        submit(scheduler, "a", [1])  # duplicate id
+    scheduler.abort_requests("a")
+    with pytest.raises(InvalidRequestError):
+        submit(scheduler, "empty", [])
+    with pytest.raises(InvalidRequestError):
+        submit(scheduler, "long", [1], max_tokens=17)  # above scheduler.max_new_tokens
+    with pytest.raises(InvalidRequestError):
+        scheduler.finish_requests(["b"], RequestStatus.DECODING)
+
+
+def test_abort_unknown_is_a_noop_and_abort_frees_everything():
+    scheduler, model = build()
+    assert scheduler.abort_requests(["nope"]) == []
+    a = submit(scheduler, "a", range(9), max_tokens=5)
+    b = submit(scheduler, "b", range(9), max_tokens=5)
+    engine_step(scheduler, model)
+    aborted = scheduler.abort_requests(["a", "b", "nope"])
+    assert aborted == [a, b] and a.status is RequestStatus.CANCELLED
+    output = scheduler.schedule()
+    assert {f.request_id for f in output.finished} == {"a", "b"} and not output.scheduled
+    assert_pool_whole(scheduler)
+
+
+def test_abort_between_schedule_and_update_is_skipped():
+    scheduler, model = build()
+    a = submit(scheduler, "a", range(6), max_tokens=3)
+    b = submit(scheduler, "b", range(10, 16), max_tokens=3)
+    output = scheduler.schedule()
+    sampled = model.execute(output)
+    scheduler.abort_requests(["a"])  # the client left while the forward ran
+    scheduler.update_from_output(output, sampled)
+    scheduler.check_integrity()
+    assert a.output_token_ids == [] and a.status is RequestStatus.CANCELLED
+    assert b.num_output_tokens == 1
+    run_until_idle(scheduler, model)
+    assert b.output_token_ids == expected_output(list(range(10, 16)), 3)
+    assert_pool_whole(scheduler)
+
+
+def test_request_status_and_token_accounting():
+    assert [s.is_finished for s in RequestStatus] == [False] * 3 + [True] * 4
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=2), arrival_time=0.0)
+    request.append_output_token(9)
+    assert (request.all_token_ids, request.num_tokens, request.num_prompt_tokens, request.num_output_tokens) == (
+        [1, 2, 3, 9], 4, 3, 1)
+    assert request.num_tokens_to_compute == 4
+
+
+def test_stats_report_kv_use_queue_and_fill_rate():
+    scheduler, model = build(max_num_seqs=1, max_num_batched_tokens=8, max_prefill_tokens_per_step=8)
+    submit(scheduler, "a", range(8), max_tokens=2)
+    submit(scheduler, "b", range(20, 25), max_tokens=2)
+    engine_step(scheduler, model)  # a's whole prompt: 8 of 8 tokens
+    stats = scheduler.stats()
+    assert (stats.num_running, stats.num_waiting, stats.queued_prompt_tokens) == (1, 1, 5)
+    assert stats.kv_tokens_used == 8 and stats.kv_tokens_reserved == 12 + 8
+    assert stats.peak_kv_tokens == 8 and stats.batch_fill_rate == 1.0
+    engine_step(scheduler, model)  # a's decode: 1 of 8 tokens, a finishes
+    stats = scheduler.stats()
+    assert stats.batch_fill_rate == pytest.approx((1.0 + 1 / 8) / 2)
+    assert stats.mean_kv_tokens == pytest.approx((8 + 9) / 2) and stats.peak_kv_tokens == 9
+
+
+def test_check_integrity_catches_a_lost_request():
+    scheduler, model = build()
+    submit(scheduler, "a", range(6), max_tokens=3)
+    engine_step(scheduler, model)
+    scheduler.running.clear()  # corrupt: the request is neither waiting nor running
+    with pytest.raises(AssertionError):
+        scheduler.check_integrity()
