@@ -35,11 +35,11 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir):
     path = tmp_path_factory.mktemp("tiny-llama")
     config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+                         rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    with torch.no_grad():  # larger logits spread: sampled tokens vary, greedy ties are unlikely
-        model.model.embed_tokens.weight.normal_(0.0, 0.5)
+    with torch.no_grad():  # logits of std ~1: sampled tokens vary, greedy ties are unlikely
+        model.lm_head.weight.normal_(0.0, 0.125)
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
     return str(path)

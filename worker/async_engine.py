@@ -33,6 +33,7 @@ from kvmesh.worker.errors import InvalidRequestError, KvmeshError
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # how long the idle step thread sleeps between inbox checks
+_BLOCKED_WAIT_S = 0.002  # pause when requests exist but the scheduler ran nothing
 
 
 @dataclass
@@ -139,6 +140,9 @@ class AsyncEngine:
             self._dispatch(deltas)
             if not busy:
                 self._wakeup.wait(_IDLE_WAIT_S)
+                self._wakeup.clear()
+            elif self.engine.last_step_idle:  # requests wait on a window or a sibling: don't spin
+                self._wakeup.wait(_BLOCKED_WAIT_S)
                 self._wakeup.clear()
 
     def _drain_inbox(self) -> list[RequestDelta]:

@@ -53,6 +53,7 @@ class Engine:
         self._ids = itertools.count()
         self.num_forward_tokens = 0  # tokens run through the model since start (tests count these)
         self.num_failed_steps = 0
+        self.last_step_idle = False  # the last step ran nothing (batching window open, n > 1 gate)
 
     @classmethod
     def from_config(cls, config: KvmeshConfig | None = None, worker_id: str = "worker-0") -> "Engine":
@@ -137,6 +138,7 @@ class Engine:
         sched_out = self.scheduler.schedule()
         deltas = [self._close_finished(f.request_id, f.status) for f in sched_out.finished]
         deltas = [d for d in deltas if d is not None]
+        self.last_step_idle = sched_out.is_empty
         if sched_out.is_empty:
             return deltas
         for entry in sched_out.scheduled:
