@@ -21,8 +21,8 @@ from kvmesh.kv.kv_cache_manager import KVCacheManager
 from kvmesh.worker.attention import LayerKVCache
 from kvmesh.worker.model import LlamaForCausalLM
 from kvmesh.worker.model_loader import ensure_hf_dir, load_hf_config, load_state_dict
-from kvmesh.worker.model_runner import (TORCH_DTYPES, ModelRunner, allocate_kv_caches, kv_bytes_per_token,
-                                        kv_storage_dtype)
+from kvmesh.kv.capacity import kv_bytes_per_token, num_blocks_for_budget
+from kvmesh.worker.model_runner import TORCH_DTYPES, ModelRunner, allocate_kv_caches, kv_storage_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -105,11 +105,12 @@ def _eos_ids(hf_config, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _plan_memory(config: KvmeshConfig, model, hf_config, device, storage: torch.dtype,
+def _plan_memory(config: KvmeshConfig, model, hf_config, device, kv_dtype_name: str,
                  profile_peak) -> MemoryPlan:
     cache_cfg = config.cache
-    head_dim = model.head_dim
-    per_token = kv_bytes_per_token(hf_config.num_hidden_layers, hf_config.num_key_value_heads, head_dim, storage)
+    # The capacity model's formula (kv/capacity.py), the same `kvmesh capacity` prints.
+    per_token = kv_bytes_per_token(hf_config.num_hidden_layers, hf_config.num_key_value_heads, model.head_dim,
+                                   kv_dtype_name)
     per_block = per_token * cache_cfg.block_size
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + \
         sum(b.numel() * b.element_size() for b in model.buffers())
@@ -122,12 +123,12 @@ def _plan_memory(config: KvmeshConfig, model, hf_config, device, storage: torch.
         free, _ = torch.cuda.mem_get_info(device)
         in_use = total - free
         budget = int(total * cache_cfg.gpu_memory_utilization) - in_use - peak
-        num_blocks = budget // per_block
+        num_blocks = num_blocks_for_budget(budget, cache_cfg.block_size, per_token)
     else:
-        num_blocks = int(cache_cfg.cpu_kv_cache_gib * GIB) // per_block
+        num_blocks = num_blocks_for_budget(int(cache_cfg.cpu_kv_cache_gib * GIB), cache_cfg.block_size, per_token)
     if num_blocks < 1:
         raise ConfigError(f"no memory left for the KV cache (one block needs {per_block} bytes)")
-    num_swap = int(cache_cfg.swap_space_gib * GIB) // per_block
+    num_swap = num_blocks_for_budget(int(cache_cfg.swap_space_gib * GIB), cache_cfg.block_size, per_token)
     return MemoryPlan(weight_bytes, per_token, cache_cfg.block_size, num_blocks, num_swap,
                       num_blocks * per_block, peak)
 
@@ -155,10 +156,9 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
     tokenizer = load_tokenizer(config.model)
 
     storage = kv_storage_dtype(config.cache.kv_cache_dtype, dtype)
-    if storage == getattr(torch, "float8_e4m3fn", None) and device.type == "cpu":
-        logger.info("fp8 KV on CPU: stored as float8_e4m3fn, dequantized in the torch backend")
     backend = pick_backend(config, device)
-    plan = _plan_memory(config, model, hf_config, device, storage,
+    kv_dtype_name = _effective_kv_dtype_name(config, dtype)
+    plan = _plan_memory(config, model, hf_config, device, kv_dtype_name,
                         profile_peak=lambda: _profile_peak(model, config, device))
     layers, hkv = hf_config.num_hidden_layers, hf_config.num_key_value_heads
     kv_caches = allocate_kv_caches(layers, plan.num_blocks, plan.block_size, hkv, model.head_dim, storage, device)
@@ -176,8 +176,7 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
         plan.weight_bytes / 2**20, plan.kv_bytes_per_token, storage, plan.num_blocks, plan.block_size,
         plan.kv_capacity_tokens, plan.kv_cache_bytes / 2**20, plan.num_swap_blocks,
         plan.peak_activation_bytes / 2**20, device, dtype, backend.name)
-    return EngineParts(runner, kv_manager, tokenizer, hf_config, resolved.name,
-                       _effective_kv_dtype_name(config, dtype), max_model_len,
+    return EngineParts(runner, kv_manager, tokenizer, hf_config, resolved.name, kv_dtype_name, max_model_len,
                        _eos_ids(hf_config, tokenizer), plan, device)
 
 

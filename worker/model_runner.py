@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.deploy.config import ConfigError
 from kvmesh.worker.attention import AttentionBackend, AttentionMetadata, LayerKVCache
 from kvmesh.worker.sampler import SampleResult, SamplingRow, sample
 
@@ -34,15 +35,10 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
     if kv_cache_dtype == "int8":
         return torch.int8
     if kv_cache_dtype == "fp8":
+        if not hasattr(torch, "float8_e4m3fn"):
+            raise ConfigError("cache.kv_cache_dtype=fp8 needs a torch with float8_e4m3fn")
         return torch.float8_e4m3fn
     return TORCH_DTYPES[kv_cache_dtype]
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, storage: torch.dtype) -> int:
-    """2 x L x Hkv x D x bytes (K and V), plus per-token per-head fp32 scales when quantized."""
-    elem = torch.empty((), dtype=storage).element_size()
-    scales = 2 * num_layers * num_kv_heads * 4 if storage in (torch.int8, torch.float8_e4m3fn) else 0
-    return 2 * num_layers * num_kv_heads * head_dim * elem + scales
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
