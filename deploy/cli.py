@@ -13,10 +13,13 @@ import sys
 COMMAND_MODULES = [
     "generate",
     "capacity",
+    "quant_report",
     "serve_config",
     "tenants",
     "stats",
     "load",
+    "serve",
+    "chat",
 ]
 
 

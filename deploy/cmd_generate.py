@@ -27,6 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--server", default=None, metavar="ADDR",
+                   help="generate on a running kvmesh server (gRPC host:port) instead of in-process")
     p.set_defaults(func=run)
 
 
@@ -45,6 +47,10 @@ def run(args) -> int:
     from kvmesh.worker.tokenizer import render_chat
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if getattr(args, "server", None):
+        from kvmesh.deploy.cmd_chat import run_remote_generate
+
+        return run_remote_generate(args.server, prompt, _sampling(args), args.chat, args.system)
     try:
         config = KvmeshConfig.from_dict({"model": {"path": args.model, "dtype": args.dtype},
                                          "parallel": {"device": args.device}})

@@ -1,0 +1,133 @@
+"""`kvmesh serve`: bring up the router (gRPC + OpenAI HTTP) and the workers on Ray.
+
+    kvmesh serve                                  # embedded SmolLM2, 2 workers, local Ray
+    kvmesh serve --config kvmesh.yaml --workers 4 --policy least_loaded
+    kvmesh serve --model ./my-hf-folder --grpc-port 50051 --http-port 8000
+    kvmesh serve --address auto                   # join a running Ray cluster
+
+Flags map onto the KvmeshConfig fields (`--set section.field=value` reaches any of them);
+the precedence is defaults < --config < flags < --set. It starts a local Ray cluster unless
+`--address` is given, deploys the Serve application, prints the endpoints and blocks until
+Ctrl-C / SIGTERM, then deletes the application and kills the detached worker actors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from kvmesh.deploy.config import ConfigError, KvmeshConfig
+
+logger = logging.getLogger(__name__)
+
+# `kvmesh serve` with no config and no --workers: two workers, each asking half a CPU, so
+# both fit next to the router on a 2-core laptop.
+EMBEDDED_NUM_WORKERS = 2
+EMBEDDED_WORKER_NUM_CPUS = 0.5
+EXIT_CONFIG_ERROR = 2
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve the model over gRPC and OpenAI-compatible HTTP on Ray",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="KvmeshConfig YAML (flags override its values)")
+    p.add_argument("--model", help="HF folder or .gguf file (default: embedded SmolLM2)")
+    p.add_argument("--workers", type=int, help="number of engine workers (parallel.num_workers)")
+    p.add_argument("--tp", type=int, help="tensor-parallel size per worker")
+    p.add_argument("--host", help="address the proxies bind (router.host)")
+    p.add_argument("--grpc-port", type=int, help="gRPC port (router.grpc_port)")
+    p.add_argument("--http-port", type=int, help="HTTP port (router.http_port)")
+    p.add_argument("--policy", choices=("prefix_aware", "least_loaded", "round_robin"), help="routing policy")
+    p.add_argument("--max-num-seqs", type=int, help="max running requests per worker (scheduler.max_num_seqs)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override any config field, e.g. --set cache.block_size=32 (repeatable)")
+    p.add_argument("--address", help="join this Ray cluster (e.g. 'auto') instead of starting one")
+    p.add_argument("--app-name", default="kvmesh", help="Serve application name (default kvmesh)")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> KvmeshConfig:
+    from kvmesh.deploy.serve_config import apply_overrides
+
+    config = KvmeshConfig.from_yaml(args.config) if args.config else KvmeshConfig()
+    data = config.to_dict()
+    if not args.config and args.workers is None:
+        data["parallel"].update(num_workers=EMBEDDED_NUM_WORKERS, worker_num_cpus=EMBEDDED_WORKER_NUM_CPUS)
+    flag_fields = {("model", "path"): args.model, ("parallel", "num_workers"): args.workers,
+                   ("parallel", "tensor_parallel_size"): args.tp, ("router", "host"): args.host,
+                   ("router", "grpc_port"): args.grpc_port, ("router", "http_port"): args.http_port,
+                   ("router", "policy"): args.policy, ("scheduler", "max_num_seqs"): args.max_num_seqs}
+    for (section, name), value in flag_fields.items():
+        if value is not None:
+            data[section][name] = value
+    return apply_overrides(KvmeshConfig.from_dict(data), args.overrides)
+
+
+def start_serving(config: KvmeshConfig, app_name: str = "kvmesh", address: str | None = None) -> None:
+    """Init Ray (local unless `address`), start Serve's proxies and deploy the app; returns
+    once the router replicas are up (they wait for the workers' models to load)."""
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions, HTTPOptions
+
+    from kvmesh.router.app import GRPC_SERVICER_FUNCTION, build_router_app
+
+    if not ray.is_initialized():
+        if address is None:
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    router = config.router
+    serve.start(http_options=HTTPOptions(host=router.host, port=router.http_port),
+                grpc_options=gRPCOptions(port=router.grpc_port, grpc_servicer_functions=[GRPC_SERVICER_FUNCTION]))
+    serve.run(build_router_app(config), name=app_name, route_prefix="/")
+
+
+def stop_serving(config: KvmeshConfig, app_name: str = "kvmesh") -> None:
+    """Delete the app, kill its detached workers, stop Serve (best effort, in that order)."""
+    from ray import serve
+
+    from kvmesh.worker.actor import kill_workers
+
+    for step, action in (("delete app", lambda: serve.delete(app_name)),
+                         ("kill workers", lambda: kill_workers(config, app_name)),
+                         ("shutdown serve", serve.shutdown)):
+        try:
+            action()
+        except Exception as exc:
+            logger.warning("shutdown step %r failed: %s", step, exc)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"kvmesh serve: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    stop = threading.Event()
+    router = config.router
+    print(f"kvmesh serve: starting {config.parallel.num_workers} worker(s) of "
+          f"{config.model.path or 'embedded SmolLM2'} (the first start converts the model) ...", flush=True)
+    try:
+        start_serving(config, args.app_name, args.address)
+        # After ray.init, which installs a SIGTERM handler that exits at once: ours lets the
+        # finally below delete the app and kill the detached workers first.
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        print(f"kvmesh serve: ready\n  gRPC    {router.host}:{router.grpc_port}  (kvmesh.v1.Kvmesh)\n"
+              f"  HTTP    http://{router.host}:{router.http_port}/v1  (OpenAI-compatible)\n"
+              f"  health  http://{router.host}:{router.http_port}/health\n"
+              f"  metrics http://{router.host}:{router.http_port}/metrics\nCtrl-C to stop.", flush=True)
+        while not stop.wait(timeout=1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("kvmesh serve: shutting down ...", flush=True)
+        stop_serving(config, args.app_name)
+        import ray
+
+        ray.shutdown()
+    return 0

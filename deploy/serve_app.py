@@ -1,0 +1,21 @@
+"""The Serve application import path: `kvmesh.deploy.serve_app:build_app`.
+
+Used by Serve config files (`kvmesh serve-config > app.yaml; serve run app.yaml`, `serve
+deploy`) and by KubeRay's serveConfigV2 (deploy/serve_config.py writes them): Serve
+calls `build_app(args)` with the application's `args`, which are the whole KvmeshConfig
+tree as a dict. Secrets arrive as process plumbing and are merged by
+`config_from_serve_args` (Redis URL, API key hashes).
+
+The gRPC port is Serve's, not the app's: the Serve file's `grpc_options` must list
+`kvmesh.router.app.GRPC_SERVICER_FUNCTION` for gRPC to be served (`kvmesh serve` does).
+"""
+
+from __future__ import annotations
+
+from kvmesh.deploy.serve_config import config_from_serve_args
+
+
+def build_app(args: dict | None = None):
+    from kvmesh.router.app import build_router_app
+
+    return build_router_app(config_from_serve_args(args or {}))

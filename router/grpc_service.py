@@ -1,0 +1,134 @@
+"""The Kvmesh gRPC service, as methods of the router deployment (Serve's gRPC ingress).
+
+Serve's gRPC proxy owns the port and registers the generated servicer through
+`add_KvmeshServicer_to_server` below (gRPCOptions.grpc_servicer_functions =
+["kvmesh.router.grpc_service.add_KvmeshServicer_to_server"]); for each RPC it calls the
+ingress deployment's method of the same name with the decoded request and a
+`RayServegRPCContext`. `KvmeshGrpcMethods` is that set of methods, mixed into the router
+deployment (router/app.py) next to the FastAPI routes, so gRPC and HTTP share one replica
+and one `RouterCore`.
+
+Errors: the status comes from router/status_map.py; it is set on the context (code,
+details, trailing metadata `x-kvmesh-error` and `retry-after-ms`) and the method then
+raises, which makes Serve end the RPC with exactly that status, also mid-stream.
+
+Metadata read: `authorization: Bearer <key>`, `x-kvmesh-attempt`, `traceparent`/`tracestate`,
+and `x-kvmesh-timeout-s` (a server-enforced deadline; a client's own gRPC deadline also
+works, because the proxy then cancels the call, which aborts the request on the worker).
+Trailing metadata `x-kvmesh-worker` names the worker that served a Generate.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto import kvmesh_pb2_grpc
+from kvmesh.router import convert, status_map
+from kvmesh.router.router_core import InboundRequest, RouterCore
+from kvmesh.worker.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+TIMEOUT_KEY = "x-kvmesh-timeout-s"
+WORKER_KEY = "x-kvmesh-worker"
+
+# Serve's proxy pickles each decoded request message to hand it to a replica, and pickle
+# finds a class by its __module__. protoc names the messages' module after the .proto
+# file ("kvmesh_pb2"), not after the package we import it as; until the stubs are generated
+# with the package name, this alias lets both the proxy (which imports the servicer
+# function below) and the replica (which imports this module) resolve it.
+sys.modules.setdefault(pb.GenerateRequest.__module__, pb)
+
+
+def add_KvmeshServicer_to_server(servicer, server) -> None:  # noqa: N802 (protoc's name)
+    """The servicer function Serve's gRPC proxy registers (gRPCOptions.grpc_servicer_functions)."""
+    kvmesh_pb2_grpc.add_KvmeshServicer_to_server(servicer, server)
+
+
+class KvmeshGrpcMethods:
+    """gRPC methods of the router deployment; the class using it sets `self.core`."""
+
+    core: RouterCore
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context=None):
+        try:
+            stream = await self.core.start(inbound_from_pb(request, _invocation_metadata(grpc_context)))
+            if grpc_context is not None:
+                grpc_context.set_trailing_metadata([(WORKER_KEY, stream.worker_id)])
+            async for delta in stream:
+                yield convert.delta_to_pb(delta)
+        except Exception as exc:
+            _fail(grpc_context, exc)
+            raise
+
+    async def Cancel(self, request: pb.CancelRequest, grpc_context=None) -> pb.CancelResponse:
+        try:
+            meta = convert.call_metadata_from_grpc(_invocation_metadata(grpc_context))
+            found = await self.core.cancel(request.request_id, meta.api_key)
+        except Exception as exc:
+            _fail(grpc_context, exc)
+            raise
+        return pb.CancelResponse(found=found)
+
+    async def ListModels(self, request: pb.ListModelsRequest, grpc_context=None) -> pb.ListModelsResponse:
+        core = self.core
+        info = core.pool.any_info()
+        return convert.models_to_pb([convert.ModelInfo(
+            id=core.model_name, max_model_len=core.config.model.max_model_len or 0,
+            block_size=info.block_size if info else core.config.cache.block_size)])
+
+    async def Health(self, request: pb.HealthRequest, grpc_context=None) -> pb.HealthResponse:
+        view = self.core.cluster_view()
+        return convert.health_to_pb(convert.HealthStatus(serving=view.num_routable > 0, num_workers=view.num_workers,
+                                                         num_healthy_workers=view.num_routable))
+
+    async def GetStats(self, request: pb.GetStatsRequest, grpc_context=None) -> pb.GetStatsResponse:
+        view = self.core.cluster_view()
+        admission = self.core.admission.snapshot()
+        totals = convert.ClusterTotals.from_workers(
+            view.workers, router_queue_len=admission.num_queued_first + admission.num_queued_retry,
+            router_in_flight=view.router_in_flight)
+        return convert.cluster_stats_to_pb(convert.ClusterStats(workers=view.workers, totals=totals))
+
+
+def _invocation_metadata(grpc_context) -> list[tuple[str, str]]:
+    return list(grpc_context.invocation_metadata()) if grpc_context is not None else []
+
+
+def _fail(grpc_context, exc: BaseException) -> None:
+    """Put the status for `exc` on the context; the caller re-raises so Serve sends it."""
+    status = status_map.status_for(exc)
+    if status.kind == "internal":
+        logger.exception("gRPC request failed", exc_info=exc)
+    if grpc_context is not None:
+        grpc_context.set_code(status.grpc_code)
+        grpc_context.set_details(status.message)
+        grpc_context.set_trailing_metadata(list(status_map.grpc_trailing_metadata(status)))
+
+
+def inbound_from_pb(request: pb.GenerateRequest, metadata: list[tuple[str, str]]) -> InboundRequest:
+    """The router core's request from the message (convert.py) and the call metadata."""
+    given = convert.generate_input_from_pb(request)
+    meta = convert.call_metadata_from_grpc(metadata)
+    timeout_s = _positive_float(status_map.metadata_value(metadata, TIMEOUT_KEY), TIMEOUT_KEY)
+    messages = None if given.messages is None else tuple(m.to_dict() for m in given.messages)
+    return InboundRequest(
+        api_key=meta.api_key, request_id=given.request_id, prompt=given.prompt, messages=messages,
+        prompt_token_ids=given.prompt_token_ids, sampling=given.sampling, priority=given.priority,
+        model=given.model, deadline_s=None if timeout_s is None else time.time() + timeout_s,
+        attempt=meta.attempt, trace_context=meta.trace_context)
+
+
+def _positive_float(raw: str | None, name: str) -> float | None:
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InvalidRequestError(f"metadata {name} must be a number, got {raw!r}") from None
+    if value <= 0:
+        raise InvalidRequestError(f"metadata {name} must be > 0")
+    return value

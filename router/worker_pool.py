@@ -1,0 +1,220 @@
+"""The router replica's view of the worker actors: handles, latest stats, health.
+
+Every router replica keeps its own `WorkerPool`; replicas agree because each one learns
+the same facts from the same workers (stats and prefix-cache events), not from a shared
+in-memory global. One watcher task per worker keeps exactly one `poll` call in flight:
+
+    watcher(worker-i):  poll(since_seq) ──ok──> stats, prefix events -> PrefixIndex, healthy
+                              │
+                              ├─ RayActorError ─> unhealthy; sleep; poll again
+                              └─ no answer within poll_timeout_s -> unhealthy; keep
+                                 waiting on the same call (a restarting actor answers late;
+                                 piling up calls on it would only delay it)
+
+A worker is routable when its last poll succeeded, it reported `healthy`, and no request
+stream has failed on that same incarnation since. A failed stream (`mark_failed`) takes
+the worker out at once, without waiting for the next poll. Ray restarts the actor
+(`max_restarts=-1`); the first poll answered by the new incarnation brings it back and
+drops what the prefix index knew of the old one (its cache died with it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.router.prefix_index import PrefixIndex
+from kvmesh.worker.actor import WorkerInfo, WorkerPoll, start_workers
+from kvmesh.worker.api import WorkerStats
+
+logger = logging.getLogger(__name__)
+
+_MAX_POLL_WAIT_S = 300.0  # longer than any model load; then the call is presumed lost
+
+
+@dataclass
+class _WorkerState:
+    """Mutable, owned by the pool (the replica's event loop): no locks."""
+
+    worker_id: str
+    handle: object  # ray.actor.ActorHandle
+    info: WorkerInfo | None = None
+    stats: WorkerStats | None = None
+    polled_ok: bool = False
+    failed_incarnation: str | None = None  # a stream failed on this incarnation
+    last_error: str = ""
+    last_ok_time: float = 0.0
+
+    @property
+    def routable(self) -> bool:
+        return (self.polled_ok and self.stats is not None and self.stats.healthy
+                and self.info is not None and self.info.incarnation != self.failed_incarnation)
+
+
+class WorkerPool:
+    def __init__(self, config: KvmeshConfig, app_name: str, prefix_index: PrefixIndex | None = None):
+        self._config = config
+        self._app_name = app_name
+        self.prefix_index = prefix_index or PrefixIndex()
+        self._workers: dict[str, _WorkerState] = {}
+        self._watchers: list[asyncio.Task] = []
+        self._refresh_s = config.router.stats_refresh_s
+        # A poll is a few dict reads on the worker; several refresh periods without an answer
+        # means the actor is gone or restarting, not slow.
+        self._poll_timeout_s = max(2.0, 8 * self._refresh_s)
+        self._changed = asyncio.Event()
+        # Called with (stats_for_routing(), taken_at) after every change: admission and
+        # metrics follow the pool. taken_at is time.monotonic() when the poll was sent.
+        self.on_stats: Callable[[list[WorkerStats], float | None], None] | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Find or create the workers and start watching them (call on the event loop)."""
+        for index, handle in enumerate(start_workers(self._config, self._app_name)):
+            worker_id = f"worker-{index}"
+            self._workers[worker_id] = _WorkerState(worker_id, handle)
+            self._watchers.append(asyncio.get_running_loop().create_task(self._watch(worker_id)))
+
+    async def wait_routable(self, timeout_s: float, min_workers: int = 1) -> bool:
+        """Wait until at least `min_workers` workers are routable (model loads take a while)."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.routable_ids()) < min_workers:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=min(remaining, 1.0))
+            except asyncio.TimeoutError:
+                pass
+        return True
+
+    async def close(self) -> None:
+        for task in self._watchers:
+            task.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
+        self._watchers.clear()
+
+    # ---- queries -------------------------------------------------------------------------
+
+    @property
+    def worker_ids(self) -> list[str]:
+        return sorted(self._workers)
+
+    def routable_ids(self) -> list[str]:
+        return [w for w in self.worker_ids if self._workers[w].routable]
+
+    def handle(self, worker_id: str):
+        return self._workers[worker_id].handle
+
+    def info(self, worker_id: str) -> WorkerInfo | None:
+        return self._workers[worker_id].info
+
+    def any_info(self) -> WorkerInfo | None:
+        return next((s.info for s in self._workers.values() if s.info is not None), None)
+
+    def stats_for_routing(self) -> list[WorkerStats]:
+        """Latest stats of every worker that has reported, `healthy` as the router sees it
+        (a worker whose stream just failed is unhealthy even if its last stats said not)."""
+        result = []
+        for worker_id in self.worker_ids:
+            state = self._workers[worker_id]
+            if state.stats is None:
+                continue
+            if state.stats.healthy != state.routable:
+                result.append(_with_health(state.stats, state.routable))
+            else:
+                result.append(state.stats)
+        return result
+
+    # ---- failures ------------------------------------------------------------------------
+
+    def mark_failed(self, worker_id: str, reason: str) -> None:
+        """A request stream on this worker failed: stop routing to it until it comes back."""
+        state = self._workers[worker_id]
+        if state.info is not None and state.failed_incarnation != state.info.incarnation:
+            state.failed_incarnation = state.info.incarnation
+            state.last_error = reason
+            logger.warning("worker %s marked unavailable: %s", worker_id, reason)
+            self._changed.set()
+            self._notify(None)
+
+    # ---- polling -------------------------------------------------------------------------
+
+    async def _watch(self, worker_id: str) -> None:
+        import ray.exceptions
+
+        state = self._workers[worker_id]
+        while True:
+            taken_at = time.monotonic()
+            ref = state.handle.poll.remote(self.prefix_index.next_seq(worker_id))
+            future = asyncio.ensure_future(_await_ref(ref))
+            try:
+                done, _ = await asyncio.wait({future}, timeout=self._poll_timeout_s)
+                if not done:
+                    self._set_down(state, f"no answer to poll within {self._poll_timeout_s:.1f}s")
+                    # A restart (process start + model load) answers late; a call that never
+                    # answers is dropped after a generous bound and the poll sent again.
+                    poll = await asyncio.wait_for(future, timeout=_MAX_POLL_WAIT_S)
+                else:
+                    poll = future.result()
+                self._apply(state, poll)
+                self._notify(taken_at)
+            except asyncio.CancelledError:
+                future.cancel()
+                raise
+            except asyncio.TimeoutError:
+                logger.warning("worker %s: poll unanswered for %.0fs; polling again", worker_id, _MAX_POLL_WAIT_S)
+            except ray.exceptions.RayError as exc:
+                self._set_down(state, f"{type(exc).__name__}")
+            except Exception:  # a bug in applying a poll must not kill the watcher
+                logger.exception("applying the poll of %s failed", worker_id)
+                self._set_down(state, "poll could not be applied")
+            await asyncio.sleep(self._refresh_s)
+
+    def _apply(self, state: _WorkerState, poll: WorkerPoll) -> None:
+        was_routable = state.routable
+        if state.info is not None and state.info.incarnation != poll.info.incarnation:
+            # A restart: the old cache died with the old process, and these events were
+            # asked for from the old incarnation's sequence numbers. Forget both and let
+            # the next poll (since_seq=0) rebuild the worker's prefix view.
+            logger.warning("worker %s restarted (incarnation %s -> %s)", state.worker_id,
+                           state.info.incarnation, poll.info.incarnation)
+            self.prefix_index.remove_worker(state.worker_id)
+            state.info, state.stats, state.polled_ok = poll.info, poll.stats, False
+            self._changed.set()
+            return
+        state.info, state.stats = poll.info, poll.stats
+        self.prefix_index.apply(poll.prefix_events)
+        state.polled_ok = True
+        state.last_ok_time = time.time()
+        if state.routable != was_routable:
+            logger.info("worker %s is %s", state.worker_id, "routable" if state.routable else "not routable")
+            self._changed.set()
+
+    def _set_down(self, state: _WorkerState, reason: str) -> None:
+        if state.polled_ok:
+            logger.warning("worker %s not answering: %s", state.worker_id, reason)
+        state.polled_ok = False
+        state.last_error = reason
+        self._changed.set()
+        self._notify(None)
+
+    def _notify(self, taken_at: float | None) -> None:
+        if self.on_stats is not None:
+            self.on_stats(self.stats_for_routing(), taken_at)
+
+
+async def _await_ref(ref):
+    return await ref
+
+
+def _with_health(stats: WorkerStats, healthy: bool) -> WorkerStats:
+    return dataclasses.replace(stats, healthy=healthy)
+

@@ -1,0 +1,216 @@
+"""The Ray actor that wraps one AsyncEngine: what the router sees of a worker.
+
+One actor per GPU (later: per tensor-parallel group). The router reaches it only through
+the public async methods below; everything crosses Ray as the plain dataclasses of
+`worker/api.py` plus the two small records defined here.
+
+Why these choices:
+
+* Named, detached actors (`kvmesh-<app>-worker-<i>` in the `kvmesh` namespace) created
+  with `get_if_exists=True`: every router replica finds the *same* workers, so N router
+  replicas agree on who holds which prefix without any router-side global state. Detached,
+  because a router replica restart must not kill the engines; `kvmesh serve` (and the test
+  fixtures) kill them explicitly on shutdown (`kill_workers`).
+* `max_restarts=-1`: Ray restarts a killed or crashed worker; the router learns of the
+  outage from `RayActorError` and from failed stats polls, and of the new incarnation from
+  `WorkerInfo.incarnation` (which resets what it knew of that worker's prefix cache).
+* `max_task_retries=0`: Ray must not replay a `generate` on the restarted actor; only the
+  client knows whether a retry is wanted (it gets UNAVAILABLE and retries, possibly on
+  another worker).
+* `generate` is an async generator, called with `num_returns="streaming"`: Ray ships each
+  yielded item as it is produced. Each item is a *list* of deltas: whatever the engine
+  produced while the previous item was in flight, so a slow consumer costs fewer Ray
+  objects, not more latency.
+* Errors cross the actor boundary as `ErrorReport` values, not raised exceptions: Ray
+  wraps raised exceptions in RayTaskError and kvmesh's errors carry constructor arguments
+  (`retry_after_s`) that Ray's exception re-creation drops. An exception from a Ray stream
+  therefore always means "the worker itself failed".
+* Cancelling the consumer (`ray.cancel` on the stream, which cancels the actor task) and
+  `abort(request_id)` both end the request in the engine and free its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.worker import errors
+from kvmesh.worker.api import GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats
+
+logger = logging.getLogger(__name__)
+
+WORKER_NAMESPACE = "kvmesh"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Static facts about one worker incarnation (a restart yields a new `incarnation`)."""
+
+    worker_id: str
+    incarnation: str
+    model_name: str
+    block_size: int
+
+
+@dataclass(frozen=True)
+class ErrorReport:
+    """A kvmesh error raised by the engine, carried as a value through the Ray stream."""
+
+    error_type: str  # class name in kvmesh.worker.errors
+    message: str
+    retry_after_s: float | None = None
+
+    @classmethod
+    def from_exception(cls, exc: errors.KvmeshError) -> "ErrorReport":
+        return cls(type(exc).__name__, exc.message, getattr(exc, "retry_after_s", None))
+
+    def to_exception(self) -> errors.KvmeshError:
+        error_class = getattr(errors, self.error_type, None)
+        if not (isinstance(error_class, type) and issubclass(error_class, errors.KvmeshError)):
+            return errors.WorkerFailedError(f"{self.error_type}: {self.message}")
+        if self.retry_after_s is not None:
+            return error_class(self.message, self.retry_after_s)
+        return error_class(self.message)
+
+
+@dataclass(frozen=True)
+class WorkerPoll:
+    """What the router's pool refreshes every `router.stats_refresh_s`, in one call."""
+
+    info: WorkerInfo
+    stats: WorkerStats
+    prefix_events: PrefixEventBatch
+
+
+StreamItem = list[RequestDelta] | ErrorReport
+_END_OF_STREAM = object()  # the pump's last queue item
+
+
+def worker_actor_name(app_name: str, index: int) -> str:
+    return f"kvmesh-{app_name}-worker-{index}"
+
+
+class WorkerActor:
+    """Wraps one AsyncEngine. Create it with `start_workers` (named, detached, restartable)."""
+
+    def __init__(self, config_dict: dict, worker_id: str):
+        # The engine (and torch) load here, in the worker process, never in the router.
+        from kvmesh.worker.async_engine import AsyncEngine
+
+        self._config = KvmeshConfig.from_dict(config_dict)
+        self._engine = AsyncEngine.from_config(self._config, worker_id=worker_id)
+        self._info = WorkerInfo(worker_id=worker_id, incarnation=uuid.uuid4().hex,
+                                model_name=self._engine.model_name, block_size=self._engine.block_size)
+        self._streaming: set[str] = set()  # request ids with a live `generate` stream
+        logger.info("worker %s up (incarnation %s, model %s)", worker_id, self._info.incarnation,
+                    self._info.model_name)
+
+    async def info(self) -> WorkerInfo:
+        return self._info
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamItem]:
+        """Stream the request's deltas in batches; an engine error ends the stream with an
+        ErrorReport. Closing or cancelling this generator aborts the request."""
+        queue: asyncio.Queue = asyncio.Queue()
+        pump = asyncio.create_task(self._pump(request, queue))
+        self._streaming.add(request.request_id)
+        try:
+            ended = False
+            while not ended:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                ended = batch[-1] is _END_OF_STREAM
+                deltas = [item for item in batch if isinstance(item, RequestDelta)]
+                reports = [item for item in batch if isinstance(item, ErrorReport)]
+                if deltas:
+                    yield deltas
+                if reports:
+                    yield reports[0]
+                    return
+        finally:
+            self._streaming.discard(request.request_id)
+            if not pump.done():
+                pump.cancel()  # closes the engine's generator, which aborts the request
+                await asyncio.gather(pump, return_exceptions=True)
+
+    async def _pump(self, request: GenerateRequest, queue: asyncio.Queue) -> None:
+        try:
+            async for delta in self._engine.generate(request):
+                queue.put_nowait(delta)
+        except errors.KvmeshError as exc:
+            queue.put_nowait(ErrorReport.from_exception(exc))
+        except Exception as exc:  # a model failure: report it, keep the actor alive
+            logger.exception("request %s failed in the engine", request.request_id)
+            queue.put_nowait(ErrorReport("WorkerFailedError", f"engine failure: {exc!r}"))
+        finally:
+            queue.put_nowait(_END_OF_STREAM)
+
+    async def poll(self, since_prefix_seq: int) -> WorkerPoll:
+        # The *_async reads wait for the engine lock in a thread, never on this event loop.
+        stats = await self._engine.stats_async()
+        return WorkerPoll(self._info, stats, await self._engine.prefix_events_async(since_prefix_seq))
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request; True when this worker was streaming it (its stream then ends
+        with finish_reason ABORT). Unknown ids are a no-op."""
+        known = request_id in self._streaming
+        await self._engine.abort(request_id)
+        return known
+
+    async def stats(self) -> WorkerStats:
+        return await self._engine.stats_async()
+
+    async def prefix_events(self, since_seq: int) -> PrefixEventBatch:
+        return await self._engine.prefix_events_async(since_seq)
+
+    async def block_extra_keys(self, cache_salt: str | None) -> tuple[str, ...]:
+        return self._engine.block_extra_keys(cache_salt)
+
+    async def shutdown(self) -> None:
+        await self._engine.shutdown()
+
+
+def worker_actor_options(config: KvmeshConfig, app_name: str, index: int) -> dict:
+    """Ray actor options for worker `index`: named, detached, restarted by Ray."""
+    parallel = config.parallel
+    resources = {parallel.worker_resource: 1.0} if parallel.worker_resource else {}
+    options = dict(name=worker_actor_name(app_name, index), namespace=WORKER_NAMESPACE,
+                   lifetime="detached", get_if_exists=True, max_restarts=-1, max_task_retries=0,
+                   num_cpus=parallel.worker_num_cpus, resources=resources,
+                   max_concurrency=max(1000, 4 * config.scheduler.max_num_seqs))
+    if parallel.worker_resource == "GPU":  # Ray's GPU is its own option, one per TP rank
+        options["num_gpus"] = parallel.tensor_parallel_size
+        options["resources"] = {}
+    return options
+
+
+def start_workers(config: KvmeshConfig, app_name: str) -> list:
+    """Create (or find, when another router replica already did) the worker actors."""
+    import ray
+
+    remote_class = ray.remote(WorkerActor)
+    handles = []
+    for index in range(config.parallel.num_workers):
+        options = worker_actor_options(config, app_name, index)
+        handles.append(remote_class.options(**options).remote(config.to_dict(), f"worker-{index}"))
+    return handles
+
+
+def kill_workers(config: KvmeshConfig, app_name: str) -> int:
+    """Kill the app's detached workers for good; returns how many were found."""
+    import ray
+
+    killed = 0
+    for index in range(config.parallel.num_workers):
+        try:
+            handle = ray.get_actor(worker_actor_name(app_name, index), namespace=WORKER_NAMESPACE)
+        except ValueError:
+            continue
+        ray.kill(handle, no_restart=True)
+        killed += 1
+    return killed
