@@ -35,6 +35,9 @@ class QuotaExceededError(KvmeshError):
         super().__init__(message)
         self.retry_after_s = float(retry_after_s)
 
+    def __reduce__(self):  # pickling (Ray actor -> router) must carry retry_after_s too
+        return (type(self), (self.message, self.retry_after_s))
+
 
 class OverloadedError(KvmeshError):
     """Capacity is exhausted right now (KV budget, queue full, queue timeout)."""
@@ -44,6 +47,9 @@ class OverloadedError(KvmeshError):
     def __init__(self, message: str, retry_after_s: float):
         super().__init__(message)
         self.retry_after_s = float(retry_after_s)
+
+    def __reduce__(self):  # pickling (Ray actor -> router) must carry retry_after_s too
+        return (type(self), (self.message, self.retry_after_s))
 
 
 class RequestCancelledError(KvmeshError):

@@ -1,0 +1,185 @@
+"""Workload generators: what each request asks for (prompt, output length, tenant).
+
+Every generator is seeded and returns a fixed list of `WorkloadRequest`s before the run
+starts (vLLM bench serve's lesson: the same request set for every configuration, so
+configurations differ only in the server). Output lengths are exact: requests are sent
+with ignore_eos=True and max_tokens=output_tokens.
+
+Kinds (the `kind` field of a workload spec in a campaign):
+
+  synthetic      input/output lengths from named distributions (default: the articles'
+                 traffic, mean input 200, mean output 400, P99 output 2000), x `scale`
+  shared_prefix  N families, each a system prompt of `prefix_tokens`, plus unique suffixes
+                 (SGLang's generated-shared-prefix dataset)
+  long_short     a fraction of long prompts among short ones (head-of-line blocking)
+  trace          requests replayed from a JSONL trace file (see trace_format.py)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvmesh.load_tests.corpus import TokenCorpus
+from kvmesh.worker.errors import InvalidRequestError
+
+# Standard normal quantile at 0.99: P99 of a lognormal is exp(mu + Z99 * sigma).
+Z99 = 2.3263478740408408
+
+
+@dataclass(frozen=True)
+class LengthDistribution:
+    """A named token-length distribution.
+
+    kind: fixed (always `mean`), uniform (`min`..`max`), lognormal (fitted so that the
+    unclipped mean is `mean` and the unclipped P99 is `p99`). Samples are rounded and
+    clipped to [min, max]; clipping moves the mean slightly (documented, not hidden).
+    """
+
+    kind: str = "lognormal"
+    mean: float = 400.0
+    p99: float | None = 2000.0
+    min: int = 1
+    max: int = 8192
+
+    def validate(self) -> None:
+        if self.kind not in ("fixed", "uniform", "lognormal"):
+            raise InvalidRequestError(f"length distribution kind must be fixed|uniform|lognormal, got {self.kind!r}")
+        if self.min < 1 or self.max < self.min:
+            raise InvalidRequestError(f"length bounds must satisfy 1 <= min <= max, got {self.min}..{self.max}")
+        if self.kind == "lognormal":
+            if self.p99 is None or not (self.p99 > self.mean > 0):
+                raise InvalidRequestError("lognormal lengths need p99 > mean > 0")
+            if 2 * math.log(self.p99 / self.mean) > Z99 ** 2:
+                raise InvalidRequestError(f"p99/mean = {self.p99 / self.mean:.1f} is too skewed for a lognormal (max 14.9)")
+
+    def lognormal_params(self) -> tuple[float, float]:
+        """(mu, sigma) with exp(mu + sigma^2/2) = mean and exp(mu + Z99 sigma) = p99.
+
+        Subtracting the logs: sigma^2/2 - Z99 sigma + ln(p99/mean) = 0; the smaller root
+        is the one whose P99 sits above the mean.
+        """
+        gap = math.log(self.p99 / self.mean)
+        sigma = Z99 - math.sqrt(Z99 ** 2 - 2 * gap)
+        return math.log(self.mean) - sigma ** 2 / 2, sigma
+
+    def scaled(self, factor: float) -> "LengthDistribution":
+        """Lengths x factor (a campaign scaled down to fit a CPU keeps the shape)."""
+        if factor <= 0:
+            raise InvalidRequestError(f"scale must be > 0, got {factor}")
+        return LengthDistribution(self.kind, self.mean * factor, None if self.p99 is None else self.p99 * factor,
+                                  max(1, round(self.min * factor)), max(1, round(self.max * factor)))
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        self.validate()
+        if self.kind == "fixed":
+            raw = np.full(n, self.mean)
+        elif self.kind == "uniform":
+            raw = rng.integers(self.min, self.max + 1, size=n).astype(float)
+        else:
+            mu, sigma = self.lognormal_params()
+            raw = rng.lognormal(mu, sigma, size=n)
+        return np.clip(np.rint(raw), self.min, self.max).astype(int)
+
+
+# The articles' traffic: mean input 200, mean output 400, P99 output 2000. They give no
+# input P99; 1000 (the same 5x tail ratio as the output) is our assumption.
+ARTICLE_INPUT = LengthDistribution("lognormal", mean=200, p99=1000, min=4, max=4096)
+ARTICLE_OUTPUT = LengthDistribution("lognormal", mean=400, p99=2000, min=1, max=4096)
+
+
+@dataclass(frozen=True)
+class WorkloadRequest:
+    """One request of a workload, fixed before the run."""
+
+    index: int
+    prompt_token_ids: tuple[int, ...]
+    prompt_text: str
+    output_tokens: int
+    tenant_id: str = "default"
+    api_key: str | None = None
+    family: int | None = None  # shared-prefix family, None = unique prompt
+    cancel_after_tokens: int | None = None  # client cancels after this many output tokens
+    arrival_offset_s: float | None = None  # only for traces: when to send, from run start
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """A campaign's `workload:` section (unused fields are ignored by a kind)."""
+
+    kind: str = "synthetic"
+    num_requests: int = 100
+    seed: int = 0
+    scale: float = 1.0  # multiplies every length (not trace texts)
+    input: LengthDistribution = field(default_factory=lambda: ARTICLE_INPUT)
+    output: LengthDistribution = field(default_factory=lambda: ARTICLE_OUTPUT)
+    # shared_prefix
+    num_families: int = 4
+    prefix_tokens: int = 512
+    # long_short: `long_fraction` of prompts are `long_input` (a distribution), rest `input`
+    long_fraction: float = 0.1
+    long_input: LengthDistribution = field(default_factory=lambda: LengthDistribution("fixed", 2048, None, 1, 8192))
+    # cancellation: this fraction of requests is cancelled at a uniform point of its output
+    cancel_fraction: float = 0.0
+    # trace
+    trace_path: str | None = None
+
+    def validate(self) -> None:
+        if self.kind not in ("synthetic", "shared_prefix", "long_short", "trace"):
+            raise InvalidRequestError(f"workload kind must be synthetic|shared_prefix|long_short|trace, got {self.kind!r}")
+        if self.num_requests < 1:
+            raise InvalidRequestError("workload.num_requests must be >= 1")
+        if not 0 <= self.cancel_fraction <= 1 or not 0 <= self.long_fraction <= 1:
+            raise InvalidRequestError("workload fractions must be in [0, 1]")
+        if self.kind == "shared_prefix" and (self.num_families < 1 or self.prefix_tokens < 1):
+            raise InvalidRequestError("shared_prefix needs num_families >= 1 and prefix_tokens >= 1")
+        if self.kind == "trace" and not self.trace_path:
+            raise InvalidRequestError("a trace workload needs trace_path")
+        for dist in (self.input, self.output, self.long_input):
+            dist.validate()
+
+
+def generate_workload(spec: WorkloadSpec, corpus: TokenCorpus, tenant_id: str = "default",
+                      api_key: str | None = None) -> list[WorkloadRequest]:
+    """The seeded request list for `spec` (same spec, same tokenizer -> same requests)."""
+    spec.validate()
+    if spec.kind == "trace":
+        from kvmesh.load_tests.trace_format import read_trace, trace_to_workload
+        return trace_to_workload(read_trace(spec.trace_path), corpus, seed=spec.seed, scale=spec.scale)
+    rng = np.random.default_rng(spec.seed)
+    n = spec.num_requests
+    outputs = spec.output.scaled(spec.scale).sample(rng, n)
+    families: list[int | None] = [None] * n
+    prefixes: list[tuple[int, ...]] = [()] * n
+    if spec.kind == "shared_prefix":
+        family_prefixes = [corpus.sample_prompt(max(1, round(spec.prefix_tokens * spec.scale)), rng)[0]
+                           for _ in range(spec.num_families)]
+        families = [int(f) for f in rng.integers(0, spec.num_families, size=n)]
+        prefixes = [family_prefixes[f] for f in families]
+    inputs = spec.input.scaled(spec.scale).sample(rng, n)
+    if spec.kind == "long_short":
+        is_long = rng.random(n) < spec.long_fraction
+        inputs = np.where(is_long, spec.long_input.scaled(spec.scale).sample(rng, n), inputs)
+    cancel_points = _cancel_points(rng, outputs, spec.cancel_fraction)
+    requests = []
+    for i in range(n):
+        ids, text = corpus.sample_prompt(int(inputs[i]), rng, prefix_ids=prefixes[i])
+        requests.append(WorkloadRequest(index=i, prompt_token_ids=ids, prompt_text=text,
+                                        output_tokens=int(outputs[i]), tenant_id=tenant_id, api_key=api_key,
+                                        family=families[i], cancel_after_tokens=cancel_points[i]))
+    return requests
+
+
+def _cancel_points(rng: np.random.Generator, outputs: np.ndarray, fraction: float) -> list[int | None]:
+    """For a `fraction` of requests, the number of output tokens after which the client
+    cancels: uniform in [1, output-1], so the request is cut mid-stream (requests of one
+    output token cannot be cut and are never chosen)."""
+    chosen = rng.random(len(outputs)) < fraction
+    points = [int(rng.integers(1, o)) if o >= 2 else None for o in outputs]
+    return [p if c else None for p, c in zip(points, chosen)]

@@ -1,0 +1,160 @@
+"""Workload generators: exact token lengths under a real tokenizer, prefix sharing, the
+fitted length distribution, seeding, and the JSONL trace round trip."""
+
+import math
+
+import numpy as np
+import pytest
+
+from kvmesh.load_tests.corpus import TokenCorpus, load_corpus_text
+from kvmesh.load_tests.tiny_tokenizer import train_corpus_tokenizer
+from kvmesh.load_tests.trace_format import read_trace, write_trace
+from kvmesh.load_tests.workloads import (ARTICLE_OUTPUT, LengthDistribution, WorkloadSpec,
+                                         generate_workload)
+from kvmesh.worker.errors import InvalidRequestError
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return TokenCorpus(train_corpus_tokenizer())
+
+
+def test_corpus_is_real_prose_without_header():
+    text = load_corpus_text()
+    assert len(text.encode()) > 20_000
+    assert "It is a truth universally acknowledged" in text
+    assert not any(line.startswith("#") for line in text.splitlines())
+
+
+@pytest.mark.parametrize("kind", ["synthetic", "long_short", "shared_prefix"])
+def test_prompts_have_exact_token_lengths_as_text_and_ids(corpus, kind):
+    spec = WorkloadSpec(kind=kind, num_requests=30, scale=0.1, seed=3, prefix_tokens=300, long_fraction=0.3)
+    reqs = generate_workload(spec, corpus)
+    assert len(reqs) == 30
+    for r in reqs:
+        # The text re-tokenizes to exactly the ids the workload asked for.
+        assert tuple(corpus.encode(r.prompt_text)) == r.prompt_token_ids
+        assert r.prompt_tokens >= 1 and r.output_tokens >= 1
+
+
+def test_synthetic_lengths_follow_the_sampled_distribution(corpus):
+    spec = WorkloadSpec(num_requests=25, scale=0.05, seed=1)
+    reqs = generate_workload(spec, corpus)
+    rng = np.random.default_rng(1)
+    expected_out = spec.output.scaled(0.05).sample(rng, 25)
+    assert [r.output_tokens for r in reqs] == list(expected_out)
+
+
+def test_shared_prefix_families_share_exact_prefix_ids(corpus):
+    spec = WorkloadSpec(kind="shared_prefix", num_requests=40, num_families=3, prefix_tokens=64, seed=5,
+                        input=LengthDistribution("fixed", 10, None, 1, 100))
+    reqs = generate_workload(spec, corpus)
+    families = {}
+    for r in reqs:
+        assert r.prompt_tokens == 64 + 10
+        families.setdefault(r.family, set()).add(r.prompt_token_ids[:64])
+    assert set(families) == {0, 1, 2}
+    assert all(len(prefixes) == 1 for prefixes in families.values())  # one prefix per family
+    assert len({next(iter(p)) for p in families.values()}) == 3  # and families differ
+    suffixes = [r.prompt_token_ids[64:] for r in reqs]
+    assert len(set(suffixes)) > 30  # suffixes are (almost surely) unique
+
+
+def test_long_short_mix_has_the_requested_fraction(corpus):
+    spec = WorkloadSpec(kind="long_short", num_requests=200, seed=2, long_fraction=0.25,
+                        input=LengthDistribution("fixed", 8, None, 1, 100),
+                        long_input=LengthDistribution("fixed", 120, None, 1, 1000))
+    lengths = [r.prompt_tokens for r in generate_workload(spec, corpus)]
+    assert set(lengths) == {8, 120}
+    assert 0.15 < lengths.count(120) / 200 < 0.35
+
+
+def test_same_seed_same_requests_other_seed_different(corpus):
+    spec = WorkloadSpec(num_requests=10, scale=0.05, seed=9, cancel_fraction=0.5)
+    a, b = generate_workload(spec, corpus), generate_workload(spec, corpus)
+    c = generate_workload(WorkloadSpec(num_requests=10, scale=0.05, seed=10, cancel_fraction=0.5), corpus)
+    assert a == b
+    assert a != c
+
+
+def test_cancel_points_cut_mid_stream(corpus):
+    reqs = generate_workload(WorkloadSpec(num_requests=100, scale=0.05, seed=4, cancel_fraction=0.3), corpus)
+    cancelled = [r for r in reqs if r.cancel_after_tokens is not None]
+    assert 15 < len(cancelled) < 45
+    assert all(1 <= r.cancel_after_tokens < r.output_tokens for r in cancelled)
+
+
+def test_lognormal_fit_matches_the_articles_mean_and_p99():
+    mu, sigma = ARTICLE_OUTPUT.lognormal_params()
+    assert math.exp(mu + sigma ** 2 / 2) == pytest.approx(400)
+    assert math.exp(mu + 2.3263478740408408 * sigma) == pytest.approx(2000)
+    wide = LengthDistribution("lognormal", 400, 2000, 1, 10 ** 9)
+    x = wide.sample(np.random.default_rng(0), 200_000)
+    assert x.mean() == pytest.approx(400, rel=0.03)
+    assert np.percentile(x, 99) == pytest.approx(2000, rel=0.05)
+    assert ARTICLE_OUTPUT.scaled(0.1).sample(np.random.default_rng(0), 10_000).mean() == pytest.approx(40, rel=0.05)
+
+
+def test_bad_specs_raise_typed_errors(corpus):
+    with pytest.raises(InvalidRequestError):
+        LengthDistribution("lognormal", 400, 300).validate()  # p99 below the mean
+    with pytest.raises(InvalidRequestError):
+        generate_workload(WorkloadSpec(kind="zipf"), corpus)
+    with pytest.raises(InvalidRequestError):
+        generate_workload(WorkloadSpec(kind="trace"), corpus)
+
+
+def test_trace_round_trip_replays_the_same_requests(corpus, tmp_path):
+    reqs = generate_workload(WorkloadSpec(num_requests=6, scale=0.05, seed=7, cancel_fraction=0.5), corpus)
+    arrivals = [0.0, 0.1, 0.1, 0.5, 1.25, 2.0]
+    path = tmp_path / "trace.jsonl"
+    write_trace(path, reqs, arrivals)
+    replay = generate_workload(WorkloadSpec(kind="trace", trace_path=str(path)), corpus)
+    assert [r.prompt_token_ids for r in replay] == [r.prompt_token_ids for r in reqs]
+    assert [r.output_tokens for r in replay] == [r.output_tokens for r in reqs]
+    assert [r.cancel_after_tokens for r in replay] == [r.cancel_after_tokens for r in reqs]
+    assert [r.arrival_offset_s for r in replay] == arrivals
+
+
+def test_trace_with_lengths_and_texts(corpus, tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('# my traffic\n{"arrival_s": 0, "tenant": "a", "prompt_tokens": 17, "output_tokens": 3}\n\n'
+                    '{"arrival_s": 0.5, "tenant": "b", "prompt": "Call me Ishmael.", "output_tokens": 2}\n')
+    reqs = generate_workload(WorkloadSpec(kind="trace", trace_path=str(path)), corpus)
+    assert [r.tenant_id for r in reqs] == ["a", "b"]
+    assert reqs[0].prompt_tokens == 17
+    assert reqs[1].prompt_text == "Call me Ishmael."
+    assert len(read_trace(path)) == 2
+
+
+@pytest.mark.parametrize("line", ['{"arrival_s": 0, "output_tokens": 3}',
+                                  '{"arrival_s": 0, "prompt_tokens": 3}',
+                                  '{"arrival_s": -1, "prompt_tokens": 3, "output_tokens": 3}',
+                                  '{"arrival_s": 0, "prompt_tokens": 3, "output_tokens": 3, "colour": 1}',
+                                  'not json'])
+def test_malformed_trace_lines_are_rejected(tmp_path, line):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(InvalidRequestError):
+        read_trace(path)
+
+
+def test_shipped_campaigns_parse_and_bad_ones_are_rejected():
+    from pathlib import Path
+
+    from kvmesh.load_tests import campaign as campaign_mod
+
+    folder = Path(campaign_mod.__file__).parent / "campaigns"
+    names = {p.stem: campaign_mod.load_campaign(p) for p in folder.glob("*.yaml")}
+    assert {"seed-table", "peers", "prefix-routing", "overload", "tenants", "cancel-storm"} <= set(names)
+    assert [r.name for r in names["seed-table"].runs] == ["static-batch-8", "continuous", "continuous-preemption",
+                                                          "continuous-max-4"]
+    sweep = campaign_mod.parse_campaign({"runs": [{"name": "c", "arrival": {"rate": [1, 2, 4]}}]})
+    assert [(r.name, r.label, r.streams[0].arrival.rate) for r in sweep.runs] == [
+        ("c@1", "c", 1.0), ("c@2", "c", 2.0), ("c@4", "c", 4.0)]
+    for bad in ({"runs": []}, {"runs": [{"name": "x", "colour": 1}]},
+                {"runs": [{"name": "x", "config": {"scheduler": {"max_num_seqs": 0}}}]},
+                {"runs": [{"name": "x"}, {"name": "x"}]},
+                {"runs": [{"name": "x", "workload": {"kind": "zipf"}}]}):
+        with pytest.raises(InvalidRequestError):
+            campaign_mod.parse_campaign(bad)
