@@ -16,8 +16,14 @@ Capacity is whatever the workers measure and report: nothing here is a hard-code
 
 In-flight accounting: a burst arriving between two stats refreshes would all see the same
 stale figures and over-admit. Each admission is recorded against its worker with the time it
-was sent; `update_stats(stats, taken_at)` forgets the ones sent before `taken_at` (the worker
-counts them now), and a ticket released early removes its own.
+was sent; `update_stats(stats, taken_at)` forgets the ones sent at least one
+`stats_refresh_s` before `taken_at` (the worker counts them by then), and a ticket released
+early removes its own. Why the extra refresh period: the request and the stats poll are
+separate calls to the worker actor, and a poll sent just after a request can be answered
+before the engine has queued that request. Measured on the cluster (tests/
+test_overload_e2e.py): forgetting at `taken_at` itself let the router over-admit under a
+burst, and the workers' own admission turned those requests away after they had crossed
+the cluster. Keeping them one period longer errs on the side of counting a request twice.
 
 Queue: requests that do not fit wait (FIFO per lane) until a refresh or a release makes room,
 up to `max_queue_wait_s` or their deadline. Two lanes:
@@ -150,8 +156,9 @@ class AdmissionController:
         stats were requested: admissions sent before it are assumed counted by the workers."""
         taken_at = self._clock() if taken_at is None else taken_at
         self._stats = {w.worker_id: w for w in workers}
+        counted_before = taken_at - self._config.stats_refresh_s  # see "In-flight accounting"
         for worker_id in list(self._pending):
-            kept = [t for t in self._pending[worker_id] if t.sent_at >= taken_at and worker_id in self._stats]
+            kept = [t for t in self._pending[worker_id] if t.sent_at >= counted_before and worker_id in self._stats]
             if kept:
                 self._pending[worker_id] = kept
             else:

@@ -82,7 +82,7 @@ class _Call:
     def on_failure(self, error: grpc.RpcError, tokens_received: int = 0, restart_mid_stream: bool = False) -> float:
         """Seconds to wait before the next attempt, or raise the typed error."""
         code, details, trailing = error.code(), error.details(), error.trailing_metadata()
-        retry_after_s = status_map.retry_after_from_metadata(trailing)
+        retry_after_s = status_map.retry_after_from_status(trailing, details)
         left = None if self.deadline is None else self.deadline - time.monotonic()
         decision = decide_retry(code, self.attempt, retry_after_s, self.client.policy, self.client.budget,
                                 self.client.rng, tokens_received=tokens_received,

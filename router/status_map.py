@@ -23,6 +23,7 @@ internals (or prompt text) and is logged, not returned.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -158,6 +159,28 @@ def retry_after_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None
         return None
 
 
+# Serve's gRPC proxy drops a replica's trailing metadata when a streaming method raises
+# before its first message (it carries only the code and details across), which is exactly
+# when overload is reported. So the retry-after also rides at the end of the details.
+_RETRY_AFTER_IN_DETAILS = re.compile(r" \[" + RETRY_AFTER_MS_KEY + r"=(\d+)\]$")
+
+
+def grpc_details(status: "ErrorStatus") -> str:
+    """The status details: the message, plus ` [retry-after-ms=N]` when there is one."""
+    if status.retry_after_s is None:
+        return status.message
+    return f"{status.message} [{RETRY_AFTER_MS_KEY}={retry_after_ms(status.retry_after_s)}]"
+
+
+def retry_after_from_status(metadata: Iterable[tuple[str, str | bytes]] | None, details: str | None) -> float | None:
+    """Seconds from trailing `retry-after-ms`, else from the details' suffix, else None."""
+    from_metadata = retry_after_from_metadata(metadata)
+    if from_metadata is not None:
+        return from_metadata
+    match = _RETRY_AFTER_IN_DETAILS.search(details or "")
+    return None if match is None else int(match.group(1)) / 1000.0
+
+
 _KIND_BY_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: "invalid_request",
     grpc.StatusCode.UNAUTHENTICATED: "unauthenticated",
@@ -173,11 +196,11 @@ def error_from_grpc(code: grpc.StatusCode, details: str | None,
     """Rebuild the typed kvmesh error a server (or the channel) reported."""
     kind = metadata_value(trailing_metadata, ERROR_KIND_KEY)
     rule = _RULE_BY_KIND.get(kind or "") or _RULE_BY_KIND.get(_KIND_BY_CODE.get(code, ""))
-    message = details or code.name
+    message = _RETRY_AFTER_IN_DETAILS.sub("", details or "") or code.name
     if rule is None:
         error = KvmeshError(f"{code.name}: {message}")
     elif rule.error_type in (QuotaExceededError, OverloadedError):
-        retry_after_s = retry_after_from_metadata(trailing_metadata)
+        retry_after_s = retry_after_from_status(trailing_metadata, details)
         error = rule.error_type(message, retry_after_s=0.0 if retry_after_s is None else retry_after_s)
     else:
         error = rule.error_type(message)

@@ -1,0 +1,113 @@
+"""Helpers for end-to-end modules that run the real Serve app on a private local Ray cluster
+(tenants, observability, fairness). Each module starts one cluster and shares it.
+
+    config = tiny_cluster_config(tiny_model_dir, num_workers=1, router={"num_replicas": 2}, ...)
+    with serving(config, "kvmesh-obs"):
+        ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+
+from kvmesh.deploy.config import KvmeshConfig
+
+# Keys of test tenants are made with a cheap PBKDF2 count: the cost is per distinct key and
+# process, and the tests measure nothing about it.
+TEST_HASH_ITERATIONS = 1_000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_cluster_config(model_dir: str, *, num_workers: int = 1, max_num_seqs: int = 8, num_blocks: int = 256,
+                        router: dict | None = None, tenants: dict | None = None,
+                        observability: dict | None = None) -> KvmeshConfig:
+    """The tiny random Llama on CPU workers, with Serve on free loopback ports."""
+    return KvmeshConfig.from_dict({
+        "model": {"path": model_dir, "dtype": "fp32"},
+        "cache": {"block_size": 16, "num_blocks": num_blocks},
+        "scheduler": {"max_num_seqs": max_num_seqs, "max_new_tokens": 512},
+        "parallel": {"num_workers": num_workers, "device": "cpu", "worker_num_cpus": 0.5},
+        "router": {"host": "127.0.0.1", "grpc_port": free_port(), "http_port": free_port(),
+                   "stats_refresh_s": 0.1, **(router or {})},
+        "tenants": tenants or {},
+        "observability": observability or {},
+    })
+
+
+@contextlib.contextmanager
+def serving(config: KvmeshConfig, app_name: str, env: dict[str, str] | None = None):
+    """ray.init (num_cpus=4: the actors ask for fractions) + the Serve app; torn down after.
+    `env` is set before ray.init, so every Ray process (router replicas, workers) inherits it."""
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ.update(env or {})
+    import ray
+
+    from kvmesh.deploy.cmd_serve import start_serving, stop_serving
+
+    # address="local": always a private cluster, never another engineer's running one.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        start_serving(config, app_name)
+        yield config
+    finally:
+        stop_serving(config, app_name)
+        ray.shutdown()
+
+
+def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition", interval_s: float = 0.1):
+    """Poll until `predicate()` is truthy (returned); AssertionError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval_s)
+
+
+def scrape(http_base: str) -> dict[tuple[str, tuple], float]:
+    """GET /metrics -> {(sample name, sorted label items): value}."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{http_base}/metrics", timeout=10).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def total(samples: dict, name: str, **labels) -> float:
+    """Sum of `name` over every label set that includes `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+
+
+# Router replicas publish their metrics for their peers every 2 s (router/app.py).
+PUBLISH_INTERVAL_S = 2.0
+
+
+def settled_scrape(http_base: str, timeout_s: float = 20.0) -> dict[tuple[str, tuple], float]:
+    """A scrape that includes every replica's latest counts: two scrapes one publish interval
+    apart agree on the request and rejection counters."""
+    def counters(samples: dict) -> tuple[float, float]:
+        return total(samples, "kvmesh_requests_total"), total(samples, "kvmesh_rejections_total")
+
+    deadline = time.monotonic() + timeout_s
+    previous = scrape(http_base)
+    while True:
+        time.sleep(PUBLISH_INTERVAL_S + 0.3)
+        current = scrape(http_base)
+        if counters(current) == counters(previous) or time.monotonic() > deadline:
+            return current
+        previous = current
