@@ -178,7 +178,7 @@ def test_cluster_target_over_grpc_and_openai_http(tiny, tmp_path):
         return grpc_result, http_result
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         grpc_result, http_result = asyncio.run(scenario())
     finally:

@@ -76,7 +76,7 @@ def cluster(e2e_config):
 
     from kvmesh.deploy.cmd_serve import start_serving, stop_serving
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         start_serving(e2e_config, APP_NAME)
         yield e2e_config
