@@ -1,0 +1,136 @@
+"""KV-cache quantization (int8, fp8 e4m3), matching the cache layout of worker/attention.py.
+
+One fp32 scale per token per KV head, stored beside the blocks:
+
+    key_cache   [num_blocks, block_size, num_kv_heads, head_dim]  int8 | float8_e4m3fn
+    key_scale   [num_blocks, block_size, num_kv_heads]            float32
+    value = stored.to(float32) * scale[..., None]
+
+int8: symmetric, dynamic per token-head, scale = absmax / 127 (values in [-127, 127]).
+fp8 e4m3: dynamic per token-head, scale = absmax / 448 (e4m3's largest finite value), or a
+static per-layer scale from calibration (`calibrate_kv_scales`), written into every slot of
+the scale tensor so the layout and the attention kernels stay the same. A static scale is
+an upper bound on what calibration saw; values beyond it saturate at +-448 (fp8) / +-127.
+
+K is cached after RoPE, but calibration hooks see k_proj's output before RoPE. RoPE rotates
+channel pairs (i, i + D/2), so no rotated element exceeds that pair's norm: the K bound is
+max over pairs of sqrt(k_i^2 + k_{i+D/2}^2), which holds at every position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvmesh.deploy.config import ConfigError
+from kvmesh.quant.calibration import ForwardFn, hf_forward, layer_index
+
+INT8_MAX = 127.0
+FP8_E4M3_MAX = 448.0
+KV_QUANT_DTYPES = ("int8", "fp8")
+_TINY = 1e-12  # all-zero token-heads get a tiny scale instead of dividing by zero
+
+
+def kv_storage_dtype(kv_dtype: str) -> torch.dtype:
+    """The torch dtype a quantized KV cache stores; ConfigError if unknown or unsupported."""
+    if kv_dtype == "int8":
+        return torch.int8
+    if kv_dtype == "fp8":
+        fp8 = getattr(torch, "float8_e4m3fn", None)
+        if fp8 is None:
+            raise ConfigError(f"cache.kv_cache_dtype=fp8 needs torch.float8_e4m3fn; torch {torch.__version__} lacks it")
+        return fp8
+    raise ConfigError(f"KV quantization dtype must be one of {list(KV_QUANT_DTYPES)}, got {kv_dtype!r}")
+
+
+def _qmax(kv_dtype: str) -> float:
+    return INT8_MAX if kv_dtype == "int8" else FP8_E4M3_MAX
+
+
+def quantize_kv(x: torch.Tensor, kv_dtype: str, static_scale: float | torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H, D] float -> (q [T, H, D] int8 | float8_e4m3fn, scale [T, H] fp32).
+
+    static_scale: None = dynamic absmax per token-head; else one scale (a float or 0-d
+    tensor, e.g. a layer's calibrated K or V scale) used for every token-head."""
+    storage = kv_storage_dtype(kv_dtype)
+    if x.dim() != 3 or not x.is_floating_point():
+        raise ConfigError(f"quantize_kv expects a float [tokens, heads, head_dim] tensor, got {tuple(x.shape)} {x.dtype}")
+    qmax = _qmax(kv_dtype)
+    x32 = x.float()
+    if static_scale is None:
+        scale = (x32.abs().amax(dim=-1) / qmax).clamp_min(_TINY)  # [T, H]
+    else:
+        value = float(static_scale)
+        if not value > 0:
+            raise ConfigError(f"static KV scale must be > 0, got {value}")
+        scale = torch.full(x.shape[:2], value, dtype=torch.float32, device=x.device)
+    scaled = (x32 / scale[..., None]).clamp_(-qmax, qmax)
+    q = torch.round(scaled).to(storage) if kv_dtype == "int8" else scaled.to(storage)
+    return q, scale
+
+
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(q [..., D], scale [...]) -> q.float() * scale in out_dtype (works on whole cache blocks)."""
+    return (q.to(torch.float32) * scale.to(torch.float32)[..., None]).to(out_dtype)
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """Static per-layer KV scales from calibration (index = layer)."""
+
+    kv_dtype: str
+    key_scales: tuple[float, ...]
+    value_scales: tuple[float, ...]
+
+
+def _rope_pair_bound(k: torch.Tensor, head_dim: int) -> float:
+    """k [..., H*D] pre-RoPE -> max over channel pairs (i, i + D/2) of the pair's norm."""
+    heads = k.reshape(-1, k.shape[-1] // head_dim, head_dim).float()
+    half = head_dim // 2
+    return float(torch.sqrt(heads[..., :half] ** 2 + heads[..., half:] ** 2).max())
+
+
+@torch.inference_mode()
+def calibrate_kv_scales(model: nn.Module, sequences: Iterable[torch.Tensor], head_dim: int, *,
+                        kv_dtype: str = "fp8", forward: ForwardFn = hf_forward) -> KVScales:
+    """Per-layer static K and V scales: (absmax seen on the calibration text) / qmax.
+
+    Hooks the outputs of every `layers.N.*.k_proj` / `v_proj` (HF and kvmesh names)."""
+    kv_storage_dtype(kv_dtype)  # fail early on unsupported dtypes
+    if head_dim < 2 or head_dim % 2:
+        raise ConfigError(f"head_dim must be even for RoPE, got {head_dim}")
+    key_max: dict[int, float] = {}
+    value_max: dict[int, float] = {}
+    handles = []
+
+    def recorder(layer: int, is_key: bool):
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            if is_key:
+                key_max[layer] = max(key_max.get(layer, 0.0), _rope_pair_bound(out.detach(), head_dim))
+            else:
+                value_max[layer] = max(value_max.get(layer, 0.0), float(out.detach().abs().max()))
+        return hook
+
+    for name, module in model.named_modules():
+        leaf, layer = name.rsplit(".", 1)[-1], layer_index(name)
+        if layer is not None and leaf in ("k_proj", "v_proj"):
+            handles.append(module.register_forward_hook(recorder(layer, leaf == "k_proj")))
+    if not handles:
+        raise ConfigError("KV calibration: no layers.N.*.k_proj / v_proj modules in the model")
+    try:
+        for ids in sequences:
+            forward(model, ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    layers = sorted(key_max)
+    if not layers or layers != list(range(len(layers))) or sorted(value_max) != layers:
+        raise ConfigError(f"KV calibration: incomplete layer coverage {layers} (no calibration tokens?)")
+    qmax = _qmax(kv_dtype)
+    return KVScales(kv_dtype=kv_dtype,
+                    key_scales=tuple(max(key_max[i], _TINY) / qmax for i in layers),
+                    value_scales=tuple(max(value_max[i], _TINY) / qmax for i in layers))

@@ -1,0 +1,160 @@
+"""KV-cache quantization: per token-head scales in the paged layout of worker/attention.py,
+attention over int8 / fp8 K and V within tolerance of fp32 attention, static calibration."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from kvmesh.deploy.config import ConfigError
+from kvmesh.quant import calibration
+from kvmesh.quant.kv_quant import (FP8_E4M3_MAX, calibrate_kv_scales, dequantize_kv, kv_storage_dtype,
+                                   quantize_kv)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain fp32 reference. q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; GQA by repeating KV heads."""
+    t, hq, d = q.shape
+    group = hq // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.float(), k) / math.sqrt(d)  # [Hq, T, T]
+    mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+    probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hts,shd->thd", probs, v)
+
+
+def qkv(tokens: int = 40, hq: int = 8, hkv: int = 2, d: int = 64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(tokens, hq, d, generator=g)
+    k = torch.randn(tokens, hkv, d, generator=g) * 2.0
+    v = torch.randn(tokens, hkv, d, generator=g)
+    k[:, :, 5] += 8.0  # a persistent outlier channel, as real K caches have
+    return q, k, v
+
+
+@pytest.mark.parametrize("kv_dtype,tolerance", [("int8", 2e-2), ("fp8", 8e-2)])
+def test_attention_over_quantized_kv_is_close_to_fp32(kv_dtype, tolerance):
+    q, k, v = qkv()
+    exact = causal_attention(q, k, v)
+    qk, sk = quantize_kv(k, kv_dtype)
+    qv, sv = quantize_kv(v, kv_dtype)
+    assert qk.dtype == kv_storage_dtype(kv_dtype) and sk.shape == k.shape[:2] and sk.dtype == torch.float32
+    approx = causal_attention(q, dequantize_kv(qk, sk), dequantize_kv(qv, sv))
+    rel = float((approx - exact).norm() / exact.norm())
+    assert rel < tolerance
+    # int8 (7 bits of magnitude) is far tighter than e4m3 (3 mantissa bits)
+    if kv_dtype == "fp8":
+        qk8, sk8 = quantize_kv(k, "int8")
+        qv8, sv8 = quantize_kv(v, "int8")
+        int8_rel = float((causal_attention(q, dequantize_kv(qk8, sk8), dequantize_kv(qv8, sv8)) - exact).norm()
+                         / exact.norm())
+        assert int8_rel < rel
+
+
+def test_int8_round_trip_bound_and_scales():
+    _, k, _ = qkv()
+    q, scale = quantize_kv(k, "int8")
+    assert torch.allclose(scale, k.abs().amax(-1) / 127)
+    assert int(q.abs().max()) == 127
+    assert torch.all((dequantize_kv(q, scale) - k).abs() <= scale[..., None] / 2 + 1e-6)
+
+
+def test_fp8_dynamic_scale_uses_the_full_range():
+    _, k, _ = qkv()
+    q, scale = quantize_kv(k, "fp8")
+    assert torch.allclose(scale, k.abs().amax(-1) / FP8_E4M3_MAX)
+    assert float(q.float().abs().amax()) == FP8_E4M3_MAX
+    rel = (dequantize_kv(q, scale) - k).abs() / k.abs().clamp_min(1e-3)
+    assert float(rel[k.abs() > scale[..., None] * 2**-6].max()) <= 2**-4  # e4m3 normals: 3 mantissa bits
+
+
+def test_static_scale_fills_every_slot_and_saturates_beyond():
+    x = torch.tensor([[[1.0, -2.0, 900.0]]])  # [T=1, H=1, D=3]
+    q, scale = quantize_kv(x, "fp8", static_scale=1.0)
+    assert torch.all(scale == 1.0)
+    assert q.float().tolist() == [[[1.0, -2.0, FP8_E4M3_MAX]]]
+    with pytest.raises(ConfigError):
+        quantize_kv(x, "fp8", static_scale=0.0)
+
+
+def test_quantized_values_in_the_paged_layout():
+    """Writing per-token quantized K into [num_blocks, block_size, H, D] at slot_mapping and
+    dequantizing whole blocks returns each token's own values."""
+    num_blocks, block_size, hkv, d = 6, 4, 2, 16
+    _, k, _ = qkv(tokens=10, hkv=hkv, d=d)
+    key_cache = torch.zeros(num_blocks, block_size, hkv, d, dtype=torch.int8)
+    key_scale = torch.zeros(num_blocks, block_size, hkv, dtype=torch.float32)
+    slot_mapping = torch.tensor([17, 18, 19, 4, 5, 6, 7, 8, 9, 10])  # block 4 then blocks 1 and 2
+    q, scale = quantize_kv(k, "int8")
+    key_cache.view(-1, hkv, d)[slot_mapping] = q
+    key_scale.view(-1, hkv)[slot_mapping] = scale
+    whole = dequantize_kv(key_cache, key_scale)  # [num_blocks, block_size, hkv, d]
+    assert torch.equal(whole.view(-1, hkv, d)[slot_mapping], dequantize_kv(q, scale))
+
+
+@pytest.mark.parametrize("kv_dtype", ["int4", "fp16"])
+def test_unknown_kv_dtype_is_a_config_error(kv_dtype):
+    with pytest.raises(ConfigError):
+        quantize_kv(torch.randn(2, 2, 4), kv_dtype)
+
+
+def test_fp8_without_float8_support_is_a_config_error(monkeypatch):
+    # A torch without float8_e4m3fn cannot be installed beside this one; removing the
+    # attribute is the only way to produce that fault here.
+    monkeypatch.delattr(torch, "float8_e4m3fn")
+    with pytest.raises(ConfigError, match="float8_e4m3fn"):
+        kv_storage_dtype("fp8")
+
+
+class ByteTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+def layer0_post_rope_kv(model, config, ids: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 0's K after RoPE and its V for one sequence, both [T, Hkv, D]."""
+    captured = {}
+    attn = model.model.layers[0].self_attn
+    hooks = [attn.k_proj.register_forward_hook(lambda m, a, o: captured.__setitem__("k", o)),
+             attn.v_proj.register_forward_hook(lambda m, a, o: captured.__setitem__("v", o))]
+    with torch.no_grad():
+        model(ids[None])
+    for h in hooks:
+        h.remove()
+    t = ids.numel()
+    k = captured["k"].view(1, t, -1, head_dim).transpose(1, 2)  # [1, Hkv, T, D]
+    cos, sin = LlamaRotaryEmbedding(config=config)(k, torch.arange(t)[None])
+    k_rot, _ = apply_rotary_pos_emb(k, k, cos, sin)
+    return k_rot[0].transpose(0, 1), captured["v"].view(t, -1, head_dim)
+
+
+def test_calibrated_static_scales_bound_post_rope_keys():
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    head_dim = 16
+    seqs = calibration.token_sequences(ByteTokenizer(), calibration.load_text(), seq_len=128, max_sequences=3)
+    scales = calibrate_kv_scales(model, seqs, head_dim, kv_dtype="fp8")
+    assert len(scales.key_scales) == len(scales.value_scales) == 2
+    assert all(s > 0 for s in scales.key_scales + scales.value_scales)
+
+    # On the calibration text nothing saturates: the pre-RoPE pair bound covers K at every position.
+    for ids in seqs:
+        k_rot, v = layer0_post_rope_kv(model, config, ids, head_dim)
+        assert float(k_rot.abs().max()) <= scales.key_scales[0] * FP8_E4M3_MAX * (1 + 1e-5)
+        assert float(v.abs().max()) <= scales.value_scales[0] * FP8_E4M3_MAX * (1 + 1e-5)
+
+    # On held-out text the static scales still quantize K and V well.
+    held_out = calibration.token_sequences(ByteTokenizer(), calibration.load_text(calibration.HELDOUT_TEXT),
+                                           seq_len=128, max_sequences=1)[0]
+    k_rot, v = layer0_post_rope_kv(model, config, held_out, head_dim)
+    for x, static in ((k_rot, scales.key_scales[0]), (v, scales.value_scales[0])):
+        q, scale = quantize_kv(x, "fp8", static_scale=static)
+        rel = float((dequantize_kv(q, scale) - x).norm() / x.norm())
+        assert rel < 0.1

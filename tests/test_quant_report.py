@@ -1,0 +1,71 @@
+"""`kvmesh quant-report` on a tiny random Llama through the real engine: the modes run, the
+baseline's teacher-forced logits are HF's, and memory figures match the capacity model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from kvmesh.deploy import cmd_quant_report
+from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.kv import capacity
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvmesh")
+    cmd_quant_report.register(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["quant-report", *argv])
+
+
+SMALL = ["--ppl-seq-len", "48", "--ppl-sequences", "2", "--prompts", "2", "--prompt-tokens", "16",
+         "--max-tokens", "6", "--group-size", "32"]
+
+
+def test_report_modes_on_a_tiny_model(tiny_model_dir, capsys):
+    args = parse(["--model", tiny_model_dir, "--dtype", "fp32", "--json", "--modes", "w8", "w4-awq", *SMALL])
+    assert args.func(args) == 0
+    rows = {r["mode"]: r for r in json.loads(capsys.readouterr().out)["modes"]}
+    assert list(rows) == ["baseline", "w8", "w4-awq"]  # baseline always first
+    base = rows["baseline"]
+    assert base["greedy_agreement"] == 1.0
+    assert all(math.isfinite(r["perplexity"]) and r["perplexity"] > 1 for r in rows.values())
+    assert all(0.0 <= r["greedy_agreement"] <= 1.0 and r["ttft_s"] > 0 for r in rows.values())
+    # int8 weights barely move perplexity; they and int4 shrink the weights
+    assert abs(rows["w8"]["perplexity"] - base["perplexity"]) < 0.02 * base["perplexity"]
+    assert rows["w8"]["weight_bytes"] < base["weight_bytes"] and rows["w4-awq"]["weight_bytes"] < rows["w8"]["weight_bytes"]
+    # the engine's KV bytes per token are the capacity model's (tiny model: 2 layers, 2 KV heads, d 16)
+    assert base["kv_bytes_per_token"] == capacity.kv_bytes_per_token(2, 2, 16, "fp32")
+
+
+def test_teacher_forced_logits_equal_hf_and_kv_int8_stays_close(tiny_model_dir):
+    from transformers import LlamaForCausalLM
+
+    cfg = KvmeshConfig().replace(model={"path": tiny_model_dir, "dtype": "fp32"})
+    ids = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(0))
+    hf = LlamaForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(ids[None]).logits[0]
+    baseline = cmd_quant_report.build_engine(cfg, "baseline", 32, "unused", 16, max_seq_tokens=40)
+    torch.testing.assert_close(cmd_quant_report.teacher_forced_logits(baseline, ids).cpu(), theirs,
+                               atol=1e-4, rtol=1e-4)
+    # int8 KV through the engine's real paged cache: close to fp32, and sized as the capacity model says
+    kv_int8 = cmd_quant_report.build_engine(cfg, "kv-int8", 32, "unused", 16, max_seq_tokens=40)
+    assert kv_int8.parts.plan.kv_bytes_per_token == capacity.kv_bytes_per_token(2, 2, 16, "int8")
+    ours = cmd_quant_report.teacher_forced_logits(kv_int8, ids).cpu()
+    assert not torch.equal(ours, theirs)  # the cache really is quantized
+    assert float((ours - theirs).norm() / theirs.norm()) < 0.02
+
+
+def test_bad_input_exits_2(capsys):
+    args = parse(["--ppl-seq-len", "1"])
+    assert args.func(args) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_agreement():
+    assert cmd_quant_report.agreement([[1, 2, 3]], [[1, 5, 3]]) == pytest.approx(2 / 3)
+    assert cmd_quant_report.agreement([[1, 2]], [[1, 2, 3]]) == pytest.approx(2 / 3)
