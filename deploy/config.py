@@ -115,6 +115,13 @@ class ParallelConfig:
     # custom resource to stand in for GPUs on one machine). None = no extra resource.
     worker_resource: str | None = None
     worker_num_cpus: float = 1.0
+    # Tensor parallelism: the longest a collective or a peer rank's step may take before the
+    # step fails with WorkerFailedError and the group is rebuilt (a dead peer is usually
+    # noticed sooner, when its connection closes).
+    collective_timeout_s: float = 60.0
+    # Embedding + LM head split by vocabulary rows over the TP ranks (True) or a full copy
+    # on each (False); load_tests/bench_tp.py measures both.
+    vocab_parallel: bool = True
 
     def validate(self) -> None:
         _check(self.num_workers >= 1, "parallel.num_workers must be >= 1")
@@ -122,6 +129,7 @@ class ParallelConfig:
         _one_of("parallel.device", self.device, ("auto", "cpu", "cuda"))
         _one_of("parallel.attention_backend", self.attention_backend, ("auto", "torch", "triton"))
         _check(self.worker_num_cpus >= 0, "parallel.worker_num_cpus must be >= 0")
+        _check(self.collective_timeout_s > 0, "parallel.collective_timeout_s must be > 0")
 
 
 @dataclass(frozen=True)

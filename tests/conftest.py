@@ -1,5 +1,11 @@
 """Shared fixtures. Keep expensive ones (model loads, Ray clusters, redis) session/module scoped."""
 
+import torch
+
+# The test process shares 2 cores with Ray actors and servers; OpenMP threads that spin-wait
+# under oversubscription make small matmuls many times slower than one thread.
+torch.set_num_threads(1)
+
 import pytest
 
 

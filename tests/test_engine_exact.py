@@ -54,7 +54,7 @@ def _run_engine(smollm2_dir, **sched):
         "model": {"path": smollm2_dir, "dtype": "fp32"},
         "cache": {"num_blocks": 12, "block_size": 16},
         "scheduler": {"max_num_batched_tokens": 64, "max_prefill_tokens_per_step": 16,
-                      "max_total_kv_tokens": 1 << 20, **sched},
+                      "max_total_kv_tokens": 1 << 20, "max_queue_time_s": 3600, **sched},
         "parallel": {"attention_backend": BACKEND, "device": device},
     })
     engine = Engine.from_config(config)

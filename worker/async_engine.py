@@ -124,6 +124,7 @@ class AsyncEngine:
         self._stop.set()
         self._wakeup.set()
         await asyncio.to_thread(self._thread.join, 10)
+        await asyncio.to_thread(self.engine.close)
 
     # ---- the step thread ----------------------------------------------------------------
 

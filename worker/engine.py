@@ -175,6 +175,10 @@ class Engine:
         ids = [e.request_id for e in sched_out.scheduled]
         failed = self.scheduler.finish_requests(ids, RequestStatus.FAILED)
         msg = f"model forward failed: {type(exc).__name__}: {exc}"
+        if getattr(self.runner, "kv_lost", False):  # a tensor-parallel rank died with its KV shard
+            failed += self.scheduler.finish_requests(list(self._live), RequestStatus.FAILED)
+            self.scheduler.kv.reset_prefix_cache()
+            self.runner.kv_lost = False
         return [self._close(r, FinishReason.ERROR, error=msg, error_type="WorkerFailedError") for r in failed]
 
     def _close_finished(self, internal_id: str, status: RequestStatus) -> RequestDelta | None:
@@ -220,3 +224,9 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+    def close(self) -> None:
+        """Release what outlives a Python reference: tensor-parallel rank actors, if any."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()

@@ -7,12 +7,18 @@ scales for quantized KV); the number of blocks comes from a memory budget, never
     CUDA:  budget = gpu_memory_utilization x device memory
                     - memory in use after loading weights - profiled peak activation
     num_blocks = budget // (bytes_per_token x block_size)      (cache.num_blocks overrides)
+
+With parallel.tensor_parallel_size = N > 1 (worker/tp_group.py) this process is rank 0: it
+loads its shard while ranks 1..N-1 load theirs in Ray actors, and bytes_per_token counts
+this rank's KV heads (max(1, Hkv / N)); every rank gets the same num_blocks, so one block
+table addresses all the shards.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -109,7 +115,8 @@ def _plan_memory(config: KvmeshConfig, model, hf_config, device, kv_dtype_name: 
                  profile_peak) -> MemoryPlan:
     cache_cfg = config.cache
     # The capacity model's formula (kv/capacity.py), the same `kvmesh capacity` prints.
-    per_token = kv_bytes_per_token(hf_config.num_hidden_layers, hf_config.num_key_value_heads, model.head_dim,
+    # model.num_kv_heads: this rank's KV heads (each tensor-parallel rank caches its own).
+    per_token = kv_bytes_per_token(hf_config.num_hidden_layers, model.num_kv_heads, model.head_dim,
                                    kv_dtype_name)
     per_block = per_token * cache_cfg.block_size
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + \
@@ -133,26 +140,79 @@ def _plan_memory(config: KvmeshConfig, model, hf_config, device, kv_dtype_name: 
                       num_blocks * per_block, peak)
 
 
-def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> EngineParts:
-    from kvmesh.worker.tokenizer import load_tokenizer
+@dataclass(frozen=True)
+class ModelSpec:
+    """What every tensor-parallel rank resolves the same way from the config."""
 
+    hf_dir: Path
+    name: str
+    hf_config: object
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+
+
+def resolve_model(config: KvmeshConfig) -> ModelSpec:
     resolved = ensure_hf_dir(config.model)
     hf_config = load_hf_config(resolved.hf_dir)
     device = pick_device(config)
+    if device.type == "cpu":
+        # One intra-op thread per CPU the worker is given: OpenMP threads spin-wait, and on a
+        # shared box (router, other workers, clients) oversubscribed spinning made matmuls
+        # up to 30x slower than one thread (measured on the 2-core CI machines).
+        torch.set_num_threads(max(1, int(config.parallel.worker_num_cpus)))
     dtype = pick_dtype(config, device)
     native_len = int(getattr(hf_config, "max_position_embeddings", 2048))
     max_model_len = config.model.max_model_len or native_len
     if max_model_len > native_len:
         raise ConfigError(f"model.max_model_len {max_model_len} exceeds the model's {native_len} positions")
-    model = LlamaForCausalLM(hf_config, max_model_len)
-    model.load_hf_state_dict(load_state_dict(resolved.hf_dir))
-    model.to(dtype=dtype)
+    return ModelSpec(Path(resolved.hf_dir), resolved.name, hf_config, device, dtype, max_model_len)
+
+
+def load_model(config: KvmeshConfig, spec: ModelSpec, coll=None) -> LlamaForCausalLM:
+    """This rank's model: the whole model at world size 1, its shard under tensor parallelism
+    (`coll` from worker/distributed.py). Quantized projections are quantized whole, then cut."""
+    model = LlamaForCausalLM(spec.hf_config, spec.max_model_len, coll, config.parallel.vocab_parallel)
+    state = load_state_dict(spec.hf_dir)
+    sharded_quant = config.quant.weight != "none" and model.coll.world_size > 1
+    if sharded_quant:
+        state = model.install_quantized_shards(state, config.quant, spec.dtype)
+    model.load_hf_state_dict(state)
+    model.to(dtype=spec.dtype)
     model.rotary.to(torch.float32)  # rope tables stay fp32, cast per use like HF
-    if config.quant.weight != "none":
+    if config.quant.weight != "none" and not sharded_quant:
         from kvmesh.quant.linear import quantize_model
 
         quantize_model(model, config.quant)
-    model.to(device).eval()
+    return model.to(spec.device).eval()
+
+
+def allocate_rank_caches(config: KvmeshConfig, spec: ModelSpec, model, num_blocks: int, num_swap_blocks: int
+                         ) -> tuple[list[LayerKVCache], list[LayerKVCache] | None]:
+    """This rank's KV cache (its KV heads) and swap space, same block ids on every rank."""
+    storage = kv_storage_dtype(config.cache.kv_cache_dtype, spec.dtype)
+    layers, hkv, bs = spec.hf_config.num_hidden_layers, model.num_kv_heads, config.cache.block_size
+    kv_caches = allocate_kv_caches(layers, num_blocks, bs, hkv, model.head_dim, storage, spec.device)
+    swap_caches: list[LayerKVCache] | None = None
+    if num_swap_blocks > 0:
+        swap_caches = allocate_kv_caches(layers, num_swap_blocks, bs, hkv, model.head_dim, storage,
+                                         torch.device("cpu"), pin=spec.device.type == "cuda")
+    return kv_caches, swap_caches
+
+
+def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> EngineParts:
+    from kvmesh.worker.tokenizer import load_tokenizer
+
+    spec = resolve_model(config)
+    hf_config, device, dtype, max_model_len = spec.hf_config, spec.device, spec.dtype, spec.max_model_len
+    group = None
+    if config.parallel.tensor_parallel_size > 1:
+        from kvmesh.worker.tp_group import TensorParallelGroup
+
+        group = TensorParallelGroup(config)
+        model = group.start()  # ranks 1..N-1 load their shards in Ray actors while rank 0 loads here
+    else:
+        model = load_model(config, spec)
     tokenizer = load_tokenizer(config.model)
 
     storage = kv_storage_dtype(config.cache.kv_cache_dtype, dtype)
@@ -160,13 +220,14 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
     kv_dtype_name = _effective_kv_dtype_name(config, dtype)
     plan = _plan_memory(config, model, hf_config, device, kv_dtype_name,
                         profile_peak=lambda: _profile_peak(model, config, device))
-    layers, hkv = hf_config.num_hidden_layers, hf_config.num_key_value_heads
-    kv_caches = allocate_kv_caches(layers, plan.num_blocks, plan.block_size, hkv, model.head_dim, storage, device)
-    swap_caches: list[LayerKVCache] | None = None
-    if plan.num_swap_blocks > 0:
-        swap_caches = allocate_kv_caches(layers, plan.num_swap_blocks, plan.block_size, hkv, model.head_dim,
-                                         storage, torch.device("cpu"), pin=device.type == "cuda")
-    runner = ModelRunner(model, backend, device, kv_caches, swap_caches, plan.block_size, seed=config.model.seed)
+    kv_caches, swap_caches = allocate_rank_caches(config, spec, model, plan.num_blocks, plan.num_swap_blocks)
+    if group is None:
+        runner = ModelRunner(model, backend, device, kv_caches, swap_caches, plan.block_size, seed=config.model.seed)
+    else:
+        from kvmesh.worker.tp_group import TensorParallelRunner
+
+        runner = TensorParallelRunner(group, plan, model, backend, device, kv_caches, swap_caches, plan.block_size,
+                                      seed=config.model.seed)
     kv_manager = KVCacheManager(plan.num_blocks, plan.block_size,
                                 enable_prefix_caching=config.cache.enable_prefix_caching,
                                 num_cpu_blocks=plan.num_swap_blocks, worker_id=worker_id)
@@ -176,7 +237,7 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
         plan.weight_bytes / 2**20, plan.kv_bytes_per_token, storage, plan.num_blocks, plan.block_size,
         plan.kv_capacity_tokens, plan.kv_cache_bytes / 2**20, plan.num_swap_blocks,
         plan.peak_activation_bytes / 2**20, device, dtype, backend.name)
-    return EngineParts(runner, kv_manager, tokenizer, hf_config, resolved.name, kv_dtype_name, max_model_len,
+    return EngineParts(runner, kv_manager, tokenizer, hf_config, spec.name, kv_dtype_name, max_model_len,
                        _eos_ids(hf_config, tokenizer), plan, device)
 
 

@@ -6,8 +6,14 @@ state dict loads as is and weight-only quantization (quant/) finds the projectio
 RoPE tables come from transformers' own rotary embedding for the config (rope_theta and any
 rope scaling), so positions encode exactly as in the reference implementation.
 
+Tensor parallelism (worker/parallel_layers.py): given a `Collectives` of world size N, each
+rank builds the shard-shaped layers, attention runs on its local heads (Hq / N query heads,
+max(1, Hkv / N) KV heads) and the block output is all-reduced after o_proj and down_proj.
+At world size 1 every layer is the full nn.Linear / nn.Embedding and the all-reduce is a
+no-op, so the single-rank forward is the one it always was.
+
 Shapes: T = tokens in the step (all requests, flat), H = hidden size, Hq / Hkv = query / KV
-heads, D = head_dim, V = vocab.
+heads (local to this rank under tensor parallelism), D = head_dim, V = vocab.
 """
 
 from __future__ import annotations
@@ -17,6 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.worker.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from kvmesh.worker.distributed import Collectives, single_rank
+from kvmesh.worker.parallel_layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                                           RowParallelLinear, VocabParallelEmbedding, _ShardedLinear,
+                                           quantize_sharded)
 
 
 class RMSNorm(nn.Module):
@@ -60,18 +70,20 @@ class RotaryTables(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, layer_idx: int):
+    def __init__(self, cfg, layer_idx: int, coll: Collectives):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.coll = coll
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim ** -0.5
         bias = bool(getattr(cfg, "attention_bias", False))
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        h, d = cfg.hidden_size, self.head_dim
+        self.q_proj = QKVParallelLinear(h, cfg.num_attention_heads, d, bias, coll, "query")
+        self.k_proj = QKVParallelLinear(h, cfg.num_key_value_heads, d, bias, coll, "KV")
+        self.v_proj = QKVParallelLinear(h, cfg.num_key_value_heads, d, bias, coll, "KV")
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, h, bias, coll)
+        self.num_heads = self.q_proj.num_local_heads  # this rank's
+        self.num_kv_heads = self.k_proj.num_local_heads
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryTables, cache: LayerKVCache,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -82,26 +94,27 @@ class LlamaAttention(nn.Module):
         q, k = rotary.apply(q, k, positions)
         backend.write_kv(cache, k, v, meta.slot_mapping)
         out = backend.attend(q, cache, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, -1))
+        return self.coll.all_reduce(self.o_proj(out.reshape(t, -1)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, coll: Collectives):
         super().__init__()
+        self.coll = coll
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias, coll)
+        self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias, coll)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias, coll)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.coll.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_idx: int):
+    def __init__(self, cfg, layer_idx: int, coll: Collectives):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, layer_idx, coll)
+        self.mlp = LlamaMLP(cfg, coll)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -111,19 +124,20 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, coll: Collectives, vocab_parallel: bool):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, coll, vocab_parallel)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, coll) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg, max_positions: int):
+    def __init__(self, cfg, max_positions: int, coll: Collectives | None = None, vocab_parallel: bool = True):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.coll = coll or single_rank()
+        self.model = LlamaModel(cfg, self.coll, vocab_parallel)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.coll, vocab_parallel)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -131,7 +145,8 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.config.num_key_value_heads
+        """KV heads this rank caches (all of them at world size 1)."""
+        return self.model.layers[0].self_attn.num_kv_heads
 
     @property
     def head_dim(self) -> int:
@@ -147,14 +162,40 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, V] in fp32 (sampling and logprobs want fp32)."""
-        return self.lm_head(hidden).to(torch.float32)
+        return self.lm_head.gather_logits(self.lm_head(hidden)).to(torch.float32)
 
     def load_hf_state_dict(self, state: dict) -> None:
+        """Full Hugging Face tensors in; each parameter's weight_loader keeps its own shard."""
         state = dict(state)
         if self.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        missing, unexpected = self.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not (self.tie_word_embeddings and m == "lm_head.weight")]
-        unexpected = [u for u in unexpected if "rotary_emb" not in u]
+        params = dict(self.named_parameters())  # a tied lm_head.weight appears once, as embed_tokens'
+        missing = [m for m in params if m not in state]
+        unexpected = [u for u in state if u not in params and "rotary_emb" not in u]
         if missing or unexpected:
             raise ValueError(f"weights do not match the model: missing={missing[:5]} unexpected={unexpected[:5]}")
+        with torch.no_grad():
+            for name, param in params.items():
+                loader = getattr(param, "weight_loader", None)
+                if loader is not None:
+                    loader(param, state[name])
+                else:
+                    param.data.copy_(state[name])
+
+    def install_quantized_shards(self, state: dict, quant_cfg, dtype: torch.dtype) -> dict:
+        """Tensor parallelism + weight-only quantization: quantize each full projection from
+        `state` in `dtype`, keep this rank's shard (the quant layer's own `shard`), and return
+        the state without those projections (load the rest with load_hf_state_dict)."""
+        state = dict(state)
+        for name, module in list(self.named_modules()):
+            if not isinstance(module, _ShardedLinear):
+                continue
+            weight = state.pop(f"{name}.weight").to(dtype)
+            bias = state.pop(f"{name}.bias", None)
+            full = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+            full.weight = nn.Parameter(weight, requires_grad=False)
+            if bias is not None:
+                full.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+            parent, _, child = name.rpartition(".")
+            setattr(self.get_submodule(parent), child, quantize_sharded(full, module.shard, quant_cfg))
+        return state

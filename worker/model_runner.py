@@ -58,6 +58,64 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
 
 
 @dataclass(frozen=True)
+class BlockOps:
+    """One step's block copies, (source, destination) block ids: plain tuples so the tensor-
+    parallel group can ship them to the other ranks, which hold their own KV shards."""
+
+    swap_out: tuple[tuple[int, int], ...] = ()  # (device block, swap block)
+    swap_in: tuple[tuple[int, int], ...] = ()  # (swap block, device block)
+    copy_blocks: tuple[tuple[int, int], ...] = ()  # (device block, device block), copy-on-write
+
+    @classmethod
+    def from_scheduler_output(cls, sched_out) -> "BlockOps":
+        return cls(tuple((d, c) for d, c in sched_out.swap_out or ()),
+                   tuple((c, d) for c, d in sched_out.swap_in or ()),
+                   tuple((s, d) for s, d in sched_out.copy_blocks or ()))
+
+    @property
+    def empty(self) -> bool:
+        return not (self.swap_out or self.swap_in or self.copy_blocks)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Everything a forward needs besides the weights and the cache, as host lists: the flat
+    token batch, its paged-attention metadata and which rows get logits. Built once on rank 0
+    and sent as is to the other tensor-parallel ranks."""
+
+    input_ids: tuple[int, ...]  # [T]
+    positions: tuple[int, ...]  # [T]
+    slot_mapping: tuple[int, ...]  # [T], block_id * block_size + offset
+    query_lens: tuple[int, ...]  # [B]
+    seq_lens: tuple[int, ...]  # [B], cached + new tokens
+    block_tables: tuple[tuple[int, ...], ...]  # [B][blocks of request b]
+    sample_at: tuple[int, ...]  # flat index of the last token of each sampling request
+
+    @classmethod
+    def build(cls, scheduled, block_size: int) -> "StepInputs":
+        """scheduled: ScheduledRequest entries (worker/scheduler_output.py) in batch order."""
+        bs = block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        sample_at: list[int] = []
+        for entry in scheduled:
+            blocks = entry.block_ids
+            input_ids.extend(entry.token_ids)
+            for p in entry.positions:
+                positions.append(p)
+                slots.append(blocks[p // bs] * bs + p % bs)
+            query_lens.append(entry.num_scheduled_tokens)
+            seq_lens.append(entry.num_computed_tokens + entry.num_scheduled_tokens)
+            if entry.sample:
+                sample_at.append(len(input_ids) - 1)
+        return cls(tuple(input_ids), tuple(positions), tuple(slots), tuple(query_lens), tuple(seq_lens),
+                   tuple(tuple(e.block_ids) for e in scheduled), tuple(sample_at))
+
+
+@dataclass(frozen=True)
 class StepResult:
     sampled: dict[str, int]  # request_id -> token id
     logprobs: dict[str, float]  # request_id -> chosen token's logprob (when asked)
@@ -92,57 +150,51 @@ class ModelRunner:
 
     def apply_block_ops(self, sched_out) -> None:
         """Swap-out, swap-in and copy-on-write copies, before the forward that needs them."""
-        if sched_out.swap_out:
-            _copy_blocks(self.swap_caches, self.kv_caches, [(d, c) for d, c in sched_out.swap_out])
-        if sched_out.swap_in:
-            _copy_blocks(self.kv_caches, self.swap_caches, [(c, d) for c, d in sched_out.swap_in])
-        if sched_out.copy_blocks:
-            _copy_blocks(self.kv_caches, self.kv_caches, list(sched_out.copy_blocks))
+        self.run_block_ops(BlockOps.from_scheduler_output(sched_out))
+
+    def run_block_ops(self, ops: BlockOps) -> None:
+        if ops.swap_out:
+            _copy_blocks(self.swap_caches, self.kv_caches, list(ops.swap_out))
+        if ops.swap_in:
+            _copy_blocks(self.kv_caches, self.swap_caches, list(ops.swap_in))
+        if ops.copy_blocks:
+            _copy_blocks(self.kv_caches, self.kv_caches, list(ops.copy_blocks))
 
     @torch.inference_mode()
     def execute(self, scheduled, rows_for: Callable[[object], SamplingRow]) -> StepResult:
         """scheduled: ScheduledRequest entries (worker/scheduler_output.py) in batch order."""
         if self.fault_hook is not None:
             self.fault_hook()
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        sample_at: list[int] = []  # flat index of the last token of each sampling request
-        sample_reqs = []
-        for entry in scheduled:
-            blocks = entry.block_ids
-            input_ids.extend(entry.token_ids)
-            for p in entry.positions:
-                positions.append(p)
-                slots.append(blocks[p // bs] * bs + p % bs)
-            query_lens.append(entry.num_scheduled_tokens)
-            seq_lens.append(entry.num_computed_tokens + entry.num_scheduled_tokens)
-            if entry.sample:
-                sample_at.append(len(input_ids) - 1)
-                sample_reqs.append(entry.request)
-        max_blocks = max(len(e.block_ids) for e in scheduled)
-        table = torch.zeros((len(scheduled), max_blocks), dtype=torch.int32)
-        for i, e in enumerate(scheduled):
-            table[i, :len(e.block_ids)] = torch.tensor(e.block_ids, dtype=torch.int32)
-        dev = self.device
-        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        qsl[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0)
-        meta = AttentionMetadata(
-            query_start_loc=qsl.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=table.to(dev), slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-            query_lens_host=tuple(query_lens), seq_lens_host=tuple(seq_lens))
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
-                            torch.tensor(positions, dtype=torch.long, device=dev), self.kv_caches, meta, self.backend)
-        if not sample_reqs:
-            return StepResult({}, {}, len(input_ids))
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_at, device=dev)]).cpu()
+        inputs = StepInputs.build(scheduled, self.block_size)
+        sample_reqs = [entry.request for entry in scheduled if entry.sample]
+        logits = self.forward(inputs)
+        if logits is None:
+            return StepResult({}, {}, len(inputs.input_ids))
         result: SampleResult = sample(logits, [rows_for(r) for r in sample_reqs], self.generator)
         sampled = {r.request_id: t for r, t in zip(sample_reqs, result.token_ids)}
         logprobs = {}
         if result.logprobs is not None:
             logprobs = {r.request_id: lp for r, lp in zip(sample_reqs, result.logprobs) if r.sampling.logprobs}
-        return StepResult(sampled, logprobs, len(input_ids))
+        return StepResult(sampled, logprobs, len(inputs.input_ids))
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The model on one step's batch -> fp32 CPU logits [len(sample_at), V], or None when
+        no request samples this step (a mid-prompt chunk only)."""
+        dev = self.device
+        table = torch.zeros((len(inputs.block_tables), max(len(b) for b in inputs.block_tables)), dtype=torch.int32)
+        for i, blocks in enumerate(inputs.block_tables):
+            table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        qsl = torch.zeros(len(inputs.query_lens) + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(torch.tensor(inputs.query_lens, dtype=torch.int32), 0)
+        meta = AttentionMetadata(
+            query_start_loc=qsl.to(dev), seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int32, device=dev),
+            block_tables=table.to(dev), slot_mapping=torch.tensor(inputs.slot_mapping, dtype=torch.long, device=dev),
+            max_query_len=max(inputs.query_lens), max_seq_len=max(inputs.seq_lens),
+            query_lens_host=inputs.query_lens, seq_lens_host=inputs.seq_lens)
+        hidden = self.model(torch.tensor(inputs.input_ids, dtype=torch.long, device=dev),
+                            torch.tensor(inputs.positions, dtype=torch.long, device=dev), self.kv_caches, meta,
+                            self.backend)
+        if not inputs.sample_at:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(inputs.sample_at, device=dev)]).cpu()
