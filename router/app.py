@@ -44,6 +44,12 @@ DEFAULT_APP_NAME = "kvmesh"
 ROUTER_REPLICA_NUM_CPUS = 0.25
 # Model loads (and a first GGUF conversion) happen before the first worker answers.
 WORKER_READY_TIMEOUT_S = 600.0
+# Extra concurrent requests a replica accepts so that overload reaches admission, which
+# rejects it in microseconds with a retry-after (see build_router_app).
+OVERLOAD_HEADROOM = 1024
+# How often a replica publishes its metrics snapshot for its peers' /metrics: a scrape may
+# lag a peer's latest counts by this much (Prometheus scrapes every 10-60 s).
+METRICS_PUBLISH_INTERVAL_S = 2.0
 
 fastapi_app = openai_http.build_openai_app()
 
@@ -54,10 +60,9 @@ class KvmeshRouter(KvmeshGrpcMethods):
     async def __init__(self, config_dict: dict):
         from kvmesh.router import tracing
         from kvmesh.router.auth import Authenticator
-        from kvmesh.router.metrics import RouterMetrics
+        from kvmesh.router.metrics import RouterMetrics, get_or_create_board, start_publishing
         from kvmesh.router.quota import make_quota_store
         from kvmesh.router.router_core import RouterCore
-        from kvmesh.router.tenants import open_tenant_store
         from kvmesh.router.worker_pool import WorkerPool
         from kvmesh.worker.tokenizer import load_tokenizer
 
@@ -74,12 +79,15 @@ class KvmeshRouter(KvmeshGrpcMethods):
         metrics = RouterMetrics(max_num_seqs=config.scheduler.max_num_seqs)
         quota = make_quota_store(config.tenants, num_replicas=config.router.num_replicas,
                                  on_fallback_change=metrics.set_quota_fallback)
-        # Tenants added with `kvmesh tenants add` live in the store; every replica reloads
-        # them each tenant_refresh_s, so a new key works without a restart.
-        store = open_tenant_store(config.tenants.redis_url, config.tenants.tenants_file)
-        authenticator = Authenticator(config.tenants, store)
-        await authenticator.refresh()
-        authenticator.start_refresh(config.tenants.tenant_refresh_s)
+        # Tenants added with `kvmesh tenants add` live in the store (Redis, else the tenants
+        # file); every replica reloads them each tenant_refresh_s, so a new key works without
+        # a restart, and a store down at start is not fatal.
+        authenticator = Authenticator.from_config(config.tenants)
+        await authenticator.start()
+        # Serve sends a scrape to any one replica: each publishes its own request-level
+        # metrics to the cluster's board and renders its peers' alongside its own.
+        self.board = get_or_create_board()
+        self._publisher = start_publishing(self.board, metrics, METRICS_PUBLISH_INTERVAL_S)
         self.core = RouterCore(config, self.pool, tokenizer, authenticator, quota, model_name, metrics, tracer)
         logger.info("router replica ready: model %s, %d workers", model_name, len(self.pool.worker_ids))
 
@@ -103,15 +111,20 @@ class KvmeshRouter(KvmeshGrpcMethods):
 
     @fastapi_app.get("/metrics")
     async def metrics(self) -> Response:
-        return openai_http.metrics_response(self.core)
+        return await openai_http.metrics_response(self.core, self.board)
 
     async def __del__(self):
+        self._publisher.cancel()
         await self.pool.close()
 
 
 def build_router_app(config: KvmeshConfig):
     """The bound Serve application for `config` (deploy with serve.run / serveConfigV2)."""
+    # Beyond what the router holds (its queue plus the workers' running and queued requests),
+    # OVERLOAD_HEADROOM more may be in the replica at once only to be rejected: a request
+    # Serve queued in its proxy instead would wait, unanswered, for a slot and only then get
+    # the router's RESOURCE_EXHAUSTED (measured: seconds, in tests/test_overload_e2e.py).
     max_ongoing = (config.router.max_queue_len
-                   + 2 * config.scheduler.max_num_seqs * config.parallel.num_workers)
+                   + 2 * config.scheduler.max_num_seqs * config.parallel.num_workers + OVERLOAD_HEADROOM)
     return KvmeshRouter.options(num_replicas=config.router.num_replicas,
                                 max_ongoing_requests=max_ongoing).bind(config.to_dict())

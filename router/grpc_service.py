@@ -105,7 +105,7 @@ def _fail(grpc_context, exc: BaseException) -> None:
         logger.exception("gRPC request failed", exc_info=exc)
     if grpc_context is not None:
         grpc_context.set_code(status.grpc_code)
-        grpc_context.set_details(status.message)
+        grpc_context.set_details(status_map.grpc_details(status))  # carries retry-after too
         grpc_context.set_trailing_metadata(list(status_map.grpc_trailing_metadata(status)))
 
 

@@ -12,7 +12,7 @@ Names follow vLLM's (`vllm:x` -> `kvmesh_x`) where vLLM has one, so existing das
 
     engine_metrics = EngineMetrics()             # worker side: what only the engine sees
     engine_metrics.observe_step(step_time_s=0.021)
-    engine_metrics.snapshot() -> bytes           # returned by the worker's stats call
+    engine_metrics.snapshot() -> bytes           # worker/telemetry.py; rides in every WorkerPoll
 
 Why prometheus_client and not ray.util.metrics. Ray's metrics go through each node's metrics
 agent and appear on the node's metrics export port (prefixed `ray_`), not on our router's
@@ -61,6 +61,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.worker.api import FinishReason, RequestTimings, Usage, WorkerStats
+from kvmesh.worker.telemetry import EngineMetrics  # re-exported: the worker side of step time
+
+__all__ = ["CONTENT_TYPE", "EngineMetrics", "MetricsBoard", "RouterMetrics", "get_or_create_board",
+           "render_merged", "start_publishing", "worker_families"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +78,6 @@ _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5
                       2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3,
                   0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-_STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
 
 def default_replica_id() -> str:
@@ -87,6 +90,7 @@ class RouterMetrics:
         self._max_num_seqs = max_num_seqs  # denominator of batch_fill_ratio
         self._registry = CollectorRegistry(auto_describe=True)
         self._worker_stats: list[WorkerStats] = []
+        self._engine_snapshots: dict[str, bytes] = {}  # worker id -> EngineMetrics.snapshot()
         r = self._registry
 
         def hist(name: str, doc: str, buckets=_LATENCY_BUCKETS_S) -> Histogram:
@@ -164,6 +168,11 @@ class RouterMetrics:
         """The latest stats of every worker; a worker missing from the list disappears."""
         self._worker_stats = list(stats)
 
+    def update_engine_snapshots(self, snapshots: dict[str, bytes]) -> None:
+        """The latest EngineMetrics snapshot of every worker (from the pool's polls). Rendered
+        by this replica only, not published to peers, so each worker counts once."""
+        self._engine_snapshots = dict(snapshots)
+
     # ---- exposition ----------------------------------------------------------------------
 
     def snapshot(self) -> bytes:
@@ -172,24 +181,8 @@ class RouterMetrics:
 
     def render(self, peer_snapshots: Iterable[bytes] = ()) -> bytes:
         """`/metrics` body: own + peers' snapshots merged, plus the workers' gauges."""
-        return render_merged([self.snapshot(), *peer_snapshots],
+        return render_merged([self.snapshot(), *peer_snapshots, *self._engine_snapshots.values()],
                              worker_families(self._worker_stats, self._max_num_seqs))
-
-
-class EngineMetrics:
-    """Worker-process metrics the router cannot derive: shipped as `snapshot()` bytes."""
-
-    def __init__(self, worker_id: str = ""):
-        self._registry = CollectorRegistry(auto_describe=True)
-        self.step_time = Histogram(PREFIX + "step_time_seconds", "Engine step time (schedule + forward + sample).",
-                                   ["worker"], buckets=_STEP_BUCKETS_S, registry=self._registry)
-        self.worker_id = worker_id
-
-    def observe_step(self, step_time_s: float) -> None:
-        self.step_time.labels(self.worker_id).observe(step_time_s)
-
-    def snapshot(self) -> bytes:
-        return generate_latest(self._registry)
 
 
 # ---- worker gauges and merging -----------------------------------------------------------

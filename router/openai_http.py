@@ -68,10 +68,18 @@ def health_response(core: RouterCore) -> JSONResponse:
     return JSONResponse(body, status_code=200 if view.num_routable else 503)
 
 
-def metrics_response(core: RouterCore) -> Response:
+async def metrics_response(core: RouterCore, board=None) -> Response:
+    """This replica's metrics merged with its peers' latest snapshots from the MetricsBoard
+    actor (Serve sends a scrape to any one replica). Board unreachable: own metrics only."""
     from kvmesh.router.metrics import CONTENT_TYPE
 
-    return Response(core.metrics.render(), media_type=CONTENT_TYPE)
+    peers: list[bytes] = []
+    if board is not None:
+        try:
+            peers = await board.snapshots.remote(exclude=core.metrics.replica_id)
+        except Exception as exc:  # the board restarts with the cluster; a partial scrape beats none
+            logger.warning("metrics board unreachable (%s); /metrics shows this replica only", type(exc).__name__)
+    return Response(core.metrics.render(peers), media_type=CONTENT_TYPE)
 
 
 async def generate_response(core: RouterCore, request: Request, chat: bool) -> Response:

@@ -41,6 +41,7 @@ from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.router import tracing
 from kvmesh.router.admission import AdmissionController, AdmissionTicket, request_cost_tokens
 from kvmesh.router.auth import Authenticator
+from kvmesh.router.fairness import TenantBacklog, engine_priority
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.quota import QuotaStore, Reservation, check_request_fits
 from kvmesh.router.routing import RoundRobinCursor, RoutingDecision, choose_worker
@@ -104,11 +105,13 @@ class RouterCore:
         self._cursor = RoundRobinCursor()
         self._extra_keys: dict[str | None, tuple[str, ...]] = {}  # cache salt -> block extra keys
         self.in_flight = 0
+        self._backlog = TenantBacklog()  # per-tenant in-flight: the fair rank (router/fairness.py)
         pool.on_stats = self._on_worker_stats
 
     def _on_worker_stats(self, stats: list[WorkerStats], taken_at: float | None) -> None:
         self.admission.update_stats(stats, taken_at)
         self.metrics.update_worker_stats(stats)
+        self.metrics.update_engine_snapshots(self.pool.engine_snapshots())
 
     # ---- admission of one request -------------------------------------------------------
 
@@ -117,7 +120,8 @@ class RouterCore:
         return the stream (nothing runs on a worker until the stream is iterated).
 
         Spans: kvmesh.request (ended by the stream) with auth, quota, admission and route
-        children; the worker's spans hang below kvmesh.stream via the request's carrier."""
+        children; the worker process records its own spans below kvmesh.stream, from the
+        carrier in GenerateRequest.trace_context (worker/actor.py)."""
         root = self._tracer.start_span(tracing.SPAN_REQUEST, context=tracing.extract_context(inbound.trace_context),
                                        kind=tracing.SpanKind.SERVER)
         parent = tracing.trace.set_span_in_context(root)
@@ -146,10 +150,15 @@ class RouterCore:
         with self._tracer.start_as_current_span(tracing.SPAN_QUOTA, context=parent):
             check_request_fits(tenant.limits, tenant.id, num_prompt, sampling.max_tokens * sampling.n)
             reservation = await self._quota.reserve(tenant, num_prompt, sampling.max_tokens * sampling.n)
+        # The tenant's class, refined by its backlog here, so a flooding tenant's queued
+        # requests cannot starve another tenant's in the engine's priority queue.
+        rank = self._backlog.enter(tenant.id)
+        request = dataclasses.replace(request, priority=engine_priority(request.priority, rank))
         try:
             with self._tracer.start_as_current_span(tracing.SPAN_ADMISSION, context=parent):
                 decision, ticket = await self._admit(request, exclude=frozenset(), parent=parent)
         except BaseException:
+            self._backlog.leave(tenant.id)
             await self._quota.release(reservation)
             raise
         stream_span = self._tracer.start_span(tracing.SPAN_STREAM, context=parent)
@@ -313,6 +322,7 @@ class RequestStream:
                     self.decision, self._ticket = await core._admit(self._request, frozenset({self.worker_id}))
         finally:
             core.in_flight -= 1
+            core._backlog.leave(self._request.tenant_id)
             self._ticket.release()
             usage = final.usage if final is not None else None
             used = usage.completion_tokens if usage is not None else streamed_tokens
@@ -321,10 +331,6 @@ class RequestStream:
             reason = final.finish_reason if final else FinishReason.ERROR
             core.metrics.observe_request_end(self._request.tenant_id, final.timings if final else None, usage,
                                              reason)
-            if final is not None and final.timings is not None:
-                # The worker's queue/prefill/decode spans, rebuilt here from its timings: the
-                # worker package does not depend on the router's tracing setup.
-                tracing.record_worker_spans(core._tracer, self._request, final.timings, usage, reason)
             for span in self._spans:
                 span.set_attribute(tracing.ATTR_FINISH_REASON, reason.value)
                 if reason is FinishReason.ERROR:

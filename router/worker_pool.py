@@ -49,6 +49,7 @@ class _WorkerState:
     failed_incarnation: str | None = None  # a stream failed on this incarnation
     last_error: str = ""
     last_ok_time: float = 0.0
+    metrics_snapshot: bytes = b""  # the worker's EngineMetrics, as of its last poll
 
     @property
     def routable(self) -> bool:
@@ -118,6 +119,10 @@ class WorkerPool:
 
     def any_info(self) -> WorkerInfo | None:
         return next((s.info for s in self._workers.values() if s.info is not None), None)
+
+    def engine_snapshots(self) -> dict[str, bytes]:
+        """worker id -> its latest EngineMetrics snapshot (step time), for /metrics."""
+        return {w: s.metrics_snapshot for w, s in sorted(self._workers.items()) if s.metrics_snapshot}
 
     def stats_for_routing(self) -> list[WorkerStats]:
         """Latest stats of every worker that has reported, `healthy` as the router sees it
@@ -191,6 +196,7 @@ class WorkerPool:
             self._changed.set()
             return
         state.info, state.stats = poll.info, poll.stats
+        state.metrics_snapshot = poll.metrics_snapshot
         self.prefix_index.apply(poll.prefix_events)
         state.polled_ok = True
         state.last_ok_time = time.time()

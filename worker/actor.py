@@ -27,19 +27,25 @@ Why these choices:
   therefore always means "the worker itself failed".
 * Cancelling the consumer (`ray.cancel` on the stream, which cancels the actor task) and
   `abort(request_id)` both end the request in the engine and free its KV blocks.
+* Telemetry lives in this process: the actor sets up its own TracerProvider from
+  `config.observability` and records the kvmesh.worker.* spans as children of the router's
+  span carried in `GenerateRequest.trace_context` (one trace across processes), and times
+  every engine step into an EngineMetrics whose snapshot rides along in each WorkerPoll.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvmesh.deploy.config import KvmeshConfig
 from kvmesh.worker import errors
-from kvmesh.worker.api import GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats
+from kvmesh.worker import telemetry
+from kvmesh.worker.api import FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta, RequestTimings, WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +60,9 @@ class WorkerInfo:
     incarnation: str
     model_name: str
     block_size: int
+    # The Ray node (hex id) this incarnation runs on: where Ray placed it, and after a node
+    # loss, where Ray restarted it.
+    node_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,7 @@ class WorkerPoll:
     info: WorkerInfo
     stats: WorkerStats
     prefix_events: PrefixEventBatch
+    metrics_snapshot: bytes = b""  # EngineMetrics.snapshot(): Prometheus text format
 
 
 StreamItem = list[RequestDelta] | ErrorReport
@@ -104,8 +114,12 @@ class WorkerActor:
         self._config = KvmeshConfig.from_dict(config_dict)
         self._engine = AsyncEngine.from_config(self._config, worker_id=worker_id)
         self._info = WorkerInfo(worker_id=worker_id, incarnation=uuid.uuid4().hex,
-                                model_name=self._engine.model_name, block_size=self._engine.block_size)
+                                model_name=self._engine.model_name, block_size=self._engine.block_size,
+                                node_id=_current_node_id())
         self._streaming: set[str] = set()  # request ids with a live `generate` stream
+        self._tracer = telemetry.get_tracer(telemetry.setup_tracing(self._config.observability, "kvmesh-worker"))
+        self._metrics = telemetry.EngineMetrics(worker_id)
+        _time_engine_steps(self._engine.engine, self._metrics)
         logger.info("worker %s up (incarnation %s, model %s)", worker_id, self._info.incarnation,
                     self._info.model_name)
 
@@ -139,8 +153,12 @@ class WorkerActor:
                 await asyncio.gather(pump, return_exceptions=True)
 
     async def _pump(self, request: GenerateRequest, queue: asyncio.Queue) -> None:
+        arrived_at = time.time()
+        final: RequestDelta | None = None  # the last sample's final delta: timings + usage
         try:
             async for delta in self._engine.generate(request):
+                if delta.finished and delta.sample_index >= request.sampling.n - 1:
+                    final = delta
                 queue.put_nowait(delta)
         except errors.KvmeshError as exc:
             queue.put_nowait(ErrorReport.from_exception(exc))
@@ -149,11 +167,27 @@ class WorkerActor:
             queue.put_nowait(ErrorReport("WorkerFailedError", f"engine failure: {exc!r}"))
         finally:
             queue.put_nowait(_END_OF_STREAM)
+            self._record_spans(request, final, arrived_at)
+
+    def _record_spans(self, request: GenerateRequest, final: RequestDelta | None, arrived_at: float) -> None:
+        """kvmesh.worker.* spans for the request, in this process; a request that never got a
+        final delta (cancelled, refused) still gets its generate span, marked abort/error."""
+        try:
+            if final is not None and final.timings is not None:
+                telemetry.record_worker_spans(self._tracer, request, final.timings, final.usage,
+                                              final.finish_reason)
+            else:
+                telemetry.record_worker_spans(self._tracer, request,
+                                              RequestTimings(arrival_time=arrived_at, finished_time=time.time()),
+                                              None, FinishReason.ABORT)
+        except Exception:  # telemetry must never fail a request
+            logger.exception("recording spans of %s failed", request.request_id)
 
     async def poll(self, since_prefix_seq: int) -> WorkerPoll:
         # The *_async reads wait for the engine lock in a thread, never on this event loop.
         stats = await self._engine.stats_async()
-        return WorkerPoll(self._info, stats, await self._engine.prefix_events_async(since_prefix_seq))
+        return WorkerPoll(self._info, stats, await self._engine.prefix_events_async(since_prefix_seq),
+                          self._metrics.snapshot())
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; True when this worker was streaming it (its stream then ends
@@ -173,6 +207,30 @@ class WorkerActor:
 
     async def shutdown(self) -> None:
         await self._engine.shutdown()
+
+
+def _time_engine_steps(engine, metrics: "telemetry.EngineMetrics") -> None:
+    """Observe every `engine.step()` into `metrics.step_time` (seconds, wall clock). Wraps the
+    bound method on this one instance: the step thread in AsyncEngine calls `engine.step()`,
+    and timing it here keeps Prometheus out of the engine's own code."""
+    step = engine.step
+
+    def timed_step():
+        started = time.perf_counter()
+        try:
+            return step()
+        finally:
+            if not engine.last_step_idle:  # an idle step (window open) is not work
+                metrics.observe_step(time.perf_counter() - started)
+
+    engine.step = timed_step
+
+
+def _current_node_id() -> str:
+    """The Ray node id of this process ("" outside Ray, e.g. an actor class used directly)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
 
 
 def worker_actor_options(config: KvmeshConfig, app_name: str, index: int) -> dict:
