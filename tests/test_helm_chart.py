@@ -32,7 +32,7 @@ from kvmesh.deploy.serve_config import (API_KEY_HASHES_FILE_ENV, REDIS_URL_ENV, 
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm" / "kvmesh"
-RAYSERVICE_CRD = REPO.parent / "shared" / "k8s" / "ray.io_rayservices.yaml"
+RAYSERVICE_CRD = REPO / "tests" / "data" / "kuberay" / "ray.io_rayservices.yaml"  # vendored, see its README
 K8S_VERSION = "1.33.0"  # kubernetes-validate schema set the chart is held to
 RELEASE, NAMESPACE = "prod", "llm"
 VALUES_FILES = {"default": None,
