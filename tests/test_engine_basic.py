@@ -195,3 +195,12 @@ def test_async_cancel_frees_blocks(tiny_model_dir):
             await aengine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_queue_timeout_rejects_as_retryable_and_holds_nothing(tiny_model_dir):
+    engine = Engine.from_config(_config(tiny_model_dir, scheduler={"max_num_seqs": 1, "max_queue_time_s": 0.05}))
+    out = run(engine, [req("long", max_tokens=120, ignore_eos=True), req("starved", max_tokens=4)])
+    assert len(tokens(out["long"])) == 120
+    final = out["starved"][-1]
+    assert final.finish_reason == FinishReason.ERROR and final.error_type == "OverloadedError"
+    assert final.retry_after_s > 0 and final.usage.completion_tokens == 0

@@ -187,10 +187,9 @@ class Engine:
         if req is None:
             return None  # closed by the engine already (stop, abort, failure)
         if status == RequestStatus.REJECTED:
-            retry = max(0.05, self.scheduler.admission.retry_after_s()) if hasattr(
-                self.scheduler.admission, "retry_after_s") else 1.0
             return self._close(req, FinishReason.ERROR, error="request waited longer than max_queue_time_s",
-                               error_type="OverloadedError", retry_after_s=retry)
+                               error_type="OverloadedError",
+                               retry_after_s=self.scheduler.admission.retry_after_s())
         return self._close(req, FinishReason.ABORT)
 
     def _close(self, req: Request, reason: FinishReason, **error) -> RequestDelta:
