@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
-import os
 import random
 import socket
 import time
@@ -38,6 +37,7 @@ from kvmesh.deploy.config import KvmeshConfig
 from kvmesh.router.client import KvmeshClient
 from kvmesh.router.retry import RetryPolicy
 from kvmesh.worker.api import SamplingParams
+from e2e_cluster import serving
 
 logger = logging.getLogger(__name__)
 
@@ -73,19 +73,8 @@ def routing_config(tiny_model_dir) -> KvmeshConfig:
 
 @pytest.fixture(scope="module")
 def cluster(routing_config):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
-
-    from kvmesh.deploy.cmd_serve import start_serving, stop_serving
-
-    # address="local": a private cluster, never one another test session left running.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        start_serving(routing_config, APP_NAME)
-        yield routing_config
-    finally:
-        stop_serving(routing_config, APP_NAME)
-        ray.shutdown()
+    with serving(routing_config, APP_NAME) as config:
+        yield config
 
 
 class _WorkerRecorder(grpc.UnaryStreamClientInterceptor):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 import random
 import socket
 import statistics
@@ -43,6 +42,7 @@ from kvmesh.router.client import KvmeshClient
 from kvmesh.router.retry import RetryPolicy
 from kvmesh.worker.api import SamplingParams
 from kvmesh.worker.errors import KvmeshError
+from e2e_cluster import serving
 
 logger = logging.getLogger(__name__)
 
@@ -78,19 +78,8 @@ def overload_config(tiny_model_dir) -> KvmeshConfig:
 
 @pytest.fixture(scope="module")
 def cluster(overload_config):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
-
-    from kvmesh.deploy.cmd_serve import start_serving, stop_serving
-
-    # address="local": a private cluster, never one another test session left running.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        start_serving(overload_config, APP_NAME)
-        yield overload_config
-    finally:
-        stop_serving(overload_config, APP_NAME)
-        ray.shutdown()
+    with serving(overload_config, APP_NAME) as config:
+        yield config
 
 
 @dataclass
