@@ -120,6 +120,17 @@ class _InputRecorder:
                                num_tokens=self.num_tokens, samples=self.samples)
 
 
+def run_hooked(model: nn.Module, sequences: Iterable[torch.Tensor], forward: ForwardFn, handles: list) -> None:
+    """Run every sequence through `model` with forward hooks registered, then remove the
+    hooks (`handles`) whatever happens, so a failed calibration leaves the model clean."""
+    try:
+        for ids in sequences:
+            forward(model, ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @torch.inference_mode()
 def collect_activation_stats(model: nn.Module, sequences: Iterable[torch.Tensor], *,
                              forward: ForwardFn = hf_forward,
@@ -135,12 +146,7 @@ def collect_activation_stats(model: nn.Module, sequences: Iterable[torch.Tensor]
             handles.append(module.register_forward_pre_hook(recorders[name]))
     if not recorders:
         raise ConfigError("calibration: the model has no linear layers named like Llama projections")
-    try:
-        for ids in sequences:
-            forward(model, ids)
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_hooked(model, sequences, forward, handles)
     missing = [name for name, r in recorders.items() if r.num_tokens == 0]
     if missing:
         raise ConfigError(f"calibration: no activations reached {missing[:3]}{'...' if len(missing) > 3 else ''}")

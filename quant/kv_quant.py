@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from kvmesh.deploy.config import ConfigError
-from kvmesh.quant.calibration import ForwardFn, hf_forward, layer_index
+from kvmesh.quant.calibration import ForwardFn, hf_forward, layer_index, run_hooked
 
 INT8_MAX = 127.0
 FP8_E4M3_MAX = 448.0
@@ -121,12 +121,7 @@ def calibrate_kv_scales(model: nn.Module, sequences: Iterable[torch.Tensor], hea
             handles.append(module.register_forward_hook(recorder(layer, leaf == "k_proj")))
     if not handles:
         raise ConfigError("KV calibration: no layers.N.*.k_proj / v_proj modules in the model")
-    try:
-        for ids in sequences:
-            forward(model, ids)
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_hooked(model, sequences, forward, handles)
     layers = sorted(key_max)
     if not layers or layers != list(range(len(layers))) or sorted(value_max) != layers:
         raise ConfigError(f"KV calibration: incomplete layer coverage {layers} (no calibration tokens?)")
