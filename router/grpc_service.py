@@ -28,7 +28,6 @@ from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc
 from kvmesh.router import convert, status_map
 from kvmesh.router.router_core import InboundRequest, RouterCore
-from kvmesh.worker.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -113,22 +112,10 @@ def inbound_from_pb(request: pb.GenerateRequest, metadata: list[tuple[str, str]]
     """The router core's request from the message (convert.py) and the call metadata."""
     given = convert.generate_input_from_pb(request)
     meta = convert.call_metadata_from_grpc(metadata)
-    timeout_s = _positive_float(status_map.metadata_value(metadata, TIMEOUT_KEY), TIMEOUT_KEY)
+    timeout_s = status_map.positive_float(status_map.metadata_value(metadata, TIMEOUT_KEY), f"metadata {TIMEOUT_KEY}")
     messages = None if given.messages is None else tuple(m.to_dict() for m in given.messages)
     return InboundRequest(
         api_key=meta.api_key, request_id=given.request_id, prompt=given.prompt, messages=messages,
         prompt_token_ids=given.prompt_token_ids, sampling=given.sampling, priority=given.priority,
         model=given.model, deadline_s=None if timeout_s is None else time.time() + timeout_s,
         attempt=meta.attempt, trace_context=meta.trace_context)
-
-
-def _positive_float(raw: str | None, name: str) -> float | None:
-    if raw is None:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise InvalidRequestError(f"metadata {name} must be a number, got {raw!r}") from None
-    if value <= 0:
-        raise InvalidRequestError(f"metadata {name} must be > 0")
-    return value

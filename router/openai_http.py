@@ -207,16 +207,7 @@ def _optional(body: dict, name: str, kind: type):
 
 
 def _float_header(request: Request, name: str) -> float | None:
-    raw = request.headers.get(name)
-    if raw is None:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise InvalidRequestError(f"header {name} must be a number, got {raw!r}") from None
-    if value <= 0:
-        raise InvalidRequestError(f"header {name} must be > 0")
-    return value
+    return status_map.positive_float(request.headers.get(name), f"header {name}")
 
 
 # ---- responses ---------------------------------------------------------------------------

@@ -150,6 +150,20 @@ def metadata_value(metadata: Iterable[tuple[str, str | bytes]] | None, key: str)
     return None
 
 
+def positive_float(raw: str | None, what: str) -> float | None:
+    """A caller-supplied number (gRPC metadata or HTTP header, named by `what`, e.g.
+    "header x-kvmesh-timeout-s"): None when absent, InvalidRequestError unless a number > 0."""
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InvalidRequestError(f"{what} must be a number, got {raw!r}") from None
+    if value <= 0:
+        raise InvalidRequestError(f"{what} must be > 0")
+    return value
+
+
 def retry_after_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> float | None:
     """Seconds from trailing `retry-after-ms`, or None when absent or malformed."""
     raw = metadata_value(metadata, RETRY_AFTER_MS_KEY)
