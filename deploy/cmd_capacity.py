@@ -104,7 +104,7 @@ def format_plan(shape, plan, gib: int) -> str:
                   + (f" params={shape.total_params:,}" if shape.total_params else "")),
         ("KV dtype / weight dtype", f"{plan.kv_dtype} / {plan.weight_dtype}"),
         ("KV bytes/token", f"{plan.kv_bytes_per_token:,}"
-                           + (f" (incl. {plan.kv_scale_bytes_per_token:,} of fp32 scales)"
+                           + (f" (incl. {plan.kv_scale_bytes_per_token:,} of fp16 scales)"
                               if plan.kv_scale_bytes_per_token else "")),
         ("KV KiB/token", f"{plan.kv_bytes_per_token / 1024:.1f}"),
         (f"KV per request at {plan.context_tokens:,} tokens",

@@ -3,7 +3,7 @@
 Pure arithmetic on a model's shape (no torch), reproducing the articles' worked numbers:
 
     KV bytes per token = 2 x L x h_kv x d x b          (K and V; KV heads, not query heads)
-      + 2 x L x h_kv x 4                               (int8/fp8 only: fp32 scale per token
+      + 2 x L x h_kv x 2                               (int8/fp8 only: fp16 scale per token
                                                         per KV head, stored beside the blocks)
     L=32, h_kv=8, d=128, fp16 -> 131,072 B/token (128.0 KiB); 4,096 tokens -> 0.500 GiB
 
@@ -46,7 +46,7 @@ KIB = 2**10
 # Bytes per stored KV element.
 KV_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
 QUANTIZED_KV_DTYPES = ("fp8", "int8")
-KV_SCALE_BYTES = 4  # fp32 scale per token per KV head, for K and for V (worker/attention.py)
+KV_SCALE_BYTES = 2  # fp16 scale per token per KV head, for K and for V (quant/kv_quant.py)
 
 # Bytes per weight element; int4 packs two per byte.
 WEIGHT_DTYPE_BYTES = {"fp32": Fraction(4), "fp16": Fraction(2), "bf16": Fraction(2),
@@ -125,7 +125,7 @@ def _require(cond: bool, msg: str) -> None:
 
 
 def kv_scale_bytes_per_token(num_layers: int, num_kv_heads: int, kv_dtype: str) -> int:
-    """Bytes of fp32 K and V scales per token: 2 x L x h_kv x 4 for int8/fp8, else 0."""
+    """Bytes of fp16 K and V scales per token: 2 x L x h_kv x 2 for int8/fp8, else 0."""
     _require(kv_dtype in KV_DTYPE_BYTES, f"kv dtype must be one of {list(KV_DTYPE_BYTES)}, got {kv_dtype!r}")
     if kv_dtype not in QUANTIZED_KV_DTYPES:
         return 0
@@ -134,7 +134,7 @@ def kv_scale_bytes_per_token(num_layers: int, num_kv_heads: int, kv_dtype: str) 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> int:
     """KV cache bytes one token occupies across all layers: 2 x L x h_kv x d x b, plus the
-    per-token per-head fp32 scales when the cache is quantized (int8 / fp8)."""
+    per-token per-head fp16 scales when the cache is quantized (int8 / fp8)."""
     _require(kv_dtype in KV_DTYPE_BYTES, f"kv dtype must be one of {list(KV_DTYPE_BYTES)}, got {kv_dtype!r}")
     _require(num_layers >= 1 and num_kv_heads >= 1 and head_dim >= 1,
              f"layers, kv heads and head dim must be >= 1, got {num_layers}, {num_kv_heads}, {head_dim}")

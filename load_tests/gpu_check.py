@@ -183,6 +183,7 @@ def _decode_case(batch: int, context: int, num_kv_heads: int, queries_per_kv: in
     """A decode-only batch over a randomly permuted, fully used block pool on the GPU."""
     import torch
 
+    from kvmesh.quant.kv_quant import KV_SCALE_DTYPE
     from kvmesh.worker.attention import AttentionMetadata, LayerKVCache
 
     dev = torch.device("cuda")
@@ -192,8 +193,8 @@ def _decode_case(batch: int, context: int, num_kv_heads: int, queries_per_kv: in
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     cache = LayerKVCache(torch.randn(shape, device=dev).to(storage), torch.randn(shape, device=dev).to(storage))
     if kv != "auto":
-        cache.key_scale = torch.rand(shape[:3], device=dev) * 0.05
-        cache.value_scale = torch.rand(shape[:3], device=dev) * 0.05
+        cache.key_scale = (torch.rand(shape[:3], device=dev) * 0.05).to(KV_SCALE_DTYPE)
+        cache.value_scale = (torch.rand(shape[:3], device=dev) * 0.05).to(KV_SCALE_DTYPE)
     block_tables = torch.randperm(num_blocks, device=dev).to(torch.int32).view(batch, blocks_per_seq)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
     meta = AttentionMetadata(
@@ -201,8 +202,9 @@ def _decode_case(batch: int, context: int, num_kv_heads: int, queries_per_kv: in
         block_tables=block_tables, slot_mapping=torch.zeros(batch, dtype=torch.int64, device=dev),
         max_query_len=1, max_seq_len=context, query_lens_host=(1,) * batch, seq_lens_host=(context,) * batch)
     query = torch.randn(batch, num_kv_heads * queries_per_kv, head_dim, device=dev, dtype=torch.bfloat16)
-    # Bytes the kernel must read: every cached K and V element, plus the fp32 scales.
-    per_token = 2 * num_kv_heads * (head_dim * cache.key_cache.element_size() + (4 if kv != "auto" else 0))
+    # Bytes the kernel must read: every cached K and V element, plus the scales.
+    scale_bytes = cache.key_scale.element_size() if kv != "auto" else 0
+    per_token = 2 * num_kv_heads * (head_dim * cache.key_cache.element_size() + scale_bytes)
     return query, cache, meta, batch * context * per_token
 
 

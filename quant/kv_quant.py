@@ -1,16 +1,25 @@
 """KV-cache quantization (int8, fp8 e4m3), matching the cache layout of worker/attention.py.
 
-One fp32 scale per token per KV head, stored beside the blocks:
+One fp16 scale per token per KV head, stored beside the blocks:
 
     key_cache   [num_blocks, block_size, num_kv_heads, head_dim]  int8 | float8_e4m3fn
-    key_scale   [num_blocks, block_size, num_kv_heads]            float32
-    value = stored.to(float32) * scale[..., None]
+    key_scale   [num_blocks, block_size, num_kv_heads]            float16
+    value = stored.to(float32) * scale.to(float32)[..., None]
 
 int8: symmetric, dynamic per token-head, scale = absmax / 127 (values in [-127, 127]).
 fp8 e4m3: dynamic per token-head, scale = absmax / 448 (e4m3's largest finite value), or a
 static per-layer scale from calibration (`calibrate_kv_scales`), written into every slot of
 the scale tensor so the layout and the attention kernels stay the same. A static scale is
 an upper bound on what calibration saw; values beyond it saturate at +-448 (fp8) / +-127.
+
+Why fp16 scales: with head_dim 64 an fp32 scale per token-head costs 4 of every 68 bytes,
+so int8 KV held only 1.88x the tokens of bf16; fp16 makes it 1.94x. The scale is rounded to
+fp16 first and the codes are computed against that rounded scale, so the rounding costs no
+accuracy beyond a relative 2**-11 in the scale itself: x / s16 is at most qmax x (1 + 2**-11),
+which still rounds (int8) or clamps (fp8) to qmax. The floor is fp16's smallest normal
+(2**-14), so every scale keeps fp16's full 11-bit precision and an all-zero token-head
+never divides by zero; a token-head whose absmax is below qmax x 2**-14 (< 0.008 for int8)
+is then quantized in steps of 2**-14, an absolute error of at most 3e-5.
 
 K is cached after RoPE, but calibration hooks see k_proj's output before RoPE. RoPE rotates
 channel pairs (i, i + D/2), so no rotated element exceeds that pair's norm: the K bound is
@@ -31,7 +40,9 @@ from kvmesh.quant.calibration import ForwardFn, hf_forward, layer_index, run_hoo
 INT8_MAX = 127.0
 FP8_E4M3_MAX = 448.0
 KV_QUANT_DTYPES = ("int8", "fp8")
-_TINY = 1e-12  # all-zero token-heads get a tiny scale instead of dividing by zero
+KV_SCALE_DTYPE = torch.float16  # kv/capacity.py counts KV_SCALE_BYTES = 2 of it per token-head
+MIN_KV_SCALE = 2.0**-14  # fp16's smallest normal: scales never go subnormal or zero
+MAX_KV_SCALE = 65504.0  # fp16's largest finite value: an absurd absmax saturates, never inf
 
 
 def kv_storage_dtype(kv_dtype: str) -> torch.dtype:
@@ -52,7 +63,7 @@ def _qmax(kv_dtype: str) -> float:
 
 def quantize_kv(x: torch.Tensor, kv_dtype: str, static_scale: float | torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H, D] float -> (q [T, H, D] int8 | float8_e4m3fn, scale [T, H] fp32).
+    """x [T, H, D] float -> (q [T, H, D] int8 | float8_e4m3fn, scale [T, H] fp16).
 
     static_scale: None = dynamic absmax per token-head; else one scale (a float or 0-d
     tensor, e.g. a layer's calibrated K or V scale) used for every token-head."""
@@ -62,13 +73,14 @@ def quantize_kv(x: torch.Tensor, kv_dtype: str, static_scale: float | torch.Tens
     qmax = _qmax(kv_dtype)
     x32 = x.float()
     if static_scale is None:
-        scale = (x32.abs().amax(dim=-1) / qmax).clamp_min(_TINY)  # [T, H]
+        scale32 = (x32.abs().amax(dim=-1) / qmax).clamp_(MIN_KV_SCALE, MAX_KV_SCALE)  # [T, H]
     else:
         value = float(static_scale)
         if not value > 0:
             raise ConfigError(f"static KV scale must be > 0, got {value}")
-        scale = torch.full(x.shape[:2], value, dtype=torch.float32, device=x.device)
-    scaled = (x32 / scale[..., None]).clamp_(-qmax, qmax)
+        scale32 = torch.full(x.shape[:2], min(max(value, MIN_KV_SCALE), MAX_KV_SCALE), dtype=torch.float32, device=x.device)
+    scale = scale32.to(KV_SCALE_DTYPE)  # round first: the codes are computed against the stored scale
+    scaled = (x32 / scale.float()[..., None]).clamp_(-qmax, qmax)
     q = torch.round(scaled).to(storage) if kv_dtype == "int8" else scaled.to(storage)
     return q, scale
 
@@ -127,5 +139,5 @@ def calibrate_kv_scales(model: nn.Module, sequences: Iterable[torch.Tensor], hea
         raise ConfigError(f"KV calibration: incomplete layer coverage {layers} (no calibration tokens?)")
     qmax = _qmax(kv_dtype)
     return KVScales(kv_dtype=kv_dtype,
-                    key_scales=tuple(max(key_max[i], _TINY) / qmax for i in layers),
-                    value_scales=tuple(max(value_max[i], _TINY) / qmax for i in layers))
+                    key_scales=tuple(max(key_max[i] / qmax, MIN_KV_SCALE) for i in layers),
+                    value_scales=tuple(max(value_max[i] / qmax, MIN_KV_SCALE) for i in layers))

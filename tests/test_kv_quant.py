@@ -12,8 +12,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from kvmesh.deploy.config import ConfigError
 from kvmesh.quant import calibration
-from kvmesh.quant.kv_quant import (FP8_E4M3_MAX, calibrate_kv_scales, dequantize_kv, kv_storage_dtype,
-                                   quantize_kv)
+from kvmesh.quant.kv_quant import (FP8_E4M3_MAX, INT8_MAX, KV_QUANT_DTYPES, KV_SCALE_DTYPE, MAX_KV_SCALE,
+                                   MIN_KV_SCALE, calibrate_kv_scales, dequantize_kv, kv_storage_dtype, quantize_kv)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -43,7 +43,7 @@ def test_attention_over_quantized_kv_is_close_to_fp32(kv_dtype, tolerance):
     exact = causal_attention(q, k, v)
     qk, sk = quantize_kv(k, kv_dtype)
     qv, sv = quantize_kv(v, kv_dtype)
-    assert qk.dtype == kv_storage_dtype(kv_dtype) and sk.shape == k.shape[:2] and sk.dtype == torch.float32
+    assert qk.dtype == kv_storage_dtype(kv_dtype) and sk.shape == k.shape[:2] and sk.dtype == KV_SCALE_DTYPE
     approx = causal_attention(q, dequantize_kv(qk, sk), dequantize_kv(qv, sv))
     rel = float((approx - exact).norm() / exact.norm())
     assert rel < tolerance
@@ -59,24 +59,45 @@ def test_attention_over_quantized_kv_is_close_to_fp32(kv_dtype, tolerance):
 def test_int8_round_trip_bound_and_scales():
     _, k, _ = qkv()
     q, scale = quantize_kv(k, "int8")
-    assert torch.allclose(scale, k.abs().amax(-1) / 127)
+    # the stored scale is fp16(absmax / 127): within fp16's half-ulp (2**-11 relative)
+    assert torch.equal(scale, (k.abs().amax(-1) / 127).to(torch.float16))
+    assert torch.allclose(scale.float(), k.abs().amax(-1) / 127, rtol=2**-11, atol=0)
     assert int(q.abs().max()) == 127
-    assert torch.all((dequantize_kv(q, scale) - k).abs() <= scale[..., None] / 2 + 1e-6)
+    # codes are computed against the stored scale, so the error is half a step of it
+    assert torch.all((dequantize_kv(q, scale) - k).abs() <= scale.float()[..., None] / 2 + 1e-6)
 
 
 def test_fp8_dynamic_scale_uses_the_full_range():
     _, k, _ = qkv()
     q, scale = quantize_kv(k, "fp8")
-    assert torch.allclose(scale, k.abs().amax(-1) / FP8_E4M3_MAX)
+    assert torch.equal(scale, (k.abs().amax(-1) / FP8_E4M3_MAX).to(torch.float16))
     assert float(q.float().abs().amax()) == FP8_E4M3_MAX
     rel = (dequantize_kv(q, scale) - k).abs() / k.abs().clamp_min(1e-3)
-    assert float(rel[k.abs() > scale[..., None] * 2**-6].max()) <= 2**-4  # e4m3 normals: 3 mantissa bits
+    assert float(rel[k.abs() > scale.float()[..., None] * 2**-6].max()) <= 2**-4  # e4m3 normals: 3 mantissa bits
+
+
+def test_scale_bounds_keep_fp16_finite_and_normal():
+    """An all-zero token-head gets fp16's smallest normal (no division by zero, no subnormal
+    loss of precision); tiny values still round-trip within half that step; an absurd
+    absmax saturates at fp16's largest scale instead of becoming inf."""
+    x = torch.zeros(3, 1, 4)
+    x[1, 0] = torch.tensor([1e-4, -2e-4, 3e-4, 0.0])
+    x[2, 0] = torch.tensor([1e9, 1.0, -1.0, 0.0])
+    for kv_dtype in KV_QUANT_DTYPES:
+        q, scale = quantize_kv(x, kv_dtype)
+        assert scale.dtype == KV_SCALE_DTYPE and bool(torch.isfinite(scale).all())
+        assert float(scale[0, 0]) == float(scale[1, 0]) == MIN_KV_SCALE
+        assert float(scale[2, 0]) == MAX_KV_SCALE
+        back = dequantize_kv(q, scale)
+        assert torch.equal(back[0], x[0])
+        assert float((back[1] - x[1]).abs().max()) <= MIN_KV_SCALE / 2
+        assert float(back[2, 0, 0]) == MAX_KV_SCALE * (INT8_MAX if kv_dtype == "int8" else FP8_E4M3_MAX)
 
 
 def test_static_scale_fills_every_slot_and_saturates_beyond():
     x = torch.tensor([[[1.0, -2.0, 900.0]]])  # [T=1, H=1, D=3]
     q, scale = quantize_kv(x, "fp8", static_scale=1.0)
-    assert torch.all(scale == 1.0)
+    assert scale.dtype == KV_SCALE_DTYPE and torch.all(scale == 1.0)
     assert q.float().tolist() == [[[1.0, -2.0, FP8_E4M3_MAX]]]
     with pytest.raises(ConfigError):
         quantize_kv(x, "fp8", static_scale=0.0)
@@ -88,7 +109,7 @@ def test_quantized_values_in_the_paged_layout():
     num_blocks, block_size, hkv, d = 6, 4, 2, 16
     _, k, _ = qkv(tokens=10, hkv=hkv, d=d)
     key_cache = torch.zeros(num_blocks, block_size, hkv, d, dtype=torch.int8)
-    key_scale = torch.zeros(num_blocks, block_size, hkv, dtype=torch.float32)
+    key_scale = torch.zeros(num_blocks, block_size, hkv, dtype=KV_SCALE_DTYPE)
     slot_mapping = torch.tensor([17, 18, 19, 4, 5, 6, 7, 8, 9, 10])  # block 4 then blocks 1 and 2
     q, scale = quantize_kv(k, "int8")
     key_cache.view(-1, hkv, d)[slot_mapping] = q

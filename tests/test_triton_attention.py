@@ -62,8 +62,8 @@ def _make_batch(requests, num_kv_heads, queries_per_kv, head_dim, block_size, dt
     unused = poison if kv == "auto" else 0
     cache = LayerKVCache(torch.full(shape, unused, dtype=storage), torch.full(shape, unused, dtype=storage))
     if kv != "auto":
-        cache.key_scale = torch.full(shape[:3], poison)
-        cache.value_scale = torch.full(shape[:3], poison)
+        cache.key_scale = torch.full(shape[:3], poison, dtype=kv_quant.KV_SCALE_DTYPE)
+        cache.value_scale = torch.full(shape[:3], poison, dtype=kv_quant.KV_SCALE_DTYPE)
     slots_per_req = []
     for i, seq_len in enumerate(seq_lens):
         pos = torch.arange(seq_len)
@@ -241,7 +241,7 @@ def test_write_kv_stores_at_slots_and_quantizes_like_kv_quant(kv):
             assert torch.equal(_bits(exp), _bits(got.cpu()))
     assert torch.equal(key, key_in) and torch.equal(value, value_in)
     if kv != "auto":
-        assert 0.0 < cache.key_scale.view(-1, num_kv_heads)[slots[0], 1].item() <= 1e-12
+        assert cache.key_scale.view(-1, num_kv_heads)[slots[0], 1].item() == kv_quant.MIN_KV_SCALE
 
 
 def test_write_then_attend_through_the_backend():

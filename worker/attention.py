@@ -5,8 +5,8 @@ Memory layout of one layer's paged cache (flash layout, as vLLM's FLASH_ATTN bac
     key_cache / value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
         block b, slot s of token t:  slot_mapping[t] = b * block_size + s
     quantized KV (int8 / fp8 e4m3) adds per-token, per-head scales beside the blocks:
-    key_scale / value_scale: [num_blocks, block_size, num_kv_heads] float32
-        dequantized value = stored.to(float32) * scale[..., None]
+    key_scale / value_scale: [num_blocks, block_size, num_kv_heads] float16
+        dequantized value = stored.to(float32) * scale.to(float32)[..., None]
 
 One step's batch is flat and unpadded: B requests contribute T = sum(query_lens) tokens,
 decode requests one token each, prefill chunks several. Request i's new tokens are
@@ -30,7 +30,7 @@ import torch
 class LayerKVCache:
     key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    key_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads] fp32, quantized KV only
+    key_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads] fp16, quantized KV only
     value_scale: torch.Tensor | None = None  # same
 
     @property

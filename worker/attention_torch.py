@@ -22,8 +22,8 @@ def _gather_kv(cache: LayerKVCache, block_table: torch.Tensor, out_dtype: torch.
     k = cache.key_cache[bt]  # [B, nb, bs, Hkv, D]
     v = cache.value_cache[bt]
     if cache.quantized:
-        k = k.to(torch.float32) * cache.key_scale[bt].unsqueeze(-1)
-        v = v.to(torch.float32) * cache.value_scale[bt].unsqueeze(-1)
+        k = k.to(torch.float32) * cache.key_scale[bt].to(torch.float32).unsqueeze(-1)
+        v = v.to(torch.float32) * cache.value_scale[bt].to(torch.float32).unsqueeze(-1)
     bs, hkv, d = k.shape[2], k.shape[3], k.shape[4]
     return k.reshape(b, nb * bs, hkv, d).to(out_dtype), v.reshape(b, nb * bs, hkv, d).to(out_dtype)
 

@@ -21,7 +21,7 @@ repeat_interleave. The program walks the request's keys TILE_N tokens at a time;
 physical slot comes from the block table (block_tables[i, pos // block_size]), so a tile
 may span several cache blocks and the block size may be smaller than tl.dot's minimum of
 16. Quantized K/V (int8 / fp8 e4m3) are dequantized in registers with their per-token,
-per-head fp32 scales. Softmax is online (running max and sum, exp2 with log2(e) folded
+per-head fp16 scales. Softmax is online (running max and sum, exp2 with log2(e) folded
 into the scale), accumulation fp32.
 
 Causality: a request's new tokens sit at positions context_len ... seq_len - 1, where
@@ -29,8 +29,8 @@ context_len = seq_len - query_len; query token j sees keys 0 ... context_len + j
 
 write_kv is a second kernel, one program per new token: it writes K and V of all KV heads
 at slot_mapping[t], and for a quantized cache stores round(x / scale) with
-scale = max(absmax / 127 (int8) or absmax / 448 (fp8), 1e-12) per head, bit for bit as
-quant/kv_quant.py's quantize_kv defines it.
+scale = fp16(clamp(absmax / 127 (int8) or absmax / 448 (fp8), 2**-14, 65504)) per head,
+bit for bit as quant/kv_quant.py's quantize_kv defines it.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-# The scale floor is quant/kv_quant.py's (private there): write_kv must match it bit for bit.
-from kvmesh.quant.kv_quant import _TINY as MIN_KV_SCALE, FP8_E4M3_MAX, INT8_MAX
+# write_kv must match quant/kv_quant.py bit for bit: the same scale bounds and dtype.
+from kvmesh.quant.kv_quant import FP8_E4M3_MAX, INT8_MAX, KV_SCALE_DTYPE, MAX_KV_SCALE, MIN_KV_SCALE
 from kvmesh.worker.attention import AttentionMetadata, LayerKVCache
 from kvmesh.worker.errors import InvalidRequestError
 # triton_ops turns on the interpreter when there is no CUDA, before the kernels below exist.
@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 _LOG2_E = 1.4426950408889634
 MIN_SCALE = tl.constexpr(MIN_KV_SCALE)  # read inside the write kernel
+MAX_SCALE = tl.constexpr(MAX_KV_SCALE)
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 _QUANT_MAX = {torch.int8: INT8_MAX, **({_FP8: FP8_E4M3_MAX} if _FP8 is not None else {})}
 
@@ -78,7 +79,7 @@ def _find_request(
 @triton.jit
 def _load_kv_tile(
     cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp32, read only when QUANTIZED
+    scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp16, read only when QUANTIZED
     block_ids,  # [TILE_N] int64 physical block of each key
     pos,  # [TILE_N] key positions in the request
     kv_head, offs_d,
@@ -93,7 +94,7 @@ def _load_kv_tile(
     tile = tl.load(cache_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     if QUANTIZED:
         scale = tl.load(scale_ptr + block_ids * stride_scale_block + slot * stride_scale_slot + kv_head,
-                        mask=valid, other=0.0)  # [TILE_N] fp32
+                        mask=valid, other=0.0).to(tl.float32)  # [TILE_N]
         tile = tile * scale[:, None]
     return tile.to(COMPUTE)
 
@@ -107,7 +108,7 @@ def _paged_attention_kernel(
     query_ptr,  # [T, num_heads, head_dim], unit stride along head_dim
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] model dtype, int8 or fp8
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], same strides as keys
-    key_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp32; read only when QUANTIZED
+    key_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp16; read only when QUANTIZED
     value_scale_ptr,  # same
     block_tables_ptr,  # [num_reqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_reqs] int32, tokens in the cache after this step
@@ -219,7 +220,7 @@ def _merge_segments_kernel(
 def _store_kv_heads(
     x_ptr,  # [T, num_kv_heads, head_dim] new keys or values
     cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp32, written only when QUANTIZED
+    scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp16, written only when QUANTIZED
     tok,
     cache_row, scale_row,  # element offsets of the destination slot in cache and scales
     offs_h, offs_d, head_valid, mask, stride_x_tok, stride_x_head, stride_cache_head,
@@ -230,10 +231,11 @@ def _store_kv_heads(
                 mask=mask, other=0.0).to(tl.float32)
     dst = cache_ptr + cache_row + offs_h[:, None] * stride_cache_head + offs_d[None, :]
     if QUANTIZED:
-        # Correctly rounded divisions, so the stored codes match torch's bit for bit.
-        # An all-zero head gets the floor scale, not 0, as quant/kv_quant.py does.
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), QUANT_MAX), MIN_SCALE)  # [HEADS_PADDED]
-        y = tl.math.div_rn(x, scale[:, None])
+        # Correctly rounded divisions, so the stored codes match torch's bit for bit: the
+        # scale is clamped and rounded to fp16 first, and x is divided by that stored value.
+        scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), QUANT_MAX)  # [HEADS_PADDED] fp32
+        scale = round_to(tl.minimum(tl.maximum(scale, MIN_SCALE), MAX_SCALE), scale_ptr.dtype.element_ty)
+        y = tl.math.div_rn(x, scale.to(tl.float32)[:, None])
         y = tl.minimum(tl.maximum(y, -QUANT_MAX), QUANT_MAX)
         if IS_INT8:
             y = round_half_even(y)  # |y| <= 127
@@ -249,7 +251,7 @@ def _write_kv_kernel(
     value_ptr,  # [T, num_kv_heads, head_dim] new values
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache_ptr,  # same shape and strides
-    key_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp32; written only when QUANTIZED
+    key_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp16; written only when QUANTIZED
     value_scale_ptr,  # same
     slot_mapping_ptr,  # [T] int64, slot = block_id * block_size + offset
     num_kv_heads,
@@ -293,8 +295,8 @@ def _check_cache(cache: LayerKVCache) -> None:
                  "an fp8 e4m3 KV cache needs a GPU of compute capability 8.9 or newer (Triton's fp8e4nv)")
         ks, vs = cache.key_scale, cache.value_scale
         _require(vs is not None and ks.shape == vs.shape == kc.shape[:3] and ks.stride() == vs.stride()
-                 and ks.dtype == vs.dtype == torch.float32 and ks.stride(-1) == 1,
-                 "key_scale/value_scale must be fp32 [num_blocks, block_size, num_kv_heads] with equal strides")
+                 and ks.dtype == vs.dtype == KV_SCALE_DTYPE and ks.stride(-1) == 1,
+                 "key_scale/value_scale must be fp16 [num_blocks, block_size, num_kv_heads] with equal strides")
     else:
         _require(kc.dtype in (torch.float32, torch.float16, torch.bfloat16),
                  f"an int8/fp8 KV cache needs key_scale and value_scale; got dtype {kc.dtype} without scales")

@@ -8,7 +8,7 @@ Mid-prompt chunks produce no token.
 
 KV cache memory (per layer, see worker/attention.py for the block layout):
 
-    device:  key/value [num_blocks, block_size, Hkv, D]  (+ fp32 scales when quantized)
+    device:  key/value [num_blocks, block_size, Hkv, D]  (+ fp16 scales when quantized)
     swap:    same shape with num_swap_blocks, pinned CPU memory on CUDA
 """
 
@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.deploy.config import ConfigError
+from kvmesh.quant.kv_quant import KV_QUANT_DTYPES, KV_SCALE_DTYPE
+from kvmesh.quant.kv_quant import kv_storage_dtype as quantized_kv_storage_dtype
 from kvmesh.worker.attention import AttentionBackend, AttentionMetadata, LayerKVCache
 from kvmesh.worker.sampler import SampleResult, SamplingRow, sample
 
@@ -32,12 +34,8 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     if kv_cache_dtype == "auto":
         return model_dtype
-    if kv_cache_dtype == "int8":
-        return torch.int8
-    if kv_cache_dtype == "fp8":
-        if not hasattr(torch, "float8_e4m3fn"):
-            raise ConfigError("cache.kv_cache_dtype=fp8 needs a torch with float8_e4m3fn")
-        return torch.float8_e4m3fn
+    if kv_cache_dtype in KV_QUANT_DTYPES:
+        return quantized_kv_storage_dtype(kv_cache_dtype)
     return TORCH_DTYPES[kv_cache_dtype]
 
 
@@ -51,8 +49,8 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
         v = torch.zeros(shape, dtype=storage, device=device, pin_memory=pin)
         ks = vs = None
         if quantized:
-            ks = torch.ones(shape[:3], dtype=torch.float32, device=device, pin_memory=pin)
-            vs = torch.ones(shape[:3], dtype=torch.float32, device=device, pin_memory=pin)
+            ks = torch.ones(shape[:3], dtype=KV_SCALE_DTYPE, device=device, pin_memory=pin)
+            vs = torch.ones(shape[:3], dtype=KV_SCALE_DTYPE, device=device, pin_memory=pin)
         caches.append(LayerKVCache(k, v, ks, vs))
     return caches
 
