@@ -6,8 +6,9 @@ memory (weights and KV bytes per token, separately).
     kvmesh quant-report --modes baseline w8 kv-int8 --dtype bf16 --json
 
 Every mode runs on a fresh kvmesh Engine (the real paged KV cache and attention backend).
-int4_awq is calibrated on the calibration text through the engine's own model, then quantized
-in place. Perplexity is teacher-forced over the held-out text (bundled: quant/data/heldout.txt),
+int4_awq is the engine's own start-up path (worker/awq_calibration.py): calibrated on the
+calibration text through the engine's model, scales searched (and cached), then quantized.
+Perplexity is teacher-forced over the held-out text (bundled: quant/data/heldout.txt),
 one sequence per forward, reading K/V back from the (possibly quantized) paged cache.
 Greedy agreement: the share of generated token positions equal to the baseline's. TTFT and
 decode speed are medians over single, unbatched requests. Exit codes: 0 report, 2 bad input.
@@ -79,11 +80,11 @@ def compare_modes(base, modes: list[str], args: argparse.Namespace) -> list[dict
     from kvmesh.quant.calibration import HELDOUT_TEXT, load_text
 
     heldout = load_text(args.heldout or HELDOUT_TEXT)
-    calibration = load_text(args.calibration)
+    load_text(args.calibration)  # a missing or empty calibration file fails before any engine starts
     rows, baseline_tokens = [], None
     for mode in modes:
         max_seq_tokens = max(args.ppl_seq_len, args.prompt_tokens + args.max_tokens)
-        engine = build_engine(base, mode, args.group_size, calibration, args.ppl_seq_len, max_seq_tokens)
+        engine = build_engine(base, mode, args.group_size, args.calibration, max_seq_tokens)
         row = measure(engine, heldout, args)
         if baseline_tokens is None:
             baseline_tokens = row.pop("_greedy")
@@ -95,50 +96,27 @@ def compare_modes(base, modes: list[str], args: argparse.Namespace) -> list[dict
     return rows
 
 
-def build_engine(base, mode: str, group_size: int, calibration_text: str, seq_len: int, max_seq_tokens: int):
+def build_engine(base, mode: str, group_size: int, calibration_path: str | None, max_seq_tokens: int):
     """A fresh engine for `mode`, with just the KV blocks one request of `max_seq_tokens`
     needs (allocating the default 1 GiB pool dominates start-up on small models). Prefix
     caching is off so teacher-forced forwards may use blocks 0..n of the idle cache without
     corrupting cached prefixes."""
-    from kvmesh.deploy.config import QuantConfig
-    from kvmesh.quant.calibration import collect_activation_stats, token_sequences
-    from kvmesh.quant.linear import quantize_model
     from kvmesh.worker.engine import Engine
 
     weight, kv = MODES[mode]
-    cfg = base.replace(quant={"weight": "none" if weight == "int4_awq" else weight, "group_size": group_size},
+    cfg = base.replace(quant={"weight": weight, "group_size": group_size, "calibration_path": calibration_path},
                        cache={"kv_cache_dtype": kv, "enable_prefix_caching": False, "swap_space_gib": 0.0,
                               "num_blocks": 2 * -(-max_seq_tokens // base.cache.block_size) + 2})
-    engine = Engine.from_config(cfg)
-    if weight == "int4_awq":  # calibrate through the engine's own model, then quantize in place
-        seqs = token_sequences(engine.tokenizer, calibration_text, seq_len=seq_len, max_sequences=4)
-        stats = collect_activation_stats(engine.runner.model, seqs,
-                                         forward=lambda model, ids: teacher_forced_logits(engine, ids))
-        quantize_model(engine.runner.model, QuantConfig(weight="int4_awq", group_size=group_size), act_scales=stats)
-    return engine
+    return Engine.from_config(cfg)
 
 
 def teacher_forced_logits(engine, ids):
-    """One sequence through the engine's model as a single prefill in blocks 0..n: ids [T] ->
-    logits [T, V] fp32. The engine must be idle (no request holds those blocks)."""
-    import torch
-
-    from kvmesh.worker.attention import AttentionMetadata
+    """One sequence through the engine's model and (possibly quantized) paged cache as a
+    single prefill: ids [T] -> logits [T, V] fp32. The engine must be idle."""
+    from kvmesh.worker.model_runner import prefill_logits
 
     runner = engine.runner
-    t, bs, dev = ids.numel(), runner.block_size, runner.device
-    num_blocks = -(-t // bs)
-    if num_blocks > runner.kv_caches[0].key_cache.shape[0]:
-        raise ValueError(f"a {t}-token sequence needs {num_blocks} KV blocks; the cache has fewer")
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, t], dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor([t], dtype=torch.int32, device=dev),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None],
-        slot_mapping=torch.arange(t, dtype=torch.long, device=dev),
-        max_query_len=t, max_seq_len=t, query_lens_host=(t,), seq_lens_host=(t,))
-    with torch.inference_mode():
-        hidden = runner.model(ids.to(dev), torch.arange(t, device=dev), runner.kv_caches, meta, runner.backend)
-        return runner.model.compute_logits(hidden)
+    return prefill_logits(runner.model, ids, runner.kv_caches, runner.backend)
 
 
 def perplexity(engine, text: str, seq_len: int, max_sequences: int) -> float:

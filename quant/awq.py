@@ -19,12 +19,17 @@ search each projection on its own instead.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from torch import nn
 
 from kvmesh.deploy.config import ConfigError
 from kvmesh.quant import primitives as P
+from kvmesh.quant.calibration import ActivationStats, projection_linears
 
 ALPHA_GRID = tuple(i / 20 for i in range(21))  # 0.00, 0.05, ..., 1.00, as the AWQ paper
 _MIN_MEAN_ABS = 1e-6  # channels that never fire still get a finite scale
@@ -84,3 +89,37 @@ def search_awq_scale(weight: torch.Tensor, inputs: torch.Tensor, mean_abs: torch
         if mse < best_mse:
             best_alpha, best_scale, best_mse = alpha, scale, mse
     return AwqSearchResult(alpha=best_alpha, input_scale=best_scale, mse=best_mse, rtn_mse=rtn_mse)
+
+
+def search_model_awq(model: nn.Module, act_stats: Mapping[str, ActivationStats], group_size: int
+                     ) -> dict[str, AwqSearchResult]:
+    """The AWQ search for every Llama projection of `model`, from its calibration statistics
+    (quant.calibration.collect_activation_stats): module name -> result."""
+    targets = projection_linears(model)
+    if not targets:
+        raise ConfigError("AWQ: the model has no nn.Linear Llama projections")
+    missing = [name for name, _ in targets if name not in act_stats]
+    if missing:
+        raise ConfigError(f"AWQ needs calibration statistics for every projection; missing "
+                          f"{missing[:3]}{'...' if len(missing) > 3 else ''}")
+    return {name: search_awq_scale(linear.weight, act_stats[name].samples, act_stats[name].mean_abs, group_size)
+            for name, linear in targets}
+
+
+# ---- on disk: one safetensors file, input scales as tensors, the rest as JSON metadata ----
+
+def save_awq_results(path: Path, results: Mapping[str, AwqSearchResult]) -> None:
+    from safetensors.torch import save_file
+
+    meta = {name: [r.alpha, r.mse, r.rtn_mse] for name, r in results.items()}
+    save_file({name: r.input_scale.detach().float().cpu().contiguous() for name, r in results.items()},
+              str(path), metadata={"kvmesh_awq": json.dumps(meta)})
+
+
+def load_awq_results(path: Path) -> dict[str, AwqSearchResult]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads((f.metadata() or {})["kvmesh_awq"])
+        return {name: AwqSearchResult(alpha=alpha, input_scale=f.get_tensor(name), mse=mse, rtn_mse=rtn_mse)
+                for name, (alpha, mse, rtn_mse) in meta.items()}

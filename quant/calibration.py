@@ -41,6 +41,11 @@ def is_projection(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in PROJECTION_NAMES
 
 
+def projection_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The model's Llama projections (nn.Linear, named as is_projection says), in model order."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and is_projection(name)]
+
+
 def layer_index(name: str) -> int | None:
     """model.layers.3.self_attn.k_proj -> 3."""
     match = re.search(r"(?:^|\.)layers\.(\d+)\.", name)

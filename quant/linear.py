@@ -1,6 +1,6 @@
 """Weight-only quantized linear layers (W8A16, W4A16) that replace nn.Linear at load time.
 
-`quantize_model(model, QuantConfig, act_scales)` installs them: the mode always comes from
+`quantize_model(model, QuantConfig, awq)` installs them: the mode always comes from
 configuration (quant.weight: none | int8 | int4 | int4_awq), never from a file name. Only
 nn.Linear modules whose last name component is a Llama projection (q_proj, k_proj, v_proj,
 o_proj, gate_proj, up_proj, down_proj) are replaced; lm_head and the embeddings stay. All
@@ -43,6 +43,7 @@ Tensor parallelism (`shard(dim, rank, world_size)`):
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -51,8 +52,8 @@ from torch import nn
 
 from kvmesh.deploy.config import ConfigError, QuantConfig
 from kvmesh.quant import primitives as P
-from kvmesh.quant.awq import search_awq_scale
-from kvmesh.quant.calibration import ActivationStats, is_projection
+from kvmesh.quant.awq import AwqSearchResult
+from kvmesh.quant.calibration import projection_linears
 
 log = logging.getLogger(__name__)
 
@@ -260,15 +261,15 @@ def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def quantize_model(model: nn.Module, cfg: QuantConfig,
-                   act_scales: dict[str, ActivationStats] | None = None) -> QuantReport:
+                   awq: Mapping[str, AwqSearchResult] | None = None) -> QuantReport:
     """Quantize `model` in place as `cfg` says; returns what was replaced and the bytes saved.
 
-    act_scales: calibration statistics per module name (quant.calibration.collect_activation_stats),
-    required for int4_awq and ignored otherwise."""
+    awq: the AWQ search result per module name (quant.awq.search_model_awq, on this model's
+    calibration statistics), required for int4_awq and ignored otherwise."""
     cfg.validate()
     if cfg.weight == "none":
         return QuantReport("none", None, (), 0, 0)
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and is_projection(name)]
+    targets = projection_linears(model)
     if not targets:
         raise ConfigError(f"quant.weight={cfg.weight}: the model has no nn.Linear Llama projections")
     if cfg.weight.startswith("int4"):
@@ -278,11 +279,11 @@ def quantize_model(model: nn.Module, cfg: QuantConfig,
             except ConfigError as exc:
                 raise ConfigError(f"quant.group_size: {name}: {exc}") from None
     if cfg.weight == "int4_awq":
-        missing = [name for name, _ in targets if act_scales is None or name not in act_scales]
+        missing = [name for name, _ in targets if awq is None or name not in awq]
         if missing:
-            raise ConfigError(f"quant.weight=int4_awq needs calibration statistics for every projection; "
+            raise ConfigError(f"quant.weight=int4_awq needs AWQ scales from calibration for every projection; "
                               f"missing {missing[:3]}{'...' if len(missing) > 3 else ''} "
-                              f"(run quant.calibration.collect_activation_stats first)")
+                              f"(run quant.awq.search_model_awq on calibration statistics first)")
     before = after = 0
     alphas: list[tuple[str, float]] = []
     for name, linear in targets:
@@ -291,8 +292,7 @@ def quantize_model(model: nn.Module, cfg: QuantConfig,
         elif cfg.weight == "int4":
             new = Int4WeightOnlyLinear.from_linear(linear, cfg.group_size)
         else:
-            stats = act_scales[name]
-            found = search_awq_scale(linear.weight, stats.samples, stats.mean_abs, cfg.group_size)
+            found = awq[name]
             new = Int4WeightOnlyLinear.from_linear(linear, cfg.group_size, input_scale=found.input_scale)
             alphas.append((name, found.alpha))
         before += linear.weight.numel() * linear.weight.element_size()

@@ -180,11 +180,12 @@ def test_quantize_model_replaces_projections_only(tiny_llama_config, mode):
     ids = torch.randint(0, 256, (1, 24))
     with torch.no_grad():
         dense_logits = model(ids).logits
-    stats = None
+    awq_results = None
     if mode == "int4_awq":
         seqs = calibration.token_sequences(ByteTokenizer(), calibration.load_text(), seq_len=64, max_sequences=4)
         stats = calibration.collect_activation_stats(model, seqs, max_samples=128)
-    report = quantize_model(model, QuantConfig(weight=mode, group_size=32), act_scales=stats)
+        awq_results = awq.search_model_awq(model, stats, 32)
+    report = quantize_model(model, QuantConfig(weight=mode, group_size=32), awq_results)
     names = dict(model.named_modules())
     assert len(report.replaced) == 2 * 7
     expected_cls = Int8WeightOnlyLinear if mode == "int8" else Int4WeightOnlyLinear
@@ -220,7 +221,7 @@ def test_quantize_model_none_is_a_no_op(tiny_llama_config):
 def test_bad_quant_config_fails_before_touching_the_model(tiny_llama_config, cfg, stats, match):
     model = tiny_llama(tiny_llama_config)
     with pytest.raises(ConfigError, match=match):
-        quantize_model(model, cfg, act_scales=stats)
+        quantize_model(model, cfg, stats)
     assert all(not isinstance(m, (Int8WeightOnlyLinear, Int4WeightOnlyLinear)) for m in model.modules())
 
 

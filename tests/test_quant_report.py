@@ -49,11 +49,11 @@ def test_teacher_forced_logits_equal_hf_and_kv_int8_stays_close(tiny_model_dir):
     hf = LlamaForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = hf(ids[None]).logits[0]
-    baseline = cmd_quant_report.build_engine(cfg, "baseline", 32, "unused", 16, max_seq_tokens=40)
+    baseline = cmd_quant_report.build_engine(cfg, "baseline", 32, None, max_seq_tokens=40)
     torch.testing.assert_close(cmd_quant_report.teacher_forced_logits(baseline, ids).cpu(), theirs,
                                atol=1e-4, rtol=1e-4)
     # int8 KV through the engine's real paged cache: close to fp32, and sized as the capacity model says
-    kv_int8 = cmd_quant_report.build_engine(cfg, "kv-int8", 32, "unused", 16, max_seq_tokens=40)
+    kv_int8 = cmd_quant_report.build_engine(cfg, "kv-int8", 32, None, max_seq_tokens=40)
     assert kv_int8.parts.plan.kv_bytes_per_token == capacity.kv_bytes_per_token(2, 2, 16, "int8")
     ours = cmd_quant_report.teacher_forced_logits(kv_int8, ids).cpu()
     assert not torch.equal(ours, theirs)  # the cache really is quantized

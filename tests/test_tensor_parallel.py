@@ -67,7 +67,7 @@ def _greedy(config, max_tokens, prompts=PROMPTS, inspect=None):
             engine.check_integrity()
         stats = engine.stats()
         assert stats.num_blocks_used == 0
-        return [tokens[f"r{i}"] for i in range(len(prompts))], stats.num_preemptions_recompute
+        return [tokens[f"r{i}"] for i in range(len(prompts))], stats
     finally:
         shutdown = getattr(engine.runner, "shutdown", None)
         if shutdown is not None:
@@ -82,8 +82,8 @@ def tiny_tp1(tiny_model_dir):
 # The tiny model has 2 KV heads: at TP=4 each lives on 2 ranks.
 @pytest.mark.parametrize("tp,vocab_parallel", [(2, True), (4, True), (2, False)])
 def test_tiny_model_tp_matches_tp1(ray_cluster, tiny_model_dir, tiny_tp1, tp, vocab_parallel):
-    want, preemptions = tiny_tp1
-    assert preemptions > 0, "the small pool must force preemption"
+    want, stats = tiny_tp1
+    assert stats.num_preemptions_recompute > 0, "the small pool must force preemption"
     config = _config(tiny_model_dir, tp, num_blocks=8)
     config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, vocab_parallel=vocab_parallel))
     got, _ = _greedy(config, 24)
@@ -93,8 +93,8 @@ def test_tiny_model_tp_matches_tp1(ray_cluster, tiny_model_dir, tiny_tp1, tp, vo
 def test_smollm2_tp3_matches_tp1(ray_cluster, smollm2_dir):
     # 9 query heads, 3 KV heads: one KV head and three query heads per rank.
     # Three prompts (about 6, 6 and 20 tokens + 10 new) need 4 blocks of 16; the pool has 3.
-    want, preemptions = _greedy(_config(smollm2_dir, 1, num_blocks=3), 10, PROMPTS[:3])
-    assert preemptions > 0
+    want, stats = _greedy(_config(smollm2_dir, 1, num_blocks=3), 10, PROMPTS[:3])
+    assert stats.num_preemptions_recompute > 0
     got, _ = _greedy(_config(smollm2_dir, 3, num_blocks=3), 10, PROMPTS[:3])
     assert got == want
 
@@ -111,6 +111,42 @@ def test_int8_weights_tp2_match_int8_tp1(ray_cluster, tiny_model_dir):
 
     got, _ = _greedy(_config(tiny_model_dir, 2, num_blocks=8, **quant), 16, inspect=sharded_int8)
     assert got == want
+
+
+def test_int4_awq_tp2_matches_tp1_from_one_calibration(ray_cluster, tiny_model_dir, tmp_path, monkeypatch):
+    """TP=1 calibrates and caches the AWQ scales; TP=2 finds them in the cache, and each rank
+    cuts its shard from the same full-model quantization: the same greedy tokens."""
+    from kvmesh.quant.linear import Int4WeightOnlyLinear
+    from kvmesh.worker import awq_calibration
+
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path))
+    searches = []
+    real_search = awq_calibration._calibrate_and_search
+    monkeypatch.setattr(awq_calibration, "_calibrate_and_search",
+                        lambda *a: searches.append(1) or real_search(*a))
+    quant = {"quant": {"weight": "int4_awq", "group_size": 32}}
+    want, _ = _greedy(_config(tiny_model_dir, 1, num_blocks=8, **quant), 16)
+    assert len(searches) == 1 and len(list((tmp_path / "awq").glob("*.safetensors"))) == 1
+
+    def sharded_awq(engine):
+        down = engine.runner.model.model.layers[0].mlp.down_proj  # row-parallel: K split, scales too
+        assert isinstance(down, Int4WeightOnlyLinear) and down.in_features == 64
+        assert down.input_inv_scale is not None and down.input_inv_scale.shape == (64,)
+
+    got, _ = _greedy(_config(tiny_model_dir, 2, num_blocks=8, **quant), 16, inspect=sharded_awq)
+    assert len(searches) == 1  # from the cache
+    assert got == want
+
+
+def test_swap_preemption_under_tp_matches_tp1(ray_cluster, tiny_model_dir, tiny_tp1):
+    """Swap preemption copies every rank's KV shard out to its own swap space and back: the
+    tokens are those of TP=1 with recompute."""
+    want, _ = tiny_tp1
+    swap = {"scheduler": {"max_num_batched_tokens": 64, "max_prefill_tokens_per_step": 16,
+                          "max_total_kv_tokens": 1 << 20, "preemption_mode": "swap"}}
+    got, stats = _greedy(_config(tiny_model_dir, 2, num_blocks=8, **swap), 24)
+    assert got == want
+    assert stats.num_preemptions_swap > 0
 
 
 def test_head_sharding_rules():

@@ -54,6 +54,17 @@ class AttentionMetadata:
     query_lens_host: tuple[int, ...] = ()
     seq_lens_host: tuple[int, ...] = ()
 
+    @classmethod
+    def single_prefill(cls, num_tokens: int, block_size: int, device: torch.device) -> "AttentionMetadata":
+        """One request's whole prompt in one step, in blocks 0 .. ceil(T / block_size) - 1
+        (profiling, calibration and teacher-forced evaluation on an otherwise idle cache)."""
+        t, num_blocks = num_tokens, -(-num_tokens // block_size)
+        return cls(query_start_loc=torch.tensor([0, t], dtype=torch.int32, device=device),
+                   seq_lens=torch.tensor([t], dtype=torch.int32, device=device),
+                   block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
+                   slot_mapping=torch.arange(t, dtype=torch.long, device=device),
+                   max_query_len=t, max_seq_len=t, query_lens_host=(t,), seq_lens_host=(t,))
+
     @property
     def num_reqs(self) -> int:
         return self.seq_lens.shape[0]

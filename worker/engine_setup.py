@@ -24,7 +24,7 @@ import torch
 
 from kvmesh.deploy.config import ConfigError, KvmeshConfig
 from kvmesh.kv.kv_cache_manager import KVCacheManager
-from kvmesh.worker.attention import LayerKVCache
+from kvmesh.worker.attention import AttentionMetadata, LayerKVCache
 from kvmesh.worker.model import LlamaForCausalLM
 from kvmesh.worker.model_loader import ensure_hf_dir, load_hf_config, load_state_dict
 from kvmesh.kv.capacity import kv_bytes_per_token, num_blocks_for_budget
@@ -169,21 +169,29 @@ def resolve_model(config: KvmeshConfig) -> ModelSpec:
     return ModelSpec(Path(resolved.hf_dir), resolved.name, hf_config, device, dtype, max_model_len)
 
 
-def load_model(config: KvmeshConfig, spec: ModelSpec, coll=None) -> LlamaForCausalLM:
+def load_model(config: KvmeshConfig, spec: ModelSpec, coll=None, awq=None) -> LlamaForCausalLM:
     """This rank's model: the whole model at world size 1, its shard under tensor parallelism
-    (`coll` from worker/distributed.py). Quantized projections are quantized whole, then cut."""
+    (`coll` from worker/distributed.py). Quantized projections are quantized whole, then cut.
+
+    awq: int4_awq search results (worker/awq_calibration.py); None at world size 1 means
+    calibrate this model here (or take the cached results)."""
     model = LlamaForCausalLM(spec.hf_config, spec.max_model_len, coll, config.parallel.vocab_parallel)
     state = load_state_dict(spec.hf_dir)
     sharded_quant = config.quant.weight != "none" and model.coll.world_size > 1
     if sharded_quant:
-        state = model.install_quantized_shards(state, config.quant, spec.dtype)
+        state = model.install_quantized_shards(state, config.quant, spec.dtype, awq)
     model.load_hf_state_dict(state)
     model.to(dtype=spec.dtype)
     model.rotary.to(torch.float32)  # rope tables stay fp32, cast per use like HF
     if config.quant.weight != "none" and not sharded_quant:
         from kvmesh.quant.linear import quantize_model
 
-        quantize_model(model, config.quant)
+        if config.quant.weight == "int4_awq" and awq is None:
+            from kvmesh.worker.awq_calibration import awq_results_for
+
+            model.to(spec.device).eval()  # calibrate where the model will run
+            awq = awq_results_for(config, spec, model)
+        quantize_model(model, config.quant, awq)
     return model.to(spec.device).eval()
 
 
@@ -243,8 +251,6 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
 
 def _profile_peak(model, config: KvmeshConfig, device: torch.device) -> int:
     """Peak extra memory of one forward of max_num_batched_tokens prompt tokens (CUDA)."""
-    from kvmesh.worker.attention import AttentionMetadata
-
     n = config.scheduler.max_num_batched_tokens
     bs = config.cache.block_size
     nb = -(-n // bs)
@@ -254,13 +260,8 @@ def _profile_peak(model, config: KvmeshConfig, device: torch.device) -> int:
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
-        block_tables=torch.arange(nb, dtype=torch.int32, device=device)[None],
-        slot_mapping=torch.arange(n, dtype=torch.long, device=device), max_query_len=n, max_seq_len=n,
-        query_lens_host=(n,), seq_lens_host=(n,))
     with torch.inference_mode():
+        meta = AttentionMetadata.single_prefill(n, bs, device)
         hidden = model(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device), caches,
                        meta, pick_backend(config, device))
         model.compute_logits(hidden[-1:])

@@ -182,10 +182,11 @@ class LlamaForCausalLM(nn.Module):
                 else:
                     param.data.copy_(state[name])
 
-    def install_quantized_shards(self, state: dict, quant_cfg, dtype: torch.dtype) -> dict:
+    def install_quantized_shards(self, state: dict, quant_cfg, dtype: torch.dtype, awq=None) -> dict:
         """Tensor parallelism + weight-only quantization: quantize each full projection from
         `state` in `dtype`, keep this rank's shard (the quant layer's own `shard`), and return
-        the state without those projections (load the rest with load_hf_state_dict)."""
+        the state without those projections (load the rest with load_hf_state_dict).
+        awq: int4_awq search results per module name, computed on the full model."""
         state = dict(state)
         for name, module in list(self.named_modules()):
             if not isinstance(module, _ShardedLinear):
@@ -197,5 +198,6 @@ class LlamaForCausalLM(nn.Module):
             if bias is not None:
                 full.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
             parent, _, child = name.rpartition(".")
-            setattr(self.get_submodule(parent), child, quantize_sharded(full, module.shard, quant_cfg))
+            found = None if awq is None else awq.get(name)
+            setattr(self.get_submodule(parent), child, quantize_sharded(full, module.shard, quant_cfg, found))
         return state

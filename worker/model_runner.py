@@ -134,6 +134,22 @@ def _copy_blocks(dst_caches: list[LayerKVCache], src_caches: list[LayerKVCache],
             dst.value_scale[d_dev] = src.value_scale[s_dev].to(dst.key_cache.device)
 
 
+@torch.inference_mode()
+def prefill_logits(model, input_ids: torch.Tensor, kv_caches: list[LayerKVCache],
+                   backend: AttentionBackend) -> torch.Tensor:
+    """One sequence through `model` as a single prefill: input_ids [T] -> logits [T, V] fp32.
+
+    Its K/V go to blocks 0 .. ceil(T / block_size) - 1 of `kv_caches`, overwriting them, so
+    the cache must be idle (calibration and teacher-forced evaluation, never while serving)."""
+    t, block_size = input_ids.numel(), kv_caches[0].block_size
+    if -(-t // block_size) > kv_caches[0].key_cache.shape[0]:
+        raise ValueError(f"a {t}-token sequence needs {-(-t // block_size)} KV blocks; the cache has fewer")
+    device = kv_caches[0].key_cache.device
+    meta = AttentionMetadata.single_prefill(t, block_size, device)
+    hidden = model(input_ids.to(device), torch.arange(t, device=device), kv_caches, meta, backend)
+    return model.compute_logits(hidden)
+
+
 class ModelRunner:
     def __init__(self, model, backend: AttentionBackend, device: torch.device, kv_caches: list[LayerKVCache],
                  swap_caches: list[LayerKVCache] | None, block_size: int, seed: int = 0):

@@ -182,17 +182,23 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self.coll.all_gather_last_dim(local_logits)[:, :self.vocab_size]
 
 
-def quantize_sharded(full: nn.Linear, shard: ShardSpec, quant_cfg) -> nn.Module:
+def quantize_sharded(full: nn.Linear, shard: ShardSpec, quant_cfg, awq=None) -> nn.Module:
     """Quantize the full projection, then cut it with the quant layer's own `shard`: int8
     per-channel scales and int4 groups are computed over the whole row, so the shards hold
-    exactly the values a single rank would (quantizing a column slice would not)."""
+    exactly the values a single rank would (quantizing a column slice would not). int4_awq
+    takes `awq`, the AWQ search result of this projection on the full model; its input
+    scales are cut with the input columns (row-parallel) or kept whole (column-parallel)."""
     from kvmesh.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
     if quant_cfg.weight == "int8":
         q = Int8WeightOnlyLinear.from_linear(full)
     elif quant_cfg.weight == "int4":
         q = Int4WeightOnlyLinear.from_linear(full, quant_cfg.group_size)
+    elif quant_cfg.weight == "int4_awq":
+        if awq is None:
+            raise ConfigError("quant.weight=int4_awq under tensor parallelism needs the AWQ scales of the full "
+                              "model (worker/awq_calibration.py) for every projection")
+        q = Int4WeightOnlyLinear.from_linear(full, quant_cfg.group_size, input_scale=awq.input_scale)
     else:
-        raise ConfigError(f"quant.weight={quant_cfg.weight} is not supported with tensor parallelism "
-                          f"(int8 and int4 are)")
+        raise ConfigError(f"quant.weight={quant_cfg.weight} is not supported with tensor parallelism")
     return q.shard(shard.dim, shard.index, shard.num_shards)

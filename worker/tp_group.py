@@ -69,11 +69,12 @@ class RankWorker:
     def join(self, address: GroupAddress) -> None:
         self.coll = join_group(address, self.rank)
 
-    def load(self) -> None:
+    def load(self, awq=None) -> None:
+        """awq: rank 0's AWQ search results (int4_awq), the same for every rank."""
         from kvmesh.worker.engine_setup import load_model, resolve_model
 
         self.spec = resolve_model(self.config)
-        self.model = load_model(self.config, self.spec, self.coll)
+        self.model = load_model(self.config, self.spec, self.coll, awq)
 
     def allocate(self, num_blocks: int, num_swap_blocks: int) -> None:
         from kvmesh.worker.engine_setup import allocate_rank_caches, pick_backend
@@ -111,6 +112,7 @@ class TensorParallelGroup:
         self.peers: list = []
         self._placement = None
         self.needs_restart = False
+        self.awq = None  # int4_awq: the search results every rank quantizes with (also on restart)
 
     # ---- start / stop ----------------------------------------------------------------
 
@@ -120,10 +122,14 @@ class TensorParallelGroup:
 
         spec = resolve_model(self.config)
         check_splittable(spec.hf_config, self.world_size)
+        if self.config.quant.weight == "int4_awq":  # calibrated once, on the full model, before any shard
+            from kvmesh.worker.awq_calibration import awq_results_for
+
+            self.awq = awq_results_for(self.config, spec)
         try:
             self._start_peers()
-            loading = [p.load.remote() for p in self.peers]  # peers load while rank 0 does
-            model = load_model(self.config, spec, self.coll)
+            loading = [p.load.remote(self.awq) for p in self.peers]  # peers load while rank 0 does
+            model = load_model(self.config, spec, self.coll, self.awq)
             self._get(loading, _START_TIMEOUT_S, "loading the model shards")
         except BaseException:
             self.shutdown()
@@ -175,7 +181,7 @@ class TensorParallelGroup:
         logger.warning("restarting tensor-parallel group (gen %d failed)", self.generation)
         self.shutdown()
         self._start_peers()
-        self._get([p.load.remote() for p in self.peers], _START_TIMEOUT_S, "reloading the model shards")
+        self._get([p.load.remote(self.awq) for p in self.peers], _START_TIMEOUT_S, "reloading the model shards")
         self.allocate(num_blocks, num_swap_blocks)
         self.needs_restart = False
 
