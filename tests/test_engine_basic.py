@@ -75,6 +75,17 @@ def test_duplicate_id_rejected_and_unknown_abort_is_noop(engine):
     assert len(tokens(out["dup"])) == 4
 
 
+def test_an_id_may_be_reused_once_its_request_has_finished(engine):
+    """The scheduler reports a finished request on the step after it ends; a new request with
+    the same id added in between must not be taken for it (and closed)."""
+    first = run(engine, [req("again", max_tokens=5, temperature=0)])
+    second = run(engine, [req("again", max_tokens=5, temperature=0)])
+    for out in (first, second):
+        assert [d.finish_reason for d in out["again"] if d.finished] == [FinishReason.LENGTH]
+        assert len(tokens(out["again"])) == 5
+    assert tokens(first["again"]) == tokens(second["again"])
+
+
 def test_greedy_is_deterministic_and_batch_independent(engine):
     alone = run(engine, [req("g0", max_tokens=12, temperature=0)])
     batched = run(engine, [req(f"g{i}", prompt=p, max_tokens=12, temperature=0)

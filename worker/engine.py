@@ -184,8 +184,10 @@ class Engine:
     def _close_finished(self, internal_id: str, status: RequestStatus) -> RequestDelta | None:
         """A request the scheduler ended on its own (queue timeout) or one already closed."""
         req = self._live.get(internal_id)
-        if req is None:
-            return None  # closed by the engine already (stop, abort, failure)
+        if req is None or not req.status.is_finished:
+            # Closed by the engine already (stop, abort, failure), or the id now names a new
+            # request added after this one ended and before the scheduler reported it.
+            return None
         if status == RequestStatus.REJECTED:
             return self._close(req, FinishReason.ERROR, error="request waited longer than max_queue_time_s",
                                error_type="OverloadedError",
