@@ -10,8 +10,12 @@ int4_awq is the engine's own start-up path (worker/awq_calibration.py): calibrat
 calibration text through the engine's model, scales searched (and cached), then quantized.
 Perplexity is teacher-forced over the held-out text (bundled: quant/data/heldout.txt),
 one sequence per forward, reading K/V back from the (possibly quantized) paged cache.
-Greedy agreement: the share of generated token positions equal to the baseline's. TTFT and
-decode speed are medians over single, unbatched requests. Exit codes: 0 report, 2 bad input.
+Greedy agreement: the share of generated token positions equal to the baseline's. Speed, as
+vLLM's bench conventions (exact output lengths, ignore_eos): at batch 1 the medians over
+requests run alone; at batch B (--batch, 16) B requests submitted together, TTFT their median
+and decode tok/s the sum of their decode rates. KV capacity: tokens that fit in
+--kv-budget-gib at the mode's KV bytes per token, in whole blocks (kv/capacity.py).
+Exit codes: 0 report, 2 bad input.
 """
 
 from __future__ import annotations
@@ -49,7 +53,9 @@ def register(subparsers) -> None:
     p.add_argument("--heldout", help="held-out text for perplexity and prompts (default: bundled)")
     p.add_argument("--ppl-seq-len", type=int, default=256, help="tokens per perplexity sequence")
     p.add_argument("--ppl-sequences", type=int, default=4, help="perplexity sequences (at most)")
-    p.add_argument("--prompts", type=int, default=4, help="greedy prompts for agreement and speed")
+    p.add_argument("--prompts", type=int, default=4, help="greedy prompts run alone (agreement, batch-1 speed)")
+    p.add_argument("--batch", type=int, default=16, help="prompts run together for the batched TTFT and speed")
+    p.add_argument("--kv-budget-gib", type=float, default=1.0, help="KV memory budget for the capacity column")
     p.add_argument("--prompt-tokens", type=int, default=64, help="tokens per greedy prompt")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens generated per prompt")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -61,9 +67,11 @@ def run(args: argparse.Namespace) -> int:
 
     modes = ["baseline"] + [m for m in dict.fromkeys(args.modes) if m != "baseline"]
     try:
-        for name in ("ppl_seq_len", "ppl_sequences", "prompts", "prompt_tokens", "max_tokens"):
+        for name in ("ppl_seq_len", "ppl_sequences", "prompts", "batch", "prompt_tokens", "max_tokens"):
             if getattr(args, name) < (2 if name == "ppl_seq_len" else 1):
                 raise ConfigError(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
+        if not args.kv_budget_gib > 0:
+            raise ConfigError(f"--kv-budget-gib must be > 0, got {args.kv_budget_gib}")
         base = KvmeshConfig().replace(model={"path": args.model, "dtype": args.dtype})
         rows = compare_modes(base, modes, args)
     except ConfigError as exc:
@@ -83,8 +91,8 @@ def compare_modes(base, modes: list[str], args: argparse.Namespace) -> list[dict
     load_text(args.calibration)  # a missing or empty calibration file fails before any engine starts
     rows, baseline_tokens = [], None
     for mode in modes:
-        max_seq_tokens = max(args.ppl_seq_len, args.prompt_tokens + args.max_tokens)
-        engine = build_engine(base, mode, args.group_size, args.calibration, max_seq_tokens)
+        engine = build_engine(base, mode, args.group_size, args.calibration, args.ppl_seq_len,
+                              args.prompt_tokens + args.max_tokens, args.batch)
         row = measure(engine, heldout, args)
         if baseline_tokens is None:
             baseline_tokens = row.pop("_greedy")
@@ -96,17 +104,22 @@ def compare_modes(base, modes: list[str], args: argparse.Namespace) -> list[dict
     return rows
 
 
-def build_engine(base, mode: str, group_size: int, calibration_path: str | None, max_seq_tokens: int):
-    """A fresh engine for `mode`, with just the KV blocks one request of `max_seq_tokens`
-    needs (allocating the default 1 GiB pool dominates start-up on small models). Prefix
-    caching is off so teacher-forced forwards may use blocks 0..n of the idle cache without
-    corrupting cached prefixes."""
+def build_engine(base, mode: str, group_size: int, calibration_path: str | None, ppl_seq_len: int,
+                 request_tokens: int, batch: int = 1):
+    """A fresh engine for `mode`, with just the KV blocks the report's work needs: one
+    teacher-forced sequence, or `batch` requests of `request_tokens` at once (allocating the
+    default 1 GiB pool dominates start-up on small models). Prefix caching is off so
+    teacher-forced forwards may use blocks 0..n of the idle cache without corrupting cached
+    prefixes."""
     from kvmesh.worker.engine import Engine
 
     weight, kv = MODES[mode]
+    bs = base.cache.block_size
+    num_blocks = max(-(-ppl_seq_len // bs), batch * -(-request_tokens // bs)) + 2
     cfg = base.replace(quant={"weight": weight, "group_size": group_size, "calibration_path": calibration_path},
                        cache={"kv_cache_dtype": kv, "enable_prefix_caching": False, "swap_space_gib": 0.0,
-                              "num_blocks": 2 * -(-max_seq_tokens // base.cache.block_size) + 2})
+                              "num_blocks": num_blocks},
+                       scheduler={"max_num_seqs": max(batch, base.scheduler.max_num_seqs)})
     return Engine.from_config(cfg)
 
 
@@ -133,44 +146,70 @@ def perplexity(engine, text: str, seq_len: int, max_sequences: int) -> float:
     return math.exp(nll / count)
 
 
-def greedy_runs(engine, prompts: list[list[int]], max_tokens: int) -> list[dict]:
-    """Each prompt alone, greedy, exactly max_tokens: its tokens, TTFT and decode rate."""
+def run_together(engine, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """All `prompts` submitted at once, greedy, exactly max_tokens each: per request its
+    tokens, TTFT and decode rate ((tokens - 1) / (finished - first token))."""
     from kvmesh.worker.api import GenerateRequest, SamplingParams
 
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [f"report-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(GenerateRequest(request_id, prompt_token_ids=tuple(prompt), sampling=sampling))
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+    finals: dict[str, object] = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            tokens[delta.request_id].extend(delta.token_ids)
+            if delta.finished:
+                finals[delta.request_id] = delta
     runs = []
-    for i, prompt in enumerate(prompts):
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        engine.add_request(GenerateRequest(f"report-{i}", prompt_token_ids=tuple(prompt), sampling=sampling))
-        tokens, final = [], None
-        while engine.has_unfinished():
-            for delta in engine.step():
-                tokens.extend(delta.token_ids)
-                if delta.finished:
-                    final = delta
+    for request_id in ids:
+        final = finals.get(request_id)
         if final is None or final.error:
-            raise RuntimeError(f"greedy request {i} failed: {final.error if final else 'no final delta'}")
+            raise RuntimeError(f"greedy request {request_id} failed: {final.error if final else 'no final delta'}")
         tm = final.timings
         decode_s = tm.finished_time - tm.first_token_time
-        runs.append({"tokens": tokens, "ttft_s": tm.ttft_s,
-                     "decode_tok_s": (len(tokens) - 1) / decode_s if decode_s > 0 else float("nan")})
+        runs.append({"tokens": tokens[request_id], "ttft_s": tm.ttft_s,
+                     "decode_tok_s": (len(tokens[request_id]) - 1) / decode_s if decode_s > 0 else float("nan")})
     return runs
 
 
-def measure(engine, heldout: str, args: argparse.Namespace) -> dict:
+def batch_prompts(engine, text: str, prompt_tokens: int, count: int) -> list[list[int]]:
+    """`count` prompts of exactly `prompt_tokens` tokens cut from `text`, reused in turn when
+    the text holds fewer (prefix caching is off in the report's engines, so repeats cost
+    what distinct prompts would)."""
     from kvmesh.quant.calibration import token_sequences
+
+    pieces = [ids.tolist() for ids in token_sequences(engine.tokenizer, text, seq_len=prompt_tokens,
+                                                      max_sequences=count)]
+    return [pieces[i % len(pieces)] for i in range(count)]
+
+
+def measure(engine, heldout: str, args: argparse.Namespace) -> dict:
+    """One mode's row: quality, TTFT and decode speed alone and in a batch, memory."""
+    from kvmesh.kv.capacity import num_blocks_for_budget
 
     model = engine.runner.model
     weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    prompts = [ids.tolist() for ids in token_sequences(engine.tokenizer, heldout, seq_len=args.prompt_tokens,
-                                                       max_sequences=args.prompts)]
+    plan = engine.parts.plan
     start = time.perf_counter()
     ppl = perplexity(engine, heldout, args.ppl_seq_len, args.ppl_sequences)
-    runs = greedy_runs(engine, prompts, args.max_tokens)
+    alone = [run_together(engine, [p], args.max_tokens)[0]
+             for p in batch_prompts(engine, heldout, args.prompt_tokens, args.prompts)]
+    batched = run_together(engine, batch_prompts(engine, heldout, args.prompt_tokens, args.batch), args.max_tokens)
+    budget_bytes = int(args.kv_budget_gib * 2**30)
     return {"perplexity": ppl,
-            "ttft_s": statistics.median(r["ttft_s"] for r in runs),
-            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
-            "weight_bytes": weight_bytes, "kv_bytes_per_token": engine.parts.plan.kv_bytes_per_token,
-            "measure_s": time.perf_counter() - start, "_greedy": [r["tokens"] for r in runs]}
+            "ttft_s": statistics.median(r["ttft_s"] for r in alone),
+            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in alone),
+            "batch": args.batch,
+            "batch_ttft_s": statistics.median(r["ttft_s"] for r in batched),
+            # the batch's requests decode together: their rates add up
+            "batch_decode_tok_s": sum(r["decode_tok_s"] for r in batched),
+            "weight_bytes": weight_bytes, "kv_bytes_per_token": plan.kv_bytes_per_token,
+            "kv_budget_gib": args.kv_budget_gib,
+            "kv_capacity_tokens": num_blocks_for_budget(budget_bytes, plan.block_size, plan.kv_bytes_per_token)
+            * plan.block_size,
+            "measure_s": time.perf_counter() - start, "_greedy": [r["tokens"] for r in alone]}
 
 
 def agreement(reference: list[list[int]], candidate: list[list[int]]) -> float:
@@ -183,12 +222,18 @@ def agreement(reference: list[list[int]], candidate: list[list[int]]) -> float:
 
 
 def format_report(rows: list[dict]) -> str:
+    """A markdown table, one row per mode, with ratios against the baseline (the first row)."""
     base = rows[0]
-    head = (f"{'mode':<12}{'ppl':>9}{'d ppl':>8}{'greedy':>8}{'TTFT ms':>9}{'tok/s':>8}"
-            f"{'weights MiB':>13}{'KV B/token':>12}")
-    lines = [head]
+    batch = base["batch"]
+    head = ["mode", "ppl", "d ppl", "greedy", "TTFT ms @1", "tok/s @1", f"TTFT ms @{batch}", f"tok/s @{batch}",
+            "weights MiB", "weights x", "KV B/token", f"KV tokens in {base['kv_budget_gib']:g} GiB", "KV x"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        lines.append(f"{r['mode']:<12}{r['perplexity']:>9.3f}{r['perplexity'] - base['perplexity']:>+8.3f}"
-                     f"{r['greedy_agreement']:>8.1%}{r['ttft_s'] * 1e3:>9.1f}{r['decode_tok_s']:>8.1f}"
-                     f"{r['weight_bytes'] / 2**20:>13.1f}{r['kv_bytes_per_token']:>12,}")
+        cells = [r["mode"], f"{r['perplexity']:.3f}", f"{r['perplexity'] / base['perplexity'] - 1:+.2%}",
+                 f"{r['greedy_agreement']:.1%}", f"{r['ttft_s'] * 1e3:.1f}", f"{r['decode_tok_s']:.1f}",
+                 f"{r['batch_ttft_s'] * 1e3:.1f}", f"{r['batch_decode_tok_s']:.1f}",
+                 f"{r['weight_bytes'] / 2**20:.1f}", f"{r['weight_bytes'] / base['weight_bytes']:.3f}",
+                 f"{r['kv_bytes_per_token']:,}", f"{r['kv_capacity_tokens']:,}",
+                 f"{r['kv_capacity_tokens'] / base['kv_capacity_tokens']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -21,15 +21,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(["quant-report", *argv])
 
 
-SMALL = ["--ppl-seq-len", "48", "--ppl-sequences", "2", "--prompts", "2", "--prompt-tokens", "16",
-         "--max-tokens", "6", "--group-size", "32"]
+SMALL = ["--ppl-seq-len", "48", "--ppl-sequences", "2", "--prompts", "2", "--batch", "3", "--prompt-tokens", "16",
+         "--max-tokens", "6", "--group-size", "32", "--kv-budget-gib", "0.5"]
 
 
 def test_report_modes_on_a_tiny_model(tiny_model_dir, capsys):
-    args = parse(["--model", tiny_model_dir, "--dtype", "fp32", "--json", "--modes", "w8", "w4-awq", *SMALL])
+    args = parse(["--model", tiny_model_dir, "--dtype", "fp32", "--json", "--modes", "w8", "w4-awq", "kv-int8",
+                  *SMALL])
     assert args.func(args) == 0
-    rows = {r["mode"]: r for r in json.loads(capsys.readouterr().out)["modes"]}
-    assert list(rows) == ["baseline", "w8", "w4-awq"]  # baseline always first
+    report = json.loads(capsys.readouterr().out)["modes"]
+    rows = {r["mode"]: r for r in report}
+    assert list(rows) == ["baseline", "w8", "w4-awq", "kv-int8"]  # baseline always first
     base = rows["baseline"]
     assert base["greedy_agreement"] == 1.0
     assert all(math.isfinite(r["perplexity"]) and r["perplexity"] > 1 for r in rows.values())
@@ -39,6 +41,17 @@ def test_report_modes_on_a_tiny_model(tiny_model_dir, capsys):
     assert rows["w8"]["weight_bytes"] < base["weight_bytes"] and rows["w4-awq"]["weight_bytes"] < rows["w8"]["weight_bytes"]
     # the engine's KV bytes per token are the capacity model's (tiny model: 2 layers, 2 KV heads, d 16)
     assert base["kv_bytes_per_token"] == capacity.kv_bytes_per_token(2, 2, 16, "fp32")
+    # batch 3 ran: three requests decoding together, their rates summed
+    assert all(r["batch"] == 3 and r["batch_ttft_s"] > 0 and r["batch_decode_tok_s"] > 0 for r in rows.values())
+    # capacity in 0.5 GiB, in whole 16-token blocks: fp32 512 B/token; int8 128 + 16 (fp16 scales)
+    for mode, kv in (("baseline", "fp32"), ("kv-int8", "int8")):
+        per_token = capacity.kv_bytes_per_token(2, 2, 16, kv)
+        assert rows[mode]["kv_capacity_tokens"] == (2**29 // (per_token * 16)) * 16
+    assert rows["kv-int8"]["kv_capacity_tokens"] / base["kv_capacity_tokens"] == pytest.approx(512 / 144, rel=1e-3)
+    assert rows["w8"]["kv_capacity_tokens"] == base["kv_capacity_tokens"]  # weights do not change KV
+    table = cmd_quant_report.format_report(report)
+    assert "| tok/s @3 |" in table and table.count("\n") == 1 + len(report)  # header, rule, one line a mode
+    assert "| kv-int8 |" in table and "| 3.56 |" in table
 
 
 def test_teacher_forced_logits_equal_hf_and_kv_int8_stays_close(tiny_model_dir):
@@ -49,11 +62,11 @@ def test_teacher_forced_logits_equal_hf_and_kv_int8_stays_close(tiny_model_dir):
     hf = LlamaForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = hf(ids[None]).logits[0]
-    baseline = cmd_quant_report.build_engine(cfg, "baseline", 32, None, max_seq_tokens=40)
+    baseline = cmd_quant_report.build_engine(cfg, "baseline", 32, None, 40, 40)
     torch.testing.assert_close(cmd_quant_report.teacher_forced_logits(baseline, ids).cpu(), theirs,
                                atol=1e-4, rtol=1e-4)
     # int8 KV through the engine's real paged cache: close to fp32, and sized as the capacity model says
-    kv_int8 = cmd_quant_report.build_engine(cfg, "kv-int8", 32, None, max_seq_tokens=40)
+    kv_int8 = cmd_quant_report.build_engine(cfg, "kv-int8", 32, None, 40, 40)
     assert kv_int8.parts.plan.kv_bytes_per_token == capacity.kv_bytes_per_token(2, 2, 16, "int8")
     ours = cmd_quant_report.teacher_forced_logits(kv_int8, ids).cpu()
     assert not torch.equal(ours, theirs)  # the cache really is quantized
