@@ -27,15 +27,18 @@ import statistics
 import sys
 import time
 
-# mode -> (quant.weight, cache.kv_cache_dtype)
+# mode -> (quant.weight, cache.kv_cache_dtype, activation dtype: None = the report's --dtype)
 MODES = {
-    "baseline": ("none", "auto"),
-    "w8": ("int8", "auto"),
-    "w4": ("int4", "auto"),
-    "w4-awq": ("int4_awq", "auto"),
-    "kv-int8": ("none", "int8"),
-    "kv-fp8": ("none", "fp8"),
-    "w8+kv-int8": ("int8", "int8"),
+    "baseline": ("none", "auto", None),
+    "w8": ("int8", "auto", None),
+    # W8 as a CPU deployment would run it: bf16 activations reach torch's packed int8 kernel
+    # (fp32 activations dequantize instead); compared with the baseline in the same process.
+    "w8-bf16": ("int8", "auto", "bf16"),
+    "w4": ("int4", "auto", None),
+    "w4-awq": ("int4_awq", "auto", None),
+    "kv-int8": ("none", "int8", None),
+    "kv-fp8": ("none", "fp8", None),
+    "w8+kv-int8": ("int8", "int8", None),
 }
 EXIT_BAD_INPUT = 2
 
@@ -99,7 +102,8 @@ def compare_modes(base, modes: list[str], args: argparse.Namespace) -> list[dict
             row["greedy_agreement"] = 1.0
         else:
             row["greedy_agreement"] = agreement(baseline_tokens, row.pop("_greedy"))
-        rows.append({"mode": mode, "weight": MODES[mode][0], "kv_cache_dtype": MODES[mode][1]} | row)
+        weight, kv, dtype = MODES[mode]
+        rows.append({"mode": mode, "weight": weight, "kv_cache_dtype": kv, "dtype": dtype or base.model.dtype} | row)
         del engine
     return rows
 
@@ -113,10 +117,11 @@ def build_engine(base, mode: str, group_size: int, calibration_path: str | None,
     prefixes."""
     from kvmesh.worker.engine import Engine
 
-    weight, kv = MODES[mode]
+    weight, kv, dtype = MODES[mode]
     bs = base.cache.block_size
     num_blocks = max(-(-ppl_seq_len // bs), batch * -(-request_tokens // bs)) + 2
-    cfg = base.replace(quant={"weight": weight, "group_size": group_size, "calibration_path": calibration_path},
+    cfg = base.replace(model={"dtype": dtype or base.model.dtype},
+                       quant={"weight": weight, "group_size": group_size, "calibration_path": calibration_path},
                        cache={"kv_cache_dtype": kv, "enable_prefix_caching": False, "swap_space_gib": 0.0,
                               "num_blocks": num_blocks},
                        scheduler={"max_num_seqs": max(batch, base.scheduler.max_num_seqs)})
@@ -187,10 +192,16 @@ def batch_prompts(engine, text: str, prompt_tokens: int, count: int) -> list[lis
 
 def measure(engine, heldout: str, args: argparse.Namespace) -> dict:
     """One mode's row: quality, TTFT and decode speed alone and in a batch, memory."""
-    from kvmesh.kv.capacity import num_blocks_for_budget
+    from kvmesh.kv.capacity import kv_bytes_per_token, num_blocks_for_budget
+    from kvmesh.quant.calibration import is_projection
 
     model = engine.runner.model
-    weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    weight_bytes = _tensor_bytes(model)
+    # The projections (what quant.weight replaces), against the same layers in bf16.
+    projections = [m for name, m in model.named_modules() if is_projection(name)]
+    projection_bf16_bytes = 2 * sum(m.in_features * m.out_features for m in projections)
+    hf = engine.parts.hf_config
+    bf16_kv_bytes = kv_bytes_per_token(hf.num_hidden_layers, model.num_kv_heads, model.head_dim, "bf16")
     plan = engine.parts.plan
     start = time.perf_counter()
     ppl = perplexity(engine, heldout, args.ppl_seq_len, args.ppl_sequences)
@@ -205,11 +216,17 @@ def measure(engine, heldout: str, args: argparse.Namespace) -> dict:
             "batch_ttft_s": statistics.median(r["ttft_s"] for r in batched),
             # the batch's requests decode together: their rates add up
             "batch_decode_tok_s": sum(r["decode_tok_s"] for r in batched),
-            "weight_bytes": weight_bytes, "kv_bytes_per_token": plan.kv_bytes_per_token,
+            "weight_bytes": weight_bytes, "projection_weight_bytes": sum(_tensor_bytes(m) for m in projections),
+            "projection_bf16_bytes": projection_bf16_bytes,
+            "kv_bytes_per_token": plan.kv_bytes_per_token, "kv_bf16_bytes_per_token": bf16_kv_bytes,
             "kv_budget_gib": args.kv_budget_gib,
             "kv_capacity_tokens": num_blocks_for_budget(budget_bytes, plan.block_size, plan.kv_bytes_per_token)
             * plan.block_size,
             "measure_s": time.perf_counter() - start, "_greedy": [r["tokens"] for r in alone]}
+
+
+def _tensor_bytes(module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
 def agreement(reference: list[list[int]], candidate: list[list[int]]) -> float:
@@ -222,18 +239,22 @@ def agreement(reference: list[list[int]], candidate: list[list[int]]) -> float:
 
 
 def format_report(rows: list[dict]) -> str:
-    """A markdown table, one row per mode, with ratios against the baseline (the first row)."""
+    """A markdown table, one row per mode. Ratios: perplexity against the baseline (the first
+    row); projection weights against the same layers in bf16; KV tokens against a bf16 KV
+    cache of the same budget (the articles' reference points)."""
     base = rows[0]
     batch = base["batch"]
     head = ["mode", "ppl", "d ppl", "greedy", "TTFT ms @1", "tok/s @1", f"TTFT ms @{batch}", f"tok/s @{batch}",
-            "weights MiB", "weights x", "KV B/token", f"KV tokens in {base['kv_budget_gib']:g} GiB", "KV x"]
+            "weights MiB", "proj. MiB", "proj. x bf16", "KV B/token", f"KV tokens in {base['kv_budget_gib']:g} GiB",
+            "KV x bf16"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["mode"], f"{r['perplexity']:.3f}", f"{r['perplexity'] / base['perplexity'] - 1:+.2%}",
                  f"{r['greedy_agreement']:.1%}", f"{r['ttft_s'] * 1e3:.1f}", f"{r['decode_tok_s']:.1f}",
                  f"{r['batch_ttft_s'] * 1e3:.1f}", f"{r['batch_decode_tok_s']:.1f}",
-                 f"{r['weight_bytes'] / 2**20:.1f}", f"{r['weight_bytes'] / base['weight_bytes']:.3f}",
+                 f"{r['weight_bytes'] / 2**20:.1f}", f"{r['projection_weight_bytes'] / 2**20:.1f}",
+                 f"{r['projection_weight_bytes'] / r['projection_bf16_bytes']:.3f}",
                  f"{r['kv_bytes_per_token']:,}", f"{r['kv_capacity_tokens']:,}",
-                 f"{r['kv_capacity_tokens'] / base['kv_capacity_tokens']:.2f}"]
+                 f"{r['kv_bf16_bytes_per_token'] / r['kv_bytes_per_token']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

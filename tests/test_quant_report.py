@@ -49,9 +49,15 @@ def test_report_modes_on_a_tiny_model(tiny_model_dir, capsys):
         assert rows[mode]["kv_capacity_tokens"] == (2**29 // (per_token * 16)) * 16
     assert rows["kv-int8"]["kv_capacity_tokens"] / base["kv_capacity_tokens"] == pytest.approx(512 / 144, rel=1e-3)
     assert rows["w8"]["kv_capacity_tokens"] == base["kv_capacity_tokens"]  # weights do not change KV
+    # projections (14 of them: 2 layers x 7) against the same layers in bf16
+    proj_params = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)  # per layer: q, o 64x64; k, v 64x32; mlp 3 x 64x128
+    assert all(r["projection_bf16_bytes"] == 2 * proj_params for r in rows.values())
+    assert base["projection_weight_bytes"] == 4 * proj_params  # fp32
+    out_rows = 2 * (64 + 32 + 32 + 64 + 128 + 128 + 64)  # one fp32 int8 scale per output row
+    assert rows["w8"]["projection_weight_bytes"] == proj_params + 4 * out_rows
     table = cmd_quant_report.format_report(report)
     assert "| tok/s @3 |" in table and table.count("\n") == 1 + len(report)  # header, rule, one line a mode
-    assert "| kv-int8 |" in table and "| 3.56 |" in table
+    assert "| kv-int8 |" in table and f"| {256 / 144:.2f} |" in table  # KV x bf16 = 256 / (128 + 16)
 
 
 def test_teacher_forced_logits_equal_hf_and_kv_int8_stays_close(tiny_model_dir):
