@@ -321,13 +321,13 @@ class RequestStream:
                     self._ticket.release()
                     self.decision, self._ticket = await core._admit(self._request, frozenset({self.worker_id}))
         finally:
+            # Everything synchronous first: a client that goes away cancels this task, and a
+            # second cancel arriving during the await below must not skip the metrics or spans.
             core.in_flight -= 1
             core._backlog.leave(self._request.tenant_id)
             self._ticket.release()
             usage = final.usage if final is not None else None
             used = usage.completion_tokens if usage is not None else streamed_tokens
-            # Failed before any token: refund everything; otherwise pay for what was made.
-            await core._settle(self._reservation, used if (used or final is not None) else None)
             reason = final.finish_reason if final else FinishReason.ERROR
             core.metrics.observe_request_end(self._request.tenant_id, final.timings if final else None, usage,
                                              reason)
@@ -336,6 +336,10 @@ class RequestStream:
                 if reason is FinishReason.ERROR:
                     span.set_status(tracing.Status(tracing.StatusCode.ERROR))
                 span.end()
+            # Failed before any token: refund everything; otherwise pay for what was made.
+            # Shielded: if this task is cancelled meanwhile the settlement still completes
+            # (else the tenant's slot would stay taken until its lease expires).
+            await asyncio.shield(core._settle(self._reservation, used if (used or final is not None) else None))
 
     async def _worker_deltas(self) -> AsyncIterator[RequestDelta]:
         """The chosen worker's stream, flattened, with the deadline enforced; always leaves

@@ -10,6 +10,7 @@ exactly what a crashed Redis looks like to the routers.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -24,13 +25,14 @@ from kvmesh.router.tenants import generate_api_key, hash_api_key
 pytestmark = pytest.mark.timeout(300)
 
 APP_NAME = "kvmesh-tenants"
-KEYS = {tenant: generate_api_key() for tenant in ("conc", "bucket", "load", "outage")}
+KEYS = {tenant: generate_api_key() for tenant in ("conc", "bucket", "refund", "load", "outage")}
 # Long enough (decode steps) that every admitted request is still running when the whole
 # burst has been answered: admissions can then only come from the limit, not from a slot
 # that freed up.
 LONG_TOKENS = 480
 CONCURRENCY_LIMIT = 3
 BUCKET_OUTPUT_PER_MINUTE = 60  # refills 1 token/s: negligible over a test's few seconds
+REFUND_OUTPUT_PER_MINUTE = LONG_TOKENS  # one long request's worth, refilling 8 tokens/s
 RETRYABLE = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
 
 
@@ -41,6 +43,8 @@ def cluster(tiny_model_dir, redis_server):
          "max_concurrent_requests": CONCURRENCY_LIMIT},
         {"id": "bucket", "api_key_hashes": [hash_api_key(KEYS["bucket"], TEST_HASH_ITERATIONS)],
          "output_tokens_per_minute": BUCKET_OUTPUT_PER_MINUTE},
+        {"id": "refund", "api_key_hashes": [hash_api_key(KEYS["refund"], TEST_HASH_ITERATIONS)],
+         "output_tokens_per_minute": REFUND_OUTPUT_PER_MINUTE},
         {"id": "load", "api_key_hashes": [hash_api_key(KEYS["load"], TEST_HASH_ITERATIONS)]},
         # While Redis is down each of the 2 replicas allows 4 / 2 = 2 at once.
         {"id": "outage", "api_key_hashes": [hash_api_key(KEYS["outage"], TEST_HASH_ITERATIONS)],
@@ -80,18 +84,18 @@ def _first_delta_or_error(stub, key: str, max_tokens: int):
     return "ok", stream
 
 
-def _requests_in_flight(config, tenant_id: str) -> int:
-    """The tenant's in-flight count in the Redis quota store the routers share."""
+def _quota_usage(config, tenant_id: str):
+    """The tenant's QuotaUsage (in flight, bucket levels) in the Redis store the routers share."""
     import asyncio
 
     from kvmesh.router.quota import RedisQuotaStore
     from kvmesh.router.tenants import Tenant
 
-    async def read() -> int:
+    async def read():
         store = RedisQuotaStore(config.tenants.redis_url)
         try:
             tenant = next(Tenant.from_config(t) for t in config.tenants.tenants if t.id == tenant_id)
-            return (await store.usage(tenant)).requests_in_flight
+            return await store.usage(tenant)
         finally:
             await store.aclose()
 
@@ -165,28 +169,46 @@ def test_two_replicas_share_one_concurrency_limit_exactly(cluster, channel, http
     wait_for(whole_limit_admitted, timeout_s=20, what="the cancelled requests' slots released")
 
 
-def test_settle_charges_streamed_tokens_and_refunds_the_rest(cluster, channel, http_base):
-    """60 output tokens a minute. A request reserving 50 is cancelled after its first tokens:
-    it pays for what was streamed, the rest comes back, so 45 more fit. A full request of 12
-    is charged 12, after which a request of 30 no longer fits (429 with retry-after) while
-    one of 2 does."""
+def test_settle_charges_what_ran_then_429_with_retry_after(cluster, channel, http_base):
+    """60 output tokens a minute. A full request of 45 is charged 45 and one of 12 is charged
+    12; a request of 30 then no longer fits (429, retry-after > 15 s at 1 token/s) while one
+    of 2 does."""
     stub = kvmesh_pb2_grpc.KvmeshStub(channel)
-    stream = _generate(stub, KEYS["bucket"], 50)
-    streamed = len(next(stream).token_ids)
-    stream.cancel()
-    assert streamed < 10
-    # The router settles when the cancel reaches it (through Serve's proxy: timing varies
-    # with load), so wait until the tenant has nothing in flight in the shared store.
-    wait_for(lambda: _requests_in_flight(cluster, "bucket") == 0, timeout_s=10, what="cancelled request settled")
-    finals = list(_generate(stub, KEYS["bucket"], 45))  # fits only if the cancelled one was refunded
-    assert finals[-1].usage.completion_tokens == 45
-    # Left: 60 - streamed(+ what the router saw before the cancel) - 45 + refill; < 15.
+    for max_tokens in (45, 12):
+        assert list(_generate(stub, KEYS["bucket"], max_tokens))[-1].usage.completion_tokens == max_tokens
     reply = httpx.post(f"{http_base}/v1/completions", headers={"Authorization": f"Bearer {KEYS['bucket']}"},
                        json={"prompt": "hi", "max_tokens": 30}, timeout=30)
     assert reply.status_code == 429, reply.text
-    # retry-after = time for the bucket to hold 30: at 1 token/s, more than 15 s.
+    # Left: 60 - 45 - 12 + refill = 3 + t; holding 30 takes 27 - t more seconds.
     assert int(reply.headers["retry-after"]) > 15
     assert list(_generate(stub, KEYS["bucket"], 2))[-1].usage.completion_tokens == 2
+
+
+def test_cancelled_request_pays_for_what_streamed_and_gets_the_rest_back(cluster, channel):
+    """A bucket of one long request (480 output tokens a minute, 8/s). A request reserving
+    all 480 is cancelled after 40 tokens reached the client, far from its end: once settled,
+    the shared Redis bucket lacks at least those 40 (what streamed is paid for) yet holds
+    more than the 0 + refill an unrefunded reservation would leave (the rest came back).
+    Refill is bounded by the elapsed time, so neither check depends on timing."""
+    stub = kvmesh_pb2_grpc.KvmeshStub(channel)
+    seen = 40
+    start = time.monotonic()
+    stream = _generate(stub, KEYS["refund"], LONG_TOKENS)
+    received = 0
+    while received < seen:
+        received += len(next(stream).token_ids)
+    stream.cancel()
+    # The router settles when the cancel reaches it (through Serve's proxy: timing varies
+    # with load), so wait until the tenant has nothing in flight in the shared store.
+    wait_for(lambda: _quota_usage(cluster, "refund").requests_in_flight == 0, timeout_s=10,
+             what="cancelled request settled")
+    level = _quota_usage(cluster, "refund").output_tokens_available
+    refill_max = (time.monotonic() - start) * REFUND_OUTPUT_PER_MINUTE / 60
+    # level = min(480, 480 - 480 + refill + (480 - charged)), 0 <= refill <= refill_max
+    charged_at_most = REFUND_OUTPUT_PER_MINUTE - level + refill_max
+    # A release (charge 0) would leave level = 480 and fail this while refill_max < 40 (5 s).
+    assert charged_at_most >= received, (level, refill_max)
+    assert level - refill_max > 0, (level, refill_max)  # no refund: level = refill <= refill_max
 
 
 def test_bad_and_missing_keys_are_rejected_before_any_work(cluster, channel, http_base):
