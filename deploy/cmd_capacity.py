@@ -33,7 +33,7 @@ def register(subparsers) -> None:
     shape.add_argument("--params", type=float, help="parameter count, e.g. 7e9 (sizes the weights)")
     dtypes = p.add_argument_group("precision")
     dtypes.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp16",
-                        help="KV cache dtype; int8/fp8 add fp32 per-token per-head scales")
+                        help="KV cache dtype; int8/fp8 add fp16 per-token per-head scales")
     dtypes.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="fp16")
     dtypes.add_argument("--group-size", type=int, default=128, help="int4 quantization group size")
     dev = p.add_argument_group("device budget")
