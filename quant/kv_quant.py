@@ -73,13 +73,14 @@ def quantize_kv(x: torch.Tensor, kv_dtype: str, static_scale: float | torch.Tens
     qmax = _qmax(kv_dtype)
     x32 = x.float()
     if static_scale is None:
-        scale32 = (x32.abs().amax(dim=-1) / qmax).clamp_(MIN_KV_SCALE, MAX_KV_SCALE)  # [T, H]
+        scale32 = x32.abs().amax(dim=-1) / qmax  # [T, H]
     else:
         value = float(static_scale)
         if not value > 0:
             raise ConfigError(f"static KV scale must be > 0, got {value}")
-        scale32 = torch.full(x.shape[:2], min(max(value, MIN_KV_SCALE), MAX_KV_SCALE), dtype=torch.float32, device=x.device)
-    scale = scale32.to(KV_SCALE_DTYPE)  # round first: the codes are computed against the stored scale
+        scale32 = torch.full(x.shape[:2], value, dtype=torch.float32, device=x.device)
+    # Clamp into fp16's normal range, then round: the codes are computed against the stored scale.
+    scale = scale32.clamp_(MIN_KV_SCALE, MAX_KV_SCALE).to(KV_SCALE_DTYPE)
     scaled = (x32 / scale.float()[..., None]).clamp_(-qmax, qmax)
     q = torch.round(scaled).to(storage) if kv_dtype == "int8" else scaled.to(storage)
     return q, scale

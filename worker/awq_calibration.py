@@ -51,13 +51,13 @@ def awq_cache_dir() -> Path:
     return cache_root().parent / "awq"
 
 
-def awq_fingerprint(config: KvmeshConfig, spec) -> str:
-    """What the AWQ search result depends on, hashed (see the module docstring)."""
+def awq_fingerprint(config: KvmeshConfig, spec, text: str) -> str:
+    """What the AWQ search result depends on, hashed (see the module docstring); `text` is
+    the calibration text."""
     hf_dir = Path(spec.hf_dir)
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in hf_dir.iterdir() if p.is_file())
-    text = load_text(config.quant.calibration_path).encode("utf-8")
     key = {"version": _FORMAT_VERSION, "weights": str(hf_dir.resolve()), "files": files,
-           "text": hashlib.sha256(text).hexdigest(), "sequences": CALIBRATION_SEQUENCES,
+           "text": hashlib.sha256(text.encode("utf-8")).hexdigest(), "sequences": CALIBRATION_SEQUENCES,
            "seq_len": CALIBRATION_SEQ_LEN, "max_samples": MAX_SAMPLES, "group_size": config.quant.group_size,
            "dtype": str(spec.dtype), "alphas": list(ALPHA_GRID)}
     return hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=12).hexdigest()
@@ -66,7 +66,8 @@ def awq_fingerprint(config: KvmeshConfig, spec) -> str:
 def awq_results_for(config: KvmeshConfig, spec, model=None) -> dict[str, AwqSearchResult]:
     """The AWQ search results for the configured model: from the cache, or computed on
     `model` (this process's full, unquantized model; loaded here when None) and cached."""
-    path = awq_cache_dir() / f"{awq_fingerprint(config, spec)}.safetensors"
+    text = load_text(config.quant.calibration_path)
+    path = awq_cache_dir() / f"{awq_fingerprint(config, spec, text)}.safetensors"
     if path.exists():
         try:
             results = load_awq_results(path)
@@ -81,18 +82,17 @@ def awq_results_for(config: KvmeshConfig, spec, model=None) -> dict[str, AwqSear
         model = load_model(config.replace(quant={"weight": "none"}), spec)  # full and unsharded
     elif model.coll.world_size != 1:
         raise ConfigError("int4_awq calibration needs the full model, not a tensor-parallel shard")
-    results = _calibrate_and_search(config, model)
+    results = _calibrate_and_search(config, model, text)
     _save_atomically(path, results)
     return results
 
 
-def _calibrate_and_search(config: KvmeshConfig, model) -> dict[str, AwqSearchResult]:
+def _calibrate_and_search(config: KvmeshConfig, model, text: str) -> dict[str, AwqSearchResult]:
     from kvmesh.worker.engine_setup import pick_backend
     from kvmesh.worker.model_runner import allocate_kv_caches, prefill_logits
     from kvmesh.worker.tokenizer import load_tokenizer
 
     start = time.perf_counter()
-    text = load_text(config.quant.calibration_path)
     sequences = token_sequences(load_tokenizer(config.model), text, seq_len=CALIBRATION_SEQ_LEN,
                                 max_sequences=CALIBRATION_SEQUENCES)
     device = next(model.parameters()).device
