@@ -61,6 +61,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvmesh.deploy.config import RouterConfig
+from kvmesh.kv.kv_cost import request_kv_tokens
 from kvmesh.worker.api import SamplingParams, WorkerStats
 from kvmesh.worker.errors import (
     DeadlineExceededError,
@@ -79,8 +80,7 @@ def request_cost_tokens(prompt_tokens: int, sampling: SamplingParams, block_size
     """KV tokens the worker will reserve for a request, as its admission counts them: each of
     the n samples reserves prompt + max_tokens rounded up to whole blocks (K x ceil(S / K)).
     Pass the workers' block_size to match them exactly; 1 gives the unrounded figure."""
-    per_sample = prompt_tokens + sampling.max_tokens
-    return sampling.n * block_size * -(-per_sample // block_size)
+    return request_kv_tokens(prompt_tokens, sampling.max_tokens, block_size, n=sampling.n)
 
 
 class AdmissionTicket:

@@ -195,8 +195,11 @@ class RouterCore:
             decisions.append(decision)
             return decision.worker_id
 
+        info = self.pool.any_info()
+        block_size = info.block_size if info is not None else 1  # the workers' own rounding
         ticket = await self.admission.acquire(
-            request_cost_tokens(len(request.prompt_token_ids), request.sampling), attempt=request.attempt,
+            request_cost_tokens(len(request.prompt_token_ids), request.sampling, block_size=block_size),
+            attempt=request.attempt,
             route=route, deadline_s=request.deadline_s)
         return decisions[-1], ticket
 

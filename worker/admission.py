@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable
 
 from kvmesh.deploy.config import SchedulerConfig
+from kvmesh.kv.kv_cost import request_kv_tokens
 from kvmesh.worker.errors import InvalidRequestError, OverloadedError
 from kvmesh.worker.request import Request
 
@@ -70,8 +71,8 @@ class AdmissionController:
         self.drain = RateMeter(window_s, clock)  # reserved tokens returned per second
 
     def reservation_for(self, request: Request) -> int:
-        tokens = request.num_prompt_tokens + request.sampling.max_tokens
-        return self.block_size * -(-tokens // self.block_size)
+        # One sample: the engine submits each of the n samples as its own Request.
+        return request_kv_tokens(request.num_prompt_tokens, request.sampling.max_tokens, self.block_size)
 
     def check_valid(self, request: Request) -> None:
         """Refusals no retry can fix."""
