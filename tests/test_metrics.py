@@ -240,3 +240,88 @@ def test_two_replicas_render_the_same_cluster_totals_through_a_ray_board():
             assert value(s, "kvmesh_time_to_first_token_seconds_count") == 6
     finally:
         ray.shutdown()
+
+
+# ---- the worker's engine metrics from real engine steps (tiny random Llama) -------------
+
+def test_engine_metrics_from_real_engine_steps(tiny_model_dir):
+    """Two tenants' requests through a real engine with chunked prefill: the step reports feed
+    per-phase time, the prefill/decode token mix, the fill rate, per-tenant compute seconds
+    (which add up to the step time), the memory probes, model info, and an OOM counted from
+    a forward that ran out of memory; the step log holds each prefill chunk for the spans."""
+    from kvmesh.deploy.config import KvmeshConfig
+    from kvmesh.worker.api import GenerateRequest, SamplingParams
+    from kvmesh.worker.engine import Engine
+    from kvmesh.worker.telemetry import ModelInfo, RequestStepLog
+
+    config = KvmeshConfig.from_dict({
+        "model": {"path": tiny_model_dir, "dtype": "fp32", "max_model_len": 128},
+        "cache": {"num_blocks": 32, "block_size": 8},
+        "scheduler": {"max_num_batched_tokens": 16, "max_prefill_tokens_per_step": 16}})
+    engine = Engine.from_config(config)
+    plan = engine.parts.plan
+    metrics = EngineMetrics("w0", ModelInfo.of_engine(engine, config), device=engine.parts.device,
+                            tensor_bytes=plan.weight_bytes + plan.kv_cache_bytes, kv_pool_bytes=plan.kv_cache_bytes)
+    log = RequestStepLog()
+    engine.phase_clock.observers += [metrics.observe_step_report, log.observe_step_report]
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine.add_request(GenerateRequest("a/1", prompt_token_ids=tuple(range(10, 50)), sampling=greedy,
+                                       tenant_id="acme"))
+    engine.add_request(GenerateRequest("b/1", prompt_token_ids=tuple(range(60, 66)), sampling=greedy,
+                                       tenant_id="beta"))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+
+    acme, beta = log.pop("a/1"), log.pop("b/1")
+    assert len(log) == 0
+    # 40 prompt tokens at <= 16 a step (arrived first, so served first): chunks 16, 16, 8.
+    assert [c[2] for c in acme.prefill_chunks] == [16, 16, 8] and acme.num_prefill_chunks == 3
+    assert [c[2] for c in beta.prefill_chunks] == [6]
+    assert acme.num_decode_steps == 3 and beta.num_decode_steps == 3  # 4 tokens: 1 from prefill + 3 decodes
+    assert all(start <= end for start, end, _ in acme.prefill_chunks) and acme.decode_step_s > 0
+
+    s = scrape(metrics.snapshot())
+    assert value(s, "kvmesh_step_time_seconds_count", worker="w0") == steps
+    for phase in ("schedule", "prepare", "forward", "output"):
+        assert value(s, "kvmesh_step_phase_seconds_count", worker="w0", phase=phase) == steps, phase
+    # The two steps of acme's first 32 prompt tokens sample nothing: no sample phase.
+    assert value(s, "kvmesh_step_phase_seconds_count", worker="w0", phase="sample") == steps - 2
+    assert value(s, "kvmesh_step_tokens_sum", worker="w0", kind="prefill") == 46
+    assert value(s, "kvmesh_step_tokens_sum", worker="w0", kind="decode") == 6
+    assert value(s, "kvmesh_step_token_fill_ratio_count", worker="w0") == steps
+    assert value(s, "kvmesh_step_token_fill_ratio_bucket", worker="w0", le="1.0") == steps
+    assert value(s, "kvmesh_step_token_fill_ratio_sum", worker="w0") == pytest.approx((46 + 6) / 16)
+    compute = {(t, p): value(s, "kvmesh_tenant_compute_seconds_total", tenant=t, phase=p)
+               for t in ("acme", "beta") for p in ("prefill", "decode")}
+    assert all(v > 0 for v in compute.values())
+    assert sum(compute.values()) == pytest.approx(value(s, "kvmesh_step_time_seconds_sum", worker="w0"))
+    mem = dict(worker="w0", rank="0", device="cpu")
+    assert value(s, "kvmesh_memory_allocated_bytes", **mem) == plan.weight_bytes + plan.kv_cache_bytes
+    assert value(s, "kvmesh_memory_reserved_bytes", **mem) > value(s, "kvmesh_memory_allocated_bytes", **mem)
+    assert value(s, "kvmesh_memory_peak_bytes", **mem) >= value(s, "kvmesh_memory_reserved_bytes", **mem)
+    assert value(s, "kvmesh_kv_pool_bytes", worker="w0") == plan.kv_cache_bytes > 0
+    assert not any(name.startswith("kvmesh_gpu_") for name, _ in s)  # CPU: no NVML gauges
+    info = [dict(labels) for name, labels in s if name == "kvmesh_model_info"]
+    assert info == [{"worker": "w0", "model": engine.model_name, "revision": "main", "dtype": "float32",
+                     "weight_quant": "none", "kv_cache_dtype": engine.parts.kv_cache_dtype,
+                     "version": info[0]["version"]}] and info[0]["version"] != "unknown"
+    assert value(s, "kvmesh_oom_total", worker="w0") == 0
+
+    def out_of_memory():
+        raise MemoryError("injected: the step's activations do not fit")
+
+    engine.runner.fault_hook = out_of_memory
+    try:
+        engine.add_request(GenerateRequest("a/2", prompt_token_ids=(5, 6, 7), sampling=greedy, tenant_id="acme"))
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        engine.runner.fault_hook = None
+    assert value(scrape(metrics.snapshot()), "kvmesh_oom_total", worker="w0") == 1
+    window = engine.scheduler.stats()
+    metrics.set_kv_window(window.peak_kv_tokens, window.mean_kv_tokens)
+    s = scrape(metrics.snapshot())
+    assert value(s, "kvmesh_kv_tokens_peak", worker="w0") == window.peak_kv_tokens >= 44
+    assert 0 < value(s, "kvmesh_kv_tokens_mean", worker="w0") <= window.peak_kv_tokens

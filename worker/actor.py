@@ -29,8 +29,10 @@ Why these choices:
   `abort(request_id)` both end the request in the engine and free its KV blocks.
 * Telemetry lives in this process: the actor sets up its own TracerProvider from
   `config.observability` and records the kvmesh.worker.* spans as children of the router's
-  span carried in `GenerateRequest.trace_context` (one trace across processes), and times
-  every engine step into an EngineMetrics whose snapshot rides along in each WorkerPoll.
+  span carried in `GenerateRequest.trace_context` (one trace across processes), with one
+  span per prefill chunk from the engine's step reports (a StepPhaseClock observer, no
+  wrapping of engine methods); the same reports feed an EngineMetrics (step phases, batch
+  mix, per-tenant compute, memory probes) whose snapshot rides along in each WorkerPoll.
 """
 
 from __future__ import annotations
@@ -118,8 +120,14 @@ class WorkerActor:
                                 node_id=_current_node_id())
         self._streaming: set[str] = set()  # request ids with a live `generate` stream
         self._tracer = telemetry.get_tracer(telemetry.setup_tracing(self._config.observability, "kvmesh-worker"))
-        self._metrics = telemetry.EngineMetrics(worker_id)
-        _time_engine_steps(self._engine.engine, self._metrics)
+        engine = self._engine.engine
+        plan = engine.parts.plan
+        swap_bytes = plan.num_swap_blocks * plan.block_size * plan.kv_bytes_per_token
+        self._metrics = telemetry.EngineMetrics(
+            worker_id, telemetry.ModelInfo.of_engine(engine, self._config), device=engine.parts.device,
+            tensor_bytes=plan.weight_bytes + plan.kv_cache_bytes + swap_bytes, kv_pool_bytes=plan.kv_cache_bytes)
+        self._step_log = telemetry.RequestStepLog()
+        engine.phase_clock.observers += [self._metrics.observe_step_report, self._step_log.observe_step_report]
         logger.info("worker %s up (incarnation %s, model %s)", worker_id, self._info.incarnation,
                     self._info.model_name)
 
@@ -172,20 +180,23 @@ class WorkerActor:
     def _record_spans(self, request: GenerateRequest, final: RequestDelta | None, arrived_at: float) -> None:
         """kvmesh.worker.* spans for the request, in this process; a request that never got a
         final delta (cancelled, refused) still gets its generate span, marked abort/error."""
+        steps = self._step_log.pop(request.request_id)
         try:
             if final is not None and final.timings is not None:
                 telemetry.record_worker_spans(self._tracer, request, final.timings, final.usage,
-                                              final.finish_reason)
+                                              final.finish_reason, steps, self._info.block_size)
             else:
                 telemetry.record_worker_spans(self._tracer, request,
                                               RequestTimings(arrival_time=arrived_at, finished_time=time.time()),
-                                              None, FinishReason.ABORT)
+                                              None, FinishReason.ABORT, steps, self._info.block_size)
         except Exception:  # telemetry must never fail a request
             logger.exception("recording spans of %s failed", request.request_id)
 
     async def poll(self, since_prefix_seq: int) -> WorkerPoll:
         # The *_async reads wait for the engine lock in a thread, never on this event loop.
         stats = await self._engine.stats_async()
+        window = await self._engine.scheduler_stats_async()
+        self._metrics.set_kv_window(window.peak_kv_tokens, window.mean_kv_tokens)
         return WorkerPoll(self._info, stats, await self._engine.prefix_events_async(since_prefix_seq),
                           self._metrics.snapshot())
 
@@ -207,23 +218,6 @@ class WorkerActor:
 
     async def shutdown(self) -> None:
         await self._engine.shutdown()
-
-
-def _time_engine_steps(engine, metrics: "telemetry.EngineMetrics") -> None:
-    """Observe every `engine.step()` into `metrics.step_time` (seconds, wall clock). Wraps the
-    bound method on this one instance: the step thread in AsyncEngine calls `engine.step()`,
-    and timing it here keeps Prometheus out of the engine's own code."""
-    step = engine.step
-
-    def timed_step():
-        started = time.perf_counter()
-        try:
-            return step()
-        finally:
-            if not engine.last_step_idle:  # an idle step (window open) is not work
-                metrics.observe_step(time.perf_counter() - started)
-
-    engine.step = timed_step
 
 
 def _current_node_id() -> str:

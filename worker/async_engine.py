@@ -29,6 +29,7 @@ from kvmesh.deploy.config import KvmeshConfig
 from kvmesh.worker.api import GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats
 from kvmesh.worker.engine import Engine
 from kvmesh.worker.errors import InvalidRequestError, KvmeshError
+from kvmesh.worker.scheduler import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -110,12 +111,20 @@ class AsyncEngine:
         with self._lock:
             return self.engine.stats()
 
+    def scheduler_stats(self) -> SchedulerStats:
+        """The scheduler's own figures (KV peak / mean over its window) for the worker's metrics."""
+        with self._lock:
+            return self.engine.scheduler.stats()
+
     def prefix_events(self, since_seq: int) -> PrefixEventBatch:
         with self._lock:
             return self.engine.prefix_events(since_seq)
 
     async def stats_async(self) -> WorkerStats:
         return await asyncio.to_thread(self.stats)
+
+    async def scheduler_stats_async(self) -> SchedulerStats:
+        return await asyncio.to_thread(self.scheduler_stats)
 
     async def prefix_events_async(self, since_seq: int) -> PrefixEventBatch:
         return await asyncio.to_thread(self.prefix_events, since_seq)

@@ -31,6 +31,7 @@ from kvmesh.worker.errors import InvalidRequestError
 from kvmesh.worker.output_processor import OutputProcessor
 from kvmesh.worker.request import Request, RequestStatus
 from kvmesh.worker.scheduler import Scheduler
+from kvmesh.worker.step_phases import StepPhaseClock
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ class Engine:
         self.num_forward_tokens = 0  # tokens run through the model since start (tests count these)
         self.num_failed_steps = 0
         self.last_step_idle = False  # the last step ran nothing (batching window open, n > 1 gate)
+        # Phase timing of every step (worker/step_phases.py); the runner marks its own phases.
+        self.phase_clock = StepPhaseClock()
+        self.runner.phase_clock = self.phase_clock
 
     @classmethod
     def from_config(cls, config: KvmeshConfig | None = None, worker_id: str = "worker-0") -> "Engine":
@@ -107,6 +111,7 @@ class Engine:
         members = [Request(request_id=f"{request.request_id}" if n == 1 else f"{group}/{i}",
                            prompt_token_ids=prompt_ids, sampling=request.sampling,
                            arrival_time=self.scheduler.clock(), priority=request.priority,
+                           tenant_id=request.tenant_id,
                            extra_keys=self.block_extra_keys(request.cache_salt), group_id=group, sample_index=i)
                    for i in range(n)]
         added: list[Request] = []
@@ -135,7 +140,10 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestDelta]:
+        clock = self.phase_clock
+        clock.begin()
         sched_out = self.scheduler.schedule()
+        clock.lap("schedule")
         deltas = [self._close_finished(f.request_id, f.status) for f in sched_out.finished]
         deltas = [d for d in deltas if d is not None]
         self.last_step_idle = sched_out.is_empty
@@ -147,7 +155,9 @@ class Engine:
             self.runner.apply_block_ops(sched_out)
             result = self.runner.execute(sched_out.scheduled, self.outputs.sampling_row)
         except Exception as exc:  # the forward failed: fail this step's requests, keep serving
-            return deltas + self._fail_step(sched_out, exc)
+            deltas += self._fail_step(sched_out, exc)
+            clock.end(sched_out, failure=exc)
+            return deltas
         self.num_forward_tokens += result.num_tokens
         self.scheduler.update_from_output(sched_out, result.sampled)
         stopped: list[tuple[Request, FinishReason, RequestDelta]] = []
@@ -167,6 +177,8 @@ class Engine:
                 final = self._close(req, reason)
                 deltas.append(dataclasses.replace(final, text=delta.text + final.text, token_ids=delta.token_ids,
                                                   logprobs=delta.logprobs))
+        clock.lap("output")
+        clock.end(sched_out)
         return deltas
 
     def _fail_step(self, sched_out, exc: Exception) -> list[RequestDelta]:

@@ -161,6 +161,7 @@ class ModelRunner:
         self.block_size = block_size
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.fault_hook: Callable[[], None] | None = None  # tests inject forward failures here
+        self.phase_clock = None  # the engine's StepPhaseClock: prepare / forward / sample laps
 
     def apply_block_ops(self, sched_out) -> None:
         """Swap-out, swap-in and copy-on-write copies, before the forward that needs them."""
@@ -179,12 +180,19 @@ class ModelRunner:
         """scheduled: ScheduledRequest entries (worker/scheduler_output.py) in batch order."""
         if self.fault_hook is not None:
             self.fault_hook()
+        clock = self.phase_clock
         inputs = StepInputs.build(scheduled, self.block_size)
         sample_reqs = [entry.request for entry in scheduled if entry.sample]
+        if clock is not None:
+            clock.lap("prepare")
         logits = self.forward(inputs)
+        if clock is not None:
+            clock.lap("forward")
         if logits is None:
             return StepResult({}, {}, len(inputs.input_ids))
         result: SampleResult = sample(logits, [rows_for(r) for r in sample_reqs], self.generator)
+        if clock is not None:
+            clock.lap("sample")
         sampled = {r.request_id: t for r, t in zip(sample_reqs, result.token_ids)}
         logprobs = {}
         if result.logprobs is not None:

@@ -42,6 +42,7 @@ class Request:
     sampling: SamplingParams
     arrival_time: float  # scheduler clock (monotonic seconds), not wall time
     priority: int = 0  # lower value = more important
+    tenant_id: str = "default"  # whose compute the request's rows are (per-tenant cost metrics)
     # kv.hashing.block_extra_keys(model, revision, kv dtype, tenant salt), built by the engine.
     extra_keys: tuple[str, ...] = ()
     # n > 1: the engine submits n children with one group_id and sample_index 0..n-1.
