@@ -48,6 +48,14 @@ class StatsSummary:
     itl_quantiles_s: dict[float, float | None]
     e2e_quantiles_s: dict[float, float | None]
     workers: dict[str, dict[str, float]] = field(default_factory=dict)
+    timeouts: dict[str, float] = field(default_factory=dict)  # stage -> count
+    router_queue_quantiles_s: dict[float, float | None] = field(default_factory=dict)
+    step_phase_mean_s: dict[str, float] = field(default_factory=dict)  # phase -> mean seconds per step
+    mean_fill_ratio: float | None = None  # tokens per step / step token budget
+    mean_step_tokens: dict[str, float] = field(default_factory=dict)  # prefill | decode -> mean per step
+    tenant_compute_s: dict[str, dict[str, float]] = field(default_factory=dict)  # tenant -> phase -> seconds
+    route_predicted_blocks: float = 0.0
+    route_hit_blocks: float = 0.0
 
     @property
     def prefix_cache_hit_ratio(self) -> float | None:
@@ -100,7 +108,16 @@ def histogram_quantile(samples: Samples, name: str, q: float) -> float | None:
 
 
 _WORKER_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio", "kv_blocks_used",
-                  "kv_blocks_cached", "kv_blocks_free", "kv_block_fragmentation_ratio", "worker_healthy")
+                  "kv_blocks_cached", "kv_blocks_free", "kv_block_fragmentation_ratio", "worker_healthy",
+                  "memory_allocated_bytes", "memory_reserved_bytes", "memory_peak_bytes", "kv_pool_bytes",
+                  "kv_tokens_peak", "kv_tokens_mean", "oom_total", "gpu_utilization_ratio",
+                  "gpu_temperature_celsius")
+
+
+def _mean(samples: Samples, name: str, label: str | None = None) -> dict[str, float]:
+    """Per label value: histogram _sum / _count (the mean observation)."""
+    sums, counts = _sum_by(samples, name + "_sum", label), _sum_by(samples, name + "_count", label)
+    return {k: sums.get(k, 0.0) / n for k, n in counts.items() if n}
 
 
 def summarize(samples: Samples) -> StatsSummary:
@@ -111,6 +128,11 @@ def summarize(samples: Samples) -> StatsSummary:
     for gauge in _WORKER_GAUGES:
         for worker, v in _sum_by(samples, "kvmesh_" + gauge, "worker").items():
             workers.setdefault(worker, {})[gauge] = v
+    tenant_compute: dict[str, dict[str, float]] = {}
+    for (name, labels), v in samples.items():
+        if name == "kvmesh_tenant_compute_seconds_total":
+            d = dict(labels)
+            tenant_compute.setdefault(d.get("tenant", ""), {})[d.get("phase", "")] = v
     return StatsSummary(
         requests_by_reason=_sum_by(samples, "kvmesh_requests_total", "finish_reason"),
         prompt_tokens=total("kvmesh_prompt_tokens_total"),
@@ -123,6 +145,15 @@ def summarize(samples: Samples) -> StatsSummary:
         itl_quantiles_s={q: histogram_quantile(samples, "kvmesh_inter_token_latency_seconds", q) for q in QUANTILES},
         e2e_quantiles_s={q: histogram_quantile(samples, "kvmesh_e2e_request_latency_seconds", q) for q in QUANTILES},
         workers=workers,
+        timeouts=_sum_by(samples, "kvmesh_request_timeouts_total", "stage"),
+        router_queue_quantiles_s={q: histogram_quantile(samples, "kvmesh_router_queue_time_seconds", q)
+                                  for q in QUANTILES},
+        step_phase_mean_s=_mean(samples, "kvmesh_step_phase_seconds", "phase"),
+        mean_fill_ratio=_mean(samples, "kvmesh_step_token_fill_ratio").get(""),
+        mean_step_tokens=_mean(samples, "kvmesh_step_tokens", "kind"),
+        tenant_compute_s=tenant_compute,
+        route_predicted_blocks=total("kvmesh_route_predicted_prefix_blocks_total"),
+        route_hit_blocks=total("kvmesh_route_hit_prefix_blocks_total"),
     )
 
 
@@ -143,6 +174,20 @@ def format_summary(s: StatsSummary) -> str:
         f"ITL             {_fmt_quantiles(s.itl_quantiles_s)}",
         f"e2e latency     {_fmt_quantiles(s.e2e_quantiles_s)}",
     ]
+    timeouts = ", ".join(f"{k} {int(v)}" for k, v in sorted(s.timeouts.items()))
+    lines += [
+        f"timeouts        {timeouts or 'none'} (not counted as errors)",
+        f"router queue    {_fmt_quantiles(s.router_queue_quantiles_s)}",
+        "step phases     " + ("  ".join(f"{p} {v * 1000:.2f} ms" for p, v in s.step_phase_mean_s.items()) or "-"),
+        "batch           " + ("-" if s.mean_fill_ratio is None else
+                              f"token fill {s.mean_fill_ratio:.1%}, per step prefill "
+                              f"{s.mean_step_tokens.get('prefill', 0):.1f} / decode "
+                              f"{s.mean_step_tokens.get('decode', 0):.1f} tokens"),
+        f"routing truth   predicted {int(s.route_predicted_blocks)} prefix blocks, hit {int(s.route_hit_blocks)}",
+    ]
+    for tenant, phases in sorted(s.tenant_compute_s.items()):
+        lines.append(f"tenant {tenant:<9}prefill {phases.get('prefill', 0):.3f} s, decode "
+                     f"{phases.get('decode', 0):.3f} s of compute")
     if s.quota_fallback_replicas:
         lines.append(f"QUOTA FALLBACK  {s.quota_fallback_replicas} replica(s) on local limits (Redis unreachable)")
     lines.append(f"{'worker':<16}{'healthy':>8}{'running':>9}{'waiting':>9}{'kv use':>8}"
@@ -153,6 +198,15 @@ def format_summary(s: StatsSummary) -> str:
                      f"{g.get('kv_cache_usage_ratio', 0):>8.1%}{int(g.get('kv_blocks_used', 0)):>7}"
                      f"{int(g.get('kv_blocks_cached', 0)):>8}{int(g.get('kv_blocks_free', 0)):>7}"
                      f"{g.get('kv_block_fragmentation_ratio', 0):>7.1%}")
+    lines.append(f"{'memory':<16}{'alloc MiB':>10}{'resv MiB':>10}{'peak MiB':>10}{'KV MiB':>8}"
+                 f"{'KV tok pk':>10}{'KV tok avg':>11}{'OOM':>5}{'GPU util':>9}{'GPU C':>6}")
+    for worker, g in sorted(s.workers.items()):
+        gpu = ((f"{g['gpu_utilization_ratio']:>9.0%}{g['gpu_temperature_celsius']:>6.0f}")
+               if "gpu_utilization_ratio" in g else f"{'-':>9}{'-':>6}")
+        lines.append(f"{worker:<16}{g.get('memory_allocated_bytes', 0) / 2**20:>10.1f}"
+                     f"{g.get('memory_reserved_bytes', 0) / 2**20:>10.1f}{g.get('memory_peak_bytes', 0) / 2**20:>10.1f}"
+                     f"{g.get('kv_pool_bytes', 0) / 2**20:>8.1f}{int(g.get('kv_tokens_peak', 0)):>10}"
+                     f"{g.get('kv_tokens_mean', 0):>11.1f}{int(g.get('oom_total', 0)):>5}" + gpu)
     return "\n".join(lines)
 
 

@@ -3,15 +3,19 @@
 Names follow vLLM's (`vllm:x` -> `kvmesh_x`) where vLLM has one, so existing dashboards map.
 
     metrics = RouterMetrics(max_num_seqs=config.scheduler.max_num_seqs)
-    metrics.observe_request_end("acme", final_delta.timings, final_delta.usage, final_delta.finish_reason)
+    metrics.observe_request_end("acme", final_delta.timings, final_delta.usage, final_delta.finish_reason,
+                                router_arrival_s=arrived_s)   # TTFT / e2e start at the router
+    metrics.observe_dispatch(arrived_s, dispatched_s)  # the router's own queue (auth..admission)
+    metrics.observe_timeout("acme", "admission")  # deadline passed: finish_reason "timeout", not "error"
+    metrics.observe_route_truth(predicted_blocks=2, hit_blocks=1)  # routing truth histogram
     metrics.observe_rejection("quota")           # quota | overload | invalid | unauthenticated
     metrics.observe_retry()                      # a request that says it is a client retry
     metrics.update_worker_stats(stats_list)      # every stats refresh (list[WorkerStats])
     metrics.set_quota_fallback(True)             # FallbackQuotaStore's on_fallback_change
     body = metrics.render(peer_snapshots)        # bytes for GET /metrics (CONTENT_TYPE)
 
-    engine_metrics = EngineMetrics()             # worker side: what only the engine sees
-    engine_metrics.observe_step(step_time_s=0.021)
+    engine_metrics = EngineMetrics("worker-0", ...)   # worker side: what only the engine sees
+    engine.phase_clock.observers.append(engine_metrics.observe_step_report)  # steps, memory, cost
     engine_metrics.snapshot() -> bytes           # worker/telemetry.py; rides in every WorkerPoll
 
 Why prometheus_client and not ray.util.metrics. Ray's metrics go through each node's metrics
@@ -25,7 +29,8 @@ dashboard agent running. With prometheus_client every process owns a private
   the worker need not export them;
 - worker-level figures (running/waiting, KV blocks, preemptions) come from the `WorkerStats`
   the router already polls for routing, rendered with a `worker` label;
-- what only an engine sees (step time) travels as an `EngineMetrics.snapshot()` (the text
+- what only an engine sees (step phases, batch token mix, memory, per-tenant compute, model
+  info; worker/telemetry.py) travels as an `EngineMetrics.snapshot()` (the text
   exposition format, plain bytes over the Ray call) and is merged in;
 - Serve routes a scrape to ANY router replica, so each replica's request-level metrics must
   be visible from every other: `snapshot()` gives a replica's own text, and `render()` sums
@@ -72,10 +77,13 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 METRICS_BOARD_ACTOR = "kvmesh-metrics-board"
 PREFIX = "kvmesh_"
 REJECTION_REASONS = ("quota", "overload", "invalid", "unauthenticated")
+TIMEOUT_STAGES = ("admission", "stream")
+FINISH_TIMEOUT = "timeout"  # finish_reason label of a request whose deadline passed (not an error)
 
 # Seconds. Latency buckets span 1 ms (CPU decode step) to 5 min (long generations in a queue).
 _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                       2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+_ROUTE_ERROR_BUCKETS = (-64, -16, -8, -4, -2, -1, 0, 1, 2, 4, 8, 16, 64)
 _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3,
                   0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 
@@ -96,10 +104,13 @@ class RouterMetrics:
         def hist(name: str, doc: str, buckets=_LATENCY_BUCKETS_S) -> Histogram:
             return Histogram(PREFIX + name, doc, buckets=buckets, registry=r)
 
-        self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first output token.")
+        self.ttft = hist("time_to_first_token_seconds",
+                         "Time from the router's arrival to the first output token (what the client waits).")
         self.itl = hist("inter_token_latency_seconds", "Mean gap between output tokens, per request.", _ITL_BUCKETS_S)
-        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last output token.")
-        self.queue = hist("request_queue_time_seconds", "Time waiting before first scheduled.")
+        self.e2e = hist("e2e_request_latency_seconds", "Time from the router's arrival to the last output token.")
+        self.router_queue = hist("router_queue_time_seconds",
+                                 "Time from the router's arrival to dispatch to a worker (auth, quota, admission).")
+        self.queue = hist("request_queue_time_seconds", "Time waiting in the worker before first scheduled.")
         self.prefill = hist("request_prefill_time_seconds", "Time from first scheduled to first token.")
         self.decode = hist("request_decode_time_seconds", "Time from first token to finish.")
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.",
@@ -118,6 +129,20 @@ class RouterMetrics:
                                   ["reason"], registry=r)
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason)  # present at 0, so rate() works from the start
+        self.timeouts = Counter(PREFIX + "request_timeouts", "Requests whose deadline passed, by where they were "
+                                "(admission: before a worker; stream: on a worker). Not counted as errors.",
+                                ["stage"], registry=r)
+        for stage in TIMEOUT_STAGES:
+            self.timeouts.labels(stage)
+        self.route_predicted_blocks = Counter(PREFIX + "route_predicted_prefix_blocks",
+                                              "Prompt blocks the router expected the chosen worker to have cached.",
+                                              registry=r)
+        self.route_hit_blocks = Counter(PREFIX + "route_hit_prefix_blocks",
+                                        "Prompt blocks the chosen worker's prefix cache actually served.", registry=r)
+        self.route_error_blocks = Histogram(PREFIX + "route_prefix_blocks_error",
+                                            "Predicted minus actually hit prefix blocks, per request (>0: the "
+                                            "router's view of the caches is stale, <0: it missed a hit).",
+                                            buckets=_ROUTE_ERROR_BUCKETS, registry=r)
         self.retries_seen = Counter(PREFIX + "retries_seen", "Requests that arrived as a client retry.",
                                     registry=r)
         self.quota_fallback = Gauge(PREFIX + "quota_store_fallback_active",
@@ -128,7 +153,10 @@ class RouterMetrics:
     # ---- what the router core calls ------------------------------------------------------
 
     def observe_request_end(self, tenant: str, timings: RequestTimings | None, usage: Usage | None,
-                            finish_reason: FinishReason | str | None) -> None:
+                            finish_reason: FinishReason | str | None, router_arrival_s: float | None = None) -> None:
+        """`router_arrival_s` (time.time() when the router got the request) moves the start of
+        TTFT and e2e latency from the worker's arrival back to the router's. Clocks of other
+        hosts may drift: the earlier of the two arrivals is used."""
         reason = finish_reason.value if isinstance(finish_reason, FinishReason) else str(finish_reason or "error")
         self.requests.labels(reason, tenant).inc()
         if usage is not None:
@@ -138,20 +166,39 @@ class RouterMetrics:
             self.prefix_cache_queries.inc(usage.prompt_tokens)
             self.prefix_cache_hits.inc(usage.cached_tokens)
         if timings is not None:
-            self._observe_timings(timings, usage.completion_tokens if usage is not None else 0)
+            start_s = timings.arrival_time if router_arrival_s is None else min(router_arrival_s, timings.arrival_time)
+            self._observe_timings(timings, usage.completion_tokens if usage is not None else 0, start_s)
 
-    def _observe_timings(self, t: RequestTimings, completion_tokens: int) -> None:
+    def _observe_timings(self, t: RequestTimings, completion_tokens: int, start_s: float) -> None:
         def observe(hist: Histogram, start: float | None, end: float | None) -> None:
             if start is not None and end is not None and end >= start:
                 hist.observe(end - start)
 
         observe(self.queue, t.arrival_time, t.first_scheduled_time)
-        observe(self.ttft, t.arrival_time, t.first_token_time)
+        observe(self.ttft, start_s, t.first_token_time)
         observe(self.prefill, t.first_scheduled_time, t.first_token_time)
         observe(self.decode, t.first_token_time, t.finished_time)
-        observe(self.e2e, t.arrival_time, t.finished_time)
+        observe(self.e2e, start_s, t.finished_time)
         if completion_tokens >= 2 and t.first_token_time is not None and t.finished_time is not None:
             self.itl.observe(max(0.0, t.finished_time - t.first_token_time) / (completion_tokens - 1))
+
+    def observe_dispatch(self, router_arrival_s: float, dispatched_s: float) -> None:
+        """A request left the router for a worker (after auth, quota and admission)."""
+        self.router_queue.observe(max(0.0, dispatched_s - router_arrival_s))
+
+    def observe_timeout(self, tenant: str, stage: str) -> None:
+        """A deadline passed before the admission finished; one in a stream ends through
+        observe_request_end with finish_reason FINISH_TIMEOUT and counts here too."""
+        if stage not in TIMEOUT_STAGES:
+            raise ValueError(f"timeout stage must be one of {TIMEOUT_STAGES}, got {stage!r}")
+        self.timeouts.labels(stage).inc()
+        if stage == "admission":
+            self.requests.labels(FINISH_TIMEOUT, tenant).inc()
+
+    def observe_route_truth(self, predicted_blocks: int, hit_blocks: int) -> None:
+        self.route_predicted_blocks.inc(predicted_blocks)
+        self.route_hit_blocks.inc(hit_blocks)
+        self.route_error_blocks.observe(predicted_blocks - hit_blocks)
 
     def observe_rejection(self, reason: str) -> None:
         if reason not in REJECTION_REASONS:

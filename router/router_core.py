@@ -31,6 +31,7 @@ import asyncio
 import dataclasses
 import logging
 import random
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -42,7 +43,7 @@ from kvmesh.router import tracing
 from kvmesh.router.admission import AdmissionController, AdmissionTicket, request_cost_tokens
 from kvmesh.router.auth import Authenticator
 from kvmesh.router.fairness import TenantBacklog, engine_priority
-from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.metrics import FINISH_TIMEOUT, RouterMetrics
 from kvmesh.router.quota import QuotaStore, Reservation, check_request_fits
 from kvmesh.router.routing import RoundRobinCursor, RoutingDecision, choose_worker
 from kvmesh.router.tenants import Tenant
@@ -122,26 +123,32 @@ class RouterCore:
         Spans: kvmesh.request (ended by the stream) with auth, quota, admission and route
         children; the worker process records its own spans below kvmesh.stream, from the
         carrier in GenerateRequest.trace_context (worker/actor.py)."""
+        arrived_s = time.time()  # TTFT and e2e latency start here, not at the worker
         root = self._tracer.start_span(tracing.SPAN_REQUEST, context=tracing.extract_context(inbound.trace_context),
                                        kind=tracing.SpanKind.SERVER)
         parent = tracing.trace.set_span_in_context(root)
+        tenant_id = ""
         try:
             with self._tracer.start_as_current_span(tracing.SPAN_AUTH, context=parent):
                 tenant = self._auth.authenticate(inbound.api_key)
+            tenant_id = tenant.id
             root.set_attributes({tracing.ATTR_TENANT: tenant.id, tracing.ATTR_ATTEMPT: inbound.attempt})
-            stream = await self._start_as(tenant, inbound, root, parent)
+            stream = await self._start_as(tenant, inbound, root, parent, arrived_s)
         except BaseException as exc:
             if isinstance(exc, (UnauthenticatedError, InvalidRequestError, QuotaExceededError)):
                 self.metrics.observe_rejection(_REJECTION_REASON[type(exc)])
             elif isinstance(exc, OverloadedError):
                 self.metrics.observe_rejection("overload")
+            elif isinstance(exc, DeadlineExceededError):
+                self.metrics.observe_timeout(tenant_id, "admission")
             root.record_exception(exc)
             root.set_status(tracing.Status(tracing.StatusCode.ERROR, type(exc).__name__))
             root.end()
             raise
         return stream
 
-    async def _start_as(self, tenant: Tenant, inbound: InboundRequest, root, parent) -> "RequestStream":
+    async def _start_as(self, tenant: Tenant, inbound: InboundRequest, root, parent,
+                        arrived_s: float) -> "RequestStream":
         if inbound.attempt > 1:
             self.metrics.observe_retry()
         request = self._worker_request(inbound, tenant)
@@ -155,8 +162,11 @@ class RouterCore:
         rank = self._backlog.enter(tenant.id)
         request = dataclasses.replace(request, priority=engine_priority(request.priority, rank))
         try:
-            with self._tracer.start_as_current_span(tracing.SPAN_ADMISSION, context=parent):
+            with self._tracer.start_as_current_span(tracing.SPAN_ADMISSION, context=parent) as admission_span:
+                admission_started = time.time()
                 decision, ticket = await self._admit(request, exclude=frozenset(), parent=parent)
+                dispatched_s = time.time()
+                admission_span.set_attribute(tracing.ATTR_ADMISSION_WAIT_S, dispatched_s - admission_started)
         except BaseException:
             self._backlog.leave(tenant.id)
             await self._quota.release(reservation)
@@ -164,8 +174,9 @@ class RouterCore:
         stream_span = self._tracer.start_span(tracing.SPAN_STREAM, context=parent)
         carrier = tracing.inject_context(tracing.trace.set_span_in_context(stream_span))
         request = dataclasses.replace(request, trace_context=carrier)
+        self.metrics.observe_dispatch(arrived_s, dispatched_s)
         return RequestStream(self, request, inbound.request_id or request.request_id.split("/", 1)[1],
-                             decision, ticket, reservation, spans=(stream_span, root))
+                             decision, ticket, reservation, spans=(stream_span, root), arrived_s=arrived_s)
 
     def _worker_request(self, inbound: InboundRequest, tenant: Tenant) -> GenerateRequest:
         if inbound.model and inbound.model != self.model_name:
@@ -192,6 +203,7 @@ class RouterCore:
                 decision = choose_worker(matched, eligible, self.config.router, self._rng, self._cursor, in_flight)
                 tracing.set_route_attributes(span, decision.worker_id, decision.matched_blocks,
                                              self.config.router.policy)
+                tracing.set_route_candidates(span, decision, matched, eligible, in_flight)
             decisions.append(decision)
             return decision.worker_id
 
@@ -287,8 +299,9 @@ class RequestStream:
 
     def __init__(self, core: RouterCore, request: GenerateRequest, request_id: str,
                  decision: RoutingDecision, ticket: AdmissionTicket, reservation: Reservation,
-                 spans: tuple = ()):
+                 spans: tuple = (), arrived_s: float | None = None):
         self._core = core
+        self._arrived_s = arrived_s  # time.time() at the router: the start of TTFT
         self._spans = spans  # (kvmesh.stream, kvmesh.request): ended, in that order, at the end
         self._request = request
         self.request_id = request_id
@@ -326,16 +339,21 @@ class RequestStream:
         finally:
             # Everything synchronous first: a client that goes away cancels this task, and a
             # second cancel arriving during the await below must not skip the metrics or spans.
+            failure = sys.exc_info()[1]
             core.in_flight -= 1
             core._backlog.leave(self._request.tenant_id)
             self._ticket.release()
             usage = final.usage if final is not None else None
             used = usage.completion_tokens if usage is not None else streamed_tokens
             reason = final.finish_reason if final else FinishReason.ERROR
+            timed_out = isinstance(failure, DeadlineExceededError)
+            if timed_out:
+                core.metrics.observe_timeout(self._request.tenant_id, "stream")
             core.metrics.observe_request_end(self._request.tenant_id, final.timings if final else None, usage,
-                                             reason)
+                                             FINISH_TIMEOUT if timed_out else reason, self._arrived_s)
+            self._record_route_truth(usage)
             for span in self._spans:
-                span.set_attribute(tracing.ATTR_FINISH_REASON, reason.value)
+                span.set_attribute(tracing.ATTR_FINISH_REASON, FINISH_TIMEOUT if timed_out else reason.value)
                 if reason is FinishReason.ERROR:
                     span.set_status(tracing.Status(tracing.StatusCode.ERROR))
                 span.end()
@@ -343,6 +361,17 @@ class RequestStream:
             # Shielded: if this task is cancelled meanwhile the settlement still completes
             # (else the tenant's slot would stay taken until its lease expires).
             await asyncio.shield(core._settle(self._reservation, used if (used or final is not None) else None))
+
+    def _record_route_truth(self, usage) -> None:
+        """Predicted vs actually hit prefix blocks: a metric, and attributes of kvmesh.stream."""
+        info = self._core.pool.any_info()
+        if usage is None or info is None:
+            return
+        predicted, hit = self.decision.matched_blocks, usage.cached_tokens // info.block_size
+        self._core.metrics.observe_route_truth(predicted, hit)
+        if self._spans:
+            self._spans[0].set_attributes({tracing.ATTR_ROUTE_PREDICTED_BLOCKS: predicted,
+                                           tracing.ATTR_PREFIX_HIT_BLOCKS: hit})
 
     async def _worker_deltas(self) -> AsyncIterator[RequestDelta]:
         """The chosen worker's stream, flattened, with the deadline enforced; always leaves

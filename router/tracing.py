@@ -44,6 +44,8 @@ trace is kept with probability `trace_sampling_ratio`. Exporter `none` samples n
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -56,6 +58,12 @@ from kvmesh.worker.telemetry import (ATTR_ATTEMPT, ATTR_CACHED_TOKENS, ATTR_COMP
                                      SPAN_WORKER_PREFILL, SPAN_WORKER_QUEUE, TRACER_NAME, extract_context,
                                      get_tracer, inject_context, record_worker_spans, setup_tracing,
                                      start_worker_span)
+from kvmesh.router.routing import worker_load_tokens
+from kvmesh.worker.api import WorkerStats
+from kvmesh.worker.telemetry import (ATTR_ADMISSION_WAIT_S, ATTR_CHUNK_TOKENS, ATTR_DECODE_STEP_TIME_S,
+                                     ATTR_DECODE_STEPS, ATTR_PREFILL_CHUNKS, ATTR_PREFIX_HIT_BLOCKS,
+                                     ATTR_ROUTE_CANDIDATES, ATTR_ROUTE_PATH, ATTR_ROUTE_PREDICTED_BLOCKS,
+                                     EVENT_FINISH, SPAN_WORKER_PREFILL_CHUNK)
 
 __all__ = ["ATTR_ATTEMPT", "ATTR_CACHED_TOKENS", "ATTR_COMPUTED_TOKENS", "ATTR_FINISH_REASON", "ATTR_MEAN_ITL_S",
            "ATTR_NUM_PREEMPTIONS", "ATTR_OUTPUT_TOKENS", "ATTR_PROMPT_TOKENS", "ATTR_REQUEST_ID",
@@ -63,7 +71,21 @@ __all__ = ["ATTR_ATTEMPT", "ATTR_CACHED_TOKENS", "ATTR_COMPUTED_TOKENS", "ATTR_F
            "SPAN_ADMISSION", "SPAN_AUTH", "SPAN_QUOTA", "SPAN_REQUEST", "SPAN_ROUTE", "SPAN_STREAM",
            "SPAN_WORKER_DECODE", "SPAN_WORKER_GENERATE", "SPAN_WORKER_PREFILL", "SPAN_WORKER_QUEUE", "TRACER_NAME",
            "SpanKind", "Status", "StatusCode", "extract_context", "get_tracer", "inject_context",
-           "record_worker_spans", "set_route_attributes", "setup_tracing", "start_worker_span", "trace"]
+           "record_worker_spans", "set_route_attributes", "set_route_candidates",
+           "ATTR_ADMISSION_WAIT_S", "ATTR_CHUNK_TOKENS", "ATTR_DECODE_STEP_TIME_S", "ATTR_DECODE_STEPS",
+           "ATTR_PREFILL_CHUNKS", "ATTR_PREFIX_HIT_BLOCKS", "ATTR_ROUTE_CANDIDATES", "ATTR_ROUTE_PATH",
+           "ATTR_ROUTE_PREDICTED_BLOCKS", "EVENT_FINISH", "SPAN_WORKER_PREFILL_CHUNK", "setup_tracing", "start_worker_span", "trace"]
+
+
+def set_route_candidates(span: trace.Span, decision, matched_blocks: Mapping[str, int],
+                         eligible: Sequence[WorkerStats], extra_load_tokens: Mapping[str, int] | None = None) -> None:
+    """The routing decision's path and every candidate's score: cached prefix blocks and load
+    (tokens), as `worker matched=N load=T` strings (OTel attributes hold lists of strings)."""
+    span.set_attributes({
+        ATTR_ROUTE_PATH: decision.path.value,
+        ATTR_ROUTE_CANDIDATES: [f"{w.worker_id} matched={matched_blocks.get(w.worker_id, 0)} "
+                                f"load={worker_load_tokens(w, (extra_load_tokens or {}).get(w.worker_id, 0))}"
+                                for w in eligible]})
 
 
 def set_route_attributes(span: trace.Span, worker_id: str, matched_prefix_blocks: int, policy: str) -> None:

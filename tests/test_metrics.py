@@ -325,3 +325,50 @@ def test_engine_metrics_from_real_engine_steps(tiny_model_dir):
     s = scrape(metrics.snapshot())
     assert value(s, "kvmesh_kv_tokens_peak", worker="w0") == window.peak_kv_tokens >= 44
     assert 0 < value(s, "kvmesh_kv_tokens_mean", worker="w0") <= window.peak_kv_tokens
+
+
+def test_ttft_from_router_arrival_timeouts_and_route_truth():
+    """TTFT / e2e start at the router's arrival (the earlier clock wins when hosts drift), the
+    router's own queue time is its own histogram, timeouts are not errors, and the routing
+    truth histogram observes predicted minus hit blocks."""
+    metrics = RouterMetrics(replica_id="r0")
+    timings = RequestTimings(arrival_time=1000.5, first_scheduled_time=1000.6, first_token_time=1001.0,
+                             finished_time=1002.0)
+    usage = Usage(prompt_tokens=40, completion_tokens=3, cached_tokens=32)
+    metrics.observe_request_end("acme", timings, usage, FinishReason.STOP, router_arrival_s=1000.0)
+    metrics.observe_request_end("acme", timings, usage, FinishReason.STOP, router_arrival_s=1000.9)  # skewed
+    metrics.observe_dispatch(1000.0, 1000.4)
+    metrics.observe_timeout("acme", "admission")
+    metrics.observe_timeout("acme", "stream")
+    metrics.observe_request_end("acme", None, None, "timeout", router_arrival_s=1000.0)
+    with pytest.raises(ValueError):
+        metrics.observe_timeout("acme", "elsewhere")
+    metrics.observe_route_truth(predicted_blocks=2, hit_blocks=2)
+    metrics.observe_route_truth(predicted_blocks=3, hit_blocks=0)  # the router's view was stale
+    s = scrape(metrics.render())
+    assert value(s, "kvmesh_time_to_first_token_seconds_sum") == pytest.approx(1.0 + 0.5)
+    assert value(s, "kvmesh_e2e_request_latency_seconds_sum") == pytest.approx(2.0 + 1.5)
+    assert value(s, "kvmesh_request_queue_time_seconds_sum") == pytest.approx(2 * 0.1)  # the worker's own
+    assert value(s, "kvmesh_router_queue_time_seconds_sum") == pytest.approx(0.4)
+    assert value(s, "kvmesh_request_timeouts_total", stage="admission") == 1
+    assert value(s, "kvmesh_request_timeouts_total", stage="stream") == 1
+    assert value(s, "kvmesh_requests_total", finish_reason="timeout", tenant="acme") == 2
+    assert ("kvmesh_requests_total", (("finish_reason", "error"), ("tenant", "acme"))) not in s
+    assert value(s, "kvmesh_route_predicted_prefix_blocks_total") == 5
+    assert value(s, "kvmesh_route_hit_prefix_blocks_total") == 2
+    assert value(s, "kvmesh_route_prefix_blocks_error_bucket", le="0.0") == 1
+    assert value(s, "kvmesh_route_prefix_blocks_error_bucket", le="4.0") == 2
+    # `kvmesh stats` shows the new layers from the router's merged view.
+    router = RouterMetrics(replica_id="r0")
+    router.update_engine_snapshots({"w0": metrics.snapshot()})
+    summary = cmd_stats.summarize(scrape(router.render()))
+    assert summary.workers["w0"]["memory_allocated_bytes"] == plan.weight_bytes + plan.kv_cache_bytes
+    assert summary.workers["w0"]["oom_total"] == 1
+    assert set(summary.step_phase_mean_s) == {"schedule", "prepare", "forward", "sample", "output"}
+    # Prefill steps: 16, 16, 8 + 6, and the failed step's 3; decode steps: 3 of 2 tokens.
+    assert summary.mean_step_tokens == pytest.approx({"prefill": (46 + 3) / 4, "decode": 2.0})
+    assert set(summary.tenant_compute_s) == {"acme", "beta"}
+    text = cmd_stats.format_summary(summary)
+    for needle in ("step phases", "token fill", "tenant acme", "alloc MiB", "routing truth", "timeouts"):
+        assert needle in text, needle
+
