@@ -326,6 +326,20 @@ def test_engine_metrics_from_real_engine_steps(tiny_model_dir):
     assert value(s, "kvmesh_kv_tokens_peak", worker="w0") == window.peak_kv_tokens >= 44
     assert 0 < value(s, "kvmesh_kv_tokens_mean", worker="w0") <= window.peak_kv_tokens
 
+    # `kvmesh stats` shows the new layers from the router's merged view.
+    router = RouterMetrics(replica_id="r0")
+    router.update_engine_snapshots({"w0": metrics.snapshot()})
+    summary = cmd_stats.summarize(scrape(router.render()))
+    assert summary.workers["w0"]["memory_allocated_bytes"] == plan.weight_bytes + plan.kv_cache_bytes
+    assert summary.workers["w0"]["oom_total"] == 1
+    assert set(summary.step_phase_mean_s) == {"schedule", "prepare", "forward", "sample", "output"}
+    # Prefill steps: 16, 16, 8 + 6, and the failed step's 3; decode steps: 3 of 2 tokens.
+    assert summary.mean_step_tokens == pytest.approx({"prefill": (46 + 3) / 4, "decode": 2.0})
+    assert set(summary.tenant_compute_s) == {"acme", "beta"}
+    text = cmd_stats.format_summary(summary)
+    for needle in ("step phases", "token fill", "tenant acme", "alloc MiB", "routing truth", "timeouts"):
+        assert needle in text, needle
+
 
 def test_ttft_from_router_arrival_timeouts_and_route_truth():
     """TTFT / e2e start at the router's arrival (the earlier clock wins when hosts drift), the
@@ -358,17 +372,3 @@ def test_ttft_from_router_arrival_timeouts_and_route_truth():
     assert value(s, "kvmesh_route_hit_prefix_blocks_total") == 2
     assert value(s, "kvmesh_route_prefix_blocks_error_bucket", le="0.0") == 1
     assert value(s, "kvmesh_route_prefix_blocks_error_bucket", le="4.0") == 2
-    # `kvmesh stats` shows the new layers from the router's merged view.
-    router = RouterMetrics(replica_id="r0")
-    router.update_engine_snapshots({"w0": metrics.snapshot()})
-    summary = cmd_stats.summarize(scrape(router.render()))
-    assert summary.workers["w0"]["memory_allocated_bytes"] == plan.weight_bytes + plan.kv_cache_bytes
-    assert summary.workers["w0"]["oom_total"] == 1
-    assert set(summary.step_phase_mean_s) == {"schedule", "prepare", "forward", "sample", "output"}
-    # Prefill steps: 16, 16, 8 + 6, and the failed step's 3; decode steps: 3 of 2 tokens.
-    assert summary.mean_step_tokens == pytest.approx({"prefill": (46 + 3) / 4, "decode": 2.0})
-    assert set(summary.tenant_compute_s) == {"acme", "beta"}
-    text = cmd_stats.format_summary(summary)
-    for needle in ("step phases", "token fill", "tenant acme", "alloc MiB", "routing truth", "timeouts"):
-        assert needle in text, needle
-
