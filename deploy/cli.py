@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "serve_config",
     "tenants",
     "stats",
+    "trace",
     "load",
     "serve",
     "chat",

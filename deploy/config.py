@@ -222,7 +222,9 @@ class TenantsConfig:
 @dataclass(frozen=True)
 class ObservabilityConfig:
     tracing_exporter: str = "none"  # none | console | otlp
-    otlp_endpoint: str | None = None  # e.g. http://otel-collector:4317
+    # e.g. http://otel-collector:4317, or file:///var/log/kvmesh/spans.jsonl: OTLP/JSON lines
+    # written by every process itself, no collector (read them with `kvmesh trace`)
+    otlp_endpoint: str | None = None
     trace_sampling_ratio: float = 1.0
     metrics_enabled: bool = True
 

@@ -168,3 +168,60 @@ def test_real_otlp_grpc_export(otlp_receiver):
     assert route_attrs[tracing.ATTR_ROUTE_POLICY].string_value == "prefix_aware"
     router_provider.shutdown()
     worker_provider.shutdown()
+
+
+def test_otlp_json_file_exporter_and_kvmesh_trace(tmp_path, capsys):
+    """`otlp_endpoint: file://...` makes each process write OTLP/JSON lines itself (router and
+    worker here, two providers appending to one file); `kvmesh trace` finds the request by
+    its id and prints the tree: router spans, the worker's spans below kvmesh.stream, one
+    span per prefill chunk, the decode summary and the finish event."""
+    from kvmesh.deploy import cmd_trace
+    from kvmesh.deploy.cli import main
+    from kvmesh.worker.otlp_file import read_spans
+    from kvmesh.worker.telemetry import RequestSteps
+
+    path = tmp_path / "spans" / "spans.jsonl"
+    cfg = ObservabilityConfig(tracing_exporter="otlp", otlp_endpoint=f"file://{path}")
+    router_provider = tracing.setup_tracing(cfg, "kvmesh-router", set_global=False)
+    worker_provider = tracing.setup_tracing(cfg, "kvmesh-worker", set_global=False)
+    steps = RequestSteps([(T0 + 0.010, T0 + 0.030, 16), (T0 + 0.030, T0 + 0.050, 20)], num_prefill_chunks=2,
+                         num_decode_steps=16, decode_step_s=0.75)
+    tracer = tracing.get_tracer(router_provider)
+    with tracer.start_as_current_span(SPAN_REQUEST, context=tracing.extract_context({"traceparent": TRACEPARENT})):
+        with tracer.start_as_current_span(SPAN_STREAM) as stream:
+            stream.set_attributes({tracing.ATTR_REQUEST_ID: "acme/r1", tracing.ATTR_ROUTE_PREDICTED_BLOCKS: 4,
+                                   tracing.ATTR_PREFIX_HIT_BLOCKS: 4})
+            request = GenerateRequest(request_id="acme/r1", prompt_token_ids=(1, 2, 3), tenant_id="acme",
+                                      trace_context=tracing.inject_context())
+            tracing.record_worker_spans(tracing.get_tracer(worker_provider), request, TIMINGS, USAGE,
+                                        FinishReason.STOP, steps, block_size=16)
+    router_provider.shutdown()
+    worker_provider.shutdown()
+
+    lines = path.read_text().splitlines()
+    assert len(lines) >= 2 and all(line.startswith('{"resourceSpans"') for line in lines)
+    spans = list(read_spans(lines))
+    assert {s["trace_id"] for s in spans} == {CALLER_TRACE_ID}  # hex ids, as the OTLP/JSON spec has them
+    chunks = [s for s in spans if s["name"] == tracing.SPAN_WORKER_PREFILL_CHUNK]
+    assert sorted(c["attributes"][tracing.ATTR_CHUNK_TOKENS] for c in chunks) == [16, 20]
+    by_name = {s["name"]: s for s in spans}
+    assert {c["parent_id"] for c in chunks} == {by_name[SPAN_WORKER_PREFILL]["span_id"]}
+    prefill = by_name[SPAN_WORKER_PREFILL]["attributes"]
+    assert prefill[tracing.ATTR_PREFIX_HIT_BLOCKS] == 4 and prefill[tracing.ATTR_PREFILL_CHUNKS] == 2
+    decode = by_name[SPAN_WORKER_DECODE]["attributes"]
+    assert decode[tracing.ATTR_DECODE_STEPS] == 16 and decode[tracing.ATTR_DECODE_STEP_TIME_S] == 0.75
+
+    assert main(["trace", "r1", "--file", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"trace {CALLER_TRACE_ID}"
+    names = [line.strip().split("  ")[0] for line in out[1:]]
+    assert names == [SPAN_REQUEST, SPAN_STREAM, SPAN_WORKER_GENERATE, SPAN_WORKER_QUEUE, SPAN_WORKER_PREFILL,
+                     tracing.SPAN_WORKER_PREFILL_CHUNK, tracing.SPAN_WORKER_PREFILL_CHUNK, SPAN_WORKER_DECODE,
+                     f"@ {tracing.EVENT_FINISH}"]
+    indent = {line.strip().split("  ")[0]: len(line) - len(line.lstrip()) for line in out[1:]}
+    assert indent[SPAN_REQUEST] < indent[SPAN_STREAM] < indent[SPAN_WORKER_GENERATE] < indent[SPAN_WORKER_PREFILL]
+    assert indent[SPAN_WORKER_PREFILL] < indent[tracing.SPAN_WORKER_PREFILL_CHUNK]
+    assert "route.predicted_prefix_blocks=4" in "\n".join(out) and "decode.steps=16" in "\n".join(out)
+    assert main(["trace", "nobody", "--file", str(path)]) == cmd_trace.EXIT_NOT_FOUND
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    assert main(["trace", "r1", "--file", str(tmp_path / "bad.jsonl")]) == cmd_trace.EXIT_UNREADABLE

@@ -40,6 +40,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from kvmesh.deploy.config import KvmeshConfig, ObservabilityConfig
 from kvmesh.worker.api import FinishReason, GenerateRequest, RequestTimings, Usage
+from kvmesh.worker.otlp_file import OtlpJsonFileExporter, path_of_endpoint
 from kvmesh.worker.step_phases import StepReport, is_out_of_memory
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,10 @@ def setup_tracing(config: ObservabilityConfig, service_name: str, *, span_export
     exporter_kind = config.tracing_exporter if span_exporter is None else "custom"
     sampler = ALWAYS_OFF if exporter_kind == "none" else ParentBased(TraceIdRatioBased(config.trace_sampling_ratio))
     provider = TracerProvider(sampler=sampler, resource=Resource.create({"service.name": service_name}))
-    if exporter_kind == "otlp":
+    if exporter_kind == "otlp" and path_of_endpoint(config.otlp_endpoint):
+        # file:///path: OTLP/JSON lines, no collector (worker/otlp_file.py; `kvmesh trace` reads them)
+        provider.add_span_processor(BatchSpanProcessor(OtlpJsonFileExporter(path_of_endpoint(config.otlp_endpoint))))
+    elif exporter_kind == "otlp":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         endpoint = config.otlp_endpoint or ""
