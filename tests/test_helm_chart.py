@@ -39,7 +39,9 @@ VALUES_FILES = {"default": None,
                 "gpu-tp2-external-redis": CHART / "ci" / "gpu-tp2-external-redis.yaml",
                 "cpu-small": CHART / "ci" / "cpu-small.yaml"}
 # Kinds that are CRDs, checked by their own tests below instead of kubernetes-validate.
-CRD_KINDS = {"RayService", "ServiceMonitor"}
+CRD_KINDS = {"RayService", "ServiceMonitor", "PrometheusRule"}
+PROMETHEUS_RULE_SCHEMA = REPO / "tests" / "data" / "prometheus-operator" / "prometheusrule.schema.json"  # see README
+DASHBOARD_SCHEMA = REPO / "tests" / "data" / "grafana" / "dashboard.schema.json"
 
 
 # ---- fixtures: load once, render once per values file -------------------------------
@@ -184,6 +186,77 @@ def test_service_monitor_scrapes_the_metrics_service(chart):
     assert monitor["spec"]["endpoints"][0]["port"] == metrics_service["spec"]["ports"][0]["name"]
     kubernetes_validate.validate(metrics_service, K8S_VERSION, strict=True)
     assert "ServiceMonitor" not in {d["kind"] for d in _render(chart, {}).docs()}  # off by default
+
+
+# ---- Grafana dashboard and alerts -------------------------------------------------------
+
+
+def test_grafana_dashboard_configmap_carries_the_generated_dashboard(chart):
+    """The ConfigMap holds exactly the generated dashboard (which equals the deploy/ copy),
+    with the sidecar's label, and the dashboard passes the dashboard JSON schema: a row per
+    layer plus tenants and routing, no overlapping panels, unique ids."""
+    from kvmesh.deploy import grafana_dashboard
+
+    out = _render(chart, {"metrics": {"grafanaDashboard": {"enabled": True}}})
+    configmap = out.one("ConfigMap", "-dashboard")
+    kubernetes_validate.validate(configmap, K8S_VERSION, strict=True)
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    text = grafana_dashboard.dashboard_json()
+    assert [path.read_text() for path in grafana_dashboard.OUTPUTS] == [text, text], \
+        "run python -m kvmesh.deploy.grafana_dashboard"
+    dashboard = json.loads(configmap["data"]["kvmesh.json"])
+    assert dashboard == grafana_dashboard.build_dashboard()
+    jsonschema.Draft7Validator(json.loads(DASHBOARD_SCHEMA.read_text())).validate(dashboard)
+    rows = [p["title"].split(":")[0] for p in dashboard["panels"] if p["type"] == "row"]
+    assert rows == ["Request layer", "Batch layer", "Compute layer", "Memory layer", "Tenants", "Routing"]
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    cells = [(x, y) for p in dashboard["panels"] for g in [p["gridPos"]]
+             for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])]
+    assert len(cells) == len(set(cells)), "panels overlap"
+    assert "ConfigMap" not in {d["kind"] for d in _render(chart, {}).docs()}  # off by default
+
+
+def _prometheus_rule(chart, values: dict | None = None) -> dict:
+    return _render(chart, {"metrics": {"prometheusRule": {"enabled": True, **(values or {})}}}).one("PrometheusRule")
+
+
+def test_prometheus_rule_validates_and_has_the_six_alerts(chart):
+    rule = _prometheus_rule(chart, {"kvCacheUsageRatio": 0.8, "kvCacheUsageFor": "15m", "shedRatio": 0.1,
+                                    "labels": {"release": "prom"}})
+    validator = jsonschema.Draft7Validator(json.loads(PROMETHEUS_RULE_SCHEMA.read_text()))
+    errors = list(validator.iter_errors(rule))
+    assert not errors, [f"{list(e.path)}: {e.message}" for e in errors[:5]]
+    assert rule["metadata"]["labels"]["release"] == "prom"
+    alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert set(alerts) == {"KvmeshKvCacheUsageHigh", "KvmeshQueueTimeP99OverSlo", "KvmeshShedRateHigh",
+                           "KvmeshWorkerRestarted", "KvmeshRedisFallbackActive", "KvmeshPreemptionStorm",
+                           "KvmeshOutOfMemory"}
+    kv = alerts["KvmeshKvCacheUsageHigh"]
+    assert kv["expr"].endswith("> 0.8") and kv["for"] == "15m"  # the values reach the rule
+    assert alerts["KvmeshShedRateHigh"]["expr"].rstrip().endswith("> 0.1")
+    for alert in alerts.values():
+        assert alert["expr"].count("(") == alert["expr"].count(")"), alert["alert"]
+        assert alert["labels"]["severity"] in ("warning", "critical") and alert["annotations"]["summary"]
+    # A misspelt field fails the schema (it is strict, like the chart's other CRD checks).
+    broken = copy.deepcopy(rule)
+    broken["spec"]["groups"][0]["rules"][0]["fore"] = "5m"
+    assert list(validator.iter_errors(broken))
+    assert "PrometheusRule" not in {d["kind"] for d in _render(chart, {}).docs()}  # off by default
+
+
+def test_dashboard_and_alerts_query_only_kvmesh_metrics_the_code_defines(chart):
+    """Offline half of the check (the e2e test scrapes a running cluster for the other half):
+    every kvmesh_* name queried appears in the source that exports it."""
+    from kvmesh.deploy import grafana_dashboard
+
+    names = grafana_dashboard.queried_metric_names(grafana_dashboard.dashboard_json())
+    names |= grafana_dashboard.queried_metric_names(yaml.safe_dump(_prometheus_rule(chart)))
+    source = "".join(p.read_text() for p in (REPO / "router" / "metrics.py", REPO / "worker" / "telemetry.py"))
+    suffixes = ("_bucket", "_sum", "_count", "_total")
+    bases = {next((n[:-len(s)] for s in suffixes if n.endswith(s)), n).removeprefix("kvmesh_") for n in names}
+    missing = sorted(b for b in bases if f'"{b}"' not in source and f'"{b}":' not in source)
+    assert len(names) >= 30 and missing == []
 
 
 # ---- serveConfigV2: Ray's schema, our loader, field by field against the values -------

@@ -22,6 +22,7 @@ from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc
 from kvmesh.router import tracing
 from kvmesh.router.tenants import generate_api_key, hash_api_key
+from kvmesh.worker.otlp_file import request_to_json_line
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,14 +35,18 @@ MAX_TOKENS = 6
 
 
 class _Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """A minimal OTLP collector: keeps every exported span with its service name."""
+    """A minimal OTLP collector: keeps every exported span with its service name, and writes
+    each export as an OTLP/JSON line (a collector's file exporter) for `kvmesh trace`."""
 
-    def __init__(self):
+    def __init__(self, json_path):
         self.spans: list[tuple[str, object]] = []
+        self.json_path = json_path
         self._lock = threading.Lock()
 
     def Export(self, request, context):  # noqa: N802 (OTLP's name)
         with self._lock:
+            with open(self.json_path, "a", encoding="utf-8") as f:
+                f.write(request_to_json_line(request))
             for resource_spans in request.resource_spans:
                 attrs = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
                 for scope_spans in resource_spans.scope_spans:
@@ -52,11 +57,15 @@ class _Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         with self._lock:
             return {s.name: (service, s) for service, s in self.spans if s.trace_id.hex() == trace_id_hex}
 
+    def all_named(self, trace_id_hex: str, name: str) -> list:
+        with self._lock:
+            return [s for _, s in self.spans if s.trace_id.hex() == trace_id_hex and s.name == name]
+
 
 @pytest.fixture(scope="module")
-def receiver():
+def receiver(tmp_path_factory):
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    rec = _Receiver()
+    rec = _Receiver(tmp_path_factory.mktemp("otlp") / "spans.jsonl")
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(rec, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
@@ -93,8 +102,10 @@ def stub(cluster):
 
 
 def _complete(http_base: str, key: str, prompt_ids=PROMPT_IDS, max_tokens: int = MAX_TOKENS,
-              headers: dict | None = None) -> httpx.Response:
+              headers: dict | None = None, request_id: str | None = None) -> httpx.Response:
     body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    if request_id:
+        body["request_id"] = request_id
     return httpx.post(f"{http_base}/v1/completions", json=body, timeout=60,
                       headers={"Authorization": f"Bearer {key}", **(headers or {})})
 
@@ -109,7 +120,8 @@ def _attrs(span) -> dict:
     out = {}
     for a in span.attributes:
         kind = a.value.WhichOneof("value")
-        out[a.key] = getattr(a.value, kind)
+        value = getattr(a.value, kind)
+        out[a.key] = [getattr(v, v.WhichOneof("value")) for v in value.values] if kind == "array_value" else value
     return out
 
 
@@ -121,16 +133,17 @@ def _wait_for_trace(rec: _Receiver, trace_id: str, names: set[str]) -> dict:
 ROUTER_SPANS = {tracing.SPAN_REQUEST, tracing.SPAN_AUTH, tracing.SPAN_QUOTA, tracing.SPAN_ADMISSION,
                 tracing.SPAN_ROUTE, tracing.SPAN_STREAM}
 WORKER_SPANS = {tracing.SPAN_WORKER_GENERATE, tracing.SPAN_WORKER_QUEUE, tracing.SPAN_WORKER_PREFILL,
-                tracing.SPAN_WORKER_DECODE}
+                tracing.SPAN_WORKER_DECODE, tracing.SPAN_WORKER_PREFILL_CHUNK}
 
 
-def test_one_trace_from_client_through_router_and_worker(cluster, http_base, stub, receiver):
+def test_one_trace_from_client_through_router_and_worker(cluster, http_base, stub, receiver, capsys):
     """HTTP with a traceparent header, then the same prompt over gRPC with a traceparent in
     metadata: each is one trace from the caller's span through the router replica's spans to
     the spans the worker process exported, with the second one's cache hit on its spans."""
     rec, _ = receiver
     first_trace, first_parent = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
-    reply = _complete(http_base, KEY, headers={"traceparent": f"00-{first_trace}-{first_parent}-01"})
+    reply = _complete(http_base, KEY, headers={"traceparent": f"00-{first_trace}-{first_parent}-01"},
+                      request_id="obs-first")
     assert reply.status_code == 200, reply.text
     spans = _wait_for_trace(rec, first_trace, ROUTER_SPANS | WORKER_SPANS)
     services = {name: service for name, (service, _) in spans.items()}
@@ -146,6 +159,23 @@ def test_one_trace_from_client_through_router_and_worker(cluster, http_base, stu
         assert span[child].parent_span_id == span[tracing.SPAN_WORKER_GENERATE].span_id, child
     route = _attrs(span[tracing.SPAN_ROUTE])
     assert route[tracing.ATTR_ROUTE_WORKER] == "worker-0" and route[tracing.ATTR_ROUTE_POLICY] == "prefix_aware"
+    # The routing decision with every candidate's score, and the admission's wait.
+    candidates = route[tracing.ATTR_ROUTE_CANDIDATES]
+    assert len(candidates) == 1 and candidates[0].startswith("worker-0 matched=0 load=")
+    assert route[tracing.ATTR_ROUTE_PATH]
+    assert span[tracing.SPAN_ROUTE].parent_span_id == span[tracing.SPAN_REQUEST].span_id
+    assert _attrs(span[tracing.SPAN_ADMISSION])[tracing.ATTR_ADMISSION_WAIT_S] >= 0
+    # One span per prefill chunk (40 prompt tokens fit one step), the decode summarised, the finish.
+    chunks = rec.all_named(first_trace, tracing.SPAN_WORKER_PREFILL_CHUNK)
+    assert [_attrs(c)[tracing.ATTR_CHUNK_TOKENS] for c in chunks] == [len(PROMPT_IDS)]
+    assert chunks[0].parent_span_id == span[tracing.SPAN_WORKER_PREFILL].span_id
+    decode_summary = _attrs(span[tracing.SPAN_WORKER_DECODE])
+    assert decode_summary[tracing.ATTR_DECODE_STEPS] == MAX_TOKENS - 1  # the first token came from the prefill
+    assert decode_summary[tracing.ATTR_DECODE_STEP_TIME_S] > 0 and decode_summary[tracing.ATTR_NUM_PREEMPTIONS] == 0
+    assert [e.name for e in span[tracing.SPAN_WORKER_GENERATE].events] == [tracing.EVENT_FINISH]
+    # Routing truth: nothing predicted, nothing hit.
+    stream = _attrs(span[tracing.SPAN_STREAM])
+    assert stream[tracing.ATTR_ROUTE_PREDICTED_BLOCKS] == 0 and stream[tracing.ATTR_PREFIX_HIT_BLOCKS] == 0
     assert _attrs(span[tracing.SPAN_REQUEST])[tracing.ATTR_TENANT] == "acme"
     decode = _attrs(span[tracing.SPAN_WORKER_DECODE])
     assert decode[tracing.ATTR_OUTPUT_TOKENS] == MAX_TOKENS
@@ -168,6 +198,21 @@ def test_one_trace_from_client_through_router_and_worker(cluster, http_base, stu
     assert _attrs(span[tracing.SPAN_ROUTE])[tracing.ATTR_ROUTE_MATCHED_BLOCKS] == 2
     prefill = _attrs(span[tracing.SPAN_WORKER_PREFILL])
     assert prefill[tracing.ATTR_CACHED_TOKENS] == 32 and prefill[tracing.ATTR_COMPUTED_TOKENS] == 8
+    # Routing truth on both sides: the router predicted 2 blocks, the worker's cache served 2.
+    assert prefill[tracing.ATTR_PREFIX_HIT_BLOCKS] == 2
+    stream = _attrs(span[tracing.SPAN_STREAM])
+    assert stream[tracing.ATTR_ROUTE_PREDICTED_BLOCKS] == 2 and stream[tracing.ATTR_PREFIX_HIT_BLOCKS] == 2
+    assert [_attrs(c)[tracing.ATTR_CHUNK_TOKENS] for c in rec.all_named(second_trace,
+                                                                         tracing.SPAN_WORKER_PREFILL_CHUNK)] == [8]
+
+    # `kvmesh trace` on the same spans as OTLP/JSON lines: the first request's tree by its id.
+    from kvmesh.deploy.cli import main
+    assert main(["trace", "obs-first", "--file", str(rec.json_path)]) == 0
+    out = capsys.readouterr().out
+    tree = [line.strip().split("  ")[0] for line in out.splitlines()[1:]]
+    assert tree.index(tracing.SPAN_REQUEST) < tree.index(tracing.SPAN_WORKER_GENERATE) \
+        < tree.index(tracing.SPAN_WORKER_PREFILL_CHUNK) < tree.index(f"@ {tracing.EVENT_FINISH}")
+    assert set(tree) >= ROUTER_SPANS | WORKER_SPANS and out.splitlines()[0] == f"trace {first_trace}"
 
 
 COUNTERS = ("kvmesh_prompt_tokens_total", "kvmesh_cached_prompt_tokens_total", "kvmesh_generation_tokens_total")
@@ -241,3 +286,57 @@ def test_worker_gauges_and_step_time_present(cluster, http_base):
     # Both replicas appear (the board merges them), neither on fallback limits.
     fallback = [v for (n, _), v in samples.items() if n == "kvmesh_quota_store_fallback_active"]
     assert fallback == [0.0, 0.0]
+
+
+def test_every_layer_exported_after_real_requests(cluster, http_base):
+    """After the requests above (and one that times out here): the memory, batch, compute,
+    request, cost and routing layers are all in the router's /metrics, with values the
+    workload implies."""
+    before = settled_scrape(http_base)
+    timed_out = _complete(http_base, KEY, max_tokens=50, headers={"x-kvmesh-timeout-s": "0.001"})
+    assert timed_out.status_code == 504, timed_out.text
+    wait_for(lambda: total(scrape(http_base), "kvmesh_request_timeouts_total")
+             == total(before, "kvmesh_request_timeouts_total") + 1, timeout_s=15, what="the timeout counted")
+    samples = settled_scrape(http_base)
+    assert total(samples, "kvmesh_requests_total", finish_reason="error") == \
+        total(before, "kvmesh_requests_total", finish_reason="error")  # a timeout is not an error
+    assert total(samples, "kvmesh_requests_total", finish_reason="timeout") == \
+        total(before, "kvmesh_requests_total", finish_reason="timeout") + 1
+    worker = {"worker": "worker-0"}
+    # compute layer
+    for phase in ("schedule", "prepare", "forward", "sample", "output"):
+        assert total(samples, "kvmesh_step_phase_seconds_count", phase=phase, **worker) > 0, phase
+    # batch layer
+    assert total(samples, "kvmesh_step_tokens_sum", kind="prefill", **worker) > 0
+    assert total(samples, "kvmesh_step_tokens_sum", kind="decode", **worker) > 0
+    fill_count = total(samples, "kvmesh_step_token_fill_ratio_count", **worker)
+    assert fill_count == total(samples, "kvmesh_step_time_seconds_count", **worker) > 0
+    assert 0 < total(samples, "kvmesh_step_token_fill_ratio_sum", **worker) <= fill_count
+    # memory layer (CPU: tensors, RSS, max RSS), KV pool, KV tokens over the window, OOMs
+    for name in ("kvmesh_memory_allocated_bytes", "kvmesh_memory_reserved_bytes", "kvmesh_memory_peak_bytes"):
+        assert total(samples, name, rank="0", device="cpu", **worker) > 0, name
+    assert total(samples, "kvmesh_kv_pool_bytes", **worker) > 0
+    assert ("kvmesh_kv_tokens_peak", (("worker", "worker-0"),)) in samples
+    assert total(samples, "kvmesh_kv_tokens_peak", **worker) >= total(samples, "kvmesh_kv_tokens_mean", **worker)
+    assert total(samples, "kvmesh_oom_total", **worker) == 0
+    # request layer: the router's own queue, model info
+    assert total(samples, "kvmesh_router_queue_time_seconds_count") >= 8
+    info = [dict(labels) for name, labels in samples if name == "kvmesh_model_info"]
+    assert len(info) == 1 and info[0]["worker"] == "worker-0" and info[0]["dtype"] == "float32"
+    assert info[0]["weight_quant"] == "none" and info[0]["revision"] == "main" and info[0]["version"]
+    assert info[0]["kv_cache_dtype"] and info[0]["model"]
+    # cost: both phases of acme's requests were computed somewhere
+    assert total(samples, "kvmesh_tenant_compute_seconds_total", tenant="acme", phase="prefill") > 0
+    assert total(samples, "kvmesh_tenant_compute_seconds_total", tenant="acme", phase="decode") > 0
+    # routing truth: the repeated prompts were predicted and hit
+    assert total(samples, "kvmesh_route_predicted_prefix_blocks_total") >= 2
+    assert total(samples, "kvmesh_route_hit_prefix_blocks_total") >= 2
+    assert total(samples, "kvmesh_route_prefix_blocks_error_count") >= 8
+    # Every name the Grafana dashboard and the PrometheusRule query is in this /metrics, except
+    # the NVML gauges, which exist only on CUDA workers (absent, not zero, elsewhere).
+    from kvmesh.deploy import grafana_dashboard
+    queried = grafana_dashboard.queried_metric_names(grafana_dashboard.dashboard_json())
+    queried |= grafana_dashboard.queried_metric_names(grafana_dashboard.ALERTS_TEMPLATE.read_text())
+    cuda_only = {"kvmesh_gpu_utilization_ratio", "kvmesh_gpu_temperature_celsius"}
+    assert cuda_only <= queried and len(queried) >= 30
+    assert sorted(queried - cuda_only - {name for name, _ in samples}) == []

@@ -409,6 +409,10 @@ class EngineMetrics:
         self.gpu_util = Gauge(METRICS_PREFIX + "gpu_utilization_ratio", "GPU utilisation (NVML), 0..1.", w,
                               registry=r)
         self.gpu_temp = Gauge(METRICS_PREFIX + "gpu_temperature_celsius", "GPU temperature (NVML).", w, registry=r)
+        # Process start, as Prometheus' process_start_time_seconds: changes() of it counts restarts.
+        self.start_time = Gauge(METRICS_PREFIX + "worker_start_time_seconds",
+                                "When this worker process started (unix seconds).", w, registry=r)
+        self.start_time.labels(worker_id).set(time.time())
         self.model_info = Gauge(METRICS_PREFIX + "model_info", "What the worker serves (value always 1).",
                                 [*w, "model", "revision", "dtype", "weight_quant", "kv_cache_dtype", "version"],
                                 registry=r)
