@@ -178,12 +178,18 @@ def test_rayservice_matches_kuberay_crd(rendered):
 
 def test_service_monitor_scrapes_the_metrics_service(chart):
     out = _render(chart, {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}})
-    monitor = out.one("ServiceMonitor")
+    monitor = out.one("ServiceMonitor", "kvmesh")
     metrics_service = out.one("Service", "-metrics")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "prom"
     assert monitor["spec"]["selector"]["matchLabels"].items() <= metrics_service["metadata"]["labels"].items()
     assert monitor["spec"]["endpoints"][0]["port"] == metrics_service["spec"]["ports"][0]["name"]
+    # kvmesh_* metrics: the router Service's http port, GET /metrics (router/metrics.py).
+    router_monitor, router_service = out.one("ServiceMonitor", "-router"), out.one("Service", "kvmesh")
+    assert router_monitor["metadata"]["labels"]["release"] == "prom"
+    assert router_monitor["spec"]["selector"]["matchLabels"].items() <= router_service["metadata"]["labels"].items()
+    assert router_monitor["spec"]["endpoints"][0] == {"port": "http", "path": "/metrics", "interval": "30s"}
+    assert "http" in {port["name"] for port in router_service["spec"]["ports"]}
     kubernetes_validate.validate(metrics_service, K8S_VERSION, strict=True)
     assert "ServiceMonitor" not in {d["kind"] for d in _render(chart, {}).docs()}  # off by default
 
