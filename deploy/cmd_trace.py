@@ -14,7 +14,7 @@ first span, its duration, the process (service.name) and its kvmesh.* attributes
 
     kvmesh.request  +0.0 ms  41.3 ms  [kvmesh-router]  tenant=acme request_id=acme/r1
       kvmesh.admission  +1.2 ms  0.4 ms  [kvmesh-router]  admission.wait_s=0.0004
-        kvmesh.route  ...  route.worker=worker-0 route.candidates=['worker-0 matched=2 load=40']
+      kvmesh.route  ...  route.worker=worker-0 route.candidates=['worker-0 matched=2 load=40']
       kvmesh.stream  ...  route.predicted_prefix_blocks=2 prefix.hit_blocks=2
         kvmesh.worker.generate  ...
           kvmesh.worker.prefill  ...  prefill.chunks=1
