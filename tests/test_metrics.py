@@ -372,3 +372,17 @@ def test_ttft_from_router_arrival_timeouts_and_route_truth():
     assert value(s, "kvmesh_route_hit_prefix_blocks_total") == 2
     assert value(s, "kvmesh_route_prefix_blocks_error_bucket", le="0.0") == 1
     assert value(s, "kvmesh_route_prefix_blocks_error_bucket", le="4.0") == 2
+
+
+def test_request_step_log_is_bounded():
+    """An entry a step created after its request's stream ended (an abort racing the step) is
+    never popped: the log drops the oldest beyond its bound instead of growing."""
+    from kvmesh.worker import telemetry
+    from kvmesh.worker.step_phases import StepReport, StepRow
+
+    log = telemetry.RequestStepLog()
+    n = telemetry.MAX_LOGGED_REQUESTS + 5
+    for i in range(n):
+        log.observe_step_report(StepReport(0.0, {"forward": 0.001}, (StepRow(f"r{i}", "t", 1, False),), 16))
+    assert len(log) == telemetry.MAX_LOGGED_REQUESTS
+    assert log.pop("r0") is None and log.pop(f"r{n - 1}").num_decode_steps == 1

@@ -221,6 +221,9 @@ def record_worker_spans(tracer: trace.Tracer, request: GenerateRequest, timings:
 # ---- per-request step log (for the worker's spans) ----------------------------------------
 
 MAX_CHUNKS_PER_REQUEST = 64  # prefill chunk spans kept per request; later chunks are only counted
+# Requests tracked at once. A request's entry is popped when its stream ends; one that a step
+# ran after its stream ended (an abort racing the step) would linger, so the oldest go first.
+MAX_LOGGED_REQUESTS = 8192
 
 
 @dataclass
@@ -246,7 +249,11 @@ class RequestStepLog:
         end = report.started_at + report.total_s
         with self._lock:
             for row in report.rows:
-                steps = self._steps.setdefault(row.request_id, RequestSteps([]))
+                steps = self._steps.get(row.request_id)
+                if steps is None:
+                    if len(self._steps) >= MAX_LOGGED_REQUESTS:
+                        del self._steps[next(iter(self._steps))]  # dicts keep insertion order
+                    steps = self._steps[row.request_id] = RequestSteps([])
                 if row.is_prefill:
                     steps.num_prefill_chunks += 1
                     if len(steps.prefill_chunks) < MAX_CHUNKS_PER_REQUEST:
