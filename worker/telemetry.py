@@ -310,6 +310,8 @@ class ModelInfo:
             kvmesh_version = version("kvmesh")
         except PackageNotFoundError:
             kvmesh_version = "unknown"
+        # The first parameter is the token embedding: kept in the compute dtype under every
+        # weight quantization, so its dtype is the model's resolved dtype.
         weights = next(engine.runner.model.parameters(), None) if hasattr(engine.runner, "model") else None
         dtype = str(weights.dtype).removeprefix("torch.") if weights is not None else config.model.dtype
         return cls(engine.model_name, config.model.revision, dtype, config.quant.weight,
