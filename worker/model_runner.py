@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.deploy.config import ConfigError
-from kvmesh.quant.kv_quant import KV_QUANT_DTYPES, KV_SCALE_DTYPE
+from kvmesh.quant.kv_quant import KV_QUANT_DTYPES, KV_SCALE_DTYPE, kv_cache_layout
 from kvmesh.quant.kv_quant import kv_storage_dtype as quantized_kv_storage_dtype
 from kvmesh.worker.attention import AttentionBackend, AttentionMetadata, LayerKVCache
 from kvmesh.worker.sampler import SampleResult, SamplingRow, sample
@@ -41,16 +41,18 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                        storage: torch.dtype, device: torch.device, pin: bool = False) -> list[LayerKVCache]:
-    quantized = storage in (torch.int8, torch.float8_e4m3fn)
+    layout = kv_cache_layout(storage, head_dim)
     caches = []
     for _ in range(num_layers):
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_blocks, block_size, num_kv_heads, layout.stored_head_dim)
         k = torch.zeros(shape, dtype=storage, device=device, pin_memory=pin)
         v = torch.zeros(shape, dtype=storage, device=device, pin_memory=pin)
         ks = vs = None
-        if quantized:
-            ks = torch.ones(shape[:3], dtype=KV_SCALE_DTYPE, device=device, pin_memory=pin)
-            vs = torch.ones(shape[:3], dtype=KV_SCALE_DTYPE, device=device, pin_memory=pin)
+        if layout.scales_per_head:
+            # int8 / fp8: one scale per token-head, [.., Hkv]; int4: one per group, [.., Hkv, D/G]
+            scale_shape = shape[:3] + ((layout.scales_per_head,) if storage == torch.uint8 else ())
+            ks = torch.ones(scale_shape, dtype=KV_SCALE_DTYPE, device=device, pin_memory=pin)
+            vs = torch.ones(scale_shape, dtype=KV_SCALE_DTYPE, device=device, pin_memory=pin)
         caches.append(LayerKVCache(k, v, ks, vs))
     return caches
 
