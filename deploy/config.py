@@ -122,6 +122,10 @@ class ParallelConfig:
     # Embedding + LM head split by vocabulary rows over the TP ranks (True) or a full copy
     # on each (False); load_tests/bench_tp.py measures both.
     vocab_parallel: bool = True
+    # CUDA + Triton attention, tensor_parallel_size 1: decode steps replay CUDA graphs captured
+    # at start for batch buckets up to the one holding scheduler.max_num_seqs (worker/
+    # cuda_graphs.py); false, or a capture failure, runs decode eagerly. No effect on CPU.
+    cuda_graphs: bool = True
 
     def validate(self) -> None:
         _check(self.num_workers >= 1, "parallel.num_workers must be >= 1")

@@ -29,7 +29,8 @@ Causality: a request's new tokens sit at positions context_len ... seq_len - 1, 
 context_len = seq_len - query_len; query token j sees keys 0 ... context_len + j.
 
 write_kv is a second kernel, one program per new token: it writes K and V of all KV heads
-at slot_mapping[t], and for a quantized cache stores round(x / scale) with
+at slot_mapping[t] (a negative slot marks a padding row of a captured decode batch and is
+skipped), and for a quantized cache stores round(x / scale) with
 scale = fp16(clamp(absmax / 127 (int8) or absmax / 448 (fp8), 2**-14, 65504)) per head,
 bit for bit as quant/kv_quant.py's quantize_kv defines it. Packed int4 has its own write
 kernel, one program per (token, KV head): each group of G channels is loaded as its even and
@@ -280,6 +281,8 @@ def _write_kv_kernel(
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    if slot < 0:  # a padding row of a captured decode batch (worker/cuda_graphs.py): no slot
+        return
     block_id = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     offs_h = tl.arange(0, HEADS_PADDED)
@@ -337,6 +340,8 @@ def _write_kv_int4_kernel(
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    if slot < 0:  # a padding row (see _write_kv_kernel)
+        return
     block_id = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     cache_row = block_id * stride_cache_block + offset * stride_cache_slot + head * stride_cache_head

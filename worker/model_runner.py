@@ -163,6 +163,8 @@ class ModelRunner:
         self.block_size = block_size
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.fault_hook: Callable[[], None] | None = None  # tests inject forward failures here
+        # Decode steps replay captured CUDA graphs when set (worker/cuda_graphs.py; CUDA only).
+        self.graph_runner = None
 
     def apply_block_ops(self, sched_out) -> None:
         """Swap-out, swap-in and copy-on-write copies, before the forward that needs them."""
@@ -197,6 +199,14 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model on one step's batch -> fp32 CPU logits [len(sample_at), V], or None when
         no request samples this step (a mid-prompt chunk only)."""
+        hidden = None if self.graph_runner is None else self.graph_runner.run(inputs)
+        if hidden is None:
+            hidden = self._eager_forward(inputs)
+        if not inputs.sample_at:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(inputs.sample_at, device=self.device)]).cpu()
+
+    def _eager_forward(self, inputs: StepInputs) -> torch.Tensor:
         dev = self.device
         table = torch.zeros((len(inputs.block_tables), max(len(b) for b in inputs.block_tables)), dtype=torch.int32)
         for i, blocks in enumerate(inputs.block_tables):
@@ -208,9 +218,6 @@ class ModelRunner:
             block_tables=table.to(dev), slot_mapping=torch.tensor(inputs.slot_mapping, dtype=torch.long, device=dev),
             max_query_len=max(inputs.query_lens), max_seq_len=max(inputs.seq_lens),
             query_lens_host=inputs.query_lens, seq_lens_host=inputs.seq_lens)
-        hidden = self.model(torch.tensor(inputs.input_ids, dtype=torch.long, device=dev),
-                            torch.tensor(inputs.positions, dtype=torch.long, device=dev), self.kv_caches, meta,
-                            self.backend)
-        if not inputs.sample_at:
-            return None
-        return self.model.compute_logits(hidden[torch.tensor(inputs.sample_at, device=dev)]).cpu()
+        return self.model(torch.tensor(inputs.input_ids, dtype=torch.long, device=dev),
+                          torch.tensor(inputs.positions, dtype=torch.long, device=dev), self.kv_caches, meta,
+                          self.backend)
