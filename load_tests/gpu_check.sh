@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the GPU check (load_tests/gpu_check.py) from the repository root on a GPU machine.
 #
-#   load_tests/gpu_check.sh [--out PATH] [--model PATH] [--skip-engine]
+#   load_tests/gpu_check.sh [--out PATH] [--model PATH] [--skip-engine] [--dry-run]
 #
 # Needs torch (CUDA build), triton and transformers. pytest is needed for the test sections;
 # if the machine lacks it, prepare a folder here beforehand and ship it with the checkout:
@@ -14,4 +14,4 @@ if [ -d .gpu_deps ]; then
   export PYTHONPATH="$PWD/.gpu_deps${PYTHONPATH:+:$PYTHONPATH}"
 fi
 unset TRITON_INTERPRET  # compile for the GPU, never the interpreter
-exec timeout 330 python load_tests/gpu_check.py "$@"
+exec timeout 470 python load_tests/gpu_check.py "$@"

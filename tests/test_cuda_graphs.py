@@ -25,6 +25,8 @@ from kvmesh.worker.attention_triton import TritonAttentionBackend  # noqa: E402
 from kvmesh.worker.cuda_graphs import PAD_SLOT, CudaGraphRunner, pad_decode, select_bucket  # noqa: E402
 from kvmesh.worker.model_runner import StepInputs  # noqa: E402
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: Triton's interpreter
+
 
 def decode_inputs(seq_lens, block_size=4, first_token=10):
     """StepInputs of a decode-only batch: request i at position seq_lens[i] - 1 in blocks
@@ -90,15 +92,15 @@ def test_padding_rows_leave_the_cache_alone_and_real_rows_unchanged(kv):
 
     block_size, hkv, hq, d = 4, 2, 4, 16
     storage = torch.float32 if kv == "auto" else kv_storage_dtype(kv)
-    cache = allocate_kv_caches(1, 12, block_size, hkv, d, storage, torch.device("cpu"))[0]
+    cache = allocate_kv_caches(1, 12, block_size, hkv, d, storage, DEVICE)[0]
     gen = torch.Generator().manual_seed(0)
     for t in (cache.key_cache, cache.value_cache):  # arbitrary earlier context
         t.copy_(torch.randint(0, 255, t.shape, generator=gen).to(t.dtype) if kv == "int4"
                 else torch.randn(t.shape, generator=gen))
     inputs = decode_inputs([5, 2, 9], block_size=block_size)
     b = 3
-    q = torch.randn(b, hq, d, generator=gen)
-    k, v = torch.randn(b, hkv, d, generator=gen), torch.randn(b, hkv, d, generator=gen)
+    q = torch.randn(b, hq, d, generator=gen).to(DEVICE)
+    k, v = torch.randn(b, hkv, d, generator=gen).to(DEVICE), torch.randn(b, hkv, d, generator=gen).to(DEVICE)
     backend = TritonAttentionBackend()
 
     def clone(c):
@@ -106,16 +108,18 @@ def test_padding_rows_leave_the_cache_alone_and_real_rows_unchanged(kv):
                               (c.key_cache, c.value_cache, c.key_scale, c.value_scale)))
 
     plain = clone(cache)
-    meta = AttentionMetadata(torch.arange(b + 1, dtype=torch.int32), torch.tensor(inputs.seq_lens, dtype=torch.int32),
-                             pad_decode(inputs, b, 3).block_tables, torch.tensor(inputs.slot_mapping),
+    meta = AttentionMetadata(torch.arange(b + 1, dtype=torch.int32, device=DEVICE),
+                             torch.tensor(inputs.seq_lens, dtype=torch.int32, device=DEVICE),
+                             pad_decode(inputs, b, 3).block_tables.to(DEVICE),
+                             torch.tensor(inputs.slot_mapping, device=DEVICE),
                              1, max(inputs.seq_lens), (1,) * b, inputs.seq_lens)
     backend.write_kv(plain, k, v, meta.slot_mapping)
     expected = backend.attend(q, plain, meta, 0.25)
 
     padded_cache = clone(cache)
     padded = pad_decode(inputs, bucket=8, max_blocks_per_seq=3)
-    pmeta = cuda_graphs.padded_metadata(padded, max_seq_len=12)
-    pad = lambda x: torch.cat([x, torch.full((8 - b, *x.shape[1:]), 7.0)])  # noqa: E731 - junk in padding rows
+    pmeta = cuda_graphs.padded_metadata(padded, max_seq_len=12, device=DEVICE)
+    pad = lambda x: torch.cat([x, torch.full((8 - b, *x.shape[1:]), 7.0, device=DEVICE)])  # noqa: E731 - junk rows
     backend.write_kv(padded_cache, pad(k), pad(v), pmeta.slot_mapping)
     got = backend.attend(pad(q), padded_cache, pmeta, 0.25)
     for a, c in zip((plain.key_cache, plain.value_cache, plain.key_scale, plain.value_scale),
@@ -166,31 +170,54 @@ def test_engine_greedy_tokens_equal_with_padded_replay(tiny_model_dir):
     from kvmesh.worker.engine import Engine
 
     def run(with_graphs: bool) -> tuple[dict[str, list[int]], int]:
-        engine = Engine.from_config(KvmeshConfig.from_dict({
-            "model": {"path": tiny_model_dir, "dtype": "fp32", "max_model_len": 64},
-            "cache": {"num_blocks": 24, "block_size": 8},
-            "parallel": {"device": "cpu", "attention_backend": "triton"}}))
+        engine = _tiny_engine(tiny_model_dir, cuda_graphs=False)
         runner = engine.runner
         graphs = None
         if with_graphs:
-            graphs = CudaGraphRunner(runner.model, runner.backend, runner.kv_caches, torch.device("cpu"), 64, 8,
+            graphs = CudaGraphRunner(runner.model, runner.backend, runner.kv_caches, DEVICE, 64, 8,
                                      buckets=(2, 4))
             graphs.disabled_reason = None  # the CPU stand-in below replaces the CUDA capture
             for bucket in graphs.buckets:
                 stand_in = _ReplayEagerly(graphs, graphs._static_for(bucket))
                 graphs.graphs[bucket] = cuda_graphs._Graph(stand_in, stand_in.static, stand_in.hidden)
             runner.graph_runner = graphs
-        sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        for i, prompt in enumerate(["The capital of France is", "1, 2, 3,", "def f(x):"]):
-            engine.add_request(GenerateRequest(f"r{i}", prompt=prompt, sampling=sampling))
-        out: dict[str, list[int]] = {}
-        while engine.has_unfinished():
-            for delta in engine.step():
-                assert delta.error is None, delta.error
-                out.setdefault(delta.request_id, []).extend(delta.token_ids)
-        return out, graphs.replays if graphs else 0
+        return _greedy(engine), graphs.replays if graphs else 0
 
     eager, _ = run(False)
     replayed, replays = run(True)
     assert replays > 0  # decode steps went through the padded bucket
     assert replayed == eager and all(len(t) == 4 for t in eager.values())
+
+
+def _tiny_engine(tiny_model_dir, cuda_graphs: bool):
+    from kvmesh.worker.engine import Engine
+
+    return Engine.from_config(KvmeshConfig.from_dict({
+        "model": {"path": tiny_model_dir, "dtype": "fp32", "max_model_len": 64},
+        "cache": {"num_blocks": 24, "block_size": 8},
+        "parallel": {"device": DEVICE.type, "attention_backend": "triton", "cuda_graphs": cuda_graphs}}))
+
+
+def _greedy(engine) -> dict[str, list[int]]:
+    from kvmesh.worker.api import GenerateRequest, SamplingParams
+
+    sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(["The capital of France is", "1, 2, 3,", "def f(x):"]):
+        engine.add_request(GenerateRequest(f"r{i}", prompt=prompt, sampling=sampling))
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            assert delta.error is None, delta.error
+            out.setdefault(delta.request_id, []).extend(delta.token_ids)
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real capture and replay need CUDA (gpu_check runs this)")
+def test_captured_graphs_give_the_eager_greedy_tokens_on_cuda(tiny_model_dir):
+    graphed = _tiny_engine(tiny_model_dir, cuda_graphs=True)
+    graphs = graphed.runner.graph_runner
+    assert graphs is not None and graphs.enabled, graphs and graphs.disabled_reason
+    assert sorted(graphs.graphs) == [b for b in cuda_graphs.DEFAULT_BUCKETS if b <= 64]  # max_num_seqs 64
+    tokens = _greedy(graphed)
+    assert graphs.replays > 0
+    assert tokens == _greedy(_tiny_engine(tiny_model_dir, cuda_graphs=False))

@@ -23,6 +23,7 @@ from kvmesh.deploy.config import KvmeshConfig  # noqa: E402
 from kvmesh.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear  # noqa: E402
 from kvmesh.worker import kernel_dispatch  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter
 TOLERANCE = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.bfloat16: {"atol": 2e-2, "rtol": 2 ** -6}}
 
 
@@ -58,8 +59,8 @@ def test_dispatch_follows_the_device_and_the_switch():
                                   lambda lin: Int4WeightOnlyLinear.from_linear(lin, 32, input_scale=torch.rand(96) + 0.5)],
                          ids=["int8", "int4", "int4-awq"])
 def test_quantized_linear_on_the_triton_path_equals_its_dequantized_oracle(dtype, make):
-    layer = make(_linear(48, 96, seed=1)).to(dtype)
-    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(2)).to(dtype)
+    layer = make(_linear(48, 96, seed=1)).to(dtype).to(DEVICE)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
     with kernel_dispatch.force_triton():
         got = layer(x)
     # the oracle: the stored weight dequantized, applied to the (AWQ-scaled) input, plus the bias
@@ -77,7 +78,7 @@ def _greedy(tiny_model_dir, weight: str, triton: bool) -> dict[str, list[int]]:
         "model": {"path": tiny_model_dir, "dtype": "fp32", "max_model_len": 128},
         "quant": {"weight": weight, "group_size": 32},
         "cache": {"num_blocks": 16, "block_size": 8},
-        "parallel": {"device": "cpu", "attention_backend": "torch"}}))
+        "parallel": {"device": DEVICE, "attention_backend": "torch"}}))
     sampling = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(["The capital of France is", "1, 2, 3, 4,"]):
         engine.add_request(GenerateRequest(f"r{i}", prompt=prompt, sampling=sampling))
