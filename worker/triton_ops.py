@@ -243,6 +243,21 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _load_rows_tile(x_ptr, offs_m, offs_k, m_valid, k_valid, stride_xm, COMPUTE: tl.constexpr):
+    """Activation tile x[offs_m, offs_k] of a row-major [M, K] matrix (zeros outside), in COMPUTE."""
+    return tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                   mask=m_valid[:, None] & k_valid[None, :], other=0.0).to(COMPUTE)
+
+
+def _gemm_tiles(num_rows: int, out_features: int) -> tuple[int, int, int, tuple[int, int]]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, grid) of the weight-only GEMMs. Small M is the decode case:
+    one row block of 16 (tl.dot's minimum) and wide N blocks."""
+    block_m = 16 if num_rows <= 16 else 32
+    block_n, block_k = 64, 64
+    return block_m, block_n, block_k, (triton.cdiv(num_rows, block_m), triton.cdiv(out_features, block_n))
+
+
+@triton.jit
 def _w4a16_matmul_kernel(
     out_ptr,  # [M, N] x dtype
     x_ptr,  # [M, K] activations
@@ -264,8 +279,7 @@ def _w4a16_matmul_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_valid = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                    mask=m_valid[:, None] & k_valid[None, :], other=0.0).to(COMPUTE)  # [BM, BK]
+        x = _load_rows_tile(x_ptr, offs_m, offs_k, m_valid, k_valid, stride_xm, COMPUTE)  # [BM, BK]
         wk_mask = k_valid[:, None] & n_valid[None, :]
         byte = tl.load(packed_ptr + offs_n[None, :].to(tl.int64) * stride_pn + (offs_k[:, None] // 2),
                        mask=wk_mask, other=0)  # [BK, BN] uint8, each byte read for k and k+1
@@ -299,10 +313,7 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     _require(packed.device == x.device == scales.device == zeros.device, "all tensors on one device")
     packed, scales, zeros = packed.contiguous(), scales.contiguous(), zeros.contiguous()
     out = torch.empty((x2.shape[0], out_features), dtype=x.dtype, device=x.device)
-    # Small M is the decode case: one row block of 16 (tl.dot's minimum), wide N blocks.
-    block_m = 16 if x2.shape[0] <= 16 else 32
-    block_n, block_k = 64, 64
-    grid = (triton.cdiv(x2.shape[0], block_m), triton.cdiv(out_features, block_n))
+    block_m, block_n, block_k, grid = _gemm_tiles(x2.shape[0], out_features)
     _w4a16_matmul_kernel[grid](
         out, x2, packed, scales, zeros, x2.shape[0], out_features, in_features,
         x2.stride(0), out.stride(0), packed.stride(0), scales.stride(0), zeros.stride(0),
@@ -333,8 +344,7 @@ def _w8a16_matmul_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_valid = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                    mask=m_valid[:, None] & k_valid[None, :], other=0.0).to(COMPUTE)  # [BM, BK]
+        x = _load_rows_tile(x_ptr, offs_m, offs_k, m_valid, k_valid, stride_xm, COMPUTE)  # [BM, BK]
         w = tl.load(weight_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
                     mask=k_valid[:, None] & n_valid[None, :], other=0)  # [BK, BN] int8
         acc = tl.dot(x, w.to(COMPUTE), acc, input_precision=DOT_PRECISION)  # int8 codes are exact in 16 bits
@@ -355,9 +365,7 @@ def w8a16_matmul(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tenso
     _require(weight_int8.device == x.device == scales.device, "all tensors on one device")
     weight_int8 = weight_int8 if weight_int8.stride(-1) == 1 else weight_int8.contiguous()
     out = torch.empty((x2.shape[0], out_features), dtype=x.dtype, device=x.device)
-    block_m = 16 if x2.shape[0] <= 16 else 32  # decode: one row block of tl.dot's minimum
-    block_n, block_k = 64, 64
-    grid = (triton.cdiv(x2.shape[0], block_m), triton.cdiv(out_features, block_n))
+    block_m, block_n, block_k, grid = _gemm_tiles(x2.shape[0], out_features)
     _w8a16_matmul_kernel[grid](
         out, x2, weight_int8, scales.contiguous(), x2.shape[0], out_features, in_features,
         x2.stride(0), out.stride(0), weight_int8.stride(0),
