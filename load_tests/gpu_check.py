@@ -320,23 +320,33 @@ def gemm_cases(dry_run: bool) -> list[dict]:
     return cases
 
 
+_GEMM_WEIGHTS: dict = {}
+
+
 def _gemm_operands(case: dict, dev):
+    """(x, kernel operands, the bf16 weight): the weight quantized once per (kernel, shape),
+    on the device, and reused for every M."""
     import torch
 
     from kvmesh.quant import primitives as P
 
     n, k, m = case["n"], case["k"], case["m"]
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(n, k, generator=gen) * 0.02
     dtype = torch.bfloat16
-    x = torch.randn(m, k, generator=gen).to(dtype).to(dev)
-    if case["kernel"] == "w4a16":
-        q, scale, zero = P.quantize_int4_groupwise(w, case["group_size"])
-        ops = (P.pack_int4(q).to(dev), scale.to(dtype).to(dev), zero.to(dtype).to(dev), case["group_size"])
-    else:
-        q, scale = P.quantize_int8_per_channel(w)
-        ops = (q.to(dev), scale.to(dtype).to(dev))
-    return x, ops, w.to(dtype).to(dev)
+    key = (case["kernel"], n, k, case["group_size"], str(dev))
+    if key not in _GEMM_WEIGHTS:
+        _GEMM_WEIGHTS.clear()  # one shape's weights at a time: the largest is 28672 x 4096
+        gen = torch.Generator(device=dev).manual_seed(0)
+        w = torch.randn(n, k, generator=gen, device=dev) * 0.02
+        if case["kernel"] == "w4a16":
+            q, scale, zero = P.quantize_int4_groupwise(w, case["group_size"])
+            ops = (P.pack_int4(q), scale.to(dtype), zero.to(dtype), case["group_size"])
+        else:
+            q, scale = P.quantize_int8_per_channel(w)
+            ops = (q, scale.to(dtype))
+        _GEMM_WEIGHTS[key] = (ops, w.to(dtype))
+    ops, w_bf16 = _GEMM_WEIGHTS[key]
+    x = torch.randn(m, k, device=dev).to(dtype)
+    return x, ops, w_bf16
 
 
 def _gemm_row(case: dict, dev, peak_gbps, peak_tflops) -> dict:
@@ -382,6 +392,7 @@ def quant_gemm(env: dict, dry_run: bool = False) -> dict:
             rows.append(_gemm_row(case, dev, env.get("peak_bandwidth_gbps"), env.get("peak_bf16_tflops")))
         except Exception as exc:
             rows.append({**case, "error": f"{type(exc).__name__}: {exc}"})
+    _GEMM_WEIGHTS.clear()  # free the device for the engine sections
     return {"dtype": "bf16", "rows": rows}
 
 
