@@ -41,6 +41,7 @@ SmolLM2-135M's shapes instead and says so. Attention times come from CUDA-graph 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -475,7 +476,7 @@ def engine_decode(model_path: str | None, batch_sizes=ENGINE_BATCHES, prompt_tok
     graphs = engine.runner.graph_runner
     rows = []
     # fused=False: every fused op and quantized matmul takes the torch path (kernel_dispatch)
-    with kernel_dispatch.force_triton(False) if not fused else _no_switch():
+    with kernel_dispatch.force_triton(False) if not fused else contextlib.nullcontext():
         for batch in batch_sizes:
             sampling = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
             for i in range(batch):
@@ -503,14 +504,6 @@ def engine_decode(model_path: str | None, batch_sizes=ENGINE_BATCHES, prompt_tok
             "graphs_off_reason": graphs.disabled_reason if graphs is not None else
             ("cuda_graphs: false" if not cuda_graphs else f"device {device}: graphs are CUDA only"),
             "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "rows": rows}
-
-
-class _no_switch:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def engine_decode_modes(model_path: str, device: str = "cuda", batch_sizes=ENGINE_BATCHES, prompt_tokens: int = 64,
