@@ -6,6 +6,7 @@
 # Needs torch (CUDA build), triton and transformers. pytest is needed for the test sections;
 # if the machine lacks it, prepare a folder here beforehand and ship it with the checkout:
 #   pip install --target .gpu_deps pytest        (then carry .gpu_deps to the GPU machine)
+# --dry-run needs no GPU (toy sizes on CPU, Triton's interpreter; CI runs it via pytest).
 # Results: JSON at --out (default $OUT/gpu_check.json when $OUT is set). Exit status 1 when
 # any section failed; the JSON says which and why.
 set -uo pipefail
