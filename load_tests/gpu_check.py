@@ -23,7 +23,10 @@ is set, else ./gpu_check.json), so one broken part never hides the others:
                        each weight mode (bf16, int8, int4) with and without CUDA graphs, and
                        the fused-vs-unfused step time (kernel_dispatch forced to torch)
 
-Budget: under 8 minutes on one GPU (the subprocess sections have their own timeouts).
+Budget: under 8 minutes on one GPU. The measurement sections run first; the two pytest
+sections run last, each with its own timeout cut to what is left of RUN_BUDGET_S (450 s),
+and a section with under 20 s left is recorded as skipped, so gpu_check.sh's hard
+`timeout 470` never cuts the JSON short.
 
 --dry-run (no GPU; tests/test_gpu_check.py runs it in CI): every section runs its own code
 on CPU at toy sizes (Triton in its interpreter, a 2-layer random Llama for the engine), and
@@ -147,7 +150,23 @@ def peak_bandwidth(props) -> tuple[float | None, str]:
     return None, "unknown device"
 
 
-def run_pytest(paths: list[str], env_extra: dict[str, str], timeout_s: int) -> dict:
+# The whole run must end inside gpu_check.sh's `timeout 470`: the measurement sections run
+# first, and the pytest sections get what is left of this budget (seconds since start).
+RUN_BUDGET_S = 450
+_DEADLINE = {"at": None}  # perf_counter deadline, set by main()
+
+
+def _time_left_s(cap_s: float) -> float:
+    if _DEADLINE["at"] is None:
+        return cap_s
+    left = _DEADLINE["at"] - time.perf_counter()
+    if left < 20:
+        raise TimeoutError(f"skipped: {left:.0f} s left of the {RUN_BUDGET_S} s run budget")
+    return min(cap_s, left)
+
+
+def run_pytest(paths: list[str], env_extra: dict[str, str], timeout_s: float) -> dict:
+    timeout_s = _time_left_s(timeout_s)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths]
     env = {**os.environ, **env_extra}
     env.pop("TRITON_INTERPRET", None)  # compile for the GPU
@@ -498,17 +517,32 @@ def engine_decode(model_path: str | None, batch_sizes=ENGINE_BATCHES, prompt_tok
                          "decode_tokens_per_s": round(decode_tokens / decode_s, 1) if decode_s else None,
                          "mean_step_ms": round(decode_s / steps * 1e3, 3) if steps else None,
                          "graph_replays": (graphs.replays - replays_before) if graphs else 0})
-    return {"model": engine.model_name, "model_path": model_path, "backend": engine.runner.backend.name,
-            "weight": weight, "cuda_graphs": cuda_graphs, "fused": fused,
-            "graphs_captured": sorted(graphs.graphs) if graphs else [],
-            "graphs_off_reason": graphs.disabled_reason if graphs is not None else
-            ("cuda_graphs: false" if not cuda_graphs else f"device {device}: graphs are CUDA only"),
-            "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "rows": rows}
+    result = {"model": engine.model_name, "model_path": model_path, "backend": engine.runner.backend.name,
+              "weight": weight, "cuda_graphs": cuda_graphs, "fused": fused,
+              "graphs_captured": sorted(graphs.graphs) if graphs else [],
+              "graphs_off_reason": graphs.disabled_reason if graphs is not None else
+              ("cuda_graphs: false" if not cuda_graphs else f"device {device}: graphs are CUDA only"),
+              "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "rows": rows}
+    del engine, graphs
+    _release_device_memory()  # the next mode's engine plans its memory from what is free
+    return result
+
+
+def _release_device_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def engine_decode_modes(model_path: str, device: str = "cuda", batch_sizes=ENGINE_BATCHES, prompt_tokens: int = 64,
-                        new_tokens: int = 32, num_blocks: int | None = None) -> dict:
-    """engine_decode for every ENGINE_MODES entry; one mode failing leaves the others."""
+                        new_tokens: int = 32, num_blocks: int | None = 1024) -> dict:
+    """engine_decode for every ENGINE_MODES entry; one mode failing leaves the others.
+    num_blocks: a fixed KV pool (1024 x 16 tokens holds batch 128 x 96 tokens), so each
+    engine starts fast and the next one is not planned against a dying one's memory."""
     runs = []
     for weight, graphs, fused in ENGINE_MODES:
         try:
@@ -620,6 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results: dict = {"started_unix_s": round(time.time(), 1), "dry_run": args.dry_run}
+    _DEADLINE["at"] = time.perf_counter() + RUN_BUDGET_S
 
     def section(name: str, fn, *fn_args) -> None:
         run_section(results, name, fn, *fn_args)
@@ -631,16 +666,16 @@ def main(argv: list[str] | None = None) -> int:
         section("fused_ops", fused_ops, True)
         if not args.skip_engine:
             section("engine_decode", dry_engine_decode)
-    else:
+    else:  # figures first; the test sections take what is left of RUN_BUDGET_S
         section("environment", environment)
-        section("kernel_tests", kernel_tests, env_extra)
-        if not args.skip_engine:
-            section("engine_exact_test", engine_exact_test, env_extra)
         section("decode_attention", decode_attention, results["environment"].get("peak_bandwidth_gbps"))
         section("quant_gemm", quant_gemm, results["environment"])
         section("fused_ops", fused_ops)
         if not args.skip_engine:
             section("engine_decode", engine_decode_any_model, args.model)
+        section("kernel_tests", kernel_tests, env_extra)
+        if not args.skip_engine:
+            section("engine_exact_test", engine_exact_test, env_extra)
     problems = validate_results(results)
     if problems:
         results["schema_problems"] = problems

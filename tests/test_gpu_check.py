@@ -73,3 +73,12 @@ def test_schema_check_reports_what_is_missing():
     assert "engine_decode: missing runs" in problems
     results["quant_gemm"]["rows"][0] = {**results["quant_gemm"]["rows"][0], "error": "OutOfMemoryError"}
     assert not any(p.startswith("quant_gemm") for p in gpu_check.validate_results(results))
+
+
+def test_pytest_sections_get_what_is_left_of_the_budget(monkeypatch):
+    monkeypatch.setitem(gpu_check._DEADLINE, "at", gpu_check.time.perf_counter() + 100)
+    assert 90 < gpu_check._time_left_s(200) <= 100  # cut to the budget
+    assert gpu_check._time_left_s(30) == 30  # its own timeout when shorter
+    monkeypatch.setitem(gpu_check._DEADLINE, "at", gpu_check.time.perf_counter() + 5)
+    with pytest.raises(TimeoutError):
+        gpu_check.run_pytest(["tests/test_gpu_check.py"], {}, 60)  # recorded as a skipped section
