@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-KV_DTYPES = ("fp16", "bf16", "fp32", "fp8", "int8")
+KV_DTYPES = ("fp16", "bf16", "fp32", "fp8", "int8", "int4")
 WEIGHT_DTYPES = ("fp16", "bf16", "fp32", "int8", "int4")
 
 EXIT_BAD_INPUT = 2
@@ -33,7 +33,8 @@ def register(subparsers) -> None:
     shape.add_argument("--params", type=float, help="parameter count, e.g. 7e9 (sizes the weights)")
     dtypes = p.add_argument_group("precision")
     dtypes.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp16",
-                        help="KV cache dtype; int8/fp8 add fp16 per-token per-head scales")
+                        help="KV cache dtype; int8/fp8 add fp16 per-token per-head scales, int4 (two a byte) "
+                             "an fp16 scale per token-head and group of up to 32 channels")
     dtypes.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="fp16")
     dtypes.add_argument("--group-size", type=int, default=128, help="int4 quantization group size")
     dev = p.add_argument_group("device budget")

@@ -10,7 +10,11 @@ int4_awq is the engine's own start-up path (worker/awq_calibration.py): calibrat
 calibration text through the engine's model, scales searched (and cached), then quantized.
 Perplexity is teacher-forced over the held-out text (bundled: quant/data/heldout.txt),
 one sequence per forward, reading K/V back from the (possibly quantized) paged cache.
-Greedy agreement: the share of generated token positions equal to the baseline's. Speed, as
+Greedy agreement: the share of generated token positions equal to the baseline's. Long-
+context retrieval (quant/needle.py): a fact placed at several depths of a --needle-tokens
+filler context, asked for at the end; the row reports the share of depths whose greedy
+answer is right, the mean log-probability of the answer's tokens (teacher-forced, through
+the mode's KV cache) and how often the mode's answer equals the baseline's. Speed, as
 vLLM's bench conventions (exact output lengths, ignore_eos): at batch 1 the medians over
 requests run alone; at batch B (--batch, 16) B requests submitted together, TTFT their median
 and decode tok/s the sum of their decode rates. KV capacity: tokens that fit in
@@ -38,9 +42,13 @@ MODES = {
     "w4-awq": ("int4_awq", "auto", None),
     "kv-int8": ("none", "int8", None),
     "kv-fp8": ("none", "fp8", None),
+    "kv-int4": ("none", "int4", None),
     "w8+kv-int8": ("int8", "int8", None),
 }
 EXIT_BAD_INPUT = 2
+# needle prompt = filler + needle sentence + question; the margin bounds the last two (and
+# the answer) in tokens, so the engine's blocks fit the longest teacher-forced sequence
+NEEDLE_MARGIN_TOKENS = 64
 
 
 def register(subparsers) -> None:
@@ -61,6 +69,9 @@ def register(subparsers) -> None:
     p.add_argument("--kv-budget-gib", type=float, default=1.0, help="KV memory budget for the capacity column")
     p.add_argument("--prompt-tokens", type=int, default=64, help="tokens per greedy prompt")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens generated per prompt")
+    p.add_argument("--needle-tokens", type=int, default=1024, help="filler tokens around the retrieval needle")
+    p.add_argument("--needle-depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                   help="relative depths of the needle in the filler (0 = start)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
 
@@ -70,9 +81,12 @@ def run(args: argparse.Namespace) -> int:
 
     modes = ["baseline"] + [m for m in dict.fromkeys(args.modes) if m != "baseline"]
     try:
-        for name in ("ppl_seq_len", "ppl_sequences", "prompts", "batch", "prompt_tokens", "max_tokens"):
+        for name in ("ppl_seq_len", "ppl_sequences", "prompts", "batch", "prompt_tokens", "max_tokens",
+                     "needle_tokens"):
             if getattr(args, name) < (2 if name == "ppl_seq_len" else 1):
                 raise ConfigError(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
+        if any(not 0.0 <= d <= 1.0 for d in args.needle_depths):
+            raise ConfigError(f"--needle-depths must be in [0, 1], got {args.needle_depths}")
         if not args.kv_budget_gib > 0:
             raise ConfigError(f"--kv-budget-gib must be > 0, got {args.kv_budget_gib}")
         base = KvmeshConfig().replace(model={"path": args.model, "dtype": args.dtype})
@@ -92,16 +106,19 @@ def compare_modes(base, modes: list[str], args: argparse.Namespace) -> list[dict
 
     heldout = load_text(args.heldout or HELDOUT_TEXT)
     load_text(args.calibration)  # a missing or empty calibration file fails before any engine starts
-    rows, baseline_tokens = [], None
+    rows, baseline_tokens, baseline_needle = [], None, None
+    # the longest teacher-forced sequence: a perplexity piece, or a needle prompt with its answer
+    sequence_tokens = max(args.ppl_seq_len, args.needle_tokens + NEEDLE_MARGIN_TOKENS)
     for mode in modes:
-        engine = build_engine(base, mode, args.group_size, args.calibration, args.ppl_seq_len,
+        engine = build_engine(base, mode, args.group_size, args.calibration, sequence_tokens,
                               args.prompt_tokens + args.max_tokens, args.batch)
         row = measure(engine, heldout, args)
         if baseline_tokens is None:
-            baseline_tokens = row.pop("_greedy")
-            row["greedy_agreement"] = 1.0
+            baseline_tokens, baseline_needle = row.pop("_greedy"), row.pop("_needle")
+            row["greedy_agreement"] = row["needle_agreement"] = 1.0
         else:
             row["greedy_agreement"] = agreement(baseline_tokens, row.pop("_greedy"))
+            row["needle_agreement"] = agreement(baseline_needle, row.pop("_needle"))
         weight, kv, dtype = MODES[mode]
         rows.append({"mode": mode, "weight": weight, "kv_cache_dtype": kv, "dtype": dtype or base.model.dtype} | row)
         del engine
@@ -208,8 +225,12 @@ def measure(engine, heldout: str, args: argparse.Namespace) -> dict:
     alone = [run_together(engine, [p], args.max_tokens)[0]
              for p in batch_prompts(engine, heldout, args.prompt_tokens, args.prompts)]
     batched = run_together(engine, batch_prompts(engine, heldout, args.prompt_tokens, args.batch), args.max_tokens)
+    needle = needle_retrieval(engine, heldout, args.needle_tokens, args.needle_depths)
     budget_bytes = int(args.kv_budget_gib * 2**30)
     return {"perplexity": ppl,
+            "needle_tokens": args.needle_tokens, "needle_depths": list(args.needle_depths),
+            "needle_retrieval": needle["retrieval"], "needle_answer_logprob": needle["answer_logprob"],
+            "needle_hits": needle["hits"],
             "ttft_s": statistics.median(r["ttft_s"] for r in alone),
             "decode_tok_s": statistics.median(r["decode_tok_s"] for r in alone),
             "batch": args.batch,
@@ -222,7 +243,34 @@ def measure(engine, heldout: str, args: argparse.Namespace) -> dict:
             "kv_budget_gib": args.kv_budget_gib,
             "kv_capacity_tokens": num_blocks_for_budget(budget_bytes, plan.block_size, plan.kv_bytes_per_token)
             * plan.block_size,
-            "measure_s": time.perf_counter() - start, "_greedy": [r["tokens"] for r in alone]}
+            "measure_s": time.perf_counter() - start, "_greedy": [r["tokens"] for r in alone],
+            "_needle": needle["tokens"]}
+
+
+def needle_retrieval(engine, filler: str, context_tokens: int, depths) -> dict:
+    """The needle probe (quant/needle.py) at each depth: greedy answers, whether each is
+    right, and the answer's mean log-probability teacher-forced through the KV cache."""
+    import torch
+
+    from kvmesh.deploy.config import ConfigError
+    from kvmesh.quant.needle import needle_prompts, retrieved
+
+    prompts = needle_prompts(engine.tokenizer, filler, context_tokens, depths)
+    hits, tokens, logprobs = [], [], []
+    for prompt in prompts:
+        sequence = prompt.prompt_ids + prompt.answer_ids
+        if len(sequence) > context_tokens + NEEDLE_MARGIN_TOKENS:
+            raise ConfigError(f"needle prompt of {len(sequence)} tokens exceeds its {NEEDLE_MARGIN_TOKENS}-token margin")
+        generated = run_together(engine, [list(prompt.prompt_ids)], len(prompt.answer_ids))[0]["tokens"]
+        hits.append(retrieved(prompt, generated))
+        tokens.append(generated)
+        ids = torch.tensor(sequence, dtype=torch.long)
+        logits = teacher_forced_logits(engine, ids).cpu().log_softmax(-1)
+        start = len(prompt.prompt_ids)
+        answer = ids[start:]
+        logprobs.append(float(logits[start - 1:-1].gather(1, answer[:, None]).mean()))
+    return {"retrieval": sum(hits) / len(hits), "answer_logprob": statistics.fmean(logprobs),
+            "hits": hits, "tokens": tokens}
 
 
 def _tensor_bytes(module) -> int:
@@ -244,13 +292,15 @@ def format_report(rows: list[dict]) -> str:
     cache of the same budget (the articles' reference points)."""
     base = rows[0]
     batch = base["batch"]
-    head = ["mode", "ppl", "d ppl", "greedy", "TTFT ms @1", "tok/s @1", f"TTFT ms @{batch}", f"tok/s @{batch}",
+    head = ["mode", "ppl", "d ppl", "greedy", f"needle @{base['needle_tokens']}", "needle logp", "needle = base",
+            "TTFT ms @1", "tok/s @1", f"TTFT ms @{batch}", f"tok/s @{batch}",
             "weights MiB", "proj. MiB", "proj. x bf16", "KV B/token", f"KV tokens in {base['kv_budget_gib']:g} GiB",
             "KV x bf16"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["mode"], f"{r['perplexity']:.3f}", f"{r['perplexity'] / base['perplexity'] - 1:+.2%}",
-                 f"{r['greedy_agreement']:.1%}", f"{r['ttft_s'] * 1e3:.1f}", f"{r['decode_tok_s']:.1f}",
+                 f"{r['greedy_agreement']:.1%}", f"{r['needle_retrieval']:.0%}", f"{r['needle_answer_logprob']:.2f}",
+                 f"{r['needle_agreement']:.0%}", f"{r['ttft_s'] * 1e3:.1f}", f"{r['decode_tok_s']:.1f}",
                  f"{r['batch_ttft_s'] * 1e3:.1f}", f"{r['batch_decode_tok_s']:.1f}",
                  f"{r['weight_bytes'] / 2**20:.1f}", f"{r['projection_weight_bytes'] / 2**20:.1f}",
                  f"{r['projection_weight_bytes'] / r['projection_bf16_bytes']:.3f}",

@@ -75,7 +75,7 @@ class CacheConfig:
         _check(self.cpu_kv_cache_gib > 0, "cache.cpu_kv_cache_gib must be > 0")
         _check(0 < self.gpu_memory_utilization <= 1, "cache.gpu_memory_utilization must be in (0, 1]")
         _check(self.num_blocks is None or self.num_blocks >= 1, "cache.num_blocks must be >= 1")
-        _one_of("cache.kv_cache_dtype", self.kv_cache_dtype, ("auto", "fp32", "fp16", "bf16", "int8", "fp8"))
+        _one_of("cache.kv_cache_dtype", self.kv_cache_dtype, ("auto", "fp32", "fp16", "bf16", "int8", "fp8", "int4"))
         _check(self.swap_space_gib >= 0, "cache.swap_space_gib must be >= 0")
 
 
@@ -122,6 +122,10 @@ class ParallelConfig:
     # Embedding + LM head split by vocabulary rows over the TP ranks (True) or a full copy
     # on each (False); load_tests/bench_tp.py measures both.
     vocab_parallel: bool = True
+    # CUDA + Triton attention, tensor_parallel_size 1: decode steps replay CUDA graphs captured
+    # at start for batch buckets up to the one holding scheduler.max_num_seqs (worker/
+    # cuda_graphs.py); false, or a capture failure, runs decode eagerly. No effect on CPU.
+    cuda_graphs: bool = True
 
     def validate(self) -> None:
         _check(self.num_workers >= 1, "parallel.num_workers must be >= 1")

@@ -5,6 +5,10 @@ Pure arithmetic on a model's shape (no torch), reproducing the articles' worked 
     KV bytes per token = 2 x L x h_kv x d x b          (K and V; KV heads, not query heads)
       + 2 x L x h_kv x 2                               (int8/fp8 only: fp16 scale per token
                                                         per KV head, stored beside the blocks)
+    int4: 2 x L x h_kv x (d / 2 + 2 x d / G)           (two codes a byte, an fp16 scale per
+                                                        group of G channels: the largest power
+                                                        of two dividing d, at most 32)
+    L=32, h_kv=8, d=128: int4 36,864 B/token = 3.56x fewer than fp16's 131,072
     L=32, h_kv=8, d=128, fp16 -> 131,072 B/token (128.0 KiB); 4,096 tokens -> 0.500 GiB
 
     KV budget = device_gib x utilization - weights_gib - reserved_gib
@@ -44,9 +48,13 @@ GIB = 2**30
 KIB = 2**10
 
 # Bytes per stored KV element.
-KV_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
-QUANTIZED_KV_DTYPES = ("fp8", "int8")
-KV_SCALE_BYTES = 2  # fp16 scale per token per KV head, for K and for V (quant/kv_quant.py)
+KV_DTYPE_BYTES = {"fp32": Fraction(4), "fp16": Fraction(2), "bf16": Fraction(2), "fp8": Fraction(1),
+                  "int8": Fraction(1), "int4": Fraction(1, 2)}
+QUANTIZED_KV_DTYPES = ("fp8", "int8", "int4")
+KV_SCALE_BYTES = 2  # fp16 scale per token per KV head (int4: per group), for K and for V (quant/kv_quant.py)
+# int4 KV scale group: the largest power of two dividing head_dim, at most this (quant/
+# kv_quant.py's rule, restated so this module stays torch-free; tests hold the two equal).
+KV_INT4_GROUP_SIZE = 32
 
 # Bytes per weight element; int4 packs two per byte.
 WEIGHT_DTYPE_BYTES = {"fp32": Fraction(4), "fp16": Fraction(2), "bf16": Fraction(2),
@@ -124,22 +132,35 @@ def _require(cond: bool, msg: str) -> None:
 # ---- the per-token and per-request arithmetic -------------------------------------------
 
 
-def kv_scale_bytes_per_token(num_layers: int, num_kv_heads: int, kv_dtype: str) -> int:
-    """Bytes of fp16 K and V scales per token: 2 x L x h_kv x 2 for int8/fp8, else 0."""
+def kv_int4_scale_groups(head_dim: int) -> int:
+    """fp16 scales per int4 token-head: d / G, G the largest power of two dividing d, <= 32."""
+    _require(head_dim >= 2 and head_dim % 2 == 0, f"int4 KV needs an even head dim, got {head_dim}")
+    return head_dim // min(KV_INT4_GROUP_SIZE, head_dim & -head_dim)
+
+
+def kv_scale_bytes_per_token(num_layers: int, num_kv_heads: int, kv_dtype: str, head_dim: int | None = None) -> int:
+    """Bytes of fp16 K and V scales per token: 2 x L x h_kv x 2 for int8/fp8,
+    2 x L x h_kv x (d / G) x 2 for int4 (needs head_dim), else 0."""
     _require(kv_dtype in KV_DTYPE_BYTES, f"kv dtype must be one of {list(KV_DTYPE_BYTES)}, got {kv_dtype!r}")
     if kv_dtype not in QUANTIZED_KV_DTYPES:
         return 0
-    return 2 * num_layers * num_kv_heads * KV_SCALE_BYTES
+    scales_per_head = 1
+    if kv_dtype == "int4":
+        _require(head_dim is not None, "int4 KV scale bytes depend on the head dim")
+        scales_per_head = kv_int4_scale_groups(head_dim)
+    return 2 * num_layers * num_kv_heads * scales_per_head * KV_SCALE_BYTES
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> int:
     """KV cache bytes one token occupies across all layers: 2 x L x h_kv x d x b, plus the
-    per-token per-head fp16 scales when the cache is quantized (int8 / fp8)."""
+    per-token per-head fp16 scales when the cache is quantized (int8 / fp8; per group for int4,
+    whose two-codes-a-byte payload needs an even d)."""
     _require(kv_dtype in KV_DTYPE_BYTES, f"kv dtype must be one of {list(KV_DTYPE_BYTES)}, got {kv_dtype!r}")
     _require(num_layers >= 1 and num_kv_heads >= 1 and head_dim >= 1,
              f"layers, kv heads and head dim must be >= 1, got {num_layers}, {num_kv_heads}, {head_dim}")
+    scales = kv_scale_bytes_per_token(num_layers, num_kv_heads, kv_dtype, head_dim)  # validates int4's d
     payload = 2 * num_layers * num_kv_heads * head_dim * KV_DTYPE_BYTES[kv_dtype]
-    return payload + kv_scale_bytes_per_token(num_layers, num_kv_heads, kv_dtype)
+    return int(payload) + scales
 
 
 def block_granular_tokens(num_tokens: int, block_size: int) -> int:
@@ -268,7 +289,7 @@ def plan_capacity(shape: ModelShape, budget: DeviceBudget, *, kv_dtype: str = "f
     _require(context_tokens >= 1, f"context must be >= 1 token, got {context_tokens}")
     _require(block_size >= 1, f"block size must be >= 1, got {block_size}")
     per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, kv_dtype)
-    scales = kv_scale_bytes_per_token(shape.num_layers, shape.num_kv_heads, kv_dtype)
+    scales = kv_scale_bytes_per_token(shape.num_layers, shape.num_kv_heads, kv_dtype, shape.head_dim)
     if budget.weights_gib is not None:
         weights = None
         weights_gib = _exact(budget.weights_gib)

@@ -1,10 +1,20 @@
-"""KV-cache quantization (int8, fp8 e4m3), matching the cache layout of worker/attention.py.
+"""KV-cache quantization (int8, fp8 e4m3, int4), matching the cache layout of worker/attention.py.
 
-One fp16 scale per token per KV head, stored beside the blocks:
+int8 / fp8: one fp16 scale per token per KV head, stored beside the blocks:
 
     key_cache   [num_blocks, block_size, num_kv_heads, head_dim]  int8 | float8_e4m3fn
     key_scale   [num_blocks, block_size, num_kv_heads]            float16
     value = stored.to(float32) * scale.to(float32)[..., None]
+
+int4: symmetric, one fp16 scale per token, KV head and group of G channels, G the largest
+power of two dividing head_dim, at most 32 (32 for head_dim 64 / 128, 16 for 80) (article 004's group-wise int4; one scale per whole head loses too much to outlier
+channels at 4 bits), two codes per byte, low nibble = even channel (quant/primitives.py's
+weight packing):
+
+    key_cache   [num_blocks, block_size, num_kv_heads, head_dim // 2]  uint8
+    key_scale   [num_blocks, block_size, num_kv_heads, head_dim // G]  float16
+    code c = round(x / scale) clamped to [-7, 7], stored as the nibble c + 8
+    value[d] = (nibble[d] - 8) * scale[d // G]
 
 int8: symmetric, dynamic per token-head, scale = absmax / 127 (values in [-127, 127]).
 fp8 e4m3: dynamic per token-head, scale = absmax / 448 (e4m3's largest finite value), or a
@@ -39,16 +49,22 @@ from kvmesh.quant.calibration import ForwardFn, hf_forward, layer_index, run_hoo
 
 INT8_MAX = 127.0
 FP8_E4M3_MAX = 448.0
-KV_QUANT_DTYPES = ("int8", "fp8")
+INT4_MAX = 7.0  # symmetric int4 codes -7..7; the nibble stores code + 8
+INT4_ZERO = 8
+KV_INT4_GROUP_SIZE = 32  # channels per int4 scale at most (see kv_int4_group_size)
+KV_QUANT_DTYPES = ("int8", "fp8", "int4")
 KV_SCALE_DTYPE = torch.float16  # kv/capacity.py counts KV_SCALE_BYTES = 2 of it per token-head
 MIN_KV_SCALE = 2.0**-14  # fp16's smallest normal: scales never go subnormal or zero
 MAX_KV_SCALE = 65504.0  # fp16's largest finite value: an absurd absmax saturates, never inf
 
 
 def kv_storage_dtype(kv_dtype: str) -> torch.dtype:
-    """The torch dtype a quantized KV cache stores; ConfigError if unknown or unsupported."""
+    """The torch dtype a quantized KV cache stores; ConfigError if unknown or unsupported.
+    uint8 means packed int4 (no other KV dtype stores uint8)."""
     if kv_dtype == "int8":
         return torch.int8
+    if kv_dtype == "int4":
+        return torch.uint8
     if kv_dtype == "fp8":
         fp8 = getattr(torch, "float8_e4m3fn", None)
         if fp8 is None:
@@ -57,19 +73,49 @@ def kv_storage_dtype(kv_dtype: str) -> torch.dtype:
     raise ConfigError(f"KV quantization dtype must be one of {list(KV_QUANT_DTYPES)}, got {kv_dtype!r}")
 
 
+def kv_int4_group_size(head_dim: int) -> int:
+    """Channels per int4 KV scale: the largest power of two dividing head_dim, at most 32
+    (a power of two so the kernels can tile a group; head_dim must be even to pack pairs)."""
+    if head_dim < 2 or head_dim % 2:
+        raise ConfigError(f"int4 KV needs an even head_dim, got {head_dim}")
+    return min(KV_INT4_GROUP_SIZE, head_dim & -head_dim)
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """Per KV head and token: stored elements of the last cache dim and fp16 scales."""
+
+    storage: torch.dtype
+    stored_head_dim: int  # head_dim, or head_dim // 2 for packed int4
+    scales_per_head: int  # 0 unquantized, 1 int8 / fp8, head_dim // G int4
+
+
+def kv_cache_layout(storage: torch.dtype, head_dim: int) -> KVCacheLayout:
+    """How a cache of `storage` dtype lays out one token-head of `head_dim` channels."""
+    if storage == torch.uint8:
+        return KVCacheLayout(storage, head_dim // 2, head_dim // kv_int4_group_size(head_dim))
+    quantized = storage == torch.int8 or storage == getattr(torch, "float8_e4m3fn", None)
+    return KVCacheLayout(storage, head_dim, 1 if quantized else 0)
+
+
 def _qmax(kv_dtype: str) -> float:
-    return INT8_MAX if kv_dtype == "int8" else FP8_E4M3_MAX
+    return {"int8": INT8_MAX, "int4": INT4_MAX}.get(kv_dtype, FP8_E4M3_MAX)
 
 
 def quantize_kv(x: torch.Tensor, kv_dtype: str, static_scale: float | torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H, D] float -> (q [T, H, D] int8 | float8_e4m3fn, scale [T, H] fp16).
+    """x [T, H, D] float -> (q [T, H, D] int8 | float8_e4m3fn, scale [T, H] fp16), or for
+    int4 (q [T, H, D/2] uint8 packed, scale [T, H, D/G] fp16).
 
     static_scale: None = dynamic absmax per token-head; else one scale (a float or 0-d
-    tensor, e.g. a layer's calibrated K or V scale) used for every token-head."""
+    tensor, e.g. a layer's calibrated K or V scale) used for every token-head (int8 / fp8)."""
     storage = kv_storage_dtype(kv_dtype)
     if x.dim() != 3 or not x.is_floating_point():
         raise ConfigError(f"quantize_kv expects a float [tokens, heads, head_dim] tensor, got {tuple(x.shape)} {x.dtype}")
+    if kv_dtype == "int4":
+        if static_scale is not None:
+            raise ConfigError("static KV scales are for int8 / fp8; int4 KV scales are dynamic per group")
+        return _quantize_kv_int4(x)
     qmax = _qmax(kv_dtype)
     x32 = x.float()
     if static_scale is None:
@@ -80,14 +126,35 @@ def quantize_kv(x: torch.Tensor, kv_dtype: str, static_scale: float | torch.Tens
             raise ConfigError(f"static KV scale must be > 0, got {value}")
         scale32 = torch.full(x.shape[:2], value, dtype=torch.float32, device=x.device)
     # Clamp into fp16's normal range, then round: the codes are computed against the stored scale.
-    scale = scale32.clamp_(MIN_KV_SCALE, MAX_KV_SCALE).to(KV_SCALE_DTYPE)
+    scale = _scale_fp16(scale32, 1.0)
     scaled = (x32 / scale.float()[..., None]).clamp_(-qmax, qmax)
     q = torch.round(scaled).to(storage) if kv_dtype == "int8" else scaled.to(storage)
     return q, scale
 
 
+def _scale_fp16(absmax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """fp16(clamp(absmax / qmax)): the stored scale the codes are computed against."""
+    return (absmax / qmax).clamp_(MIN_KV_SCALE, MAX_KV_SCALE).to(KV_SCALE_DTYPE)
+
+
+def _quantize_kv_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    t, h, d = x.shape
+    group = kv_int4_group_size(d)
+    grouped = x.float().reshape(t, h, d // group, group)
+    scale = _scale_fp16(grouped.abs().amax(dim=-1), INT4_MAX)  # [T, H, D/G]
+    codes = torch.round((grouped / scale.float()[..., None]).clamp_(-INT4_MAX, INT4_MAX))
+    nibbles = (codes + INT4_ZERO).to(torch.uint8).reshape(t, h, d)
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4), scale
+
+
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(q [..., D], scale [...]) -> q.float() * scale in out_dtype (works on whole cache blocks)."""
+    """(q [..., D], scale [...]) -> q.float() * scale in out_dtype (works on whole cache blocks).
+    Packed int4 (uint8 q [..., D/2], scale [..., D/G]) unpacks and scales each group."""
+    if q.dtype == torch.uint8:
+        codes = torch.stack([q & 0x0F, q >> 4], dim=-1).to(torch.float32) - INT4_ZERO  # [..., D/2, 2]
+        groups = scale.shape[-1]
+        grouped = codes.reshape(*q.shape[:-1], groups, -1) * scale.to(torch.float32)[..., None]
+        return grouped.reshape(*q.shape[:-1], q.shape[-1] * 2).to(out_dtype)
     return (q.to(torch.float32) * scale.to(torch.float32)[..., None]).to(out_dtype)
 
 
@@ -114,6 +181,8 @@ def calibrate_kv_scales(model: nn.Module, sequences: Iterable[torch.Tensor], hea
 
     Hooks the outputs of every `layers.N.*.k_proj` / `v_proj` (HF and kvmesh names)."""
     kv_storage_dtype(kv_dtype)  # fail early on unsupported dtypes
+    if kv_dtype == "int4":
+        raise ConfigError("static KV scales are for int8 / fp8; int4 KV scales are dynamic per group")
     if head_dim < 2 or head_dim % 2:
         raise ConfigError(f"head_dim must be even for RoPE, got {head_dim}")
     key_max: dict[int, float] = {}

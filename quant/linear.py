@@ -28,9 +28,12 @@ on this project's 2-core CPU (N = K = 2048, group 128, ms per matmul, M = 1 / 16
     fp16  both: the packed kernels lose at every M (2.4-600 ms vs 1.9-64 ms)
 
 so CPU + bf16 activations use torch.ops.aten._weight_int8pack_mm and
-_weight_int4pack_mm_for_cpu; every other case (fp32, fp16, CUDA, shapes the int4 kernel
-rejects: N % 16 != 0) dequantizes and calls F.linear. CUDA's _weight_int4pack_mm needs a
-different packing; it is not wired in, the dequantize path is what runs there.
+_weight_int4pack_mm_for_cpu; other CPU cases (fp32, fp16, shapes the int4 kernel rejects:
+N % 16 != 0) dequantize and call F.linear. On CUDA the weights are never dequantized: the
+Triton W8A16 / W4A16 kernels (worker/triton_ops.py) read the int8 / packed int4 codes and
+their scales straight from these buffers; worker/kernel_dispatch.py decides, and its
+force_triton() lets the interpreter tests take the same path on CPU. `dequantized_weight`
+stays as the test oracle.
 
 Tensor parallelism (`shard(dim, rank, world_size)`):
     dim 0, column-parallel: rank r keeps output rows [r*N/W, (r+1)*N/W) with their scales
@@ -54,6 +57,8 @@ from kvmesh.deploy.config import ConfigError, QuantConfig
 from kvmesh.quant import primitives as P
 from kvmesh.quant.awq import AwqSearchResult
 from kvmesh.quant.calibration import projection_linears
+# The device dispatch is worker/'s (it owns the kernels); it imports Triton only when used.
+from kvmesh.worker import kernel_dispatch
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +145,9 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
         x = self._prepare_input(x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        y = kernel_dispatch.w8a16_matmul(x2, self.weight_int8, self.scales)
+        if y is not None:
+            return self._finish(y.reshape(*lead, self.out_features))
         scales = self.scales.to(x.dtype)
         if x.device.type == "cpu" and x.dtype == torch.bfloat16:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight_int8, scales)
@@ -214,6 +222,9 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         x = self._prepare_input(x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        y = kernel_dispatch.w4a16_matmul(x2, self.qweight, self.scales, self.zeros, self.group_size)
+        if y is not None:
+            return self._finish(y.reshape(*lead, self.out_features))
         operands = self._kernel_path() if x.device.type == "cpu" and x.dtype == torch.bfloat16 else None
         if operands is not None:
             packed, scale_and_zero = operands

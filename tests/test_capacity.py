@@ -85,6 +85,20 @@ def test_quantized_kv_counts_its_scales_exactly():
     assert capacity.kv_scale_bytes_per_token(32, 8, "fp16") == 0
 
 
+def test_int4_kv_bytes_per_token_counts_packed_codes_and_group_scales():
+    # L=32, h_kv=8, d=128: 64 bytes of codes + 4 fp16 group scales (G=32) per token-head, K and V
+    per_token = capacity.kv_bytes_per_token(32, 8, 128, "int4")
+    assert per_token == 2 * 32 * 8 * (64 + 4 * 2) == 36_864
+    assert capacity.kv_scale_bytes_per_token(32, 8, "int4", 128) == 2 * 32 * 8 * 4 * 2 == 4_096
+    assert capacity.kv_bytes_per_token(32, 8, 128, "fp16") / per_token == pytest.approx(256 / 72)
+    # head_dim 80 (group 16): 40 + 5 x 2 bytes per token-head
+    assert capacity.kv_bytes_per_token(1, 1, 80, "int4") == 2 * (40 + 10)
+    with pytest.raises(ConfigError):
+        capacity.kv_bytes_per_token(32, 8, 127, "int4")  # odd: two codes a byte cannot pack
+    with pytest.raises(ConfigError):
+        capacity.kv_scale_bytes_per_token(32, 8, "int4")  # the scales depend on head_dim
+
+
 def test_block_granular_tokens():
     assert capacity.block_granular_tokens(1, 16) == 16
     assert capacity.block_granular_tokens(16, 16) == 16
@@ -153,7 +167,7 @@ def test_bad_input_is_a_config_error(bad):
 
 @pytest.mark.parametrize("kv_dtype,torch_dtype", [
     ("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32", torch.float32),
-    ("int8", torch.int8), ("fp8", torch.float8_e4m3fn)])
+    ("int8", torch.int8), ("fp8", torch.float8_e4m3fn), ("int4", torch.uint8)])
 def test_bytes_per_token_matches_allocated_cache(kv_dtype, torch_dtype):
     from kvmesh.worker.model_runner import allocate_kv_caches
 
@@ -176,6 +190,19 @@ def test_cli_table_reproduces_the_article(capsys):
     assert rc == 0
     for expected in ("131,072", "128.0", "0.500 GiB", "8.96 GiB", "73,400", "17 (17 block-granular)"):
         assert expected in out
+
+
+def test_cli_int4_kv_json_is_exact(capsys):
+    rc, out, _ = run_cli(["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--kv-dtype", "int4",
+                          "--weights-gib", "13.04", "--reserved-gib", "2", "--json"], capsys)
+    assert rc == 0
+    plan = json.loads(out)["plan"]
+    assert plan["kv_dtype"] == "int4"
+    assert plan["kv_bytes_per_token"] == 36_864 and plan["kv_scale_bytes_per_token"] == 4_096
+    assert plan["max_kv_tokens"] == plan["kv_budget_bytes"] // 36_864
+    rc, _, err = run_cli(["--layers", "2", "--kv-heads", "1", "--head-dim", "7", "--kv-dtype", "int4",
+                          "--weights-gib", "1"], capsys)
+    assert rc == 2 and "even head dim" in err
 
 
 def test_cli_json_on_the_embedded_gguf(capsys):

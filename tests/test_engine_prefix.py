@@ -57,7 +57,7 @@ def test_tenant_salt_isolates_the_cache(cached):
     assert cached.block_extra_keys("tenant-a") != cached.block_extra_keys("tenant-b")
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "bf16", "int8", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "bf16", "int8", "fp8", "int4"])
 def test_allocated_kv_bytes_equal_the_capacity_model(tiny_model_dir, kv_dtype):
     engine = _engine(tiny_model_dir, kv_cache_dtype=kv_dtype, num_blocks=32)
     plan = engine.parts.plan
@@ -66,6 +66,6 @@ def test_allocated_kv_bytes_equal_the_capacity_model(tiny_model_dir, kv_dtype):
     assert allocated == plan.kv_bytes_per_token * plan.num_blocks * plan.block_size
     tokens, usage, _ = _generate(engine, "q", SYSTEM)
     assert len(tokens) == 8 and usage.completion_tokens == 8
-    if kv_dtype in ("int8", "fp8"):
+    if kv_dtype in ("int8", "fp8", "int4"):
         assert engine.block_extra_keys() != _engine(tiny_model_dir, num_blocks=32).block_extra_keys(), \
             "quantized KV blocks never match unquantized ones in the prefix cache"

@@ -12,8 +12,12 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from kvmesh.deploy.config import ConfigError
 from kvmesh.quant import calibration
-from kvmesh.quant.kv_quant import (FP8_E4M3_MAX, INT8_MAX, KV_QUANT_DTYPES, KV_SCALE_DTYPE, MAX_KV_SCALE,
-                                   MIN_KV_SCALE, calibrate_kv_scales, dequantize_kv, kv_storage_dtype, quantize_kv)
+from kvmesh.kv import capacity
+from kvmesh.quant.kv_quant import (FP8_E4M3_MAX, INT4_MAX, INT8_MAX, KV_QUANT_DTYPES, KV_SCALE_DTYPE, MAX_KV_SCALE,
+                                   MIN_KV_SCALE, calibrate_kv_scales, dequantize_kv, kv_cache_layout,
+                                   kv_int4_group_size, kv_storage_dtype, quantize_kv)
+
+QMAX = {"int8": INT8_MAX, "fp8": FP8_E4M3_MAX, "int4": INT4_MAX}
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -37,13 +41,14 @@ def qkv(tokens: int = 40, hq: int = 8, hkv: int = 2, d: int = 64, seed: int = 0)
     return q, k, v
 
 
-@pytest.mark.parametrize("kv_dtype,tolerance", [("int8", 2e-2), ("fp8", 8e-2)])
+@pytest.mark.parametrize("kv_dtype,tolerance", [("int8", 2e-2), ("fp8", 8e-2), ("int4", 0.25)])
 def test_attention_over_quantized_kv_is_close_to_fp32(kv_dtype, tolerance):
     q, k, v = qkv()
     exact = causal_attention(q, k, v)
     qk, sk = quantize_kv(k, kv_dtype)
     qv, sv = quantize_kv(v, kv_dtype)
-    assert qk.dtype == kv_storage_dtype(kv_dtype) and sk.shape == k.shape[:2] and sk.dtype == KV_SCALE_DTYPE
+    groups = (k.shape[-1] // 32,) if kv_dtype == "int4" else ()
+    assert qk.dtype == kv_storage_dtype(kv_dtype) and sk.shape == k.shape[:2] + groups and sk.dtype == KV_SCALE_DTYPE
     approx = causal_attention(q, dequantize_kv(qk, sk), dequantize_kv(qv, sv))
     rel = float((approx - exact).norm() / exact.norm())
     assert rel < tolerance
@@ -65,6 +70,36 @@ def test_int8_round_trip_bound_and_scales():
     assert int(q.abs().max()) == 127
     # codes are computed against the stored scale, so the error is half a step of it
     assert torch.all((dequantize_kv(q, scale) - k).abs() <= scale.float()[..., None] / 2 + 1e-6)
+
+
+def test_int4_codes_scales_and_packing():
+    """Group-wise int4: one fp16(absmax / 7) per 32 channels, codes within half a step,
+    every group reaching +-7, packed two a byte with the even channel in the low nibble."""
+    _, k, _ = qkv(d=64)
+    q, scale = quantize_kv(k, "int4")
+    assert q.dtype == torch.uint8 and q.shape == (*k.shape[:2], 32) and scale.shape == (*k.shape[:2], 2)
+    grouped = k.reshape(*k.shape[:2], 2, 32)
+    assert torch.equal(scale, (grouped.abs().amax(-1) / 7).to(torch.float16))
+    step = scale.float().repeat_interleave(32, dim=-1)
+    back = dequantize_kv(q, scale)
+    assert torch.all((back - k).abs() <= step / 2 + 1e-6)
+    codes = torch.stack([q & 15, q >> 4], dim=-1).reshape(k.shape).to(torch.int64) - 8
+    assert int(codes.min()) >= -7 and int(codes.max()) <= 7
+    assert torch.equal(codes.reshape(*k.shape[:2], 2, 32).abs().amax(-1), torch.full((*k.shape[:2], 2), 7))
+    # the channel-5 outlier only coarsens its own group: group 1 keeps a finer step
+    assert float(scale[..., 1].float().mean()) < 0.8 * float(scale[..., 0].float().mean())
+    with pytest.raises(ConfigError):
+        quantize_kv(k, "int4", static_scale=1.0)
+    with pytest.raises(ConfigError):
+        quantize_kv(torch.randn(2, 2, 5), "int4")  # odd head_dim cannot pack pairs
+
+
+@pytest.mark.parametrize("head_dim,group", [(128, 32), (64, 32), (16, 16), (24, 8), (80, 16), (2, 2)])
+def test_int4_group_rule_is_the_capacity_models(head_dim, group):
+    assert kv_int4_group_size(head_dim) == group
+    assert capacity.kv_int4_scale_groups(head_dim) == head_dim // group
+    layout = kv_cache_layout(torch.uint8, head_dim)
+    assert (layout.stored_head_dim, layout.scales_per_head) == (head_dim // 2, head_dim // group)
 
 
 def test_fp8_dynamic_scale_uses_the_full_range():
@@ -91,7 +126,7 @@ def test_scale_bounds_keep_fp16_finite_and_normal():
         back = dequantize_kv(q, scale)
         assert torch.equal(back[0], x[0])
         assert float((back[1] - x[1]).abs().max()) <= MIN_KV_SCALE / 2
-        assert float(back[2, 0, 0]) == MAX_KV_SCALE * (INT8_MAX if kv_dtype == "int8" else FP8_E4M3_MAX)
+        assert float(back[2, 0, 0]) == MAX_KV_SCALE * QMAX[kv_dtype]
 
 
 def test_static_scale_fills_every_slot_and_saturates_beyond():
@@ -116,9 +151,17 @@ def test_quantized_values_in_the_paged_layout():
     key_scale.view(-1, hkv)[slot_mapping] = scale
     whole = dequantize_kv(key_cache, key_scale)  # [num_blocks, block_size, hkv, d]
     assert torch.equal(whole.view(-1, hkv, d)[slot_mapping], dequantize_kv(q, scale))
+    # packed int4: [.., hkv, d / 2] bytes, [.., hkv, d / 16] scales, whole blocks dequantize the same way
+    key_cache4 = torch.zeros(num_blocks, block_size, hkv, d // 2, dtype=torch.uint8)
+    key_scale4 = torch.zeros(num_blocks, block_size, hkv, 1, dtype=KV_SCALE_DTYPE)
+    q4, scale4 = quantize_kv(k, "int4")
+    key_cache4.view(-1, hkv, d // 2)[slot_mapping] = q4
+    key_scale4.view(-1, hkv, 1)[slot_mapping] = scale4
+    whole4 = dequantize_kv(key_cache4, key_scale4)
+    assert torch.equal(whole4.view(-1, hkv, d)[slot_mapping], dequantize_kv(q4, scale4))
 
 
-@pytest.mark.parametrize("kv_dtype", ["int4", "fp16"])
+@pytest.mark.parametrize("kv_dtype", ["int2", "fp16"])
 def test_unknown_kv_dtype_is_a_config_error(kv_dtype):
     with pytest.raises(ConfigError):
         quantize_kv(torch.randn(2, 2, 4), kv_dtype)

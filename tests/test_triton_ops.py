@@ -78,6 +78,13 @@ def test_silu_and_mul_strided_rows():
     _assert_matches(triton_ops.silu_and_mul(x), torch_ops.silu_and_mul(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_of_separate_gate_and_up(dtype):
+    gate, up = _randn(3, 80, dtype=dtype, seed=15, scale=2.0), _randn(3, 80, dtype=dtype, seed=16)
+    _assert_matches(triton_ops.silu_mul(gate, up), torch_ops.silu_mul(gate, up))
+    assert torch.equal(torch_ops.silu_mul(gate, up), torch_ops.silu_and_mul(torch.cat([gate, up], -1)))
+
+
 def test_int4_packing_convention():
     q = torch.tensor([[1, 2, 3, 4], [15, 0, 0, 15]])
     packed = torch_ops.pack_int4(q)
@@ -126,6 +133,41 @@ def test_w4a16_reads_quant_packing_when_present():
     expected = x.cpu() @ primitives.dequantize_int4_groupwise(q, scale, zero).t()
     got = triton_ops.w4a16_matmul(x, packed.to(DEVICE), scale.to(DEVICE), zero.to(DEVICE), 64)
     torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+def _random_w8(out_features, in_features, seed, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(out_features, generator=gen) * 0.02 + 0.001).to(dtype)
+    return q.to(DEVICE), scales.to(DEVICE)
+
+
+# fp32: the kernel and torch sum the same exact products in different orders (fp32 rounding);
+# fp16 / bf16: that order can flip the rounding of the unscaled product by one unit in the
+# last place, which the scale then carries: one fp16 / bf16 ulp relative, plus an atol for
+# outputs near zero.
+W8_TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 2 ** -7), torch.float16: (2e-3, 2 ** -10)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_rows", [1, 33])
+def test_w8a16_matmul(dtype, num_rows):
+    q, scales = _random_w8(72, 160, seed=num_rows, dtype=dtype)  # N, K not multiples of the 64 tiles
+    x = _randn(num_rows, 160, dtype=dtype, seed=17)
+    got = triton_ops.w8a16_matmul(x, q, scales)
+    expected = torch_ops.w8a16_matmul(x, q, scales)
+    atol, rtol = W8_TOLERANCE[dtype]
+    torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
+
+
+def test_w8a16_is_the_int8_linear_and_its_dequantized_weight():
+    linear_mod = pytest.importorskip("kvmesh.quant.linear")
+    lin = torch.nn.Linear(96, 48, bias=False)
+    torch.nn.init.normal_(lin.weight, generator=torch.Generator().manual_seed(18))
+    int8 = linear_mod.Int8WeightOnlyLinear.from_linear(lin)
+    x = _randn(4, 96, seed=19)
+    got = triton_ops.w8a16_matmul(x, int8.weight_int8.to(DEVICE), int8.scales.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), x.cpu() @ int8.dequantized_weight().t(), atol=1e-4, rtol=1e-4)
 
 
 @triton.jit
@@ -180,6 +222,15 @@ def test_bad_inputs_raise_typed_errors():
     with pytest.raises(InvalidRequestError):
         triton_ops.w4a16_matmul(_randn(2, 64, dtype=torch.float64), packed.to(DEVICE), scales.to(DEVICE),
                                 zeros.to(DEVICE), 32)
+    q, w8_scales = _random_w8(16, 64, seed=20, dtype=torch.float32)
+    with pytest.raises(InvalidRequestError):
+        triton_ops.w8a16_matmul(_randn(2, 32), q, w8_scales)  # K mismatch
+    with pytest.raises(InvalidRequestError):
+        triton_ops.w8a16_matmul(_randn(2, 64), q, w8_scales[:8])
+    with pytest.raises(InvalidRequestError):
+        triton_ops.w8a16_matmul(_randn(2, 64), q.float(), w8_scales)  # not int8
+    with pytest.raises(InvalidRequestError):
+        triton_ops.silu_mul(_randn(2, 8), _randn(2, 6))
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter is only chosen without CUDA")

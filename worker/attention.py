@@ -7,6 +7,10 @@ Memory layout of one layer's paged cache (flash layout, as vLLM's FLASH_ATTN bac
     quantized KV (int8 / fp8 e4m3) adds per-token, per-head scales beside the blocks:
     key_scale / value_scale: [num_blocks, block_size, num_kv_heads] float16
         dequantized value = stored.to(float32) * scale.to(float32)[..., None]
+    int4 KV packs two codes a byte with one fp16 scale per group of G channels:
+    key_cache / value_cache: [num_blocks, block_size, num_kv_heads, head_dim // 2] uint8
+    key_scale / value_scale: [num_blocks, block_size, num_kv_heads, head_dim // G] float16
+        (quant/kv_quant.py defines the codes)
 
 One step's batch is flat and unpadded: B requests contribute T = sum(query_lens) tokens,
 decode requests one token each, prefill chunks several. Request i's new tokens are
@@ -30,7 +34,7 @@ import torch
 class LayerKVCache:
     key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    key_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads] fp16, quantized KV only
+    key_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads(, groups)] fp16, quantized KV only
     value_scale: torch.Tensor | None = None  # same
 
     @property
@@ -40,6 +44,15 @@ class LayerKVCache:
     @property
     def quantized(self) -> bool:
         return self.key_scale is not None
+
+    @property
+    def packed_int4(self) -> bool:
+        return self.key_cache.dtype == torch.uint8
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per KV head (the packed int4 cache stores two a byte)."""
+        return self.key_cache.shape[3] * (2 if self.packed_int4 else 1)
 
 
 @dataclass

@@ -12,18 +12,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvmesh.quant.kv_quant import dequantize_kv, quantize_kv
 from kvmesh.worker.attention import AttentionMetadata, LayerKVCache
+
+_KV_QUANT_KIND = {torch.int8: "int8", torch.uint8: "int4"}  # any other quantized storage is fp8
 
 
 def _gather_kv(cache: LayerKVCache, block_table: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """block_table: [B, nb] -> K, V: [B, nb * block_size, Hkv, D] in out_dtype."""
     b, nb = block_table.shape
     bt = block_table.long()
-    k = cache.key_cache[bt]  # [B, nb, bs, Hkv, D]
+    k = cache.key_cache[bt]  # [B, nb, bs, Hkv, D] (D / 2 bytes for packed int4)
     v = cache.value_cache[bt]
     if cache.quantized:
-        k = k.to(torch.float32) * cache.key_scale[bt].to(torch.float32).unsqueeze(-1)
-        v = v.to(torch.float32) * cache.value_scale[bt].to(torch.float32).unsqueeze(-1)
+        k = dequantize_kv(k, cache.key_scale[bt])
+        v = dequantize_kv(v, cache.value_scale[bt])
     bs, hkv, d = k.shape[2], k.shape[3], k.shape[4]
     return k.reshape(b, nb * bs, hkv, d).to(out_dtype), v.reshape(b, nb * bs, hkv, d).to(out_dtype)
 
@@ -33,20 +36,17 @@ class TorchAttentionBackend:
 
     def write_kv(self, cache: LayerKVCache, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        # key/value: [T, Hkv, D]; the cache viewed as [num_slots, Hkv, D]
-        hkv, d = key.shape[1], key.shape[2]
-        k_slots = cache.key_cache.view(-1, hkv, d)
-        v_slots = cache.value_cache.view(-1, hkv, d)
+        # key/value: [T, Hkv, D]; the cache viewed as [num_slots, Hkv, stored D]
+        k_slots = cache.key_cache.view(-1, *cache.key_cache.shape[2:])
+        v_slots = cache.value_cache.view(-1, *cache.value_cache.shape[2:])
         if cache.quantized:
-            from kvmesh.quant.kv_quant import quantize_kv
-
-            kind = "int8" if cache.key_cache.dtype == torch.int8 else "fp8"
+            kind = _KV_QUANT_KIND.get(cache.key_cache.dtype, "fp8")
             qk, sk = quantize_kv(key, kind)
             qv, sv = quantize_kv(value, kind)
             k_slots[slot_mapping] = qk
             v_slots[slot_mapping] = qv
-            cache.key_scale.view(-1, hkv)[slot_mapping] = sk
-            cache.value_scale.view(-1, hkv)[slot_mapping] = sv
+            cache.key_scale.view(-1, *cache.key_scale.shape[2:])[slot_mapping] = sk
+            cache.value_scale.view(-1, *cache.value_scale.shape[2:])[slot_mapping] = sv
         else:
             k_slots[slot_mapping] = key.to(k_slots.dtype)
             v_slots[slot_mapping] = value.to(v_slots.dtype)

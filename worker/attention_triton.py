@@ -21,16 +21,20 @@ repeat_interleave. The program walks the request's keys TILE_N tokens at a time;
 physical slot comes from the block table (block_tables[i, pos // block_size]), so a tile
 may span several cache blocks and the block size may be smaller than tl.dot's minimum of
 16. Quantized K/V (int8 / fp8 e4m3) are dequantized in registers with their per-token,
-per-head fp16 scales. Softmax is online (running max and sum, exp2 with log2(e) folded
+per-head fp16 scales; packed int4 K/V unpack each channel's nibble from byte d // 2 and
+scale it by its group's fp16 scale (quant/kv_quant.py's layout). Softmax is online (running max and sum, exp2 with log2(e) folded
 into the scale), accumulation fp32.
 
 Causality: a request's new tokens sit at positions context_len ... seq_len - 1, where
 context_len = seq_len - query_len; query token j sees keys 0 ... context_len + j.
 
 write_kv is a second kernel, one program per new token: it writes K and V of all KV heads
-at slot_mapping[t], and for a quantized cache stores round(x / scale) with
+at slot_mapping[t] (a negative slot marks a padding row of a captured decode batch and is
+skipped), and for a quantized cache stores round(x / scale) with
 scale = fp16(clamp(absmax / 127 (int8) or absmax / 448 (fp8), 2**-14, 65504)) per head,
-bit for bit as quant/kv_quant.py's quantize_kv defines it.
+bit for bit as quant/kv_quant.py's quantize_kv defines it. Packed int4 has its own write
+kernel, one program per (token, KV head): each group of G channels is loaded as its even and
+odd halves, so the two codes of a byte sit in the same lane and pack without a shuffle.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ from dataclasses import dataclass
 import torch
 
 # write_kv must match quant/kv_quant.py bit for bit: the same scale bounds and dtype.
-from kvmesh.quant.kv_quant import FP8_E4M3_MAX, INT8_MAX, KV_SCALE_DTYPE, MAX_KV_SCALE, MIN_KV_SCALE
+from kvmesh.quant.kv_quant import (FP8_E4M3_MAX, INT4_MAX, INT4_ZERO, INT8_MAX, KV_SCALE_DTYPE, MAX_KV_SCALE,
+                                   MIN_KV_SCALE, kv_int4_group_size)
 from kvmesh.worker.attention import AttentionMetadata, LayerKVCache
 from kvmesh.worker.errors import InvalidRequestError
 # triton_ops turns on the interpreter when there is no CUDA, before the kernels below exist.
@@ -53,8 +58,10 @@ logger = logging.getLogger(__name__)
 _LOG2_E = 1.4426950408889634
 MIN_SCALE = tl.constexpr(MIN_KV_SCALE)  # read inside the write kernel
 MAX_SCALE = tl.constexpr(MAX_KV_SCALE)
+INT4_MAX_C = tl.constexpr(INT4_MAX)
+INT4_ZERO_C = tl.constexpr(float(INT4_ZERO))
 _FP8 = getattr(torch, "float8_e4m3fn", None)
-_QUANT_MAX = {torch.int8: INT8_MAX, **({_FP8: FP8_E4M3_MAX} if _FP8 is not None else {})}
+_QUANT_MAX = {torch.int8: INT8_MAX, torch.uint8: INT4_MAX, **({_FP8: FP8_E4M3_MAX} if _FP8 is not None else {})}
 
 
 @triton.jit
@@ -84,18 +91,26 @@ def _load_kv_tile(
     pos,  # [TILE_N] key positions in the request
     kv_head, offs_d,
     valid,  # [TILE_N] keys that exist (masked-off keys load 0)
-    stride_block, stride_slot, stride_head, stride_scale_block, stride_scale_slot,
+    stride_block, stride_slot, stride_head, stride_scale_block, stride_scale_slot, stride_scale_head,
     BLOCK_SIZE: tl.constexpr, QUANTIZED: tl.constexpr, COMPUTE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    INT4: tl.constexpr, INT4_GROUP: tl.constexpr,
 ):
     """-> [TILE_N, HEAD_DIM_PADDED] K or V of the keys at positions `pos`, in COMPUTE."""
     slot = pos % BLOCK_SIZE
     row = block_ids * stride_block + slot * stride_slot + kv_head * stride_head  # int64
     mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
-    tile = tl.load(cache_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    if QUANTIZED:
-        scale = tl.load(scale_ptr + block_ids * stride_scale_block + slot * stride_scale_slot + kv_head,
-                        mask=valid, other=0.0).to(tl.float32)  # [TILE_N]
-        tile = tile * scale[:, None]
+    scale_row = block_ids * stride_scale_block + slot * stride_scale_slot + kv_head * stride_scale_head
+    if INT4:  # channel d is nibble d % 2 of byte d // 2; its scale is its group's
+        byte = tl.load(cache_ptr + row[:, None] + (offs_d // 2)[None, :], mask=mask, other=0)
+        nibble = (byte >> ((offs_d % 2) * 4).to(tl.uint8)[None, :]) & 0xF
+        scale = tl.load(scale_ptr + scale_row[:, None] + (offs_d // INT4_GROUP)[None, :], mask=mask,
+                        other=0.0).to(tl.float32)  # [TILE_N, HEAD_DIM_PADDED]
+        tile = (nibble.to(tl.float32) - 8.0) * scale
+    else:
+        tile = tl.load(cache_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        if QUANTIZED:
+            scale = tl.load(scale_ptr + scale_row, mask=valid, other=0.0).to(tl.float32)  # [TILE_N]
+            tile = tile * scale[:, None]
     return tile.to(COMPUTE)
 
 
@@ -118,11 +133,12 @@ def _paged_attention_kernel(
     tiles_per_segment,  # key tiles each program along grid axis 2 walks
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_kv_block, stride_kv_slot, stride_kv_head,
-    stride_scale_block, stride_scale_slot,
+    stride_scale_block, stride_scale_slot, stride_scale_head,
     stride_bt_req,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     QUANTIZED: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INT4: tl.constexpr, INT4_GROUP: tl.constexpr,  # packed int4 K/V with a scale per INT4_GROUP channels
     NUM_SEGMENTS: tl.constexpr,  # power of two; > 1 splits each request's keys across programs
 ):
     q_block_id = tl.program_id(0)
@@ -163,7 +179,8 @@ def _paged_attention_kernel(
         block_ids = tl.load(block_table + pos // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
         k = _load_kv_tile(key_cache_ptr, key_scale_ptr, block_ids, pos, kv_head, offs_d, n_valid,
                           stride_kv_block, stride_kv_slot, stride_kv_head, stride_scale_block,
-                          stride_scale_slot, BLOCK_SIZE, QUANTIZED, COMPUTE, HEAD_DIM)
+                          stride_scale_slot, stride_scale_head, BLOCK_SIZE, QUANTIZED, COMPUTE, HEAD_DIM,
+                          INT4, INT4_GROUP)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, TILE_N]
         visible = (pos[None, :] <= key_limit[:, None]) & row_valid[:, None] & n_valid[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -175,7 +192,8 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = _load_kv_tile(value_cache_ptr, value_scale_ptr, block_ids, pos, kv_head, offs_d, n_valid,
                           stride_kv_block, stride_kv_slot, stride_kv_head, stride_scale_block,
-                          stride_scale_slot, BLOCK_SIZE, QUANTIZED, COMPUTE, HEAD_DIM)
+                          stride_scale_slot, stride_scale_head, BLOCK_SIZE, QUANTIZED, COMPUTE, HEAD_DIM,
+                          INT4, INT4_GROUP)
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -263,6 +281,8 @@ def _write_kv_kernel(
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    if slot < 0:  # a padding row of a captured decode batch (worker/cuda_graphs.py): no slot
+        return
     block_id = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     offs_h = tl.arange(0, HEADS_PADDED)
@@ -278,6 +298,60 @@ def _write_kv_kernel(
                     IS_INT8)
 
 
+@triton.jit
+def _store_kv_int4_head(
+    x_ptr,  # [T, num_kv_heads, head_dim] new keys or values
+    cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim // 2] uint8
+    scale_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim // GROUP] fp16
+    x_row, cache_row, scale_row,  # element offsets of this token-head in x, cache and scales
+    GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PADDED: tl.constexpr,
+):
+    """Quantize one token-head group-wise to int4 and store it packed, as _quantize_kv_int4."""
+    offs_g = tl.arange(0, GROUPS_PADDED)
+    offs_j = tl.arange(0, GROUP // 2)  # byte j of a group holds channels 2j (low) and 2j + 1 (high)
+    valid = (offs_g < NUM_GROUPS)[:, None] & (offs_j < GROUP // 2)[None, :]
+    channel = offs_g[:, None] * GROUP + 2 * offs_j[None, :]  # [GROUPS_PADDED, GROUP // 2] even channels
+    even = tl.load(x_ptr + x_row + channel, mask=valid, other=0.0).to(tl.float32)
+    odd = tl.load(x_ptr + x_row + channel + 1, mask=valid, other=0.0).to(tl.float32)
+    absmax = tl.maximum(tl.max(tl.abs(even), axis=1), tl.max(tl.abs(odd), axis=1))  # [GROUPS_PADDED]
+    scale = tl.math.div_rn(absmax, INT4_MAX_C)
+    scale = round_to(tl.minimum(tl.maximum(scale, MIN_SCALE), MAX_SCALE), scale_ptr.dtype.element_ty)
+    scale32 = scale.to(tl.float32)[:, None]
+    lo = round_half_even(tl.minimum(tl.maximum(tl.math.div_rn(even, scale32), -INT4_MAX_C), INT4_MAX_C))
+    hi = round_half_even(tl.minimum(tl.maximum(tl.math.div_rn(odd, scale32), -INT4_MAX_C), INT4_MAX_C))
+    lo_nibble = (lo + INT4_ZERO_C).to(tl.int32)
+    hi_nibble = (hi + INT4_ZERO_C).to(tl.int32)
+    packed = (lo_nibble | (hi_nibble << 4)).to(tl.uint8)
+    tl.store(cache_ptr + cache_row + offs_g[:, None] * (GROUP // 2) + offs_j[None, :], packed, mask=valid)
+    tl.store(scale_ptr + scale_row + offs_g, scale, mask=offs_g < NUM_GROUPS)
+
+
+@triton.jit
+def _write_kv_int4_kernel(
+    key_ptr, value_ptr,  # [T, num_kv_heads, head_dim]
+    key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim // 2] uint8
+    key_scale_ptr, value_scale_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim // GROUP] fp16
+    slot_mapping_ptr,  # [T] int64
+    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+    stride_cache_block, stride_cache_slot, stride_cache_head,
+    stride_scale_block, stride_scale_slot, stride_scale_head,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PADDED: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    if slot < 0:  # a padding row (see _write_kv_kernel)
+        return
+    block_id = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    cache_row = block_id * stride_cache_block + offset * stride_cache_slot + head * stride_cache_head
+    scale_row = block_id * stride_scale_block + offset * stride_scale_slot + head * stride_scale_head
+    _store_kv_int4_head(key_ptr, key_cache_ptr, key_scale_ptr, tok * stride_k_tok + head * stride_k_head,
+                        cache_row, scale_row, GROUP, NUM_GROUPS, GROUPS_PADDED)
+    _store_kv_int4_head(value_ptr, value_cache_ptr, value_scale_ptr, tok * stride_v_tok + head * stride_v_head,
+                        cache_row, scale_row, GROUP, NUM_GROUPS, GROUPS_PADDED)
+
+
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise InvalidRequestError(message)
@@ -290,20 +364,32 @@ def _check_cache(cache: LayerKVCache) -> None:
              "strides and dtype")
     _require(kc.stride(-1) == 1, "KV cache head_dim must have unit stride")
     if cache.quantized:
-        _require(kc.dtype in _QUANT_MAX, f"quantized KV cache must be int8 or fp8 e4m3, got {kc.dtype}")
+        _require(kc.dtype in _QUANT_MAX, f"quantized KV cache must be int8, fp8 e4m3 or packed int4, got {kc.dtype}")
         _require(kc.dtype != _FP8 or kc.device.type != "cuda" or torch.cuda.get_device_capability(kc.device) >= (8, 9),
                  "an fp8 e4m3 KV cache needs a GPU of compute capability 8.9 or newer (Triton's fp8e4nv)")
         ks, vs = cache.key_scale, cache.value_scale
-        _require(vs is not None and ks.shape == vs.shape == kc.shape[:3] and ks.stride() == vs.stride()
+        scale_shape = kc.shape[:3]
+        if cache.packed_int4:
+            scale_shape = (*scale_shape, cache.head_dim // kv_int4_group_size(cache.head_dim))
+        _require(vs is not None and ks.shape == vs.shape == scale_shape and ks.stride() == vs.stride()
                  and ks.dtype == vs.dtype == KV_SCALE_DTYPE and ks.stride(-1) == 1,
-                 "key_scale/value_scale must be fp16 [num_blocks, block_size, num_kv_heads] with equal strides")
+                 f"key_scale/value_scale must be fp16 {list(scale_shape)} with equal strides")
     else:
         _require(kc.dtype in (torch.float32, torch.float16, torch.bfloat16),
                  f"an int8/fp8 KV cache needs key_scale and value_scale; got dtype {kc.dtype} without scales")
 
 
-def _scale_strides(cache: LayerKVCache) -> tuple[int, int]:
-    return (cache.key_scale.stride(0), cache.key_scale.stride(1)) if cache.quantized else (0, 0)
+def _scale_strides(cache: LayerKVCache) -> tuple[int, int, int]:
+    """(block, slot, head) strides of the scales; int8 / fp8 scales have one per head."""
+    if not cache.quantized:
+        return 0, 0, 0
+    ks = cache.key_scale
+    return ks.stride(0), ks.stride(1), ks.stride(2)
+
+
+def _int4_group(cache: LayerKVCache) -> int:
+    """The int4 scale group (a constexpr; 1 when the cache is not packed int4)."""
+    return kv_int4_group_size(cache.head_dim) if cache.packed_int4 else 1
 
 
 @dataclass(frozen=True)
@@ -365,7 +451,8 @@ class TritonAttentionBackend:
                  slot_mapping: torch.Tensor) -> None:
         _check_cache(cache)
         kc = cache.key_cache
-        _, block_size, num_kv_heads, head_dim = kc.shape
+        _, block_size, num_kv_heads, _ = kc.shape
+        head_dim = cache.head_dim
         expected = (slot_mapping.shape[0], num_kv_heads, head_dim)
         _require(tuple(key.shape) == expected and tuple(value.shape) == expected,
                  f"key/value must be {list(expected)}, got {list(key.shape)} and {list(value.shape)}")
@@ -377,10 +464,19 @@ class TritonAttentionBackend:
         value = value if value.stride(-1) == 1 else value.contiguous()
         key_scale = cache.key_scale if cache.quantized else kc  # placeholder, never read
         value_scale = cache.value_scale if cache.quantized else kc
+        if cache.packed_int4:
+            group = _int4_group(cache)
+            _write_kv_int4_kernel[(key.shape[0], num_kv_heads)](
+                key, value, kc, cache.value_cache, key_scale, value_scale, slot_mapping.contiguous(),
+                key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+                kc.stride(0), kc.stride(1), kc.stride(2), *_scale_strides(cache),
+                BLOCK_SIZE=block_size, GROUP=group, NUM_GROUPS=head_dim // group,
+                GROUPS_PADDED=triton.next_power_of_2(head_dim // group))
+            return
         _write_kv_kernel[(key.shape[0],)](
             key, value, kc, cache.value_cache, key_scale, value_scale, slot_mapping.contiguous(),
             num_kv_heads, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            kc.stride(0), kc.stride(1), kc.stride(2), *_scale_strides(cache),
+            kc.stride(0), kc.stride(1), kc.stride(2), *_scale_strides(cache)[:2],
             HEAD_DIM=head_dim, HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
             HEAD_DIM_PADDED=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
             QUANT_MAX=_QUANT_MAX.get(kc.dtype, 0.0), QUANTIZED=cache.quantized,
@@ -390,7 +486,8 @@ class TritonAttentionBackend:
                scale: float) -> torch.Tensor:
         _check_cache(cache)
         kc = cache.key_cache
-        _, block_size, num_kv_heads, head_dim = kc.shape
+        _, block_size, num_kv_heads, _ = kc.shape
+        head_dim = cache.head_dim
         _require(query.dim() == 3 and query.shape[2] == head_dim,
                  f"query must be [T, num_heads, {head_dim}], got {list(query.shape)}")
         num_tokens, num_heads = query.shape[0], query.shape[1]
@@ -422,7 +519,7 @@ class TritonAttentionBackend:
             QUERIES_PER_KV=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
             BLOCK_SIZE=block_size, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m, TILE_N=self.tile_tokens,
             QUANTIZED=cache.quantized, COMPUTE=compute_dtype(query.dtype), DOT_PRECISION=dot_precision(query.dtype),
-            NUM_SEGMENTS=segments)
+            INT4=cache.packed_int4, INT4_GROUP=_int4_group(cache), NUM_SEGMENTS=segments)
         if segments > 1:
             _merge_segments_kernel[(num_tokens, num_heads)](
                 out, partial_out, partial_max, partial_sum, num_heads, out.stride(0), out.stride(1),

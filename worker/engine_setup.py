@@ -231,6 +231,9 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
     kv_caches, swap_caches = allocate_rank_caches(config, spec, model, plan.num_blocks, plan.num_swap_blocks)
     if group is None:
         runner = ModelRunner(model, backend, device, kv_caches, swap_caches, plan.block_size, seed=config.model.seed)
+        if config.parallel.cuda_graphs and device.type == "cuda":
+            runner.graph_runner = build_graph_runner(config, model, backend, kv_caches, device, max_model_len,
+                                                     plan.block_size)
     else:
         from kvmesh.worker.tp_group import TensorParallelRunner
 
@@ -247,6 +250,20 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
         plan.peak_activation_bytes / 2**20, device, dtype, backend.name)
     return EngineParts(runner, kv_manager, tokenizer, hf_config, spec.name, kv_dtype_name, max_model_len,
                        _eos_ids(hf_config, tokenizer), plan, device)
+
+
+def build_graph_runner(config: KvmeshConfig, model, backend, kv_caches, device, max_model_len: int,
+                       block_size: int):
+    """The decode CUDA-graph runner, captured now for the buckets up to the one holding
+    scheduler.max_num_seqs (it falls back to eager by itself when it cannot capture)."""
+    from kvmesh.worker.cuda_graphs import DEFAULT_BUCKETS, CudaGraphRunner, select_bucket
+
+    top = select_bucket(config.scheduler.max_num_seqs, DEFAULT_BUCKETS) or max(DEFAULT_BUCKETS)
+    graphs = CudaGraphRunner(model, backend, kv_caches, device, max_model_len, block_size,
+                             buckets=[b for b in DEFAULT_BUCKETS if b <= top],
+                             tensor_parallel_size=config.parallel.tensor_parallel_size)
+    graphs.capture()
+    return graphs
 
 
 def _profile_peak(model, config: KvmeshConfig, device: torch.device) -> int:

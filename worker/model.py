@@ -19,9 +19,9 @@ heads (local to this rank under tensor parallelism), D = head_dim, V = vocab.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kvmesh.worker import kernel_dispatch as ops  # Triton on CUDA, torch elsewhere: decided there
 from kvmesh.worker.attention import AttentionBackend, AttentionMetadata, LayerKVCache
 from kvmesh.worker.distributed import Collectives, single_rank
 from kvmesh.worker.parallel_layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
@@ -36,11 +36,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As HF: normalise in fp32, cast back, then scale.
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # As HF: normalise in fp32, cast back, then scale (worker/torch_ops.py).
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (self(x + residual), x + residual): one fused kernel on the Triton path."""
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +108,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias, coll)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.coll.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        return self.coll.all_reduce(self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -119,8 +120,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, positions, rotary, cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), positions, rotary, cache, meta, backend)
+        normed, x = self.post_attention_layernorm.add_and_norm(attn, x)
+        return x + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.deploy.config import ConfigError
-from kvmesh.quant.kv_quant import KV_QUANT_DTYPES, KV_SCALE_DTYPE
+from kvmesh.quant.kv_quant import KV_QUANT_DTYPES, KV_SCALE_DTYPE, kv_cache_layout
 from kvmesh.quant.kv_quant import kv_storage_dtype as quantized_kv_storage_dtype
 from kvmesh.worker.attention import AttentionBackend, AttentionMetadata, LayerKVCache
 from kvmesh.worker.sampler import SampleResult, SamplingRow, sample
@@ -41,16 +41,18 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                        storage: torch.dtype, device: torch.device, pin: bool = False) -> list[LayerKVCache]:
-    quantized = storage in (torch.int8, torch.float8_e4m3fn)
+    layout = kv_cache_layout(storage, head_dim)
     caches = []
     for _ in range(num_layers):
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_blocks, block_size, num_kv_heads, layout.stored_head_dim)
         k = torch.zeros(shape, dtype=storage, device=device, pin_memory=pin)
         v = torch.zeros(shape, dtype=storage, device=device, pin_memory=pin)
         ks = vs = None
-        if quantized:
-            ks = torch.ones(shape[:3], dtype=KV_SCALE_DTYPE, device=device, pin_memory=pin)
-            vs = torch.ones(shape[:3], dtype=KV_SCALE_DTYPE, device=device, pin_memory=pin)
+        if layout.scales_per_head:
+            # int8 / fp8: one scale per token-head, [.., Hkv]; int4: one per group, [.., Hkv, D/G]
+            scale_shape = shape[:3] + ((layout.scales_per_head,) if storage == torch.uint8 else ())
+            ks = torch.ones(scale_shape, dtype=KV_SCALE_DTYPE, device=device, pin_memory=pin)
+            vs = torch.ones(scale_shape, dtype=KV_SCALE_DTYPE, device=device, pin_memory=pin)
         caches.append(LayerKVCache(k, v, ks, vs))
     return caches
 
@@ -162,6 +164,8 @@ class ModelRunner:
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.fault_hook: Callable[[], None] | None = None  # tests inject forward failures here
         self.phase_clock = None  # the engine's StepPhaseClock: prepare / forward / sample laps
+        # Decode steps replay captured CUDA graphs when set (worker/cuda_graphs.py; CUDA only).
+        self.graph_runner = None
 
     def apply_block_ops(self, sched_out) -> None:
         """Swap-out, swap-in and copy-on-write copies, before the forward that needs them."""
@@ -203,6 +207,14 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model on one step's batch -> fp32 CPU logits [len(sample_at), V], or None when
         no request samples this step (a mid-prompt chunk only)."""
+        hidden = None if self.graph_runner is None else self.graph_runner.run(inputs)
+        if hidden is None:
+            hidden = self._eager_forward(inputs)
+        if not inputs.sample_at:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(inputs.sample_at, device=self.device)]).cpu()
+
+    def _eager_forward(self, inputs: StepInputs) -> torch.Tensor:
         dev = self.device
         table = torch.zeros((len(inputs.block_tables), max(len(b) for b in inputs.block_tables)), dtype=torch.int32)
         for i, blocks in enumerate(inputs.block_tables):
@@ -214,9 +226,6 @@ class ModelRunner:
             block_tables=table.to(dev), slot_mapping=torch.tensor(inputs.slot_mapping, dtype=torch.long, device=dev),
             max_query_len=max(inputs.query_lens), max_seq_len=max(inputs.seq_lens),
             query_lens_host=inputs.query_lens, seq_lens_host=inputs.seq_lens)
-        hidden = self.model(torch.tensor(inputs.input_ids, dtype=torch.long, device=dev),
-                            torch.tensor(inputs.positions, dtype=torch.long, device=dev), self.kv_caches, meta,
-                            self.backend)
-        if not inputs.sample_at:
-            return None
-        return self.model.compute_logits(hidden[torch.tensor(inputs.sample_at, device=dev)]).cpu()
+        return self.model(torch.tensor(inputs.input_ids, dtype=torch.long, device=dev),
+                          torch.tensor(inputs.positions, dtype=torch.long, device=dev), self.kv_caches, meta,
+                          self.backend)

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 # The int4 packing is quant/'s; re-exported so kernel tests name one module for references.
 from kvmesh.quant.primitives import pack_int4, unpack_int4
 
-__all__ = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "pack_int4", "unpack_int4", "dequantize_w4",
-           "w4a16_matmul"]
+__all__ = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "silu_mul", "pack_int4", "unpack_int4",
+           "dequantize_w4", "w4a16_matmul", "w8a16_matmul"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,6 +55,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for separate gate and up projections."""
+    return F.silu(gate) * up
+
+
 def dequantize_w4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                   group_size: int) -> torch.Tensor:
     """-> w: [out, in] float32, w = (q - zero) * scale per group of the input dim."""
@@ -70,3 +75,11 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     kernel feeds the tensor cores in the activation dtype) and accumulated in fp32."""
     w = dequantize_w4(packed, scales, zeros, group_size).to(x.dtype)
     return (x.to(torch.float32) @ w.to(torch.float32).t()).to(x.dtype)
+
+
+def w8a16_matmul(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x: [M, in] -> x @ (q * scales[:, None])^T: [M, out] in x.dtype. The int8 codes are
+    multiplied unscaled (exact in fp32), the product rounds to x.dtype, then each output
+    column is scaled and rounds again, as Int8WeightOnlyLinear's F.linear(x, q) * scales."""
+    y = (x.to(torch.float32) @ weight_int8.to(torch.float32).t()).to(x.dtype)
+    return (y.to(torch.float32) * scales.to(torch.float32)).to(x.dtype)

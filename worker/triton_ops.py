@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the Llama decoder: RMSNorm (+ residual add), SiLU-and-mul, W4A16.
+"""Fused Triton kernels for the Llama decoder: RMSNorm (+ residual add), SiLU-and-mul, W4A16, W8A16.
 
 Each kernel has a plain torch definition in worker/torch_ops.py, and the tests hold them to
 it. Kernels compute in fp32 and round where the unfused torch code rounds, so fp32 results
@@ -12,6 +12,12 @@ Under the interpreter bf16 has no numpy type, so values are upcast right after e
 The W4A16 packing convention (documented in full in torch_ops.py, produced by quant/):
     packed[o, i // 2] = q[o, 2*(i//2)] | (q[o, 2*(i//2) + 1] << 4)    uint8, low nibble = even i
     w[o, i] = (q[o, i] - zeros[o, i // group_size]) * scales[o, i // group_size]
+W8A16 (quant/linear.py's Int8WeightOnlyLinear): w[o, i] = q[o, i] * scales[o], q int8; the
+codes are exact in fp16 / bf16, so the kernel feeds them to tl.dot unscaled and applies the
+per-row scale once to the accumulator, as the torch path scales after its matmul.
+
+Which of these run (Triton on CUDA, torch elsewhere) is decided in one place:
+worker/kernel_dispatch.py.
 """
 
 from __future__ import annotations
@@ -193,18 +199,29 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 @triton.jit
 def _silu_and_mul_kernel(
     out_ptr,  # [T, I] x dtype
-    x_ptr,  # [T, 2 * I]: gate in columns [0, I), up in [I, 2I)
-    intermediate, stride_out, stride_x,
+    gate_ptr,  # [T, I] (row stride stride_gate): a view of gate | up, or its own tensor
+    up_ptr,  # [T, I] (row stride stride_up)
+    intermediate, stride_out, stride_gate, stride_up,
     BLOCK: tl.constexpr,  # columns of the output per program
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = cols < intermediate
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=valid, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + intermediate + cols, mask=valid, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + row * stride_gate + cols, mask=valid, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_up + cols, mask=valid, other=0.0).to(tl.float32)
     # Round silu(gate) to the activation dtype before the product, as F.silu(gate) * up does.
     act = round_to(gate / (1.0 + tl.exp(-gate)), out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, round_to(act * up, out_ptr.dtype.element_ty), mask=valid)
+
+
+def _launch_silu_mul(gate: torch.Tensor, up: torch.Tensor, lead: torch.Size) -> torch.Tensor:
+    """gate, up: [T, I] with unit inner stride -> silu(gate) * up: [*lead, I]."""
+    intermediate = gate.shape[1]
+    out = torch.empty((gate.shape[0], intermediate), dtype=gate.dtype, device=gate.device)
+    block = min(1024, triton.next_power_of_2(intermediate))
+    grid = (gate.shape[0], triton.cdiv(intermediate, block))
+    _silu_and_mul_kernel[grid](out, gate, up, intermediate, out.stride(0), gate.stride(0), up.stride(0), BLOCK=block)
+    return out.view(*lead, intermediate)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -212,14 +229,32 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x2 = _rows(x, "x")
     _require(x2.shape[1] % 2 == 0, f"silu_and_mul needs an even last dim, got {x2.shape[1]}")
     intermediate = x2.shape[1] // 2
-    out = torch.empty((x2.shape[0], intermediate), dtype=x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(intermediate))
-    grid = (x2.shape[0], triton.cdiv(intermediate, block))
-    _silu_and_mul_kernel[grid](out, x2, intermediate, out.stride(0), x2.stride(0), BLOCK=block)
-    return out.view(*x.shape[:-1], intermediate)
+    return _launch_silu_mul(x2[:, :intermediate], x2[:, intermediate:], x.shape[:-1])
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for separate gate and up projections ([..., I] each), no concat."""
+    _require(gate.shape == up.shape and gate.dtype == up.dtype and gate.device == up.device,
+             "gate and up must match in shape, dtype and device")
+    return _launch_silu_mul(_rows(gate, "gate"), _rows(up, "up"), gate.shape[:-1])
 
 
 # ----------------------------------------------------------------------------- W4A16 matmul
+
+
+@triton.jit
+def _load_rows_tile(x_ptr, offs_m, offs_k, m_valid, k_valid, stride_xm, COMPUTE: tl.constexpr):
+    """Activation tile x[offs_m, offs_k] of a row-major [M, K] matrix (zeros outside), in COMPUTE."""
+    return tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                   mask=m_valid[:, None] & k_valid[None, :], other=0.0).to(COMPUTE)
+
+
+def _gemm_tiles(num_rows: int, out_features: int) -> tuple[int, int, int, tuple[int, int]]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, grid) of the weight-only GEMMs. Small M is the decode case:
+    one row block of 16 (tl.dot's minimum) and wide N blocks."""
+    block_m = 16 if num_rows <= 16 else 32
+    block_n, block_k = 64, 64
+    return block_m, block_n, block_k, (triton.cdiv(num_rows, block_m), triton.cdiv(out_features, block_n))
 
 
 @triton.jit
@@ -244,8 +279,7 @@ def _w4a16_matmul_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_valid = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                    mask=m_valid[:, None] & k_valid[None, :], other=0.0).to(COMPUTE)  # [BM, BK]
+        x = _load_rows_tile(x_ptr, offs_m, offs_k, m_valid, k_valid, stride_xm, COMPUTE)  # [BM, BK]
         wk_mask = k_valid[:, None] & n_valid[None, :]
         byte = tl.load(packed_ptr + offs_n[None, :].to(tl.int64) * stride_pn + (offs_k[:, None] // 2),
                        mask=wk_mask, other=0)  # [BK, BN] uint8, each byte read for k and k+1
@@ -279,13 +313,62 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     _require(packed.device == x.device == scales.device == zeros.device, "all tensors on one device")
     packed, scales, zeros = packed.contiguous(), scales.contiguous(), zeros.contiguous()
     out = torch.empty((x2.shape[0], out_features), dtype=x.dtype, device=x.device)
-    # Small M is the decode case: one row block of 16 (tl.dot's minimum), wide N blocks.
-    block_m = 16 if x2.shape[0] <= 16 else 32
-    block_n, block_k = 64, 64
-    grid = (triton.cdiv(x2.shape[0], block_m), triton.cdiv(out_features, block_n))
+    block_m, block_n, block_k, grid = _gemm_tiles(x2.shape[0], out_features)
     _w4a16_matmul_kernel[grid](
         out, x2, packed, scales, zeros, x2.shape[0], out_features, in_features,
         x2.stride(0), out.stride(0), packed.stride(0), scales.stride(0), zeros.stride(0),
         GROUP_SIZE=group_size, COMPUTE=compute_dtype(x.dtype), DOT_PRECISION=dot_precision(x.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out.view(*x.shape[:-1], out_features)
+
+
+# ----------------------------------------------------------------------------- W8A16 matmul
+
+
+@triton.jit
+def _w8a16_matmul_kernel(
+    out_ptr,  # [M, N] x dtype
+    x_ptr,  # [M, K] activations
+    weight_ptr,  # [N, K] int8
+    scales_ptr,  # [N], one per output row
+    M, N, K,
+    stride_xm, stride_om, stride_wn,  # row strides, in elements
+    COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_valid = offs_m < M
+    n_valid = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_valid = offs_k < K
+        x = _load_rows_tile(x_ptr, offs_m, offs_k, m_valid, k_valid, stride_xm, COMPUTE)  # [BM, BK]
+        w = tl.load(weight_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
+                    mask=k_valid[:, None] & n_valid[None, :], other=0)  # [BK, BN] int8
+        acc = tl.dot(x, w.to(COMPUTE), acc, input_precision=DOT_PRECISION)  # int8 codes are exact in 16 bits
+    scale = tl.load(scales_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)
+    # Round the unscaled product to the activation dtype first, as F.linear(x, q) * scales does.
+    y = round_to(acc, out_ptr.dtype.element_ty).to(tl.float32) * scale[None, :]
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+             round_to(y, out_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
+
+
+def w8a16_matmul(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x: [..., in] @ (weight_int8 * scales[:, None])^T -> [..., out] in x.dtype."""
+    x2 = _rows(x, "x")
+    _require(weight_int8.dtype == torch.int8 and weight_int8.dim() == 2, "weight must be a 2-D int8 tensor")
+    out_features, in_features = weight_int8.shape
+    _require(x2.shape[1] == in_features, f"x has {x2.shape[1]} features, the weight {in_features}")
+    _require(tuple(scales.shape) == (out_features,), f"scales must be [{out_features}], got {list(scales.shape)}")
+    _require(weight_int8.device == x.device == scales.device, "all tensors on one device")
+    weight_int8 = weight_int8 if weight_int8.stride(-1) == 1 else weight_int8.contiguous()
+    out = torch.empty((x2.shape[0], out_features), dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k, grid = _gemm_tiles(x2.shape[0], out_features)
+    _w8a16_matmul_kernel[grid](
+        out, x2, weight_int8, scales.contiguous(), x2.shape[0], out_features, in_features,
+        x2.stride(0), out.stride(0), weight_int8.stride(0),
+        COMPUTE=compute_dtype(x.dtype), DOT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return out.view(*x.shape[:-1], out_features)
