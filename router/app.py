@@ -66,6 +66,9 @@ class KvmeshRouter(KvmeshGrpcMethods):
         from kvmesh.router.worker_pool import WorkerPool
         from kvmesh.worker.tokenizer import load_tokenizer
 
+        from kvmesh.router.grpc_edge import quiet_client_errors
+
+        quiet_client_errors()  # Serve would log each refused request with a traceback
         config = KvmeshConfig.from_dict(config_dict)
         app_name = serve.get_replica_context().app_name
         self.pool = WorkerPool(config, app_name)

@@ -57,8 +57,10 @@ def build_openai_app() -> FastAPI:
 
 
 def models_body(core: RouterCore) -> dict:
+    # max_model_len is a kvmesh extension (vLLM reports it too): the context length requests
+    # are validated against.
     return {"object": "list", "data": [{"id": core.model_name, "object": "model", "created": 0,
-                                        "owned_by": "kvmesh"}]}
+                                        "owned_by": "kvmesh", "max_model_len": core.max_model_len() or 0}]}
 
 
 def health_response(core: RouterCore) -> JSONResponse:
@@ -121,6 +123,8 @@ def error_response(exc: BaseException) -> JSONResponse:
     status = status_map.status_for(exc)
     if status.kind == "internal":
         logger.exception("request failed", exc_info=exc)
+    else:
+        status_map.log_client_error(status, "HTTP")
     return JSONResponse(status_map.openai_error_body(status), status_code=status.http_status,
                         headers=status_map.http_headers(status))
 
