@@ -11,7 +11,7 @@ suite: seeded random and mutated requests over gRPC (messages and raw bytes) and
   0 KV tokens used, 0 running, 0 waiting (within a bound, polled through GetStats);
 * a fixed greedy request returns the same text before and after.
 
-KVMESH_FUZZ_CASES (default 120: a few seconds) and KVMESH_FUZZ_SEED make longer runs.
+KVMESH_FUZZ_CASES (default 300: a few seconds) and KVMESH_FUZZ_SEED make longer runs.
 """
 
 from __future__ import annotations
@@ -496,7 +496,7 @@ class _Fuzzer:
 
 
 def test_fuzz_the_api(channel, stub, http_base):
-    cases = int(os.environ.get("KVMESH_FUZZ_CASES", "120"))
+    cases = int(os.environ.get("KVMESH_FUZZ_CASES", "300"))
     seed = int(os.environ.get("KVMESH_FUZZ_SEED", "1313"))
     _wait_idle(stub, "idle before the fuzz suite")
     before = _greedy_text(stub)
