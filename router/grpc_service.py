@@ -10,7 +10,10 @@ and one `RouterCore`.
 
 Errors: the status comes from router/status_map.py; it is set on the context (code,
 details, trailing metadata `x-kvmesh-error` and `retry-after-ms`) and the method then
-raises, which makes Serve end the RPC with exactly that status, also mid-stream.
+raises, which makes Serve end the RPC with exactly that status, also mid-stream. Serve
+keeps only the code and details of a failing method, so the details carry the trailers as
+a tag that router/grpc_edge.py, in Serve's proxy, turns back into trailing metadata; the
+edge also refuses undecodable bytes and cancels streams whose client left (see there).
 
 Metadata read: `authorization: Bearer <key>`, `x-kvmesh-attempt`, `traceparent`/`tracestate`,
 and `x-kvmesh-timeout-s` (a server-enforced deadline; a client's own gRPC deadline also

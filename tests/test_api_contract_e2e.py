@@ -154,6 +154,9 @@ def test_out_of_range_sampling_is_invalid_argument_over_grpc(stub, sampling):
     '{"prompt": "hi", "max_tokens": 4, "n": 1000}',
     '{"prompt": "hi", "max_tokens": 4, "seed": 100000000000000000000000}',
     '{"prompt": "\\ud800 lone surrogate", "max_tokens": 4}',
+    # found by the fuzz suite (were HTTP 500): stream options of the wrong type
+    '{"prompt": "hi", "max_tokens": 1, "stream": true, "stream_options": 1}',
+    '{"prompt": "hi", "max_tokens": 1, "stream": "NaN"}',
 ])
 def test_out_of_range_values_are_http_400(http_base, body):
     reply = httpx.post(f"{http_base}/v1/completions", content=body, headers={"content-type": "application/json"},

@@ -62,12 +62,17 @@ def _int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _rule_max_tokens(p: "SamplingParams", max_new_tokens: int | None, max_n: int | None) -> str | None:
-    if not _int(p.max_tokens) or p.max_tokens < 1:
-        return f"max_tokens must be an integer >= 1, got {p.max_tokens!r}"
-    if max_new_tokens is not None and p.max_tokens > max_new_tokens:
-        return f"max_tokens {p.max_tokens} exceeds this server's limit of {max_new_tokens}"
+def _count_within(name: str, value, ceiling: int | None, unit: str = "") -> str | None:
+    """An integer >= 1 and at most the server's ceiling (None = no ceiling)."""
+    if not _int(value) or value < 1:
+        return f"{name} must be an integer >= 1, got {value!r}"
+    if ceiling is not None and value > ceiling:
+        return f"{name} = {value} exceeds this server's limit of {ceiling}{unit}"
     return None
+
+
+def _rule_max_tokens(p: "SamplingParams", max_new_tokens: int | None, max_n: int | None) -> str | None:
+    return _count_within("max_tokens", p.max_tokens, max_new_tokens)
 
 
 def _rule_temperature(p: "SamplingParams", *_) -> str | None:
@@ -119,11 +124,7 @@ def _rule_min_tokens(p: "SamplingParams", *_) -> str | None:
 
 
 def _rule_n(p: "SamplingParams", max_new_tokens: int | None, max_n: int | None) -> str | None:
-    if not _int(p.n) or p.n < 1:
-        return f"n must be an integer >= 1, got {p.n!r}"
-    if max_n is not None and p.n > max_n:
-        return f"n = {p.n} exceeds this server's limit of {max_n} samples per request"
-    return None
+    return _count_within("n", p.n, max_n, " samples per request")
 
 
 def _rule_seed(p: "SamplingParams", *_) -> str | None:
