@@ -31,7 +31,7 @@ import pytest
 from kvmesh.deploy.config import KvmeshConfig
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc
-from e2e_cluster import serving, tiny_cluster_config, wait_for
+from e2e_cluster import scrape, serving, tiny_cluster_config, total, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -263,8 +263,17 @@ def test_resource_exhausted_carries_trailers_and_retry_after(stub, http_base):
 
 # ---- 1. every client close reaches the engine -----------------------------------------------
 
-def test_every_closed_stream_is_freed(stub):
+def _finished_by_length(http_base: str) -> float:
+    """Requests this (single) router replica saw end with finish_reason length, ever."""
+    return total(scrape(http_base), "kvmesh_requests_total", finish_reason="length")
+
+
+def test_every_closed_stream_is_freed(stub, http_base):
+    """Each stream is closed after 0-4 messages of its 800: none may run to its length (that is
+    what a close Serve's proxy fails to pass on looks like: the engine generates on for
+    nobody), and the workers end with nothing running or held."""
     rng = random.Random(13)
+    length_before = _finished_by_length(http_base)
     for round_index in range(3):
         calls = [stub.Generate(_request(f"close {round_index} {i}", max_tokens=LONG), timeout=120)
                  for i in range(8)]
@@ -285,6 +294,7 @@ def test_every_closed_stream_is_freed(stub):
         for t in threads:
             t.join()
         _wait_idle(stub, f"round {round_index}: every closed stream freed")
+    assert _finished_by_length(http_base) == length_before
 
 
 # ---- logging: expected client errors once, briefly ------------------------------------------
