@@ -87,6 +87,7 @@ class SchedulerConfig:
     max_prefill_tokens_per_step: int = 512  # chunked prefill: prompt tokens per step
     max_total_kv_tokens: int | None = None  # None = the KV cache's capacity
     max_new_tokens: int = 2048  # ceiling on a request's max_tokens
+    max_n: int = 16  # ceiling on a request's n (samples of one prompt)
     max_queue_len: int = 1024
     max_queue_time_s: float = 60.0
     preemption_mode: str = "recompute"  # recompute | swap
@@ -97,7 +98,7 @@ class SchedulerConfig:
         _one_of("scheduler.policy", self.policy, ("continuous", "static", "dynamic"))
         _one_of("scheduler.preemption_mode", self.preemption_mode, ("recompute", "swap"))
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens_per_step",
-                     "max_new_tokens", "max_queue_len", "static_batch_size"):
+                     "max_new_tokens", "max_n", "max_queue_len", "static_batch_size"):
             _check(getattr(self, name) >= 1, f"scheduler.{name} must be >= 1")
         _check(self.max_total_kv_tokens is None or self.max_total_kv_tokens >= 1,
                "scheduler.max_total_kv_tokens must be >= 1")

@@ -91,7 +91,11 @@ class KvmeshServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetStats(self, request, context):
-        """Admin: per-worker load and KV figures plus cluster totals.
+        """Admin: per-worker load and KV figures plus cluster totals. Freshness: each worker's
+        figures are read from its engine during this call (stats_age_s = 0); a worker that does
+        not answer within 1 s is shown as of the router's last poll (every router.stats_refresh_s),
+        with stats_age_s saying how old. router_in_flight / router_queue_len are this router
+        replica's live counts (a deployment with several replicas answers from one of them).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

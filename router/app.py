@@ -8,7 +8,8 @@ openai_http.py) and also defines the Kvmesh RPC methods (router/grpc_service.py)
   once (worker actor -> router replica) before Serve's proxy writes it to the socket;
 * Serve's proxies own the ports, run on every node, drain on shutdown, and cancel the
   replica's request when a client disconnects (which is how a vanished client aborts its
-  request on the worker and frees its KV blocks);
+  request on the worker and frees its KV blocks; for gRPC, router/grpc_edge.py adds a
+  Cancel for the disconnects Serve's proxy does not pass on);
 * one `RouterCore` per replica serves both, so auth, quotas, admission, routing and error
   mapping are the same code path whichever protocol a client speaks.
 
@@ -66,6 +67,9 @@ class KvmeshRouter(KvmeshGrpcMethods):
         from kvmesh.router.worker_pool import WorkerPool
         from kvmesh.worker.tokenizer import load_tokenizer
 
+        from kvmesh.router.grpc_edge import quiet_client_errors
+
+        quiet_client_errors()  # Serve would log each refused request with a traceback
         config = KvmeshConfig.from_dict(config_dict)
         app_name = serve.get_replica_context().app_name
         self.pool = WorkerPool(config, app_name)

@@ -109,6 +109,7 @@ class ClusterTotals:
 class ClusterStats:
     workers: tuple[WorkerStats, ...]
     totals: ClusterTotals
+    ages_s: tuple[float, ...] = ()  # per worker: seconds since its figures were read (0 = live)
 
 
 @dataclass(frozen=True)
@@ -242,8 +243,8 @@ def health_from_pb(msg: pb.HealthResponse) -> HealthStatus:
                         num_healthy_workers=msg.num_healthy_workers)
 
 
-def worker_stats_to_pb(stats: WorkerStats) -> pb.WorkerStats:
-    return pb.WorkerStats(**dataclasses.asdict(stats))
+def worker_stats_to_pb(stats: WorkerStats, age_s: float = 0.0) -> pb.WorkerStats:
+    return pb.WorkerStats(**dataclasses.asdict(stats), stats_age_s=age_s)
 
 
 def worker_stats_from_pb(msg: pb.WorkerStats) -> WorkerStats:
@@ -251,13 +252,15 @@ def worker_stats_from_pb(msg: pb.WorkerStats) -> WorkerStats:
 
 
 def cluster_stats_to_pb(stats: ClusterStats) -> pb.GetStatsResponse:
-    return pb.GetStatsResponse(workers=[worker_stats_to_pb(w) for w in stats.workers],
+    ages = stats.ages_s or (0.0,) * len(stats.workers)
+    return pb.GetStatsResponse(workers=[worker_stats_to_pb(w, age) for w, age in zip(stats.workers, ages)],
                                totals=pb.ClusterTotals(**dataclasses.asdict(stats.totals)))
 
 
 def cluster_stats_from_pb(msg: pb.GetStatsResponse) -> ClusterStats:
     totals = ClusterTotals(**{f.name: getattr(msg.totals, f.name) for f in dataclasses.fields(ClusterTotals)})
-    return ClusterStats(workers=tuple(worker_stats_from_pb(w) for w in msg.workers), totals=totals)
+    return ClusterStats(workers=tuple(worker_stats_from_pb(w) for w in msg.workers), totals=totals,
+                        ages_s=tuple(w.stats_age_s for w in msg.workers))
 
 
 # ---- call metadata -------------------------------------------------------------------------

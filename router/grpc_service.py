@@ -10,7 +10,10 @@ and one `RouterCore`.
 
 Errors: the status comes from router/status_map.py; it is set on the context (code,
 details, trailing metadata `x-kvmesh-error` and `retry-after-ms`) and the method then
-raises, which makes Serve end the RPC with exactly that status, also mid-stream.
+raises, which makes Serve end the RPC with exactly that status, also mid-stream. Serve
+keeps only the code and details of a failing method, so the details carry the trailers as
+a tag that router/grpc_edge.py, in Serve's proxy, turns back into trailing metadata; the
+edge also refuses undecodable bytes and cancels streams whose client left (see there).
 
 Metadata read: `authorization: Bearer <key>`, `x-kvmesh-attempt`, `traceparent`/`tracestate`,
 and `x-kvmesh-timeout-s` (a server-enforced deadline; a client's own gRPC deadline also
@@ -25,9 +28,9 @@ import sys
 import time
 
 from kvmesh.proto import kvmesh_pb2 as pb
-from kvmesh.proto import kvmesh_pb2_grpc
-from kvmesh.router import convert, status_map
+from kvmesh.router import convert, grpc_edge, status_map
 from kvmesh.router.router_core import InboundRequest, RouterCore
+from kvmesh.worker.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +46,9 @@ sys.modules.setdefault(pb.GenerateRequest.__module__, pb)
 
 
 def add_KvmeshServicer_to_server(servicer, server) -> None:  # noqa: N802 (protoc's name)
-    """The servicer function Serve's gRPC proxy registers (gRPCOptions.grpc_servicer_functions)."""
-    kvmesh_pb2_grpc.add_KvmeshServicer_to_server(servicer, server)
+    """The servicer function Serve's gRPC proxy registers (gRPCOptions.grpc_servicer_functions):
+    the generated registration plus the proxy-side edge (router/grpc_edge.py)."""
+    grpc_edge.add_kvmesh_service(servicer, server)
 
 
 class KvmeshGrpcMethods:
@@ -54,6 +58,7 @@ class KvmeshGrpcMethods:
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None):
         try:
+            _check_decoded(request)
             stream = await self.core.start(inbound_from_pb(request, _invocation_metadata(grpc_context)))
             if grpc_context is not None:
                 grpc_context.set_trailing_metadata([(WORKER_KEY, stream.worker_id)])
@@ -65,6 +70,7 @@ class KvmeshGrpcMethods:
 
     async def Cancel(self, request: pb.CancelRequest, grpc_context=None) -> pb.CancelResponse:
         try:
+            _check_decoded(request)
             meta = convert.call_metadata_from_grpc(_invocation_metadata(grpc_context))
             found = await self.core.cancel(request.request_id, meta.api_key)
         except Exception as exc:
@@ -76,7 +82,7 @@ class KvmeshGrpcMethods:
         core = self.core
         info = core.pool.any_info()
         return convert.models_to_pb([convert.ModelInfo(
-            id=core.model_name, max_model_len=core.config.model.max_model_len or 0,
+            id=core.model_name, max_model_len=core.max_model_len() or 0,
             block_size=info.block_size if info else core.config.cache.block_size)])
 
     async def Health(self, request: pb.HealthRequest, grpc_context=None) -> pb.HealthResponse:
@@ -85,16 +91,24 @@ class KvmeshGrpcMethods:
                                                          num_healthy_workers=view.num_routable))
 
     async def GetStats(self, request: pb.GetStatsRequest, grpc_context=None) -> pb.GetStatsResponse:
-        view = self.core.cluster_view()
+        view = await self.core.live_cluster_view()
         admission = self.core.admission.snapshot()
         totals = convert.ClusterTotals.from_workers(
             view.workers, router_queue_len=admission.num_queued_first + admission.num_queued_retry,
-            router_in_flight=view.router_in_flight)
-        return convert.cluster_stats_to_pb(convert.ClusterStats(workers=view.workers, totals=totals))
+            router_in_flight=self.core.in_flight)  # read after the await: live
+        return convert.cluster_stats_to_pb(convert.ClusterStats(workers=view.workers, totals=totals,
+                                                                ages_s=view.ages_s))
 
 
 def _invocation_metadata(grpc_context) -> list[tuple[str, str]]:
     return list(grpc_context.invocation_metadata()) if grpc_context is not None else []
+
+
+def _check_decoded(request) -> None:
+    """A request the proxy could not parse (grpc_edge.UndecodableRequest) is the client's error;
+    the edge normally refuses it before it gets here."""
+    if isinstance(request, grpc_edge.UndecodableRequest):
+        raise InvalidRequestError(request.message)
 
 
 def _fail(grpc_context, exc: BaseException) -> None:
@@ -102,9 +116,13 @@ def _fail(grpc_context, exc: BaseException) -> None:
     status = status_map.status_for(exc)
     if status.kind == "internal":
         logger.exception("gRPC request failed", exc_info=exc)
+    else:
+        status_map.log_client_error(status, "gRPC")
     if grpc_context is not None:
         grpc_context.set_code(status.grpc_code)
-        grpc_context.set_details(status_map.grpc_details(status))  # carries retry-after too
+        # The trailers ride in the details too: Serve drops a failing method's trailing
+        # metadata, and the edge in its proxy moves them back (router/grpc_edge.py).
+        grpc_context.set_details(status_map.grpc_details(status))
         grpc_context.set_trailing_metadata(list(status_map.grpc_trailing_metadata(status)))
 
 

@@ -57,8 +57,10 @@ def build_openai_app() -> FastAPI:
 
 
 def models_body(core: RouterCore) -> dict:
+    # max_model_len is a kvmesh extension (vLLM reports it too): the context length requests
+    # are validated against.
     return {"object": "list", "data": [{"id": core.model_name, "object": "model", "created": 0,
-                                        "owned_by": "kvmesh"}]}
+                                        "owned_by": "kvmesh", "max_model_len": core.max_model_len() or 0}]}
 
 
 def health_response(core: RouterCore) -> JSONResponse:
@@ -87,11 +89,12 @@ async def generate_response(core: RouterCore, request: Request, chat: bool) -> R
     try:
         body = await _json_body(request)
         inbound = _inbound(request, body, chat)
+        streaming, include_usage = _streaming_options(body)  # checked before anything starts
         stream = await core.start(inbound)
     except Exception as exc:
         return error_response(exc)
     created = int(time.time())
-    if body.get("stream"):
+    if streaming:
         # Wait for the first delta before answering 200: an error the worker raises before
         # any output (its own validation, its queue timing out) still gets a real status,
         # and the stream's generator is started, so even a client that leaves before the
@@ -104,7 +107,6 @@ async def generate_response(core: RouterCore, request: Request, chat: bool) -> R
             first = []
         except Exception as exc:
             return error_response(exc)
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         events = _sse_events(_chain(first, deltas), stream.request_id, core.model_name, created, chat,
                              include_usage)
         return StreamingResponse(events, media_type="text/event-stream",
@@ -121,6 +123,8 @@ def error_response(exc: BaseException) -> JSONResponse:
     status = status_map.status_for(exc)
     if status.kind == "internal":
         logger.exception("request failed", exc_info=exc)
+    else:
+        status_map.log_client_error(status, "HTTP")
     return JSONResponse(status_map.openai_error_body(status), status_code=status.http_status,
                         headers=status_map.http_headers(status))
 
@@ -153,6 +157,16 @@ def _inbound(request: Request, body: dict, chat: bool) -> InboundRequest:
         deadline_s=None if timeout_s is None else time.time() + timeout_s,
         attempt=int(_float_header(request, status_map.ATTEMPT_KEY) or 1),
         trace_context={k: v for k, v in request.headers.items() if k in ("traceparent", "tracestate")})
+
+
+def _streaming_options(body: dict) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage), each a JSON boolean when given."""
+    streaming = bool(_optional(body, "stream", bool))
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise InvalidRequestError(f"'stream_options' must be an object, got {options!r}")
+    include_usage = bool(_optional(options or {}, "include_usage", bool))
+    return streaming, include_usage
 
 
 def _chat_message(message) -> dict:

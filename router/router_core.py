@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.deploy.config import KvmeshConfig
 from kvmesh.kv.hashing import hash_full_blocks
-from kvmesh.router import tracing
+from kvmesh.router import request_rules, tracing
 from kvmesh.router.admission import AdmissionController, AdmissionTicket, request_cost_tokens
 from kvmesh.router.auth import Authenticator
 from kvmesh.router.fairness import TenantBacklog, engine_priority
@@ -60,6 +60,9 @@ from kvmesh.worker.errors import (
 )
 
 logger = logging.getLogger(__name__)
+
+# GetStats reads every worker's figures live; one slower than this is shown as last polled.
+LIVE_STATS_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ class ClusterView:
     num_workers: int
     num_routable: int
     router_in_flight: int
+    ages_s: tuple[float, ...] = ()  # per worker: seconds since its figures were read (live views)
 
 
 class RouterCore:
@@ -106,6 +110,7 @@ class RouterCore:
         self._cursor = RoundRobinCursor()
         self._extra_keys: dict[str | None, tuple[str, ...]] = {}  # cache salt -> block extra keys
         self.in_flight = 0
+        self.live_request_ids: set[str] = set()  # scoped ids of this replica's admitted requests
         self._backlog = TenantBacklog()  # per-tenant in-flight: the fair rank (router/fairness.py)
         pool.on_stats = self._on_worker_stats
 
@@ -152,6 +157,19 @@ class RouterCore:
         if inbound.attempt > 1:
             self.metrics.observe_retry()
         request = self._worker_request(inbound, tenant)
+        if request.request_id in self.live_request_ids:
+            # Refused here, before anything is reserved or sent: the running request with
+            # this id is untouched (a worker also refuses a duplicate it is streaming).
+            raise InvalidRequestError(f"request id {inbound.request_id!r} is already in flight")
+        self.live_request_ids.add(request.request_id)  # until the stream ends (RequestStream)
+        try:
+            return await self._reserve_and_admit(tenant, inbound, request, root, parent)
+        except BaseException:
+            self.live_request_ids.discard(request.request_id)
+            raise
+
+    async def _reserve_and_admit(self, tenant: Tenant, inbound: InboundRequest, request: GenerateRequest,
+                                 root, parent) -> "RequestStream":
         root.set_attribute(tracing.ATTR_REQUEST_ID, request.request_id)
         sampling, num_prompt = request.sampling, len(request.prompt_token_ids)
         with self._tracer.start_as_current_span(tracing.SPAN_QUOTA, context=parent):
@@ -179,12 +197,15 @@ class RouterCore:
                              decision, ticket, reservation, spans=(stream_span, root), arrived_s=arrived_s)
 
     def _worker_request(self, inbound: InboundRequest, tenant: Tenant) -> GenerateRequest:
+        request_rules.check_request_id(inbound.request_id)
+        request_rules.check_model_name(inbound.model)
         if inbound.model and inbound.model != self.model_name:
             raise InvalidRequestError(f"model {inbound.model!r} is not served here; this server serves "
                                       f"{self.model_name!r}")
         if inbound.deadline_s is not None and inbound.deadline_s <= time.time():
             raise DeadlineExceededError("the request's deadline passed before it was started")
-        inbound.sampling.validate(self.config.scheduler.max_new_tokens)
+        inbound.sampling.validate(self.config.scheduler.max_new_tokens, self.config.scheduler.max_n)
+        request_rules.check_stop_strings(inbound.sampling.stop)
         return GenerateRequest(
             request_id=scoped_request_id(tenant.id, inbound.request_id or uuid.uuid4().hex),
             prompt_token_ids=self._prompt_token_ids(inbound), sampling=inbound.sampling,
@@ -228,19 +249,20 @@ class RouterCore:
         if sum(given) != 1:
             raise InvalidRequestError("send exactly one of prompt, messages (chat) or prompt_token_ids")
         if inbound.prompt_token_ids is not None:
-            ids = tuple(int(t) for t in inbound.prompt_token_ids)
-            vocab_size = len(self.tokenizer)
-            if any(t < 0 or t >= vocab_size for t in ids):
-                raise InvalidRequestError(f"prompt_token_ids must be in [0, {vocab_size})")
+            ids = tuple(inbound.prompt_token_ids)
+            request_rules.check_prompt_token_ids(ids, len(self.tokenizer))
         else:
             text = inbound.prompt
             if inbound.messages is not None:
                 from kvmesh.worker.tokenizer import render_chat
+                for message in inbound.messages:
+                    request_rules.check_text(message.get("content"), "message content")
                 text = render_chat(self.tokenizer, [dict(m) for m in inbound.messages])
+            request_rules.check_text(text, "prompt")
             ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))  # as the engine does
         if not ids:
             raise InvalidRequestError("the prompt is empty")
-        max_model_len = self.config.model.max_model_len
+        max_model_len = self.max_model_len()
         max_tokens = inbound.sampling.max_tokens
         if max_model_len is not None and len(ids) + max_tokens > max_model_len:
             raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
@@ -268,10 +290,26 @@ class RouterCore:
         results = await asyncio.gather(*refs, return_exceptions=True)
         return any(r is True for r in results)
 
+    def max_model_len(self) -> int | None:
+        """The context length requests are checked against: the workers' own (which the
+        config's model.max_model_len sets when given), None before any worker answered."""
+        info = self.pool.any_info()
+        if info is not None and info.max_model_len:
+            return info.max_model_len
+        return self.config.model.max_model_len
+
     def cluster_view(self) -> ClusterView:
+        """As of the last polls (cheap: /health, metrics)."""
         workers = tuple(self.pool.stats_for_routing())
         return ClusterView(workers=workers, num_workers=len(self.pool.worker_ids),
                            num_routable=len(self.pool.routable_ids()), router_in_flight=self.in_flight)
+
+    async def live_cluster_view(self) -> ClusterView:
+        """Worker figures read from the engines now (GetStats), each with its age."""
+        read = await self.pool.read_stats_now(LIVE_STATS_TIMEOUT_S)
+        return ClusterView(workers=tuple(s for s, _ in read), num_workers=len(self.pool.worker_ids),
+                           num_routable=len(self.pool.routable_ids()), router_in_flight=self.in_flight,
+                           ages_s=tuple(age for _, age in read))
 
     # ---- bookkeeping used by RequestStream ------------------------------------------------
 
@@ -341,6 +379,7 @@ class RequestStream:
             # second cancel arriving during the await below must not skip the metrics or spans.
             failure = sys.exc_info()[1]
             core.in_flight -= 1
+            core.live_request_ids.discard(self._request.request_id)
             core._backlog.leave(self._request.tenant_id)
             self._ticket.release()
             usage = final.usage if final is not None else None
@@ -386,6 +425,10 @@ class RequestStream:
             async for ref in _with_deadline(stream, request.deadline_s):
                 item = await _await_before(ref, request.deadline_s)
                 if isinstance(item, ErrorReport):
+                    # The worker ended this stream itself (a refusal or an engine error) and
+                    # holds nothing for it: an abort by id here could only hit ANOTHER
+                    # request with the same id (a refused duplicate's original).
+                    finished = True
                     raise item.to_exception()
                 for delta in item:
                     if delta.finish_reason is FinishReason.ERROR and delta.error_type:

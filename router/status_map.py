@@ -5,7 +5,7 @@
     UnauthenticatedError           UNAUTHENTICATED      401   authentication_error   -
     QuotaExceededError             RESOURCE_EXHAUSTED   429   rate_limit_error       yes
     OverloadedError                RESOURCE_EXHAUSTED   429   overloaded_error       yes
-    WorkerFailedError              UNAVAILABLE          503   server_error           -
+    WorkerFailedError              UNAVAILABLE          503   server_error           yes (0.1 s)
     DeadlineExceededError          DEADLINE_EXCEEDED    504   timeout_error          -
     RequestCancelledError          CANCELLED            499   request_cancelled      -
     anything else                  INTERNAL             500   server_error           -
@@ -22,6 +22,7 @@ internals (or prompt text) and is logged, not returned.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Iterable
@@ -40,12 +41,17 @@ from kvmesh.worker.errors import (
     WorkerFailedError,
 )
 
+logger = logging.getLogger(__name__)
+
 RETRY_AFTER_MS_KEY = "retry-after-ms"
 ERROR_KIND_KEY = "x-kvmesh-error"
 ATTEMPT_KEY = "x-kvmesh-attempt"
 AUTHORIZATION_KEY = "authorization"
 HTTP_CLIENT_CLOSED_REQUEST = 499  # nginx's status for "client went away"; no standard one exists
 INTERNAL_ERROR_MESSAGE = "internal server error"
+# UNAVAILABLE after a worker failure: the router has already marked the worker failed and
+# routes a retry elsewhere, so a client may come back almost at once.
+WORKER_FAILED_RETRY_AFTER_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -92,9 +98,21 @@ def status_for(error: BaseException) -> ErrorStatus:
     rule = next((r for r in _RULES if isinstance(error, r.error_type)), _INTERNAL)
     message = error.message if isinstance(error, KvmeshError) and rule is not _INTERNAL else INTERNAL_ERROR_MESSAGE
     retry_after_s = getattr(error, "retry_after_s", None) if rule is not _INTERNAL else None
+    if retry_after_s is None and rule.error_type is WorkerFailedError:
+        retry_after_s = WORKER_FAILED_RETRY_AFTER_S
     return ErrorStatus(kind=rule.kind, grpc_code=rule.grpc_code, http_status=rule.http_status,
                        openai_type=rule.openai_type, message=message,
                        retry_after_s=None if retry_after_s is None else max(0.0, float(retry_after_s)))
+
+
+def is_client_error(error: BaseException) -> bool:
+    """A kvmesh error reported on purpose with a documented status (not INTERNAL)."""
+    return isinstance(error, KvmeshError) and any(isinstance(error, r.error_type) for r in _RULES)
+
+
+def log_client_error(status: ErrorStatus, where: str) -> None:
+    """One line per expected client error, no traceback (they are the client's to act on)."""
+    logger.warning("%s request refused: %s %s: %s", where, status.grpc_code.name, status.kind, status.message)
 
 
 # ---- HTTP / OpenAI -------------------------------------------------------------------------
@@ -159,8 +177,8 @@ def positive_float(raw: str | None, what: str) -> float | None:
         value = float(raw)
     except ValueError:
         raise InvalidRequestError(f"{what} must be a number, got {raw!r}") from None
-    if value <= 0:
-        raise InvalidRequestError(f"{what} must be > 0")
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidRequestError(f"{what} must be a finite number > 0, got {raw!r}")
     return value
 
 
@@ -173,26 +191,35 @@ def retry_after_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None
         return None
 
 
-# Serve's gRPC proxy drops a replica's trailing metadata when a streaming method raises
-# before its first message (it carries only the code and details across), which is exactly
-# when overload is reported. So the retry-after also rides at the end of the details.
-_RETRY_AFTER_IN_DETAILS = re.compile(r" \[" + RETRY_AFTER_MS_KEY + r"=(\d+)\]$")
+# Serve's gRPC proxy drops a replica's trailing metadata when a method raises (it carries only
+# the code and details across). So the replica appends its trailers to the details as a tag,
+# ` [x-kvmesh-error=overloaded; retry-after-ms=78]`, and the edge in Serve's proxy
+# (router/grpc_edge.py) moves them back into real trailing metadata; a client that still
+# finds the tag (another proxy in front) reads it from the details.
+_DETAILS_TAG = re.compile(r" \[((?:[a-z0-9-]+=[^;\]]*)(?:; [a-z0-9-]+=[^;\]]*)*)\]$")
 
 
 def grpc_details(status: "ErrorStatus") -> str:
-    """The status details: the message, plus ` [retry-after-ms=N]` when there is one."""
-    if status.retry_after_s is None:
-        return status.message
-    return f"{status.message} [{RETRY_AFTER_MS_KEY}={retry_after_ms(status.retry_after_s)}]"
+    """The status details: the message, then the trailing metadata as a tag."""
+    tag = "; ".join(f"{k}={v}" for k, v in grpc_trailing_metadata(status))
+    return f"{status.message} [{tag}]"
+
+
+def split_details(details: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """(message, trailing metadata pairs) from details that may end with the tag."""
+    match = _DETAILS_TAG.search(details or "")
+    if match is None:
+        return details, ()
+    pairs = tuple(tuple(item.split("=", 1)) for item in match.group(1).split("; "))
+    return details[:match.start()], pairs
 
 
 def retry_after_from_status(metadata: Iterable[tuple[str, str | bytes]] | None, details: str | None) -> float | None:
-    """Seconds from trailing `retry-after-ms`, else from the details' suffix, else None."""
+    """Seconds from trailing `retry-after-ms`, else from the details' tag, else None."""
     from_metadata = retry_after_from_metadata(metadata)
     if from_metadata is not None:
         return from_metadata
-    match = _RETRY_AFTER_IN_DETAILS.search(details or "")
-    return None if match is None else int(match.group(1)) / 1000.0
+    return retry_after_from_metadata(split_details(details or "")[1])
 
 
 _KIND_BY_CODE = {
@@ -208,9 +235,10 @@ _KIND_BY_CODE = {
 def error_from_grpc(code: grpc.StatusCode, details: str | None,
                     trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> KvmeshError:
     """Rebuild the typed kvmesh error a server (or the channel) reported."""
-    kind = metadata_value(trailing_metadata, ERROR_KIND_KEY)
+    message, tagged = split_details(details or "")
+    kind = metadata_value(trailing_metadata, ERROR_KIND_KEY) or metadata_value(tagged, ERROR_KIND_KEY)
     rule = _RULE_BY_KIND.get(kind or "") or _RULE_BY_KIND.get(_KIND_BY_CODE.get(code, ""))
-    message = _RETRY_AFTER_IN_DETAILS.sub("", details or "") or code.name
+    message = message or code.name
     if rule is None:
         error = KvmeshError(f"{code.name}: {message}")
     elif rule.error_type in (QuotaExceededError, OverloadedError):

@@ -138,6 +138,26 @@ class WorkerPool:
                 result.append(state.stats)
         return result
 
+    async def read_stats_now(self, timeout_s: float) -> list[tuple[WorkerStats, float]]:
+        """(stats, age in seconds) of every worker that has reported: each routable worker's
+        read from its engine now (age 0); one that is not routable or does not answer within
+        `timeout_s`, as of its last poll. For GetStats; routing keeps using the polled view."""
+        calls = {w: asyncio.ensure_future(_await_ref(self._workers[w].handle.stats.remote()))
+                 for w in self.routable_ids()}
+        if calls:
+            await asyncio.wait(calls.values(), timeout=timeout_s)
+        now = time.time()
+        result = []
+        for stats in self.stats_for_routing():
+            call = calls.get(stats.worker_id)
+            if call is not None and call.done() and not call.cancelled() and call.exception() is None:
+                result.append((_with_health(call.result(), stats.healthy), 0.0))
+            else:
+                if call is not None:
+                    call.cancel()
+                result.append((stats, max(0.0, now - self._workers[stats.worker_id].last_ok_time)))
+        return result
+
     # ---- failures ------------------------------------------------------------------------
 
     def mark_failed(self, worker_id: str, reason: str) -> None:

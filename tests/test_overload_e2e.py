@@ -254,7 +254,7 @@ def test_retry_after_travels_in_the_details_when_trailing_metadata_is_lost():
 
     status = status_map.status_for(OverloadedError("server overloaded: admission queue full", 1.2345))
     details = status_map.grpc_details(status)
-    assert details.endswith("[retry-after-ms=1235]")  # rounded up: never earlier than asked
+    assert details.endswith("retry-after-ms=1235]")  # rounded up: never earlier than asked
     assert status_map.retry_after_from_status((), details) == 1.235
     assert status_map.retry_after_from_status((("retry-after-ms", "70"),), details) == 0.07  # metadata wins
     assert status_map.retry_after_from_status((), "no hint here") is None

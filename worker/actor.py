@@ -65,6 +65,9 @@ class WorkerInfo:
     # The Ray node (hex id) this incarnation runs on: where Ray placed it, and after a node
     # loss, where Ray restarted it.
     node_id: str = ""
+    # The context length requests are validated against (model.max_model_len, else the
+    # model's own positions): what ListModels reports.
+    max_model_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,7 @@ class WorkerActor:
         self._engine = AsyncEngine.from_config(self._config, worker_id=worker_id)
         self._info = WorkerInfo(worker_id=worker_id, incarnation=uuid.uuid4().hex,
                                 model_name=self._engine.model_name, block_size=self._engine.block_size,
-                                node_id=_current_node_id())
+                                node_id=_current_node_id(), max_model_len=self._engine.engine.max_model_len)
         self._streaming: set[str] = set()  # request ids with a live `generate` stream
         self._tracer = telemetry.get_tracer(telemetry.setup_tracing(self._config.observability, "kvmesh-worker"))
         engine = self._engine.engine
@@ -137,6 +140,11 @@ class WorkerActor:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamItem]:
         """Stream the request's deltas in batches; an engine error ends the stream with an
         ErrorReport. Closing or cancelling this generator aborts the request."""
+        if request.request_id in self._streaming:
+            # Refused before anything is touched: the request streaming under this id is
+            # another client's and must keep running (and stay known to `abort`).
+            yield ErrorReport("InvalidRequestError", f"request id {request.request_id!r} is already in flight")
+            return
         queue: asyncio.Queue = asyncio.Queue()
         pump = asyncio.create_task(self._pump(request, queue))
         self._streaming.add(request.request_id)

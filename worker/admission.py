@@ -78,7 +78,7 @@ class AdmissionController:
         """Refusals no retry can fix."""
         if request.num_prompt_tokens == 0:
             raise InvalidRequestError("the prompt is empty")
-        request.sampling.validate(self.config.max_new_tokens)
+        request.sampling.validate(self.config.max_new_tokens, self.config.max_n)
         total = request.num_prompt_tokens + request.sampling.max_tokens
         if self.max_model_len is not None and total > self.max_model_len:
             raise InvalidRequestError(
@@ -91,6 +91,16 @@ class AdmissionController:
             raise InvalidRequestError(
                 f"prompt ({request.num_prompt_tokens}) + max_tokens ({request.sampling.max_tokens}) needs "
                 f"{self.reservation_for(request)} KV tokens; this worker can hold at most {limit}")
+
+    def check_request_fits(self, prompt_tokens: int, sampling) -> None:
+        """All n samples of one request together must fit the budget (each reserves its own
+        blocks), or the request could wait forever: no retry can fix that."""
+        needed = request_kv_tokens(prompt_tokens, sampling.max_tokens, self.block_size, n=sampling.n)
+        limit = min(self.budget_tokens, self.capacity_tokens)
+        if needed > limit:
+            raise InvalidRequestError(
+                f"prompt ({prompt_tokens}) + max_tokens ({sampling.max_tokens}) x n ({sampling.n}) needs {needed} "
+                f"KV tokens in whole blocks of {self.block_size}; this worker can hold at most {limit}")
 
     def check_capacity(self, request: Request, num_waiting: int) -> None:
         """Refusals that go away as running requests finish."""

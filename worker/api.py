@@ -8,6 +8,8 @@ checked; it raises `InvalidRequestError` with a message a user can act on.
 from __future__ import annotations
 
 import enum
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmesh.worker.errors import InvalidRequestError
@@ -31,36 +33,145 @@ class SamplingParams:
     logprobs: bool = False  # return the chosen token's logprob
     n: int = 1  # parallel samples of one prompt (share the prompt's KV blocks)
 
-    def validate(self, max_new_tokens: int | None = None) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if max_new_tokens is not None and self.max_tokens > max_new_tokens:
-            raise InvalidRequestError(
-                f"max_tokens {self.max_tokens} exceeds this server's limit of {max_new_tokens}")
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1 or self.top_k == 0:
-            raise InvalidRequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not (-2.0 <= self.presence_penalty <= 2.0):
-            raise InvalidRequestError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not (-2.0 <= self.frequency_penalty <= 2.0):
-            raise InvalidRequestError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise InvalidRequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.n < 1:
-            raise InvalidRequestError(f"n must be >= 1, got {self.n}")
-        if any((not isinstance(s, str)) or s == "" for s in self.stop):
-            raise InvalidRequestError("stop strings must be non-empty strings")
+    def validate(self, max_new_tokens: int | None = None, max_n: int | None = None) -> None:
+        """Raise InvalidRequestError for the first rule in SAMPLING_RULES this breaks.
+        `max_new_tokens` / `max_n` are the server's ceilings (scheduler config)."""
+        for rule in SAMPLING_RULES:
+            problem = rule.check(self, max_new_tokens, max_n)
+            if problem:
+                raise InvalidRequestError(problem)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+# ---- sampling rules: one function per rule; gRPC and HTTP both reach them through
+# SamplingParams.validate (router) and again in the engine. docs/api.md lists them.
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+
+
+def _finite_float(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _count_within(name: str, value, ceiling: int | None, unit: str = "") -> str | None:
+    """An integer >= 1 and at most the server's ceiling (None = no ceiling)."""
+    if not _int(value) or value < 1:
+        return f"{name} must be an integer >= 1, got {value!r}"
+    if ceiling is not None and value > ceiling:
+        return f"{name} = {value} exceeds this server's limit of {ceiling}{unit}"
+    return None
+
+
+def _rule_max_tokens(p: "SamplingParams", max_new_tokens: int | None, max_n: int | None) -> str | None:
+    return _count_within("max_tokens", p.max_tokens, max_new_tokens)
+
+
+def _rule_temperature(p: "SamplingParams", *_) -> str | None:
+    if not _finite_float(p.temperature) or p.temperature < 0:
+        return f"temperature must be a finite number >= 0, got {p.temperature!r}"
+    return None
+
+
+def _rule_top_p(p: "SamplingParams", *_) -> str | None:
+    if not _finite_float(p.top_p) or not 0.0 < p.top_p <= 1.0:
+        return f"top_p must be in (0, 1], got {p.top_p!r}"
+    return None
+
+
+def _rule_top_k(p: "SamplingParams", *_) -> str | None:
+    if not _int(p.top_k) or p.top_k < -1 or p.top_k == 0:
+        return f"top_k must be -1 (off) or >= 1, got {p.top_k!r}"
+    return None
+
+
+def _rule_min_p(p: "SamplingParams", *_) -> str | None:
+    if not _finite_float(p.min_p) or not 0.0 <= p.min_p <= 1.0:
+        return f"min_p must be in [0, 1], got {p.min_p!r}"
+    return None
+
+
+def _rule_repetition_penalty(p: "SamplingParams", *_) -> str | None:
+    if not _finite_float(p.repetition_penalty) or p.repetition_penalty <= 0:
+        return f"repetition_penalty must be a finite number > 0, got {p.repetition_penalty!r}"
+    return None
+
+
+def _rule_presence_penalty(p: "SamplingParams", *_) -> str | None:
+    if not _finite_float(p.presence_penalty) or not -2.0 <= p.presence_penalty <= 2.0:
+        return f"presence_penalty must be in [-2, 2], got {p.presence_penalty!r}"
+    return None
+
+
+def _rule_frequency_penalty(p: "SamplingParams", *_) -> str | None:
+    if not _finite_float(p.frequency_penalty) or not -2.0 <= p.frequency_penalty <= 2.0:
+        return f"frequency_penalty must be in [-2, 2], got {p.frequency_penalty!r}"
+    return None
+
+
+def _rule_min_tokens(p: "SamplingParams", *_) -> str | None:
+    if not _int(p.min_tokens) or p.min_tokens < 0 or p.min_tokens > p.max_tokens:
+        return f"min_tokens must be in [0, max_tokens], got {p.min_tokens!r}"
+    return None
+
+
+def _rule_n(p: "SamplingParams", max_new_tokens: int | None, max_n: int | None) -> str | None:
+    return _count_within("n", p.n, max_n, " samples per request")
+
+
+def _rule_seed(p: "SamplingParams", *_) -> str | None:
+    if p.seed is not None and (not _int(p.seed) or not -(2 ** 63) <= p.seed < 2 ** 63):
+        return f"seed must be a 64-bit integer, got {p.seed!r}"
+    return None
+
+
+def _rule_stop(p: "SamplingParams", *_) -> str | None:
+    if len(p.stop) > MAX_STOP_STRINGS:
+        return f"at most {MAX_STOP_STRINGS} stop strings, got {len(p.stop)}"
+    if any(not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in p.stop):
+        return f"stop strings must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters"
+    return None
+
+
+def _rule_stop_token_ids(p: "SamplingParams", *_) -> str | None:
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        return f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(p.stop_token_ids)}"
+    if any(not _int(t) or t < 0 for t in p.stop_token_ids):
+        return "stop_token_ids must be integers >= 0"
+    return None
+
+
+@dataclass(frozen=True)
+class SamplingRule:
+    """One documented check of SamplingParams; `check` returns the problem or None."""
+
+    name: str
+    check: Callable[["SamplingParams", int | None, int | None], str | None]
+
+
+SAMPLING_RULES: tuple[SamplingRule, ...] = (
+    SamplingRule("max_tokens", _rule_max_tokens),
+    SamplingRule("temperature", _rule_temperature),
+    SamplingRule("top_p", _rule_top_p),
+    SamplingRule("top_k", _rule_top_k),
+    SamplingRule("min_p", _rule_min_p),
+    SamplingRule("repetition_penalty", _rule_repetition_penalty),
+    SamplingRule("presence_penalty", _rule_presence_penalty),
+    SamplingRule("frequency_penalty", _rule_frequency_penalty),
+    SamplingRule("min_tokens", _rule_min_tokens),
+    SamplingRule("n", _rule_n),
+    SamplingRule("seed", _rule_seed),
+    SamplingRule("stop", _rule_stop),
+    SamplingRule("stop_token_ids", _rule_stop_token_ids),
+)
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ class Engine:
         """Every check that needs no scheduler state; returns the prompt token ids."""
         if not request.request_id:
             raise InvalidRequestError("request_id must be non-empty")
-        request.sampling.validate(self.config.scheduler.max_new_tokens)
+        request.sampling.validate(self.config.scheduler.max_new_tokens, self.config.scheduler.max_n)
         prompt_ids = self.tokenize(request)
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty")
@@ -98,6 +98,7 @@ class Engine:
             raise InvalidRequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({request.sampling.max_tokens}) exceeds "
                 f"max_model_len {self.max_model_len}")
+        self.scheduler.admission.check_request_fits(len(prompt_ids), request.sampling)
         return prompt_ids
 
     def add_request(self, request: GenerateRequest, prompt_ids: list[int] | None = None) -> None:
