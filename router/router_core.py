@@ -39,12 +39,12 @@ from dataclasses import dataclass, field
 from kvmesh.deploy.config import KvmeshConfig
 from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.router import tracing
-from kvmesh.router.admission import AdmissionController, AdmissionTicket, request_cost_tokens
+from kvmesh.router.admission import AdmissionController, AdmissionTicket, cost_with_cached_prefix, request_cost_tokens
 from kvmesh.router.auth import Authenticator
 from kvmesh.router.fairness import TenantBacklog, engine_priority
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.quota import QuotaStore, Reservation, check_request_fits
-from kvmesh.router.routing import RoundRobinCursor, RoutingDecision, choose_worker
+from kvmesh.router.routing import RoundRobinCursor, RoutingDecision, choose_worker, is_spill
 from kvmesh.router.tenants import Tenant
 from kvmesh.router.worker_pool import WorkerPool
 from kvmesh.worker.actor import ErrorReport
@@ -187,20 +187,22 @@ class RouterCore:
         decisions: list[RoutingDecision] = []
 
         def route(eligible: list[WorkerStats], in_flight) -> str:
-            eligible = [w for w in eligible if w.worker_id not in exclude]
             with self._tracer.start_as_current_span(tracing.SPAN_ROUTE, context=parent) as span:
                 decision = choose_worker(matched, eligible, self.config.router, self._rng, self._cursor, in_flight)
                 tracing.set_route_attributes(span, decision.worker_id, decision.matched_blocks,
                                              self.config.router.policy)
+            if is_spill(matched, eligible, decision.worker_id):
+                self.metrics.observe_spill("preferred_full")
             decisions.append(decision)
             return decision.worker_id
 
         info = self.pool.any_info()
         block_size = info.block_size if info is not None else 1  # the workers' own rounding
+        num_prompt, sampling = len(request.prompt_token_ids), request.sampling
         ticket = await self.admission.acquire(
-            request_cost_tokens(len(request.prompt_token_ids), request.sampling, block_size=block_size),
-            attempt=request.attempt,
-            route=route, deadline_s=request.deadline_s)
+            request_cost_tokens(num_prompt, sampling, block_size=block_size), attempt=request.attempt,
+            route=route, deadline_s=request.deadline_s, exclude=exclude,
+            cost_for=lambda w: cost_with_cached_prefix(num_prompt, sampling, block_size, matched.get(w, 0)))
         return decisions[-1], ticket
 
     async def _matched_blocks(self, request: GenerateRequest) -> dict[str, int]:
@@ -315,12 +317,16 @@ class RequestStream:
                             final = delta
                         yield dataclasses.replace(delta, request_id=self.request_id)
                     return
-                except WorkerFailedError:
+                except (WorkerFailedError, OverloadedError) as exc:
                     if streamed_tokens or attempt == 2 or not core.pool.routable_ids():
                         raise
-                    # Nothing reached the client: re-route once rather than fail it.
-                    logger.warning("worker %s failed before request %s produced output; re-routing",
-                                   self.worker_id, self.request_id)
+                    # Nothing reached the client: re-route once rather than fail it. A worker
+                    # whose own admission refused (its budget filled before the router's view
+                    # caught up) spills the request to another worker with room.
+                    logger.warning("worker %s %s before request %s produced output; re-routing", self.worker_id,
+                                   "refused" if isinstance(exc, OverloadedError) else "failed", self.request_id)
+                    if isinstance(exc, OverloadedError):
+                        core.metrics.observe_spill("worker_refused")
                     self._ticket.release()
                     self.decision, self._ticket = await core._admit(self._request, frozenset({self.worker_id}))
         finally:

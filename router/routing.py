@@ -136,6 +136,17 @@ def _prefix_aware(ids: list[str], loads: dict[str, int], footprints: dict[str, i
     return decide(_power_of_two(ids, loads, rng), RoutingPath.PREFIX_IMBALANCED)
 
 
+def is_spill(matched_blocks: Mapping[str, int], eligible: Sequence[WorkerStats], chosen: str) -> bool:
+    """The request went elsewhere because the worker with its longest cached prefix had no
+    budget left (it was not among the workers with room)."""
+    if not matched_blocks:
+        return False
+    eligible_ids = {w.worker_id for w in eligible}
+    top = max(matched_blocks.values())
+    preferred = {w for w, n in matched_blocks.items() if n == top}
+    return chosen not in preferred and not (preferred & eligible_ids)
+
+
 def _least_loaded(ids: list[str], loads: dict[str, int], rng: random.Random) -> str:
     lowest = min(loads[w] for w in ids)
     return rng.choice([w for w in ids if loads[w] == lowest])

@@ -328,3 +328,21 @@ def test_check_integrity_catches_a_lost_request():
     scheduler.running.clear()  # corrupt: the request is neither waiting nor running
     with pytest.raises(AssertionError):
         scheduler.check_integrity()
+
+
+def test_blocks_shared_with_a_running_request_are_committed_once():
+    scheduler, model = build(num_blocks=16, block_size=4)  # 64 tokens
+    prefix = list(range(100, 124))  # 6 full blocks
+    first = submit(scheduler, "first", prefix + [1, 2], max_tokens=4)  # 32 tokens reserved
+    engine_step(scheduler, model)  # prefilled: its prefix blocks are in the cache, still held by it
+    second = submit(scheduler, "second", prefix + [3, 4], max_tokens=4)
+    assert second.num_pinned_tokens == 24 and second.reserved_kv_tokens == 8  # uncached tail + output
+    assert scheduler.stats().kv_tokens_reserved == 32 + 8  # the prefix is first's; not counted again
+    scheduler.abort_requests(["first"])
+    # first is gone; second still pins the 6 prefix blocks, now paid for by nobody else
+    assert scheduler.stats().kv_tokens_reserved == 24 + 8
+    scheduler.check_integrity()
+    run_until_idle(scheduler, model)
+    assert second.output_token_ids == expected_output(prefix + [3, 4], 4)
+    assert scheduler.stats().kv_tokens_reserved == 0
+    assert_pool_whole(scheduler)

@@ -47,6 +47,12 @@ def _waiting_order(request: Request) -> tuple[int, int, float]:
     return (request.priority, 0 if request.num_preemptions else 1, request.arrival_time)
 
 
+def _tokens_left_to_compute(request: Request) -> int:
+    """Tokens the model still has to run for a waiting request: its pinned prefix will be
+    shared, not computed (at least one token always is, for the logits)."""
+    return max(1, request.num_tokens - max(request.num_computed_tokens, request.num_pinned_tokens))
+
+
 @dataclass
 class _StepBudget:
     tokens_left: int  # max_num_batched_tokens
@@ -139,8 +145,16 @@ class Scheduler:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
         self.admission.check_valid(request)
-        self.admission.check_capacity(request, len(self.waiting))
-        self.admission.reserve(request)
+        # Its resident prefix is pinned first (held until it ends), so the blocks admission
+        # counts as cached cannot be evicted before it runs; a refusal unpins them.
+        cached_tokens = self.kv.pin_prefix(request).num_tokens
+        try:
+            self.admission.check_capacity(request, len(self.waiting), cached_tokens, self._shared_tokens())
+        except BaseException:
+            self.kv.unpin(request)
+            raise
+        self.admission.reserve(request, cached_tokens)
+        request.num_pinned_tokens = cached_tokens
         request.status = RequestStatus.QUEUED
         self.kv.update_block_hashes(request)
         self.requests[request.request_id] = request
@@ -174,6 +188,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         (self.running if request in self.running else self.waiting).remove(request)
         self.kv.free(request)
+        self.kv.unpin(request)
         request.is_swapped = False
         self.admission.release(request)
         if request.group_id is not None:
@@ -186,6 +201,9 @@ class Scheduler:
         request.finished_time = self.clock()
         del self.requests[request.request_id]
         self._newly_finished.append(FinishedRequest(request.request_id, status))
+
+    def _shared_tokens(self) -> int:
+        return self.kv.num_pinned_blocks_unowned() * self.kv.block_size
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -357,8 +375,9 @@ class Scheduler:
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting),
             num_swapped=sum(r.is_swapped for r in self.waiting),
-            queued_prompt_tokens=sum(r.num_tokens_to_compute for r in self.waiting),
-            kv_tokens_used=kv_stats.kv_tokens_used, kv_tokens_reserved=self.admission.reserved_tokens,
+            queued_prompt_tokens=sum(_tokens_left_to_compute(r) for r in self.waiting),
+            kv_tokens_used=kv_stats.kv_tokens_used,
+            kv_tokens_reserved=self.admission.committed_tokens(self._shared_tokens()),
             kv_tokens_budget=self.admission.budget_tokens,
             peak_kv_tokens=max((s[1] for s in samples), default=0),
             mean_kv_tokens=sum(s[1] for s in samples) / len(samples) if samples else 0.0,
