@@ -116,11 +116,21 @@ class AdmissionTicket:
         self.sent_at = sent_at  # monotonic clock of the controller
         self.queue_wait_s = queue_wait_s
         self.released = False
+        self._on_release: list[Callable[[], None]] = []
+
+    def on_release(self, callback: Callable[[], None]) -> None:
+        """Run `callback` once when the ticket is released (at once if it already was)."""
+        if self.released:
+            callback()
+        else:
+            self._on_release.append(callback)
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             self._owner._release(self)
+            for callback in self._on_release:
+                callback()
 
     def __enter__(self) -> "AdmissionTicket":
         return self

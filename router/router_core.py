@@ -183,7 +183,10 @@ class RouterCore:
     async def _admit(self, request: GenerateRequest, exclude: frozenset[str],
                      parent=None) -> tuple[RoutingDecision, AdmissionTicket]:
         """Wait for KV budget on some worker; the routing policy picks among those with room."""
-        matched = await self._matched_blocks(request)
+        hashes = await self._prefix_hashes(request)
+        index = self.pool.prefix_index
+        matched = index.longest_prefix(hashes)  # routing: what each worker holds or was just sent
+        resident = index.longest_prefix(hashes, include_in_flight=False)  # cost: what surely is there
         decisions: list[RoutingDecision] = []
 
         def route(eligible: list[WorkerStats], in_flight) -> str:
@@ -202,16 +205,20 @@ class RouterCore:
         ticket = await self.admission.acquire(
             request_cost_tokens(num_prompt, sampling, block_size=block_size), attempt=request.attempt,
             route=route, deadline_s=request.deadline_s, exclude=exclude,
-            cost_for=lambda w: cost_with_cached_prefix(num_prompt, sampling, block_size, matched.get(w, 0)))
+            cost_for=lambda w: cost_with_cached_prefix(num_prompt, sampling, block_size, resident.get(w, 0)))
+        if hashes:  # the family's next request follows this one before the worker reports it
+            token = index.add_in_flight(ticket.worker_id, hashes)
+            ticket.on_release(lambda: index.end_in_flight(token))
         return decisions[-1], ticket
 
-    async def _matched_blocks(self, request: GenerateRequest) -> dict[str, int]:
+    async def _prefix_hashes(self, request: GenerateRequest) -> list:
+        """The prompt's full-block chain hashes as the workers compute them ([] when routing
+        ignores prefixes)."""
         info = self.pool.any_info()
         if self.config.router.policy != "prefix_aware" or info is None:
-            return {}
+            return []
         extra_keys = await self._block_extra_keys(request.cache_salt)
-        hashes = hash_full_blocks(request.prompt_token_ids, info.block_size, extra_keys)
-        return self.pool.prefix_index.longest_prefix(hashes)
+        return hash_full_blocks(request.prompt_token_ids, info.block_size, extra_keys)
 
     def _prompt_token_ids(self, inbound: InboundRequest) -> tuple[int, ...]:
         given = [x is not None for x in (inbound.prompt, inbound.messages, inbound.prompt_token_ids)]
