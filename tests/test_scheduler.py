@@ -346,3 +346,19 @@ def test_blocks_shared_with_a_running_request_are_committed_once():
     assert second.output_token_ids == expected_output(prefix + [3, 4], 4)
     assert scheduler.stats().kv_tokens_reserved == 0
     assert_pool_whole(scheduler)
+
+
+def test_a_request_waits_for_the_prefix_a_running_request_is_computing_instead_of_computing_it_twice():
+    scheduler, model = build(num_blocks=32, block_size=4, max_num_batched_tokens=64, max_prefill_tokens_per_step=8)
+    prefix = list(range(200, 216))  # 4 full blocks, prefilled over two steps of 8
+    leader = submit(scheduler, "leader", prefix + [1, 2], max_tokens=2)
+    follower = submit(scheduler, "follower", prefix + [3, 4], max_tokens=2)
+    first = engine_step(scheduler, model)
+    assert [e.request.request_id for e in first.scheduled] == ["leader"]  # follower held back
+    outputs = run_until_idle(scheduler, model)
+    assert follower.num_cached_tokens == 16  # the whole prefix, computed once by the leader
+    computed = sum(e.num_scheduled_tokens for o in [first, *outputs] for e in o.scheduled)
+    assert computed == (18 + 1) + (2 + 1)  # leader's prompt + 1 decode; follower's tail + 1 decode
+    assert leader.output_token_ids == expected_output(prefix + [1, 2], 2)
+    assert follower.output_token_ids == expected_output(prefix + [3, 4], 2)
+    assert_pool_whole(scheduler)

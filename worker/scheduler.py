@@ -299,6 +299,8 @@ class Scheduler:
             self._note_cache_hit(request, request.num_computed_tokens)
             return self._start_running(request, 1, num_tokens, budget, plan, now)
         match = self.kv.match_prefix(request)
+        if self._prefix_in_progress(request, len(match.block_ids)):
+            return _Admission.SKIPPED  # a running request is computing its next blocks: share them
         remaining = request.num_tokens - match.num_tokens
         num_tokens = budget.grant(remaining)
         if num_tokens == 0 or not self.kv.can_allocate(request, num_tokens, match):
@@ -306,6 +308,24 @@ class Scheduler:
         self.kv.allocate(request, num_tokens, match)
         self._note_cache_hit(request, match.num_tokens)
         return self._start_running(request, remaining, num_tokens, budget, plan, now)
+
+    def _prefix_in_progress(self, request: Request, num_matched_blocks: int) -> bool:
+        """True when the block after the request's cached prefix is one a running request is
+        still prefilling (same chain hash, not yet computed). Admitting it now would compute
+        the same prefix twice, in the same batch, and cache one copy; waiting a step or a few
+        (the other's prefill chunks) turns all of it into a cache hit. Measured in the routing
+        simulator at 16 in flight: without this, a family's concurrent requests each
+        computed the whole 528-token prefix (hit rate 0.82 of a possible 0.91).
+        A preempted or finished leader no longer counts, so nobody waits forever."""
+        if self.kv.prefix_cache is None or request.num_computed_tokens or num_matched_blocks >= len(request.block_hashes):
+            return False
+        wanted = request.block_hashes[num_matched_blocks]
+        bs = self.kv.block_size
+        for other in self.running:
+            first_uncomputed = other.num_computed_tokens // bs
+            if wanted in other.block_hashes[first_uncomputed:other.num_prompt_tokens // bs]:
+                return True
+        return False
 
     def _group_gate(self, request: Request) -> tuple[bool, Request | None]:
         """n > 1 siblings wait until one of them has computed the prompt, then fork from it.
