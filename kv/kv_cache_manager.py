@@ -164,6 +164,16 @@ class KVCacheManager:
         self._pins[request.request_id] = list(match.block_ids)
         return match
 
+    def extend_pin(self, request: KVRequest, match: PrefixMatch) -> None:
+        """Pin the blocks of `match` past those already pinned (the request found more of its
+        prefix resident than at admission). A match shorter than the pins changes nothing."""
+        pins = self._pins.setdefault(request.request_id, [])
+        if match.block_ids[:len(pins)] != pins:
+            return
+        for block_id in match.block_ids[len(pins):]:
+            self.pool.touch(block_id)
+            pins.append(block_id)
+
     def unpin(self, request: KVRequest) -> None:
         """Release the blocks `pin_prefix` held (a no-op for a request never pinned)."""
         for block_id in reversed(self._pins.pop(request.request_id, [])):

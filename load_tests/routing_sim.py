@@ -99,7 +99,7 @@ class SimCluster:
     num_blocks: int = 128
     block_size: int = 16
     max_num_seqs: int = 8
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 512  # SchedulerConfig default (also the prefill chunk)
     stats_refresh_s: float = 0.1
     cost: CostModel = field(default_factory=CostModel)
 
@@ -333,6 +333,48 @@ def _result(policy, cluster, workload, workers, finished, spills, sim_s, wall_s)
         sim_duration_s=sim_s, wall_s=wall_s)
 
 
+def measure_cost_model(model: dict | None = None, prefill_tokens: int = 512, decode_batch: int = 8,
+                       repeats: int = 3) -> CostModel:
+    """Time the real engine (the embedded SmolLM2 unless `model` says otherwise, one torch
+    thread as a worker with under one CPU runs) and fit the cost model: a prefill step of
+    `prefill_tokens` and one of 16 give the per-token prefill cost and the overhead; decode
+    steps of 1 and `decode_batch` sequences give the per-sequence decode cost."""
+    import torch
+
+    from kvmesh.deploy.config import KvmeshConfig
+    from kvmesh.worker.api import GenerateRequest
+    from kvmesh.worker.engine import Engine
+
+    torch.set_num_threads(1)
+    engine = Engine.from_config(KvmeshConfig.from_dict({"model": model or {}, "parallel": {"device": "cpu"},
+                                                        "cache": {"enable_prefix_caching": False}}))
+    torch.set_num_threads(1)
+    rng = random.Random(0)
+    ids = itertools.count()
+
+    def timed_steps(prompt_len: int, batch: int, max_tokens: int) -> list[float]:
+        for _ in range(batch):
+            engine.add_request(GenerateRequest(f"m{next(ids)}", prompt_token_ids=tuple(
+                rng.randrange(1000, 40000) for _ in range(prompt_len)),
+                sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
+        times = []
+        while engine.has_unfinished():
+            started = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - started)
+        return times
+
+    timed_steps(64, 1, 2)  # warm-up
+    long = statistics.median(timed_steps(prefill_tokens, 1, 1)[0] for _ in range(repeats))
+    short = statistics.median(timed_steps(16, 1, 1)[0] for _ in range(repeats))
+    one = statistics.median(t for _ in range(repeats) for t in timed_steps(16, 1, 9)[1:])
+    many = statistics.median(t for _ in range(repeats) for t in timed_steps(16, decode_batch, 9)[1:])
+    prefill_per_token = max(0.0, (long - short) / (prefill_tokens - 16))
+    decode_per_seq = max(0.0, (many - one) / (decode_batch - 1))
+    overhead = max(0.0, min(short - 16 * prefill_per_token, one - decode_per_seq))
+    return CostModel(overhead, prefill_per_token, decode_per_seq)
+
+
 def markdown_table(results: Sequence[SimResult]) -> str:
     lines = ["| workers | load | policy | hit rate | TTFT P50 (ms) | TTFT P90 (ms) | computed max/min "
              "| spills (router / worker) | families on >1 worker | max workers per family |",
@@ -350,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-blocks", type=int, default=128, help="KV blocks per worker")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=8)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--families", type=int, default=6)
     parser.add_argument("--family-weights", type=float, nargs="+", help="default: Zipf(--zipf-s)")
     parser.add_argument("--zipf-s", type=float, default=1.0)
@@ -366,10 +408,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-s-per-token", type=float, default=CostModel.prefill_s_per_token)
     parser.add_argument("--decode-s-per-token", type=float, default=CostModel.decode_s_per_token)
     parser.add_argument("--imbalance-abs-tokens", type=int, default=RouterConfig.imbalance_abs_tokens)
+    parser.add_argument("--measure", action="store_true",
+                        help="measure the cost model on the real engine (embedded SmolLM2) first and use it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     cost = CostModel(args.step_overhead_s, args.prefill_s_per_token, args.decode_s_per_token)
+    if args.measure:
+        cost = measure_cost_model()
+        print(f"measured cost model: {cost}", flush=True)
     loads = [dict(qps=q) for q in args.qps] if args.qps else [dict(concurrency=c) for c in (args.concurrency or [4])]
     router = RouterConfig(imbalance_abs_tokens=args.imbalance_abs_tokens)
     results = []

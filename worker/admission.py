@@ -140,6 +140,11 @@ class AdmissionController:
         self.reserved_tokens += request.reserved_kv_tokens
         self.num_reservations += 1
 
+    def top_up(self, request: Request, num_tokens: int) -> None:
+        """Grow an admitted request's reservation (blocks it was expected to share are not there)."""
+        request.reserved_kv_tokens += num_tokens
+        self.reserved_tokens += num_tokens
+
     def release(self, request: Request) -> None:
         self.reserved_tokens -= request.reserved_kv_tokens
         self.num_reservations -= 1
