@@ -71,7 +71,8 @@ class CostModel:
     decode_s_per_token: float = 0.0025
 
     def step_s(self, prefill_tokens: int, decode_tokens: int) -> float:
-        return self.step_overhead_s + prefill_tokens * self.prefill_s_per_token + decode_tokens * self.decode_s_per_token
+        return (self.step_overhead_s + prefill_tokens * self.prefill_s_per_token
+                + decode_tokens * self.decode_s_per_token)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,9 @@ class SimWorkload:
     qps: float | None = None  # open loop (Poisson); None = closed loop
     concurrency: int = 4  # closed loop: requests in flight
     seed: int = 0
+    # Exact (family, prompt ids) to send instead of generating them: the calibration replays
+    # the very requests a real campaign run sent (routing_campaign.family_workload).
+    prompts: tuple[tuple[int, tuple[int, ...]], ...] | None = None
 
     def weights(self) -> list[float]:
         if self.family_weights is not None:
@@ -152,7 +156,8 @@ class _SimWorker:
         self.worker_id = worker_id
         self.clock = clock
         kv = KVCacheManager(cluster.num_blocks, cluster.block_size, worker_id=worker_id)
-        config = SchedulerConfig(max_num_seqs=cluster.max_num_seqs, max_num_batched_tokens=cluster.max_num_batched_tokens,
+        config = SchedulerConfig(max_num_seqs=cluster.max_num_seqs,
+                                 max_num_batched_tokens=cluster.max_num_batched_tokens,
                                  max_prefill_tokens_per_step=cluster.max_num_batched_tokens, max_queue_len=10**6,
                                  max_queue_time_s=10**9)
         self.scheduler = Scheduler(config, kv, clock=clock)
@@ -190,8 +195,12 @@ class _SimWorker:
 
 
 def make_requests(workload: SimWorkload, block_size: int) -> list[_SimRequest]:
+    if workload.prompts is not None:
+        return [_SimRequest(i, family, list(prompt), hash_full_blocks(prompt, block_size, EXTRA_KEYS), 0.0)
+                for i, (family, prompt) in enumerate(workload.prompts)]
     rng = random.Random(workload.seed)
-    prefixes = [[rng.randrange(1000, 40000) for _ in range(workload.prefix_tokens)] for _ in range(workload.num_families)]
+    prefixes = [[rng.randrange(1000, 40000) for _ in range(workload.prefix_tokens)]
+                for _ in range(workload.num_families)]
     picks = rng.choices(range(workload.num_families), weights=workload.weights(), k=workload.num_requests)
     low, high = workload.question_tokens
     requests = []
@@ -238,7 +247,8 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
         eligible = []
         for worker_id, s in stats.items():
             cost = cost_with_cached_prefix(prompt_len, sampling, cluster.block_size, resident.get(worker_id, 0))
-            if worker_id not in exclude and s.kv_tokens_reserved + sent_since_poll[worker_id] + cost <= s.kv_tokens_capacity:
+            committed = s.kv_tokens_reserved + sent_since_poll[worker_id]
+            if worker_id not in exclude and committed + cost <= s.kv_tokens_capacity:
                 eligible.append((s, cost))
         if not eligible:
             return False
@@ -375,6 +385,33 @@ def measure_cost_model(model: dict | None = None, prefill_tokens: int = 512, dec
     return CostModel(overhead, prefill_per_token, decode_per_seq)
 
 
+def replay_campaign(spec_path: str, cost: CostModel, router: RouterConfig,
+                    concurrency: Sequence[int] | None = None, num_requests: int | None = None) -> list[SimResult]:
+    """The routing campaign's runs, simulated with the same requests (same seeds, in the same
+    order of runs) on a simulated cluster of the campaign's shape."""
+    import yaml
+
+    from kvmesh.load_tests.routing_campaign import family_workload
+
+    with open(spec_path) as f:
+        spec = yaml.safe_load(f)
+    if num_requests:
+        spec["num_requests"] = num_requests
+    cluster = SimCluster(spec["num_workers"], spec["num_blocks_per_worker"], spec["block_size"], spec["max_num_seqs"],
+                         SchedulerConfig.max_num_batched_tokens, spec["stats_refresh_s"], cost=cost)
+    results, seed = [], 0
+    for level in spec["concurrency"]:
+        for policy in spec["policies"]:
+            seed += 1  # as routing_campaign.run_campaign numbers its runs
+            if concurrency and level not in concurrency:
+                continue
+            prompts = tuple((f, tuple(p)) for f, p in family_workload(spec, seed))
+            workload = SimWorkload(num_requests=len(prompts), max_tokens=spec["max_tokens"], concurrency=level,
+                                   prompts=prompts, num_families=len(spec["family_weights"]), seed=seed)
+            results.append(simulate(policy, cluster, workload, router))
+    return results
+
+
 def markdown_table(results: Sequence[SimResult]) -> str:
     lines = ["| workers | load | policy | hit rate | TTFT P50 (ms) | TTFT P90 (ms) | computed max/min "
              "| spills (router / worker) | families on >1 worker | max workers per family |",
@@ -393,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--stats-refresh-s", type=float, default=SimCluster.stats_refresh_s)
     parser.add_argument("--families", type=int, default=6)
     parser.add_argument("--family-weights", type=float, nargs="+", help="default: Zipf(--zipf-s)")
     parser.add_argument("--zipf-s", type=float, default=1.0)
@@ -411,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measure", action="store_true",
                         help="measure the cost model on the real engine (embedded SmolLM2) first and use it")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--replay-campaign", metavar="SPEC",
+                        help="replay a routing campaign's requests (load_tests/campaigns/routing-under-load.yaml): "
+                             "its families, prompts, seeds and order, one run per (concurrency, policy) as it ran")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     cost = CostModel(args.step_overhead_s, args.prefill_s_per_token, args.decode_s_per_token)
@@ -419,10 +460,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"measured cost model: {cost}", flush=True)
     loads = [dict(qps=q) for q in args.qps] if args.qps else [dict(concurrency=c) for c in (args.concurrency or [4])]
     router = RouterConfig(imbalance_abs_tokens=args.imbalance_abs_tokens)
+    if args.replay_campaign:
+        results = replay_campaign(args.replay_campaign, cost, router, args.concurrency)
+        print(markdown_table(results))
+        return 0
     results = []
     for num_workers in args.workers:
         cluster = SimCluster(num_workers, args.num_blocks, args.block_size, args.max_num_seqs,
-                             args.max_num_batched_tokens, cost=cost)
+                             args.max_num_batched_tokens, args.stats_refresh_s, cost=cost)
         for load in loads:
             workload = SimWorkload(num_families=args.families, zipf_s=args.zipf_s,
                                    family_weights=tuple(args.family_weights) if args.family_weights else None,

@@ -24,9 +24,10 @@ Policies (RouterConfig.policy):
                    imbalance_abs_tokens (+); then another worker already holding at
                    least half of that prefix and not itself overloaded (sticky spill: a
                    family's set of workers grows only when all of them are overloaded);
-                   else, or when nothing matched, power of two choices by load. Both thresholds must trip so that small absolute
-                   differences on an idle cluster (10 vs 40 tokens) do not break affinity,
-                   and large ones at high load do.
+                   else, or when nothing matched, power of two choices by load. Both
+                   thresholds must trip so that small absolute differences on an idle
+                   cluster (10 vs 40 tokens) do not break affinity, and large ones at
+                   high load do.
                    A prompt nothing matched starts a new prefix: of the two sampled
                    workers, when their loads are within those same thresholds, the one
                    with the smaller KV footprint (blocks used + cached, plus router

@@ -33,3 +33,15 @@ def test_step_time_follows_the_cost_model_and_open_loop_arrivals_run():
     assert abs(result.ttft_p50_ms - 168.0) < 1e-6
     open_loop = simulate("prefix_aware", CLUSTER, SimWorkload(**{**WORKLOAD.__dict__, "qps": 20.0}))
     assert open_loop.num_requests == WORKLOAD.num_requests and open_loop.load == "20 qps"
+
+
+def test_replaying_the_campaign_sends_its_exact_requests():
+    from pathlib import Path
+
+    from kvmesh.load_tests.routing_sim import replay_campaign
+    from kvmesh.deploy.config import RouterConfig
+
+    spec = Path(__file__).resolve().parents[1] / "load_tests" / "campaigns" / "routing-under-load.yaml"
+    results = replay_campaign(str(spec), CostModel(), RouterConfig(), concurrency=[1], num_requests=6)
+    assert [(r.policy, r.load, r.num_requests) for r in results] == [
+        ("prefix_aware", "1 in flight", 6), ("round_robin", "1 in flight", 6)]

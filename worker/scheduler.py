@@ -352,7 +352,8 @@ class Scheduler:
         simulator at 16 in flight: without this, a family's concurrent requests each
         computed the whole 528-token prefix (hit rate 0.82 of a possible 0.91).
         A preempted or finished leader no longer counts, so nobody waits forever."""
-        if self.kv.prefix_cache is None or request.num_computed_tokens or num_matched_blocks >= len(request.block_hashes):
+        if (self.kv.prefix_cache is None or request.num_computed_tokens
+                or num_matched_blocks >= len(request.block_hashes)):
             return False
         wanted = request.block_hashes[num_matched_blocks]
         bs = self.kv.block_size
