@@ -388,7 +388,9 @@ def measure_cost_model(model: dict | None = None, prefill_tokens: int = 512, dec
 def replay_campaign(spec_path: str, cost: CostModel, router: RouterConfig,
                     concurrency: Sequence[int] | None = None, num_requests: int | None = None) -> list[SimResult]:
     """The routing campaign's runs, simulated with the same requests (same seeds, in the same
-    order of runs) on a simulated cluster of the campaign's shape."""
+    order of runs) on a simulated cluster of the campaign's shape. `concurrency` and
+    `num_requests` override the spec as the campaign's command-line flags do, so pass the
+    ones the real run was started with."""
     import yaml
 
     from kvmesh.load_tests.routing_campaign import family_workload
@@ -400,11 +402,9 @@ def replay_campaign(spec_path: str, cost: CostModel, router: RouterConfig,
     cluster = SimCluster(spec["num_workers"], spec["num_blocks_per_worker"], spec["block_size"], spec["max_num_seqs"],
                          SchedulerConfig.max_num_batched_tokens, spec["stats_refresh_s"], cost=cost)
     results, seed = [], 0
-    for level in spec["concurrency"]:
+    for level in concurrency or spec["concurrency"]:  # as the campaign's --concurrency overrides it
         for policy in spec["policies"]:
             seed += 1  # as routing_campaign.run_campaign numbers its runs
-            if concurrency and level not in concurrency:
-                continue
             prompts = tuple((f, tuple(p)) for f, p in family_workload(spec, seed))
             workload = SimWorkload(num_requests=len(prompts), max_tokens=spec["max_tokens"], concurrency=level,
                                    prompts=prompts, num_families=len(spec["family_weights"]), seed=seed)
