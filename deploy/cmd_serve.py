@@ -25,7 +25,8 @@ from kvmesh.deploy.config import ConfigError, KvmeshConfig
 logger = logging.getLogger(__name__)
 
 # `kvmesh serve` with no config and no --workers: two workers, each asking half a CPU, so
-# both fit next to the router on a 2-core laptop.
+# both fit next to the router on a 2-core laptop. Any other count left without
+# parallel.worker_num_cpus gets a share derived from the CPUs Ray sees (deploy/resources.py).
 EMBEDDED_NUM_WORKERS = 2
 EMBEDDED_WORKER_NUM_CPUS = 0.5
 EXIT_CONFIG_ERROR = 2
@@ -74,12 +75,15 @@ def start_serving(config: KvmeshConfig, app_name: str = "kvmesh", address: str |
     from ray import serve
     from ray.serve.config import gRPCOptions, HTTPOptions
 
-    from kvmesh.router.app import GRPC_SERVICER_FUNCTION, build_router_app
+    from kvmesh.deploy.resources import resolve_worker_num_cpus
+    from kvmesh.router.app import GRPC_SERVICER_FUNCTION, build_router_app, router_num_cpus
 
     if not ray.is_initialized():
         if address is None:
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    # Every worker must be placeable, or it waits for CPUs forever with the cluster half up.
+    config = resolve_worker_num_cpus(config, ray.cluster_resources().get("CPU", 0.0), router_num_cpus(config))
     router = config.router
     serve.start(http_options=HTTPOptions(host=router.host, port=router.http_port),
                 grpc_options=gRPCOptions(port=router.grpc_port, grpc_servicer_functions=[GRPC_SERVICER_FUNCTION]))
@@ -112,7 +116,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvmesh serve: starting {config.parallel.num_workers} worker(s) of "
           f"{config.model.path or 'embedded SmolLM2'} (the first start converts the model) ...", flush=True)
     try:
-        start_serving(config, args.app_name, args.address)
+        try:
+            start_serving(config, args.app_name, args.address)
+        except ConfigError as exc:  # found once Ray reported the machine: nothing was deployed
+            print(f"kvmesh serve: {exc}", file=sys.stderr)
+            return EXIT_CONFIG_ERROR
         # After ray.init, which installs a SIGTERM handler that exits at once: ours lets the
         # finally below delete the app and kill the detached workers first.
         signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -115,7 +115,9 @@ class ParallelConfig:
     # Ray resource each worker rank asks for, besides CPU ("GPU" on GPU nodes; tests use a
     # custom resource to stand in for GPUs on one machine). None = no extra resource.
     worker_resource: str | None = None
-    worker_num_cpus: float = 1.0
+    # CPUs each worker rank asks Ray for; None = derived from the CPUs Ray sees when the app
+    # is built (deploy/resources.py), so the defaults bring up every worker on the machine.
+    worker_num_cpus: float | None = None
     # Tensor parallelism: the longest a collective or a peer rank's step may take before the
     # step fails with WorkerFailedError and the group is rebuilt (a dead peer is usually
     # noticed sooner, when its connection closes).
@@ -133,7 +135,7 @@ class ParallelConfig:
         _check(self.tensor_parallel_size >= 1, "parallel.tensor_parallel_size must be >= 1")
         _one_of("parallel.device", self.device, ("auto", "cpu", "cuda"))
         _one_of("parallel.attention_backend", self.attention_backend, ("auto", "torch", "triton"))
-        _check(self.worker_num_cpus >= 0, "parallel.worker_num_cpus must be >= 0")
+        _check(self.worker_num_cpus is None or self.worker_num_cpus >= 0, "parallel.worker_num_cpus must be >= 0")
         _check(self.collective_timeout_s > 0, "parallel.collective_timeout_s must be > 0")
 
 

@@ -93,6 +93,9 @@ class KVCacheManager:
         self._num_granted_tokens: dict[str, int] = {}  # token slots each block table was grown for
         self._num_registered_blocks: dict[str, int] = {}  # leading blocks already offered to the cache
         self._swapped: dict[str, KVRequest] = {}
+        # Prefix blocks a queued request was admitted against (see pin_prefix): held from
+        # admission to its end, so what its reservation counted as cached stays resident.
+        self._pins: dict[str, list[int]] = {}
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -147,6 +150,49 @@ class KVCacheManager:
                 break
             block_ids.append(block_id)
         return PrefixMatch(block_ids, len(block_ids) * self.block_size)
+
+    # ---- pins: cached prefix blocks held for an admitted request --------------------------
+
+    def pin_prefix(self, request: KVRequest) -> PrefixMatch:
+        """Hold the request's cached prefix blocks (ref_count + 1) until `unpin`, so the
+        admission that counted them as already allocated stays true while it waits, across
+        preemption by recompute too. Returns what was pinned (empty with caching off)."""
+        assert request.request_id not in self._pins, f"{request.request_id} already pinned"
+        match = self.match_prefix(request)
+        for block_id in match.block_ids:
+            self.pool.touch(block_id)
+        self._pins[request.request_id] = list(match.block_ids)
+        return match
+
+    def extend_pin(self, request: KVRequest, match: PrefixMatch) -> None:
+        """Pin the blocks of `match` past those already pinned (the request found more of its
+        prefix resident than at admission). A match shorter than the pins changes nothing."""
+        pins = self._pins.setdefault(request.request_id, [])
+        if match.block_ids[:len(pins)] != pins:
+            return
+        for block_id in match.block_ids[len(pins):]:
+            self.pool.touch(block_id)
+            pins.append(block_id)
+
+    def unpin(self, request: KVRequest) -> None:
+        """Release the blocks `pin_prefix` held (a no-op for a request never pinned)."""
+        for block_id in reversed(self._pins.pop(request.request_id, [])):
+            self.pool.release(block_id)
+
+    def num_pinned_blocks_unowned(self) -> int:
+        """Distinct pinned blocks that no request's own allocation covers: the shared prefix
+        blocks no admission reservation pays for (each counted once, however many share it).
+
+        A block in a request's table that it did not pin is one its reservation paid for
+        (prompt + output less its pinned prefix); a pinned block outside every such table
+        (a reused cached block, or one whose allocating request has finished) is paid by nobody."""
+        pinned = {b for blocks in self._pins.values() for b in blocks}
+        if not pinned:
+            return 0
+        owned: set[int] = set()
+        for rid, request in self._holders.items():
+            owned.update(set(request.block_ids).difference(self._pins.get(rid, ())))
+        return len(pinned - owned)
 
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         if self.prefix_cache is not None:
@@ -331,6 +377,7 @@ class KVCacheManager:
         self.pool.check_integrity()
         self.swap.check_integrity()
         refs = Counter(b for r in self._holders.values() for b in r.block_ids)
+        refs.update(b for blocks in self._pins.values() for b in blocks)
         for block in self.pool.blocks:
             assert block.ref_count == refs.get(block.block_id, 0), (
                 f"block {block.block_id}: ref_count {block.ref_count} but {refs.get(block.block_id, 0)} tables")

@@ -182,6 +182,8 @@ def _plan_run(run: dict, where: str) -> RunPlan:
 
 
 def parse_campaign(data: dict, where: str = "campaign") -> Campaign:
+    if isinstance(data, dict) and data.get("runner"):  # a campaign with its own driver
+        raise InvalidRequestError(f"{where}: not a generic campaign; run it with `python -m {data['runner']}`")
     if not isinstance(data, dict) or not data.get("runs"):
         raise InvalidRequestError(f"{where}: a campaign is a mapping with a non-empty 'runs' list")
     unknown = sorted(set(data) - {"name", "description", "defaults", "runs", "checks", "tokenizer"})

@@ -7,8 +7,13 @@ Budget (the articles' rule, per worker, from its latest `WorkerStats`):
                                                   worker runs or queues (its stats)
                 + in_flight_w                     tokens this router admitted to w after
                                                   those stats were taken (not in them yet)
-    a request of cost C = n x K x ceil((prompt + max_tokens) / K) fits on w when
-                                                  committed_w + C <= kv_tokens_capacity_w
+    a request of cost C_w = n x K x (ceil((prompt + max_tokens) / K) - cached_w) fits on w when
+                                                  committed_w + C_w <= kv_tokens_capacity_w
+
+where cached_w is the prompt blocks the prefix index says w already holds (`cost_for`): a
+worker reserves only the blocks it will newly allocate, and counts the shared ones once
+(worker/admission.py). The router's estimate may be stale; the worker's own check is exact,
+and a worker that refuses is spilled over by the router (router_core.py).
 
 The cluster budget is the sum over healthy workers; a request is admitted when at least one
 worker has room, and routing then chooses among the workers that do (the `route` callback).
@@ -74,6 +79,8 @@ logger = logging.getLogger(__name__)
 
 # route(eligible workers, in-flight tokens per worker) -> chosen worker id (one of eligible)
 RouteFn = Callable[[list[WorkerStats], Mapping[str, int]], str]
+# cost_for(worker id) -> KV tokens the request would newly reserve there (its cached prefix off)
+CostFn = Callable[[str], int]
 
 
 def request_cost_tokens(prompt_tokens: int, sampling: SamplingParams, block_size: int = 1) -> int:
@@ -81,6 +88,20 @@ def request_cost_tokens(prompt_tokens: int, sampling: SamplingParams, block_size
     the n samples reserves prompt + max_tokens rounded up to whole blocks (K x ceil(S / K)).
     Pass the workers' block_size to match them exactly; 1 gives the unrounded figure."""
     return request_kv_tokens(prompt_tokens, sampling.max_tokens, block_size, n=sampling.n)
+
+
+def _excluding(cost_for: CostFn, exclude: frozenset[str]) -> CostFn:
+    """A cost no worker can hold on the excluded workers, so they are never eligible."""
+    return lambda worker_id: math.inf if worker_id in exclude else cost_for(worker_id)
+
+
+def cost_with_cached_prefix(prompt_tokens: int, sampling: SamplingParams, block_size: int,
+                            cached_blocks: int) -> int:
+    """The cost on a worker that holds `cached_blocks` leading prompt blocks. Capped as the
+    worker's prefix match is: the last prompt token is always computed."""
+    cached_blocks = min(cached_blocks, (prompt_tokens - 1) // block_size)
+    return request_kv_tokens(prompt_tokens, sampling.max_tokens, block_size, n=sampling.n,
+                             cached_prompt_tokens=cached_blocks * block_size)
 
 
 class AdmissionTicket:
@@ -95,11 +116,21 @@ class AdmissionTicket:
         self.sent_at = sent_at  # monotonic clock of the controller
         self.queue_wait_s = queue_wait_s
         self.released = False
+        self._on_release: list[Callable[[], None]] = []
+
+    def on_release(self, callback: Callable[[], None]) -> None:
+        """Run `callback` once when the ticket is released (at once if it already was)."""
+        if self.released:
+            callback()
+        else:
+            self._on_release.append(callback)
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             self._owner._release(self)
+            for callback in self._on_release:
+                callback()
 
     def __enter__(self) -> "AdmissionTicket":
         return self
@@ -121,6 +152,7 @@ class _Waiter:
     route: RouteFn | None
     enqueued_at: float
     future: asyncio.Future
+    cost_for: CostFn | None = None
 
 
 @dataclass(frozen=True)
@@ -166,25 +198,31 @@ class AdmissionController:
         self._pump()
 
     async def acquire(self, cost_tokens: int, *, attempt: int = 1, route: RouteFn | None = None,
-                      deadline_s: float | None = None) -> AdmissionTicket:
+                      deadline_s: float | None = None, cost_for: CostFn | None = None,
+                      exclude: frozenset[str] = frozenset()) -> AdmissionTicket:
         """Admit now, wait for room, or raise (OverloadedError, WorkerFailedError,
-        InvalidRequestError, DeadlineExceededError). `deadline_s` is absolute time.time()."""
+        InvalidRequestError, DeadlineExceededError). `deadline_s` is absolute time.time().
+        `cost_tokens` is the whole cost (nothing cached); `cost_for(worker_id)`, when given,
+        the cost on one worker with its cached prefix taken off (never more than the whole).
+        Workers in `exclude` (one that already refused this request) are never chosen."""
         healthy = self._healthy()
         if not healthy:
             raise WorkerFailedError("no healthy worker to admit the request to")
+        if exclude:
+            cost_for = _excluding(cost_for or (lambda _: cost_tokens), exclude)
         largest = max(w.kv_tokens_capacity for w in healthy)
         if cost_tokens > largest:
             raise InvalidRequestError(
                 f"prompt plus max_tokens needs {cost_tokens} KV tokens; the largest worker holds {largest}")
         lane = self._retry_lane if attempt > 1 else self._first_lane
         if not lane and not (attempt > 1 and self._first_lane):  # nobody ahead: admit at once if it fits
-            ticket = self._try_admit(cost_tokens, attempt, route, queued_since=None)
+            ticket = self._try_admit(cost_tokens, attempt, route, queued_since=None, cost_for=cost_for)
             if ticket is not None:
                 return ticket
         slots = self.retry_slots if attempt > 1 else self.first_slots
         if len(lane) >= slots:
             raise self._overloaded(cost_tokens, attempt, "admission queue full")
-        return await self._wait(lane, cost_tokens, attempt, route, deadline_s)
+        return await self._wait(lane, cost_tokens, attempt, route, deadline_s, cost_for)
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -217,10 +255,12 @@ class AdmissionController:
         return self._retry_tokens_live + cost_tokens <= self._config.retry_lane_fraction * capacity
 
     def _try_admit(self, cost_tokens: int, attempt: int, route: RouteFn | None,
-                   queued_since: float | None) -> AdmissionTicket | None:
+                   queued_since: float | None, cost_for: CostFn | None = None) -> AdmissionTicket | None:
         if attempt > 1 and not self._retry_budget_allows(cost_tokens):
             return None
-        eligible = [w for w in self._healthy() if self._committed(w.worker_id) + cost_tokens <= w.kv_tokens_capacity]
+        costs = {w.worker_id: cost_for(w.worker_id) if cost_for else cost_tokens for w in self._healthy()}
+        eligible = [w for w in self._healthy()
+                    if self._committed(w.worker_id) + costs[w.worker_id] <= w.kv_tokens_capacity]
         if not eligible:
             return None
         eligible.sort(key=lambda w: w.worker_id)
@@ -231,12 +271,12 @@ class AdmissionController:
             if worker_id not in {w.worker_id for w in eligible}:
                 raise ValueError(f"route chose {worker_id!r}, not one of the workers with room")
         now = self._clock()
-        ticket = AdmissionTicket(self, worker_id, cost_tokens, attempt, sent_at=now,
+        ticket = AdmissionTicket(self, worker_id, costs[worker_id], attempt, sent_at=now,
                                  queue_wait_s=0.0 if queued_since is None else now - queued_since)
         self._pending[worker_id].append(ticket)
         self._live.add(ticket)
         if attempt > 1:
-            self._retry_tokens_live += cost_tokens
+            self._retry_tokens_live += ticket.cost_tokens
         return ticket
 
     def _release(self, ticket: AdmissionTicket) -> None:
@@ -251,8 +291,9 @@ class AdmissionController:
         self._pump()
 
     async def _wait(self, lane: collections.deque, cost_tokens: int, attempt: int, route: RouteFn | None,
-                    deadline_s: float | None) -> AdmissionTicket:
-        waiter = _Waiter(cost_tokens, attempt, route, self._clock(), asyncio.get_running_loop().create_future())
+                    deadline_s: float | None, cost_for: CostFn | None = None) -> AdmissionTicket:
+        waiter = _Waiter(cost_tokens, attempt, route, self._clock(), asyncio.get_running_loop().create_future(),
+                         cost_for)
         lane.append(waiter)
         wait_s = self._config.max_queue_wait_s
         deadline_first = deadline_s is not None and deadline_s - time.time() < wait_s
@@ -296,7 +337,8 @@ class AdmissionController:
                     head.future.set_exception(WorkerFailedError("no healthy worker left while queued"))
                     continue
                 try:
-                    ticket = self._try_admit(head.cost_tokens, head.attempt, head.route, head.enqueued_at)
+                    ticket = self._try_admit(head.cost_tokens, head.attempt, head.route, head.enqueued_at,
+                                             head.cost_for)
                 except Exception as exc:  # a failing route callback fails its own request only
                     lane.popleft()
                     head.future.set_exception(exc)

@@ -122,8 +122,20 @@ class KvmeshRouter(KvmeshGrpcMethods):
         await self.pool.close()
 
 
+def router_num_cpus(config: KvmeshConfig) -> float:
+    """CPUs the router replicas ask for, one replica spare (an update starts the new replica
+    before it stops the old one)."""
+    return ROUTER_REPLICA_NUM_CPUS * (config.router.num_replicas + 1)
+
+
 def build_router_app(config: KvmeshConfig):
     """The bound Serve application for `config` (deploy with serve.run / serveConfigV2)."""
+    if config.parallel.worker_num_cpus is None:  # derived from the cluster this app runs on
+        import ray
+
+        from kvmesh.deploy.resources import resolve_worker_num_cpus
+
+        config = resolve_worker_num_cpus(config, ray.cluster_resources().get("CPU", 0.0), router_num_cpus(config))
     # Beyond what the router holds (its queue plus the workers' running and queued requests),
     # OVERLOAD_HEADROOM more may be in the replica at once only to be rejected: a request
     # Serve queued in its proxy instead would wait, unanswered, for a slot and only then get

@@ -79,6 +79,7 @@ PREFIX = "kvmesh_"
 REJECTION_REASONS = ("quota", "overload", "invalid", "unauthenticated")
 TIMEOUT_STAGES = ("admission", "stream")
 FINISH_TIMEOUT = "timeout"  # finish_reason label of a request whose deadline passed (not an error)
+SPILL_REASONS = ("preferred_full", "worker_refused")
 
 # Seconds. Latency buckets span 1 ms (CPU decode step) to 5 min (long generations in a queue).
 _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -145,6 +146,13 @@ class RouterMetrics:
                                             buckets=_ROUTE_ERROR_BUCKETS, registry=r)
         self.retries_seen = Counter(PREFIX + "retries_seen", "Requests that arrived as a client retry.",
                                     registry=r)
+        self.routing_spills = Counter(
+            PREFIX + "routing_spills",
+            "Requests sent to another worker than their cached prefix's because that one was full "
+            "(preferred_full: no budget in the router's view; worker_refused: its own admission said no).",
+            ["reason"], registry=r)
+        for reason in SPILL_REASONS:
+            self.routing_spills.labels(reason)
         self.quota_fallback = Gauge(PREFIX + "quota_store_fallback_active",
                                     "1 while Redis is unreachable and local per-replica limits apply.",
                                     ["replica"], registry=r)
@@ -204,6 +212,11 @@ class RouterMetrics:
         if reason not in REJECTION_REASONS:
             raise ValueError(f"rejection reason must be one of {REJECTION_REASONS}, got {reason!r}")
         self.rejections.labels(reason).inc()
+
+    def observe_spill(self, reason: str) -> None:
+        if reason not in SPILL_REASONS:
+            raise ValueError(f"spill reason must be one of {SPILL_REASONS}, got {reason!r}")
+        self.routing_spills.labels(reason).inc()
 
     def observe_retry(self) -> None:
         self.retries_seen.inc()

@@ -25,12 +25,26 @@ each one dropped out:
 Cost per lookup is O(matched blocks x candidate workers); the walk stops at the first block
 no candidate holds. A worker whose events show a gap (batch.reset) is rebuilt from
 `all_hashes`. The index is single-owner state (the router's event loop); it takes no lock.
+
+In flight: a request's prefix counts as held by its worker from the moment it is dispatched
+(`add_in_flight`), not only once the worker's STORED event arrives a prefill and a poll
+later. Without it, the second request of a family arriving while the first is still queued
+or prefilling saw no match and went wherever load said; with four in flight every family
+landed on both workers (measured on the cluster, the issue's table). The claim lasts while
+the request runs and `linger_s` after it ends (time for its STORED events to be polled),
+and an EVICTED event for the block on that worker drops it at once: the events correct it.
+`longest_prefix(..., include_in_flight=False)` answers from events alone (what is surely
+resident: admission charges only for that).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Sequence
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kvmesh.kv.hashing import BlockHash
 from kvmesh.worker.api import PrefixEventBatch, PrefixEventKind
@@ -38,8 +52,20 @@ from kvmesh.worker.api import PrefixEventBatch, PrefixEventKind
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class _InFlight:
+    worker_id: str
+    block_hashes: tuple[BlockHash, ...]
+    expires_at: float | None = None  # set when the request ends
+
+
 class PrefixIndex:
-    def __init__(self) -> None:
+    def __init__(self, linger_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.linger_s = linger_s
+        self._clock = clock
+        self._in_flight: dict[int, _InFlight] = {}
+        self._in_flight_holders: dict[BlockHash, Counter[str]] = {}
+        self._tokens = itertools.count()
         self._holders: dict[BlockHash, set[str]] = {}
         self._blocks: dict[str, set[BlockHash]] = {}
         # Per worker: the seq to ask for next (`prefix_events(since_seq=...)`) and the last
@@ -66,7 +92,7 @@ class PrefixIndex:
             if event.kind is PrefixEventKind.STORED:
                 self._add(worker_id, event.block_hashes)
             elif event.kind is PrefixEventKind.EVICTED:
-                self._remove(worker_id, event.block_hashes)
+                self._remove(worker_id, event.block_hashes, evicted=True)
             elif event.kind is PrefixEventKind.CLEARED:
                 self._drop_blocks(worker_id)
                 self._blocks[worker_id] = set()
@@ -74,24 +100,51 @@ class PrefixIndex:
         self._last_applied_seq[worker_id] = last
         self._next_seq[worker_id] = batch.next_seq
 
+    def add_in_flight(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> int:
+        """A request with these prefix blocks was dispatched to `worker_id`: count them as held
+        there until `end_in_flight(token)` + linger_s. Returns the token."""
+        token = next(self._tokens)
+        entry = _InFlight(worker_id, tuple(block_hashes))
+        self._in_flight[token] = entry
+        for block_hash in entry.block_hashes:
+            self._in_flight_holders.setdefault(block_hash, Counter())[worker_id] += 1
+        return token
+
+    def end_in_flight(self, token: int) -> None:
+        """The request ended: keep its claim `linger_s` more (its STORED events are on the way)."""
+        entry = self._in_flight.get(token)
+        if entry is not None and entry.expires_at is None:
+            entry.expires_at = self._clock() + self.linger_s
+
     def remove_worker(self, worker_id: str) -> None:
         """Forget a dead or removed worker entirely; it is never reported as a match again."""
         self._drop_blocks(worker_id)
+        for token in [t for t, e in self._in_flight.items() if e.worker_id == worker_id]:
+            self._drop_in_flight(token)
         self._next_seq.pop(worker_id, None)
         self._last_applied_seq.pop(worker_id, None)
 
     # ---- queries ----------------------------------------------------------------------------
 
-    def longest_prefix(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
-        """Number of leading blocks of `block_hashes` each worker holds (absent = 0)."""
+    def longest_prefix(self, block_hashes: Sequence[BlockHash], include_in_flight: bool = True) -> dict[str, int]:
+        """Number of leading blocks of `block_hashes` each worker holds (absent = 0), counting
+        the prefixes of requests dispatched there and not yet reported (see "In flight")."""
         matched: dict[str, int] = {}
         if not block_hashes:
             return matched
-        candidates = set(self._holders.get(block_hashes[0], ()))
+        if include_in_flight:
+            self._expire_in_flight()
+
+        def holders_of(block_hash: BlockHash) -> set[str]:
+            held = self._holders.get(block_hash, set())
+            claimed = self._in_flight_holders.get(block_hash) if include_in_flight else None
+            return held | set(claimed) if claimed else held
+
+        candidates = set(holders_of(block_hashes[0]))
         for i, block_hash in enumerate(block_hashes):
             if not candidates:
                 break
-            holders = self._holders.get(block_hash, set())
+            holders = holders_of(block_hash)
             for worker_id in candidates - holders:
                 matched[worker_id] = i
             candidates &= holders
@@ -124,9 +177,32 @@ class PrefixIndex:
             owned.add(block_hash)
             self._holders.setdefault(block_hash, set()).add(worker_id)
 
-    def _remove(self, worker_id: str, hashes: Sequence[BlockHash]) -> None:
+    def _expire_in_flight(self) -> None:
+        now = self._clock()
+        for token in [t for t, e in self._in_flight.items() if e.expires_at is not None and e.expires_at <= now]:
+            self._drop_in_flight(token)
+
+    def _drop_in_flight(self, token: int) -> None:
+        entry = self._in_flight.pop(token)
+        for block_hash in entry.block_hashes:
+            self._unclaim(block_hash, entry.worker_id, 1)
+
+    def _unclaim(self, block_hash: BlockHash, worker_id: str, count: int | None) -> None:
+        """Drop `count` in-flight claims of the block on the worker (None: all of them)."""
+        claims = self._in_flight_holders.get(block_hash)
+        if claims is None or worker_id not in claims:
+            return
+        claims[worker_id] = 0 if count is None else claims[worker_id] - count
+        if claims[worker_id] <= 0:
+            del claims[worker_id]
+            if not claims:
+                del self._in_flight_holders[block_hash]
+
+    def _remove(self, worker_id: str, hashes: Sequence[BlockHash], evicted: bool = False) -> None:
         owned = self._blocks.get(worker_id, set())
         for block_hash in hashes:
+            if evicted:  # the worker says it is gone: no in-flight claim keeps it alive
+                self._unclaim(block_hash, worker_id, None)
             owned.discard(block_hash)
             holders = self._holders.get(block_hash)
             if holders is not None:

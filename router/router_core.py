@@ -40,12 +40,12 @@ from dataclasses import dataclass, field
 from kvmesh.deploy.config import KvmeshConfig
 from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.router import request_rules, tracing
-from kvmesh.router.admission import AdmissionController, AdmissionTicket, request_cost_tokens
+from kvmesh.router.admission import AdmissionController, AdmissionTicket, cost_with_cached_prefix, request_cost_tokens
 from kvmesh.router.auth import Authenticator
 from kvmesh.router.fairness import TenantBacklog, engine_priority
 from kvmesh.router.metrics import FINISH_TIMEOUT, RouterMetrics
 from kvmesh.router.quota import QuotaStore, Reservation, check_request_fits
-from kvmesh.router.routing import RoundRobinCursor, RoutingDecision, choose_worker
+from kvmesh.router.routing import RoundRobinCursor, RoutingDecision, choose_worker, is_spill
 from kvmesh.router.tenants import Tenant
 from kvmesh.router.worker_pool import WorkerPool
 from kvmesh.worker.actor import ErrorReport
@@ -163,13 +163,13 @@ class RouterCore:
             raise InvalidRequestError(f"request id {inbound.request_id!r} is already in flight")
         self.live_request_ids.add(request.request_id)  # until the stream ends (RequestStream)
         try:
-            return await self._reserve_and_admit(tenant, inbound, request, root, parent)
+            return await self._reserve_and_admit(tenant, inbound, request, root, parent, arrived_s)
         except BaseException:
             self.live_request_ids.discard(request.request_id)
             raise
 
     async def _reserve_and_admit(self, tenant: Tenant, inbound: InboundRequest, request: GenerateRequest,
-                                 root, parent) -> "RequestStream":
+                                 root, parent, arrived_s: float) -> "RequestStream":
         root.set_attribute(tracing.ATTR_REQUEST_ID, request.request_id)
         sampling, num_prompt = request.sampling, len(request.prompt_token_ids)
         with self._tracer.start_as_current_span(tracing.SPAN_QUOTA, context=parent):
@@ -215,34 +215,43 @@ class RouterCore:
     async def _admit(self, request: GenerateRequest, exclude: frozenset[str],
                      parent=None) -> tuple[RoutingDecision, AdmissionTicket]:
         """Wait for KV budget on some worker; the routing policy picks among those with room."""
-        matched = await self._matched_blocks(request)
+        hashes = await self._prefix_hashes(request)
+        index = self.pool.prefix_index
+        matched = index.longest_prefix(hashes)  # routing: what each worker holds or was just sent
+        resident = index.longest_prefix(hashes, include_in_flight=False)  # cost: what surely is there
         decisions: list[RoutingDecision] = []
 
         def route(eligible: list[WorkerStats], in_flight) -> str:
-            eligible = [w for w in eligible if w.worker_id not in exclude]
             with self._tracer.start_as_current_span(tracing.SPAN_ROUTE, context=parent) as span:
                 decision = choose_worker(matched, eligible, self.config.router, self._rng, self._cursor, in_flight)
                 tracing.set_route_attributes(span, decision.worker_id, decision.matched_blocks,
                                              self.config.router.policy)
                 tracing.set_route_candidates(span, decision, matched, eligible, in_flight)
+            if is_spill(matched, eligible, decision.worker_id):
+                self.metrics.observe_spill("preferred_full")
             decisions.append(decision)
             return decision.worker_id
 
         info = self.pool.any_info()
         block_size = info.block_size if info is not None else 1  # the workers' own rounding
+        num_prompt, sampling = len(request.prompt_token_ids), request.sampling
         ticket = await self.admission.acquire(
-            request_cost_tokens(len(request.prompt_token_ids), request.sampling, block_size=block_size),
-            attempt=request.attempt,
-            route=route, deadline_s=request.deadline_s)
+            request_cost_tokens(num_prompt, sampling, block_size=block_size), attempt=request.attempt,
+            route=route, deadline_s=request.deadline_s, exclude=exclude,
+            cost_for=lambda w: cost_with_cached_prefix(num_prompt, sampling, block_size, resident.get(w, 0)))
+        if hashes:  # the family's next request follows this one before the worker reports it
+            token = index.add_in_flight(ticket.worker_id, hashes)
+            ticket.on_release(lambda: index.end_in_flight(token))
         return decisions[-1], ticket
 
-    async def _matched_blocks(self, request: GenerateRequest) -> dict[str, int]:
+    async def _prefix_hashes(self, request: GenerateRequest) -> list:
+        """The prompt's full-block chain hashes as the workers compute them ([] when routing
+        ignores prefixes)."""
         info = self.pool.any_info()
         if self.config.router.policy != "prefix_aware" or info is None:
-            return {}
+            return []
         extra_keys = await self._block_extra_keys(request.cache_salt)
-        hashes = hash_full_blocks(request.prompt_token_ids, info.block_size, extra_keys)
-        return self.pool.prefix_index.longest_prefix(hashes)
+        return hash_full_blocks(request.prompt_token_ids, info.block_size, extra_keys)
 
     def _prompt_token_ids(self, inbound: InboundRequest) -> tuple[int, ...]:
         given = [x is not None for x in (inbound.prompt, inbound.messages, inbound.prompt_token_ids)]
@@ -366,12 +375,16 @@ class RequestStream:
                             final = delta
                         yield dataclasses.replace(delta, request_id=self.request_id)
                     return
-                except WorkerFailedError:
+                except (WorkerFailedError, OverloadedError) as exc:
                     if streamed_tokens or attempt == 2 or not core.pool.routable_ids():
                         raise
-                    # Nothing reached the client: re-route once rather than fail it.
-                    logger.warning("worker %s failed before request %s produced output; re-routing",
-                                   self.worker_id, self.request_id)
+                    # Nothing reached the client: re-route once rather than fail it. A worker
+                    # whose own admission refused (its budget filled before the router's view
+                    # caught up) spills the request to another worker with room.
+                    logger.warning("worker %s %s before request %s produced output; re-routing", self.worker_id,
+                                   "refused" if isinstance(exc, OverloadedError) else "failed", self.request_id)
+                    if isinstance(exc, OverloadedError):
+                        core.metrics.observe_spill("worker_refused")
                     self._ticket.release()
                     self.decision, self._ticket = await core._admit(self._request, frozenset({self.worker_id}))
         finally:

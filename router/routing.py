@@ -11,17 +11,23 @@
   (admission's in-flight accounting), so a burst between refreshes is not all sent to the
   one worker that looked idle.
 
-A worker's load is `kv_tokens_used + queued_prompt_tokens (+ extra)`: KV it holds now plus
-prompt tokens waiting to be prefilled there.
+A worker's load is `kv_tokens_used + queued_prompt_tokens (+ extra)`: KV it holds now (a
+prefix shared by its running requests counted once) plus the prompt tokens waiting requests
+must still compute there (their cached prefix left out), plus what the router sent since
+(charged uncached: `cost_for` in admission). A hot family's long prefix therefore weighs
+once on its worker, not once per request, and affinity breaks only on real overload.
 
 Policies (RouterConfig.policy):
 
     prefix_aware   the worker with the longest cached prefix (ties: lower load, then rng), unless its
                    load exceeds the least loaded worker's by BOTH imbalance_ratio (x) and
-                   imbalance_abs_tokens (+); then, or when nothing matched, power of two
-                   choices by load. Both thresholds must trip so that small absolute
-                   differences on an idle cluster (10 vs 40 tokens) do not break affinity,
-                   and large ones at high load do.
+                   imbalance_abs_tokens (+); then another worker already holding at
+                   least half of that prefix and not itself overloaded (sticky spill: a
+                   family's set of workers grows only when all of them are overloaded);
+                   else, or when nothing matched, power of two choices by load. Both
+                   thresholds must trip so that small absolute differences on an idle
+                   cluster (10 vs 40 tokens) do not break affinity, and large ones at
+                   high load do.
                    A prompt nothing matched starts a new prefix: of the two sampled
                    workers, when their loads are within those same thresholds, the one
                    with the smaller KV footprint (blocks used + cached, plus router
@@ -52,7 +58,8 @@ from kvmesh.worker.errors import WorkerFailedError
 
 class RoutingPath(str, enum.Enum):
     PREFIX_MATCH = "prefix_match"  # longest cached prefix, load within bounds
-    PREFIX_IMBALANCED = "prefix_imbalanced"  # a prefix matched but its worker is overloaded -> p2c
+    PREFIX_SPILL = "prefix_spill"  # its best worker is overloaded; another holding most of it takes it
+    PREFIX_IMBALANCED = "prefix_imbalanced"  # a prefix matched but every holder is overloaded -> p2c
     NO_PREFIX = "no_prefix"  # nothing cached anywhere -> p2c
     LEAST_LOADED = "least_loaded"
     ROUND_ROBIN = "round_robin"
@@ -131,9 +138,28 @@ def _prefix_aware(ids: list[str], loads: dict[str, int], footprints: dict[str, i
     top = max(matched_blocks[w] for w in matching)
     lowest = min(loads[w] for w in matching if matched_blocks[w] == top)
     best = rng.choice([w for w in matching if matched_blocks[w] == top and loads[w] == lowest])
-    if not is_imbalanced(loads[best], min(loads.values()), config):
+    min_load = min(loads.values())
+    if not is_imbalanced(loads[best], min_load, config):
         return decide(best, RoutingPath.PREFIX_MATCH)
+    # Sticky spill: a worker that already holds most of this prefix (where the family spilled
+    # before) takes it while it is not overloaded itself, so a hot family grows onto a second
+    # worker once and stays on those two, instead of landing on a random one each time.
+    holders = [w for w in matching if w != best and 2 * matched_blocks[w] >= top
+               and not is_imbalanced(loads[w], min_load, config)]
+    if holders:
+        return decide(min(holders, key=lambda w: (loads[w], -matched_blocks[w], w)), RoutingPath.PREFIX_SPILL)
     return decide(_power_of_two(ids, loads, rng), RoutingPath.PREFIX_IMBALANCED)
+
+
+def is_spill(matched_blocks: Mapping[str, int], eligible: Sequence[WorkerStats], chosen: str) -> bool:
+    """The request went elsewhere because the worker with its longest cached prefix had no
+    budget left (it was not among the workers with room)."""
+    if not matched_blocks:
+        return False
+    eligible_ids = {w.worker_id for w in eligible}
+    top = max(matched_blocks.values())
+    preferred = {w for w, n in matched_blocks.items() if n == top}
+    return chosen not in preferred and not (preferred & eligible_ids)
 
 
 def _least_loaded(ids: list[str], loads: dict[str, int], rng: random.Random) -> str:

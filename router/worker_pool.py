@@ -61,7 +61,8 @@ class WorkerPool:
     def __init__(self, config: KvmeshConfig, app_name: str, prefix_index: PrefixIndex | None = None):
         self._config = config
         self._app_name = app_name
-        self.prefix_index = prefix_index or PrefixIndex()
+        # A dispatched prefix is claimed until its STORED events have surely been polled.
+        self.prefix_index = prefix_index or PrefixIndex(linger_s=4 * config.router.stats_refresh_s)
         self._workers: dict[str, _WorkerState] = {}
         self._watchers: list[asyncio.Task] = []
         self._refresh_s = config.router.stats_refresh_s

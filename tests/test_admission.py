@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import pytest
 
 from kvmesh.deploy.config import RouterConfig
-from kvmesh.router.admission import AdmissionController, request_cost_tokens
+from kvmesh.router.admission import AdmissionController, cost_with_cached_prefix, request_cost_tokens
+from kvmesh.router.routing import choose_worker, is_spill
 from kvmesh.worker.api import SamplingParams, WorkerStats
 from kvmesh.worker.errors import DeadlineExceededError, InvalidRequestError, OverloadedError, WorkerFailedError
 
@@ -208,4 +210,41 @@ def test_a_cancelled_waiter_leaves_the_queue_and_unblocks_those_behind_it():
         big.cancel()
         ticket = await asyncio.wait_for(small, 1)
         assert ticket.queue_wait_s >= 0 and admission.snapshot().num_queued_first == 0
+    asyncio.run(main())
+
+
+def test_a_worker_holding_the_prefix_is_charged_only_its_uncached_blocks():
+    async def main():
+        # w0 holds 33 of the prompt's blocks (a 528-token prefix); 1680 of 2048 committed.
+        admission = controller([stats("w0", reserved=1680, capacity=2048), stats("w1", reserved=1900, capacity=2048)])
+        sampling = SamplingParams(max_tokens=8)
+        whole = request_cost_tokens(552, sampling, block_size=16)
+        assert whole == 560 and 1680 + whole > 2048  # counting the whole prompt, nobody has room
+        cached = {"w0": 33}
+        ticket = await admission.acquire(
+            whole, cost_for=lambda w: cost_with_cached_prefix(552, sampling, 16, cached.get(w, 0)))
+        assert ticket.worker_id == "w0" and ticket.cost_tokens == 560 - 33 * 16
+        assert admission.in_flight_tokens() == {"w0": 32}
+    asyncio.run(main())
+
+
+def test_a_full_preferred_worker_spills_to_one_with_room_and_only_none_means_overloaded():
+    async def main():
+        admission = controller([stats("w0", reserved=990), stats("w1", reserved=100)], max_queue_wait_s=0.01)
+        matched = {"w0": 4}  # the prefix lives on w0, which has no room for 100 more
+        chosen = []
+
+        def route(eligible, in_flight):
+            decision = choose_worker(matched, eligible, RouterConfig(), random.Random(0), None, in_flight)
+            chosen.append((decision.worker_id, is_spill(matched, eligible, decision.worker_id)))
+            return decision.worker_id
+
+        ticket = await admission.acquire(100, route=route)
+        assert ticket.worker_id == "w1" and chosen == [("w1", True)]
+        # A worker that refused this request is never chosen again; with nobody else: overloaded.
+        with pytest.raises(OverloadedError):
+            await admission.acquire(100, route=route, exclude=frozenset({"w1"}))
+        ticket.release()
+        again = await admission.acquire(100, route=route, exclude=frozenset({"w0"}))
+        assert again.worker_id == "w1"
     asyncio.run(main())

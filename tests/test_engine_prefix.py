@@ -3,8 +3,10 @@
 import pytest
 
 from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.kv.kv_cost import request_kv_tokens
 from kvmesh.worker.api import GenerateRequest, SamplingParams
 from kvmesh.worker.engine import Engine
+from kvmesh.worker.errors import OverloadedError
 
 SYSTEM = "You are a careful assistant. Answer briefly and cite the rules you follow. " * 4
 
@@ -69,3 +71,47 @@ def test_allocated_kv_bytes_equal_the_capacity_model(tiny_model_dir, kv_dtype):
     if kv_dtype in ("int8", "fp8", "int4"):
         assert engine.block_extra_keys() != _engine(tiny_model_dir, num_blocks=32).block_extra_keys(), \
             "quantized KV blocks never match unquantized ones in the prefix cache"
+
+
+def test_a_resident_prefix_is_admitted_for_its_uncached_blocks_and_output(tiny_model_dir):
+    """Blocks already in the cache are not reserved again: three requests sharing a long
+    resident prefix fit a pool that, counting whole prompts, holds only one of them; they
+    share the prefix blocks once, and what admission counted as cached stays pinned."""
+    block_size, prefix_len, max_tokens = 8, 160, 8
+    engine = _engine(tiny_model_dir, num_blocks=32, block_size=block_size)  # 256 tokens
+    budget = engine.scheduler.admission.budget_tokens
+    prefix = [(7 * i) % 300 + 5 for i in range(prefix_len)]  # 20 full blocks
+
+    def request(rid, question):
+        return GenerateRequest(rid, prompt_token_ids=prefix + question,
+                               sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+
+    def run_all():
+        finals = {}
+        while engine.has_unfinished():
+            for d in engine.step():
+                if d.finished:
+                    finals[d.request_id] = d.usage
+            engine.check_integrity()
+        return finals
+
+    whole_cost = request_kv_tokens(prefix_len + 4, max_tokens, block_size)
+    assert 2 * whole_cost > budget, "counting whole prompts, two requests could not be admitted"
+    engine.add_request(request("warm", [1, 2, 3, 4]))
+    run_all()
+    for i in range(3):  # each: 1 uncached prompt block + output = 2 blocks, the prefix once
+        engine.add_request(request(f"q{i}", [10 + i, 20 + i, 30 + i, 40 + i]))
+    shared = prefix_len  # 20 pinned blocks, owned by no reservation (their first owner finished)
+    each = request_kv_tokens(prefix_len + 4, max_tokens, block_size, cached_prompt_tokens=prefix_len)
+    assert engine.stats().kv_tokens_reserved == shared + 3 * each <= budget
+    # The pinned prefix is held (used, not evictable): nothing admission counted can disappear.
+    assert engine.stats().num_blocks_used == prefix_len // block_size
+    engine.check_integrity()
+    # A request that does not fit is refused, and holds nothing afterwards.
+    with pytest.raises(OverloadedError):
+        engine.add_request(request("too-big", list(range(60, 120))))
+    engine.check_integrity()
+    finals = run_all()
+    assert all(finals[f"q{i}"].cached_tokens == prefix_len for i in range(3))
+    stats = engine.stats()
+    assert stats.kv_tokens_reserved == 0 and stats.num_blocks_used == 0

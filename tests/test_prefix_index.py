@@ -121,3 +121,33 @@ def test_random_event_streams_agree_with_a_brute_force_model():
             if n:
                 expected[w] = n
         assert index.longest_prefix(query) == expected
+
+
+def test_a_dispatched_prefix_counts_on_its_worker_until_events_or_time_correct_it():
+    clock = [0.0]
+    index = PrefixIndex(linger_s=2.0, clock=lambda: clock[0])
+    family = hashes(list(range(100, 116)))  # 4 blocks
+    token = index.add_in_flight("w1", family)
+    # The next request of the family follows the first before any STORED event...
+    assert index.longest_prefix(family) == {"w1": 4}
+    # ...but what is surely resident (what admission may charge less for) is still nothing.
+    assert index.longest_prefix(family, include_in_flight=False) == {}
+    index.apply(stored("w1", 0, family[:2]))
+    assert index.longest_prefix(family, include_in_flight=False) == {"w1": 2}
+    index.end_in_flight(token)
+    clock[0] = 1.9
+    assert index.longest_prefix(family) == {"w1": 4}  # lingering: its events may still be on the way
+    clock[0] = 2.1
+    assert index.longest_prefix(family) == {"w1": 2}  # only what the events say is left
+    # An EVICTED event beats a claim at once.
+    token = index.add_in_flight("w2", family)
+    evicted = PrefixEventBatch("w2", 2, (PrefixEvent(0, PrefixEventKind.STORED, tuple(family)),
+                                         PrefixEvent(1, PrefixEventKind.EVICTED, tuple(family[1:]))))
+    index.apply(evicted)
+    assert index.longest_prefix(family)["w2"] == 1
+    index.end_in_flight(token)
+    clock[0] = 10.0
+    assert index.longest_prefix(family) == {"w1": 2, "w2": 1}
+    index.remove_worker("w1")
+    assert index.longest_prefix(family) == {"w2": 1}
+    index.check_integrity()

@@ -183,3 +183,19 @@ def test_skewed_mix_load_threshold_keeps_workers_within_one_and_a_half_x():
     assert max(routed_sticky.values()) > 3 * min(routed_sticky.values())
     # spilling the hot family onto other workers still leaves them caching its prefix
     assert hit_rate > 0.5
+
+
+def test_an_overloaded_family_spills_to_the_worker_already_holding_it_not_a_new_one():
+    config = RouterConfig(policy="prefix_aware", imbalance_ratio=1.5, imbalance_abs_tokens=500)
+    # w0 holds the whole prefix but is overloaded; w1 holds most of it (an earlier spill).
+    workers = [stats("w0", 3000), stats("w1", 400), stats("w2", 0), stats("w3", 0)]
+    picks = {choose_worker({"w0": 10, "w1": 8}, workers, config, random.Random(s)).path for s in range(20)}
+    decisions = {choose_worker({"w0": 10, "w1": 8}, workers, config, random.Random(s)).worker_id for s in range(20)}
+    assert picks == {RoutingPath.PREFIX_SPILL} and decisions == {"w1"}
+    # Once every holder is overloaded too, the family gets one more worker (power of two).
+    workers = [stats("w0", 3000), stats("w1", 3000), stats("w2", 0), stats("w3", 0)]
+    decision = choose_worker({"w0": 10, "w1": 8}, workers, config, random.Random(0))
+    assert decision.path is RoutingPath.PREFIX_IMBALANCED and decision.worker_id in {"w2", "w3"}
+    # A worker holding only a sliver of the prefix is not a holder worth sticking to.
+    workers = [stats("w0", 3000), stats("w1", 0), stats("w2", 0)]
+    assert choose_worker({"w0": 10, "w1": 2}, workers, config, random.Random(1)).path is RoutingPath.PREFIX_IMBALANCED

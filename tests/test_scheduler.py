@@ -237,7 +237,7 @@ def test_overloaded_with_retry_after_and_never_fits_is_invalid():
     first = submit(scheduler, "first", range(10), max_tokens=10)  # reserves 20
     assert scheduler.admission.reserved_tokens == 20
     with pytest.raises(OverloadedError) as exc:
-        submit(scheduler, "second", range(10), max_tokens=3)  # 13 -> 16; 20 + 16 > 32
+        submit(scheduler, "second", range(50, 60), max_tokens=3)  # 13 -> 16; 20 + 16 > 32
     assert exc.value.retry_after_s > 0 and exc.value.retryable
     assert "second" not in scheduler.requests
     # Once a request drains, retry-after follows the measured drain rate.
@@ -246,9 +246,12 @@ def test_overloaded_with_retry_after_and_never_fits_is_invalid():
     assert scheduler.stats().drain_tokens_per_s == pytest.approx(20 / 2.0)
     submit(scheduler, "big", range(10), max_tokens=10)  # 20 reserved again
     with pytest.raises(OverloadedError) as exc:
-        submit(scheduler, "third", range(10), max_tokens=10)  # 20 + 20 - 32 = 8 over, at 10 tokens/s
+        submit(scheduler, "third", range(50, 60), max_tokens=10)  # 20 + 20 - 32 = 8 over, at 10 tokens/s
     assert exc.value.retry_after_s == pytest.approx(0.8)
     assert first.output_token_ids == []  # never truncated, never half-served silently
+    # The same prompt as "big" shares its two full prompt blocks: 20 - 8 = 12 more fits.
+    same = submit(scheduler, "same-prefix", range(10), max_tokens=10)
+    assert same.reserved_kv_tokens == 12 and scheduler.admission.reserved_tokens == 32
 
 
 def test_queue_full_and_bad_requests():
@@ -328,3 +331,59 @@ def test_check_integrity_catches_a_lost_request():
     scheduler.running.clear()  # corrupt: the request is neither waiting nor running
     with pytest.raises(AssertionError):
         scheduler.check_integrity()
+
+
+def test_blocks_shared_with_a_running_request_are_committed_once():
+    scheduler, model = build(num_blocks=16, block_size=4)  # 64 tokens
+    prefix = list(range(100, 124))  # 6 full blocks
+    first = submit(scheduler, "first", prefix + [1, 2], max_tokens=4)  # 32 tokens reserved
+    engine_step(scheduler, model)  # prefilled: its prefix blocks are in the cache, still held by it
+    second = submit(scheduler, "second", prefix + [3, 4], max_tokens=4)
+    assert second.num_pinned_tokens == 24 and second.reserved_kv_tokens == 8  # uncached tail + output
+    assert scheduler.stats().kv_tokens_reserved == 32 + 8  # the prefix is first's; not counted again
+    scheduler.abort_requests(["first"])
+    # first is gone; second still pins the 6 prefix blocks, now paid for by nobody else
+    assert scheduler.stats().kv_tokens_reserved == 24 + 8
+    scheduler.check_integrity()
+    run_until_idle(scheduler, model)
+    assert second.output_token_ids == expected_output(prefix + [3, 4], 4)
+    assert scheduler.stats().kv_tokens_reserved == 0
+    assert_pool_whole(scheduler)
+
+
+def test_a_request_waits_for_the_prefix_a_running_request_is_computing_instead_of_computing_it_twice():
+    scheduler, model = build(num_blocks=32, block_size=4, max_num_batched_tokens=64, max_prefill_tokens_per_step=8)
+    prefix = list(range(200, 216))  # 4 full blocks, prefilled over two steps of 8
+    leader = submit(scheduler, "leader", prefix + [1, 2], max_tokens=2)
+    follower = submit(scheduler, "follower", prefix + [3, 4], max_tokens=2)
+    first = engine_step(scheduler, model)
+    assert [e.request.request_id for e in first.scheduled] == ["leader"]  # follower held back
+    outputs = run_until_idle(scheduler, model)
+    assert follower.num_cached_tokens == 16  # the whole prefix, computed once by the leader
+    computed = sum(e.num_scheduled_tokens for o in [first, *outputs] for e in o.scheduled)
+    assert computed == (18 + 1) + (2 + 1)  # leader's prompt + 1 decode; follower's tail + 1 decode
+    assert leader.output_token_ids == expected_output(prefix + [1, 2], 2)
+    assert follower.output_token_ids == expected_output(prefix + [3, 4], 2)
+    assert_pool_whole(scheduler)
+
+
+def test_a_prefix_an_admitted_request_will_compute_is_reserved_once_and_topped_up_if_it_never_comes():
+    scheduler, model = build(num_blocks=32, block_size=4)
+    prefix = list(range(300, 316))  # 4 full blocks
+    leader = submit(scheduler, "leader", prefix + [1, 2], max_tokens=2)  # 20 tokens: all its own
+    follower = submit(scheduler, "follower", prefix + [3, 4], max_tokens=2)
+    assert leader.reserved_kv_tokens == 20 and follower.reserved_kv_tokens == 4  # the prefix is the leader's
+    run_until_idle(scheduler, model)
+    assert follower.num_cached_tokens == 16 and follower.output_token_ids == expected_output(prefix + [3, 4], 2)
+    assert_pool_whole(scheduler)
+    # The leader goes away before computing anything: the follower reserves the rest at its start.
+    prefix = list(range(400, 416))
+    submit(scheduler, "leader-2", prefix + [1, 2], max_tokens=2)
+    follower = submit(scheduler, "follower-2", prefix + [3, 4], max_tokens=2)
+    assert follower.reserved_kv_tokens == 4
+    scheduler.abort_requests(["leader-2"])
+    engine_step(scheduler, model)
+    assert follower.reserved_kv_tokens == 20 and scheduler.admission.reserved_tokens == 20
+    run_until_idle(scheduler, model)
+    assert follower.output_token_ids == expected_output(prefix + [3, 4], 2)
+    assert_pool_whole(scheduler)

@@ -201,3 +201,26 @@ def test_example_file_is_valid_and_in_the_command_s_shape():
     for section, fields in example_args.items():
         for name, value in fields.items():
             assert rebuilt_args[section][name] == value, f"{section}.{name}"
+
+
+def test_worker_cpus_are_derived_from_the_machine_or_refused_naming_the_setting():
+    from kvmesh.deploy.cmd_serve import config_from_args
+    from kvmesh.deploy.resources import derive_worker_num_cpus, resolve_worker_num_cpus
+    from kvmesh.router.app import ROUTER_REPLICA_NUM_CPUS, router_num_cpus
+
+    # `kvmesh serve --workers 2` on 2 CPUs: both workers and the router (one replica spare) fit.
+    config = config_from_args(cli.build_parser().parse_args(["serve", "--workers", "2"]))
+    assert config.parallel.worker_num_cpus is None
+    fitted = resolve_worker_num_cpus(config, 2.0, router_num_cpus(config))
+    share = fitted.parallel.worker_num_cpus
+    assert share == 0.75 and 2 * share + ROUTER_REPLICA_NUM_CPUS <= 2.0
+    assert derive_worker_num_cpus(64.0, 4, 0.5) == 1.0  # a big machine: one core per rank
+    assert derive_worker_num_cpus(2.0, 3, 0.5) == 0.5  # floored to 0.05, never rounded up
+    tp = config.replace(parallel={"num_workers": 2, "tensor_parallel_size": 2})
+    assert resolve_worker_num_cpus(tp, 2.0, 0.5).parallel.worker_num_cpus == 0.35  # per rank
+    with pytest.raises(ConfigError, match="parallel.worker_num_cpus"):
+        derive_worker_num_cpus(2.0, 64, 0.5)
+    explicit = config.replace(parallel={"worker_num_cpus": 1.0})
+    with pytest.raises(ConfigError, match="parallel.worker_num_cpus=1"):
+        resolve_worker_num_cpus(explicit, 2.0, router_num_cpus(explicit))
+    assert resolve_worker_num_cpus(explicit, 8.0, 0.5) is explicit  # given and it fits: kept

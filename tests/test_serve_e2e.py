@@ -61,7 +61,9 @@ def e2e_config(tiny_model_dir) -> KvmeshConfig:
         "model": {"path": tiny_model_dir, "dtype": "fp32"},
         "cache": {"block_size": 16, "num_blocks": 128},
         "scheduler": {"max_num_seqs": 8, "max_new_tokens": 960},
-        "parallel": {"num_workers": 2, "device": "cpu", "worker_num_cpus": 0.5},
+        # worker_num_cpus left at its default: derived from the 2 CPUs the cluster has, so
+        # test_health_models_metrics checks that the defaults bring up both workers.
+        "parallel": {"num_workers": 2, "device": "cpu"},
         "router": {"host": "127.0.0.1", "grpc_port": _free_port(), "http_port": _free_port(),
                    "policy": "round_robin", "stats_refresh_s": 0.1},
         # Spans go to the router replica's stdout, which Ray keeps in the session's logs.
@@ -76,7 +78,7 @@ def cluster(e2e_config):
 
     from kvmesh.deploy.cmd_serve import start_serving, stop_serving
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # a 2-CPU machine
     try:
         start_serving(e2e_config, APP_NAME)
         yield e2e_config

@@ -253,6 +253,10 @@ def start_workers(config: KvmeshConfig, app_name: str) -> list:
     """Create (or find, when another router replica already did) the worker actors."""
     import ray
 
+    if config.parallel.worker_num_cpus is None:  # not resolved by the app builder: fit the cluster
+        from kvmesh.deploy.resources import resolve_worker_num_cpus
+
+        config = resolve_worker_num_cpus(config, ray.cluster_resources().get("CPU", 0.0), router_cpus=0.0)
     remote_class = ray.remote(WorkerActor)
     handles = []
     for index in range(config.parallel.num_workers):

@@ -11,6 +11,20 @@ max_total_kv_tokens above the pool, which is what preemption is for).
     new request: 40 prompt + 30 max_tokens = 70 -> 80 reserved   960 + 80 > 1024 -> Overloaded
     new request: 900 prompt + 200 max_tokens -> 1,104 > 1,024 ever  -> InvalidRequest
 
+Blocks already resident count once. A request whose leading prompt blocks are in the
+prefix cache (or in another running request's block table) reserves only what will be newly
+allocated: `request_kv_tokens(..., cached_prompt_tokens=...)`, its uncached prompt blocks
+plus its output. The scheduler pins those cached blocks from admission to the request's end
+(kv_cache_manager.pin_prefix), so they cannot be evicted while it waits; pinned blocks no
+request's own reservation covers (a reused cached prefix, or one whose first owner has
+finished) are added once to the committed total, however many requests share them:
+
+    committed = sum(reservations) + K x (pinned blocks no reservation owns)
+
+    budget 2,048, K = 16, a 528-token prefix resident, each request 560 prompt + 8 output
+    whole prompt counted:   2 x 576 = 1,152 reserved; the fourth request is refused
+    blocks counted once:    33 x 16 shared + 2 x 48 = 624 committed for two, room for 30
+
 Refusals are explicit: a retryable OverloadedError carrying retry_after_s estimated from the
 measured drain rate (reserved tokens returned per second), or a non-retryable
 InvalidRequestError. A prompt is never truncated and max_tokens never lowered.
@@ -70,9 +84,14 @@ class AdmissionController:
         self.num_reservations = 0
         self.drain = RateMeter(window_s, clock)  # reserved tokens returned per second
 
-    def reservation_for(self, request: Request) -> int:
+    def reservation_for(self, request: Request, cached_prompt_tokens: int = 0) -> int:
         # One sample: the engine submits each of the n samples as its own Request.
-        return request_kv_tokens(request.num_prompt_tokens, request.sampling.max_tokens, self.block_size)
+        return request_kv_tokens(request.num_prompt_tokens, request.sampling.max_tokens, self.block_size,
+                                 cached_prompt_tokens=cached_prompt_tokens)
+
+    def committed_tokens(self, shared_tokens: int = 0) -> int:
+        """Reservations plus the pinned shared blocks nobody's reservation covers."""
+        return self.reserved_tokens + shared_tokens
 
     def check_valid(self, request: Request) -> None:
         """Refusals no retry can fix."""
@@ -102,16 +121,20 @@ class AdmissionController:
                 f"prompt ({prompt_tokens}) + max_tokens ({sampling.max_tokens}) x n ({sampling.n}) needs {needed} "
                 f"KV tokens in whole blocks of {self.block_size}; this worker can hold at most {limit}")
 
-    def check_capacity(self, request: Request, num_waiting: int) -> None:
-        """Refusals that go away as running requests finish."""
-        needed = self.reservation_for(request)
+    def check_capacity(self, request: Request, num_waiting: int, cached_prompt_tokens: int = 0,
+                       shared_tokens: int = 0) -> None:
+        """Refusals that go away as running requests finish. `cached_prompt_tokens`: the
+        request's resident prefix (pinned); `shared_tokens`: pinned blocks no reservation
+        covers, this request's pins included."""
+        needed = self.reservation_for(request, cached_prompt_tokens)
         if num_waiting >= self.config.max_queue_len:
             raise OverloadedError(f"queue full ({num_waiting} waiting)", self.retry_after_s(needed))
-        over = self.reserved_tokens + needed - self.budget_tokens
+        committed = self.committed_tokens(shared_tokens)
+        over = committed + needed - self.budget_tokens
         if over > 0:
             raise OverloadedError(
-                f"KV budget: {self.reserved_tokens} of {self.budget_tokens} tokens reserved, request needs {needed}",
-                self.retry_after_s(over))
+                f"KV budget: {committed} of {self.budget_tokens} tokens committed, request needs {needed} "
+                f"({cached_prompt_tokens} of its prompt cached)", self.retry_after_s(over))
 
     def retry_after_s(self, tokens_to_drain: int | None = None) -> float:
         """Seconds until `tokens_to_drain` reserved KV tokens are likely returned, from the
@@ -122,10 +145,15 @@ class AdmissionController:
         estimate = tokens_to_drain / rate if rate > 0 else DEFAULT_RETRY_AFTER_S
         return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, estimate))
 
-    def reserve(self, request: Request) -> None:
-        request.reserved_kv_tokens = self.reservation_for(request)
+    def reserve(self, request: Request, cached_prompt_tokens: int = 0) -> None:
+        request.reserved_kv_tokens = self.reservation_for(request, cached_prompt_tokens)
         self.reserved_tokens += request.reserved_kv_tokens
         self.num_reservations += 1
+
+    def top_up(self, request: Request, num_tokens: int) -> None:
+        """Grow an admitted request's reservation (blocks it was expected to share are not there)."""
+        request.reserved_kv_tokens += num_tokens
+        self.reserved_tokens += num_tokens
 
     def release(self, request: Request) -> None:
         self.reserved_tokens -= request.reserved_kv_tokens

@@ -266,10 +266,11 @@ class WorkerStats:
     num_blocks_free: int
     kv_tokens_used: int  # tokens held by running requests
     kv_tokens_capacity: int  # max_total_kv_tokens (or the pool's token capacity)
-    kv_tokens_reserved: int  # prompt + reserved output of running and waiting requests
+    # committed KV: uncached prompt + output of running and waiting requests, shared prefix once
+    kv_tokens_reserved: int
     num_running: int
     num_waiting: int
-    queued_prompt_tokens: int
+    queued_prompt_tokens: int  # prompt tokens waiting requests must still compute (cached prefix excluded)
     prefix_cache_hit_rate: float  # cached prompt tokens / prompt tokens, since start
     output_tokens_per_s: float  # recent decode throughput (drain rate), for retry-after
     num_preemptions_recompute: int = 0

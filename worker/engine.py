@@ -221,17 +221,7 @@ class Engine:
     # ---- what the router sees ----------------------------------------------------------
 
     def stats(self) -> WorkerStats:
-        s = self.scheduler.stats()
-        kv = s.kv
-        return WorkerStats(
-            worker_id=self.worker_id, healthy=True, block_size=self.block_size,
-            num_blocks_total=kv.num_blocks_total, num_blocks_used=kv.num_blocks_used,
-            num_blocks_cached=kv.num_blocks_cached, num_blocks_free=kv.num_blocks_free,
-            kv_tokens_used=s.kv_tokens_used, kv_tokens_capacity=s.kv_tokens_budget,
-            kv_tokens_reserved=s.kv_tokens_reserved, num_running=s.num_running, num_waiting=s.num_waiting,
-            queued_prompt_tokens=s.queued_prompt_tokens, prefix_cache_hit_rate=s.prefix_cache_hit_rate,
-            output_tokens_per_s=s.output_tokens_per_s, num_preemptions_recompute=s.num_preemptions_recompute,
-            num_preemptions_swap=s.num_preemptions_swap, prefix_event_seq=self.scheduler.kv.events.next_seq)
+        return worker_stats(self.scheduler, self.worker_id)
 
     def prefix_events(self, since_seq: int) -> PrefixEventBatch:
         return self.scheduler.kv.events_since(since_seq)
@@ -244,3 +234,19 @@ class Engine:
         shutdown = getattr(self.runner, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+def worker_stats(scheduler: Scheduler, worker_id: str) -> WorkerStats:
+    """What the router sees of one engine's scheduler (also used by load_tests/routing_sim.py,
+    whose simulated engines run the real scheduler)."""
+    s = scheduler.stats()
+    kv = s.kv
+    return WorkerStats(
+        worker_id=worker_id, healthy=True, block_size=kv.block_size,
+        num_blocks_total=kv.num_blocks_total, num_blocks_used=kv.num_blocks_used,
+        num_blocks_cached=kv.num_blocks_cached, num_blocks_free=kv.num_blocks_free,
+        kv_tokens_used=s.kv_tokens_used, kv_tokens_capacity=s.kv_tokens_budget,
+        kv_tokens_reserved=s.kv_tokens_reserved, num_running=s.num_running, num_waiting=s.num_waiting,
+        queued_prompt_tokens=s.queued_prompt_tokens, prefix_cache_hit_rate=s.prefix_cache_hit_rate,
+        output_tokens_per_s=s.output_tokens_per_s, num_preemptions_recompute=s.num_preemptions_recompute,
+        num_preemptions_swap=s.num_preemptions_swap, prefix_event_seq=scheduler.kv.events.next_seq)

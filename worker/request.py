@@ -57,7 +57,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full blocks of all_token_ids
     num_preemptions: int = 0
     is_swapped: bool = False  # its KV sits in CPU swap space (owned by the KV manager)
-    reserved_kv_tokens: int = 0  # admission reservation: block_size * ceil((prompt + max_tokens) / block_size)
+    reserved_kv_tokens: int = 0  # admission reservation: kv_cost.request_kv_tokens less its pinned prefix
+    num_pinned_tokens: int = 0  # resident prefix held for it from admission (kv_cache_manager.pin_prefix)
+    num_reserved_cached_tokens: int = 0  # prompt tokens its reservation left out (pinned + shared with others)
 
     # Timings on the scheduler clock; the engine maps them to api.RequestTimings.
     first_scheduled_time: float | None = None

@@ -47,6 +47,12 @@ def _waiting_order(request: Request) -> tuple[int, int, float]:
     return (request.priority, 0 if request.num_preemptions else 1, request.arrival_time)
 
 
+def _tokens_left_to_compute(request: Request) -> int:
+    """Tokens the model still has to run for a waiting request: its pinned prefix will be
+    shared, not computed (at least one token always is, for the logits)."""
+    return max(1, request.num_tokens - max(request.num_computed_tokens, request.num_reserved_cached_tokens))
+
+
 @dataclass
 class _StepBudget:
     tokens_left: int  # max_num_batched_tokens
@@ -122,6 +128,8 @@ class Scheduler:
         self.admission = AdmissionController(config, kv_manager.capacity_tokens, kv_manager.block_size,
                                              clock=clock, max_model_len=max_model_len, window_s=stats_window_s)
         self.requests: dict[str, Request] = {}  # every unfinished request
+        # chain hash -> unfinished requests whose prompt holds that full block (see add_request)
+        self._prompt_block_claims: dict[bytes, int] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._groups: dict[str, list[Request]] = {}  # n > 1: unfinished members by group_id
@@ -139,8 +147,21 @@ class Scheduler:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
         self.admission.check_valid(request)
-        self.admission.check_capacity(request, len(self.waiting))
-        self.admission.reserve(request)
+        # Its resident prefix is pinned first (held until it ends), so the blocks admission
+        # counts as cached cannot be evicted before it runs; a refusal unpins them. Blocks
+        # an admitted request is about to compute (same chain hash in its prompt) are not
+        # reserved twice either: this one waits for them (_prefix_in_progress) and shares.
+        pinned_tokens = self.kv.pin_prefix(request).num_tokens
+        cached_tokens = pinned_tokens + self._claimed_blocks_after(request, pinned_tokens) * self.kv.block_size
+        try:
+            self.admission.check_capacity(request, len(self.waiting), cached_tokens, self._shared_tokens())
+        except BaseException:
+            self.kv.unpin(request)
+            raise
+        self.admission.reserve(request, cached_tokens)
+        request.num_pinned_tokens = pinned_tokens
+        request.num_reserved_cached_tokens = cached_tokens
+        self._claim_prompt_blocks(request, +1)
         request.status = RequestStatus.QUEUED
         self.kv.update_block_hashes(request)
         self.requests[request.request_id] = request
@@ -174,6 +195,8 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         (self.running if request in self.running else self.waiting).remove(request)
         self.kv.free(request)
+        self.kv.unpin(request)
+        self._claim_prompt_blocks(request, -1)
         request.is_swapped = False
         self.admission.release(request)
         if request.group_id is not None:
@@ -186,6 +209,35 @@ class Scheduler:
         request.finished_time = self.clock()
         del self.requests[request.request_id]
         self._newly_finished.append(FinishedRequest(request.request_id, status))
+
+    def _claim_prompt_blocks(self, request: Request, sign: int) -> None:
+        """Count (sign +1) or forget (-1) the full prompt blocks an admitted request will hold."""
+        for block_hash in request.block_hashes[:self._num_shareable_blocks(request)]:
+            count = self._prompt_block_claims.get(block_hash, 0) + sign
+            if count:
+                self._prompt_block_claims[block_hash] = count
+            else:
+                del self._prompt_block_claims[block_hash]
+
+    def _num_shareable_blocks(self, request: Request) -> int:
+        # As a prefix match is capped: the last prompt token is always computed.
+        return min(len(request.block_hashes), (request.num_prompt_tokens - 1) // self.kv.block_size)
+
+    def _claimed_blocks_after(self, request: Request, pinned_tokens: int) -> int:
+        """Prompt blocks after the pinned prefix that an admitted request's prompt also holds
+        (same chain hash): computed once by that one, shared by this one."""
+        if self.kv.prefix_cache is None:
+            return 0
+        start = pinned_tokens // self.kv.block_size
+        claimed = 0
+        for block_hash in request.block_hashes[start:self._num_shareable_blocks(request)]:
+            if block_hash not in self._prompt_block_claims:
+                break
+            claimed += 1
+        return claimed
+
+    def _shared_tokens(self) -> int:
+        return self.kv.num_pinned_blocks_unowned() * self.kv.block_size
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -281,13 +333,47 @@ class Scheduler:
             self._note_cache_hit(request, request.num_computed_tokens)
             return self._start_running(request, 1, num_tokens, budget, plan, now)
         match = self.kv.match_prefix(request)
+        if self._prefix_in_progress(request, len(match.block_ids)):
+            return _Admission.SKIPPED  # a running request is computing its next blocks: share them
         remaining = request.num_tokens - match.num_tokens
         num_tokens = budget.grant(remaining)
         if num_tokens == 0 or not self.kv.can_allocate(request, num_tokens, match):
             return _Admission.BLOCKED
+        self._settle_reservation(request, match)
         self.kv.allocate(request, num_tokens, match)
         self._note_cache_hit(request, match.num_tokens)
         return self._start_running(request, remaining, num_tokens, budget, plan, now)
+
+    def _prefix_in_progress(self, request: Request, num_matched_blocks: int) -> bool:
+        """True when the block after the request's cached prefix is one a running request is
+        still prefilling (same chain hash, not yet computed). Admitting it now would compute
+        the same prefix twice, in the same batch, and cache one copy; waiting a step or a few
+        (the other's prefill chunks) turns all of it into a cache hit. Measured in the routing
+        simulator at 16 in flight: without this, a family's concurrent requests each
+        computed the whole 528-token prefix (hit rate 0.82 of a possible 0.91).
+        A preempted or finished leader no longer counts, so nobody waits forever."""
+        if (self.kv.prefix_cache is None or request.num_computed_tokens
+                or num_matched_blocks >= len(request.block_hashes)):
+            return False
+        wanted = request.block_hashes[num_matched_blocks]
+        bs = self.kv.block_size
+        for other in self.running:
+            first_uncomputed = other.num_computed_tokens // bs
+            if wanted in other.block_hashes[first_uncomputed:other.num_prompt_tokens // bs]:
+                return True
+        return False
+
+    def _settle_reservation(self, request: Request, match) -> None:
+        """At its start, pin the shared blocks the request was admitted against (so they stay
+        counted once its first owner finishes), and if fewer are there than admission
+        counted (the other request was cancelled or preempted first), reserve the rest
+        now. That top-up may pass the budget for a while: preemption is the safety valve."""
+        self.kv.extend_pin(request, match)
+        request.num_pinned_tokens = max(request.num_pinned_tokens, match.num_tokens)
+        shortfall = request.num_reserved_cached_tokens - match.num_tokens
+        if shortfall > 0:
+            self.admission.top_up(request, shortfall)
+            request.num_reserved_cached_tokens = match.num_tokens
 
     def _group_gate(self, request: Request) -> tuple[bool, Request | None]:
         """n > 1 siblings wait until one of them has computed the prompt, then fork from it.
@@ -357,8 +443,9 @@ class Scheduler:
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting),
             num_swapped=sum(r.is_swapped for r in self.waiting),
-            queued_prompt_tokens=sum(r.num_tokens_to_compute for r in self.waiting),
-            kv_tokens_used=kv_stats.kv_tokens_used, kv_tokens_reserved=self.admission.reserved_tokens,
+            queued_prompt_tokens=sum(_tokens_left_to_compute(r) for r in self.waiting),
+            kv_tokens_used=kv_stats.kv_tokens_used,
+            kv_tokens_reserved=self.admission.committed_tokens(self._shared_tokens()),
             kv_tokens_budget=self.admission.budget_tokens,
             peak_kv_tokens=max((s[1] for s in samples), default=0),
             mean_kv_tokens=sum(s[1] for s in samples) / len(samples) if samples else 0.0,

@@ -1,0 +1,229 @@
+"""The routing campaign: prefix_aware against round_robin on a real 2-worker cluster, at
+several numbers of requests in flight, with a skewed family mix under cache pressure.
+
+    python -m kvmesh.load_tests.routing_campaign load_tests/campaigns/routing-under-load.yaml --out DIR
+
+One private local Ray cluster (`cluster_cpus` CPUs; worker CPUs left to their derived
+default), Serve's gRPC proxy on loopback. Each (concurrency, policy) run redeploys the router
+with its policy (the workers and their caches stay up) and uses its own fresh families, so
+no run profits from blocks an earlier one left cached. Prompts are token ids, so block
+boundaries are exact. Per request: the serving worker (the router's `x-kvmesh-worker`
+trailing metadata), cached tokens (final usage), TTFT (client clock, send to first token).
+
+Figures per run: prefix hit rate (cached / prompt tokens), TTFT P50/P90, tokens computed per
+worker (prompt - cached + completion) and their max/min, families per worker, families on
+more than one worker, and router refusals seen by the client after its retries.
+Results: DIR/routing_campaign.json and a markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import json
+import os
+import random
+import socket
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+WORKER_KEY = "x-kvmesh-worker"
+APP_NAME = "kvmesh-routing-campaign"
+
+
+@dataclass(frozen=True)
+class Served:
+    family: int
+    worker_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_s: float
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    policy: str
+    concurrency: int
+    num_served: int
+    num_failed: int
+    hit_rate: float
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    computed_tokens_per_worker: dict[str, int]
+    computed_max_over_min: float
+    families_per_worker: dict[str, int]
+    families_on_both: int
+    wall_s: float
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def family_workload(spec: dict, seed: int) -> list[tuple[int, list[int]]]:
+    """(family, prompt ids): fresh family prefixes per seed, families drawn by weight."""
+    rng = random.Random(seed)
+    weights = spec["family_weights"]
+    prefixes = [[rng.randrange(1000, 40000) for _ in range(spec["prefix_tokens"])] for _ in weights]
+    low, high = spec["question_tokens"]
+    picks = rng.choices(range(len(weights)), weights=weights, k=spec["num_requests"])
+    return [(f, prefixes[f] + [rng.randrange(1000, 40000) for _ in range(rng.randint(low, high))]) for f in picks]
+
+
+def figures(policy: str, concurrency: int, served: list[Served], num_failed: int, wall_s: float) -> RunFigures:
+    computed = collections.Counter()
+    families = collections.defaultdict(set)
+    for s in served:
+        computed[s.worker_id] += s.prompt_tokens - s.cached_tokens + s.completion_tokens
+        families[s.family].add(s.worker_id)
+    per_worker = collections.Counter(w for ws in families.values() for w in ws)
+    ttfts = sorted(s.ttft_s for s in served)
+    values = list(computed.values())
+    return RunFigures(
+        policy=policy, concurrency=concurrency, num_served=len(served), num_failed=num_failed,
+        hit_rate=sum(s.cached_tokens for s in served) / max(1, sum(s.prompt_tokens for s in served)),
+        ttft_p50_ms=1000 * statistics.median(ttfts) if ttfts else float("nan"),
+        ttft_p90_ms=1000 * ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else float("nan"),
+        computed_tokens_per_worker=dict(computed),
+        computed_max_over_min=max(values) / min(values) if len(values) > 1 and min(values) > 0 else float("inf"),
+        families_per_worker=dict(per_worker), families_on_both=sum(len(ws) > 1 for ws in families.values()),
+        wall_s=wall_s)
+
+
+class _CallRecorder:
+    """A client interceptor keeping each Generate call, to read its trailing metadata (the
+    worker that served it) once the stream has ended."""
+
+    def __init__(self) -> None:
+        import grpc
+
+        class Interceptor(grpc.UnaryStreamClientInterceptor):
+            def intercept_unary_stream(inner, continuation, details, request):
+                call = continuation(details, request)
+                self.calls[request.request_id] = call
+                return call
+
+        self.calls: dict[str, object] = {}
+        self.interceptor = Interceptor()
+
+    def worker_of(self, request_id: str) -> str:
+        return dict(self.calls[request_id].trailing_metadata() or ())[WORKER_KEY]
+
+
+def _send(client, recorder: _CallRecorder, spec: dict, request_id: str, family: int, prompt: list[int]) -> Served:
+    from kvmesh.worker.api import SamplingParams
+
+    sampling = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
+    started = time.perf_counter()
+    ttft_s, last = None, None
+    for delta in client.generate(prompt_token_ids=prompt, sampling=sampling, request_id=request_id, timeout_s=300):
+        if ttft_s is None and delta.token_ids:
+            ttft_s = time.perf_counter() - started  # retries (after RESOURCE_EXHAUSTED) included
+        last = delta
+    usage = last.usage
+    return Served(family, recorder.worker_of(request_id), usage.prompt_tokens, usage.cached_tokens,
+                  usage.completion_tokens, ttft_s if ttft_s is not None else float("nan"))
+
+
+def run_campaign(spec: dict, out_dir: Path) -> list[RunFigures]:
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import grpc
+    import ray
+    from ray import serve
+
+    from kvmesh.deploy.cmd_serve import start_serving, stop_serving
+    from kvmesh.deploy.config import KvmeshConfig
+    from kvmesh.router.app import build_router_app
+    from kvmesh.router.client import KvmeshClient
+    from kvmesh.router.retry import RetryPolicy
+
+    config = KvmeshConfig.from_dict({
+        "model": spec.get("model", {}),
+        "cache": {"block_size": spec["block_size"], "num_blocks": spec["num_blocks_per_worker"]},
+        "scheduler": {"max_num_seqs": spec["max_num_seqs"], "max_queue_time_s": 300},
+        "parallel": {"num_workers": spec["num_workers"], "device": "cpu"},
+        "router": {"host": "127.0.0.1", "grpc_port": _free_port(), "http_port": _free_port(),
+                   "stats_refresh_s": spec["stats_refresh_s"], "max_queue_wait_s": 60.0},
+    })
+    target = f"127.0.0.1:{config.router.grpc_port}"
+    ray.init(address="local", num_cpus=spec["cluster_cpus"], include_dashboard=False, log_to_driver=False)
+    results: list[RunFigures] = []
+    try:
+        start_serving(config, APP_NAME)
+        seed = 0
+        for concurrency in spec["concurrency"]:
+            for policy in spec["policies"]:
+                seed += 1
+                serve.run(build_router_app(config.replace(router={"policy": policy})), name=APP_NAME,
+                          route_prefix="/")
+                workload = family_workload(spec, seed)
+                served, failed = [], 0
+                recorder = _CallRecorder()
+                channel = grpc.intercept_channel(grpc.insecure_channel(target), recorder.interceptor)
+                client = KvmeshClient("", channel=channel, retry_policy=RetryPolicy(max_attempts=20))
+                started = time.perf_counter()
+                with client, concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+                    futures = [pool.submit(_send, client, recorder, spec, f"c{concurrency}-{policy}-{i}", f, p)
+                               for i, (f, p) in enumerate(workload)]
+                    for future in futures:
+                        try:
+                            served.append(future.result())
+                        except Exception as exc:  # counted, and the run goes on
+                            print(f"request failed: {exc}", flush=True)
+                            failed += 1
+                result = figures(policy, concurrency, served, failed, time.perf_counter() - started)
+                results.append(result)
+                print(json.dumps(asdict(result)), flush=True)
+    finally:
+        stop_serving(config, APP_NAME)
+        ray.shutdown()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "routing_campaign.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
+    return results
+
+
+def markdown_table(results: list[RunFigures], num_families: int) -> str:
+    by_key = {(r.concurrency, r.policy): r for r in results}
+    lines = ["| in flight | hit rate PA / RR | ratio | TTFT P50 PA / RR (ms) | ratio | computed max/min PA (RR) "
+             "| families on both workers PA (RR) | families per worker PA |",
+             "|---|---|---|---|---|---|---|---|"]
+    for concurrency in sorted({r.concurrency for r in results}):
+        pa, rr = by_key.get((concurrency, "prefix_aware")), by_key.get((concurrency, "round_robin"))
+        if pa is None or rr is None or not pa.num_served or not rr.num_served:
+            continue
+        lines.append(
+            f"| {concurrency} | {pa.hit_rate:.3f} / {rr.hit_rate:.3f} | {pa.hit_rate / rr.hit_rate:.2f}x "
+            f"| {pa.ttft_p50_ms:.0f} / {rr.ttft_p50_ms:.0f} | {pa.ttft_p50_ms / rr.ttft_p50_ms:.2f} "
+            f"| {pa.computed_max_over_min:.2f} ({rr.computed_max_over_min:.2f}) "
+            f"| {pa.families_on_both} ({rr.families_on_both}) of {num_families} "
+            f"| {dict(sorted(pa.families_per_worker.items()))} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("spec", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("routing-campaign-results"))
+    parser.add_argument("--num-requests", type=int, help="override the spec's num_requests")
+    parser.add_argument("--concurrency", type=int, nargs="+", help="override the spec's concurrency list")
+    args = parser.parse_args(argv)
+    spec = yaml.safe_load(args.spec.read_text())
+    if args.num_requests:
+        spec["num_requests"] = args.num_requests
+    if args.concurrency:
+        spec["concurrency"] = args.concurrency
+    results = run_campaign(spec, args.out)
+    print(markdown_table(results, len(spec["family_weights"])))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,492 @@
+"""A routing simulator for clusters we cannot run here: the real router policy, prefix index
+and admission rule, and the real scheduler and KV-cache manager of every worker, driven by
+simulated engines whose step time comes from a per-token cost model.
+
+    python -m kvmesh.load_tests.routing_sim --workers 16 --families 150 --prefix-tokens 6000 \
+        --question-tokens 1200 --qps 1 2 4 8 --policies prefix_aware round_robin
+
+What is real and what is simulated:
+
+    real       router/routing.py choose_worker (every policy), router/prefix_index.py (fed by
+               each worker's real prefix events, polled every stats_refresh_s, with the
+               in-flight claims of dispatched requests), the router's admission rule
+               (committed + cost on a worker <= capacity, the cost less the prefix the index
+               says is resident: router/admission.py cost_with_cached_prefix), the worker's
+               scheduler (worker/scheduler.py: admission with pinned prefixes, chunked
+               prefill, preemption) over kv/kv_cache_manager.py (block pool, prefix cache,
+               LRU eviction, events)
+    simulated  the forward pass: a step of P prefill tokens and D decoding sequences takes
+               overhead + P x prefill_s_per_token + D x decode_s_per_token (CostModel);
+               sampled tokens are a constant (routing never looks at them); the network and
+               the router's own CPU time are zero
+
+A worker that refuses a request (its exact admission disagrees with the router's stale view)
+makes the router spill it to another worker with room, as router_core does; a request no
+worker can take waits in the router's FIFO queue. Time is simulated (a heap of events), so a
+run of thousands of requests on 64 workers takes seconds to minutes of CPU, not hours.
+
+Figures per run (SimResult): prefix hit rate (cached prompt tokens / prompt tokens, as the
+workers count them), TTFT P50/P90 (arrival at the router to first token), tokens computed per
+worker (prefill actually run + decode) and max/min, spills (preferred worker full in the
+router's view; worker refused), families per worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import heapq
+import itertools
+import json
+import math
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.deploy.config import RouterConfig, SchedulerConfig
+from kvmesh.kv.hashing import hash_full_blocks
+from kvmesh.kv.kv_cache_manager import KVCacheManager
+from kvmesh.router.admission import cost_with_cached_prefix
+from kvmesh.router.prefix_index import PrefixIndex
+from kvmesh.router.routing import RoundRobinCursor, choose_worker, is_spill
+from kvmesh.worker.api import SamplingParams
+from kvmesh.worker.engine import worker_stats
+from kvmesh.worker.errors import OverloadedError
+from kvmesh.worker.request import Request
+from kvmesh.worker.scheduler import Scheduler
+
+EXTRA_KEYS = ("model=sim",)
+SAMPLED_TOKEN = 7  # the simulated model always says this; routing never reads outputs
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per engine step: overhead + prefill tokens x per-token + decoding sequences x per-seq."""
+
+    step_overhead_s: float = 0.004
+    prefill_s_per_token: float = 0.0004
+    decode_s_per_token: float = 0.0025
+
+    def step_s(self, prefill_tokens: int, decode_tokens: int) -> float:
+        return (self.step_overhead_s + prefill_tokens * self.prefill_s_per_token
+                + decode_tokens * self.decode_s_per_token)
+
+
+@dataclass(frozen=True)
+class SimWorkload:
+    num_families: int = 6
+    family_weights: tuple[float, ...] | None = None  # None = Zipf(zipf_s) over num_families
+    zipf_s: float = 1.0
+    prefix_tokens: int = 528
+    question_tokens: tuple[int, int] = (12, 24)  # uniform, unique per request
+    max_tokens: int = 8
+    num_requests: int = 64
+    qps: float | None = None  # open loop (Poisson); None = closed loop
+    concurrency: int = 4  # closed loop: requests in flight
+    seed: int = 0
+    # Exact (family, prompt ids) to send instead of generating them: the calibration replays
+    # the very requests a real campaign run sent (routing_campaign.family_workload).
+    prompts: tuple[tuple[int, tuple[int, ...]], ...] | None = None
+
+    def weights(self) -> list[float]:
+        if self.family_weights is not None:
+            return list(self.family_weights)
+        return [1.0 / (rank ** self.zipf_s) for rank in range(1, self.num_families + 1)]
+
+
+@dataclass(frozen=True)
+class SimCluster:
+    num_workers: int = 2
+    num_blocks: int = 128
+    block_size: int = 16
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512  # SchedulerConfig default (also the prefill chunk)
+    stats_refresh_s: float = 0.1
+    cost: CostModel = field(default_factory=CostModel)
+
+
+@dataclass
+class SimResult:
+    policy: str
+    num_workers: int
+    load: str
+    num_requests: int
+    hit_rate: float
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    computed_max_over_min: float
+    computed_tokens_per_worker: dict[str, int]
+    spills_router: int
+    spills_worker_refused: int
+    families_on_more_than_one: int
+    max_workers_per_family: int
+    mean_families_per_worker: float
+    sim_duration_s: float
+    wall_s: float
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class _SimRequest:
+    index: int
+    family: int
+    prompt: list[int]
+    hashes: list
+    arrival_s: float
+    worker_id: str | None = None
+    request: Request | None = None
+    first_token_s: float | None = None
+    in_flight_token: int | None = None
+
+
+class _SimWorker:
+    """One engine: the real scheduler and KV manager; the forward pass is the cost model."""
+
+    def __init__(self, worker_id: str, cluster: SimCluster, clock: _Clock):
+        self.worker_id = worker_id
+        self.clock = clock
+        kv = KVCacheManager(cluster.num_blocks, cluster.block_size, worker_id=worker_id)
+        config = SchedulerConfig(max_num_seqs=cluster.max_num_seqs,
+                                 max_num_batched_tokens=cluster.max_num_batched_tokens,
+                                 max_prefill_tokens_per_step=cluster.max_num_batched_tokens, max_queue_len=10**6,
+                                 max_queue_time_s=10**9)
+        self.scheduler = Scheduler(config, kv, clock=clock)
+        self.cost = cluster.cost
+        self.busy = False
+        self.computed_tokens = 0
+        self.families: set[int] = set()
+        self._output = None
+
+    def start_step(self) -> float | None:
+        """Schedule one step; returns its duration (None when there is nothing to run)."""
+        if self.busy or not self.scheduler.has_unfinished():
+            return None
+        output = self.scheduler.schedule()
+        if not output.scheduled:
+            return None
+        prefill = sum(e.num_scheduled_tokens for e in output.scheduled if e.num_scheduled_tokens > 1)
+        decode = sum(1 for e in output.scheduled if e.num_scheduled_tokens == 1)
+        self.computed_tokens += prefill + decode
+        self.busy, self._output = True, output
+        return self.cost.step_s(prefill, decode)
+
+    def finish_step(self) -> list[Request]:
+        """Apply the step's results; returns the requests that produced their first token."""
+        output, self._output, self.busy = self._output, None, False
+        sampled = {e.request.request_id: SAMPLED_TOKEN for e in output.scheduled if e.sample}
+        before = {e.request.request_id: e.request.first_token_time for e in output.scheduled}
+        self.scheduler.update_from_output(output, sampled)
+        first = [e.request for e in output.scheduled
+                 if before[e.request.request_id] is None and e.request.first_token_time is not None]
+        done = [r.request_id for r in self.scheduler.running if r.num_output_tokens >= r.sampling.max_tokens]
+        self.scheduler.finish_requests(done)
+        self.finished_ids = done
+        return first
+
+
+def make_requests(workload: SimWorkload, block_size: int) -> list[_SimRequest]:
+    if workload.prompts is not None:
+        return [_SimRequest(i, family, list(prompt), hash_full_blocks(prompt, block_size, EXTRA_KEYS), 0.0)
+                for i, (family, prompt) in enumerate(workload.prompts)]
+    rng = random.Random(workload.seed)
+    prefixes = [[rng.randrange(1000, 40000) for _ in range(workload.prefix_tokens)]
+                for _ in range(workload.num_families)]
+    picks = rng.choices(range(workload.num_families), weights=workload.weights(), k=workload.num_requests)
+    low, high = workload.question_tokens
+    requests = []
+    for i, family in enumerate(picks):
+        prompt = prefixes[family] + [rng.randrange(1000, 40000) for _ in range(rng.randint(low, high))]
+        requests.append(_SimRequest(i, family, prompt, hash_full_blocks(prompt, block_size, EXTRA_KEYS), 0.0))
+    return requests
+
+
+def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: RouterConfig | None = None,
+             in_flight_claims: bool = True) -> SimResult:
+    """One run. `in_flight_claims=False` routes on the workers' events alone (the behaviour
+    before dispatched prefixes were counted), for comparison."""
+    started_wall = time.perf_counter()
+    router = dataclasses.replace(router or RouterConfig(), policy=policy, stats_refresh_s=cluster.stats_refresh_s)
+    clock = _Clock()
+    workers = {f"worker-{i}": _SimWorker(f"worker-{i}", cluster, clock) for i in range(cluster.num_workers)}
+    index = PrefixIndex(linger_s=4 * cluster.stats_refresh_s, clock=clock)
+    rng, cursor = random.Random(workload.seed + 1), RoundRobinCursor()
+    stats = {w: worker_stats(sim.scheduler, w) for w, sim in workers.items()}
+    sent_since_poll: dict[str, int] = collections.Counter()
+    requests = make_requests(workload, cluster.block_size)
+    by_id: dict[str, _SimRequest] = {}
+    queue: collections.deque[_SimRequest] = collections.deque()
+    events: list = []  # (time, seq, kind, payload)
+    seq = itertools.count()
+    spills = collections.Counter()
+    finished: list[_SimRequest] = []
+
+    def push(at: float, kind: str, payload=None) -> None:
+        heapq.heappush(events, (at, next(seq), kind, payload))
+
+    def kick(worker_id: str) -> None:
+        duration = workers[worker_id].start_step()
+        if duration is not None:
+            push(clock.now + duration, "step_done", worker_id)
+
+    def try_dispatch(sim_request: _SimRequest, exclude: frozenset[str] = frozenset()) -> bool:
+        prompt_len = len(sim_request.prompt)
+        sampling = SamplingParams(max_tokens=workload.max_tokens, ignore_eos=True)
+        matched = index.longest_prefix(sim_request.hashes, include_in_flight=in_flight_claims) \
+            if policy == "prefix_aware" else {}
+        resident = index.longest_prefix(sim_request.hashes, include_in_flight=False)
+        eligible = []
+        for worker_id, s in stats.items():
+            cost = cost_with_cached_prefix(prompt_len, sampling, cluster.block_size, resident.get(worker_id, 0))
+            committed = s.kv_tokens_reserved + sent_since_poll[worker_id]
+            if worker_id not in exclude and committed + cost <= s.kv_tokens_capacity:
+                eligible.append((s, cost))
+        if not eligible:
+            return False
+        costs = {s.worker_id: cost for s, cost in eligible}
+        decision = choose_worker(matched, [s for s, _ in eligible], router, rng, cursor, dict(sent_since_poll))
+        if is_spill(matched, [s for s, _ in eligible], decision.worker_id):
+            spills["preferred_full"] += 1
+        worker_id = decision.worker_id
+        request = Request(f"r{sim_request.index}", sim_request.prompt, sampling, arrival_time=clock.now,
+                          extra_keys=EXTRA_KEYS)
+        try:
+            workers[worker_id].scheduler.add_request(request)
+        except OverloadedError:
+            spills["worker_refused"] += 1
+            return try_dispatch(sim_request, exclude | {worker_id})
+        sent_since_poll[worker_id] += costs[worker_id]
+        sim_request.worker_id, sim_request.request = worker_id, request
+        by_id[request.request_id] = sim_request
+        if in_flight_claims and sim_request.hashes:
+            sim_request.in_flight_token = index.add_in_flight(worker_id, sim_request.hashes)
+        workers[worker_id].families.add(sim_request.family)
+        kick(worker_id)
+        return True
+
+    def pump() -> None:
+        while queue and try_dispatch(queue[0]):
+            queue.popleft()
+
+    def arrive(sim_request: _SimRequest) -> None:
+        sim_request.arrival_s = clock.now
+        queue.append(sim_request)
+        pump()
+
+    pending = collections.deque(requests)
+    if workload.qps is None:
+        for _ in range(min(workload.concurrency, len(pending))):
+            push(0.0, "arrive", pending.popleft())
+    else:
+        arrival_rng, at = random.Random(workload.seed + 2), 0.0
+        while pending:
+            at += arrival_rng.expovariate(workload.qps)
+            push(at, "arrive", pending.popleft())
+    push(0.0, "poll")
+    while events and len(finished) < len(requests):
+        at, _, kind, payload = heapq.heappop(events)
+        clock.now = at
+        if kind == "arrive":
+            arrive(payload)
+        elif kind == "poll":
+            for worker_id, sim in workers.items():
+                index.apply(sim.scheduler.kv.events_since(index.next_seq(worker_id)))
+                stats[worker_id] = worker_stats(sim.scheduler, worker_id)
+            sent_since_poll.clear()
+            pump()
+            push(at + cluster.stats_refresh_s, "poll")
+        elif kind == "step_done":
+            sim = workers[payload]
+            for request in sim.finish_step():
+                by_id[request.request_id].first_token_s = clock.now
+            for request_id in sim.finished_ids:
+                done = by_id.pop(request_id)
+                finished.append(done)
+                if done.in_flight_token is not None:
+                    index.end_in_flight(done.in_flight_token)
+                if workload.qps is None and pending:
+                    push(clock.now, "arrive", pending.popleft())
+            kick(payload)
+            pump()
+    return _result(policy, cluster, workload, workers, finished, spills, clock.now, time.perf_counter() - started_wall)
+
+
+def _result(policy, cluster, workload, workers, finished, spills, sim_s, wall_s) -> SimResult:
+    ttfts = sorted(r.first_token_s - r.arrival_s for r in finished if r.first_token_s is not None)
+    prompt = sum(r.request.num_prompt_tokens for r in finished)
+    cached = sum(r.request.num_cached_tokens for r in finished)
+    computed = {w: sim.computed_tokens for w, sim in workers.items()}
+    family_workers = collections.defaultdict(set)
+    for r in finished:
+        family_workers[r.family].add(r.worker_id)
+    load = f"{workload.qps:g} qps" if workload.qps is not None else f"{workload.concurrency} in flight"
+    return SimResult(
+        policy=policy, num_workers=cluster.num_workers, load=load, num_requests=len(finished),
+        hit_rate=cached / max(1, prompt),
+        ttft_p50_ms=1000 * statistics.median(ttfts) if ttfts else math.nan,
+        ttft_p90_ms=1000 * ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else math.nan,
+        computed_max_over_min=max(computed.values()) / max(1, min(computed.values())),
+        computed_tokens_per_worker=computed, spills_router=spills["preferred_full"],
+        spills_worker_refused=spills["worker_refused"],
+        families_on_more_than_one=sum(len(ws) > 1 for ws in family_workers.values()),
+        max_workers_per_family=max((len(ws) for ws in family_workers.values()), default=0),
+        mean_families_per_worker=statistics.mean(len(sim.families) for sim in workers.values()),
+        sim_duration_s=sim_s, wall_s=wall_s)
+
+
+def measure_cost_model(model: dict | None = None, prefill_tokens: int = 512, decode_batch: int = 8,
+                       repeats: int = 3) -> CostModel:
+    """Time the real engine (the embedded SmolLM2 unless `model` says otherwise, one torch
+    thread as a worker with under one CPU runs) and fit the cost model: a prefill step of
+    `prefill_tokens` and one of 16 give the per-token prefill cost and the overhead; decode
+    steps of 1 and `decode_batch` sequences give the per-sequence decode cost."""
+    import torch
+
+    from kvmesh.deploy.config import KvmeshConfig
+    from kvmesh.worker.api import GenerateRequest
+    from kvmesh.worker.engine import Engine
+
+    torch.set_num_threads(1)
+    engine = Engine.from_config(KvmeshConfig.from_dict({"model": model or {}, "parallel": {"device": "cpu"},
+                                                        "cache": {"enable_prefix_caching": False}}))
+    torch.set_num_threads(1)
+    rng = random.Random(0)
+    ids = itertools.count()
+
+    def timed_steps(prompt_len: int, batch: int, max_tokens: int) -> list[float]:
+        for _ in range(batch):
+            engine.add_request(GenerateRequest(f"m{next(ids)}", prompt_token_ids=tuple(
+                rng.randrange(1000, 40000) for _ in range(prompt_len)),
+                sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
+        times = []
+        while engine.has_unfinished():
+            started = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - started)
+        return times
+
+    timed_steps(64, 1, 2)  # warm-up
+    long = statistics.median(timed_steps(prefill_tokens, 1, 1)[0] for _ in range(repeats))
+    short = statistics.median(timed_steps(16, 1, 1)[0] for _ in range(repeats))
+    one = statistics.median(t for _ in range(repeats) for t in timed_steps(16, 1, 9)[1:])
+    many = statistics.median(t for _ in range(repeats) for t in timed_steps(16, decode_batch, 9)[1:])
+    prefill_per_token = max(0.0, (long - short) / (prefill_tokens - 16))
+    decode_per_seq = max(0.0, (many - one) / (decode_batch - 1))
+    overhead = max(0.0, min(short - 16 * prefill_per_token, one - decode_per_seq))
+    return CostModel(overhead, prefill_per_token, decode_per_seq)
+
+
+def replay_campaign(spec_path: str, cost: CostModel, router: RouterConfig,
+                    concurrency: Sequence[int] | None = None, num_requests: int | None = None) -> list[SimResult]:
+    """The routing campaign's runs, simulated with the same requests (same seeds, in the same
+    order of runs) on a simulated cluster of the campaign's shape. `concurrency` and
+    `num_requests` override the spec as the campaign's command-line flags do, so pass the
+    ones the real run was started with."""
+    import yaml
+
+    from kvmesh.load_tests.routing_campaign import family_workload
+
+    with open(spec_path) as f:
+        spec = yaml.safe_load(f)
+    if num_requests:
+        spec["num_requests"] = num_requests
+    cluster = SimCluster(spec["num_workers"], spec["num_blocks_per_worker"], spec["block_size"], spec["max_num_seqs"],
+                         SchedulerConfig.max_num_batched_tokens, spec["stats_refresh_s"], cost=cost)
+    results, seed = [], 0
+    for level in concurrency or spec["concurrency"]:  # as the campaign's --concurrency overrides it
+        for policy in spec["policies"]:
+            seed += 1  # as routing_campaign.run_campaign numbers its runs
+            prompts = tuple((f, tuple(p)) for f, p in family_workload(spec, seed))
+            workload = SimWorkload(num_requests=len(prompts), max_tokens=spec["max_tokens"], concurrency=level,
+                                   prompts=prompts, num_families=len(spec["family_weights"]), seed=seed)
+            results.append(simulate(policy, cluster, workload, router))
+    return results
+
+
+def markdown_table(results: Sequence[SimResult]) -> str:
+    lines = ["| workers | load | policy | hit rate | TTFT P50 (ms) | TTFT P90 (ms) | computed max/min "
+             "| spills (router / worker) | families on >1 worker | max workers per family |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.num_workers} | {r.load} | {r.policy} | {r.hit_rate:.3f} | {r.ttft_p50_ms:.0f} "
+                     f"| {r.ttft_p90_ms:.0f} | {r.computed_max_over_min:.2f} | {r.spills_router} / "
+                     f"{r.spills_worker_refused} | {r.families_on_more_than_one} | {r.max_workers_per_family} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[2])
+    parser.add_argument("--num-blocks", type=int, default=128, help="KV blocks per worker")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--stats-refresh-s", type=float, default=SimCluster.stats_refresh_s)
+    parser.add_argument("--families", type=int, default=6)
+    parser.add_argument("--family-weights", type=float, nargs="+", help="default: Zipf(--zipf-s)")
+    parser.add_argument("--zipf-s", type=float, default=1.0)
+    parser.add_argument("--prefix-tokens", type=int, default=528)
+    parser.add_argument("--question-tokens", type=int, nargs=2, default=[12, 24])
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", help="closed loop: requests in flight (a sweep)")
+    parser.add_argument("--qps", type=float, nargs="+", help="open loop Poisson rates (a sweep)")
+    parser.add_argument("--policies", nargs="+", default=["prefix_aware", "round_robin"])
+    parser.add_argument("--events-only", action="store_true", help="also run prefix_aware without in-flight claims")
+    parser.add_argument("--step-overhead-s", type=float, default=CostModel.step_overhead_s)
+    parser.add_argument("--prefill-s-per-token", type=float, default=CostModel.prefill_s_per_token)
+    parser.add_argument("--decode-s-per-token", type=float, default=CostModel.decode_s_per_token)
+    parser.add_argument("--imbalance-abs-tokens", type=int, default=RouterConfig.imbalance_abs_tokens)
+    parser.add_argument("--measure", action="store_true",
+                        help="measure the cost model on the real engine (embedded SmolLM2) first and use it")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--replay-campaign", metavar="SPEC",
+                        help="replay a routing campaign's requests (load_tests/campaigns/routing-under-load.yaml): "
+                             "its families, prompts, seeds and order, one run per (concurrency, policy) as it ran")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    cost = CostModel(args.step_overhead_s, args.prefill_s_per_token, args.decode_s_per_token)
+    if args.measure:
+        cost = measure_cost_model()
+        print(f"measured cost model: {cost}", flush=True)
+    loads = [dict(qps=q) for q in args.qps] if args.qps else [dict(concurrency=c) for c in (args.concurrency or [4])]
+    router = RouterConfig(imbalance_abs_tokens=args.imbalance_abs_tokens)
+    if args.replay_campaign:
+        results = replay_campaign(args.replay_campaign, cost, router, args.concurrency)
+        print(markdown_table(results))
+        return 0
+    results = []
+    for num_workers in args.workers:
+        cluster = SimCluster(num_workers, args.num_blocks, args.block_size, args.max_num_seqs,
+                             args.max_num_batched_tokens, args.stats_refresh_s, cost=cost)
+        for load in loads:
+            workload = SimWorkload(num_families=args.families, zipf_s=args.zipf_s,
+                                   family_weights=tuple(args.family_weights) if args.family_weights else None,
+                                   prefix_tokens=args.prefix_tokens, question_tokens=tuple(args.question_tokens),
+                                   max_tokens=args.max_tokens, num_requests=args.num_requests, seed=args.seed, **load)
+            for policy in args.policies:
+                results.append(simulate(policy, cluster, workload, router))
+                print(json.dumps(dataclasses.asdict(results[-1])), flush=True)
+            if args.events_only:
+                result = simulate("prefix_aware", cluster, workload, router, in_flight_claims=False)
+                result.policy = "prefix_aware (events only)"
+                results.append(result)
+                print(json.dumps(dataclasses.asdict(result)), flush=True)
+    print(markdown_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dataclasses.asdict(r) for r in results], f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
