@@ -52,7 +52,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.deploy.config import ConfigError
+    from kvmesh.core.config import ConfigError
     from kvmesh.kv import capacity
 
     try:
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _shape_from_args(args: argparse.Namespace, capacity):
-    from kvmesh.deploy.config import ConfigError
+    from kvmesh.core.config import ConfigError
 
     flags = {"--layers": args.layers, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim}
     if args.model:

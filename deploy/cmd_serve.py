@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 
-from kvmesh.deploy.config import ConfigError, KvmeshConfig
+from kvmesh.core.config import ConfigError, KvmeshConfig
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def stop_serving(config: KvmeshConfig, app_name: str = "kvmesh") -> None:
     """Delete the app, kill its detached workers, stop Serve (best effort, in that order)."""
     from ray import serve
 
-    from kvmesh.worker.actor import kill_workers
+    from kvmesh.worker.runtime.actor import kill_workers
 
     for step, action in (("delete app", lambda: serve.delete(app_name)),
                          ("kill workers", lambda: kill_workers(config, app_name)),

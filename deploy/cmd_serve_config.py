@@ -40,7 +40,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.deploy.config import ConfigError
+    from kvmesh.core.config import ConfigError
 
     try:
         text = _render(args)
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _render(args: argparse.Namespace) -> str:
-    from kvmesh.deploy.config import KvmeshConfig
+    from kvmesh.core.config import KvmeshConfig
     from kvmesh.deploy.serve_config import (ServeOptions, apply_overrides, build_serve_config,
                                             serve_config_yaml)
 
@@ -71,7 +71,7 @@ def _render(args: argparse.Namespace) -> str:
 def _load_config(path: str):
     import yaml
 
-    from kvmesh.deploy.config import ConfigError, KvmeshConfig
+    from kvmesh.core.config import ConfigError, KvmeshConfig
     from kvmesh.deploy.serve_config import kvmesh_config_from_serve_config
 
     try:

@@ -159,7 +159,7 @@ def format_summary(s: StatsSummary) -> str:
 def _metrics_url(args: argparse.Namespace) -> str:
     if args.url:
         return args.url
-    from kvmesh.deploy.config import KvmeshConfig
+    from kvmesh.core.config import KvmeshConfig
 
     router = KvmeshConfig.from_yaml(args.config).router if args.config else KvmeshConfig().router
     return f"http://{router.host}:{router.http_port}/metrics"

@@ -79,7 +79,7 @@ def register(subparsers) -> None:
 
 
 def _store(args: argparse.Namespace):
-    from kvmesh.deploy.config import KvmeshConfig
+    from kvmesh.core.config import KvmeshConfig
     from kvmesh.router.tenants import RedisTenantStore, YamlTenantStore
 
     tenants_cfg = KvmeshConfig.from_yaml(args.config).tenants if args.config else None
@@ -157,8 +157,8 @@ async def _run(args: argparse.Namespace, store) -> int:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kvmesh.deploy.config import ConfigError
-    from kvmesh.worker.errors import InvalidRequestError
+    from kvmesh.core.config import ConfigError
+    from kvmesh.core.errors import InvalidRequestError
 
     try:
         store = _store(args)

@@ -47,7 +47,7 @@ from kvmesh.load_tests.driver import RequestStream, RetryPolicy, RunDriver
 from kvmesh.load_tests.metrics import SLO, summarize
 from kvmesh.load_tests.targets import TargetRequest, build_target
 from kvmesh.load_tests.workloads import LengthDistribution, WorkloadSpec, generate_workload
-from kvmesh.worker.errors import InvalidRequestError
+from kvmesh.core.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def _expand_sweep(run: dict) -> list[dict]:
 
 def _check_config(config: dict, where: str) -> None:
     """Config overrides must make a valid KvmeshConfig: typos fail at load, not mid-campaign."""
-    from kvmesh.deploy.config import ConfigError, KvmeshConfig
+    from kvmesh.core.config import ConfigError, KvmeshConfig
 
     try:
         KvmeshConfig.from_dict(config)
@@ -208,8 +208,8 @@ def load_campaign(path: str | Path) -> Campaign:
 
 
 def load_workload_tokenizer(model_fields: dict):
-    from kvmesh.deploy.config import ModelConfig
-    from kvmesh.worker.tokenizer import load_tokenizer
+    from kvmesh.core.config import ModelConfig
+    from kvmesh.worker.modeling.tokenizer import load_tokenizer
     return load_tokenizer(_dataclass_from(ModelConfig, model_fields, "tokenizer"))
 
 

@@ -22,7 +22,7 @@ from kvmesh.load_tests.arrivals import ArrivalSpec, arrival_offsets_s
 from kvmesh.load_tests.metrics import STATUS_CANCELLED, STATUS_ERROR, STATUS_OK, RequestRecord
 from kvmesh.load_tests.targets import Target, TargetRequest
 from kvmesh.load_tests.workloads import WorkloadRequest
-from kvmesh.worker.errors import InvalidRequestError, KvmeshError
+from kvmesh.core.errors import InvalidRequestError, KvmeshError
 
 logger = logging.getLogger(__name__)
 

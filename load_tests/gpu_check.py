@@ -52,7 +52,7 @@ def ensure_kvmesh_importable() -> dict[str, str]:
     """Make `import kvmesh.<folder>` work without pip: a temporary `kvmesh` package whose
     subpackages are symlinks to this checkout. Returns env additions for subprocesses."""
     try:
-        import kvmesh.worker.attention  # noqa: F401
+        import kvmesh.worker.modeling.attention  # noqa: F401
 
         return {}
     except ImportError:
@@ -184,7 +184,7 @@ def _decode_case(batch: int, context: int, num_kv_heads: int, queries_per_kv: in
     import torch
 
     from kvmesh.quant.kv_quant import KV_SCALE_DTYPE
-    from kvmesh.worker.attention import AttentionMetadata, LayerKVCache
+    from kvmesh.worker.modeling.attention import AttentionMetadata, LayerKVCache
 
     dev = torch.device("cuda")
     blocks_per_seq = -(-context // block_size)
@@ -228,7 +228,7 @@ def _measure_decode(backend, num_kv_heads: int, qpk: int, head_dim: int, kv: str
 
 
 def decode_attention(peak_gbps: float | None) -> dict:
-    from kvmesh.worker.attention_triton import TritonAttentionBackend
+    from kvmesh.worker.modeling.attention_triton import TritonAttentionBackend
 
     backend = TritonAttentionBackend()
     # (kv heads, queries per kv head, head_dim), and the KV dtypes measured for each
@@ -249,7 +249,7 @@ def decode_attention(peak_gbps: float | None) -> dict:
 def torch_baseline() -> dict:
     """The torch reference backend on one mid-size case, for scale (its own errors stay here)."""
     try:
-        from kvmesh.worker.attention_torch import TorchAttentionBackend
+        from kvmesh.worker.modeling.attention_torch import TorchAttentionBackend
 
         query, cache, meta, kv_bytes = _decode_case(32, 2048, 8, 4, 128, "auto")
         ms = _time_cuda_ms(lambda: TorchAttentionBackend().attend(query, cache, meta, 128 ** -0.5), iters=5)
@@ -260,7 +260,7 @@ def torch_baseline() -> dict:
 
 
 def _engine_config(model_path: str | None, device: str):
-    from kvmesh.deploy.config import KvmeshConfig
+    from kvmesh.core.config import KvmeshConfig
 
     return KvmeshConfig().replace(
         model={"path": model_path, "dtype": "bf16" if device == "cuda" else "fp32"},
@@ -272,8 +272,8 @@ def engine_decode(model_path: str | None, batch_sizes=(1, 32, 128), prompt_token
                   new_tokens: int = 64, device: str = "cuda") -> dict:
     """Decode tokens/s of Engine.step() once every request is past its prefill. (device="cpu"
     with small batches is a dry run of this code path on a machine without a GPU.)"""
-    from kvmesh.worker.api import GenerateRequest, SamplingParams
-    from kvmesh.worker.engine import Engine
+    from kvmesh.core.seams import GenerateRequest, SamplingParams
+    from kvmesh.worker.engine_loop.engine import Engine
 
     engine = Engine.from_config(_engine_config(model_path, device))
     rows = []
@@ -323,7 +323,7 @@ def random_smollm2_folder() -> str:
 
 def engine_decode_any_model(model_path: str | None) -> dict:
     if model_path is None:
-        from kvmesh.worker.model_loader import embedded_gguf_path
+        from kvmesh.worker.modeling.model_loader import embedded_gguf_path
 
         try:
             embedded_gguf_path()

@@ -21,7 +21,7 @@ import socket
 from typing import AsyncIterator
 
 from kvmesh.load_tests.targets import StreamChunk, Target, TargetRequest, check_loopback
-from kvmesh.worker.errors import InvalidRequestError, WorkerFailedError
+from kvmesh.core.errors import InvalidRequestError, WorkerFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class GrpcTarget(Target):
 
     async def stream(self, request: TargetRequest) -> AsyncIterator[StreamChunk]:
         from kvmesh.router.client import StreamRestart
-        from kvmesh.worker.api import SamplingParams
+        from kvmesh.core.seams import SamplingParams
 
         sampling = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
         deltas = self._client(request.api_key).generate(prompt_token_ids=request.prompt_token_ids,
@@ -127,7 +127,7 @@ class ClusterTarget(GrpcTarget):
     name = "cluster"
 
     def __init__(self, config: dict, app_name: str = "kvmesh-load", **grpc_options):
-        from kvmesh.deploy.config import KvmeshConfig
+        from kvmesh.core.config import KvmeshConfig
 
         router = dict(config.get("router") or {})
         if router.get("host", "127.0.0.1") not in ("127.0.0.1", "localhost"):

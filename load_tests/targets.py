@@ -1,8 +1,8 @@
 """What a load test sends requests to. Every target streams `StreamChunk`s for a request and
-raises errors from kvmesh.worker.errors, so the driver's retry and error accounting is the
+raises errors from kvmesh.core.errors, so the driver's retry and error accounting is the
 same whichever target is under test.
 
-  engine  the in-process AsyncEngine (kvmesh.worker.async_engine) with config overrides
+  engine  the in-process AsyncEngine (kvmesh.worker.runtime.async_engine) with config overrides
   http    an OpenAI-compatible server (/v1/completions, streamed SSE) via httpx
   grpc    the kvmesh router through its client library (kvmesh.router.client)
   cluster a local kvmesh cluster started for the run, then tested over gRPC (grpc_target.py)
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 from urllib.parse import urlparse
 
-from kvmesh.worker.errors import (InvalidRequestError, KvmeshError, OverloadedError, QuotaExceededError,
+from kvmesh.core.errors import (InvalidRequestError, KvmeshError, OverloadedError, QuotaExceededError,
                                   UnauthenticatedError, WorkerFailedError)
 
 logger = logging.getLogger(__name__)
@@ -108,15 +108,15 @@ class EngineTarget(Target):
         self.engine = None
 
     async def start(self) -> None:
-        from kvmesh.deploy.config import KvmeshConfig
-        from kvmesh.worker.async_engine import AsyncEngine
+        from kvmesh.core.config import KvmeshConfig
+        from kvmesh.worker.runtime.async_engine import AsyncEngine
 
         config = KvmeshConfig.from_dict(self.config_dict)
         # Model loading blocks for seconds: keep it off the event loop.
         self.engine = await asyncio.to_thread(AsyncEngine.from_config, config, self.worker_id)
 
     async def stream(self, request: TargetRequest) -> AsyncIterator[StreamChunk]:
-        from kvmesh.worker.api import FinishReason, GenerateRequest, SamplingParams
+        from kvmesh.core.seams import FinishReason, GenerateRequest, SamplingParams
 
         req = GenerateRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                               sampling=SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True),

@@ -22,7 +22,7 @@ import numpy as np
 
 from kvmesh.load_tests.corpus import TokenCorpus
 from kvmesh.load_tests.workloads import WorkloadRequest
-from kvmesh.worker.errors import InvalidRequestError
+from kvmesh.core.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvmesh.load_tests.corpus import TokenCorpus
-from kvmesh.worker.errors import InvalidRequestError
+from kvmesh.core.errors import InvalidRequestError
 
 # Standard normal quantile at 0.99: P99 of a lognormal is exp(mu + Z99 * sigma).
 Z99 = 2.3263478740408408

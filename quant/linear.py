@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvmesh.deploy.config import ConfigError, QuantConfig
+from kvmesh.core.config import ConfigError, QuantConfig
 from kvmesh.quant import primitives as P
 from kvmesh.quant.awq import AwqSearchResult
 from kvmesh.quant.calibration import projection_linears

@@ -60,10 +60,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvmesh.deploy.config import RouterConfig
+from kvmesh.core.config import RouterConfig
 from kvmesh.kv.kv_cost import request_kv_tokens
-from kvmesh.worker.api import SamplingParams, WorkerStats
-from kvmesh.worker.errors import (
+from kvmesh.core.seams import SamplingParams, WorkerStats
+from kvmesh.core.errors import (
     DeadlineExceededError,
     InvalidRequestError,
     OverloadedError,

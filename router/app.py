@@ -16,7 +16,7 @@ openai_http.py) and also defines the Kvmesh RPC methods (router/grpc_service.py)
                                         ├──> KvmeshRouter replica (x router.num_replicas)
     client ──HTTP──> Serve HTTP proxy ──┘        RouterCore ── WorkerPool ──> worker actors
 
-Workers are detached named actors (worker/actor.py) that every router replica finds by
+Workers are detached named actors (worker/runtime/actor.py) that every router replica finds by
 name, so scaling the router out does not multiply engines. Serve's replica health check is
 left to Serve's default (the replica's own liveness): a router whose workers are all down
 is healthy but answers UNAVAILABLE / 503, since restarting it would not bring workers back.
@@ -30,7 +30,7 @@ import logging
 from fastapi import Request, Response
 from ray import serve
 
-from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.core.config import KvmeshConfig
 from kvmesh.router import openai_http
 from kvmesh.router.grpc_service import KvmeshGrpcMethods
 
@@ -64,7 +64,7 @@ class KvmeshRouter(KvmeshGrpcMethods):
         from kvmesh.router.quota import make_quota_store
         from kvmesh.router.router_core import RouterCore
         from kvmesh.router.worker_pool import WorkerPool
-        from kvmesh.worker.tokenizer import load_tokenizer
+        from kvmesh.worker.modeling.tokenizer import load_tokenizer
 
         config = KvmeshConfig.from_dict(config_dict)
         app_name = serve.get_replica_context().app_name

@@ -4,8 +4,8 @@
         for delta in client.generate("Hello", sampling=SamplingParams(max_tokens=16, temperature=0)):
             print(delta.text, end="")
 
-Both yield plain `kvmesh.worker.api.RequestDelta`s (the last one has finished=True, the
-finish reason and usage) and raise the typed errors of `kvmesh.worker.errors`, rebuilt from
+Both yield plain `kvmesh.core.seams.RequestDelta`s (the last one has finished=True, the
+finish reason and usage) and raise the typed errors of `kvmesh.core.errors`, rebuilt from
 the gRPC status by `router/status_map.py`.
 
 Retries (router/retry.py): RESOURCE_EXHAUSTED and UNAVAILABLE only, exponential backoff
@@ -43,8 +43,8 @@ from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.router import convert, status_map
 from kvmesh.router.retry import RetryBudget, RetryPolicy, decide_retry
-from kvmesh.worker.api import RequestDelta, SamplingParams
-from kvmesh.worker.errors import DeadlineExceededError, KvmeshError
+from kvmesh.core.seams import RequestDelta, SamplingParams
+from kvmesh.core.errors import DeadlineExceededError, KvmeshError
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ Names follow vLLM's (`vllm:x` -> `kvmesh_x`) where vLLM has one, so existing das
 
     engine_metrics = EngineMetrics()             # worker side: what only the engine sees
     engine_metrics.observe_step(step_time_s=0.021)
-    engine_metrics.snapshot() -> bytes           # worker/telemetry.py; rides in every WorkerPoll
+    engine_metrics.snapshot() -> bytes           # core/telemetry.py; rides in every WorkerPoll
 
 Why prometheus_client and not ray.util.metrics. Ray's metrics go through each node's metrics
 agent and appear on the node's metrics export port (prefixed `ray_`), not on our router's
@@ -60,8 +60,8 @@ from prometheus_client.core import Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.worker.api import FinishReason, RequestTimings, Usage, WorkerStats
-from kvmesh.worker.telemetry import EngineMetrics  # re-exported: the worker side of step time
+from kvmesh.core.seams import FinishReason, RequestTimings, Usage, WorkerStats
+from kvmesh.core.telemetry import EngineMetrics  # re-exported: the worker side of step time
 
 __all__ = ["CONTENT_TYPE", "EngineMetrics", "MetricsBoard", "RouterMetrics", "get_or_create_board",
            "render_merged", "start_publishing", "worker_families"]

@@ -31,8 +31,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvmesh.router import status_map
 from kvmesh.router.auth import bearer_token
 from kvmesh.router.router_core import InboundRequest, RequestStream, RouterCore
-from kvmesh.worker.api import RequestDelta, SamplingParams, Usage
-from kvmesh.worker.errors import InvalidRequestError
+from kvmesh.core.seams import RequestDelta, SamplingParams, Usage
+from kvmesh.core.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ import logging
 from collections.abc import Sequence
 
 from kvmesh.kv.hashing import BlockHash
-from kvmesh.worker.api import PrefixEventBatch, PrefixEventKind
+from kvmesh.core.seams import PrefixEventBatch, PrefixEventKind
 
 logger = logging.getLogger(__name__)
 

@@ -43,10 +43,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from kvmesh.deploy.config import TenantsConfig
+from kvmesh.core.config import TenantsConfig
 from kvmesh.router import quota_lua
 from kvmesh.router.tenants import Tenant, TenantLimits
-from kvmesh.worker.errors import InvalidRequestError, QuotaExceededError
+from kvmesh.core.errors import InvalidRequestError, QuotaExceededError
 
 logger = logging.getLogger(__name__)
 

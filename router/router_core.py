@@ -11,7 +11,7 @@
         settle quota, release admission, metrics  on every exit path, exactly once
 
 Both ingresses call this one object, so auth, quotas, routing and error semantics cannot
-drift apart between gRPC and HTTP. Errors are raised as `kvmesh.worker.errors` types; the
+drift apart between gRPC and HTTP. Errors are raised as `kvmesh.core.errors` types; the
 edges map them with router/status_map.py.
 
 Request ids: the client's id (or a generated one) is scoped by tenant on the worker
@@ -36,7 +36,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.core.config import KvmeshConfig
 from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.router import tracing
 from kvmesh.router.admission import AdmissionController, AdmissionTicket, request_cost_tokens
@@ -47,9 +47,9 @@ from kvmesh.router.quota import QuotaStore, Reservation, check_request_fits
 from kvmesh.router.routing import RoundRobinCursor, RoutingDecision, choose_worker
 from kvmesh.router.tenants import Tenant
 from kvmesh.router.worker_pool import WorkerPool
-from kvmesh.worker.actor import ErrorReport
-from kvmesh.worker.api import FinishReason, GenerateRequest, RequestDelta, SamplingParams, WorkerStats
-from kvmesh.worker.errors import (
+from kvmesh.worker.runtime.actor import ErrorReport
+from kvmesh.core.seams import FinishReason, GenerateRequest, RequestDelta, SamplingParams, WorkerStats
+from kvmesh.core.errors import (
     DeadlineExceededError,
     InvalidRequestError,
     OverloadedError,
@@ -121,7 +121,7 @@ class RouterCore:
 
         Spans: kvmesh.request (ended by the stream) with auth, quota, admission and route
         children; the worker process records its own spans below kvmesh.stream, from the
-        carrier in GenerateRequest.trace_context (worker/actor.py)."""
+        carrier in GenerateRequest.trace_context (worker/runtime/actor.py)."""
         root = self._tracer.start_span(tracing.SPAN_REQUEST, context=tracing.extract_context(inbound.trace_context),
                                        kind=tracing.SpanKind.SERVER)
         parent = tracing.trace.set_span_in_context(root)
@@ -223,7 +223,7 @@ class RouterCore:
         else:
             text = inbound.prompt
             if inbound.messages is not None:
-                from kvmesh.worker.tokenizer import render_chat
+                from kvmesh.worker.modeling.tokenizer import render_chat
                 text = render_chat(self.tokenizer, [dict(m) for m in inbound.messages])
             ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))  # as the engine does
         if not ids:

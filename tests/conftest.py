@@ -25,8 +25,8 @@ def redis_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The embedded SmolLM2-135M-Instruct as a cached HF folder (GGUF converted once)."""
-    from kvmesh.deploy.config import ModelConfig
-    from kvmesh.worker.model_loader import ensure_hf_dir
+    from kvmesh.core.config import ModelConfig
+    from kvmesh.worker.modeling.model_loader import ensure_hf_dir
 
     return str(ensure_hf_dir(ModelConfig()).hf_dir)
 

@@ -13,7 +13,7 @@ import os
 import socket
 import time
 
-from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.core.config import KvmeshConfig
 
 # Keys of test tenants are made with a cheap PBKDF2 count: the cost is per distinct key and
 # process, and the tests measure nothing about it.

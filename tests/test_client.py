@@ -23,8 +23,8 @@ from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.router import convert, status_map
 from kvmesh.router.client import AsyncKvmeshClient, KvmeshClient, StreamRestart, collect_text
 from kvmesh.router.retry import RetryBudget, RetryPolicy, backoff_s, decide_retry
-from kvmesh.worker.api import FinishReason, RequestDelta, SamplingParams, Usage, WorkerStats
-from kvmesh.worker.errors import (
+from kvmesh.core.seams import FinishReason, RequestDelta, SamplingParams, Usage, WorkerStats
+from kvmesh.core.errors import (
     DeadlineExceededError,
     InvalidRequestError,
     OverloadedError,

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.core.config import KvmeshConfig
 from kvmesh.router.client import KvmeshClient
 from kvmesh.router.retry import RetryPolicy
-from kvmesh.worker.api import SamplingParams
+from kvmesh.core.seams import SamplingParams
 from e2e_cluster import serving
 
 logger = logging.getLogger(__name__)
@@ -203,9 +203,9 @@ def tokens_per_worker(served: list[Served]) -> dict[str, int]:
 
 def test_new_prefix_goes_to_the_smaller_cache_footprint_unless_loads_are_imbalanced():
     """No cluster: the placement rule the cluster test relies on, on its own."""
-    from kvmesh.deploy.config import RouterConfig
+    from kvmesh.core.config import RouterConfig
     from kvmesh.router.routing import RoutingPath, choose_worker
-    from kvmesh.worker.api import WorkerStats
+    from kvmesh.core.seams import WorkerStats
 
     def stats(worker_id: str, load_tokens: int, num_blocks_cached: int) -> WorkerStats:
         return WorkerStats(worker_id=worker_id, healthy=True, block_size=16, num_blocks_total=100, num_blocks_used=0,

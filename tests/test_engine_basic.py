@@ -5,11 +5,11 @@ import asyncio
 
 import pytest
 
-from kvmesh.deploy.config import KvmeshConfig
-from kvmesh.worker.api import FinishReason, GenerateRequest, SamplingParams
-from kvmesh.worker.async_engine import AsyncEngine
-from kvmesh.worker.engine import Engine
-from kvmesh.worker.errors import InvalidRequestError, OverloadedError
+from kvmesh.core.config import KvmeshConfig
+from kvmesh.core.seams import FinishReason, GenerateRequest, SamplingParams
+from kvmesh.worker.runtime.async_engine import AsyncEngine
+from kvmesh.worker.engine_loop.engine import Engine
+from kvmesh.core.errors import InvalidRequestError, OverloadedError
 
 
 def _config(model_dir, **sections):

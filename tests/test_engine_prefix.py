@@ -2,9 +2,9 @@
 
 import pytest
 
-from kvmesh.deploy.config import KvmeshConfig
-from kvmesh.worker.api import GenerateRequest, SamplingParams
-from kvmesh.worker.engine import Engine
+from kvmesh.core.config import KvmeshConfig
+from kvmesh.core.seams import GenerateRequest, SamplingParams
+from kvmesh.worker.engine_loop.engine import Engine
 
 SYSTEM = "You are a careful assistant. Answer briefly and cite the rules you follow. " * 4
 

@@ -9,8 +9,8 @@ from kvmesh.load_tests.driver import RetryPolicy, error_code
 from kvmesh.load_tests.metrics import (SLO, Distribution, RequestRecord, summarize,
                                        summary_from_json)
 from kvmesh.load_tests.server_metrics import metric_role, parse_prometheus_sample
-from kvmesh.worker.api import WorkerStats
-from kvmesh.worker.errors import InvalidRequestError, OverloadedError
+from kvmesh.core.seams import WorkerStats
+from kvmesh.core.errors import InvalidRequestError, OverloadedError
 
 
 def rec(index, send, deltas=(), status="ok", end=None, out=None, prompt=10, cached=0, **kw):
@@ -172,7 +172,7 @@ def test_retryable_errors_survive_pickling_with_their_retry_after():
     """Errors cross Ray (worker actor -> router) pickled; the client's backoff needs retry_after_s."""
     import pickle
 
-    from kvmesh.worker.errors import QuotaExceededError
+    from kvmesh.core.errors import QuotaExceededError
 
     for err in (OverloadedError("busy", 2.5), QuotaExceededError("tenant over quota", 4.0)):
         back = pickle.loads(pickle.dumps(err))

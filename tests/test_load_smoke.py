@@ -10,8 +10,8 @@ from kvmesh.load_tests.tiny_tokenizer import train_corpus_tokenizer
 
 pytestmark = [
     pytest.mark.timeout(300),
-    pytest.mark.skipif(importlib.util.find_spec("kvmesh.worker.async_engine") is None,
-                       reason="kvmesh.worker.async_engine (the in-process engine) is not available"),
+    pytest.mark.skipif(importlib.util.find_spec("kvmesh.worker.runtime.async_engine") is None,
+                       reason="kvmesh.worker.runtime.async_engine (the in-process engine) is not available"),
 ]
 
 

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvmesh.deploy import cmd_stats
 from kvmesh.router.metrics import (METRICS_BOARD_ACTOR, EngineMetrics, MetricsBoard, RouterMetrics,
                                    get_or_create_board, start_publishing)
-from kvmesh.worker.api import FinishReason, RequestTimings, Usage, WorkerStats
+from kvmesh.core.seams import FinishReason, RequestTimings, Usage, WorkerStats
 
 # (tenant, timings as offsets from arrival (scheduled, first token, finished), usage, finish)
 WORKLOAD = [

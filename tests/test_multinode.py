@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.core.config import KvmeshConfig
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc
 
@@ -119,7 +119,7 @@ def _worker_node_ids() -> dict[str, str]:
     """worker id -> the Ray node its current incarnation runs on (asked of the actor)."""
     import ray
 
-    from kvmesh.worker.actor import WORKER_NAMESPACE, worker_actor_name
+    from kvmesh.worker.runtime.actor import WORKER_NAMESPACE, worker_actor_name
 
     handles = {w: ray.get_actor(worker_actor_name(APP_NAME, i), namespace=WORKER_NAMESPACE)
                for i, w in enumerate(WORKER_IDS)}
@@ -192,7 +192,7 @@ class _LoadRequest:
 
     def run(self, target: str) -> None:
         from kvmesh.router.client import KvmeshClient, StreamRestart
-        from kvmesh.worker.api import SamplingParams
+        from kvmesh.core.seams import SamplingParams
 
         channel = grpc.intercept_channel(grpc.insecure_channel(target), self.recorder)
         sampling = SamplingParams(max_tokens=IN_FLIGHT_MAX_TOKENS, temperature=0.0, ignore_eos=True)

@@ -35,13 +35,13 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.core.config import KvmeshConfig
 from kvmesh.proto import kvmesh_pb2_grpc
 from kvmesh.router import convert, status_map
 from kvmesh.router.client import KvmeshClient
 from kvmesh.router.retry import RetryPolicy
-from kvmesh.worker.api import SamplingParams
-from kvmesh.worker.errors import KvmeshError
+from kvmesh.core.seams import SamplingParams
+from kvmesh.core.errors import KvmeshError
 from e2e_cluster import serving
 
 logger = logging.getLogger(__name__)
@@ -250,7 +250,7 @@ def _summary(name: str, outcome: Outcome, attempts: list[Attempt], wall_s: float
 def test_retry_after_travels_in_the_details_when_trailing_metadata_is_lost():
     """No cluster: Serve's gRPC proxy keeps only code and details of a stream that fails
     before its first message, so the retry-after must survive in the details alone."""
-    from kvmesh.worker.errors import OverloadedError
+    from kvmesh.core.errors import OverloadedError
 
     status = status_map.status_for(OverloadedError("server overloaded: admission queue full", 1.2345))
     details = status_map.grpc_details(status)

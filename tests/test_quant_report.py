@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvmesh.deploy import cmd_quant_report
-from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.core.config import KvmeshConfig
 from kvmesh.kv import capacity
 
 

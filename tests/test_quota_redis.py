@@ -13,10 +13,10 @@ import uuid
 import pytest
 from redis_server import RedisServer, free_port
 
-from kvmesh.deploy.config import TenantsConfig
+from kvmesh.core.config import TenantsConfig
 from kvmesh.router.quota import FallbackQuotaStore, RedisQuotaStore, make_quota_store, tenant_keys
 from kvmesh.router.tenants import Tenant, TenantLimits
-from kvmesh.worker.errors import QuotaExceededError
+from kvmesh.core.errors import QuotaExceededError
 
 
 def fresh_tenant(**limits) -> Tenant:

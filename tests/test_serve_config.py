@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from kvmesh.deploy import cli
-from kvmesh.deploy.config import ConfigError, KvmeshConfig
+from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.deploy.serve_config import (API_KEY_HASHES_FILE_ENV, REDIS_URL_ENV, SERVE_APP_IMPORT_PATH,
                                         ServeOptions, apply_overrides, build_serve_config,
                                         config_field_paths, config_from_serve_args,

@@ -15,7 +15,7 @@ import time
 import grpc
 import pytest
 
-from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.core.config import KvmeshConfig
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc
 
@@ -120,8 +120,8 @@ def _idle(stub) -> bool:
 
 
 def test_grpc_stream_equals_engine_greedy(cluster, stub):
-    from kvmesh.worker.api import GenerateRequest, SamplingParams
-    from kvmesh.worker.engine import Engine
+    from kvmesh.core.seams import GenerateRequest, SamplingParams
+    from kvmesh.worker.engine_loop.engine import Engine
 
     prompt = "The quick brown fox jumps over the lazy dog because"
     responses = list(stub.Generate(_request(prompt, max_tokens=12)))
@@ -254,7 +254,7 @@ def test_worker_killed_mid_stream(cluster, stub, http_base):
     import httpx
     import ray
 
-    from kvmesh.worker.actor import WORKER_NAMESPACE, worker_actor_name
+    from kvmesh.worker.runtime.actor import WORKER_NAMESPACE, worker_actor_name
 
     _wait_for(lambda: _idle(stub), what="idle workers")
     call = stub.Generate(_request("doomed " * 10, max_tokens=LONG))

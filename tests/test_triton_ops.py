@@ -1,4 +1,4 @@
-"""The fused Triton ops (worker/triton_ops.py) against their torch definitions (worker/torch_ops.py).
+"""The fused Triton ops (worker/modeling/triton_ops.py) against their torch definitions (worker/modeling/torch_ops.py).
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 (set before triton is imported); with
 CUDA the same tests run on the GPU.
@@ -17,9 +17,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 pytest.importorskip("triton")
 
-from kvmesh.worker import torch_ops, triton_ops  # noqa: E402
-from kvmesh.worker.errors import InvalidRequestError  # noqa: E402
-from kvmesh.worker.triton_ops import round_to, tl, triton  # noqa: E402
+from kvmesh.worker.modeling import torch_ops, triton_ops  # noqa: E402
+from kvmesh.core.errors import InvalidRequestError  # noqa: E402
+from kvmesh.worker.modeling.triton_ops import round_to, tl, triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -189,7 +189,7 @@ def test_interpreter_works_when_triton_was_imported_first():
     script = (
         "import sys, torch, triton\n"
         "assert 'triton' in sys.modules\n"
-        "from kvmesh.worker import torch_ops, triton_ops\n"
+        "from kvmesh.worker.modeling import torch_ops, triton_ops\n"
         "x = torch.randn(3, 64); r = torch.randn(3, 64); w = torch.randn(64)\n"
         "out, res = triton_ops.fused_add_rms_norm(x, r, w, 1e-6)\n"
         "ref, ref_res = torch_ops.fused_add_rms_norm(x, r, w, 1e-6)\n"

@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.core.config import KvmeshConfig
 from kvmesh.kv.hashing import block_extra_keys
-from kvmesh.worker.actor import ErrorReport, WorkerInfo, WorkerPoll, kill_workers, start_workers
-from kvmesh.worker.api import FinishReason, GenerateRequest, RequestDelta, SamplingParams
-from kvmesh.worker.errors import InvalidRequestError, OverloadedError, WorkerFailedError
+from kvmesh.worker.runtime.actor import ErrorReport, WorkerInfo, WorkerPoll, kill_workers, start_workers
+from kvmesh.core.seams import FinishReason, GenerateRequest, RequestDelta, SamplingParams
+from kvmesh.core.errors import InvalidRequestError, OverloadedError, WorkerFailedError
 
 APP_NAME = "kvmesh-actor-test"
 LONG = 900  # decode steps no machine finishes before the test acts on the request
@@ -187,8 +187,8 @@ def test_smollm2_actor_greedy_equals_engine(worker, smollm2_dir, actor_config):
     text, for a plain prompt and a chat-templated one (the real model, so the text is sane)."""
     import concurrent.futures
 
-    from kvmesh.worker.engine import Engine
-    from kvmesh.worker.tokenizer import render_chat
+    from kvmesh.worker.engine_loop.engine import Engine
+    from kvmesh.worker.modeling.tokenizer import render_chat
 
     smol = actor_config.replace(model={"path": smollm2_dir})
     prompts = {"plain": "The capital of France is"}

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvmesh.deploy.config import ModelConfig
-from kvmesh.worker.errors import InvalidRequestError
-from kvmesh.worker.model_loader import resolve_model
+from kvmesh.core.config import ModelConfig
+from kvmesh.core.errors import InvalidRequestError
+from kvmesh.worker.modeling.model_loader import resolve_model
 
 
 def load_tokenizer(cfg: ModelConfig):

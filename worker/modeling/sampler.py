@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.worker.api import SamplingParams
+from kvmesh.core.seams import SamplingParams
 
 
 @dataclass

@@ -27,12 +27,12 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from kvmesh.deploy.config import SchedulerConfig
+from kvmesh.core.config import SchedulerConfig
 from kvmesh.kv.kv_cache_manager import KVCacheManager, KVCacheStats
-from kvmesh.worker.admission import AdmissionController, BatchingPolicy, RateMeter, make_batching_policy
-from kvmesh.worker.errors import InvalidRequestError
-from kvmesh.worker.request import Request, RequestStatus
-from kvmesh.worker.scheduler_output import FinishedRequest, ScheduledRequest, SchedulerOutput
+from kvmesh.worker.engine_loop.admission import AdmissionController, BatchingPolicy, RateMeter, make_batching_policy
+from kvmesh.core.errors import InvalidRequestError
+from kvmesh.worker.engine_loop.request import Request, RequestStatus
+from kvmesh.worker.engine_loop.scheduler_output import FinishedRequest, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

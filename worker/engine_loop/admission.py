@@ -22,10 +22,10 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
-from kvmesh.deploy.config import SchedulerConfig
+from kvmesh.core.config import SchedulerConfig
 from kvmesh.kv.kv_cost import request_kv_tokens
-from kvmesh.worker.errors import InvalidRequestError, OverloadedError
-from kvmesh.worker.request import Request
+from kvmesh.core.errors import InvalidRequestError, OverloadedError
+from kvmesh.worker.engine_loop.request import Request
 
 logger = logging.getLogger(__name__)
 

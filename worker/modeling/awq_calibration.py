@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
-from kvmesh.deploy.config import ConfigError, KvmeshConfig
+from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.quant.awq import ALPHA_GRID, AwqSearchResult, load_awq_results, save_awq_results, search_model_awq
 from kvmesh.quant.calibration import collect_activation_stats, load_text, projection_linears, token_sequences
-from kvmesh.worker.model_loader import cache_root
+from kvmesh.worker.modeling.model_loader import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def awq_results_for(config: KvmeshConfig, spec, model=None) -> dict[str, AwqSear
             logger.info("int4_awq: %d projections' scales from the cache %s", len(results), path)
             return results
     if model is None:
-        from kvmesh.worker.engine_setup import load_model
+        from kvmesh.worker.engine_loop.engine_setup import load_model
 
         model = load_model(config.replace(quant={"weight": "none"}), spec)  # full and unsharded
     elif model.coll.world_size != 1:
@@ -88,9 +88,9 @@ def awq_results_for(config: KvmeshConfig, spec, model=None) -> dict[str, AwqSear
 
 
 def _calibrate_and_search(config: KvmeshConfig, model, text: str) -> dict[str, AwqSearchResult]:
-    from kvmesh.worker.engine_setup import pick_backend
-    from kvmesh.worker.model_runner import allocate_kv_caches, prefill_logits
-    from kvmesh.worker.tokenizer import load_tokenizer
+    from kvmesh.worker.engine_loop.engine_setup import pick_backend
+    from kvmesh.worker.modeling.model_runner import allocate_kv_caches, prefill_logits
+    from kvmesh.worker.modeling.tokenizer import load_tokenizer
 
     start = time.perf_counter()
     sequences = token_sequences(load_tokenizer(config.model), text, seq_len=CALIBRATION_SEQ_LEN,

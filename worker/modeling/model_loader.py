@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmesh.deploy.config import ConfigError, ModelConfig
+from kvmesh.core.config import ConfigError, ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvmesh.worker.attention import AttentionMetadata, LayerKVCache
+from kvmesh.worker.modeling.attention import AttentionMetadata, LayerKVCache
 
 
 def _gather_kv(cache: LayerKVCache, block_table: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

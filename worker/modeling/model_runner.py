@@ -6,7 +6,7 @@ positions, writes their K/V into the request's blocks, and samples a token only 
 whose scheduled tokens reach the end of what is known (a finished prefill or a decode).
 Mid-prompt chunks produce no token.
 
-KV cache memory (per layer, see worker/attention.py for the block layout):
+KV cache memory (per layer, see worker/modeling/attention.py for the block layout):
 
     device:  key/value [num_blocks, block_size, Hkv, D]  (+ fp16 scales when quantized)
     swap:    same shape with num_swap_blocks, pinned CPU memory on CUDA
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.deploy.config import ConfigError
+from kvmesh.core.config import ConfigError
 from kvmesh.quant.kv_quant import KV_QUANT_DTYPES, KV_SCALE_DTYPE
 from kvmesh.quant.kv_quant import kv_storage_dtype as quantized_kv_storage_dtype
-from kvmesh.worker.attention import AttentionBackend, AttentionMetadata, LayerKVCache
-from kvmesh.worker.sampler import SampleResult, SamplingRow, sample
+from kvmesh.worker.modeling.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from kvmesh.worker.modeling.sampler import SampleResult, SamplingRow, sample
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class StepInputs:
 
     @classmethod
     def build(cls, scheduled, block_size: int) -> "StepInputs":
-        """scheduled: ScheduledRequest entries (worker/scheduler_output.py) in batch order."""
+        """scheduled: ScheduledRequest entries (worker/engine_loop/scheduler_output.py) in batch order."""
         bs = block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -176,7 +176,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled, rows_for: Callable[[object], SamplingRow]) -> StepResult:
-        """scheduled: ScheduledRequest entries (worker/scheduler_output.py) in batch order."""
+        """scheduled: ScheduledRequest entries (worker/engine_loop/scheduler_output.py) in batch order."""
         if self.fault_hook is not None:
             self.fault_hook()
         inputs = StepInputs.build(scheduled, self.block_size)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvmesh.worker.api import SamplingParams
+from kvmesh.core.seams import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

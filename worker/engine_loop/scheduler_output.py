@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.worker.request import Request, RequestStatus
+from kvmesh.worker.engine_loop.request import Request, RequestStatus
 
 BlockPair = tuple[int, int]  # (source block, destination block)
 

@@ -8,7 +8,7 @@ scales for quantized KV); the number of blocks comes from a memory budget, never
                     - memory in use after loading weights - profiled peak activation
     num_blocks = budget // (bytes_per_token x block_size)      (cache.num_blocks overrides)
 
-With parallel.tensor_parallel_size = N > 1 (worker/tp_group.py) this process is rank 0: it
+With parallel.tensor_parallel_size = N > 1 (worker/modeling/tp_group.py) this process is rank 0: it
 loads its shard while ranks 1..N-1 load theirs in Ray actors, and bytes_per_token counts
 this rank's KV heads (max(1, Hkv / N)); every rank gets the same num_blocks, so one block
 table addresses all the shards.
@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from kvmesh.deploy.config import ConfigError, KvmeshConfig
+from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.kv.kv_cache_manager import KVCacheManager
-from kvmesh.worker.attention import AttentionMetadata, LayerKVCache
-from kvmesh.worker.model import LlamaForCausalLM
-from kvmesh.worker.model_loader import ensure_hf_dir, load_hf_config, load_state_dict
+from kvmesh.worker.modeling.attention import AttentionMetadata, LayerKVCache
+from kvmesh.worker.modeling.model import LlamaForCausalLM
+from kvmesh.worker.modeling.model_loader import ensure_hf_dir, load_hf_config, load_state_dict
 from kvmesh.kv.capacity import kv_bytes_per_token, num_blocks_for_budget
-from kvmesh.worker.model_runner import TORCH_DTYPES, ModelRunner, allocate_kv_caches, kv_storage_dtype
+from kvmesh.worker.modeling.model_runner import TORCH_DTYPES, ModelRunner, allocate_kv_caches, kv_storage_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -83,13 +83,13 @@ def pick_backend(config: KvmeshConfig, device: torch.device):
     want = config.parallel.attention_backend
     if want == "triton" or (want == "auto" and device.type == "cuda"):
         try:
-            from kvmesh.worker.attention_triton import TritonAttentionBackend
+            from kvmesh.worker.modeling.attention_triton import TritonAttentionBackend
         except ImportError as exc:
             if want == "triton":
                 raise ConfigError(f"attention_backend=triton but Triton is unavailable: {exc}") from exc
         else:
             return TritonAttentionBackend()
-    from kvmesh.worker.attention_torch import TorchAttentionBackend
+    from kvmesh.worker.modeling.attention_torch import TorchAttentionBackend
 
     return TorchAttentionBackend()
 
@@ -171,9 +171,9 @@ def resolve_model(config: KvmeshConfig) -> ModelSpec:
 
 def load_model(config: KvmeshConfig, spec: ModelSpec, coll=None, awq=None) -> LlamaForCausalLM:
     """This rank's model: the whole model at world size 1, its shard under tensor parallelism
-    (`coll` from worker/distributed.py). Quantized projections are quantized whole, then cut.
+    (`coll` from worker/modeling/distributed.py). Quantized projections are quantized whole, then cut.
 
-    awq: int4_awq search results (worker/awq_calibration.py); None at world size 1 means
+    awq: int4_awq search results (worker/modeling/awq_calibration.py); None at world size 1 means
     calibrate this model here (or take the cached results)."""
     model = LlamaForCausalLM(spec.hf_config, spec.max_model_len, coll, config.parallel.vocab_parallel)
     state = load_state_dict(spec.hf_dir)
@@ -187,7 +187,7 @@ def load_model(config: KvmeshConfig, spec: ModelSpec, coll=None, awq=None) -> Ll
         from kvmesh.quant.linear import quantize_model
 
         if config.quant.weight == "int4_awq" and awq is None:
-            from kvmesh.worker.awq_calibration import awq_results_for
+            from kvmesh.worker.modeling.awq_calibration import awq_results_for
 
             model.to(spec.device).eval()  # calibrate where the model will run
             awq = awq_results_for(config, spec, model)
@@ -209,13 +209,13 @@ def allocate_rank_caches(config: KvmeshConfig, spec: ModelSpec, model, num_block
 
 
 def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> EngineParts:
-    from kvmesh.worker.tokenizer import load_tokenizer
+    from kvmesh.worker.modeling.tokenizer import load_tokenizer
 
     spec = resolve_model(config)
     hf_config, device, dtype, max_model_len = spec.hf_config, spec.device, spec.dtype, spec.max_model_len
     group = None
     if config.parallel.tensor_parallel_size > 1:
-        from kvmesh.worker.tp_group import TensorParallelGroup
+        from kvmesh.worker.modeling.tp_group import TensorParallelGroup
 
         group = TensorParallelGroup(config)
         model = group.start()  # ranks 1..N-1 load their shards in Ray actors while rank 0 loads here
@@ -232,7 +232,7 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
     if group is None:
         runner = ModelRunner(model, backend, device, kv_caches, swap_caches, plan.block_size, seed=config.model.seed)
     else:
-        from kvmesh.worker.tp_group import TensorParallelRunner
+        from kvmesh.worker.modeling.tp_group import TensorParallelRunner
 
         runner = TensorParallelRunner(group, plan, model, backend, device, kv_caches, swap_caches, plan.block_size,
                                       seed=config.model.seed)

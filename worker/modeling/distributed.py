@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kvmesh.worker.errors import WorkerFailedError
+from kvmesh.core.errors import WorkerFailedError
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Fused Triton kernels for the Llama decoder: RMSNorm (+ residual add), SiLU-and-mul, W4A16.
 
-Each kernel has a plain torch definition in worker/torch_ops.py, and the tests hold them to
+Each kernel has a plain torch definition in worker/modeling/torch_ops.py, and the tests hold them to
 it. Kernels compute in fp32 and round where the unfused torch code rounds, so fp32 results
 match the reference to fp32 rounding and bf16/fp16 results to one unit in the last place.
 
@@ -30,7 +30,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.language.extra import libdevice  # noqa: E402
 
-from kvmesh.worker.errors import InvalidRequestError  # noqa: E402
+from kvmesh.core.errors import InvalidRequestError  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

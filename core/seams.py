@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvmesh.worker.errors import InvalidRequestError
+from kvmesh.core.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ class RequestDelta:
     usage: Usage | None = None
     timings: RequestTimings | None = None
     error: str | None = None  # set with finish_reason=ERROR
-    # With finish_reason=ERROR: which kvmesh.worker.errors class the failure maps to
+    # With finish_reason=ERROR: which kvmesh.core.errors class the failure maps to
     # ("OverloadedError" for a queue timeout, "WorkerFailedError" for a failed forward, ...)
     # and, for retryable ones, when to retry.
     error_type: str | None = None

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvmesh.deploy.config import ConfigError
-from kvmesh.worker.distributed import Collectives
+from kvmesh.core.config import ConfigError
+from kvmesh.worker.modeling.distributed import Collectives
 
 @dataclass(frozen=True)
 class ShardSpec:
@@ -129,7 +129,7 @@ class QKVParallelLinear(_ShardedLinear):
 
 def check_splittable(hf_config, world_size: int) -> None:
     """Raise ConfigError before any rank starts when the model cannot split N ways."""
-    from kvmesh.worker.distributed import Collectives
+    from kvmesh.worker.modeling.distributed import Collectives
 
     coll = Collectives(0, world_size)
     head_shard(hf_config.num_attention_heads, coll, "query")
@@ -197,7 +197,7 @@ def quantize_sharded(full: nn.Linear, shard: ShardSpec, quant_cfg, awq=None) -> 
     elif quant_cfg.weight == "int4_awq":
         if awq is None:
             raise ConfigError("quant.weight=int4_awq under tensor parallelism needs the AWQ scales of the full "
-                              "model (worker/awq_calibration.py) for every projection")
+                              "model (worker/modeling/awq_calibration.py) for every projection")
         q = Int4WeightOnlyLinear.from_linear(full, quant_cfg.group_size, input_scale=awq.input_scale)
     else:
         raise ConfigError(f"quant.weight={quant_cfg.weight} is not supported with tensor parallelism")

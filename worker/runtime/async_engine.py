@@ -25,10 +25,10 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from kvmesh.deploy.config import KvmeshConfig
-from kvmesh.worker.api import GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats
-from kvmesh.worker.engine import Engine
-from kvmesh.worker.errors import InvalidRequestError, KvmeshError
+from kvmesh.core.config import KvmeshConfig
+from kvmesh.core.seams import GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats
+from kvmesh.worker.engine_loop.engine import Engine
+from kvmesh.core.errors import InvalidRequestError, KvmeshError
 
 logger = logging.getLogger(__name__)
 

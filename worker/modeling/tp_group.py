@@ -37,11 +37,11 @@ import os
 
 import torch
 
-from kvmesh.deploy.config import ConfigError, KvmeshConfig
-from kvmesh.worker.distributed import Collectives, GroupAddress, join_group, start_store
-from kvmesh.worker.errors import WorkerFailedError
-from kvmesh.worker.model_runner import BlockOps, ModelRunner, StepInputs
-from kvmesh.worker.parallel_layers import check_splittable
+from kvmesh.core.config import ConfigError, KvmeshConfig
+from kvmesh.worker.modeling.distributed import Collectives, GroupAddress, join_group, start_store
+from kvmesh.core.errors import WorkerFailedError
+from kvmesh.worker.modeling.model_runner import BlockOps, ModelRunner, StepInputs
+from kvmesh.worker.modeling.parallel_layers import check_splittable
 
 logger = logging.getLogger(__name__)
 
@@ -71,13 +71,13 @@ class RankWorker:
 
     def load(self, awq=None) -> None:
         """awq: rank 0's AWQ search results (int4_awq), the same for every rank."""
-        from kvmesh.worker.engine_setup import load_model, resolve_model
+        from kvmesh.worker.engine_loop.engine_setup import load_model, resolve_model
 
         self.spec = resolve_model(self.config)
         self.model = load_model(self.config, self.spec, self.coll, awq)
 
     def allocate(self, num_blocks: int, num_swap_blocks: int) -> None:
-        from kvmesh.worker.engine_setup import allocate_rank_caches, pick_backend
+        from kvmesh.worker.engine_loop.engine_setup import allocate_rank_caches, pick_backend
 
         kv, swap = allocate_rank_caches(self.config, self.spec, self.model, num_blocks, num_swap_blocks)
         self.runner = ModelRunner(self.model, pick_backend(self.config, self.spec.device), self.spec.device, kv, swap,
@@ -118,12 +118,12 @@ class TensorParallelGroup:
 
     def start(self):
         """Start the peers and join the group; returns rank 0's model shard."""
-        from kvmesh.worker.engine_setup import load_model, resolve_model
+        from kvmesh.worker.engine_loop.engine_setup import load_model, resolve_model
 
         spec = resolve_model(self.config)
         check_splittable(spec.hf_config, self.world_size)
         if self.config.quant.weight == "int4_awq":  # calibrated once, on the full model, before any shard
-            from kvmesh.worker.awq_calibration import awq_results_for
+            from kvmesh.worker.modeling.awq_calibration import awq_results_for
 
             self.awq = awq_results_for(self.config, spec)
         try:

@@ -23,14 +23,14 @@ import itertools
 import logging
 import time
 
-from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.core.config import KvmeshConfig
 from kvmesh.kv.hashing import block_extra_keys
-from kvmesh.worker.api import (FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats)
-from kvmesh.worker.engine_setup import EngineParts, build_engine_parts
-from kvmesh.worker.errors import InvalidRequestError
-from kvmesh.worker.output_processor import OutputProcessor
-from kvmesh.worker.request import Request, RequestStatus
-from kvmesh.worker.scheduler import Scheduler
+from kvmesh.core.seams import (FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats)
+from kvmesh.worker.engine_loop.engine_setup import EngineParts, build_engine_parts
+from kvmesh.core.errors import InvalidRequestError
+from kvmesh.worker.engine_loop.output_processor import OutputProcessor
+from kvmesh.worker.engine_loop.request import Request, RequestStatus
+from kvmesh.worker.engine_loop.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

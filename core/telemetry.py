@@ -36,8 +36,8 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRat
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from kvmesh.deploy.config import ObservabilityConfig
-from kvmesh.worker.api import FinishReason, GenerateRequest, RequestTimings, Usage
+from kvmesh.core.config import ObservabilityConfig
+from kvmesh.core.seams import FinishReason, GenerateRequest, RequestTimings, Usage
 
 logger = logging.getLogger(__name__)
 

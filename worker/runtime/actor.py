@@ -2,7 +2,7 @@
 
 One actor per GPU (later: per tensor-parallel group). The router reaches it only through
 the public async methods below; everything crosses Ray as the plain dataclasses of
-`worker/api.py` plus the two small records defined here.
+`core/seams.py` plus the two small records defined here.
 
 Why these choices:
 
@@ -42,10 +42,10 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from kvmesh.deploy.config import KvmeshConfig
-from kvmesh.worker import errors
-from kvmesh.worker import telemetry
-from kvmesh.worker.api import FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta, RequestTimings, WorkerStats
+from kvmesh.core.config import KvmeshConfig
+from kvmesh.core import errors
+from kvmesh.core import telemetry
+from kvmesh.core.seams import FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta, RequestTimings, WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class WorkerInfo:
 class ErrorReport:
     """A kvmesh error raised by the engine, carried as a value through the Ray stream."""
 
-    error_type: str  # class name in kvmesh.worker.errors
+    error_type: str  # class name in kvmesh.core.errors
     message: str
     retry_after_s: float | None = None
 
@@ -109,7 +109,7 @@ class WorkerActor:
 
     def __init__(self, config_dict: dict, worker_id: str):
         # The engine (and torch) load here, in the worker process, never in the router.
-        from kvmesh.worker.async_engine import AsyncEngine
+        from kvmesh.worker.runtime.async_engine import AsyncEngine
 
         self._config = KvmeshConfig.from_dict(config_dict)
         self._engine = AsyncEngine.from_config(self._config, worker_id=worker_id)

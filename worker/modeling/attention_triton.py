@@ -43,10 +43,10 @@ import torch
 
 # write_kv must match quant/kv_quant.py bit for bit: the same scale bounds and dtype.
 from kvmesh.quant.kv_quant import FP8_E4M3_MAX, INT8_MAX, KV_SCALE_DTYPE, MAX_KV_SCALE, MIN_KV_SCALE
-from kvmesh.worker.attention import AttentionMetadata, LayerKVCache
-from kvmesh.worker.errors import InvalidRequestError
+from kvmesh.worker.modeling.attention import AttentionMetadata, LayerKVCache
+from kvmesh.core.errors import InvalidRequestError
 # triton_ops turns on the interpreter when there is no CUDA, before the kernels below exist.
-from kvmesh.worker.triton_ops import compute_dtype, dot_precision, round_half_even, round_to, tl, triton
+from kvmesh.worker.modeling.triton_ops import compute_dtype, dot_precision, round_half_even, round_to, tl, triton
 
 logger = logging.getLogger(__name__)
 
@@ -323,7 +323,7 @@ def _default_min_programs(device: torch.device) -> int:
 
 
 class TritonAttentionBackend:
-    """AttentionBackend on Triton kernels (worker/attention.py); the CUDA default.
+    """AttentionBackend on Triton kernels (worker/modeling/attention.py); the CUDA default.
 
     tile_tokens: keys per inner-loop step (>= 16 for tl.dot, independent of block size).
     min_programs: when a batch yields fewer (q-block, kv-head) programs than this (small

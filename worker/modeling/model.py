@@ -6,7 +6,7 @@ state dict loads as is and weight-only quantization (quant/) finds the projectio
 RoPE tables come from transformers' own rotary embedding for the config (rope_theta and any
 rope scaling), so positions encode exactly as in the reference implementation.
 
-Tensor parallelism (worker/parallel_layers.py): given a `Collectives` of world size N, each
+Tensor parallelism (worker/modeling/parallel_layers.py): given a `Collectives` of world size N, each
 rank builds the shard-shaped layers, attention runs on its local heads (Hq / N query heads,
 max(1, Hkv / N) KV heads) and the block output is all-reduced after o_proj and down_proj.
 At world size 1 every layer is the full nn.Linear / nn.Embedding and the all-reduce is a
@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvmesh.worker.attention import AttentionBackend, AttentionMetadata, LayerKVCache
-from kvmesh.worker.distributed import Collectives, single_rank
-from kvmesh.worker.parallel_layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+from kvmesh.worker.modeling.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from kvmesh.worker.modeling.distributed import Collectives, single_rank
+from kvmesh.worker.modeling.parallel_layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                            RowParallelLinear, VocabParallelEmbedding, _ShardedLinear,
                                            quantize_sharded)
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmesh.worker.api import FinishReason, RequestDelta, RequestTimings, Usage
-from kvmesh.worker.detokenizer import IncrementalDetokenizer
-from kvmesh.worker.request import Request
-from kvmesh.worker.sampler import SamplingRow
+from kvmesh.core.seams import FinishReason, RequestDelta, RequestTimings, Usage
+from kvmesh.worker.engine_loop.detokenizer import IncrementalDetokenizer
+from kvmesh.worker.engine_loop.request import Request
+from kvmesh.worker.modeling.sampler import SamplingRow
 
 
 @dataclass
