@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvmesh.core import errors
 from kvmesh.core.errors import InvalidRequestError
 
 
@@ -190,3 +191,24 @@ class PrefixEventBatch:
     events: tuple[PrefixEvent, ...] = ()
     reset: bool = False
     all_hashes: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class ErrorReport:
+    """A kvmesh error raised by the engine, carried as a value through the Ray stream."""
+
+    error_type: str  # class name in kvmesh.core.errors
+    message: str
+    retry_after_s: float | None = None
+
+    @classmethod
+    def from_exception(cls, exc: errors.KvmeshError) -> "ErrorReport":
+        return cls(type(exc).__name__, exc.message, getattr(exc, "retry_after_s", None))
+
+    def to_exception(self) -> errors.KvmeshError:
+        error_class = getattr(errors, self.error_type, None)
+        if not (isinstance(error_class, type) and issubclass(error_class, errors.KvmeshError)):
+            return errors.WorkerFailedError(f"{self.error_type}: {self.message}")
+        if self.retry_after_s is not None:
+            return error_class(self.message, self.retry_after_s)
+        return error_class(self.message)

@@ -13,6 +13,9 @@ import argparse
 import json
 import sys
 
+# Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
+# (and `--help` answers) without loading torch, Ray or transformers.
+
 KV_DTYPES = ("fp16", "bf16", "fp32", "fp8", "int8")
 WEIGHT_DTYPES = ("fp16", "bf16", "fp32", "int8", "int4")
 

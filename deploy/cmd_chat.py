@@ -19,6 +19,9 @@ import argparse
 import os
 import sys
 
+# Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
+# (and `--help` answers) without loading torch, Ray or transformers.
+
 API_KEY_ENV = "KVMESH_API_KEY"
 DEFAULT_SERVER = "127.0.0.1:50051"
 EXIT_ERROR = 1

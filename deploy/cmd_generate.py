@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+# Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
+# (and `--help` answers) without loading torch, Ray or transformers.
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text for a prompt (in-process engine)",

@@ -12,6 +12,9 @@ import sys
 import time
 from pathlib import Path
 
+# Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
+# (and `--help` answers) without loading torch, Ray or transformers.
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("load", help="load-test campaigns: run, report, compare")

@@ -27,6 +27,9 @@ import statistics
 import sys
 import time
 
+# Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
+# (and `--help` answers) without loading torch, Ray or transformers.
+
 # mode -> (quant.weight, cache.kv_cache_dtype, activation dtype: None = the report's --dtype)
 MODES = {
     "baseline": ("none", "auto", None),

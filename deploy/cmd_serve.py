@@ -22,6 +22,9 @@ import threading
 
 from kvmesh.core.config import ConfigError, KvmeshConfig
 
+# Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
+# (and `--help` answers) without loading torch, Ray or transformers.
+
 logger = logging.getLogger(__name__)
 
 # `kvmesh serve` with no config and no --workers: two workers, each asking half a CPU, so

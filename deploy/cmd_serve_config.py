@@ -14,6 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+# Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
+# (and `--help` answers) without loading torch, Ray or transformers.
+
 EXIT_BAD_INPUT = 2
 
 

@@ -18,6 +18,9 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+# Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
+# (and `--help` answers) without loading torch, Ray or transformers.
+
 EXIT_UNREACHABLE = 1
 QUANTILES = (0.5, 0.95, 0.99)
 

@@ -19,6 +19,9 @@ import dataclasses
 import json
 import sys
 
+# Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
+# (and `--help` answers) without loading torch, Ray or transformers.
+
 DEFAULT_TENANTS_FILE = "kvmesh-tenants.yaml"
 EXIT_NOT_FOUND = 1
 EXIT_BAD_INPUT = 2

@@ -38,6 +38,9 @@ import time
 import traceback
 from pathlib import Path
 
+# Function-level imports: each section imports torch, triton or the engine itself, inside its
+# own try/except, so one missing piece is recorded as that section's error, not a crash.
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SUBPACKAGES = ("deploy", "router", "worker", "kv", "quant", "proto", "load_tests")
 # Peak HBM bandwidth (bytes/s) by device-name fragment, when torch does not report the

@@ -24,6 +24,8 @@ from typing import AsyncIterator
 
 from kvmesh.load_tests.targets import StreamChunk, Target, TargetRequest
 from kvmesh.core.errors import InvalidRequestError, WorkerFailedError
+from kvmesh.core.config import ModelConfig
+from kvmesh.worker.modeling.model_loader import ensure_hf_dir
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +35,6 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def _model_source(options: dict, config: dict) -> tuple[str | None, str | None]:
     """(hf_dir, gguf_path) for the peer to load."""
     path = options.get("model_path") or (config.get("model") or {}).get("path")
-    from kvmesh.core.config import ModelConfig
-    from kvmesh.worker.modeling.model_loader import ensure_hf_dir
 
     resolved = ensure_hf_dir(ModelConfig(path=path))  # GGUF: converted to a cached HF folder once
     return (str(resolved.hf_dir) if resolved.hf_dir else None,

@@ -33,6 +33,13 @@ from ray import serve
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.router import openai_http
 from kvmesh.router.grpc_service import KvmeshGrpcMethods
+from kvmesh.router import tracing
+from kvmesh.router.auth import Authenticator
+from kvmesh.router.metrics import RouterMetrics, get_or_create_board, start_publishing
+from kvmesh.router.quota import make_quota_store
+from kvmesh.router.router_core import RouterCore
+from kvmesh.router.worker_pool import WorkerPool
+from kvmesh.worker.public_api import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +65,6 @@ fastapi_app = openai_http.build_openai_app()
 @serve.ingress(fastapi_app)
 class KvmeshRouter(KvmeshGrpcMethods):
     async def __init__(self, config_dict: dict):
-        from kvmesh.router import tracing
-        from kvmesh.router.auth import Authenticator
-        from kvmesh.router.metrics import RouterMetrics, get_or_create_board, start_publishing
-        from kvmesh.router.quota import make_quota_store
-        from kvmesh.router.router_core import RouterCore
-        from kvmesh.router.worker_pool import WorkerPool
-        from kvmesh.worker.modeling.tokenizer import load_tokenizer
-
         config = KvmeshConfig.from_dict(config_dict)
         app_name = serve.get_replica_context().app_name
         self.pool = WorkerPool(config, app_name)

@@ -47,8 +47,8 @@ from kvmesh.router.quota import QuotaStore, Reservation, check_request_fits
 from kvmesh.router.routing import RoundRobinCursor, RoutingDecision, choose_worker
 from kvmesh.router.tenants import Tenant
 from kvmesh.router.worker_pool import WorkerPool
-from kvmesh.worker.runtime.actor import ErrorReport
-from kvmesh.core.seams import FinishReason, GenerateRequest, RequestDelta, SamplingParams, WorkerStats
+from kvmesh.worker.public_api import render_chat
+from kvmesh.core.seams import ErrorReport, FinishReason, GenerateRequest, RequestDelta, SamplingParams, WorkerStats
 from kvmesh.core.errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -223,7 +223,6 @@ class RouterCore:
         else:
             text = inbound.prompt
             if inbound.messages is not None:
-                from kvmesh.worker.modeling.tokenizer import render_chat
                 text = render_chat(self.tokenizer, [dict(m) for m in inbound.messages])
             ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))  # as the engine does
         if not ids:

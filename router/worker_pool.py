@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.router.prefix_index import PrefixIndex
-from kvmesh.worker.runtime.actor import WorkerInfo, WorkerPoll, start_workers
+from kvmesh.worker.public_api import WorkerInfo, WorkerPoll, start_workers
 from kvmesh.core.seams import WorkerStats
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,5 @@
-"""Building one engine's parts from the config: device, dtype, weights, KV cache sizing.
+"""Building one engine's parts from the config: the model runner (one rank or a tensor-parallel
+group), the tokenizer, KV cache sizing.
 
 KV cache sizing follows the articles' formula (bytes per token = 2 x L x Hkv x D x b, plus
 scales for quantized KV); the number of blocks comes from a memory budget, never a constant:
@@ -18,17 +19,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.kv.kv_cache_manager import KVCacheManager
-from kvmesh.worker.modeling.attention import AttentionMetadata, LayerKVCache
-from kvmesh.worker.modeling.model import LlamaForCausalLM
-from kvmesh.worker.modeling.model_loader import ensure_hf_dir, load_hf_config, load_state_dict
 from kvmesh.kv.capacity import kv_bytes_per_token, num_blocks_for_budget
-from kvmesh.worker.modeling.model_runner import TORCH_DTYPES, ModelRunner, allocate_kv_caches, kv_storage_dtype
+from kvmesh.worker.modeling.attention import AttentionMetadata
+from kvmesh.worker.modeling.model_runner import ModelRunner, allocate_kv_caches, kv_storage_dtype
+from kvmesh.worker.modeling.model_setup import allocate_rank_caches, load_model, pick_backend, resolve_model
+from kvmesh.worker.modeling.tokenizer import load_tokenizer
+from kvmesh.worker.modeling.tp_group import TensorParallelGroup, TensorParallelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -62,36 +63,6 @@ class EngineParts:
     eos_token_ids: tuple[int, ...]
     plan: MemoryPlan
     device: torch.device
-
-
-def pick_device(config: KvmeshConfig) -> torch.device:
-    want = config.parallel.device
-    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("parallel.device=cuda but torch sees no CUDA device")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def pick_dtype(config: KvmeshConfig, device: torch.device) -> torch.dtype:
-    if config.model.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return TORCH_DTYPES[config.model.dtype]
-
-
-def pick_backend(config: KvmeshConfig, device: torch.device):
-    want = config.parallel.attention_backend
-    if want == "triton" or (want == "auto" and device.type == "cuda"):
-        try:
-            from kvmesh.worker.modeling.attention_triton import TritonAttentionBackend
-        except ImportError as exc:
-            if want == "triton":
-                raise ConfigError(f"attention_backend=triton but Triton is unavailable: {exc}") from exc
-        else:
-            return TritonAttentionBackend()
-    from kvmesh.worker.modeling.attention_torch import TorchAttentionBackend
-
-    return TorchAttentionBackend()
 
 
 def _effective_kv_dtype_name(config: KvmeshConfig, dtype: torch.dtype) -> str:
@@ -140,83 +111,11 @@ def _plan_memory(config: KvmeshConfig, model, hf_config, device, kv_dtype_name: 
                       num_blocks * per_block, peak)
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """What every tensor-parallel rank resolves the same way from the config."""
-
-    hf_dir: Path
-    name: str
-    hf_config: object
-    device: torch.device
-    dtype: torch.dtype
-    max_model_len: int
-
-
-def resolve_model(config: KvmeshConfig) -> ModelSpec:
-    resolved = ensure_hf_dir(config.model)
-    hf_config = load_hf_config(resolved.hf_dir)
-    device = pick_device(config)
-    if device.type == "cpu":
-        # One intra-op thread per CPU the worker is given: OpenMP threads spin-wait, and on a
-        # shared box (router, other workers, clients) oversubscribed spinning made matmuls
-        # up to 30x slower than one thread (measured on the 2-core CI machines).
-        torch.set_num_threads(max(1, int(config.parallel.worker_num_cpus)))
-    dtype = pick_dtype(config, device)
-    native_len = int(getattr(hf_config, "max_position_embeddings", 2048))
-    max_model_len = config.model.max_model_len or native_len
-    if max_model_len > native_len:
-        raise ConfigError(f"model.max_model_len {max_model_len} exceeds the model's {native_len} positions")
-    return ModelSpec(Path(resolved.hf_dir), resolved.name, hf_config, device, dtype, max_model_len)
-
-
-def load_model(config: KvmeshConfig, spec: ModelSpec, coll=None, awq=None) -> LlamaForCausalLM:
-    """This rank's model: the whole model at world size 1, its shard under tensor parallelism
-    (`coll` from worker/modeling/distributed.py). Quantized projections are quantized whole, then cut.
-
-    awq: int4_awq search results (worker/modeling/awq_calibration.py); None at world size 1 means
-    calibrate this model here (or take the cached results)."""
-    model = LlamaForCausalLM(spec.hf_config, spec.max_model_len, coll, config.parallel.vocab_parallel)
-    state = load_state_dict(spec.hf_dir)
-    sharded_quant = config.quant.weight != "none" and model.coll.world_size > 1
-    if sharded_quant:
-        state = model.install_quantized_shards(state, config.quant, spec.dtype, awq)
-    model.load_hf_state_dict(state)
-    model.to(dtype=spec.dtype)
-    model.rotary.to(torch.float32)  # rope tables stay fp32, cast per use like HF
-    if config.quant.weight != "none" and not sharded_quant:
-        from kvmesh.quant.linear import quantize_model
-
-        if config.quant.weight == "int4_awq" and awq is None:
-            from kvmesh.worker.modeling.awq_calibration import awq_results_for
-
-            model.to(spec.device).eval()  # calibrate where the model will run
-            awq = awq_results_for(config, spec, model)
-        quantize_model(model, config.quant, awq)
-    return model.to(spec.device).eval()
-
-
-def allocate_rank_caches(config: KvmeshConfig, spec: ModelSpec, model, num_blocks: int, num_swap_blocks: int
-                         ) -> tuple[list[LayerKVCache], list[LayerKVCache] | None]:
-    """This rank's KV cache (its KV heads) and swap space, same block ids on every rank."""
-    storage = kv_storage_dtype(config.cache.kv_cache_dtype, spec.dtype)
-    layers, hkv, bs = spec.hf_config.num_hidden_layers, model.num_kv_heads, config.cache.block_size
-    kv_caches = allocate_kv_caches(layers, num_blocks, bs, hkv, model.head_dim, storage, spec.device)
-    swap_caches: list[LayerKVCache] | None = None
-    if num_swap_blocks > 0:
-        swap_caches = allocate_kv_caches(layers, num_swap_blocks, bs, hkv, model.head_dim, storage,
-                                         torch.device("cpu"), pin=spec.device.type == "cuda")
-    return kv_caches, swap_caches
-
-
 def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> EngineParts:
-    from kvmesh.worker.modeling.tokenizer import load_tokenizer
-
     spec = resolve_model(config)
     hf_config, device, dtype, max_model_len = spec.hf_config, spec.device, spec.dtype, spec.max_model_len
     group = None
     if config.parallel.tensor_parallel_size > 1:
-        from kvmesh.worker.modeling.tp_group import TensorParallelGroup
-
         group = TensorParallelGroup(config)
         model = group.start()  # ranks 1..N-1 load their shards in Ray actors while rank 0 loads here
     else:
@@ -232,8 +131,6 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
     if group is None:
         runner = ModelRunner(model, backend, device, kv_caches, swap_caches, plan.block_size, seed=config.model.seed)
     else:
-        from kvmesh.worker.modeling.tp_group import TensorParallelRunner
-
         runner = TensorParallelRunner(group, plan, model, backend, device, kv_caches, swap_caches, plan.block_size,
                                       seed=config.model.seed)
     kv_manager = KVCacheManager(plan.num_blocks, plan.block_size,

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.worker.modeling.attention import AttentionMetadata, LayerKVCache
+from kvmesh.quant.kv_quant import quantize_kv
 
 
 def _gather_kv(cache: LayerKVCache, block_table: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,7 +39,6 @@ class TorchAttentionBackend:
         k_slots = cache.key_cache.view(-1, hkv, d)
         v_slots = cache.value_cache.view(-1, hkv, d)
         if cache.quantized:
-            from kvmesh.quant.kv_quant import quantize_kv
 
             kind = "int8" if cache.key_cache.dtype == torch.int8 else "fp8"
             qk, sk = quantize_kv(key, kind)

@@ -29,6 +29,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,6 +38,8 @@ from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.quant.awq import ALPHA_GRID, AwqSearchResult, load_awq_results, save_awq_results, search_model_awq
 from kvmesh.quant.calibration import collect_activation_stats, load_text, projection_linears, token_sequences
 from kvmesh.worker.modeling.model_loader import cache_root
+from kvmesh.worker.modeling.model_runner import allocate_kv_caches, prefill_logits
+from kvmesh.worker.modeling.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +66,12 @@ def awq_fingerprint(config: KvmeshConfig, spec, text: str) -> str:
     return hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=12).hexdigest()
 
 
-def awq_results_for(config: KvmeshConfig, spec, model=None) -> dict[str, AwqSearchResult]:
-    """The AWQ search results for the configured model: from the cache, or computed on
-    `model` (this process's full, unquantized model; loaded here when None) and cached."""
+def awq_results_for(config: KvmeshConfig, spec, backend, full_model: Callable[[], torch.nn.Module]
+                    ) -> dict[str, AwqSearchResult]:
+    """The AWQ search results for the configured model: from the cache, or computed and cached.
+
+    full_model() returns this process's full, unquantized model; it is called only on a cache
+    miss (the caller loads one when it has none). backend: the attention backend it runs on."""
     text = load_text(config.quant.calibration_path)
     path = awq_cache_dir() / f"{awq_fingerprint(config, spec, text)}.safetensors"
     if path.exists():
@@ -76,22 +82,15 @@ def awq_results_for(config: KvmeshConfig, spec, model=None) -> dict[str, AwqSear
         else:
             logger.info("int4_awq: %d projections' scales from the cache %s", len(results), path)
             return results
-    if model is None:
-        from kvmesh.worker.engine_loop.engine_setup import load_model
-
-        model = load_model(config.replace(quant={"weight": "none"}), spec)  # full and unsharded
-    elif model.coll.world_size != 1:
+    model = full_model()
+    if model.coll.world_size != 1:
         raise ConfigError("int4_awq calibration needs the full model, not a tensor-parallel shard")
-    results = _calibrate_and_search(config, model, text)
+    results = _calibrate_and_search(config, model, text, backend)
     _save_atomically(path, results)
     return results
 
 
-def _calibrate_and_search(config: KvmeshConfig, model, text: str) -> dict[str, AwqSearchResult]:
-    from kvmesh.worker.engine_loop.engine_setup import pick_backend
-    from kvmesh.worker.modeling.model_runner import allocate_kv_caches, prefill_logits
-    from kvmesh.worker.modeling.tokenizer import load_tokenizer
-
+def _calibrate_and_search(config: KvmeshConfig, model, text: str, backend) -> dict[str, AwqSearchResult]:
     start = time.perf_counter()
     sequences = token_sequences(load_tokenizer(config.model), text, seq_len=CALIBRATION_SEQ_LEN,
                                 max_sequences=CALIBRATION_SEQUENCES)
@@ -99,7 +98,6 @@ def _calibrate_and_search(config: KvmeshConfig, model, text: str) -> dict[str, A
     block_size = config.cache.block_size
     scratch = allocate_kv_caches(model.config.num_hidden_layers, -(-CALIBRATION_SEQ_LEN // block_size), block_size,
                                  model.num_kv_heads, model.head_dim, next(model.parameters()).dtype, device)
-    backend = pick_backend(config, device)
     logger.info("int4_awq: calibrating on %d x %d tokens of %s, then searching %d projections (once; cached)",
                 len(sequences), CALIBRATION_SEQ_LEN, config.quant.calibration_path or "the bundled corpus",
                 len(projection_linears(model)))

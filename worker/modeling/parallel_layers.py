@@ -36,6 +36,7 @@ from torch import nn
 
 from kvmesh.core.config import ConfigError
 from kvmesh.worker.modeling.distributed import Collectives
+from kvmesh.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
 @dataclass(frozen=True)
 class ShardSpec:
@@ -129,7 +130,6 @@ class QKVParallelLinear(_ShardedLinear):
 
 def check_splittable(hf_config, world_size: int) -> None:
     """Raise ConfigError before any rank starts when the model cannot split N ways."""
-    from kvmesh.worker.modeling.distributed import Collectives
 
     coll = Collectives(0, world_size)
     head_shard(hf_config.num_attention_heads, coll, "query")
@@ -188,7 +188,6 @@ def quantize_sharded(full: nn.Linear, shard: ShardSpec, quant_cfg, awq=None) -> 
     exactly the values a single rank would (quantizing a column slice would not). int4_awq
     takes `awq`, the AWQ search result of this projection on the full model; its input
     scales are cut with the input columns (row-parallel) or kept whole (column-parallel)."""
-    from kvmesh.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
     if quant_cfg.weight == "int8":
         q = Int8WeightOnlyLinear.from_linear(full)

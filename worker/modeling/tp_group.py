@@ -40,7 +40,9 @@ import torch
 from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.worker.modeling.distributed import Collectives, GroupAddress, join_group, start_store
 from kvmesh.core.errors import WorkerFailedError
+from kvmesh.worker.modeling.awq_calibration import awq_results_for
 from kvmesh.worker.modeling.model_runner import BlockOps, ModelRunner, StepInputs
+from kvmesh.worker.modeling.model_setup import allocate_rank_caches, load_model, pick_backend, resolve_model
 from kvmesh.worker.modeling.parallel_layers import check_splittable
 
 logger = logging.getLogger(__name__)
@@ -71,14 +73,10 @@ class RankWorker:
 
     def load(self, awq=None) -> None:
         """awq: rank 0's AWQ search results (int4_awq), the same for every rank."""
-        from kvmesh.worker.engine_loop.engine_setup import load_model, resolve_model
-
         self.spec = resolve_model(self.config)
         self.model = load_model(self.config, self.spec, self.coll, awq)
 
     def allocate(self, num_blocks: int, num_swap_blocks: int) -> None:
-        from kvmesh.worker.engine_loop.engine_setup import allocate_rank_caches, pick_backend
-
         kv, swap = allocate_rank_caches(self.config, self.spec, self.model, num_blocks, num_swap_blocks)
         self.runner = ModelRunner(self.model, pick_backend(self.config, self.spec.device), self.spec.device, kv, swap,
                                   self.config.cache.block_size)
@@ -118,14 +116,12 @@ class TensorParallelGroup:
 
     def start(self):
         """Start the peers and join the group; returns rank 0's model shard."""
-        from kvmesh.worker.engine_loop.engine_setup import load_model, resolve_model
-
         spec = resolve_model(self.config)
         check_splittable(spec.hf_config, self.world_size)
         if self.config.quant.weight == "int4_awq":  # calibrated once, on the full model, before any shard
-            from kvmesh.worker.modeling.awq_calibration import awq_results_for
-
-            self.awq = awq_results_for(self.config, spec)
+            full = self.config.replace(quant={"weight": "none"})  # the full, unsharded float model
+            self.awq = awq_results_for(self.config, spec, pick_backend(self.config, spec.device),
+                                       lambda: load_model(full, spec))
         try:
             self._start_peers()
             loading = [p.load.remote(self.awq) for p in self.peers]  # peers load while rank 0 does

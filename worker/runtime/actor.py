@@ -45,7 +45,8 @@ from dataclasses import dataclass
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core import errors
 from kvmesh.core import telemetry
-from kvmesh.core.seams import FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta, RequestTimings, WorkerStats
+from kvmesh.core.seams import (ErrorReport, FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta,
+                               RequestTimings, WorkerStats)
 
 logger = logging.getLogger(__name__)
 
@@ -63,27 +64,6 @@ class WorkerInfo:
     # The Ray node (hex id) this incarnation runs on: where Ray placed it, and after a node
     # loss, where Ray restarted it.
     node_id: str = ""
-
-
-@dataclass(frozen=True)
-class ErrorReport:
-    """A kvmesh error raised by the engine, carried as a value through the Ray stream."""
-
-    error_type: str  # class name in kvmesh.core.errors
-    message: str
-    retry_after_s: float | None = None
-
-    @classmethod
-    def from_exception(cls, exc: errors.KvmeshError) -> "ErrorReport":
-        return cls(type(exc).__name__, exc.message, getattr(exc, "retry_after_s", None))
-
-    def to_exception(self) -> errors.KvmeshError:
-        error_class = getattr(errors, self.error_type, None)
-        if not (isinstance(error_class, type) and issubclass(error_class, errors.KvmeshError)):
-            return errors.WorkerFailedError(f"{self.error_type}: {self.message}")
-        if self.retry_after_s is not None:
-            return error_class(self.message, self.retry_after_s)
-        return error_class(self.message)
 
 
 @dataclass(frozen=True)
