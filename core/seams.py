@@ -64,6 +64,19 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def check_fits_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """The one rule "prompt + max_tokens <= max_model_len": a request that cannot fit the model's
+    context is refused whole (InvalidRequestError), never truncated."""
+    if prompt_tokens >= max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {prompt_tokens} tokens; this model accepts at most {max_model_len - 1} "
+            f"(max_model_len {max_model_len} includes at least one generated token)")
+    if prompt_tokens + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds max_model_len {max_model_len}, "
+            f"the model's context length; nothing was truncated")
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     """One generation request as a worker receives it.

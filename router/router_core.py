@@ -48,7 +48,7 @@ from kvmesh.router.routing import RoundRobinCursor, RoutingDecision, choose_work
 from kvmesh.router.tenants import Tenant
 from kvmesh.router.worker_pool import WorkerPool
 from kvmesh.worker.public_api import render_chat
-from kvmesh.core.seams import ErrorReport, FinishReason, GenerateRequest, RequestDelta, SamplingParams, WorkerStats
+from kvmesh.core.seams import ErrorReport, FinishReason, check_fits_context, GenerateRequest, RequestDelta, SamplingParams, WorkerStats
 from kvmesh.core.errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -227,11 +227,8 @@ class RouterCore:
             ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))  # as the engine does
         if not ids:
             raise InvalidRequestError("the prompt is empty")
-        max_model_len = self.config.model.max_model_len
-        max_tokens = inbound.sampling.max_tokens
-        if max_model_len is not None and len(ids) + max_tokens > max_model_len:
-            raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                                      f"model's context length of {max_model_len}; nothing was truncated")
+        if self.config.model.max_model_len is not None:
+            check_fits_context(len(ids), inbound.sampling.max_tokens, self.config.model.max_model_len)
         return ids
 
     async def _block_extra_keys(self, cache_salt: str | None) -> tuple[str, ...]:

@@ -12,7 +12,8 @@ import pytest
 
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.kv.hashing import block_extra_keys
-from kvmesh.worker.runtime.actor import ErrorReport, WorkerInfo, WorkerPoll, kill_workers, start_workers
+from kvmesh.core.seams import ErrorReport
+from kvmesh.worker.runtime.actor import WorkerInfo, WorkerPoll, kill_workers, start_workers
 from kvmesh.core.seams import FinishReason, GenerateRequest, RequestDelta, SamplingParams
 from kvmesh.core.errors import InvalidRequestError, OverloadedError, WorkerFailedError
 

@@ -60,12 +60,11 @@ class RateMeter:
 
 class AdmissionController:
     def __init__(self, config: SchedulerConfig, capacity_tokens: int, block_size: int, *,
-                 clock: Callable[[], float], max_model_len: int | None = None, window_s: float = 30.0):
+                 clock: Callable[[], float], window_s: float = 30.0):
         self.config = config
         self.block_size = block_size
         self.capacity_tokens = capacity_tokens  # the pool: num_blocks * block_size
         self.budget_tokens = config.max_total_kv_tokens or capacity_tokens
-        self.max_model_len = max_model_len
         self.reserved_tokens = 0
         self.num_reservations = 0
         self.drain = RateMeter(window_s, clock)  # reserved tokens returned per second
@@ -75,15 +74,8 @@ class AdmissionController:
         return request_kv_tokens(request.num_prompt_tokens, request.sampling.max_tokens, self.block_size)
 
     def check_valid(self, request: Request) -> None:
-        """Refusals no retry can fix."""
-        if request.num_prompt_tokens == 0:
-            raise InvalidRequestError("the prompt is empty")
-        request.sampling.validate(self.config.max_new_tokens)
-        total = request.num_prompt_tokens + request.sampling.max_tokens
-        if self.max_model_len is not None and total > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({request.num_prompt_tokens}) + max_tokens ({request.sampling.max_tokens}) = {total} "
-                f"exceeds the model's context length {self.max_model_len}")
+        """Refusals no retry can fix on this worker. The request itself (parameters, prompt,
+        context length) was validated once on entering the process (Engine.validate)."""
         # Over-committing (max_total_kv_tokens > the pool) is allowed, but one request must
         # fit the pool on its own, or preemption could never make room for it.
         limit = min(self.budget_tokens, self.capacity_tokens)

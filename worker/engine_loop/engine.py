@@ -25,7 +25,8 @@ import time
 
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.kv.hashing import block_extra_keys
-from kvmesh.core.seams import (FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats)
+from kvmesh.core.seams import (FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats,
+                               check_fits_context)
 from kvmesh.worker.engine_loop.engine_setup import EngineParts, build_engine_parts
 from kvmesh.core.errors import InvalidRequestError
 from kvmesh.worker.engine_loop.output_processor import OutputProcessor
@@ -45,7 +46,7 @@ class Engine:
         self.model_name = parts.model_name
         self.max_model_len = parts.max_model_len
         self.block_size = parts.plan.block_size
-        self.scheduler = Scheduler(config.scheduler, parts.kv_manager, max_model_len=parts.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, parts.kv_manager)
         self.outputs = OutputProcessor(parts.tokenizer, parts.eos_token_ids, parts.max_model_len)
         self._live: dict[str, Request] = {}  # internal id -> request, until its final delta
         self._children: dict[str, list[str]] = {}  # external id -> internal ids (n > 1)
@@ -79,21 +80,15 @@ class Engine:
         return ids
 
     def validate(self, request: GenerateRequest) -> list[int]:
-        """Every check that needs no scheduler state; returns the prompt token ids."""
+        """Every check that needs no scheduler state, the only validation of a request in the
+        worker process (the scheduler's admission checks capacity only); returns the prompt ids."""
         if not request.request_id:
             raise InvalidRequestError("request_id must be non-empty")
         request.sampling.validate(self.config.scheduler.max_new_tokens)
         prompt_ids = self.tokenize(request)
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt_ids)} tokens; this model accepts at most {self.max_model_len - 1} "
-                f"(max_model_len {self.max_model_len} includes at least one generated token)")
-        if len(prompt_ids) + request.sampling.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({request.sampling.max_tokens}) exceeds "
-                f"max_model_len {self.max_model_len}")
+        check_fits_context(len(prompt_ids), request.sampling.max_tokens, self.max_model_len)
         return prompt_ids
 
     def add_request(self, request: GenerateRequest, prompt_ids: list[int] | None = None) -> None:

@@ -112,7 +112,7 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, *, max_model_len: int | None = None,
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, *,
                  clock: Callable[[], float] = time.monotonic, stats_window_s: float = 30.0):
         config.validate()
         self.config = config
@@ -120,7 +120,7 @@ class Scheduler:
         self.clock = clock
         self.policy: BatchingPolicy = make_batching_policy(config)
         self.admission = AdmissionController(config, kv_manager.capacity_tokens, kv_manager.block_size,
-                                             clock=clock, max_model_len=max_model_len, window_s=stats_window_s)
+                                             clock=clock, window_s=stats_window_s)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []
         self.running: list[Request] = []
