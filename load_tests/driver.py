@@ -23,6 +23,7 @@ from kvmesh.load_tests.metrics import STATUS_CANCELLED, STATUS_ERROR, STATUS_OK,
 from kvmesh.load_tests.targets import Target, TargetRequest
 from kvmesh.load_tests.workloads import WorkloadRequest
 from kvmesh.core.errors import InvalidRequestError, KvmeshError
+from kvmesh.router import retry as client_retry
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +34,9 @@ class RetryPolicy:
 
     none     give up at once
     naive    resend immediately, up to max_attempts (the retry storm the article describes)
-    backoff  wait min(max_delay_s, base_delay_s * 2^(attempt-1)) x uniform(0, 1) ("full
-             jitter"), but never less than the server's retry_after_s
+    backoff  the client library's backoff (router/retry.py, the one implementation): the
+             server's retry_after_s plus full jitter, uniform(0, min(max_delay_s,
+             base_delay_s * 2^(attempt-1)))
     """
 
     mode: str = "none"
@@ -47,16 +49,17 @@ class RetryPolicy:
     def validate(self) -> None:
         if self.mode not in ("none", "naive", "backoff"):
             raise InvalidRequestError(f"retry mode must be none|naive|backoff, got {self.mode!r}")
-        if self.max_attempts < 1 or self.base_delay_s < 0 or self.max_delay_s < 0:
-            raise InvalidRequestError("retry: max_attempts >= 1 and delays >= 0")
+        if self.max_attempts < 1 or self.base_delay_s < 0 or self.max_delay_s < self.base_delay_s:
+            raise InvalidRequestError("retry: max_attempts >= 1 and 0 <= base_delay_s <= max_delay_s")
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise InvalidRequestError("retry.timeout_s must be > 0")
 
     def delay_s(self, attempt: int, retry_after_s: float | None, rng: random.Random) -> float:
         if self.mode == "naive":
             return 0.0
-        backoff = min(self.max_delay_s, self.base_delay_s * 2 ** (attempt - 1)) * rng.random()
-        return max(backoff, retry_after_s or 0.0)
+        policy = client_retry.RetryPolicy(max_attempts=self.max_attempts, initial_backoff_s=self.base_delay_s,
+                                          max_backoff_s=self.max_delay_s, multiplier=2.0)
+        return client_retry.backoff_s(attempt, policy, rng, retry_after_s)
 
 
 @dataclass(frozen=True)
