@@ -16,6 +16,7 @@ import logging
 import random
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from kvmesh.load_tests.arrivals import ArrivalSpec, arrival_offsets_s
@@ -98,8 +99,14 @@ class _Attempt:
 
 class RunDriver:
     def __init__(self, target: Target, retry: RetryPolicy, run_id: str = "run",
-                 sample_interval_s: float = 0.5, progress: bool = True):
+                 sample_interval_s: float = 0.5, progress: bool = True,
+                 clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
+        """clock and sleep time the run: arrival offsets, retry waits and every recorded time
+        (tests inject a virtual pair). The server sampler always samples in real time."""
         retry.validate()
+        self._clock = clock
+        self._sleep = sleep
         self.target = target
         self.retry = retry
         self.run_id = run_id
@@ -109,7 +116,7 @@ class RunDriver:
         self._bar = None
 
     def _now_s(self) -> float:
-        return time.perf_counter() - self._t0
+        return self._clock() - self._t0
 
     async def run(self, streams: list[RequestStream]) -> RunResult:
         """Send every stream's requests; returns when all have finished."""
@@ -117,7 +124,7 @@ class RunDriver:
         self._bar = _progress_bar(planned, self.run_id, self.progress)
         records: list[RequestRecord] = []
         samples: list[dict] = []
-        self._t0 = time.perf_counter()
+        self._t0 = self._clock()
         sampler = asyncio.create_task(self._sample_loop(samples))
         try:
             results = await asyncio.gather(*(self._run_stream(i, s) for i, s in enumerate(streams)))
@@ -161,7 +168,7 @@ class RunDriver:
             offsets = list(arrival_offsets_s(spec, len(reqs)))
         tasks = []
         for req, offset in zip(reqs, offsets):
-            await asyncio.sleep(max(0.0, offset - self._now_s()))
+            await self._sleep(max(0.0, offset - self._now_s()))
             tasks.append(asyncio.create_task(self._send(stream_no, req)))
         return list(await asyncio.gather(*tasks))
 
@@ -205,7 +212,7 @@ class RunDriver:
                     return self._record(stream_no, req, send_s, STATUS_ERROR, seen, attempt_no, retry_codes,
                                         code, str(exc)[:200])
                 retry_codes.append(code)
-                await asyncio.sleep(self.retry.delay_s(attempt_no, getattr(exc, "retry_after_s", None), rng))
+                await self._sleep(self.retry.delay_s(attempt_no, getattr(exc, "retry_after_s", None), rng))
                 continue
             status = STATUS_CANCELLED if seen.cancelled else STATUS_OK
             return self._record(stream_no, req, send_s, status, seen, attempt_no, retry_codes, None)

@@ -34,7 +34,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -129,8 +129,9 @@ class KvmeshClient(_ClientBase):
 
     def __init__(self, target: str, *, api_key: str | None = None, retry_policy: RetryPolicy | None = None,
                  rng: random.Random | None = None, restart_mid_stream: bool = False,
-                 channel: grpc.Channel | None = None):
+                 channel: grpc.Channel | None = None, sleep: Callable[[float], None] = time.sleep):
         super().__init__(api_key, retry_policy, rng, restart_mid_stream)
+        self._sleep = sleep  # the wait between attempts (tests inject one to see the delays)
         self._channel = channel or grpc.insecure_channel(target)
         self._stub = pb_grpc.KvmeshStub(self._channel)
 
@@ -155,7 +156,7 @@ class KvmeshClient(_ClientBase):
                 delay_s = call.on_failure(error, received, self.restart_mid_stream)
             finally:
                 stream.cancel()  # no-op once finished; aborts the request if the caller stopped early
-            time.sleep(delay_s)
+            self._sleep(delay_s)
             if received:
                 yield StreamRestart(call.attempt, "stream failed mid-way; restarted from scratch")
 
@@ -179,7 +180,7 @@ class KvmeshClient(_ClientBase):
                 self.budget.record_success()
                 return response
             except grpc.RpcError as error:
-                time.sleep(call.on_failure(error))
+                self._sleep(call.on_failure(error))
 
     def close(self) -> None:
         self._channel.close()

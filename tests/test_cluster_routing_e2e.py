@@ -26,7 +26,6 @@ import collections
 import concurrent.futures
 import logging
 import random
-import socket
 import time
 from dataclasses import dataclass
 
@@ -37,7 +36,9 @@ from kvmesh.core.config import KvmeshConfig
 from kvmesh.router.client import KvmeshClient
 from kvmesh.router.retry import RetryPolicy
 from kvmesh.core.seams import SamplingParams
-from e2e_cluster import serving
+from e2e_cluster import serving, tiny_cluster_config
+
+pytestmark = pytest.mark.e2e  # a Ray cluster with the Serve app: `pytest -m "not e2e"` skips it
 
 logger = logging.getLogger(__name__)
 
@@ -53,22 +54,11 @@ WORKER_KEY = "x-kvmesh-worker"
 pytestmark = pytest.mark.timeout(600)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def routing_config(tiny_model_dir) -> KvmeshConfig:
-    return KvmeshConfig.from_dict({
-        "model": {"path": tiny_model_dir, "dtype": "fp32"},
-        "cache": {"block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS_PER_WORKER},
-        "scheduler": {"max_num_seqs": 4},
-        "parallel": {"num_workers": 2, "device": "cpu", "worker_num_cpus": 0.5},
-        "router": {"host": "127.0.0.1", "grpc_port": _free_port(), "http_port": _free_port(),
-                   "policy": "prefix_aware", "stats_refresh_s": 0.05},
-    })
+    return tiny_cluster_config(tiny_model_dir, num_workers=2, max_num_seqs=4, block_size=BLOCK_SIZE,
+                               num_blocks=NUM_BLOCKS_PER_WORKER, max_new_tokens=None,
+                               router={"policy": "prefix_aware", "stats_refresh_s": 0.05})
 
 
 @pytest.fixture(scope="module")

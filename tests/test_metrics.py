@@ -212,6 +212,7 @@ def test_metrics_board_keeps_fresh_snapshots_and_excludes_the_caller():
     assert board.snapshots() == [b"B2"]
 
 
+@pytest.mark.e2e
 def test_two_replicas_render_the_same_cluster_totals_through_a_ray_board():
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=1, include_dashboard=False, namespace=f"kvmesh-metrics-{os.getpid()}",

@@ -26,7 +26,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import random
-import socket
 import statistics
 import threading
 import time
@@ -42,7 +41,9 @@ from kvmesh.router.client import KvmeshClient
 from kvmesh.router.retry import RetryPolicy
 from kvmesh.core.seams import SamplingParams
 from kvmesh.core.errors import KvmeshError
-from e2e_cluster import serving
+from e2e_cluster import serving, tiny_cluster_config
+
+pytestmark = pytest.mark.e2e  # a Ray cluster with the Serve app: `pytest -m "not e2e"` skips it
 
 logger = logging.getLogger(__name__)
 
@@ -57,23 +58,11 @@ RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 pytestmark = pytest.mark.timeout(600)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def overload_config(tiny_model_dir) -> KvmeshConfig:
-    return KvmeshConfig.from_dict({
-        "model": {"path": tiny_model_dir, "dtype": "fp32"},
-        "cache": {"block_size": 16, "num_blocks": 32},
-        "scheduler": {"max_num_seqs": 2},
-        "parallel": {"num_workers": 2, "device": "cpu", "worker_num_cpus": 0.5},
-        "router": {"host": "127.0.0.1", "grpc_port": _free_port(), "http_port": _free_port(),
-                   "policy": "least_loaded", "stats_refresh_s": 0.05, "max_queue_len": 4,
-                   "retry_lane_fraction": RETRY_LANE_FRACTION, "max_queue_wait_s": 20.0},
-    })
+    return tiny_cluster_config(tiny_model_dir, num_workers=2, max_num_seqs=2, num_blocks=32, max_new_tokens=None,
+                               router={"policy": "least_loaded", "stats_refresh_s": 0.05, "max_queue_len": 4,
+                                       "retry_lane_fraction": RETRY_LANE_FRACTION, "max_queue_wait_s": 20.0})
 
 
 @pytest.fixture(scope="module")

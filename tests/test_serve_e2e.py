@@ -9,7 +9,6 @@ looks to Ray (the process dies; Ray restarts it because of max_restarts).
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import grpc
@@ -18,6 +17,9 @@ import pytest
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc
+from e2e_cluster import tiny_cluster_config
+
+pytestmark = pytest.mark.e2e  # a Ray cluster with the Serve app: `pytest -m "not e2e"` skips it
 
 APP_NAME = "kvmesh-e2e"
 # max_tokens of requests that must still be running when the test acts on them: far more
@@ -26,12 +28,6 @@ APP_NAME = "kvmesh-e2e"
 LONG = 900
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_serve_flags_map_onto_config(tmp_path):
@@ -57,16 +53,9 @@ def test_serve_flags_map_onto_config(tmp_path):
 
 @pytest.fixture(scope="module")
 def e2e_config(tiny_model_dir) -> KvmeshConfig:
-    return KvmeshConfig.from_dict({
-        "model": {"path": tiny_model_dir, "dtype": "fp32"},
-        "cache": {"block_size": 16, "num_blocks": 128},
-        "scheduler": {"max_num_seqs": 8, "max_new_tokens": 960},
-        "parallel": {"num_workers": 2, "device": "cpu", "worker_num_cpus": 0.5},
-        "router": {"host": "127.0.0.1", "grpc_port": _free_port(), "http_port": _free_port(),
-                   "policy": "round_robin", "stats_refresh_s": 0.1},
-        # Spans go to the router replica's stdout, which Ray keeps in the session's logs.
-        "observability": {"tracing_exporter": "console"},
-    })
+    # Spans go to the router replica's stdout, which Ray keeps in the session's logs.
+    return tiny_cluster_config(tiny_model_dir, num_workers=2, num_blocks=128, max_new_tokens=960,
+                               router={"policy": "round_robin"}, observability={"tracing_exporter": "console"})
 
 
 @pytest.fixture(scope="module")

@@ -80,6 +80,7 @@ def tiny_tp1(tiny_model_dir):
 
 
 # The tiny model has 2 KV heads: at TP=4 each lives on 2 ranks.
+@pytest.mark.e2e
 @pytest.mark.parametrize("tp,vocab_parallel", [(2, True), (4, True), (2, False)])
 def test_tiny_model_tp_matches_tp1(ray_cluster, tiny_model_dir, tiny_tp1, tp, vocab_parallel):
     want, stats = tiny_tp1
@@ -90,6 +91,7 @@ def test_tiny_model_tp_matches_tp1(ray_cluster, tiny_model_dir, tiny_tp1, tp, vo
     assert got == want
 
 
+@pytest.mark.e2e
 def test_smollm2_tp3_matches_tp1(ray_cluster, smollm2_dir):
     # 9 query heads, 3 KV heads: one KV head and three query heads per rank.
     # Three prompts (about 6, 6 and 20 tokens + 10 new) need 4 blocks of 16; the pool has 3.
@@ -99,6 +101,7 @@ def test_smollm2_tp3_matches_tp1(ray_cluster, smollm2_dir):
     assert got == want
 
 
+@pytest.mark.e2e
 def test_int8_weights_tp2_match_int8_tp1(ray_cluster, tiny_model_dir):
     quant = {"quant": {"weight": "int8"}}
     want, _ = _greedy(_config(tiny_model_dir, 1, num_blocks=8, **quant), 16)
@@ -113,6 +116,7 @@ def test_int8_weights_tp2_match_int8_tp1(ray_cluster, tiny_model_dir):
     assert got == want
 
 
+@pytest.mark.e2e
 def test_int4_awq_tp2_matches_tp1_from_one_calibration(ray_cluster, tiny_model_dir, tmp_path, monkeypatch):
     """TP=1 calibrates and caches the AWQ scales; TP=2 finds them in the cache, and each rank
     cuts its shard from the same full-model quantization: the same greedy tokens."""
@@ -138,6 +142,7 @@ def test_int4_awq_tp2_matches_tp1_from_one_calibration(ray_cluster, tiny_model_d
     assert got == want
 
 
+@pytest.mark.e2e
 def test_swap_preemption_under_tp_matches_tp1(ray_cluster, tiny_model_dir, tiny_tp1):
     """Swap preemption copies every rank's KV shard out to its own swap space and back: the
     tokens are those of TP=1 with recompute."""
@@ -162,11 +167,13 @@ def test_head_sharding_rules():
     assert single_rank().all_reduce(torch.ones(2)).tolist() == [1.0, 1.0]
 
 
+@pytest.mark.e2e
 def test_tp_size_that_cannot_split_heads_is_a_config_error(ray_cluster, tiny_model_dir):
     with pytest.raises(ConfigError):
         Engine.from_config(_config(tiny_model_dir, 3, num_blocks=8))  # 4 query heads over 3 ranks
 
 
+@pytest.mark.e2e
 def test_killed_rank_fails_the_step_then_group_rebuilds(ray_cluster, tiny_model_dir, tiny_tp1):
     engine = Engine.from_config(_config(tiny_model_dir, 2, num_blocks=32))
     try:

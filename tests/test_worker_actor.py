@@ -83,6 +83,7 @@ def _wait_idle(handle, timeout_s: float = 30.0):
     raise AssertionError(f"worker not idle: {stats}")
 
 
+@pytest.mark.e2e
 def test_generate_streams_batches_of_deltas(worker):
     items = asyncio.run(_collect(worker, _request("batches", max_tokens=20)))
     assert items and all(isinstance(batch, list) and batch for batch in items)
@@ -93,12 +94,14 @@ def test_generate_streams_batches_of_deltas(worker):
     _wait_idle(worker)
 
 
+@pytest.mark.e2e
 def test_engine_errors_arrive_as_reports(worker):
     [report] = asyncio.run(_collect(worker, _request("too-long", max_tokens=2000)))
     assert isinstance(report, ErrorReport) and report.error_type == "InvalidRequestError"
     assert isinstance(report.to_exception(), InvalidRequestError)
 
 
+@pytest.mark.e2e
 def test_abort_ends_the_stream_and_frees_blocks(worker):
     import ray
 
@@ -118,6 +121,7 @@ def test_abort_ends_the_stream_and_frees_blocks(worker):
     assert _wait_idle(worker).num_blocks_used == 0  # every block of the request returned
 
 
+@pytest.mark.e2e
 def test_cancelling_the_ray_stream_aborts_the_request(worker):
     import ray
 
@@ -132,6 +136,7 @@ def test_cancelling_the_ray_stream_aborts_the_request(worker):
     assert ray.get(worker.abort.remote("to-cancel")) is False
 
 
+@pytest.mark.e2e
 def test_poll_and_extra_keys(worker, actor_config):
     import ray
 
@@ -145,6 +150,7 @@ def test_poll_and_extra_keys(worker, actor_config):
                                     "tenant-salt")
 
 
+@pytest.mark.e2e
 def test_pool_follows_a_killed_worker_through_its_restart(worker, actor_config):
     """Routable -> killed (not routable) -> restarted by Ray (routable again, new incarnation,
     prefix view rebuilt from the new process's events)."""
@@ -183,6 +189,7 @@ async def _until(predicate, timeout_s: float) -> None:
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.e2e
 def test_smollm2_actor_greedy_equals_engine(worker, smollm2_dir, actor_config):
     """The embedded model in a worker actor produces exactly the in-process engine's greedy
     text, for a plain prompt and a chat-templated one (the real model, so the text is sane)."""
