@@ -208,7 +208,9 @@ class PrefixEventBatch:
 
 @dataclass(frozen=True)
 class ErrorReport:
-    """A kvmesh error raised by the engine, carried as a value through the Ray stream."""
+    """A kvmesh error as a value: what crosses Ray (as the fields of a final error delta, the
+    one channel for errors from a worker) and is rebuilt into the typed error on the far side.
+    Ray wraps raised exceptions and drops constructor arguments such as retry_after_s."""
 
     error_type: str  # class name in kvmesh.core.errors
     message: str
@@ -217,6 +219,15 @@ class ErrorReport:
     @classmethod
     def from_exception(cls, exc: errors.KvmeshError) -> "ErrorReport":
         return cls(type(exc).__name__, exc.message, getattr(exc, "retry_after_s", None))
+
+    @classmethod
+    def from_delta(cls, delta: RequestDelta) -> "ErrorReport":
+        return cls(delta.error_type or "WorkerFailedError", delta.error or "", delta.retry_after_s)
+
+    def as_delta(self, request_id: str) -> RequestDelta:
+        """The request's final delta carrying this error (finish_reason ERROR)."""
+        return RequestDelta(request_id=request_id, finished=True, finish_reason=FinishReason.ERROR,
+                            error=self.message, error_type=self.error_type, retry_after_s=self.retry_after_s)
 
     def to_exception(self) -> errors.KvmeshError:
         error_class = getattr(errors, self.error_type, None)

@@ -351,13 +351,10 @@ class RequestStream:
         finished = False
         try:
             async for ref in _with_deadline(stream, request.deadline_s):
-                item = await _await_before(ref, request.deadline_s)
-                if isinstance(item, ErrorReport):
-                    raise item.to_exception()
-                for delta in item:
+                for delta in await _await_before(ref, request.deadline_s):
                     if delta.finish_reason is FinishReason.ERROR and delta.error_type:
-                        finished = True  # the engine ended it; surface the typed error
-                        raise ErrorReport(delta.error_type, delta.error or "", delta.retry_after_s).to_exception()
+                        finished = True  # the worker ended it (refused or failed); surface the typed error
+                        raise ErrorReport.from_delta(delta).to_exception()
                     finished = finished or (delta.finished and delta.sample_index >= request.sampling.n - 1)
                     yield delta
             if not finished:  # the stream ended without a final delta: the engine aborted it

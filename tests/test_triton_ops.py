@@ -184,11 +184,12 @@ def test_bad_inputs_raise_typed_errors():
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter is only chosen without CUDA")
 def test_interpreter_works_when_triton_was_imported_first():
-    """transformers imports torch._dynamo, which imports triton before any kvmesh module can
-    set TRITON_INTERPRET; the kernels must still run (a fresh process, to import in that order)."""
+    """transformers imports torch._dynamo, which imports triton before a test can set
+    TRITON_INTERPRET; the kernels must still run (a fresh process, to import in that order)."""
     script = (
-        "import sys, torch, triton\n"
+        "import os, sys, torch, triton\n"
         "assert 'triton' in sys.modules\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
         "from kvmesh.worker.modeling import torch_ops, triton_ops\n"
         "x = torch.randn(3, 64); r = torch.randn(3, 64); w = torch.randn(64)\n"
         "out, res = triton_ops.fused_add_rms_norm(x, r, w, 1e-6)\n"
@@ -198,3 +199,18 @@ def test_interpreter_works_when_triton_was_imported_first():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="without CUDA only")
+def test_import_never_sets_the_interpreter():
+    """Importing the kernels changes no process setting: without CUDA and without
+    TRITON_INTERPRET=1 the import fails with ImportError (the engine's "Triton unavailable")."""
+    script = (
+        "import os\n"
+        "try:\n"
+        "    import kvmesh.worker.modeling.triton_ops\n"
+        "except ImportError as exc:\n"
+        "    print('refused', 'TRITON_INTERPRET' in os.environ, 'CUDA' in str(exc))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "refused False True", proc.stderr[-2000:]

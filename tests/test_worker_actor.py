@@ -31,6 +31,11 @@ def test_error_report_round_trip():
     assert type(invalid) is InvalidRequestError and invalid.message == "bad"
     unknown = ErrorReport("NoSuchError", "boom").to_exception()
     assert isinstance(unknown, WorkerFailedError) and "boom" in unknown.message
+    # Across Ray the report travels as the request's final delta (the one channel for errors).
+    delta = ErrorReport.from_exception(OverloadedError("queue full", retry_after_s=2.5)).as_delta("r1")
+    assert delta.finished and delta.finish_reason is FinishReason.ERROR and delta.request_id == "r1"
+    again = ErrorReport.from_delta(delta).to_exception()
+    assert isinstance(again, OverloadedError) and again.retry_after_s == 2.5 and again.message == "queue full"
 
 
 @pytest.fixture(scope="module")
@@ -95,10 +100,10 @@ def test_generate_streams_batches_of_deltas(worker):
 
 
 @pytest.mark.e2e
-def test_engine_errors_arrive_as_reports(worker):
-    [report] = asyncio.run(_collect(worker, _request("too-long", max_tokens=2000)))
-    assert isinstance(report, ErrorReport) and report.error_type == "InvalidRequestError"
-    assert isinstance(report.to_exception(), InvalidRequestError)
+def test_engine_errors_arrive_as_final_error_deltas(worker):
+    [[delta]] = asyncio.run(_collect(worker, _request("too-long", max_tokens=2000)))
+    assert delta.finished and delta.finish_reason is FinishReason.ERROR and delta.error_type == "InvalidRequestError"
+    assert isinstance(ErrorReport.from_delta(delta).to_exception(), InvalidRequestError)
 
 
 @pytest.mark.e2e

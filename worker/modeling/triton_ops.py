@@ -4,9 +4,11 @@ Each kernel has a plain torch definition in worker/modeling/torch_ops.py, and th
 it. Kernels compute in fp32 and round where the unfused torch code rounds, so fp32 results
 match the reference to fp32 rounding and bf16/fp16 results to one unit in the last place.
 
-Without CUDA the kernels run under Triton's interpreter (numpy, slow, for tests only):
-TRITON_INTERPRET is read when a kernel is *defined*, so this module sets it before any
-@triton.jit below; attention_triton.py imports from here before defining its kernels.
+Without CUDA the kernels run only under Triton's interpreter (numpy, slow, for tests only),
+which whoever runs them chooses by setting TRITON_INTERPRET=1 before importing this module
+(it is read when a kernel is *defined*; attention_triton.py imports from here before
+defining its kernels). This module never sets it: importing it without CUDA and without
+the interpreter raises ImportError, which the engine reports as "Triton is unavailable".
 Under the interpreter bf16 has no numpy type, so values are upcast right after each load.
 
 The W4A16 packing convention (documented in full in torch_ops.py, produced by quant/):
@@ -22,9 +24,10 @@ import sys
 
 import torch
 
-if not torch.cuda.is_available():
-    # Must precede the first @triton.jit: the interpreter is chosen at definition time.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if not INTERPRETED and not torch.cuda.is_available():
+    raise ImportError("Triton kernels need a CUDA device, or TRITON_INTERPRET=1 set before import "
+                      "(the interpreter: tests only)")
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -33,8 +36,6 @@ from triton.language.extra import libdevice  # noqa: E402
 from kvmesh.core.errors import InvalidRequestError  # noqa: E402
 
 logger = logging.getLogger(__name__)
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _reinterpret_triton_language() -> None:

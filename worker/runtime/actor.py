@@ -21,21 +21,24 @@ Why these choices:
   yielded item as it is produced. Each item is a *list* of deltas: whatever the engine
   produced while the previous item was in flight, so a slow consumer costs fewer Ray
   objects, not more latency.
-* Errors cross the actor boundary as `ErrorReport` values, not raised exceptions: Ray
-  wraps raised exceptions in RayTaskError and kvmesh's errors carry constructor arguments
-  (`retry_after_s`) that Ray's exception re-creation drops. An exception from a Ray stream
-  therefore always means "the worker itself failed".
+* Errors cross the actor boundary as values on the one delta channel: a refusal or failure
+  is the request's final delta with finish_reason ERROR and the error's type, message and
+  retry-after (`ErrorReport.as_delta`), never a raised exception: Ray wraps raised exceptions
+  in RayTaskError and kvmesh's errors carry constructor arguments (`retry_after_s`) that
+  Ray's exception re-creation drops. An exception from a Ray stream therefore always means
+  "the worker itself failed".
 * Cancelling the consumer (`ray.cancel` on the stream, which cancels the actor task) and
   `abort(request_id)` both end the request in the engine and free its KV blocks.
 * Telemetry lives in this process: the actor sets up its own TracerProvider from
   `config.observability` and records the kvmesh.worker.* spans as children of the router's
   span carried in `GenerateRequest.trace_context` (one trace across processes), and times
-  every engine step into an EngineMetrics whose snapshot rides along in each WorkerPoll.
+  every engine step (AsyncEngine's on_step hook) into an EngineMetrics whose snapshot rides
+  along in each WorkerPoll.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -76,10 +79,6 @@ class WorkerPoll:
     metrics_snapshot: bytes = b""  # EngineMetrics.snapshot(): Prometheus text format
 
 
-StreamItem = list[RequestDelta] | ErrorReport
-_END_OF_STREAM = object()  # the pump's last queue item
-
-
 def worker_actor_name(app_name: str, index: int) -> str:
     return f"kvmesh-{app_name}-worker-{index}"
 
@@ -92,61 +91,40 @@ class WorkerActor:
         from kvmesh.worker.runtime.async_engine import AsyncEngine
 
         self._config = KvmeshConfig.from_dict(config_dict)
-        self._engine = AsyncEngine.from_config(self._config, worker_id=worker_id)
+        self._metrics = telemetry.EngineMetrics(worker_id)
+        self._engine = AsyncEngine.from_config(self._config, worker_id=worker_id, on_step=self._metrics.observe_step)
         self._info = WorkerInfo(worker_id=worker_id, incarnation=uuid.uuid4().hex,
                                 model_name=self._engine.model_name, block_size=self._engine.block_size,
                                 node_id=_current_node_id())
         self._streaming: set[str] = set()  # request ids with a live `generate` stream
         self._tracer = telemetry.get_tracer(telemetry.setup_tracing(self._config.observability, "kvmesh-worker"))
-        self._metrics = telemetry.EngineMetrics(worker_id)
-        _time_engine_steps(self._engine.engine, self._metrics)
         logger.info("worker %s up (incarnation %s, model %s)", worker_id, self._info.incarnation,
                     self._info.model_name)
 
     async def info(self) -> WorkerInfo:
         return self._info
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamItem]:
-        """Stream the request's deltas in batches; an engine error ends the stream with an
-        ErrorReport. Closing or cancelling this generator aborts the request."""
-        queue: asyncio.Queue = asyncio.Queue()
-        pump = asyncio.create_task(self._pump(request, queue))
-        self._streaming.add(request.request_id)
-        try:
-            ended = False
-            while not ended:
-                batch = [await queue.get()]
-                while not queue.empty():
-                    batch.append(queue.get_nowait())
-                ended = batch[-1] is _END_OF_STREAM
-                deltas = [item for item in batch if isinstance(item, RequestDelta)]
-                reports = [item for item in batch if isinstance(item, ErrorReport)]
-                if deltas:
-                    yield deltas
-                if reports:
-                    yield reports[0]
-                    return
-        finally:
-            self._streaming.discard(request.request_id)
-            if not pump.done():
-                pump.cancel()  # closes the engine's generator, which aborts the request
-                await asyncio.gather(pump, return_exceptions=True)
-
-    async def _pump(self, request: GenerateRequest, queue: asyncio.Queue) -> None:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[list[RequestDelta]]:
+        """Stream the request's deltas in batches (the engine's one queue for this request). A
+        refusal or failure ends the stream with a final error delta. Closing or cancelling this
+        generator aborts the request."""
         arrived_at = time.time()
         final: RequestDelta | None = None  # the last sample's final delta: timings + usage
+        self._streaming.add(request.request_id)
         try:
-            async for delta in self._engine.generate(request):
-                if delta.finished and delta.sample_index >= request.sampling.n - 1:
-                    final = delta
-                queue.put_nowait(delta)
+            async with contextlib.aclosing(self._engine.generate_batches(request)) as batches:
+                async for batch in batches:
+                    for delta in batch:
+                        if delta.finished and delta.sample_index >= request.sampling.n - 1:
+                            final = delta
+                    yield batch
         except errors.KvmeshError as exc:
-            queue.put_nowait(ErrorReport.from_exception(exc))
+            yield [ErrorReport.from_exception(exc).as_delta(request.request_id)]
         except Exception as exc:  # a model failure: report it, keep the actor alive
             logger.exception("request %s failed in the engine", request.request_id)
-            queue.put_nowait(ErrorReport("WorkerFailedError", f"engine failure: {exc!r}"))
+            yield [ErrorReport("WorkerFailedError", f"engine failure: {exc!r}").as_delta(request.request_id)]
         finally:
-            queue.put_nowait(_END_OF_STREAM)
+            self._streaming.discard(request.request_id)
             self._record_spans(request, final, arrived_at)
 
     def _record_spans(self, request: GenerateRequest, final: RequestDelta | None, arrived_at: float) -> None:
@@ -187,23 +165,6 @@ class WorkerActor:
 
     async def shutdown(self) -> None:
         await self._engine.shutdown()
-
-
-def _time_engine_steps(engine, metrics: "telemetry.EngineMetrics") -> None:
-    """Observe every `engine.step()` into `metrics.step_time` (seconds, wall clock). Wraps the
-    bound method on this one instance: the step thread in AsyncEngine calls `engine.step()`,
-    and timing it here keeps Prometheus out of the engine's own code."""
-    step = engine.step
-
-    def timed_step():
-        started = time.perf_counter()
-        try:
-            return step()
-        finally:
-            if not engine.last_step_idle:  # an idle step (window open) is not work
-                metrics.observe_step(time.perf_counter() - started)
-
-    engine.step = timed_step
 
 
 def _current_node_id() -> str:

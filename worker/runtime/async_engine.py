@@ -11,6 +11,11 @@ event loop talks to it through an inbox of commands and gets deltas back through
 before its first delta. Cancelling the consuming task, or closing the generator early, aborts
 the request in the engine and frees its KV blocks.
 
+Each request has one queue, filled by the step thread; `generate_batches` hands out
+everything that queue holds at once (the actor ships such batches over Ray), `generate` the
+same deltas one by one. Step timing goes to an `on_step(seconds)` hook, called from the step
+thread after every step that did work.
+
 `stats()` / `prefix_events()` are exact reads taken between steps under the engine lock
 (they wait for at most one step); async code should use `stats_async()` /
 `prefix_events_async()`, which wait in a worker thread instead of the event loop.
@@ -19,10 +24,12 @@ the request in the engine and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from kvmesh.core.config import KvmeshConfig
@@ -50,8 +57,9 @@ class _Abort:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, on_step: Callable[[float], None] | None = None):
         self.engine = engine
+        self._on_step = on_step  # seconds of each step that did work (the worker's step-time metric)
         self.model_name = engine.model_name
         self.block_size = engine.block_size
         self.tokenizer = engine.tokenizer
@@ -64,8 +72,9 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: KvmeshConfig | None = None, worker_id: str = "worker-0") -> "AsyncEngine":
-        return cls(Engine.from_config(config, worker_id))
+    def from_config(cls, config: KvmeshConfig | None = None, worker_id: str = "worker-0",
+                    on_step: Callable[[float], None] | None = None) -> "AsyncEngine":
+        return cls(Engine.from_config(config, worker_id), on_step)
 
     def block_extra_keys(self, cache_salt: str | None = None) -> tuple[str, ...]:
         return self.engine.block_extra_keys(cache_salt)
@@ -74,6 +83,14 @@ class AsyncEngine:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestDelta]:
         """Async generator of deltas; errors raise on the first iteration, before any delta."""
+        async with contextlib.aclosing(self.generate_batches(request)) as batches:
+            async for batch in batches:
+                for delta in batch:
+                    yield delta
+
+    async def generate_batches(self, request: GenerateRequest) -> AsyncIterator[list[RequestDelta]]:
+        """Like `generate`, but each item is every delta that arrived since the previous item
+        (at least one): a slow consumer takes fewer, larger batches instead of falling behind."""
         if request.request_id in self._streams:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
         prompt_ids = self.engine.validate(request)  # pure checks + tokenization, no engine state
@@ -87,10 +104,11 @@ class AsyncEngine:
         try:
             await accepted  # raises OverloadedError / InvalidRequestError from the scheduler
             while remaining:
-                delta = await stream.get()
-                if delta.finished:
-                    remaining -= 1
-                yield delta
+                batch = [await stream.get()]
+                while not stream.empty():
+                    batch.append(stream.get_nowait())
+                remaining -= sum(delta.finished for delta in batch)
+                yield batch
         finally:
             self._streams.pop(request.request_id, None)
             refused = accepted.done() and not accepted.cancelled() and accepted.exception() is not None
@@ -134,10 +152,14 @@ class AsyncEngine:
                 deltas = self._drain_inbox()
                 busy = self.engine.has_unfinished()
                 if busy:
+                    started_s = time.perf_counter()
                     try:
                         deltas += self.engine.step()
                     except Exception:  # a bug outside the forward: keep the thread alive, fail loudly
                         logger.exception("engine step failed outside the model forward")
+                    finally:
+                        if self._on_step is not None and not self.engine.last_step_idle:  # idle: no work
+                            self._on_step(time.perf_counter() - started_s)
             self._dispatch(deltas)
             if not busy:
                 self._wakeup.wait(_IDLE_WAIT_S)
