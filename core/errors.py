@@ -26,30 +26,25 @@ class UnauthenticatedError(KvmeshError):
     """Missing or unknown API key."""
 
 
-class QuotaExceededError(KvmeshError):
+class RetryableError(KvmeshError):
+    """Refused for now: the same request may succeed after `retry_after_s` seconds."""
+
+    retryable = True
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = float(retry_after_s)
+
+    def __reduce__(self):  # pickling (Ray actor -> router) must carry retry_after_s too
+        return (type(self), (self.message, self.retry_after_s))
+
+
+class QuotaExceededError(RetryableError):
     """The tenant's token or concurrency limit is reached; retry after `retry_after_s`."""
 
-    retryable = True
 
-    def __init__(self, message: str, retry_after_s: float):
-        super().__init__(message)
-        self.retry_after_s = float(retry_after_s)
-
-    def __reduce__(self):  # pickling (Ray actor -> router) must carry retry_after_s too
-        return (type(self), (self.message, self.retry_after_s))
-
-
-class OverloadedError(KvmeshError):
+class OverloadedError(RetryableError):
     """Capacity is exhausted right now (KV budget, queue full, queue timeout)."""
-
-    retryable = True
-
-    def __init__(self, message: str, retry_after_s: float):
-        super().__init__(message)
-        self.retry_after_s = float(retry_after_s)
-
-    def __reduce__(self):  # pickling (Ray actor -> router) must carry retry_after_s too
-        return (type(self), (self.message, self.retry_after_s))
 
 
 class RequestCancelledError(KvmeshError):

@@ -196,8 +196,7 @@ def test_interpreter_works_when_triton_was_imported_first():
         "ref, ref_res = torch_ops.fused_add_rms_norm(x, r, w, 1e-6)\n"
         "torch.testing.assert_close(out, ref); assert torch.equal(res, ref_res)\n"
         "print('ok')\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    proc = _fresh_python_without_interpreter(script)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
@@ -211,6 +210,11 @@ def test_import_never_sets_the_interpreter():
         "    import kvmesh.worker.modeling.triton_ops\n"
         "except ImportError as exc:\n"
         "    print('refused', 'TRITON_INTERPRET' in os.environ, 'CUDA' in str(exc))\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    proc = _fresh_python_without_interpreter(script)
     assert proc.stdout.strip() == "refused False True", proc.stderr[-2000:]
+
+
+def _fresh_python_without_interpreter(script: str) -> subprocess.CompletedProcess:
+    """`script` in a new interpreter whose environment lacks TRITON_INTERPRET."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
