@@ -48,7 +48,8 @@ from kvmesh.router.routing import RoundRobinCursor, RoutingDecision, choose_work
 from kvmesh.router.tenants import Tenant
 from kvmesh.router.worker_pool import WorkerPool
 from kvmesh.worker.public_api import render_chat
-from kvmesh.core.seams import ErrorReport, FinishReason, check_fits_context, GenerateRequest, RequestDelta, SamplingParams, WorkerStats
+from kvmesh.core.seams import (ErrorReport, FinishReason, GenerateRequest, RequestDelta, SamplingParams, WorkerStats,
+                               check_fits_context)
 from kvmesh.core.errors import (
     DeadlineExceededError,
     InvalidRequestError,

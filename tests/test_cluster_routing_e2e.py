@@ -38,8 +38,6 @@ from kvmesh.router.retry import RetryPolicy
 from kvmesh.core.seams import SamplingParams
 from e2e_cluster import serving, tiny_cluster_config
 
-pytestmark = pytest.mark.e2e  # a Ray cluster with the Serve app: `pytest -m "not e2e"` skips it
-
 logger = logging.getLogger(__name__)
 
 APP_NAME = "kvmesh-routing-e2e"
@@ -51,7 +49,8 @@ NUM_BLOCKS_PER_WORKER = 28  # 2 families x 12 blocks + 4 for running requests' t
 NUM_FAMILIES = 4
 WORKER_KEY = "x-kvmesh-worker"
 
-pytestmark = pytest.mark.timeout(600)
+# e2e: a Ray cluster with the Serve app (`pytest -m "not e2e"` skips the module)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

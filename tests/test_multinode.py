@@ -34,8 +34,6 @@ from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc
 from e2e_cluster import tiny_cluster_config
 
-pytestmark = pytest.mark.e2e  # a Ray cluster with the Serve app: `pytest -m "not e2e"` skips it
-
 APP_NAME = "kvmesh-multinode"
 GPU_RESOURCE = "kvmesh_gpu"
 WORKER_IDS = ("worker-0", "worker-1")
@@ -53,7 +51,8 @@ HEALTH_CHECK_FAILURE_THRESHOLD = 3
 
 # A bound on a hang, not a timing assertion: ~100 s on two busy cores, most of it starting
 # three Ray nodes and loading the model in each worker.
-pytestmark = pytest.mark.timeout(300)
+# e2e: a Ray cluster with the Serve app (`pytest -m "not e2e"` skips the module)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

@@ -23,9 +23,8 @@ from kvmesh.proto import kvmesh_pb2_grpc
 from kvmesh.router import tracing
 from kvmesh.router.tenants import generate_api_key, hash_api_key
 
-pytestmark = pytest.mark.e2e  # a Ray cluster with the Serve app: `pytest -m "not e2e"` skips it
-
-pytestmark = pytest.mark.timeout(300)
+# e2e: a Ray cluster with the Serve app (`pytest -m "not e2e"` skips the module)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 APP_NAME = "kvmesh-obs"
 KEY = generate_api_key()

@@ -43,8 +43,6 @@ from kvmesh.core.seams import SamplingParams
 from kvmesh.core.errors import KvmeshError
 from e2e_cluster import serving, tiny_cluster_config
 
-pytestmark = pytest.mark.e2e  # a Ray cluster with the Serve app: `pytest -m "not e2e"` skips it
-
 logger = logging.getLogger(__name__)
 
 APP_NAME = "kvmesh-overload-e2e"
@@ -55,7 +53,8 @@ MAX_ATTEMPTS = 4
 RETRY_LANE_FRACTION = 0.25
 RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 
-pytestmark = pytest.mark.timeout(600)
+# e2e: a Ray cluster with the Serve app (`pytest -m "not e2e"` skips the module)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

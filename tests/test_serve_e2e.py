@@ -19,15 +19,14 @@ from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc
 from e2e_cluster import tiny_cluster_config
 
-pytestmark = pytest.mark.e2e  # a Ray cluster with the Serve app: `pytest -m "not e2e"` skips it
-
 APP_NAME = "kvmesh-e2e"
 # max_tokens of requests that must still be running when the test acts on them: far more
 # decode steps than any machine finishes in the test's reaction time (the model has 1024
 # positions).
 LONG = 900
 
-pytestmark = pytest.mark.timeout(300)
+# e2e: a Ray cluster with the Serve app (`pytest -m "not e2e"` skips the module)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def test_serve_flags_map_onto_config(tmp_path):
