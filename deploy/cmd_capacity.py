@@ -13,6 +13,9 @@ import argparse
 import json
 import sys
 
+# Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
+# (and `--help` answers) without loading torch, Ray or transformers.
+
 KV_DTYPES = ("fp16", "bf16", "fp32", "fp8", "int8", "int4")
 WEIGHT_DTYPES = ("fp16", "bf16", "fp32", "int8", "int4")
 
@@ -53,7 +56,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.deploy.config import ConfigError
+    from kvmesh.core.config import ConfigError
     from kvmesh.kv import capacity
 
     try:
@@ -74,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _shape_from_args(args: argparse.Namespace, capacity):
-    from kvmesh.deploy.config import ConfigError
+    from kvmesh.core.config import ConfigError
 
     flags = {"--layers": args.layers, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim}
     if args.model:

@@ -19,6 +19,9 @@ import argparse
 import os
 import sys
 
+# Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
+# (and `--help` answers) without loading torch, Ray or transformers.
+
 API_KEY_ENV = "KVMESH_API_KEY"
 DEFAULT_SERVER = "127.0.0.1:50051"
 EXIT_ERROR = 1
@@ -62,8 +65,8 @@ def _stream_reply(client, out, **generate_kwargs) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.worker.api import SamplingParams
-    from kvmesh.worker.errors import KvmeshError
+    from kvmesh.core.seams import SamplingParams
+    from kvmesh.core.errors import KvmeshError
 
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               seed=args.seed)
@@ -98,7 +101,7 @@ def run_remote_generate(server: str, prompt: str, sampling, chat: bool, system: 
                         api_key: str | None = None) -> int:
     """`kvmesh generate --server ADDR`: the same output contract as the in-process command
     (exactly the generated text on stdout, errors on stderr, exit 2 for a bad request)."""
-    from kvmesh.worker.errors import InvalidRequestError, KvmeshError
+    from kvmesh.core.errors import InvalidRequestError, KvmeshError
 
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]

@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+# Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
+# (and `--help` answers) without loading torch, Ray or transformers.
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text for a prompt (in-process engine)",
@@ -33,18 +36,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _sampling(args):
-    from kvmesh.worker.api import SamplingParams
+    from kvmesh.core.seams import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop))
 
 
 def run(args) -> int:
-    from kvmesh.deploy.config import ConfigError, KvmeshConfig
-    from kvmesh.worker.api import FinishReason, GenerateRequest
-    from kvmesh.worker.engine import Engine
-    from kvmesh.worker.errors import KvmeshError
-    from kvmesh.worker.tokenizer import render_chat
+    from kvmesh.core.config import ConfigError, KvmeshConfig
+    from kvmesh.core.seams import FinishReason, GenerateRequest
+    from kvmesh.worker.engine_loop.engine import Engine
+    from kvmesh.core.errors import KvmeshError
+    from kvmesh.worker.modeling.tokenizer import render_chat
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if getattr(args, "server", None):

@@ -12,6 +12,9 @@ import sys
 import time
 from pathlib import Path
 
+# Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
+# (and `--help` answers) without loading torch, Ray or transformers.
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("load", help="load-test campaigns: run, report, compare")
@@ -40,7 +43,7 @@ def register(subparsers) -> None:
 def _run(args: argparse.Namespace) -> int:
     from kvmesh.load_tests.campaign import load_campaign, run_campaign
     from kvmesh.load_tests.report import markdown_summary
-    from kvmesh.worker.errors import InvalidRequestError
+    from kvmesh.core.errors import InvalidRequestError
 
     try:
         campaign = load_campaign(args.campaign)
@@ -57,7 +60,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from kvmesh.load_tests.report import load_results, markdown_summary, write_reports
-    from kvmesh.worker.errors import InvalidRequestError
+    from kvmesh.core.errors import InvalidRequestError
 
     try:
         results = load_results(args.result_dir)
@@ -71,7 +74,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from kvmesh.load_tests.report import load_results, markdown_compare
-    from kvmesh.worker.errors import InvalidRequestError
+    from kvmesh.core.errors import InvalidRequestError
 
     try:
         text = markdown_compare(load_results(args.a), load_results(args.b), args.a, args.b)

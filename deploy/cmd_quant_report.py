@@ -6,7 +6,7 @@ memory (weights and KV bytes per token, separately).
     kvmesh quant-report --modes baseline w8 kv-int8 --dtype bf16 --json
 
 Every mode runs on a fresh kvmesh Engine (the real paged KV cache and attention backend).
-int4_awq is the engine's own start-up path (worker/awq_calibration.py): calibrated on the
+int4_awq is the engine's own start-up path (worker/modeling/awq_calibration.py): calibrated on the
 calibration text through the engine's model, scales searched (and cached), then quantized.
 Perplexity is teacher-forced over the held-out text (bundled: quant/data/heldout.txt),
 one sequence per forward, reading K/V back from the (possibly quantized) paged cache.
@@ -30,6 +30,9 @@ import math
 import statistics
 import sys
 import time
+
+# Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
+# (and `--help` answers) without loading torch, Ray or transformers.
 
 # mode -> (quant.weight, cache.kv_cache_dtype, activation dtype: None = the report's --dtype)
 MODES = {
@@ -77,7 +80,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.deploy.config import ConfigError, KvmeshConfig
+    from kvmesh.core.config import ConfigError, KvmeshConfig
 
     modes = ["baseline"] + [m for m in dict.fromkeys(args.modes) if m != "baseline"]
     try:
@@ -132,7 +135,7 @@ def build_engine(base, mode: str, group_size: int, calibration_path: str | None,
     default 1 GiB pool dominates start-up on small models). Prefix caching is off so
     teacher-forced forwards may use blocks 0..n of the idle cache without corrupting cached
     prefixes."""
-    from kvmesh.worker.engine import Engine
+    from kvmesh.worker.engine_loop.engine import Engine
 
     weight, kv, dtype = MODES[mode]
     bs = base.cache.block_size
@@ -148,7 +151,7 @@ def build_engine(base, mode: str, group_size: int, calibration_path: str | None,
 def teacher_forced_logits(engine, ids):
     """One sequence through the engine's model and (possibly quantized) paged cache as a
     single prefill: ids [T] -> logits [T, V] fp32. The engine must be idle."""
-    from kvmesh.worker.model_runner import prefill_logits
+    from kvmesh.worker.modeling.model_runner import prefill_logits
 
     runner = engine.runner
     return prefill_logits(runner.model, ids, runner.kv_caches, runner.backend)
@@ -171,7 +174,7 @@ def perplexity(engine, text: str, seq_len: int, max_sequences: int) -> float:
 def run_together(engine, prompts: list[list[int]], max_tokens: int) -> list[dict]:
     """All `prompts` submitted at once, greedy, exactly max_tokens each: per request its
     tokens, TTFT and decode rate ((tokens - 1) / (finished - first token))."""
-    from kvmesh.worker.api import GenerateRequest, SamplingParams
+    from kvmesh.core.seams import GenerateRequest, SamplingParams
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ids = [f"report-{i}" for i in range(len(prompts))]
@@ -252,7 +255,7 @@ def needle_retrieval(engine, filler: str, context_tokens: int, depths) -> dict:
     right, and the answer's mean log-probability teacher-forced through the KV cache."""
     import torch
 
-    from kvmesh.deploy.config import ConfigError
+    from kvmesh.core.config import ConfigError
     from kvmesh.quant.needle import needle_prompts, retrieved
 
     prompts = needle_prompts(engine.tokenizer, filler, context_tokens, depths)

@@ -20,13 +20,16 @@ import signal
 import sys
 import threading
 
-from kvmesh.deploy.config import ConfigError, KvmeshConfig
+from kvmesh.core.config import ConfigError, KvmeshConfig
+
+# Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
+# (and `--help` answers) without loading torch, Ray or transformers.
 
 logger = logging.getLogger(__name__)
 
 # `kvmesh serve` with no config and no --workers: two workers, each asking half a CPU, so
 # both fit next to the router on a 2-core laptop. Any other count left without
-# parallel.worker_num_cpus gets a share derived from the CPUs Ray sees (deploy/resources.py).
+# parallel.worker_num_cpus gets a share derived from the CPUs Ray sees (core/resources.py).
 EMBEDDED_NUM_WORKERS = 2
 EMBEDDED_WORKER_NUM_CPUS = 0.5
 EXIT_CONFIG_ERROR = 2
@@ -75,7 +78,7 @@ def start_serving(config: KvmeshConfig, app_name: str = "kvmesh", address: str |
     from ray import serve
     from ray.serve.config import gRPCOptions, HTTPOptions
 
-    from kvmesh.deploy.resources import resolve_worker_num_cpus
+    from kvmesh.core.resources import resolve_worker_num_cpus
     from kvmesh.router.app import GRPC_SERVICER_FUNCTION, build_router_app, router_num_cpus
 
     if not ray.is_initialized():
@@ -94,7 +97,7 @@ def stop_serving(config: KvmeshConfig, app_name: str = "kvmesh") -> None:
     """Delete the app, kill its detached workers, stop Serve (best effort, in that order)."""
     from ray import serve
 
-    from kvmesh.worker.actor import kill_workers
+    from kvmesh.worker.runtime.actor import kill_workers
 
     for step, action in (("delete app", lambda: serve.delete(app_name)),
                          ("kill workers", lambda: kill_workers(config, app_name)),

@@ -14,6 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+# Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
+# (and `--help` answers) without loading torch, Ray or transformers.
+
 EXIT_BAD_INPUT = 2
 
 
@@ -40,7 +43,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.deploy.config import ConfigError
+    from kvmesh.core.config import ConfigError
 
     try:
         text = _render(args)
@@ -56,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _render(args: argparse.Namespace) -> str:
-    from kvmesh.deploy.config import KvmeshConfig
+    from kvmesh.core.config import KvmeshConfig
     from kvmesh.deploy.serve_config import (ServeOptions, apply_overrides, build_serve_config,
                                             serve_config_yaml)
 
@@ -71,7 +74,7 @@ def _render(args: argparse.Namespace) -> str:
 def _load_config(path: str):
     import yaml
 
-    from kvmesh.deploy.config import ConfigError, KvmeshConfig
+    from kvmesh.core.config import ConfigError, KvmeshConfig
     from kvmesh.deploy.serve_config import kvmesh_config_from_serve_config
 
     try:

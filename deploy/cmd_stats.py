@@ -18,6 +18,9 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+# Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
+# (and `--help` answers) without loading torch, Ray or transformers.
+
 EXIT_UNREACHABLE = 1
 QUANTILES = (0.5, 0.95, 0.99)
 
@@ -213,7 +216,7 @@ def format_summary(s: StatsSummary) -> str:
 def _metrics_url(args: argparse.Namespace) -> str:
     if args.url:
         return args.url
-    from kvmesh.deploy.config import KvmeshConfig
+    from kvmesh.core.config import KvmeshConfig
 
     router = KvmeshConfig.from_yaml(args.config).router if args.config else KvmeshConfig().router
     return f"http://{router.host}:{router.http_port}/metrics"

@@ -19,6 +19,9 @@ import dataclasses
 import json
 import sys
 
+# Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
+# (and `--help` answers) without loading torch, Ray or transformers.
+
 DEFAULT_TENANTS_FILE = "kvmesh-tenants.yaml"
 EXIT_NOT_FOUND = 1
 EXIT_BAD_INPUT = 2
@@ -79,7 +82,7 @@ def register(subparsers) -> None:
 
 
 def _store(args: argparse.Namespace):
-    from kvmesh.deploy.config import KvmeshConfig
+    from kvmesh.core.config import KvmeshConfig
     from kvmesh.router.tenants import RedisTenantStore, YamlTenantStore
 
     tenants_cfg = KvmeshConfig.from_yaml(args.config).tenants if args.config else None
@@ -157,8 +160,8 @@ async def _run(args: argparse.Namespace, store) -> int:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kvmesh.deploy.config import ConfigError
-    from kvmesh.worker.errors import InvalidRequestError
+    from kvmesh.core.config import ConfigError
+    from kvmesh.core.errors import InvalidRequestError
 
     try:
         store = _store(args)

@@ -5,7 +5,7 @@
     kvmesh trace 0af7651916cd43dd8448eb211c80319c --file spans.jsonl   # a trace id works too
 
 The files are what `observability.otlp_endpoint: file:///path` makes every kvmesh process
-write (worker/otlp_file.py), or an OpenTelemetry Collector's `file` exporter: no collector
+write (core/otlp_file.py), or an OpenTelemetry Collector's `file` exporter: no collector
 or tracing backend is needed. REQUEST_ID is the id the client sent or got back (the
 router's `kvmesh.request_id` attribute is `<tenant>/<id>`; either form matches).
 
@@ -25,6 +25,9 @@ Exit codes: 0 printed, 1 no span of that request, 2 a file could not be read.
 
 from __future__ import annotations
 
+# Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
+# (and `--help` answers) without loading torch, Ray or transformers.
+
 import argparse
 import sys
 
@@ -43,7 +46,7 @@ def register(subparsers) -> None:
 
 
 def load_spans(paths: list[str]) -> list[dict]:
-    from kvmesh.worker.otlp_file import read_spans
+    from kvmesh.core.otlp_file import read_spans
 
     spans: list[dict] = []
     for path in paths:

@@ -16,6 +16,6 @@ from kvmesh.deploy.serve_config import config_from_serve_args
 
 
 def build_app(args: dict | None = None):
-    from kvmesh.router.app import build_router_app
+    from kvmesh.router.app import build_router_app  # Ray Serve: only when Serve builds the app
 
     return build_router_app(config_from_serve_args(args or {}))

@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from kvmesh.deploy.config import ConfigError, KvmeshConfig
+from kvmesh.core.config import ConfigError, KvmeshConfig
 
 logger = logging.getLogger(__name__)
 

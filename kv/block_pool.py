@@ -24,7 +24,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from kvmesh.kv.prefix_cache import CachedBlockKey, PrefixCache
-from kvmesh.worker.api import PrefixEventKind
+from kvmesh.core.seams import PrefixEventKind
 
 logger = logging.getLogger(__name__)
 

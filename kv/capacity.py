@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from kvmesh.deploy.config import ConfigError
+from kvmesh.core.config import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ is capped at (num_tokens - 1) // block_size full blocks.
 
 The manager needs from a request only the fields of `KVRequest` (duck-typed: kv/ never
 imports the worker's Request; from worker/ it takes only the torch-free seam types of
-worker/api.py that the router also reads, the prefix events). Predicates `can_allocate` / `can_append` / `can_fork` /
+core/seams.py that the router also reads, the prefix events). Predicates `can_allocate` / `can_append` / `can_fork` /
 `can_swap_in` answer before the mutating call; running out of blocks is the scheduler's
 decision to make (wait or preempt), never an exception here.
 """
@@ -32,7 +32,7 @@ from kvmesh.kv import hashing
 from kvmesh.kv.block_pool import BlockPool
 from kvmesh.kv.prefix_cache import CachedBlockKey, PrefixCache, PrefixEventLog
 from kvmesh.kv.swap_space import SwapSpace
-from kvmesh.worker.api import PrefixEventBatch
+from kvmesh.core.seams import PrefixEventBatch
 
 logger = logging.getLogger(__name__)
 

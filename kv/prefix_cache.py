@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvmesh.kv.hashing import BlockHash
-from kvmesh.worker.api import PrefixEvent, PrefixEventBatch, PrefixEventKind
+from kvmesh.core.seams import PrefixEvent, PrefixEventBatch, PrefixEventKind
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvmesh.worker.errors import InvalidRequestError
+from kvmesh.core.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)

@@ -40,9 +40,9 @@ import argparse
 import os
 import time
 
-from kvmesh.deploy.config import KvmeshConfig
-from kvmesh.worker.api import GenerateRequest, SamplingParams
-from kvmesh.worker.engine import Engine
+from kvmesh.core.config import KvmeshConfig
+from kvmesh.core.seams import GenerateRequest, SamplingParams
+from kvmesh.worker.engine_loop.engine import Engine
 
 
 def _config(tp: int, vocab_parallel: bool, batch: int, prompt_tokens: int, steps: int) -> KvmeshConfig:

@@ -45,9 +45,15 @@ from kvmesh.load_tests.arrivals import ArrivalSpec
 from kvmesh.load_tests.corpus import TokenCorpus
 from kvmesh.load_tests.driver import RequestStream, RetryPolicy, RunDriver
 from kvmesh.load_tests.metrics import SLO, summarize
-from kvmesh.load_tests.targets import TargetRequest, build_target
+from kvmesh.load_tests import peer_targets
+from kvmesh.load_tests.grpc_target import ClusterTarget, GrpcTarget
+from kvmesh.load_tests.targets import EngineTarget, OpenAIHttpTarget, Target, TargetRequest
 from kvmesh.load_tests.workloads import LengthDistribution, WorkloadSpec, generate_workload
-from kvmesh.worker.errors import InvalidRequestError
+from kvmesh.core.errors import InvalidRequestError
+from kvmesh.core.config import ConfigError, KvmeshConfig
+from kvmesh.core.config import ModelConfig
+from kvmesh.worker.modeling.tokenizer import load_tokenizer
+from kvmesh.load_tests.report import write_reports
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +148,6 @@ def _expand_sweep(run: dict) -> list[dict]:
 
 def _check_config(config: dict, where: str) -> None:
     """Config overrides must make a valid KvmeshConfig: typos fail at load, not mid-campaign."""
-    from kvmesh.deploy.config import ConfigError, KvmeshConfig
 
     try:
         KvmeshConfig.from_dict(config)
@@ -210,8 +215,6 @@ def load_campaign(path: str | Path) -> Campaign:
 
 
 def load_workload_tokenizer(model_fields: dict):
-    from kvmesh.deploy.config import ModelConfig
-    from kvmesh.worker.tokenizer import load_tokenizer
     return load_tokenizer(_dataclass_from(ModelConfig, model_fields, "tokenizer"))
 
 
@@ -267,7 +270,6 @@ async def _warm_up(target, requests, count: int) -> None:
 def run_campaign(campaign: Campaign, out_dir: str | Path, tokenizer=None, allow_remote: bool = False,
                  progress: bool = True, only: list[str] | None = None) -> dict:
     """Execute every run, then write results.json, summary.md and report.html to out_dir."""
-    from kvmesh.load_tests.report import write_reports
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -289,3 +291,20 @@ def run_campaign(campaign: Campaign, out_dir: str | Path, tokenizer=None, allow_
         (out / "results.json").write_text(json.dumps(results, indent=1))
     write_reports(results, out)
     return results
+
+
+def build_target(kind: str, options: dict, config: dict, allow_remote: bool) -> Target:
+    """A target from a campaign run's `target:` section."""
+    options = dict(options)
+    if kind == "engine":
+        return EngineTarget(config)
+    if kind == "http":
+        return OpenAIHttpTarget(allow_remote=allow_remote, **options)
+    if kind == "grpc":
+        return GrpcTarget(allow_remote=allow_remote, **options)
+    if kind == "cluster":
+        return ClusterTarget(config, **options)
+    if kind in ("hf_static", "hf_continuous", "llama_cpp"):
+        return peer_targets.build_peer_target(kind, options, config)
+    raise InvalidRequestError(
+        f"unknown target kind {kind!r} (engine|http|grpc|cluster|hf_static|hf_continuous|llama_cpp)")

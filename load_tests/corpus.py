@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvmesh.worker.errors import InvalidRequestError
+from kvmesh.core.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

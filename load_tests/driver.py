@@ -16,13 +16,15 @@ import logging
 import random
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from kvmesh.load_tests.arrivals import ArrivalSpec, arrival_offsets_s
 from kvmesh.load_tests.metrics import STATUS_CANCELLED, STATUS_ERROR, STATUS_OK, RequestRecord
 from kvmesh.load_tests.targets import Target, TargetRequest
 from kvmesh.load_tests.workloads import WorkloadRequest
-from kvmesh.worker.errors import InvalidRequestError, KvmeshError
+from kvmesh.core.errors import InvalidRequestError, KvmeshError
+from kvmesh.router import retry as client_retry
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +35,9 @@ class RetryPolicy:
 
     none     give up at once
     naive    resend immediately, up to max_attempts (the retry storm the article describes)
-    backoff  wait min(max_delay_s, base_delay_s * 2^(attempt-1)) x uniform(0, 1) ("full
-             jitter"), but never less than the server's retry_after_s
+    backoff  the client library's backoff (router/retry.py, the one implementation): the
+             server's retry_after_s plus full jitter, uniform(0, min(max_delay_s,
+             base_delay_s * 2^(attempt-1)))
     """
 
     mode: str = "none"
@@ -47,16 +50,17 @@ class RetryPolicy:
     def validate(self) -> None:
         if self.mode not in ("none", "naive", "backoff"):
             raise InvalidRequestError(f"retry mode must be none|naive|backoff, got {self.mode!r}")
-        if self.max_attempts < 1 or self.base_delay_s < 0 or self.max_delay_s < 0:
-            raise InvalidRequestError("retry: max_attempts >= 1 and delays >= 0")
+        if self.max_attempts < 1 or self.base_delay_s < 0 or self.max_delay_s < self.base_delay_s:
+            raise InvalidRequestError("retry: max_attempts >= 1 and 0 <= base_delay_s <= max_delay_s")
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise InvalidRequestError("retry.timeout_s must be > 0")
 
     def delay_s(self, attempt: int, retry_after_s: float | None, rng: random.Random) -> float:
         if self.mode == "naive":
             return 0.0
-        backoff = min(self.max_delay_s, self.base_delay_s * 2 ** (attempt - 1)) * rng.random()
-        return max(backoff, retry_after_s or 0.0)
+        policy = client_retry.RetryPolicy(max_attempts=self.max_attempts, initial_backoff_s=self.base_delay_s,
+                                          max_backoff_s=self.max_delay_s, multiplier=2.0)
+        return client_retry.backoff_s(attempt, policy, rng, retry_after_s)
 
 
 @dataclass(frozen=True)
@@ -95,8 +99,14 @@ class _Attempt:
 
 class RunDriver:
     def __init__(self, target: Target, retry: RetryPolicy, run_id: str = "run",
-                 sample_interval_s: float = 0.5, progress: bool = True):
+                 sample_interval_s: float = 0.5, progress: bool = True,
+                 clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
+        """clock and sleep time the run: arrival offsets, retry waits and every recorded time
+        (tests inject a virtual pair). The server sampler always samples in real time."""
         retry.validate()
+        self._clock = clock
+        self._sleep = sleep
         self.target = target
         self.retry = retry
         self.run_id = run_id
@@ -106,7 +116,7 @@ class RunDriver:
         self._bar = None
 
     def _now_s(self) -> float:
-        return time.perf_counter() - self._t0
+        return self._clock() - self._t0
 
     async def run(self, streams: list[RequestStream]) -> RunResult:
         """Send every stream's requests; returns when all have finished."""
@@ -114,7 +124,7 @@ class RunDriver:
         self._bar = _progress_bar(planned, self.run_id, self.progress)
         records: list[RequestRecord] = []
         samples: list[dict] = []
-        self._t0 = time.perf_counter()
+        self._t0 = self._clock()
         sampler = asyncio.create_task(self._sample_loop(samples))
         try:
             results = await asyncio.gather(*(self._run_stream(i, s) for i, s in enumerate(streams)))
@@ -158,7 +168,7 @@ class RunDriver:
             offsets = list(arrival_offsets_s(spec, len(reqs)))
         tasks = []
         for req, offset in zip(reqs, offsets):
-            await asyncio.sleep(max(0.0, offset - self._now_s()))
+            await self._sleep(max(0.0, offset - self._now_s()))
             tasks.append(asyncio.create_task(self._send(stream_no, req)))
         return list(await asyncio.gather(*tasks))
 
@@ -202,7 +212,7 @@ class RunDriver:
                     return self._record(stream_no, req, send_s, STATUS_ERROR, seen, attempt_no, retry_codes,
                                         code, str(exc)[:200])
                 retry_codes.append(code)
-                await asyncio.sleep(self.retry.delay_s(attempt_no, getattr(exc, "retry_after_s", None), rng))
+                await self._sleep(self.retry.delay_s(attempt_no, getattr(exc, "retry_after_s", None), rng))
                 continue
             status = STATUS_CANCELLED if seen.cancelled else STATUS_OK
             return self._record(stream_no, req, send_s, status, seen, attempt_no, retry_codes, None)

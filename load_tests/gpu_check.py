@@ -56,6 +56,9 @@ import time
 import traceback
 from pathlib import Path
 
+# Function-level imports: each section imports torch, triton or the engine itself, inside its
+# own try/except, so one missing piece is recorded as that section's error, not a crash.
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SUBPACKAGES = ("deploy", "router", "worker", "kv", "quant", "proto", "load_tests")
 # Peak HBM bandwidth (bytes/s) by device-name fragment, when torch does not report the
@@ -73,7 +76,7 @@ def ensure_kvmesh_importable() -> dict[str, str]:
     """Make `import kvmesh.<folder>` work without pip: a temporary `kvmesh` package whose
     subpackages are symlinks to this checkout. Returns env additions for subprocesses."""
     try:
-        import kvmesh.worker.attention  # noqa: F401
+        import kvmesh.worker.modeling.attention  # noqa: F401
 
         return {}
     except ImportError:
@@ -252,7 +255,7 @@ def _decode_case(batch: int, context: int, num_kv_heads: int, queries_per_kv: in
     import torch
 
     from kvmesh.quant.kv_quant import KV_SCALE_DTYPE
-    from kvmesh.worker.attention import AttentionMetadata, LayerKVCache
+    from kvmesh.worker.modeling.attention import AttentionMetadata, LayerKVCache
 
     dev = torch.device("cuda")
     blocks_per_seq = -(-context // block_size)
@@ -296,7 +299,7 @@ def _measure_decode(backend, num_kv_heads: int, qpk: int, head_dim: int, kv: str
 
 
 def decode_attention(peak_gbps: float | None) -> dict:
-    from kvmesh.worker.attention_triton import TritonAttentionBackend
+    from kvmesh.worker.modeling.attention_triton import TritonAttentionBackend
 
     backend = TritonAttentionBackend()
     # (kv heads, queries per kv head, head_dim), and the KV dtypes measured for each
@@ -373,7 +376,7 @@ def _gemm_row(case: dict, dev, peak_gbps, peak_tflops) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from kvmesh.worker import torch_ops, triton_ops
+    from kvmesh.worker.modeling import torch_ops, triton_ops
 
     x, ops, w_bf16 = _gemm_operands(case, dev)
     if case["kernel"] == "w4a16":
@@ -426,7 +429,7 @@ def fused_ops(dry_run: bool = False) -> dict:
     torch's silu then mul (Llama-3-8B widths: hidden 4096, intermediate 14336)."""
     import torch
 
-    from kvmesh.worker import torch_ops, triton_ops
+    from kvmesh.worker.modeling import torch_ops, triton_ops
 
     dev = torch.device("cpu" if dry_run else "cuda")
     hidden, inter = (64, 96) if dry_run else (4096, 14336)
@@ -450,7 +453,7 @@ def fused_ops(dry_run: bool = False) -> dict:
 def torch_baseline() -> dict:
     """The torch reference backend on one mid-size case, for scale (its own errors stay here)."""
     try:
-        from kvmesh.worker.attention_torch import TorchAttentionBackend
+        from kvmesh.worker.modeling.attention_torch import TorchAttentionBackend
 
         query, cache, meta, kv_bytes = _decode_case(32, 2048, 8, 4, 128, "auto")
         ms = _time_cuda_ms(lambda: TorchAttentionBackend().attend(query, cache, meta, 128 ** -0.5), iters=5)
@@ -470,7 +473,7 @@ ENGINE_INT4_GROUP = 64
 
 def _engine_config(model_path: str | None, device: str, weight: str = "none", cuda_graphs: bool = True,
                    max_num_seqs: int = 128, num_blocks: int | None = None):
-    from kvmesh.deploy.config import KvmeshConfig
+    from kvmesh.core.config import KvmeshConfig
 
     return KvmeshConfig().replace(
         cache={"num_blocks": num_blocks, "swap_space_gib": 0.0 if num_blocks else KvmeshConfig().cache.swap_space_gib},
@@ -487,9 +490,9 @@ def engine_decode(model_path: str | None, batch_sizes=ENGINE_BATCHES, prompt_tok
                   fused: bool = True, num_blocks: int | None = None) -> dict:
     """Decode tokens/s of Engine.step() once every request is past its prefill. (device="cpu"
     with small batches is a dry run of this code path on a machine without a GPU.)"""
-    from kvmesh.worker import kernel_dispatch
-    from kvmesh.worker.api import GenerateRequest, SamplingParams
-    from kvmesh.worker.engine import Engine
+    from kvmesh.worker.modeling import kernel_dispatch
+    from kvmesh.core.seams import GenerateRequest, SamplingParams
+    from kvmesh.worker.engine_loop.engine import Engine
 
     engine = Engine.from_config(_engine_config(model_path, device, weight, cuda_graphs, max(batch_sizes), num_blocks))
     graphs = engine.runner.graph_runner
@@ -618,7 +621,7 @@ def random_smollm2_folder() -> str:
 
 def engine_decode_any_model(model_path: str | None) -> dict:
     if model_path is None:
-        from kvmesh.worker.model_loader import embedded_gguf_path
+        from kvmesh.worker.modeling.model_loader import embedded_gguf_path
 
         try:
             embedded_gguf_path()

@@ -21,7 +21,12 @@ import socket
 from typing import AsyncIterator
 
 from kvmesh.load_tests.targets import StreamChunk, Target, TargetRequest, check_loopback
-from kvmesh.worker.errors import InvalidRequestError, WorkerFailedError
+from kvmesh.core.errors import InvalidRequestError, WorkerFailedError
+from kvmesh.router.client import AsyncKvmeshClient
+from kvmesh.router.retry import RetryPolicy
+from kvmesh.router.client import StreamRestart
+from kvmesh.core.seams import SamplingParams
+from kvmesh.core.config import KvmeshConfig
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +65,6 @@ class GrpcTarget(Target):
         self._channel = grpc.aio.insecure_channel(self.address)
 
     def _client(self, api_key: str | None):
-        from kvmesh.router.client import AsyncKvmeshClient
-        from kvmesh.router.retry import RetryPolicy
-
         if api_key not in self._clients:
             policy = RetryPolicy(max_attempts=self.max_attempts if self.client_retries else 1)
             self._clients[api_key] = AsyncKvmeshClient(self.address, api_key=api_key, retry_policy=policy,
@@ -70,9 +72,6 @@ class GrpcTarget(Target):
         return self._clients[api_key]
 
     async def stream(self, request: TargetRequest) -> AsyncIterator[StreamChunk]:
-        from kvmesh.router.client import StreamRestart
-        from kvmesh.worker.api import SamplingParams
-
         sampling = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
         deltas = self._client(request.api_key).generate(prompt_token_ids=request.prompt_token_ids,
                                                         sampling=sampling, request_id=request.request_id,
@@ -127,8 +126,6 @@ class ClusterTarget(GrpcTarget):
     name = "cluster"
 
     def __init__(self, config: dict, app_name: str = "kvmesh-load", **grpc_options):
-        from kvmesh.deploy.config import KvmeshConfig
-
         router = dict(config.get("router") or {})
         if router.get("host", "127.0.0.1") not in ("127.0.0.1", "localhost"):
             raise InvalidRequestError("a cluster target serves on loopback only (router.host: 127.0.0.1)")
@@ -139,14 +136,14 @@ class ClusterTarget(GrpcTarget):
         super().__init__(f"127.0.0.1:{self.config.router.grpc_port}", **grpc_options)
 
     async def start(self) -> None:
-        from kvmesh.deploy.cmd_serve import start_serving
+        from kvmesh.deploy.cmd_serve import start_serving  # Ray Serve: only for a cluster target
 
         _init_ray_on_this_thread()
         await asyncio.to_thread(start_serving, self.config, self.app_name)
         await super().start()
 
     async def close(self) -> None:
-        from kvmesh.deploy.cmd_serve import stop_serving
+        from kvmesh.deploy.cmd_serve import stop_serving  # Ray Serve: only for a cluster target
 
         await super().close()
         await asyncio.to_thread(stop_serving, self.config, self.app_name)

@@ -7,7 +7,7 @@
   llama_cpp      llama-cpp-python on the GGUF file, one request at a time (only if importable)
 
 Model source: `options.model_path` (HF folder), else the run config's model.path, else
-the embedded SmolLM2 (the GGUF, converted to an HF folder by kvmesh.worker.model_loader).
+the embedded SmolLM2 (the GGUF, converted to an HF folder by kvmesh.worker.modeling.model_loader).
 Per-token timing for hf_static comes from a logits processor, called once per decoding
 step after the step's forward pass: step k's call is when every request of the batch has
 its k-th token (a request whose max_tokens < k is done; its extra tokens are discarded).
@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from kvmesh.load_tests.targets import StreamChunk, Target, TargetRequest
-from kvmesh.worker.errors import InvalidRequestError, WorkerFailedError
+from kvmesh.core.errors import InvalidRequestError, WorkerFailedError
+from kvmesh.core.config import ModelConfig
+from kvmesh.worker.modeling.model_loader import ensure_hf_dir
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +35,6 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def _model_source(options: dict, config: dict) -> tuple[str | None, str | None]:
     """(hf_dir, gguf_path) for the peer to load."""
     path = options.get("model_path") or (config.get("model") or {}).get("path")
-    from kvmesh.deploy.config import ModelConfig
-    from kvmesh.worker.model_loader import ensure_hf_dir
 
     resolved = ensure_hf_dir(ModelConfig(path=path))  # GGUF: converted to a cached HF folder once
     return (str(resolved.hf_dir) if resolved.hf_dir else None,

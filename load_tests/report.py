@@ -18,7 +18,7 @@ import operator
 from pathlib import Path
 
 from kvmesh.load_tests import plots
-from kvmesh.worker.errors import InvalidRequestError
+from kvmesh.core.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

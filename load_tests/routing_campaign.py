@@ -18,6 +18,9 @@ Results: DIR/routing_campaign.json and a markdown table on stdout.
 
 from __future__ import annotations
 
+# Function-level imports: Ray, Serve, gRPC and the router app load only for a live campaign,
+# so the simulator (load_tests/routing_sim.py) can reuse this module's workload without them.
+
 import argparse
 import collections
 import concurrent.futures
@@ -119,7 +122,7 @@ class _CallRecorder:
 
 
 def _send(client, recorder: _CallRecorder, spec: dict, request_id: str, family: int, prompt: list[int]) -> Served:
-    from kvmesh.worker.api import SamplingParams
+    from kvmesh.core.seams import SamplingParams
 
     sampling = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
     started = time.perf_counter()
@@ -140,7 +143,7 @@ def run_campaign(spec: dict, out_dir: Path) -> list[RunFigures]:
     from ray import serve
 
     from kvmesh.deploy.cmd_serve import start_serving, stop_serving
-    from kvmesh.deploy.config import KvmeshConfig
+    from kvmesh.core.config import KvmeshConfig
     from kvmesh.router.app import build_router_app
     from kvmesh.router.client import KvmeshClient
     from kvmesh.router.retry import RetryPolicy

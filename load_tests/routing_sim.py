@@ -12,7 +12,7 @@ What is real and what is simulated:
                in-flight claims of dispatched requests), the router's admission rule
                (committed + cost on a worker <= capacity, the cost less the prefix the index
                says is resident: router/admission.py cost_with_cached_prefix), the worker's
-               scheduler (worker/scheduler.py: admission with pinned prefixes, chunked
+               scheduler (worker/engine_loop/scheduler.py: admission with pinned prefixes, chunked
                prefill, preemption) over kv/kv_cache_manager.py (block pool, prefix cache,
                LRU eviction, events)
     simulated  the forward pass: a step of P prefill tokens and D decoding sequences takes
@@ -33,6 +33,9 @@ router's view; worker refused), families per worker.
 
 from __future__ import annotations
 
+# Function-level imports: torch and the engine load only to measure the cost model, and the
+# campaign module only for --replay-campaign; a plain simulation needs neither.
+
 import argparse
 import collections
 import dataclasses
@@ -46,17 +49,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.deploy.config import RouterConfig, SchedulerConfig
+from kvmesh.core.config import RouterConfig, SchedulerConfig
 from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.kv.kv_cache_manager import KVCacheManager
 from kvmesh.router.admission import cost_with_cached_prefix
 from kvmesh.router.prefix_index import PrefixIndex
 from kvmesh.router.routing import RoundRobinCursor, choose_worker, is_spill
-from kvmesh.worker.api import SamplingParams
-from kvmesh.worker.engine import worker_stats
-from kvmesh.worker.errors import OverloadedError
-from kvmesh.worker.request import Request
-from kvmesh.worker.scheduler import Scheduler
+from kvmesh.core.seams import SamplingParams
+from kvmesh.worker.engine_loop.engine import worker_stats
+from kvmesh.core.errors import OverloadedError
+from kvmesh.worker.engine_loop.request import Request
+from kvmesh.worker.engine_loop.scheduler import Scheduler
 
 EXTRA_KEYS = ("model=sim",)
 SAMPLED_TOKEN = 7  # the simulated model always says this; routing never reads outputs
@@ -351,9 +354,9 @@ def measure_cost_model(model: dict | None = None, prefill_tokens: int = 512, dec
     steps of 1 and `decode_batch` sequences give the per-sequence decode cost."""
     import torch
 
-    from kvmesh.deploy.config import KvmeshConfig
-    from kvmesh.worker.api import GenerateRequest
-    from kvmesh.worker.engine import Engine
+    from kvmesh.core.config import KvmeshConfig
+    from kvmesh.core.seams import GenerateRequest
+    from kvmesh.worker.engine_loop.engine import Engine
 
     torch.set_num_threads(1)
     engine = Engine.from_config(KvmeshConfig.from_dict({"model": model or {}, "parallel": {"device": "cpu"},

@@ -1,8 +1,8 @@
 """What a load test sends requests to. Every target streams `StreamChunk`s for a request and
-raises errors from kvmesh.worker.errors, so the driver's retry and error accounting is the
+raises errors from kvmesh.core.errors, so the driver's retry and error accounting is the
 same whichever target is under test.
 
-  engine  the in-process AsyncEngine (kvmesh.worker.async_engine) with config overrides
+  engine  the in-process AsyncEngine (kvmesh.worker.runtime.async_engine) with config overrides
   http    an OpenAI-compatible server (/v1/completions, streamed SSE) via httpx
   grpc    the kvmesh router through its client library (kvmesh.router.client)
   cluster a local kvmesh cluster started for the run, then tested over gRPC (grpc_target.py)
@@ -24,8 +24,11 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 from urllib.parse import urlparse
 
-from kvmesh.worker.errors import (InvalidRequestError, KvmeshError, OverloadedError, QuotaExceededError,
+from kvmesh.core.errors import (InvalidRequestError, KvmeshError, OverloadedError, QuotaExceededError,
                                   UnauthenticatedError, WorkerFailedError)
+from kvmesh.core.config import KvmeshConfig
+from kvmesh.core.seams import FinishReason, GenerateRequest, SamplingParams
+from kvmesh.load_tests.server_metrics import parse_prometheus_sample
 
 logger = logging.getLogger(__name__)
 
@@ -108,16 +111,13 @@ class EngineTarget(Target):
         self.engine = None
 
     async def start(self) -> None:
-        from kvmesh.deploy.config import KvmeshConfig
-        from kvmesh.worker.async_engine import AsyncEngine
+        from kvmesh.worker.runtime.async_engine import AsyncEngine  # torch: only for an engine target
 
         config = KvmeshConfig.from_dict(self.config_dict)
         # Model loading blocks for seconds: keep it off the event loop.
         self.engine = await asyncio.to_thread(AsyncEngine.from_config, config, self.worker_id)
 
     async def stream(self, request: TargetRequest) -> AsyncIterator[StreamChunk]:
-        from kvmesh.worker.api import FinishReason, GenerateRequest, SamplingParams
-
         req = GenerateRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                               sampling=SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True),
                               tenant_id=request.tenant_id, attempt=request.attempt)
@@ -218,7 +218,6 @@ class OpenAIHttpTarget(Target):
         except Exception as exc:  # a missing /metrics must not fail the load test
             logger.debug("metrics scrape failed: %s", exc)
             return None
-        from kvmesh.load_tests.server_metrics import parse_prometheus_sample
         return parse_prometheus_sample(resp.text) if resp.status_code == 200 else None
 
     async def close(self) -> None:
@@ -248,24 +247,3 @@ def parse_sse_line(line: str) -> StreamChunk | None:
     if not text and not finished:
         return None
     return StreamChunk(num_tokens=1 if text else 0, finished=finished)
-
-
-def build_target(kind: str, options: dict, config: dict, allow_remote: bool) -> Target:
-    """A target from a campaign run's `target:` section."""
-    options = dict(options)
-    if kind == "engine":
-        return EngineTarget(config)
-    if kind == "http":
-        return OpenAIHttpTarget(allow_remote=allow_remote, **options)
-    if kind == "grpc":
-        from kvmesh.load_tests.grpc_target import GrpcTarget
-        return GrpcTarget(allow_remote=allow_remote, **options)
-    if kind == "cluster":
-        from kvmesh.load_tests.grpc_target import ClusterTarget
-        return ClusterTarget(config, **options)
-    if kind in ("hf_static", "hf_continuous", "llama_cpp"):
-        from kvmesh.load_tests import peer_targets
-        return peer_targets.build_peer_target(kind, options, config)
-    raise InvalidRequestError(
-        f"unknown target kind {kind!r} (engine|http|grpc|cluster|hf_static|hf_continuous|llama_cpp)")
-

@@ -18,11 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from kvmesh.load_tests.corpus import TokenCorpus
-from kvmesh.load_tests.workloads import WorkloadRequest
-from kvmesh.worker.errors import InvalidRequestError
+from kvmesh.core.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)
@@ -84,9 +80,9 @@ def read_trace(path: str | Path) -> list[TraceRecord]:
     return records
 
 
-def write_trace(path: str | Path, requests: list[WorkloadRequest], arrivals_s: list[float],
+def write_trace(path: str | Path, requests: list, arrivals_s: list[float],
                 with_text: bool = True) -> None:
-    """Write a workload (and its arrival offsets) as a trace that replays it exactly."""
+    """Write a workload (WorkloadRequests, and their arrival offsets) as a trace that replays it exactly."""
     if len(requests) != len(arrivals_s):
         raise InvalidRequestError("one arrival time per request is needed")
     with open(path, "w", encoding="utf-8") as fh:
@@ -100,23 +96,3 @@ def write_trace(path: str | Path, requests: list[WorkloadRequest], arrivals_s: l
                 if getattr(req, name) is not None:
                     rec[name] = getattr(req, name)
             fh.write(json.dumps(rec) + "\n")
-
-
-def trace_to_workload(records: list[TraceRecord], corpus: TokenCorpus, seed: int = 0,
-                      scale: float = 1.0) -> list[WorkloadRequest]:
-    """Trace records -> requests; length-only prompts are cut from the corpus (seeded).
-    `scale` multiplies length-only prompts and output lengths, never given texts or ids."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i, rec in enumerate(records):
-        if rec.prompt_token_ids is not None:
-            ids, text = rec.prompt_token_ids, corpus.decode(rec.prompt_token_ids)
-        elif rec.prompt is not None:
-            ids, text = tuple(corpus.encode(rec.prompt)), rec.prompt
-        else:
-            ids, text = corpus.sample_prompt(max(1, round(rec.prompt_tokens * scale)), rng)
-        out.append(WorkloadRequest(index=i, prompt_token_ids=tuple(ids), prompt_text=text,
-                                   output_tokens=max(1, round(rec.output_tokens * scale)), tenant_id=rec.tenant,
-                                   api_key=rec.api_key, family=rec.family,
-                                   cancel_after_tokens=rec.cancel_after_tokens, arrival_offset_s=rec.arrival_s))
-    return out

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvmesh.load_tests.corpus import TokenCorpus
-from kvmesh.worker.errors import InvalidRequestError
+from kvmesh.load_tests.trace_format import TraceRecord, read_trace
+from kvmesh.core.errors import InvalidRequestError
 
 # Standard normal quantile at 0.99: P99 of a lognormal is exp(mu + Z99 * sigma).
 Z99 = 2.3263478740408408
@@ -150,7 +151,6 @@ def generate_workload(spec: WorkloadSpec, corpus: TokenCorpus, tenant_id: str = 
     """The seeded request list for `spec` (same spec, same tokenizer -> same requests)."""
     spec.validate()
     if spec.kind == "trace":
-        from kvmesh.load_tests.trace_format import read_trace, trace_to_workload
         return trace_to_workload(read_trace(spec.trace_path), corpus, seed=spec.seed, scale=spec.scale)
     rng = np.random.default_rng(spec.seed)
     n = spec.num_requests
@@ -183,3 +183,23 @@ def _cancel_points(rng: np.random.Generator, outputs: np.ndarray, fraction: floa
     chosen = rng.random(len(outputs)) < fraction
     points = [int(rng.integers(1, o)) if o >= 2 else None for o in outputs]
     return [p if c else None for p, c in zip(points, chosen)]
+
+
+def trace_to_workload(records: list[TraceRecord], corpus: TokenCorpus, seed: int = 0,
+                      scale: float = 1.0) -> list[WorkloadRequest]:
+    """Trace records -> requests; length-only prompts are cut from the corpus (seeded).
+    `scale` multiplies length-only prompts and output lengths, never given texts or ids."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, rec in enumerate(records):
+        if rec.prompt_token_ids is not None:
+            ids, text = rec.prompt_token_ids, corpus.decode(rec.prompt_token_ids)
+        elif rec.prompt is not None:
+            ids, text = tuple(corpus.encode(rec.prompt)), rec.prompt
+        else:
+            ids, text = corpus.sample_prompt(max(1, round(rec.prompt_tokens * scale)), rng)
+        out.append(WorkloadRequest(index=i, prompt_token_ids=tuple(ids), prompt_text=text,
+                                   output_tokens=max(1, round(rec.output_tokens * scale)), tenant_id=rec.tenant,
+                                   api_key=rec.api_key, family=rec.family,
+                                   cancel_after_tokens=rec.cancel_after_tokens, arrival_offset_s=rec.arrival_s))
+    return out

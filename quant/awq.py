@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kvmesh.deploy.config import ConfigError
+from kvmesh.core.config import ConfigError
 from kvmesh.quant import primitives as P
 from kvmesh.quant.calibration import ActivationStats, projection_linears
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kvmesh.deploy.config import ConfigError
+from kvmesh.core.config import ConfigError
 
 log = logging.getLogger(__name__)
 

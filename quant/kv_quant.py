@@ -1,4 +1,4 @@
-"""KV-cache quantization (int8, fp8 e4m3, int4), matching the cache layout of worker/attention.py.
+"""KV-cache quantization (int8, fp8 e4m3, int4), matching the cache layout of worker/modeling/attention.py.
 
 int8 / fp8: one fp16 scale per token per KV head, stored beside the blocks:
 
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvmesh.deploy.config import ConfigError
+from kvmesh.core.config import ConfigError
 from kvmesh.quant.calibration import ForwardFn, hf_forward, layer_index, run_hooked
 
 INT8_MAX = 127.0

@@ -30,8 +30,8 @@ on this project's 2-core CPU (N = K = 2048, group 128, ms per matmul, M = 1 / 16
 so CPU + bf16 activations use torch.ops.aten._weight_int8pack_mm and
 _weight_int4pack_mm_for_cpu; other CPU cases (fp32, fp16, shapes the int4 kernel rejects:
 N % 16 != 0) dequantize and call F.linear. On CUDA the weights are never dequantized: the
-Triton W8A16 / W4A16 kernels (worker/triton_ops.py) read the int8 / packed int4 codes and
-their scales straight from these buffers; worker/kernel_dispatch.py decides, and its
+Triton W8A16 / W4A16 kernels (worker/modeling/triton_ops.py) read the int8 / packed int4 codes and
+their scales straight from these buffers; worker/modeling/kernel_dispatch.py decides, and its
 force_triton() lets the interpreter tests take the same path on CPU. `dequantized_weight`
 stays as the test oracle.
 
@@ -53,14 +53,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvmesh.deploy.config import ConfigError, QuantConfig
+from kvmesh.core.config import ConfigError, QuantConfig
 from kvmesh.quant import primitives as P
 from kvmesh.quant.awq import AwqSearchResult
 from kvmesh.quant.calibration import projection_linears
-# The device dispatch is worker/'s (it owns the kernels); it imports Triton only when used.
-from kvmesh.worker import kernel_dispatch
 
 log = logging.getLogger(__name__)
+
+# Device kernels for the quantized matmuls (Triton on CUDA). quant/ sits below worker/, which
+# owns the kernels and the device policy (worker/modeling/kernel_dispatch.py): the worker installs
+# that dispatch here when it loads, so quant never imports worker. Its w8a16_matmul /
+# w4a16_matmul return None where the device takes the torch paths below; uninstalled (quant
+# used on its own), the torch paths always run.
+_device_kernels = None
+
+
+def install_device_kernels(kernels) -> None:
+    """Called once by worker/modeling/kernel_dispatch.py with itself."""
+    global _device_kernels
+    _device_kernels = kernels
+
 
 _INT4_KERNEL_INNER_K_TILES = 2  # torch's CPU int4 packing parameter (2, 4 or 8 all work)
 
@@ -145,7 +157,7 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
         x = self._prepare_input(x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        y = kernel_dispatch.w8a16_matmul(x2, self.weight_int8, self.scales)
+        y = None if _device_kernels is None else _device_kernels.w8a16_matmul(x2, self.weight_int8, self.scales)
         if y is not None:
             return self._finish(y.reshape(*lead, self.out_features))
         scales = self.scales.to(x.dtype)
@@ -222,7 +234,8 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         x = self._prepare_input(x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        y = kernel_dispatch.w4a16_matmul(x2, self.qweight, self.scales, self.zeros, self.group_size)
+        y = (None if _device_kernels is None
+             else _device_kernels.w4a16_matmul(x2, self.qweight, self.scales, self.zeros, self.group_size))
         if y is not None:
             return self._finish(y.reshape(*lead, self.out_features))
         operands = self._kernel_path() if x.device.type == "cpu" and x.dtype == torch.bfloat16 else None

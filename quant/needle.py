@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.deploy.config import ConfigError
+from kvmesh.core.config import ConfigError
 
 NEEDLE_TEXT = " The secret code is {code}."
 QUESTION_TEXT = "\nQuestion: what is the secret code? Answer: The secret code is"

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from kvmesh.deploy.config import ConfigError
+from kvmesh.core.config import ConfigError
 
 INT8_MAX = 127
 INT4_LEVELS = 15  # q in [0, 15]

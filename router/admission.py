@@ -12,7 +12,7 @@ Budget (the articles' rule, per worker, from its latest `WorkerStats`):
 
 where cached_w is the prompt blocks the prefix index says w already holds (`cost_for`): a
 worker reserves only the blocks it will newly allocate, and counts the shared ones once
-(worker/admission.py). The router's estimate may be stale; the worker's own check is exact,
+(worker/engine_loop/admission.py). The router's estimate may be stale; the worker's own check is exact,
 and a worker that refuses is spilled over by the router (router_core.py).
 
 The cluster budget is the sum over healthy workers; a request is admitted when at least one
@@ -65,10 +65,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvmesh.deploy.config import RouterConfig
+from kvmesh.core.config import RouterConfig
 from kvmesh.kv.kv_cost import request_kv_tokens
-from kvmesh.worker.api import SamplingParams, WorkerStats
-from kvmesh.worker.errors import (
+from kvmesh.core.seams import SamplingParams, WorkerStats
+from kvmesh.core.errors import (
     DeadlineExceededError,
     InvalidRequestError,
     OverloadedError,

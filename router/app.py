@@ -17,7 +17,7 @@ openai_http.py) and also defines the Kvmesh RPC methods (router/grpc_service.py)
                                         ├──> KvmeshRouter replica (x router.num_replicas)
     client ──HTTP──> Serve HTTP proxy ──┘        RouterCore ── WorkerPool ──> worker actors
 
-Workers are detached named actors (worker/actor.py) that every router replica finds by
+Workers are detached named actors (worker/runtime/actor.py) that every router replica finds by
 name, so scaling the router out does not multiply engines. Serve's replica health check is
 left to Serve's default (the replica's own liveness): a router whose workers are all down
 is healthy but answers UNAVAILABLE / 503, since restarting it would not bring workers back.
@@ -31,9 +31,18 @@ import logging
 from fastapi import Request, Response
 from ray import serve
 
-from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.core.config import KvmeshConfig
+from kvmesh.core.resources import resolve_worker_num_cpus
 from kvmesh.router import openai_http
 from kvmesh.router.grpc_service import KvmeshGrpcMethods
+from kvmesh.router import tracing
+from kvmesh.router.auth import Authenticator
+from kvmesh.router.grpc_edge import quiet_client_errors
+from kvmesh.router.metrics import RouterMetrics, get_or_create_board, start_publishing
+from kvmesh.router.quota import make_quota_store
+from kvmesh.router.router_core import RouterCore
+from kvmesh.router.worker_pool import WorkerPool
+from kvmesh.worker.public_api import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -59,16 +68,6 @@ fastapi_app = openai_http.build_openai_app()
 @serve.ingress(fastapi_app)
 class KvmeshRouter(KvmeshGrpcMethods):
     async def __init__(self, config_dict: dict):
-        from kvmesh.router import tracing
-        from kvmesh.router.auth import Authenticator
-        from kvmesh.router.metrics import RouterMetrics, get_or_create_board, start_publishing
-        from kvmesh.router.quota import make_quota_store
-        from kvmesh.router.router_core import RouterCore
-        from kvmesh.router.worker_pool import WorkerPool
-        from kvmesh.worker.tokenizer import load_tokenizer
-
-        from kvmesh.router.grpc_edge import quiet_client_errors
-
         quiet_client_errors()  # Serve would log each refused request with a traceback
         config = KvmeshConfig.from_dict(config_dict)
         app_name = serve.get_replica_context().app_name
@@ -132,8 +131,6 @@ def build_router_app(config: KvmeshConfig):
     """The bound Serve application for `config` (deploy with serve.run / serveConfigV2)."""
     if config.parallel.worker_num_cpus is None:  # derived from the cluster this app runs on
         import ray
-
-        from kvmesh.deploy.resources import resolve_worker_num_cpus
 
         config = resolve_worker_num_cpus(config, ray.cluster_resources().get("CPU", 0.0), router_num_cpus(config))
     # Beyond what the router holds (its queue plus the workers' running and queued requests),

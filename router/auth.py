@@ -26,10 +26,10 @@ import hashlib
 import logging
 from collections import OrderedDict
 
-from kvmesh.deploy.config import TenantsConfig
+from kvmesh.core.config import TenantsConfig
 from kvmesh.router.tenants import (Tenant, TenantStore, key_salt, load_tenants, open_tenant_store, parse_key_hash,
                                    verify_api_key)
-from kvmesh.worker.errors import UnauthenticatedError
+from kvmesh.core.errors import UnauthenticatedError
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@
         for delta in client.generate("Hello", sampling=SamplingParams(max_tokens=16, temperature=0)):
             print(delta.text, end="")
 
-Both yield plain `kvmesh.worker.api.RequestDelta`s (the last one has finished=True, the
-finish reason and usage) and raise the typed errors of `kvmesh.worker.errors`, rebuilt from
+Both yield plain `kvmesh.core.seams.RequestDelta`s (the last one has finished=True, the
+finish reason and usage) and raise the typed errors of `kvmesh.core.errors`, rebuilt from
 the gRPC status by `router/status_map.py`.
 
 Retries (router/retry.py): RESOURCE_EXHAUSTED and UNAVAILABLE only, exponential backoff
@@ -34,7 +34,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -43,8 +43,8 @@ from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.router import convert, status_map
 from kvmesh.router.retry import RetryBudget, RetryPolicy, decide_retry
-from kvmesh.worker.api import RequestDelta, SamplingParams
-from kvmesh.worker.errors import DeadlineExceededError, KvmeshError
+from kvmesh.core.seams import RequestDelta, SamplingParams
+from kvmesh.core.errors import DeadlineExceededError, KvmeshError
 
 logger = logging.getLogger(__name__)
 
@@ -129,8 +129,9 @@ class KvmeshClient(_ClientBase):
 
     def __init__(self, target: str, *, api_key: str | None = None, retry_policy: RetryPolicy | None = None,
                  rng: random.Random | None = None, restart_mid_stream: bool = False,
-                 channel: grpc.Channel | None = None):
+                 channel: grpc.Channel | None = None, sleep: Callable[[float], None] = time.sleep):
         super().__init__(api_key, retry_policy, rng, restart_mid_stream)
+        self._sleep = sleep  # the wait between attempts (tests inject one to see the delays)
         self._channel = channel or grpc.insecure_channel(target)
         self._stub = pb_grpc.KvmeshStub(self._channel)
 
@@ -155,7 +156,7 @@ class KvmeshClient(_ClientBase):
                 delay_s = call.on_failure(error, received, self.restart_mid_stream)
             finally:
                 stream.cancel()  # no-op once finished; aborts the request if the caller stopped early
-            time.sleep(delay_s)
+            self._sleep(delay_s)
             if received:
                 yield StreamRestart(call.attempt, "stream failed mid-way; restarted from scratch")
 
@@ -179,7 +180,7 @@ class KvmeshClient(_ClientBase):
                 self.budget.record_success()
                 return response
             except grpc.RpcError as error:
-                time.sleep(call.on_failure(error))
+                self._sleep(call.on_failure(error))
 
     def close(self) -> None:
         self._channel.close()

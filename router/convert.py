@@ -1,7 +1,7 @@
 """Protobuf <-> plain dataclasses, at the gRPC edge only (the TGI way: from_pb / to_pb).
 
 Nothing past the gRPC servicer and the client library sees a protobuf message: the router
-core works on `kvmesh.worker.api` dataclasses and the small ones defined here for what the
+core works on `kvmesh.core.seams` dataclasses and the small ones defined here for what the
 worker API has no type for (the request as a caller sent it, models, health, cluster stats).
 
 Presence: proto3 `optional` sampling fields that are absent take the `SamplingParams`
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.router import status_map
-from kvmesh.worker.api import FinishReason, RequestDelta, RequestTimings, SamplingParams, Usage, WorkerStats
-from kvmesh.worker.errors import InvalidRequestError
+from kvmesh.core.seams import FinishReason, RequestDelta, RequestTimings, SamplingParams, Usage, WorkerStats
+from kvmesh.core.errors import InvalidRequestError
 
 _DEFAULT_SAMPLING = SamplingParams()
 # Sampling fields declared `optional` in the proto (their absence means "default").

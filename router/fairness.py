@@ -1,6 +1,6 @@
 """Fair ordering between tenants of equal priority: a flooding tenant cannot starve another.
 
-The engine's waiting queue is ordered by (priority, arrival) (worker/scheduler.py). With one
+The engine's waiting queue is ordered by (priority, arrival) (worker/engine_loop/scheduler.py). With one
 number per priority class, a tenant sending ten times the requests of another fills that
 queue, and the other tenant's request waits behind the whole backlog (FIFO starvation). The
 router therefore sends the engine a priority that also carries the request's *fair rank*:

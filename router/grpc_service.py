@@ -30,7 +30,7 @@ import time
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.router import convert, grpc_edge, status_map
 from kvmesh.router.router_core import InboundRequest, RouterCore
-from kvmesh.worker.errors import InvalidRequestError
+from kvmesh.core.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

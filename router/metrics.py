@@ -16,7 +16,7 @@ Names follow vLLM's (`vllm:x` -> `kvmesh_x`) where vLLM has one, so existing das
 
     engine_metrics = EngineMetrics("worker-0", ...)   # worker side: what only the engine sees
     engine.phase_clock.observers.append(engine_metrics.observe_step_report)  # steps, memory, cost
-    engine_metrics.snapshot() -> bytes           # worker/telemetry.py; rides in every WorkerPoll
+    engine_metrics.snapshot() -> bytes           # core/telemetry.py; rides in every WorkerPoll
 
 Why prometheus_client and not ray.util.metrics. Ray's metrics go through each node's metrics
 agent and appear on the node's metrics export port (prefixed `ray_`), not on our router's
@@ -30,7 +30,7 @@ dashboard agent running. With prometheus_client every process owns a private
 - worker-level figures (running/waiting, KV blocks, preemptions) come from the `WorkerStats`
   the router already polls for routing, rendered with a `worker` label;
 - what only an engine sees (step phases, batch token mix, memory, per-tenant compute, model
-  info; worker/telemetry.py) travels as an `EngineMetrics.snapshot()` (the text
+  info; core/telemetry.py) travels as an `EngineMetrics.snapshot()` (the text
   exposition format, plain bytes over the Ray call) and is merged in;
 - Serve routes a scrape to ANY router replica, so each replica's request-level metrics must
   be visible from every other: `snapshot()` gives a replica's own text, and `render()` sums
@@ -65,8 +65,8 @@ from prometheus_client.core import Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.worker.api import FinishReason, RequestTimings, Usage, WorkerStats
-from kvmesh.worker.telemetry import EngineMetrics  # re-exported: the worker side of step time
+from kvmesh.core.seams import FinishReason, RequestTimings, Usage, WorkerStats
+from kvmesh.core.telemetry import EngineMetrics  # re-exported: the worker side of step time
 
 __all__ = ["CONTENT_TYPE", "EngineMetrics", "MetricsBoard", "RouterMetrics", "get_or_create_board",
            "render_merged", "start_publishing", "worker_families"]

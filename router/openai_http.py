@@ -31,8 +31,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvmesh.router import status_map
 from kvmesh.router.auth import bearer_token
 from kvmesh.router.router_core import InboundRequest, RequestStream, RouterCore
-from kvmesh.worker.api import RequestDelta, SamplingParams, Usage
-from kvmesh.worker.errors import InvalidRequestError
+from kvmesh.core.seams import RequestDelta, SamplingParams, Usage
+from kvmesh.core.errors import InvalidRequestError
+from kvmesh.router.metrics import CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,6 @@ def health_response(core: RouterCore) -> JSONResponse:
 async def metrics_response(core: RouterCore, board=None) -> Response:
     """This replica's metrics merged with its peers' latest snapshots from the MetricsBoard
     actor (Serve sends a scrape to any one replica). Board unreachable: own metrics only."""
-    from kvmesh.router.metrics import CONTENT_TYPE
 
     peers: list[bytes] = []
     if board is not None:

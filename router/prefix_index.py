@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvmesh.kv.hashing import BlockHash
-from kvmesh.worker.api import PrefixEventBatch, PrefixEventKind
+from kvmesh.core.seams import PrefixEventBatch, PrefixEventKind
 
 logger = logging.getLogger(__name__)
 

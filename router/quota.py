@@ -43,10 +43,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from kvmesh.deploy.config import TenantsConfig
+from kvmesh.core.config import TenantsConfig
 from kvmesh.router import quota_lua
 from kvmesh.router.tenants import Tenant, TenantLimits
-from kvmesh.worker.errors import InvalidRequestError, QuotaExceededError
+from kvmesh.core.errors import InvalidRequestError, QuotaExceededError
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +238,10 @@ def _cap(limit: int | None) -> int:
 
 
 class RedisQuotaStore:
-    def __init__(self, redis_url: str, lease_s: float = DEFAULT_LEASE_S, socket_timeout_s: float = 1.0):
+    def __init__(self, redis_url: str, lease_s: float = DEFAULT_LEASE_S, socket_timeout_s: float = 1.0,
+                 clock_us: Callable[[], int] | None = None):
+        """clock_us: tests only; None (service) means the scripts read Redis TIME, one clock for
+        every replica."""
         import redis.asyncio as aioredis
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
@@ -249,6 +252,7 @@ class RedisQuotaStore:
             redis_url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
             retry=Retry(NoBackoff(), 0), decode_responses=True)
         self._lease_ms = int(lease_s * 1000)
+        self._clock_us = clock_us
         self._reserve = self._redis.register_script(quota_lua.RESERVE)
         self._settle = self._redis.register_script(quota_lua.SETTLE)
         self._usage = self._redis.register_script(quota_lua.USAGE)
@@ -256,7 +260,7 @@ class RedisQuotaStore:
     async def _call(self, script, keys: list[str], args: list):
         import redis.exceptions as rexc
         try:
-            return await script(keys=keys, args=args)
+            return await script(keys=keys, args=[*args, self._clock_us() if self._clock_us else 0])
         except (rexc.ConnectionError, rexc.TimeoutError, OSError, asyncio.TimeoutError) as exc:
             raise QuotaStoreUnavailableError(f"redis unreachable: {type(exc).__name__}") from exc
 

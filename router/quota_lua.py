@@ -4,6 +4,7 @@ All keys of one tenant share the hash tag `{tenant}` (`kvmesh:{acme}:...`), so e
 touches one Redis Cluster slot and runs atomically there. Time comes from Redis `TIME`
 inside the script, never from a router's clock: several replicas with skewed clocks still
 refill one bucket consistently (Redis >= 5 replicates scripts by effect, so TIME is allowed).
+Every script takes one extra, last ARGV: 0 in service (use TIME), or a test clock in microseconds.
 
 Keys (per tenant):
     KEYS[1] kvmesh:{t}:prompt_bucket   hash {tokens, ts_us}   prompt-token bucket
@@ -19,6 +20,12 @@ that a router replica that dies between reserve and settle cannot leak concurren
 # Shared helpers: refill a bucket to `now_us` and return its current token count.
 _REFILL = """
 local function now_us()
+  -- The last ARGV of every script: 0 = Redis TIME (always, in service); a test's injected
+  -- clock otherwise, so its assertions need no allowance for elapsed time.
+  local injected = tonumber(ARGV[#ARGV])
+  if injected ~= nil and injected > 0 then
+    return injected
+  end
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end

@@ -1,6 +1,6 @@
 """Checks of a Generate request's own fields, outside its sampling parameters: one function per
 rule, called by RouterCore for gRPC and HTTP alike (the sampling rules are
-`kvmesh.worker.api.SAMPLING_RULES`). Each raises InvalidRequestError (INVALID_ARGUMENT /
+`kvmesh.core.seams.SAMPLING_RULES`). Each raises InvalidRequestError (INVALID_ARGUMENT /
 HTTP 400) with a message a user can act on; docs/api.md lists every rule.
 
 Why these exist: text reaches the tokenizer (Rust) and the chat template (Jinja), which
@@ -10,7 +10,7 @@ JSON body, for one, would otherwise surface as an internal error.
 
 from __future__ import annotations
 
-from kvmesh.worker.errors import InvalidRequestError
+from kvmesh.core.errors import InvalidRequestError
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_MODEL_NAME_CHARS = 256

@@ -11,7 +11,7 @@
         settle quota, release admission, metrics  on every exit path, exactly once
 
 Both ingresses call this one object, so auth, quotas, routing and error semantics cannot
-drift apart between gRPC and HTTP. Errors are raised as `kvmesh.worker.errors` types; the
+drift apart between gRPC and HTTP. Errors are raised as `kvmesh.core.errors` types; the
 edges map them with router/status_map.py.
 
 Request ids: the client's id (or a generated one) is scoped by tenant on the worker
@@ -37,7 +37,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.core.config import KvmeshConfig
 from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.router import request_rules, tracing
 from kvmesh.router.admission import AdmissionController, AdmissionTicket, cost_with_cached_prefix, request_cost_tokens
@@ -48,9 +48,10 @@ from kvmesh.router.quota import QuotaStore, Reservation, check_request_fits
 from kvmesh.router.routing import RoundRobinCursor, RoutingDecision, choose_worker, is_spill
 from kvmesh.router.tenants import Tenant
 from kvmesh.router.worker_pool import WorkerPool
-from kvmesh.worker.actor import ErrorReport
-from kvmesh.worker.api import FinishReason, GenerateRequest, RequestDelta, SamplingParams, WorkerStats
-from kvmesh.worker.errors import (
+from kvmesh.worker.public_api import render_chat
+from kvmesh.core.seams import (ErrorReport, FinishReason, GenerateRequest, RequestDelta, SamplingParams, WorkerStats,
+                               check_fits_context)
+from kvmesh.core.errors import (
     DeadlineExceededError,
     InvalidRequestError,
     OverloadedError,
@@ -127,7 +128,7 @@ class RouterCore:
 
         Spans: kvmesh.request (ended by the stream) with auth, quota, admission and route
         children; the worker process records its own spans below kvmesh.stream, from the
-        carrier in GenerateRequest.trace_context (worker/actor.py)."""
+        carrier in GenerateRequest.trace_context (worker/runtime/actor.py)."""
         arrived_s = time.time()  # TTFT and e2e latency start here, not at the worker
         root = self._tracer.start_span(tracing.SPAN_REQUEST, context=tracing.extract_context(inbound.trace_context),
                                        kind=tracing.SpanKind.SERVER)
@@ -263,7 +264,6 @@ class RouterCore:
         else:
             text = inbound.prompt
             if inbound.messages is not None:
-                from kvmesh.worker.tokenizer import render_chat
                 for message in inbound.messages:
                     request_rules.check_text(message.get("content"), "message content")
                 text = render_chat(self.tokenizer, [dict(m) for m in inbound.messages])
@@ -272,10 +272,8 @@ class RouterCore:
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         max_model_len = self.max_model_len()
-        max_tokens = inbound.sampling.max_tokens
-        if max_model_len is not None and len(ids) + max_tokens > max_model_len:
-            raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                                      f"model's context length of {max_model_len}; nothing was truncated")
+        if max_model_len is not None:
+            check_fits_context(len(ids), inbound.sampling.max_tokens, max_model_len)
         return ids
 
     async def _block_extra_keys(self, cache_salt: str | None) -> tuple[str, ...]:
@@ -436,17 +434,10 @@ class RequestStream:
         finished = False
         try:
             async for ref in _with_deadline(stream, request.deadline_s):
-                item = await _await_before(ref, request.deadline_s)
-                if isinstance(item, ErrorReport):
-                    # The worker ended this stream itself (a refusal or an engine error) and
-                    # holds nothing for it: an abort by id here could only hit ANOTHER
-                    # request with the same id (a refused duplicate's original).
-                    finished = True
-                    raise item.to_exception()
-                for delta in item:
+                for delta in await _await_before(ref, request.deadline_s):
                     if delta.finish_reason is FinishReason.ERROR and delta.error_type:
-                        finished = True  # the engine ended it; surface the typed error
-                        raise ErrorReport(delta.error_type, delta.error or "", delta.retry_after_s).to_exception()
+                        finished = True  # the worker ended it (refused or failed); surface the typed error
+                        raise ErrorReport.from_delta(delta).to_exception()
                     finished = finished or (delta.finished and delta.sample_index >= request.sampling.n - 1)
                     yield delta
             if not finished:  # the stream ended without a final delta: the engine aborted it

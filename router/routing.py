@@ -51,9 +51,9 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvmesh.deploy.config import RouterConfig
-from kvmesh.worker.api import WorkerStats
-from kvmesh.worker.errors import WorkerFailedError
+from kvmesh.core.config import RouterConfig
+from kvmesh.core.seams import WorkerStats
+from kvmesh.core.errors import WorkerFailedError
 
 
 class RoutingPath(str, enum.Enum):

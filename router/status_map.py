@@ -1,6 +1,6 @@
 """The one place kvmesh errors become gRPC status codes, HTTP statuses and OpenAI error bodies.
 
-    error (kvmesh.worker.errors)   gRPC                 HTTP  OpenAI type            retry-after
+    error (kvmesh.core.errors)   gRPC                 HTTP  OpenAI type            retry-after
     InvalidRequestError            INVALID_ARGUMENT     400   invalid_request_error  -
     UnauthenticatedError           UNAUTHENTICATED      401   authentication_error   -
     QuotaExceededError             RESOURCE_EXHAUSTED   429   rate_limit_error       yes
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvmesh.worker.errors import (
+from kvmesh.core.errors import (
     DeadlineExceededError,
     InvalidRequestError,
     KvmeshError,

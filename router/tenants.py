@@ -36,8 +36,9 @@ from typing import Protocol
 
 import yaml
 
-from kvmesh.deploy.config import TenantConfig
-from kvmesh.worker.errors import InvalidRequestError
+from kvmesh.core.config import TenantConfig
+from kvmesh.core.errors import InvalidRequestError
+from kvmesh.core.config import TenantsConfig, _build
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,6 @@ class Tenant:
     @classmethod
     def from_dict(cls, data: dict) -> "Tenant":
         """Validated like the config tree (unknown fields and bad values raise ConfigError)."""
-        from kvmesh.deploy.config import TenantsConfig, _build
         cfg = _build(TenantConfig, dict(data), f"tenant {data.get('id')!r}")
         TenantsConfig(tenants=(cfg,)).validate()
         return cls.from_config(cfg)

@@ -12,12 +12,12 @@ Span names (stable: dashboards and tests key on them):
 
 The W3C `traceparent` arrives in HTTP headers or gRPC metadata, is extracted into the root
 span's parent, and leaves again in `GenerateRequest.trace_context` (a plain dict, pickled
-over the Ray call). The worker process records its spans itself (worker/telemetry.py, its own
+over the Ray call). The worker process records its spans itself (core/telemetry.py, its own
 TracerProvider set up from the same `observability` config), so one trace spans both
 processes without the router rebuilding anything.
 
 The shared pieces (provider setup, propagation, span names and attributes, the worker's span
-recorder) live in kvmesh.worker.telemetry and are re-exported here: the worker may not import
+recorder) live in kvmesh.core.telemetry and are re-exported here: the worker may not import
 router/, and both sides must agree on the names.
 
 Router side:
@@ -34,7 +34,7 @@ Router side:
         with tracer.start_as_current_span(SPAN_STREAM):
             request = GenerateRequest(..., trace_context=inject_context())
 
-Worker side (worker/actor.py), when the request finishes (any finish reason):
+Worker side (worker/runtime/actor.py), when the request finishes (any finish reason):
 
     record_worker_spans(get_tracer(provider), request, final.timings, final.usage, final.finish_reason)
 
@@ -50,7 +50,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 # Re-exported for the router (names listed so linters see them used).
-from kvmesh.worker.telemetry import (ATTR_ATTEMPT, ATTR_CACHED_TOKENS, ATTR_COMPUTED_TOKENS, ATTR_FINISH_REASON,
+from kvmesh.core.telemetry import (ATTR_ATTEMPT, ATTR_CACHED_TOKENS, ATTR_COMPUTED_TOKENS, ATTR_FINISH_REASON,
                                      ATTR_MEAN_ITL_S, ATTR_NUM_PREEMPTIONS, ATTR_OUTPUT_TOKENS, ATTR_PROMPT_TOKENS,
                                      ATTR_REQUEST_ID, ATTR_ROUTE_MATCHED_BLOCKS, ATTR_ROUTE_POLICY, ATTR_ROUTE_WORKER,
                                      ATTR_TENANT, ATTR_TTFT_S, SPAN_ADMISSION, SPAN_AUTH, SPAN_QUOTA, SPAN_REQUEST,
@@ -59,8 +59,8 @@ from kvmesh.worker.telemetry import (ATTR_ATTEMPT, ATTR_CACHED_TOKENS, ATTR_COMP
                                      get_tracer, inject_context, record_worker_spans, setup_tracing,
                                      start_worker_span)
 from kvmesh.router.routing import worker_load_tokens
-from kvmesh.worker.api import WorkerStats
-from kvmesh.worker.telemetry import (ATTR_ADMISSION_WAIT_S, ATTR_CHUNK_TOKENS, ATTR_DECODE_STEP_TIME_S,
+from kvmesh.core.seams import WorkerStats
+from kvmesh.core.telemetry import (ATTR_ADMISSION_WAIT_S, ATTR_CHUNK_TOKENS, ATTR_DECODE_STEP_TIME_S,
                                      ATTR_DECODE_STEPS, ATTR_PREFILL_CHUNKS, ATTR_PREFIX_HIT_BLOCKS,
                                      ATTR_ROUTE_CANDIDATES, ATTR_ROUTE_PATH, ATTR_ROUTE_PREDICTED_BLOCKS,
                                      EVENT_FINISH, SPAN_WORKER_PREFILL_CHUNK)

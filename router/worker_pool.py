@@ -27,10 +27,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.core.config import KvmeshConfig
 from kvmesh.router.prefix_index import PrefixIndex
-from kvmesh.worker.actor import WorkerInfo, WorkerPoll, start_workers
-from kvmesh.worker.api import WorkerStats
+from kvmesh.worker.public_api import WorkerInfo, WorkerPoll, start_workers
+from kvmesh.core.seams import WorkerStats
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ def redis_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The embedded SmolLM2-135M-Instruct as a cached HF folder (GGUF converted once)."""
-    from kvmesh.deploy.config import ModelConfig
-    from kvmesh.worker.model_loader import ensure_hf_dir
+    from kvmesh.core.config import ModelConfig
+    from kvmesh.worker.modeling.model_loader import ensure_hf_dir
 
     return str(ensure_hf_dir(ModelConfig()).hf_dir)
 
@@ -49,3 +49,16 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir):
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
     return str(path)
+
+
+# Fixtures that start Ray (a Serve app, worker actors or a multi-node cluster). A test that
+# uses one must carry the `e2e` marker, or `pytest -m "not e2e"` would quietly start clusters.
+RAY_FIXTURES = frozenset({"cluster", "ray_cluster", "worker"})
+
+
+def pytest_collection_modifyitems(config, items):
+    unmarked = [item.nodeid for item in items
+                if RAY_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("e2e") is None]
+    if unmarked:
+        raise pytest.UsageError(f"tests using a Ray fixture ({', '.join(sorted(RAY_FIXTURES))}) without the e2e "
+                                f"marker: {unmarked}")

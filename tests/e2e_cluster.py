@@ -13,7 +13,7 @@ import os
 import socket
 import time
 
-from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.core.config import KvmeshConfig
 
 # Keys of test tenants are made with a cheap PBKDF2 count: the cost is per distinct key and
 # process, and the tests measure nothing about it.
@@ -27,14 +27,20 @@ def free_port() -> int:
 
 
 def tiny_cluster_config(model_dir: str, *, num_workers: int = 1, max_num_seqs: int = 8, num_blocks: int = 256,
-                        router: dict | None = None, tenants: dict | None = None,
+                        block_size: int = 16, max_new_tokens: int | None = 512, router: dict | None = None,
+                        parallel: dict | None = None, tenants: dict | None = None,
                         observability: dict | None = None) -> KvmeshConfig:
-    """The tiny random Llama on CPU workers, with Serve on free loopback ports."""
+    """The tiny random Llama on CPU workers, with Serve on free loopback ports (the one cluster
+    config of the end-to-end modules; each passes what it varies). max_new_tokens None: the
+    config's default."""
+    scheduler = {"max_num_seqs": max_num_seqs}
+    if max_new_tokens is not None:
+        scheduler["max_new_tokens"] = max_new_tokens
     return KvmeshConfig.from_dict({
         "model": {"path": model_dir, "dtype": "fp32"},
-        "cache": {"block_size": 16, "num_blocks": num_blocks},
-        "scheduler": {"max_num_seqs": max_num_seqs, "max_new_tokens": 512},
-        "parallel": {"num_workers": num_workers, "device": "cpu", "worker_num_cpus": 0.5},
+        "cache": {"block_size": block_size, "num_blocks": num_blocks},
+        "scheduler": scheduler,
+        "parallel": {"num_workers": num_workers, "device": "cpu", "worker_num_cpus": 0.5, **(parallel or {})},
         "router": {"host": "127.0.0.1", "grpc_port": free_port(), "http_port": free_port(),
                    "stats_refresh_s": 0.1, **(router or {})},
         "tenants": tenants or {},

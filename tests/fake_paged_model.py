@@ -13,9 +13,9 @@ under pressure can be compared token for token with an unpressured run.
 
 from __future__ import annotations
 
-from kvmesh.worker.request import Request
-from kvmesh.worker.scheduler import Scheduler
-from kvmesh.worker.scheduler_output import SchedulerOutput
+from kvmesh.worker.engine_loop.request import Request
+from kvmesh.worker.engine_loop.scheduler import Scheduler
+from kvmesh.worker.engine_loop.scheduler_output import SchedulerOutput
 
 
 def next_token(history: list[int]) -> int:

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from kvmesh.deploy.config import RouterConfig
+from kvmesh.core.config import RouterConfig
 from kvmesh.router.admission import AdmissionController, cost_with_cached_prefix, request_cost_tokens
 from kvmesh.router.routing import choose_worker, is_spill
-from kvmesh.worker.api import SamplingParams, WorkerStats
-from kvmesh.worker.errors import DeadlineExceededError, InvalidRequestError, OverloadedError, WorkerFailedError
+from kvmesh.core.seams import SamplingParams, WorkerStats
+from kvmesh.core.errors import DeadlineExceededError, InvalidRequestError, OverloadedError, WorkerFailedError
 
 
 def stats(worker_id, reserved=0, capacity=1000, rate=50.0, healthy=True):

@@ -28,7 +28,7 @@ import grpc
 import httpx
 import pytest
 
-from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.core.config import KvmeshConfig
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc
 from e2e_cluster import scrape, serving, tiny_cluster_config, total, wait_for
@@ -531,7 +531,7 @@ def test_fuzz_the_api(channel, stub, http_base):
 def test_worker_failure_ends_streams_unavailable_with_trailers(cluster, stub, http_base):
     import ray
 
-    from kvmesh.worker.actor import WORKER_NAMESPACE, worker_actor_name
+    from kvmesh.worker.runtime.actor import WORKER_NAMESPACE, worker_actor_name
 
     calls = [stub.Generate(_request(f"doomed {i}", max_tokens=LONG), timeout=120) for i in range(2)]
     for call in calls:

@@ -12,8 +12,8 @@ import pytest
 
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.router import grpc_edge, request_rules, status_map
-from kvmesh.worker.api import SAMPLING_RULES, SamplingParams
-from kvmesh.worker.errors import InvalidRequestError, OverloadedError, WorkerFailedError
+from kvmesh.core.seams import SAMPLING_RULES, SamplingParams
+from kvmesh.core.errors import InvalidRequestError, OverloadedError, WorkerFailedError
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 PROTO = Path(__file__).resolve().parents[1] / "proto" / "kvmesh.proto"
@@ -117,9 +117,9 @@ def test_client_errors_are_told_apart_from_bugs():
 def test_engine_refuses_n_samples_that_can_never_fit_in_whole_blocks(tiny_model_dir):
     """The worker's own check (a request reaching it without the router's): 64 blocks of 8 =
     512 KV tokens; 3 x (15 + 154) = 507 raw tokens fit, but 3 x 8 x ceil(169 / 8) = 528 do not."""
-    from kvmesh.deploy.config import KvmeshConfig
-    from kvmesh.worker.api import GenerateRequest
-    from kvmesh.worker.engine import Engine
+    from kvmesh.core.config import KvmeshConfig
+    from kvmesh.core.seams import GenerateRequest
+    from kvmesh.worker.engine_loop.engine import Engine
 
     engine = Engine.from_config(KvmeshConfig.from_dict({
         "model": {"path": tiny_model_dir, "dtype": "fp32", "max_model_len": 256},

@@ -8,12 +8,12 @@ import re
 import pytest
 
 from kvmesh.deploy import cmd_tenants
-from kvmesh.deploy.config import KvmeshConfig, TenantConfig, TenantsConfig
+from kvmesh.core.config import KvmeshConfig, TenantConfig, TenantsConfig
 from kvmesh.router import auth as auth_module
 from kvmesh.router.auth import Authenticator, bearer_token
 from kvmesh.router.tenants import (RedisTenantStore, Tenant, TenantLimits, YamlTenantStore, generate_api_key,
                                    hash_api_key, verify_api_key)
-from kvmesh.worker.errors import InvalidRequestError, UnauthenticatedError
+from kvmesh.core.errors import InvalidRequestError, UnauthenticatedError
 
 KEY_LINE = re.compile(r"API key \(shown once, store it now\): (\S+)")
 

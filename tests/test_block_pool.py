@@ -5,8 +5,8 @@ import pytest
 from kvmesh.kv.block_pool import BlockPool
 from kvmesh.kv.kv_cache_manager import KVCacheManager, PrefixMatch
 from kvmesh.kv.prefix_cache import CachedBlockKey, PrefixCache
-from kvmesh.worker.api import SamplingParams
-from kvmesh.worker.request import Request
+from kvmesh.core.seams import SamplingParams
+from kvmesh.worker.engine_loop.request import Request
 
 
 def key(n: int) -> CachedBlockKey:

@@ -11,12 +11,12 @@ import random
 import pytest
 from fake_paged_model import FakePagedModel, assert_pool_whole, engine_step, expected_output
 
-from kvmesh.deploy.config import SchedulerConfig
+from kvmesh.core.config import SchedulerConfig
 from kvmesh.kv.kv_cache_manager import KVCacheManager
-from kvmesh.worker.api import SamplingParams
-from kvmesh.worker.errors import OverloadedError
-from kvmesh.worker.request import Request, RequestStatus
-from kvmesh.worker.scheduler import Scheduler
+from kvmesh.core.seams import SamplingParams
+from kvmesh.core.errors import OverloadedError
+from kvmesh.worker.engine_loop.request import Request, RequestStatus
+from kvmesh.worker.engine_loop.scheduler import Scheduler
 
 NUM_REQUESTS = 200
 BLOCK = 4

@@ -26,18 +26,17 @@ import collections
 import concurrent.futures
 import logging
 import random
-import socket
 import time
 from dataclasses import dataclass
 
 import grpc
 import pytest
 
-from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.core.config import KvmeshConfig
 from kvmesh.router.client import KvmeshClient
 from kvmesh.router.retry import RetryPolicy
-from kvmesh.worker.api import SamplingParams
-from e2e_cluster import serving
+from kvmesh.core.seams import SamplingParams
+from e2e_cluster import serving, tiny_cluster_config
 
 logger = logging.getLogger(__name__)
 
@@ -50,25 +49,15 @@ NUM_BLOCKS_PER_WORKER = 28  # 2 families x 12 blocks + 4 for running requests' t
 NUM_FAMILIES = 4
 WORKER_KEY = "x-kvmesh-worker"
 
-pytestmark = pytest.mark.timeout(600)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# e2e: a Ray cluster with the Serve app (`pytest -m "not e2e"` skips the module)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
 def routing_config(tiny_model_dir) -> KvmeshConfig:
-    return KvmeshConfig.from_dict({
-        "model": {"path": tiny_model_dir, "dtype": "fp32"},
-        "cache": {"block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS_PER_WORKER},
-        "scheduler": {"max_num_seqs": 4},
-        "parallel": {"num_workers": 2, "device": "cpu", "worker_num_cpus": 0.5},
-        "router": {"host": "127.0.0.1", "grpc_port": _free_port(), "http_port": _free_port(),
-                   "policy": "prefix_aware", "stats_refresh_s": 0.05},
-    })
+    return tiny_cluster_config(tiny_model_dir, num_workers=2, max_num_seqs=4, block_size=BLOCK_SIZE,
+                               num_blocks=NUM_BLOCKS_PER_WORKER, max_new_tokens=None,
+                               router={"policy": "prefix_aware", "stats_refresh_s": 0.05})
 
 
 @pytest.fixture(scope="module")
@@ -203,9 +192,9 @@ def tokens_per_worker(served: list[Served]) -> dict[str, int]:
 
 def test_new_prefix_goes_to_the_smaller_cache_footprint_unless_loads_are_imbalanced():
     """No cluster: the placement rule the cluster test relies on, on its own."""
-    from kvmesh.deploy.config import RouterConfig
+    from kvmesh.core.config import RouterConfig
     from kvmesh.router.routing import RoutingPath, choose_worker
-    from kvmesh.worker.api import WorkerStats
+    from kvmesh.core.seams import WorkerStats
 
     def stats(worker_id: str, load_tokens: int, num_blocks_cached: int) -> WorkerStats:
         return WorkerStats(worker_id=worker_id, healthy=True, block_size=16, num_blocks_total=100, num_blocks_used=0,

@@ -18,12 +18,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 pytest.importorskip("triton")
 
-from kvmesh.deploy.config import KvmeshConfig  # noqa: E402
-from kvmesh.worker import cuda_graphs  # noqa: E402
-from kvmesh.worker.attention import AttentionMetadata, LayerKVCache  # noqa: E402
-from kvmesh.worker.attention_triton import TritonAttentionBackend  # noqa: E402
-from kvmesh.worker.cuda_graphs import PAD_SLOT, CudaGraphRunner, pad_decode, select_bucket  # noqa: E402
-from kvmesh.worker.model_runner import StepInputs  # noqa: E402
+from kvmesh.core.config import KvmeshConfig  # noqa: E402
+from kvmesh.worker.modeling import cuda_graphs  # noqa: E402
+from kvmesh.worker.modeling.attention import AttentionMetadata, LayerKVCache  # noqa: E402
+from kvmesh.worker.modeling.attention_triton import TritonAttentionBackend  # noqa: E402
+from kvmesh.worker.modeling.cuda_graphs import PAD_SLOT, CudaGraphRunner, pad_decode, select_bucket  # noqa: E402
+from kvmesh.worker.modeling.model_runner import StepInputs  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: Triton's interpreter
 
@@ -88,7 +88,7 @@ def test_padding_rows_leave_the_cache_alone_and_real_rows_unchanged(kv):
     """Triton write_kv + attend on a padded batch: padding rows (slot -1, length 0) write
     nothing and read nothing; the real rows' outputs equal the unpadded batch's."""
     from kvmesh.quant.kv_quant import kv_storage_dtype
-    from kvmesh.worker.model_runner import allocate_kv_caches
+    from kvmesh.worker.modeling.model_runner import allocate_kv_caches
 
     block_size, hkv, hq, d = 4, 2, 4, 16
     storage = torch.float32 if kv == "auto" else kv_storage_dtype(kv)
@@ -166,8 +166,8 @@ class _ReplayEagerly:
 def test_engine_greedy_tokens_equal_with_padded_replay(tiny_model_dir):
     """Decode steps through the runner (copy into static inputs, padded to buckets 2 and 4,
     slice back) give the eager engine's greedy tokens; prefill chunks stay eager."""
-    from kvmesh.worker.api import GenerateRequest, SamplingParams
-    from kvmesh.worker.engine import Engine
+    from kvmesh.core.seams import GenerateRequest, SamplingParams
+    from kvmesh.worker.engine_loop.engine import Engine
 
     def run(with_graphs: bool) -> tuple[dict[str, list[int]], int]:
         engine = _tiny_engine(tiny_model_dir, cuda_graphs=False)
@@ -190,7 +190,7 @@ def test_engine_greedy_tokens_equal_with_padded_replay(tiny_model_dir):
 
 
 def _tiny_engine(tiny_model_dir, cuda_graphs: bool):
-    from kvmesh.worker.engine import Engine
+    from kvmesh.worker.engine_loop.engine import Engine
 
     return Engine.from_config(KvmeshConfig.from_dict({
         "model": {"path": tiny_model_dir, "dtype": "fp32", "max_model_len": 64},
@@ -199,7 +199,7 @@ def _tiny_engine(tiny_model_dir, cuda_graphs: bool):
 
 
 def _greedy(engine) -> dict[str, list[int]]:
-    from kvmesh.worker.api import GenerateRequest, SamplingParams
+    from kvmesh.core.seams import GenerateRequest, SamplingParams
 
     sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(["The capital of France is", "1, 2, 3,", "def f(x):"]):

@@ -5,11 +5,11 @@ import asyncio
 
 import pytest
 
-from kvmesh.deploy.config import KvmeshConfig
-from kvmesh.worker.api import FinishReason, GenerateRequest, SamplingParams
-from kvmesh.worker.async_engine import AsyncEngine
-from kvmesh.worker.engine import Engine
-from kvmesh.worker.errors import InvalidRequestError, OverloadedError
+from kvmesh.core.config import KvmeshConfig
+from kvmesh.core.seams import FinishReason, GenerateRequest, SamplingParams
+from kvmesh.worker.runtime.async_engine import AsyncEngine
+from kvmesh.worker.engine_loop.engine import Engine
+from kvmesh.core.errors import InvalidRequestError, OverloadedError
 
 
 def _config(model_dir, **sections):
@@ -215,3 +215,30 @@ def test_queue_timeout_rejects_as_retryable_and_holds_nothing(tiny_model_dir):
     final = out["starved"][-1]
     assert final.finish_reason == FinishReason.ERROR and final.error_type == "OverloadedError"
     assert final.retry_after_s > 0 and final.usage.completion_tokens == 0
+
+
+def test_async_batches_and_the_step_hook(tiny_model_dir):
+    """generate_batches hands out the request's one queue in batches; on_step sees each step
+    that did work (the actor's step-time metric), from the step thread."""
+    step_times_s: list[float] = []
+
+    async def scenario():
+        aengine = AsyncEngine.from_config(_config(tiny_model_dir), on_step=step_times_s.append)
+        try:
+            batches = []
+            async for batch in aengine.generate_batches(req("b1", max_tokens=12, ignore_eos=True)):
+                batches.append(batch)
+                # A consumer that falls behind: once the request has finished in the engine,
+                # everything it produced meanwhile is waiting and comes as one batch.
+                while (await aengine.stats_async()).num_running:
+                    await asyncio.sleep(0.01)
+            return batches
+        finally:
+            await aengine.shutdown()
+
+    batches = asyncio.run(scenario())
+    deltas = [d for batch in batches for d in batch]
+    assert len(batches) == 2 and all(batches)
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert sum(len(d.token_ids) for d in deltas) == 12
+    assert len(step_times_s) >= 12 and all(t > 0 for t in step_times_s)

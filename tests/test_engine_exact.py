@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
-from kvmesh.deploy.config import KvmeshConfig
-from kvmesh.worker.api import GenerateRequest, SamplingParams
-from kvmesh.worker.engine import Engine
+from kvmesh.core.config import KvmeshConfig
+from kvmesh.core.seams import GenerateRequest, SamplingParams
+from kvmesh.worker.engine_loop.engine import Engine
 
 NEW_TOKENS = 32
 PROMPTS = [

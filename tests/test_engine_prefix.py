@@ -2,11 +2,11 @@
 
 import pytest
 
-from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.core.config import KvmeshConfig
 from kvmesh.kv.kv_cost import request_kv_tokens
-from kvmesh.worker.api import GenerateRequest, SamplingParams
-from kvmesh.worker.engine import Engine
-from kvmesh.worker.errors import OverloadedError
+from kvmesh.core.seams import GenerateRequest, SamplingParams
+from kvmesh.worker.engine_loop.engine import Engine
+from kvmesh.core.errors import OverloadedError
 
 SYSTEM = "You are a careful assistant. Answer briefly and cite the rules you follow. " * 4
 

@@ -138,6 +138,7 @@ def _p(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+@pytest.mark.e2e
 def test_light_tenant_meets_ttft_slo_while_heavy_floods(cluster):
     run = asyncio.run(_run_load(cluster.router.grpc_port))
     client, ttft_0, e2e_0, heavy_rate = run["client"], run["ttft_0"], run["e2e_0"], run["heavy_rate"]

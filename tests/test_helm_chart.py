@@ -24,8 +24,8 @@ helm = pytest.importorskip("helm_python")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 jsonschema = pytest.importorskip("jsonschema")
 
-from kvmesh.deploy import config as config_module  # noqa: E402
-from kvmesh.deploy.config import KvmeshConfig  # noqa: E402
+from kvmesh.core import config as config_module  # noqa: E402
+from kvmesh.core.config import KvmeshConfig  # noqa: E402
 from kvmesh.deploy.serve_config import (API_KEY_HASHES_FILE_ENV, REDIS_URL_ENV,  # noqa: E402
                                         SERVE_APP_IMPORT_PATH, config_field_paths,
                                         config_from_serve_args, kvmesh_config_from_serve_config)
@@ -350,7 +350,7 @@ def test_serve_args_equal_the_values_field_by_field(rendered, tmp_path):
 def test_default_values_cover_every_config_field():
     values = yaml.safe_load((CHART / "values.yaml").read_text())["kvmesh"]
     in_values = {f"{s}.{f}" for s, fields in values.items() for f in fields}
-    assert in_values == set(config_field_paths()), "helm/kvmesh/values.yaml kvmesh: out of sync with deploy/config.py"
+    assert in_values == set(config_field_paths()), "helm/kvmesh/values.yaml kvmesh: out of sync with core/config.py"
     KvmeshConfig.from_dict(values)
 
 

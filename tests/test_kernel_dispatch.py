@@ -1,4 +1,4 @@
-"""worker/kernel_dispatch.py: the model's fused ops and the quantized linears take the
+"""worker/modeling/kernel_dispatch.py: the model's fused ops and the quantized linears take the
 Triton kernels on CUDA and the torch definitions elsewhere; force_triton() sends them through
 Triton on CPU (the interpreter), where they must give the torch path's results.
 
@@ -19,9 +19,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 pytest.importorskip("triton")
 
-from kvmesh.deploy.config import KvmeshConfig  # noqa: E402
+from kvmesh.core.config import KvmeshConfig  # noqa: E402
 from kvmesh.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear  # noqa: E402
-from kvmesh.worker import kernel_dispatch  # noqa: E402
+from kvmesh.worker.modeling import kernel_dispatch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter
 TOLERANCE = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.bfloat16: {"atol": 2e-2, "rtol": 2 ** -6}}
@@ -71,8 +71,8 @@ def test_quantized_linear_on_the_triton_path_equals_its_dequantized_oracle(dtype
 
 
 def _greedy(tiny_model_dir, weight: str, triton: bool) -> dict[str, list[int]]:
-    from kvmesh.worker.api import GenerateRequest, SamplingParams
-    from kvmesh.worker.engine import Engine
+    from kvmesh.core.seams import GenerateRequest, SamplingParams
+    from kvmesh.worker.engine_loop.engine import Engine
 
     engine = Engine.from_config(KvmeshConfig.from_dict({
         "model": {"path": tiny_model_dir, "dtype": "fp32", "max_model_len": 128},

@@ -2,12 +2,12 @@
 
 import pytest
 
-from kvmesh.deploy.config import SchedulerConfig
+from kvmesh.core.config import SchedulerConfig
 from kvmesh.kv.kv_cost import blocks_for_tokens, request_kv_tokens
 from kvmesh.router.admission import request_cost_tokens
-from kvmesh.worker.admission import AdmissionController
-from kvmesh.worker.api import SamplingParams
-from kvmesh.worker.request import Request
+from kvmesh.worker.engine_loop.admission import AdmissionController
+from kvmesh.core.seams import SamplingParams
+from kvmesh.worker.engine_loop.request import Request
 
 
 def test_block_rounding_n_and_cached_prefix():

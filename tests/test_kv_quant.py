@@ -1,4 +1,4 @@
-"""KV-cache quantization: per token-head scales in the paged layout of worker/attention.py,
+"""KV-cache quantization: per token-head scales in the paged layout of worker/modeling/attention.py,
 attention over int8 / fp8 K and V within tolerance of fp32 attention, static calibration."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import transformers
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kvmesh.deploy.config import ConfigError
+from kvmesh.core.config import ConfigError
 from kvmesh.quant import calibration
 from kvmesh.kv import capacity
 from kvmesh.quant.kv_quant import (FP8_E4M3_MAX, INT4_MAX, INT8_MAX, KV_QUANT_DTYPES, KV_SCALE_DTYPE, MAX_KV_SCALE,

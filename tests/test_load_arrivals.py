@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvmesh.load_tests.arrivals import ArrivalSpec, arrival_offsets_s, inter_arrival_gaps_s
-from kvmesh.worker.errors import InvalidRequestError
+from kvmesh.core.errors import InvalidRequestError
 
 N = 20_000  # gaps per statistical check: the mean's relative standard error is ~1/sqrt(N*shape)
 

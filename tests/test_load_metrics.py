@@ -9,8 +9,8 @@ from kvmesh.load_tests.driver import RetryPolicy, error_code
 from kvmesh.load_tests.metrics import (SLO, Distribution, RequestRecord, summarize,
                                        summary_from_json)
 from kvmesh.load_tests.server_metrics import metric_role, parse_prometheus_sample
-from kvmesh.worker.api import WorkerStats
-from kvmesh.worker.errors import InvalidRequestError, OverloadedError
+from kvmesh.core.seams import WorkerStats
+from kvmesh.core.errors import InvalidRequestError, OverloadedError
 
 
 def rec(index, send, deltas=(), status="ok", end=None, out=None, prompt=10, cached=0, **kw):
@@ -84,7 +84,9 @@ def test_retry_policies():
     delays = [backoff.delay_s(a, None, rng) for a in (1, 2, 3, 4, 5, 6) for _ in range(200)]
     assert all(0 <= d <= 1.0 for d in delays)
     assert max(delays[:200]) <= 0.1 and max(delays[-200:]) > 0.5  # grows to the cap, jittered
-    assert backoff.delay_s(1, 2.5, rng) == 2.5  # the server's retry_after is a floor
+    assert all(2.5 <= backoff.delay_s(1, 2.5, rng) <= 2.6 for _ in range(50))  # retry_after + jitter
+    with pytest.raises(InvalidRequestError):
+        RetryPolicy("backoff", base_delay_s=2.0, max_delay_s=1.0).validate()
     with pytest.raises(InvalidRequestError):
         RetryPolicy("storm").validate()
 
@@ -172,7 +174,7 @@ def test_retryable_errors_survive_pickling_with_their_retry_after():
     """Errors cross Ray (worker actor -> router) pickled; the client's backoff needs retry_after_s."""
     import pickle
 
-    from kvmesh.worker.errors import QuotaExceededError
+    from kvmesh.core.errors import QuotaExceededError
 
     for err in (OverloadedError("busy", 2.5), QuotaExceededError("tenant over quota", 4.0)):
         back = pickle.loads(pickle.dumps(err))

@@ -11,7 +11,7 @@ from kvmesh.deploy.cli import main
 from kvmesh.load_tests.metrics import SLO, RequestRecord, summarize
 from kvmesh.load_tests.report import (compare_results, evaluate_checks, load_results, lookup, markdown_compare,
                                       markdown_summary, write_reports)
-from kvmesh.worker.errors import InvalidRequestError
+from kvmesh.core.errors import InvalidRequestError
 
 
 def _run(name, rate, ttft_s, tpot_s, n=20, label=None, seed=0):

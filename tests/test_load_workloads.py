@@ -12,7 +12,7 @@ from kvmesh.load_tests.tiny_tokenizer import train_corpus_tokenizer
 from kvmesh.load_tests.trace_format import read_trace, write_trace
 from kvmesh.load_tests.workloads import (ARTICLE_OUTPUT, LengthDistribution, WorkloadSpec,
                                          generate_workload)
-from kvmesh.worker.errors import InvalidRequestError
+from kvmesh.core.errors import InvalidRequestError
 
 
 @pytest.fixture(scope="module")

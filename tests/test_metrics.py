@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvmesh.deploy import cmd_stats
 from kvmesh.router.metrics import (METRICS_BOARD_ACTOR, EngineMetrics, MetricsBoard, RouterMetrics,
                                    get_or_create_board, start_publishing)
-from kvmesh.worker.api import FinishReason, RequestTimings, Usage, WorkerStats
+from kvmesh.core.seams import FinishReason, RequestTimings, Usage, WorkerStats
 
 # (tenant, timings as offsets from arrival (scheduled, first token, finished), usage, finish)
 WORKLOAD = [
@@ -212,6 +212,7 @@ def test_metrics_board_keeps_fresh_snapshots_and_excludes_the_caller():
     assert board.snapshots() == [b"B2"]
 
 
+@pytest.mark.e2e
 def test_two_replicas_render_the_same_cluster_totals_through_a_ray_board():
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=1, include_dashboard=False, namespace=f"kvmesh-metrics-{os.getpid()}",
@@ -249,10 +250,10 @@ def test_engine_metrics_from_real_engine_steps(tiny_model_dir):
     per-phase time, the prefill/decode token mix, the fill rate, per-tenant compute seconds
     (which add up to the step time), the memory probes, model info, and an OOM counted from
     a forward that ran out of memory; the step log holds each prefill chunk for the spans."""
-    from kvmesh.deploy.config import KvmeshConfig
-    from kvmesh.worker.api import GenerateRequest, SamplingParams
-    from kvmesh.worker.engine import Engine
-    from kvmesh.worker.telemetry import ModelInfo, RequestStepLog
+    from kvmesh.core.config import KvmeshConfig
+    from kvmesh.core.seams import GenerateRequest, SamplingParams
+    from kvmesh.worker.engine_loop.engine import Engine
+    from kvmesh.core.telemetry import ModelInfo, RequestStepLog
 
     config = KvmeshConfig.from_dict({
         "model": {"path": tiny_model_dir, "dtype": "fp32", "max_model_len": 128},
@@ -377,8 +378,8 @@ def test_ttft_from_router_arrival_timeouts_and_route_truth():
 def test_request_step_log_is_bounded():
     """An entry a step created after its request's stream ended (an abort racing the step) is
     never popped: the log drops the oldest beyond its bound instead of growing."""
-    from kvmesh.worker import telemetry
-    from kvmesh.worker.step_phases import StepReport, StepRow
+    from kvmesh.core import telemetry
+    from kvmesh.core.step_phases import StepReport, StepRow
 
     log = telemetry.RequestStepLog()
     n = telemetry.MAX_LOGGED_REQUESTS + 5

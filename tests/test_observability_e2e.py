@@ -22,9 +22,10 @@ from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc
 from kvmesh.router import tracing
 from kvmesh.router.tenants import generate_api_key, hash_api_key
-from kvmesh.worker.otlp_file import request_to_json_line
+from kvmesh.core.otlp_file import request_to_json_line
 
-pytestmark = pytest.mark.timeout(300)
+# e2e: a Ray cluster with the Serve app (`pytest -m "not e2e"` skips the module)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 APP_NAME = "kvmesh-obs"
 KEY = generate_api_key()

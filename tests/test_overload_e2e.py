@@ -26,7 +26,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import random
-import socket
 import statistics
 import threading
 import time
@@ -35,14 +34,14 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.core.config import KvmeshConfig
 from kvmesh.proto import kvmesh_pb2_grpc
 from kvmesh.router import convert, status_map
 from kvmesh.router.client import KvmeshClient
 from kvmesh.router.retry import RetryPolicy
-from kvmesh.worker.api import SamplingParams
-from kvmesh.worker.errors import KvmeshError
-from e2e_cluster import serving
+from kvmesh.core.seams import SamplingParams
+from kvmesh.core.errors import KvmeshError
+from e2e_cluster import serving, tiny_cluster_config
 
 logger = logging.getLogger(__name__)
 
@@ -54,26 +53,15 @@ MAX_ATTEMPTS = 4
 RETRY_LANE_FRACTION = 0.25
 RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 
-pytestmark = pytest.mark.timeout(600)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# e2e: a Ray cluster with the Serve app (`pytest -m "not e2e"` skips the module)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
 def overload_config(tiny_model_dir) -> KvmeshConfig:
-    return KvmeshConfig.from_dict({
-        "model": {"path": tiny_model_dir, "dtype": "fp32"},
-        "cache": {"block_size": 16, "num_blocks": 32},
-        "scheduler": {"max_num_seqs": 2},
-        "parallel": {"num_workers": 2, "device": "cpu", "worker_num_cpus": 0.5},
-        "router": {"host": "127.0.0.1", "grpc_port": _free_port(), "http_port": _free_port(),
-                   "policy": "least_loaded", "stats_refresh_s": 0.05, "max_queue_len": 4,
-                   "retry_lane_fraction": RETRY_LANE_FRACTION, "max_queue_wait_s": 20.0},
-    })
+    return tiny_cluster_config(tiny_model_dir, num_workers=2, max_num_seqs=2, num_blocks=32, max_new_tokens=None,
+                               router={"policy": "least_loaded", "stats_refresh_s": 0.05, "max_queue_len": 4,
+                                       "retry_lane_fraction": RETRY_LANE_FRACTION, "max_queue_wait_s": 20.0})
 
 
 @pytest.fixture(scope="module")
@@ -250,7 +238,7 @@ def _summary(name: str, outcome: Outcome, attempts: list[Attempt], wall_s: float
 def test_retry_after_travels_in_the_details_when_trailing_metadata_is_lost():
     """No cluster: Serve's gRPC proxy keeps only code and details of a stream that fails
     before its first message, so the retry-after must survive in the details alone."""
-    from kvmesh.worker.errors import OverloadedError
+    from kvmesh.core.errors import OverloadedError
 
     status = status_map.status_for(OverloadedError("server overloaded: admission queue full", 1.2345))
     details = status_map.grpc_details(status)

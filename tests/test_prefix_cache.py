@@ -3,12 +3,12 @@
 import pytest
 from fake_paged_model import FakePagedModel, assert_pool_whole, engine_step, expected_output, run_until_idle
 
-from kvmesh.deploy.config import SchedulerConfig
+from kvmesh.core.config import SchedulerConfig
 from kvmesh.kv import hashing
 from kvmesh.kv.kv_cache_manager import KVCacheManager
-from kvmesh.worker.api import PrefixEventKind, SamplingParams
-from kvmesh.worker.request import Request
-from kvmesh.worker.scheduler import Scheduler
+from kvmesh.core.seams import PrefixEventKind, SamplingParams
+from kvmesh.worker.engine_loop.request import Request
+from kvmesh.worker.engine_loop.scheduler import Scheduler
 
 BLOCK = 4
 TENANT_A = hashing.block_extra_keys("m", "main", "fp32", "tenant-a")

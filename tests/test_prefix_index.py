@@ -6,7 +6,7 @@ import random
 
 from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.router.prefix_index import PrefixIndex
-from kvmesh.worker.api import PrefixEvent, PrefixEventBatch, PrefixEventKind
+from kvmesh.core.seams import PrefixEvent, PrefixEventBatch, PrefixEventKind
 
 BLOCK = 4
 EXTRA = ("model=test", "rev=main", "kv=auto")

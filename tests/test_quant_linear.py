@@ -8,7 +8,7 @@ import torch
 import transformers
 from torch import nn
 
-from kvmesh.deploy.config import ConfigError, QuantConfig
+from kvmesh.core.config import ConfigError, QuantConfig
 from kvmesh.quant import awq, calibration
 from kvmesh.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from kvmesh.quant.linear import quantize_model

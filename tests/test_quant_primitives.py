@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmesh.deploy.config import ConfigError
+from kvmesh.core.config import ConfigError
 from kvmesh.quant import primitives as P
 
 

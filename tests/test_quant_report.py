@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvmesh.deploy import cmd_quant_report
-from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.core.config import KvmeshConfig
 from kvmesh.kv import capacity
 
 
@@ -106,7 +106,7 @@ class ByteTokenizer:
 
 
 def test_needle_prompts_place_the_fact_at_each_depth():
-    from kvmesh.deploy.config import ConfigError
+    from kvmesh.core.config import ConfigError
     from kvmesh.quant import needle
 
     tok = ByteTokenizer()

@@ -10,7 +10,7 @@ import pytest
 
 from kvmesh.router.quota import InProcessQuotaStore
 from kvmesh.router.tenants import Tenant, TenantLimits
-from kvmesh.worker.errors import InvalidRequestError, QuotaExceededError
+from kvmesh.core.errors import InvalidRequestError, QuotaExceededError
 
 
 class ManualClock:

@@ -1,22 +1,35 @@
 """RedisQuotaStore and FallbackQuotaStore against a real redis-server (tests/redis_server.py).
 
 Two store instances stand for two router replicas: they share one tenant's limit through
-Redis. Buckets refill from Redis TIME, so token assertions allow for the refill that the
-test's own (short) running time adds, computed from the measured elapsed time.
+Redis. In service buckets refill from Redis TIME; the bucket arithmetic tests inject a clock
+(the scripts' last argument), so their figures are exact and need no allowance for how long
+the test took.
 """
 
 import asyncio
 import logging
-import time
 import uuid
 
 import pytest
 from redis_server import RedisServer, free_port
 
-from kvmesh.deploy.config import TenantsConfig
+from kvmesh.core.config import TenantsConfig
 from kvmesh.router.quota import FallbackQuotaStore, RedisQuotaStore, make_quota_store, tenant_keys
 from kvmesh.router.tenants import Tenant, TenantLimits
-from kvmesh.worker.errors import QuotaExceededError
+from kvmesh.core.errors import QuotaExceededError
+
+
+class ManualClock:
+    """Microseconds for the quota scripts; moves only when the test moves it."""
+
+    def __init__(self):
+        self.now_us = 1_700_000_000_000_000
+
+    def advance(self, seconds: float) -> None:
+        self.now_us += int(seconds * 1_000_000)
+
+    def __call__(self) -> int:
+        return self.now_us
 
 
 def fresh_tenant(**limits) -> Tenant:
@@ -71,13 +84,13 @@ def test_two_replicas_share_one_token_bucket_without_over_admission(redis_server
     tenant = fresh_tenant(prompt_tokens_per_minute=60)  # 60-token bucket, refills 1 token/s
 
     async def scenario():
-        replicas = [RedisQuotaStore(redis_server.url), RedisQuotaStore(redis_server.url)]
-        start = time.monotonic()
+        clock = ManualClock()
+        replicas = [RedisQuotaStore(redis_server.url, clock_us=clock), RedisQuotaStore(redis_server.url, clock_us=clock)]
         results = await asyncio.gather(*(try_reserve(replicas[i % 2], tenant, 10, 1) for i in range(60)))
-        elapsed_s = time.monotonic() - start
-        admitted = sum(r is not None for r in results)
-        # 6 from the full bucket; one more per 10 s of refill while the burst ran.
-        assert 6 <= admitted <= 6 + int(elapsed_s / 10)
+        assert sum(r is not None for r in results) == 6  # the full bucket, not one token more
+        clock.advance(10.0)  # 10 tokens of refill: exactly one more request
+        results = await asyncio.gather(*(try_reserve(replicas[i % 2], tenant, 10, 1) for i in range(10)))
+        assert sum(r is not None for r in results) == 1
         for store in replicas:
             await store.aclose()
 
@@ -88,29 +101,30 @@ def test_redis_settle_and_release_arithmetic(redis_server):
     tenant = fresh_tenant(prompt_tokens_per_minute=60, output_tokens_per_minute=60)  # 1 token/s
 
     async def scenario():
-        store = RedisQuotaStore(redis_server.url)
-        start = time.monotonic()
+        clock = ManualClock()
+        store = RedisQuotaStore(redis_server.url, clock_us=clock)
         r = await store.reserve(tenant, prompt_tokens=20, max_tokens=50)
         usage = await store.usage(tenant)
         assert usage.requests_in_flight == 1 and usage.kv_tokens_in_flight == 70
         with pytest.raises(QuotaExceededError) as exc:
             await store.reserve(tenant, prompt_tokens=1, max_tokens=30)
-        # 10 output tokens left, 20 missing at 1 token/s: about 20 s (less the refill so far).
-        assert 15 <= exc.value.retry_after_s <= 20.001
+        # 10 output tokens left, 20 missing at 1 token/s: 20 s.
+        assert exc.value.retry_after_s == pytest.approx(20.0, abs=0.001)
         await store.settle(r, completion_tokens=20)  # refund 30 output tokens
         await store.settle(r, completion_tokens=0)  # idempotent
         usage = await store.usage(tenant)
-        slack = time.monotonic() - start + 0.01  # refill during the test, 1 token/s
         assert usage.requests_in_flight == 0 and usage.kv_tokens_in_flight == 0
-        assert 40 <= usage.output_tokens_available <= 40 + slack
-        assert 40 <= usage.prompt_tokens_available <= 40 + slack  # prompt tokens are not refunded
+        assert usage.output_tokens_available == pytest.approx(40)
+        assert usage.prompt_tokens_available == pytest.approx(40)  # prompt tokens are not refunded
         # Buckets expire once they would be full again (here: 20 of 60 missing -> ~20 s).
         ttl_ms = await store._redis.pttl(tenant_keys(tenant.id)[1])
         assert 0 < ttl_ms <= 21_000
         r2 = await store.reserve(tenant, prompt_tokens=30, max_tokens=30)
         await store.release(r2)  # failed before any token: everything back
         usage = await store.usage(tenant)
-        assert 40 <= usage.prompt_tokens_available <= 40 + time.monotonic() - start + 0.01
+        assert usage.prompt_tokens_available == pytest.approx(40)
+        clock.advance(5.0)  # refill at 1 token/s
+        assert (await store.usage(tenant)).prompt_tokens_available == pytest.approx(45)
         await store.aclose()
 
     asyncio.run(scenario())

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvmesh.deploy.config import RouterConfig
+from kvmesh.core.config import RouterConfig
 from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.router.prefix_index import PrefixIndex
 from kvmesh.router.routing import RoundRobinCursor, RoutingPath, choose_worker, worker_load_tokens
-from kvmesh.worker.api import PrefixEvent, PrefixEventBatch, PrefixEventKind, WorkerStats
-from kvmesh.worker.errors import WorkerFailedError
+from kvmesh.core.seams import PrefixEvent, PrefixEventBatch, PrefixEventKind, WorkerStats
+from kvmesh.core.errors import WorkerFailedError
 
 
 def stats(worker_id, kv_tokens_used=0, queued_prompt_tokens=0, healthy=True):

@@ -39,7 +39,7 @@ def test_replaying_the_campaign_sends_its_exact_requests():
     from pathlib import Path
 
     from kvmesh.load_tests.routing_sim import replay_campaign
-    from kvmesh.deploy.config import RouterConfig
+    from kvmesh.core.config import RouterConfig
 
     spec = Path(__file__).resolve().parents[1] / "load_tests" / "campaigns" / "routing-under-load.yaml"
     results = replay_campaign(str(spec), CostModel(), RouterConfig(), concurrency=[1], num_requests=6)

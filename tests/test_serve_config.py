@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from kvmesh.deploy import cli
-from kvmesh.deploy.config import ConfigError, KvmeshConfig
+from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.deploy.serve_config import (API_KEY_HASHES_FILE_ENV, REDIS_URL_ENV, SERVE_APP_IMPORT_PATH,
                                         ServeOptions, apply_overrides, build_serve_config,
                                         config_field_paths, config_from_serve_args,
@@ -205,7 +205,7 @@ def test_example_file_is_valid_and_in_the_command_s_shape():
 
 def test_worker_cpus_are_derived_from_the_machine_or_refused_naming_the_setting():
     from kvmesh.deploy.cmd_serve import config_from_args
-    from kvmesh.deploy.resources import derive_worker_num_cpus, resolve_worker_num_cpus
+    from kvmesh.core.resources import derive_worker_num_cpus, resolve_worker_num_cpus
     from kvmesh.router.app import ROUTER_REPLICA_NUM_CPUS, router_num_cpus
 
     # `kvmesh serve --workers 2` on 2 CPUs: both workers and the router (one replica spare) fit.

@@ -9,15 +9,15 @@ looks to Ray (the process dies; Ray restarts it because of max_restarts).
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import grpc
 import pytest
 
-from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.core.config import KvmeshConfig
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc
+from e2e_cluster import tiny_cluster_config
 
 APP_NAME = "kvmesh-e2e"
 # max_tokens of requests that must still be running when the test acts on them: far more
@@ -25,13 +25,8 @@ APP_NAME = "kvmesh-e2e"
 # positions).
 LONG = 900
 
-pytestmark = pytest.mark.timeout(300)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# e2e: a Ray cluster with the Serve app (`pytest -m "not e2e"` skips the module)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def test_serve_flags_map_onto_config(tmp_path):
@@ -57,18 +52,12 @@ def test_serve_flags_map_onto_config(tmp_path):
 
 @pytest.fixture(scope="module")
 def e2e_config(tiny_model_dir) -> KvmeshConfig:
-    return KvmeshConfig.from_dict({
-        "model": {"path": tiny_model_dir, "dtype": "fp32"},
-        "cache": {"block_size": 16, "num_blocks": 128},
-        "scheduler": {"max_num_seqs": 8, "max_new_tokens": 960},
-        # worker_num_cpus left at its default: derived from the 2 CPUs the cluster has, so
-        # test_health_models_metrics checks that the defaults bring up both workers.
-        "parallel": {"num_workers": 2, "device": "cpu"},
-        "router": {"host": "127.0.0.1", "grpc_port": _free_port(), "http_port": _free_port(),
-                   "policy": "round_robin", "stats_refresh_s": 0.1},
-        # Spans go to the router replica's stdout, which Ray keeps in the session's logs.
-        "observability": {"tracing_exporter": "console"},
-    })
+    # Spans go to the router replica's stdout, which Ray keeps in the session's logs.
+    # worker_num_cpus left at its default (None): derived from the 2 CPUs the cluster has, so
+    # test_health_models_metrics checks that the defaults bring up both workers.
+    return tiny_cluster_config(tiny_model_dir, num_workers=2, num_blocks=128, max_new_tokens=960,
+                               parallel={"worker_num_cpus": None},
+                               router={"policy": "round_robin"}, observability={"tracing_exporter": "console"})
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +111,8 @@ def _idle(stub) -> bool:
 
 
 def test_grpc_stream_equals_engine_greedy(cluster, stub):
-    from kvmesh.worker.api import GenerateRequest, SamplingParams
-    from kvmesh.worker.engine import Engine
+    from kvmesh.core.seams import GenerateRequest, SamplingParams
+    from kvmesh.worker.engine_loop.engine import Engine
 
     prompt = "The quick brown fox jumps over the lazy dog because"
     responses = list(stub.Generate(_request(prompt, max_tokens=12)))
@@ -256,7 +245,7 @@ def test_worker_killed_mid_stream(cluster, stub, http_base):
     import httpx
     import ray
 
-    from kvmesh.worker.actor import WORKER_NAMESPACE, worker_actor_name
+    from kvmesh.worker.runtime.actor import WORKER_NAMESPACE, worker_actor_name
 
     _wait_for(lambda: _idle(stub), what="idle workers")
     call = stub.Generate(_request("doomed " * 10, max_tokens=LONG))

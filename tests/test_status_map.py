@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from kvmesh.router import status_map
-from kvmesh.worker.errors import (
+from kvmesh.core.errors import (
     DeadlineExceededError,
     InvalidRequestError,
     KvmeshError,

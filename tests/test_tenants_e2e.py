@@ -22,7 +22,8 @@ from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc
 from kvmesh.router.tenants import generate_api_key, hash_api_key
 
-pytestmark = pytest.mark.timeout(300)
+# e2e: a Ray cluster with the Serve app (`pytest -m "not e2e"` skips the module)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 APP_NAME = "kvmesh-tenants"
 KEYS = {tenant: generate_api_key() for tenant in ("conc", "bucket", "refund", "load", "outage")}

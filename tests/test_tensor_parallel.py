@@ -14,11 +14,11 @@ import time
 import pytest
 import torch
 
-from kvmesh.deploy.config import ConfigError, KvmeshConfig
-from kvmesh.worker.api import FinishReason, GenerateRequest, SamplingParams
-from kvmesh.worker.distributed import single_rank
-from kvmesh.worker.engine import Engine
-from kvmesh.worker.parallel_layers import ShardSpec, head_shard
+from kvmesh.core.config import ConfigError, KvmeshConfig
+from kvmesh.core.seams import FinishReason, GenerateRequest, SamplingParams
+from kvmesh.worker.modeling.distributed import single_rank
+from kvmesh.worker.engine_loop.engine import Engine
+from kvmesh.worker.modeling.parallel_layers import ShardSpec, head_shard
 
 PROMPTS = [
     "The capital of France is",
@@ -80,6 +80,7 @@ def tiny_tp1(tiny_model_dir):
 
 
 # The tiny model has 2 KV heads: at TP=4 each lives on 2 ranks.
+@pytest.mark.e2e
 @pytest.mark.parametrize("tp,vocab_parallel", [(2, True), (4, True), (2, False)])
 def test_tiny_model_tp_matches_tp1(ray_cluster, tiny_model_dir, tiny_tp1, tp, vocab_parallel):
     want, stats = tiny_tp1
@@ -90,6 +91,7 @@ def test_tiny_model_tp_matches_tp1(ray_cluster, tiny_model_dir, tiny_tp1, tp, vo
     assert got == want
 
 
+@pytest.mark.e2e
 def test_smollm2_tp3_matches_tp1(ray_cluster, smollm2_dir):
     # 9 query heads, 3 KV heads: one KV head and three query heads per rank.
     # Three prompts (about 6, 6 and 20 tokens + 10 new) need 4 blocks of 16; the pool has 3.
@@ -99,6 +101,7 @@ def test_smollm2_tp3_matches_tp1(ray_cluster, smollm2_dir):
     assert got == want
 
 
+@pytest.mark.e2e
 def test_int8_weights_tp2_match_int8_tp1(ray_cluster, tiny_model_dir):
     quant = {"quant": {"weight": "int8"}}
     want, _ = _greedy(_config(tiny_model_dir, 1, num_blocks=8, **quant), 16)
@@ -113,11 +116,12 @@ def test_int8_weights_tp2_match_int8_tp1(ray_cluster, tiny_model_dir):
     assert got == want
 
 
+@pytest.mark.e2e
 def test_int4_awq_tp2_matches_tp1_from_one_calibration(ray_cluster, tiny_model_dir, tmp_path, monkeypatch):
     """TP=1 calibrates and caches the AWQ scales; TP=2 finds them in the cache, and each rank
     cuts its shard from the same full-model quantization: the same greedy tokens."""
     from kvmesh.quant.linear import Int4WeightOnlyLinear
-    from kvmesh.worker import awq_calibration
+    from kvmesh.worker.modeling import awq_calibration
 
     monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path))
     searches = []
@@ -138,6 +142,7 @@ def test_int4_awq_tp2_matches_tp1_from_one_calibration(ray_cluster, tiny_model_d
     assert got == want
 
 
+@pytest.mark.e2e
 def test_swap_preemption_under_tp_matches_tp1(ray_cluster, tiny_model_dir, tiny_tp1):
     """Swap preemption copies every rank's KV shard out to its own swap space and back: the
     tokens are those of TP=1 with recompute."""
@@ -150,7 +155,7 @@ def test_swap_preemption_under_tp_matches_tp1(ray_cluster, tiny_model_dir, tiny_
 
 
 def test_head_sharding_rules():
-    from kvmesh.worker.distributed import Collectives
+    from kvmesh.worker.modeling.distributed import Collectives
 
     def spec(heads, rank, n):
         return head_shard(heads, Collectives(rank, n), "KV")
@@ -162,11 +167,13 @@ def test_head_sharding_rules():
     assert single_rank().all_reduce(torch.ones(2)).tolist() == [1.0, 1.0]
 
 
+@pytest.mark.e2e
 def test_tp_size_that_cannot_split_heads_is_a_config_error(ray_cluster, tiny_model_dir):
     with pytest.raises(ConfigError):
         Engine.from_config(_config(tiny_model_dir, 3, num_blocks=8))  # 4 query heads over 3 ranks
 
 
+@pytest.mark.e2e
 def test_killed_rank_fails_the_step_then_group_rebuilds(ray_cluster, tiny_model_dir, tiny_tp1):
     engine = Engine.from_config(_config(tiny_model_dir, 2, num_blocks=32))
     try:
@@ -208,7 +215,7 @@ def test_quantized_shards_recompose_the_single_rank_layer(weight):
 
     from torch import nn
 
-    from kvmesh.worker.parallel_layers import quantize_sharded
+    from kvmesh.worker.modeling.parallel_layers import quantize_sharded
 
     torch.manual_seed(0)
     full = nn.Linear(128, 64, bias=True)
@@ -227,8 +234,8 @@ def test_vocab_parallel_embedding_and_head_with_padded_vocab():
     # padded to 12 (4 per rank) and the padding must never show up in outputs.
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvmesh.worker.distributed import GroupAddress, join_group, start_store
-    from kvmesh.worker.parallel_layers import ParallelLMHead, VocabParallelEmbedding
+    from kvmesh.worker.modeling.distributed import GroupAddress, join_group, start_store
+    from kvmesh.worker.modeling.parallel_layers import ParallelLMHead, VocabParallelEmbedding
 
     torch.manual_seed(0)
     table = torch.randn(10, 8)

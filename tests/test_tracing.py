@@ -11,12 +11,12 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from kvmesh.deploy.config import ObservabilityConfig
+from kvmesh.core.config import ObservabilityConfig
 from kvmesh.router import tracing
 from kvmesh.router.tracing import (SPAN_ADMISSION, SPAN_AUTH, SPAN_QUOTA, SPAN_REQUEST, SPAN_ROUTE, SPAN_STREAM,
                                    SPAN_WORKER_DECODE, SPAN_WORKER_GENERATE, SPAN_WORKER_PREFILL,
                                    SPAN_WORKER_QUEUE)
-from kvmesh.worker.api import FinishReason, GenerateRequest, RequestTimings, Usage
+from kvmesh.core.seams import FinishReason, GenerateRequest, RequestTimings, Usage
 
 CALLER_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN_ID = "00f067aa0ba902b7"
@@ -177,8 +177,8 @@ def test_otlp_json_file_exporter_and_kvmesh_trace(tmp_path, capsys):
     span per prefill chunk, the decode summary and the finish event."""
     from kvmesh.deploy import cmd_trace
     from kvmesh.deploy.cli import main
-    from kvmesh.worker.otlp_file import read_spans
-    from kvmesh.worker.telemetry import RequestSteps
+    from kvmesh.core.otlp_file import read_spans
+    from kvmesh.core.telemetry import RequestSteps
 
     path = tmp_path / "spans" / "spans.jsonl"
     cfg = ObservabilityConfig(tracing_exporter="otlp", otlp_endpoint=f"file://{path}")

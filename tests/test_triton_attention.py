@@ -19,9 +19,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kvmesh.quant import kv_quant  # noqa: E402
-from kvmesh.worker.attention import AttentionMetadata, LayerKVCache  # noqa: E402
-from kvmesh.worker.attention_triton import TritonAttentionBackend  # noqa: E402
-from kvmesh.worker.errors import InvalidRequestError  # noqa: E402
+from kvmesh.worker.modeling.attention import AttentionMetadata, LayerKVCache  # noqa: E402
+from kvmesh.worker.modeling.attention_triton import TritonAttentionBackend  # noqa: E402
+from kvmesh.core.errors import InvalidRequestError  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -265,7 +265,7 @@ def test_write_then_attend_through_the_backend():
 
 
 def test_matches_torch_backend_when_present():
-    torch_backend = pytest.importorskip("kvmesh.worker.attention_torch").TorchAttentionBackend()
+    torch_backend = pytest.importorskip("kvmesh.worker.modeling.attention_torch").TorchAttentionBackend()
     # Zeroed unused slots, as allocate_kv_caches leaves them: the torch backend attends over
     # whole blocks and masks after the matmul, so NaN there would reach its output.
     query, cache, meta = _to_device(*_make_batch(MIXED_BATCH, 2, 3, 32, 16, torch.float32, "auto", seed=7,
@@ -298,9 +298,9 @@ def test_engine_greedy_tokens_match_the_torch_backend(tiny_model_dir, kv_cache_d
     (8 prompt tokens per step) and decode through the Triton backend, int8 / int4 KV written
     and read by the kernels, give the torch backend's greedy tokens. (Two KV dtypes only: the
     interpreter makes every step slow; the kernel tests above cover the others.)"""
-    from kvmesh.deploy.config import KvmeshConfig
-    from kvmesh.worker.api import GenerateRequest, SamplingParams
-    from kvmesh.worker.engine import Engine
+    from kvmesh.core.config import KvmeshConfig
+    from kvmesh.core.seams import GenerateRequest, SamplingParams
+    from kvmesh.worker.engine_loop.engine import Engine
 
     prompts = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
                "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,"]

@@ -1,4 +1,4 @@
-"""The fused Triton ops (worker/triton_ops.py) against their torch definitions (worker/torch_ops.py).
+"""The fused Triton ops (worker/modeling/triton_ops.py) against their torch definitions (worker/modeling/torch_ops.py).
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 (set before triton is imported); with
 CUDA the same tests run on the GPU.
@@ -17,9 +17,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 pytest.importorskip("triton")
 
-from kvmesh.worker import torch_ops, triton_ops  # noqa: E402
-from kvmesh.worker.errors import InvalidRequestError  # noqa: E402
-from kvmesh.worker.triton_ops import round_to, tl, triton  # noqa: E402
+from kvmesh.worker.modeling import torch_ops, triton_ops  # noqa: E402
+from kvmesh.core.errors import InvalidRequestError  # noqa: E402
+from kvmesh.worker.modeling.triton_ops import round_to, tl, triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -235,17 +235,37 @@ def test_bad_inputs_raise_typed_errors():
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter is only chosen without CUDA")
 def test_interpreter_works_when_triton_was_imported_first():
-    """transformers imports torch._dynamo, which imports triton before any kvmesh module can
-    set TRITON_INTERPRET; the kernels must still run (a fresh process, to import in that order)."""
+    """transformers imports torch._dynamo, which imports triton before a test can set
+    TRITON_INTERPRET; the kernels must still run (a fresh process, to import in that order)."""
     script = (
-        "import sys, torch, triton\n"
+        "import os, sys, torch, triton\n"
         "assert 'triton' in sys.modules\n"
-        "from kvmesh.worker import torch_ops, triton_ops\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "from kvmesh.worker.modeling import torch_ops, triton_ops\n"
         "x = torch.randn(3, 64); r = torch.randn(3, 64); w = torch.randn(64)\n"
         "out, res = triton_ops.fused_add_rms_norm(x, r, w, 1e-6)\n"
         "ref, ref_res = torch_ops.fused_add_rms_norm(x, r, w, 1e-6)\n"
         "torch.testing.assert_close(out, ref); assert torch.equal(res, ref_res)\n"
         "print('ok')\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    proc = _fresh_python_without_interpreter(script)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="without CUDA only")
+def test_import_never_sets_the_interpreter():
+    """Importing the kernels changes no process setting: without CUDA and without
+    TRITON_INTERPRET=1 the import fails with ImportError (the engine's "Triton unavailable")."""
+    script = (
+        "import os\n"
+        "try:\n"
+        "    import kvmesh.worker.modeling.triton_ops\n"
+        "except ImportError as exc:\n"
+        "    print('refused', 'TRITON_INTERPRET' in os.environ, 'CUDA' in str(exc))\n")
+    proc = _fresh_python_without_interpreter(script)
+    assert proc.stdout.strip() == "refused False True", proc.stderr[-2000:]
+
+
+def _fresh_python_without_interpreter(script: str) -> subprocess.CompletedProcess:
+    """`script` in a new interpreter whose environment lacks TRITON_INTERPRET."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)

@@ -10,11 +10,12 @@ import time
 
 import pytest
 
-from kvmesh.deploy.config import KvmeshConfig
+from kvmesh.core.config import KvmeshConfig
 from kvmesh.kv.hashing import block_extra_keys
-from kvmesh.worker.actor import ErrorReport, WorkerInfo, WorkerPoll, kill_workers, start_workers
-from kvmesh.worker.api import FinishReason, GenerateRequest, RequestDelta, SamplingParams
-from kvmesh.worker.errors import InvalidRequestError, OverloadedError, WorkerFailedError
+from kvmesh.core.seams import ErrorReport
+from kvmesh.worker.runtime.actor import WorkerInfo, WorkerPoll, kill_workers, start_workers
+from kvmesh.core.seams import FinishReason, GenerateRequest, RequestDelta, SamplingParams
+from kvmesh.core.errors import InvalidRequestError, OverloadedError, WorkerFailedError
 
 APP_NAME = "kvmesh-actor-test"
 LONG = 900  # decode steps no machine finishes before the test acts on the request
@@ -30,6 +31,11 @@ def test_error_report_round_trip():
     assert type(invalid) is InvalidRequestError and invalid.message == "bad"
     unknown = ErrorReport("NoSuchError", "boom").to_exception()
     assert isinstance(unknown, WorkerFailedError) and "boom" in unknown.message
+    # Across Ray the report travels as the request's final delta (the one channel for errors).
+    delta = ErrorReport.from_exception(OverloadedError("queue full", retry_after_s=2.5)).as_delta("r1")
+    assert delta.finished and delta.finish_reason is FinishReason.ERROR and delta.request_id == "r1"
+    again = ErrorReport.from_delta(delta).to_exception()
+    assert isinstance(again, OverloadedError) and again.retry_after_s == 2.5 and again.message == "queue full"
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +88,7 @@ def _wait_idle(handle, timeout_s: float = 30.0):
     raise AssertionError(f"worker not idle: {stats}")
 
 
+@pytest.mark.e2e
 def test_generate_streams_batches_of_deltas(worker):
     items = asyncio.run(_collect(worker, _request("batches", max_tokens=20)))
     assert items and all(isinstance(batch, list) and batch for batch in items)
@@ -92,12 +99,14 @@ def test_generate_streams_batches_of_deltas(worker):
     _wait_idle(worker)
 
 
-def test_engine_errors_arrive_as_reports(worker):
-    [report] = asyncio.run(_collect(worker, _request("too-long", max_tokens=2000)))
-    assert isinstance(report, ErrorReport) and report.error_type == "InvalidRequestError"
-    assert isinstance(report.to_exception(), InvalidRequestError)
+@pytest.mark.e2e
+def test_engine_errors_arrive_as_final_error_deltas(worker):
+    [[delta]] = asyncio.run(_collect(worker, _request("too-long", max_tokens=2000)))
+    assert delta.finished and delta.finish_reason is FinishReason.ERROR and delta.error_type == "InvalidRequestError"
+    assert isinstance(ErrorReport.from_delta(delta).to_exception(), InvalidRequestError)
 
 
+@pytest.mark.e2e
 def test_abort_ends_the_stream_and_frees_blocks(worker):
     import ray
 
@@ -117,6 +126,7 @@ def test_abort_ends_the_stream_and_frees_blocks(worker):
     assert _wait_idle(worker).num_blocks_used == 0  # every block of the request returned
 
 
+@pytest.mark.e2e
 def test_cancelling_the_ray_stream_aborts_the_request(worker):
     import ray
 
@@ -131,6 +141,7 @@ def test_cancelling_the_ray_stream_aborts_the_request(worker):
     assert ray.get(worker.abort.remote("to-cancel")) is False
 
 
+@pytest.mark.e2e
 def test_poll_and_extra_keys(worker, actor_config):
     import ray
 
@@ -144,6 +155,7 @@ def test_poll_and_extra_keys(worker, actor_config):
                                     "tenant-salt")
 
 
+@pytest.mark.e2e
 def test_pool_follows_a_killed_worker_through_its_restart(worker, actor_config):
     """Routable -> killed (not routable) -> restarted by Ray (routable again, new incarnation,
     prefix view rebuilt from the new process's events)."""
@@ -182,13 +194,14 @@ async def _until(predicate, timeout_s: float) -> None:
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.e2e
 def test_smollm2_actor_greedy_equals_engine(worker, smollm2_dir, actor_config):
     """The embedded model in a worker actor produces exactly the in-process engine's greedy
     text, for a plain prompt and a chat-templated one (the real model, so the text is sane)."""
     import concurrent.futures
 
-    from kvmesh.worker.engine import Engine
-    from kvmesh.worker.tokenizer import render_chat
+    from kvmesh.worker.engine_loop.engine import Engine
+    from kvmesh.worker.modeling.tokenizer import render_chat
 
     smol = actor_config.replace(model={"path": smollm2_dir})
     prompts = {"plain": "The capital of France is"}

@@ -1,0 +1,1 @@
+"""Bottom layer every kvmesh folder may import: config, typed errors, seams, telemetry names."""

@@ -1,0 +1,337 @@
+"""One configuration tree for kvmesh, validated on load.
+
+The CLI flags, the Serve YAML (``serveConfigV2`` args) and the Helm values all map onto these
+fields. Each component receives only its own section (``config.cache``, ``config.scheduler``,
+...). Validation happens here, at start, so a bad value fails before anything serves.
+
+    KvmeshConfig
+    ├── model          which weights, dtype, context length
+    ├── cache          paged KV cache: block size, memory budget, KV dtype, prefix cache, swap
+    ├── scheduler      batching policy and every admission / scheduling limit
+    ├── parallel       workers, tensor parallelism, device, attention backend
+    ├── quant          weight quantization
+    ├── router         ports, routing policy, admission thresholds, retry lane
+    ├── tenants        auth, quota store, tenant list
+    └── observability  tracing exporter and sampling, metrics
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _one_of(name: str, value: Any, allowed: tuple) -> None:
+    _check(value in allowed, f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # HF folder (config.json + safetensors) or a .gguf file; None = embedded SmolLM2.
+    path: str | None = None
+    # Name the API reports; None = derived from the path.
+    served_model_name: str | None = None
+    # Part of the prefix-cache extra keys: bump it when the weights at `path` change.
+    revision: str = "main"
+    dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU (fp32 is what the exactness tests need)
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    seed: int = 0
+
+    def validate(self) -> None:
+        _one_of("model.dtype", self.dtype, ("auto", "fp32", "bf16", "fp16"))
+        _check(self.max_model_len is None or self.max_model_len >= 1, "model.max_model_len must be >= 1")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    # Memory for the KV cache on CPU (GiB). On CUDA the budget comes from
+    # gpu_memory_utilization x device memory minus weights and the profiled peak activation.
+    cpu_kv_cache_gib: float = 1.0
+    gpu_memory_utilization: float = 0.80  # the articles: plan to at most ~80% of device memory
+    # Explicit block count, overriding the memory budget (tests use small pools).
+    num_blocks: int | None = None
+    kv_cache_dtype: str = "auto"  # auto = model dtype
+    enable_prefix_caching: bool = True
+    swap_space_gib: float = 0.5  # CPU swap space for swap preemption
+
+    def validate(self) -> None:
+        _check(self.block_size >= 1 and (self.block_size & (self.block_size - 1)) == 0,
+               f"cache.block_size must be a power of two >= 1, got {self.block_size}")
+        _check(self.cpu_kv_cache_gib > 0, "cache.cpu_kv_cache_gib must be > 0")
+        _check(0 < self.gpu_memory_utilization <= 1, "cache.gpu_memory_utilization must be in (0, 1]")
+        _check(self.num_blocks is None or self.num_blocks >= 1, "cache.num_blocks must be >= 1")
+        _one_of("cache.kv_cache_dtype", self.kv_cache_dtype, ("auto", "fp32", "fp16", "bf16", "int8", "fp8", "int4"))
+        _check(self.swap_space_gib >= 0, "cache.swap_space_gib must be >= 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: str = "continuous"  # continuous | static | dynamic
+    max_num_seqs: int = 64  # max_active_requests
+    max_num_batched_tokens: int = 512  # token budget of one step (decode + prefill)
+    max_prefill_tokens_per_step: int = 512  # chunked prefill: prompt tokens per step
+    max_total_kv_tokens: int | None = None  # None = the KV cache's capacity
+    max_new_tokens: int = 2048  # ceiling on a request's max_tokens
+    max_n: int = 16  # ceiling on a request's n (samples of one prompt)
+    max_queue_len: int = 1024
+    max_queue_time_s: float = 60.0
+    preemption_mode: str = "recompute"  # recompute | swap
+    static_batch_size: int = 8  # policy=static: batch formed, run to completion
+    dynamic_batch_window_s: float = 0.05  # policy=dynamic: wait this long to fill a batch
+
+    def validate(self) -> None:
+        _one_of("scheduler.policy", self.policy, ("continuous", "static", "dynamic"))
+        _one_of("scheduler.preemption_mode", self.preemption_mode, ("recompute", "swap"))
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens_per_step",
+                     "max_new_tokens", "max_n", "max_queue_len", "static_batch_size"):
+            _check(getattr(self, name) >= 1, f"scheduler.{name} must be >= 1")
+        _check(self.max_total_kv_tokens is None or self.max_total_kv_tokens >= 1,
+               "scheduler.max_total_kv_tokens must be >= 1")
+        _check(self.max_queue_time_s > 0, "scheduler.max_queue_time_s must be > 0")
+        _check(self.dynamic_batch_window_s >= 0, "scheduler.dynamic_batch_window_s must be >= 0")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    num_workers: int = 1  # engines (each one TP group)
+    tensor_parallel_size: int = 1
+    device: str = "auto"  # auto | cpu | cuda
+    attention_backend: str = "auto"  # auto = triton on CUDA, torch on CPU
+    # Ray resource each worker rank asks for, besides CPU ("GPU" on GPU nodes; tests use a
+    # custom resource to stand in for GPUs on one machine). None = no extra resource.
+    worker_resource: str | None = None
+    # CPUs each worker rank asks Ray for; None = derived from the CPUs Ray sees when the app
+    # is built (core/resources.py), so the defaults bring up every worker on the machine.
+    worker_num_cpus: float | None = None
+    # Tensor parallelism: the longest a collective or a peer rank's step may take before the
+    # step fails with WorkerFailedError and the group is rebuilt (a dead peer is usually
+    # noticed sooner, when its connection closes).
+    collective_timeout_s: float = 60.0
+    # Embedding + LM head split by vocabulary rows over the TP ranks (True) or a full copy
+    # on each (False); load_tests/bench_tp.py measures both.
+    vocab_parallel: bool = True
+    # CUDA + Triton attention, tensor_parallel_size 1: decode steps replay CUDA graphs captured
+    # at start for batch buckets up to the one holding scheduler.max_num_seqs (worker/
+    # cuda_graphs.py); false, or a capture failure, runs decode eagerly. No effect on CPU.
+    cuda_graphs: bool = True
+
+    def validate(self) -> None:
+        _check(self.num_workers >= 1, "parallel.num_workers must be >= 1")
+        _check(self.tensor_parallel_size >= 1, "parallel.tensor_parallel_size must be >= 1")
+        _one_of("parallel.device", self.device, ("auto", "cpu", "cuda"))
+        _one_of("parallel.attention_backend", self.attention_backend, ("auto", "torch", "triton"))
+        _check(self.worker_num_cpus is None or self.worker_num_cpus >= 0, "parallel.worker_num_cpus must be >= 0")
+        _check(self.collective_timeout_s > 0, "parallel.collective_timeout_s must be > 0")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    weight: str = "none"  # none | int8 | int4 | int4_awq
+    group_size: int = 128  # int4 group size
+    # Text file used for AWQ scale search and static fp8 KV scales; None = bundled corpus.
+    calibration_path: str | None = None
+
+    def validate(self) -> None:
+        _one_of("quant.weight", self.weight, ("none", "int8", "int4", "int4_awq"))
+        _one_of("quant.group_size", self.group_size, (32, 64, 128))
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    http_port: int = 8000
+    num_replicas: int = 1
+    policy: str = "prefix_aware"  # prefix_aware | least_loaded | round_robin
+    # Prefix affinity yields to load when the preferred worker's load exceeds the least
+    # loaded worker's by both of these.
+    imbalance_ratio: float = 1.5
+    imbalance_abs_tokens: int = 2048
+    # Admission: requests waiting at the router beyond the workers' budgets, and the share
+    # of that queue (and of the token budget headroom) that retries may use.
+    max_queue_len: int = 256
+    retry_lane_fraction: float = 0.2
+    stats_refresh_s: float = 0.25
+    # Longest a request waits in the router's admission queue before OverloadedError
+    # (a request's own deadline, when sooner, wins).
+    max_queue_wait_s: float = 30.0
+
+    def validate(self) -> None:
+        _one_of("router.policy", self.policy, ("prefix_aware", "least_loaded", "round_robin"))
+        _check(1 <= self.grpc_port <= 65535 or self.grpc_port == 0, "router.grpc_port out of range")
+        _check(1 <= self.http_port <= 65535 or self.http_port == 0, "router.http_port out of range")
+        _check(self.num_replicas >= 1, "router.num_replicas must be >= 1")
+        _check(self.imbalance_ratio >= 1.0, "router.imbalance_ratio must be >= 1")
+        _check(self.imbalance_abs_tokens >= 0, "router.imbalance_abs_tokens must be >= 0")
+        _check(self.max_queue_len >= 0, "router.max_queue_len must be >= 0")
+        _check(0 <= self.retry_lane_fraction <= 1, "router.retry_lane_fraction must be in [0, 1]")
+        _check(self.stats_refresh_s > 0, "router.stats_refresh_s must be > 0")
+        _check(self.max_queue_wait_s > 0, "router.max_queue_wait_s must be > 0")
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    id: str
+    # Salted hashes only ("scheme$salt$hexdigest"); plain keys never live in config.
+    api_key_hashes: tuple[str, ...] = ()
+    priority: int = 0  # lower value = served first (like vLLM's priority scheduling)
+    prompt_tokens_per_minute: int | None = None
+    output_tokens_per_minute: int | None = None
+    max_concurrent_requests: int | None = None
+    max_concurrent_kv_tokens: int | None = None
+    max_tokens_ceiling: int | None = None
+    cache_salt: str | None = None  # set = this tenant's prefix cache is isolated
+
+    def validate(self) -> None:
+        _check(bool(self.id), "tenants.tenants[].id must be non-empty")
+        for name in ("prompt_tokens_per_minute", "output_tokens_per_minute", "max_concurrent_requests",
+                     "max_concurrent_kv_tokens", "max_tokens_ceiling"):
+            v = getattr(self, name)
+            _check(v is None or v >= 1, f"tenant {self.id}: {name} must be >= 1")
+
+
+@dataclass(frozen=True)
+class TenantsConfig:
+    auth_required: bool = False  # embedded default: open, one default tenant (logged loudly)
+    redis_url: str | None = None  # None = in-process quota store
+    default_tenant: str = "default"
+    tenants: tuple[TenantConfig, ...] = ()
+    # Tenant records written by `kvmesh tenants ...` when there is no redis_url (YAML file);
+    # with redis_url they live in Redis. Either overlays `tenants` above, reloaded periodically.
+    tenants_file: str | None = None
+    tenant_refresh_s: float = 5.0
+    quota_probe_interval_s: float = 1.0  # Redis reconnect probe while on local fallback limits
+
+    def validate(self) -> None:
+        ids = [t.id for t in self.tenants]
+        _check(len(ids) == len(set(ids)), f"tenants: duplicate tenant ids in {ids}")
+        _check(self.tenant_refresh_s > 0, "tenants.tenant_refresh_s must be > 0")
+        _check(self.quota_probe_interval_s > 0, "tenants.quota_probe_interval_s must be > 0")
+        for t in self.tenants:
+            t.validate()
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    tracing_exporter: str = "none"  # none | console | otlp
+    # e.g. http://otel-collector:4317, or file:///var/log/kvmesh/spans.jsonl: OTLP/JSON lines
+    # written by every process itself, no collector (read them with `kvmesh trace`)
+    otlp_endpoint: str | None = None
+    trace_sampling_ratio: float = 1.0
+    metrics_enabled: bool = True
+
+    def validate(self) -> None:
+        _one_of("observability.tracing_exporter", self.tracing_exporter, ("none", "console", "otlp"))
+        _check(self.tracing_exporter != "otlp" or bool(self.otlp_endpoint),
+               "observability.otlp_endpoint is required when tracing_exporter is otlp")
+        _check(0 <= self.trace_sampling_ratio <= 1, "observability.trace_sampling_ratio must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class KvmeshConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    tenants: TenantsConfig = field(default_factory=TenantsConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+
+    def validate(self) -> "KvmeshConfig":
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate()
+        s = self.scheduler
+        _check(s.max_prefill_tokens_per_step <= s.max_num_batched_tokens,
+               "scheduler.max_prefill_tokens_per_step must be <= scheduler.max_num_batched_tokens")
+        return self
+
+    # ---- loading / dumping -------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "KvmeshConfig":
+        return _build(cls, data or {}, "").validate()
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "KvmeshConfig":
+        with open(path) as fh:
+            data = yaml.safe_load(fh) or {}
+        _check(isinstance(data, dict), f"{path}: top level must be a mapping")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict:
+        return _to_plain(self)
+
+    def replace(self, **sections: Any) -> "KvmeshConfig":
+        """Override fields by dotted section: cfg.replace(scheduler={"max_num_seqs": 4})."""
+        data = self.to_dict()
+        for section, values in sections.items():
+            _check(section in data, f"unknown config section {section!r}")
+            data[section].update(values)
+        return KvmeshConfig.from_dict(data)
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    _check(isinstance(data, dict), f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    _check(not unknown, f"{where or 'config'}: unknown field(s) {unknown}; known: {sorted(names)}")
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(hints[name], value, f"{where}.{name}" if where else name)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a required field is missing
+        raise ConfigError(f"{where or 'config'}: {exc}") from None
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        return _coerce(non_none[0], value, where)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    if origin is tuple:
+        _check(isinstance(value, (list, tuple)), f"{where}: expected a list, got {type(value).__name__}")
+        return tuple(_coerce(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        _check(isinstance(value, bool), f"{where}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool), f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        _check(isinstance(value, str), f"{where}: expected a string, got {value!r}")
+        return value
+    return value

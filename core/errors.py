@@ -1,0 +1,61 @@
+"""The error hierarchy kvmesh raises across its seams.
+
+Each class names what went wrong for the caller; the mapping to gRPC status codes and HTTP
+statuses lives in exactly one place (router/status_map.py). No torch import here: the router
+imports this module.
+"""
+
+from __future__ import annotations
+
+
+class KvmeshError(Exception):
+    """Base of every error kvmesh reports to a caller."""
+
+    retryable: bool = False
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidRequestError(KvmeshError):
+    """The request can never succeed as sent (bad parameter, prompt too long, ...)."""
+
+
+class UnauthenticatedError(KvmeshError):
+    """Missing or unknown API key."""
+
+
+class RetryableError(KvmeshError):
+    """Refused for now: the same request may succeed after `retry_after_s` seconds."""
+
+    retryable = True
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = float(retry_after_s)
+
+    def __reduce__(self):  # pickling (Ray actor -> router) must carry retry_after_s too
+        return (type(self), (self.message, self.retry_after_s))
+
+
+class QuotaExceededError(RetryableError):
+    """The tenant's token or concurrency limit is reached; retry after `retry_after_s`."""
+
+
+class OverloadedError(RetryableError):
+    """Capacity is exhausted right now (KV budget, queue full, queue timeout)."""
+
+
+class RequestCancelledError(KvmeshError):
+    """The request was cancelled (client gone, Cancel RPC)."""
+
+
+class DeadlineExceededError(KvmeshError):
+    """The request's deadline passed before it finished."""
+
+
+class WorkerFailedError(KvmeshError):
+    """The worker (or its model forward) failed; a retry may land on a healthy worker."""
+
+    retryable = True

@@ -1,0 +1,1 @@
+"""The engine loop: requests, admission, scheduling, engine assembly, outputs."""

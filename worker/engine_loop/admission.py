@@ -1,0 +1,208 @@
+"""Admission: who may enter the engine (bounded queue, KV token budget, queue timeout) and
+when a waiting request may join the running batch (the batching policy).
+
+The articles' rule: T_current + sum(P_new) + reserved output <= T_KV_max. Every unfinished
+request (waiting or running) reserves its prompt plus its full max_tokens at block
+granularity, K * ceil(S / K) with S = prompt + max_tokens, so an admitted request can always
+run to completion within the budget (unless the operator over-commits with
+max_total_kv_tokens above the pool, which is what preemption is for).
+
+    budget 1,024 tokens, block_size 16, reserved 960
+    new request: 40 prompt + 30 max_tokens = 70 -> 80 reserved   960 + 80 > 1024 -> Overloaded
+    new request: 900 prompt + 200 max_tokens -> 1,104 > 1,024 ever  -> InvalidRequest
+
+Blocks already resident count once. A request whose leading prompt blocks are in the
+prefix cache (or in another running request's block table) reserves only what will be newly
+allocated: `request_kv_tokens(..., cached_prompt_tokens=...)`, its uncached prompt blocks
+plus its output. The scheduler pins those cached blocks from admission to the request's end
+(kv_cache_manager.pin_prefix), so they cannot be evicted while it waits; pinned blocks no
+request's own reservation covers (a reused cached prefix, or one whose first owner has
+finished) are added once to the committed total, however many requests share them:
+
+    committed = sum(reservations) + K x (pinned blocks no reservation owns)
+
+    budget 2,048, K = 16, a 528-token prefix resident, each request 560 prompt + 8 output
+    whole prompt counted:   2 x 576 = 1,152 reserved; the fourth request is refused
+    blocks counted once:    33 x 16 shared + 2 x 48 = 624 committed for two, room for 30
+
+Refusals are explicit: a retryable OverloadedError carrying retry_after_s estimated from the
+measured drain rate (reserved tokens returned per second), or a non-retryable
+InvalidRequestError. A prompt is never truncated and max_tokens never lowered.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+
+from kvmesh.core.config import SchedulerConfig
+from kvmesh.kv.kv_cost import request_kv_tokens
+from kvmesh.core.errors import InvalidRequestError, OverloadedError
+from kvmesh.worker.engine_loop.request import Request
+
+logger = logging.getLogger(__name__)
+
+# retry_after_s when nothing has drained yet (no measurement), and its clamp range.
+DEFAULT_RETRY_AFTER_S = 1.0
+MIN_RETRY_AFTER_S = 0.05
+MAX_RETRY_AFTER_S = 60.0
+
+
+class RateMeter:
+    """Amounts recorded over a sliding window of `window_s` seconds -> amount per second."""
+
+    def __init__(self, window_s: float, clock: Callable[[], float]):
+        self.window_s = window_s
+        self._clock = clock
+        self._start = clock()
+        self._events: deque[tuple[float, float]] = deque()  # (time, amount)
+        self._sum = 0.0
+
+    def add(self, amount: float) -> None:
+        self._events.append((self._clock(), amount))
+        self._sum += amount
+
+    def rate(self) -> float:
+        now = self._clock()
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._sum -= self._events.popleft()[1]
+        # Young meters average over their lifetime, not a window they have not lived yet.
+        span_s = min(self.window_s, now - self._start)
+        return self._sum / span_s if span_s > 0 and self._events else 0.0
+
+
+class AdmissionController:
+    def __init__(self, config: SchedulerConfig, capacity_tokens: int, block_size: int, *,
+                 clock: Callable[[], float], window_s: float = 30.0):
+        self.config = config
+        self.block_size = block_size
+        self.capacity_tokens = capacity_tokens  # the pool: num_blocks * block_size
+        self.budget_tokens = config.max_total_kv_tokens or capacity_tokens
+        self.reserved_tokens = 0
+        self.num_reservations = 0
+        self.drain = RateMeter(window_s, clock)  # reserved tokens returned per second
+
+    def reservation_for(self, request: Request, cached_prompt_tokens: int = 0) -> int:
+        # One sample: the engine submits each of the n samples as its own Request.
+        return request_kv_tokens(request.num_prompt_tokens, request.sampling.max_tokens, self.block_size,
+                                 cached_prompt_tokens=cached_prompt_tokens)
+
+    def committed_tokens(self, shared_tokens: int = 0) -> int:
+        """Reservations plus the pinned shared blocks nobody's reservation covers."""
+        return self.reserved_tokens + shared_tokens
+
+    def check_valid(self, request: Request) -> None:
+        """Refusals no retry can fix on this worker. The request itself (parameters, prompt,
+        context length) was validated once on entering the process (Engine.validate)."""
+        # Over-committing (max_total_kv_tokens > the pool) is allowed, but one request must
+        # fit the pool on its own, or preemption could never make room for it.
+        limit = min(self.budget_tokens, self.capacity_tokens)
+        if self.reservation_for(request) > limit:
+            raise InvalidRequestError(
+                f"prompt ({request.num_prompt_tokens}) + max_tokens ({request.sampling.max_tokens}) needs "
+                f"{self.reservation_for(request)} KV tokens; this worker can hold at most {limit}")
+
+    def check_request_fits(self, prompt_tokens: int, sampling) -> None:
+        """All n samples of one request together must fit the budget (each reserves its own
+        blocks), or the request could wait forever: no retry can fix that."""
+        needed = request_kv_tokens(prompt_tokens, sampling.max_tokens, self.block_size, n=sampling.n)
+        limit = min(self.budget_tokens, self.capacity_tokens)
+        if needed > limit:
+            raise InvalidRequestError(
+                f"prompt ({prompt_tokens}) + max_tokens ({sampling.max_tokens}) x n ({sampling.n}) needs {needed} "
+                f"KV tokens in whole blocks of {self.block_size}; this worker can hold at most {limit}")
+
+    def check_capacity(self, request: Request, num_waiting: int, cached_prompt_tokens: int = 0,
+                       shared_tokens: int = 0) -> None:
+        """Refusals that go away as running requests finish. `cached_prompt_tokens`: the
+        request's resident prefix (pinned); `shared_tokens`: pinned blocks no reservation
+        covers, this request's pins included."""
+        needed = self.reservation_for(request, cached_prompt_tokens)
+        if num_waiting >= self.config.max_queue_len:
+            raise OverloadedError(f"queue full ({num_waiting} waiting)", self.retry_after_s(needed))
+        committed = self.committed_tokens(shared_tokens)
+        over = committed + needed - self.budget_tokens
+        if over > 0:
+            raise OverloadedError(
+                f"KV budget: {committed} of {self.budget_tokens} tokens committed, request needs {needed} "
+                f"({cached_prompt_tokens} of its prompt cached)", self.retry_after_s(over))
+
+    def retry_after_s(self, tokens_to_drain: int | None = None) -> float:
+        """Seconds until `tokens_to_drain` reserved KV tokens are likely returned, from the
+        measured drain rate; by default about one outstanding request's worth."""
+        if tokens_to_drain is None:
+            tokens_to_drain = self.reserved_tokens // self.num_reservations if self.num_reservations else 0
+        rate = self.drain.rate()
+        estimate = tokens_to_drain / rate if rate > 0 else DEFAULT_RETRY_AFTER_S
+        return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, estimate))
+
+    def reserve(self, request: Request, cached_prompt_tokens: int = 0) -> None:
+        request.reserved_kv_tokens = self.reservation_for(request, cached_prompt_tokens)
+        self.reserved_tokens += request.reserved_kv_tokens
+        self.num_reservations += 1
+
+    def top_up(self, request: Request, num_tokens: int) -> None:
+        """Grow an admitted request's reservation (blocks it was expected to share are not there)."""
+        request.reserved_kv_tokens += num_tokens
+        self.reserved_tokens += num_tokens
+
+    def release(self, request: Request) -> None:
+        self.reserved_tokens -= request.reserved_kv_tokens
+        self.num_reservations -= 1
+        self.drain.add(request.reserved_kv_tokens)
+        request.reserved_kv_tokens = 0
+
+    def is_expired(self, request: Request, now: float) -> bool:
+        """Waited past max_queue_time_s without ever being scheduled. A preempted request
+        has been served and keeps its place (rejecting it would waste its progress)."""
+        return request.first_scheduled_time is None and now - request.arrival_time > self.config.max_queue_time_s
+
+
+# ---- batching policies: which waiting requests may join the running batch, and when ------
+
+
+class BatchingPolicy:
+    """Continuous (iteration-level) batching: every waiting request is a candidate every
+    step; the scheduler's budgets and free blocks decide how many get in."""
+
+    def admission_candidates(self, waiting: list[Request], now: float) -> list[Request]:
+        return waiting
+
+    def on_finished(self, request: Request) -> None:
+        pass
+
+
+class StaticBatching(BatchingPolicy):
+    """Form a batch of up to `batch_size` from the queue head and run it until every member
+    has finished; nothing else is admitted meanwhile (members preempted mid-batch come back
+    as members). With `window_s` > 0 this is dynamic batching: a batch starts once it is full
+    or its oldest request has waited `window_s`, whichever comes first."""
+
+    def __init__(self, batch_size: int, window_s: float = 0.0):
+        self.batch_size = batch_size
+        self.window_s = window_s
+        self._members: set[str] = set()  # request ids of the current batch still unfinished
+
+    def admission_candidates(self, waiting: list[Request], now: float) -> list[Request]:
+        if self._members:
+            return [r for r in waiting if r.request_id in self._members]
+        if not waiting:
+            return []
+        oldest_wait_s = now - min(r.arrival_time for r in waiting)
+        if len(waiting) < self.batch_size and oldest_wait_s < self.window_s:
+            return []  # keep the window open: the batch may still fill
+        batch = waiting[:self.batch_size]
+        self._members = {r.request_id for r in batch}
+        return batch
+
+    def on_finished(self, request: Request) -> None:
+        self._members.discard(request.request_id)
+
+
+def make_batching_policy(config: SchedulerConfig) -> BatchingPolicy:
+    if config.policy == "static":
+        return StaticBatching(config.static_batch_size)
+    if config.policy == "dynamic":
+        return StaticBatching(config.static_batch_size, config.dynamic_batch_window_s)
+    return BatchingPolicy()

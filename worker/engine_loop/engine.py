@@ -1,0 +1,247 @@
+"""The synchronous engine: requests in, one scheduler step at a time, deltas out.
+
+    engine = Engine.from_config(KvmeshConfig())
+    engine.add_request(GenerateRequest("r1", prompt="Hello", sampling=SamplingParams(max_tokens=8)))
+    while engine.has_unfinished():
+        for delta in engine.step():
+            print(delta.text, end="")
+
+One step (the whole loop is these lines; policy lives in the scheduler, tensors in the runner):
+
+    schedule -> block copies (swap/COW) -> forward + sample -> scheduler bookkeeping
+             -> detokenize + stop checks -> finish stopped requests -> deltas
+
+A forward that raises fails only the requests of that step (FAILED, blocks freed, an error
+delta each) and the engine keeps serving. Not thread-safe: one owner drives it (the
+AsyncEngine's step thread, or a script).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+
+from kvmesh.core.config import KvmeshConfig
+from kvmesh.kv.hashing import block_extra_keys
+from kvmesh.core.seams import (FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats,
+                               check_fits_context)
+from kvmesh.worker.engine_loop.engine_setup import EngineParts, build_engine_parts
+from kvmesh.core.errors import InvalidRequestError
+from kvmesh.worker.engine_loop.output_processor import OutputProcessor
+from kvmesh.worker.engine_loop.request import Request, RequestStatus
+from kvmesh.worker.engine_loop.scheduler import Scheduler
+from kvmesh.core.step_phases import StepPhaseClock
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, config: KvmeshConfig, parts: EngineParts, worker_id: str = "worker-0"):
+        self.config = config
+        self.worker_id = worker_id
+        self.parts = parts
+        self.runner = parts.runner
+        self.tokenizer = parts.tokenizer
+        self.model_name = parts.model_name
+        self.max_model_len = parts.max_model_len
+        self.block_size = parts.plan.block_size
+        self.scheduler = Scheduler(config.scheduler, parts.kv_manager)
+        self.outputs = OutputProcessor(parts.tokenizer, parts.eos_token_ids, parts.max_model_len)
+        self._live: dict[str, Request] = {}  # internal id -> request, until its final delta
+        self._children: dict[str, list[str]] = {}  # external id -> internal ids (n > 1)
+        self._vocab_size = int(parts.hf_config.vocab_size)
+        self._ids = itertools.count()
+        self.num_forward_tokens = 0  # tokens run through the model since start (tests count these)
+        self.num_failed_steps = 0
+        self.last_step_idle = False  # the last step ran nothing (batching window open, n > 1 gate)
+        # Phase timing of every step (core/step_phases.py); the runner marks its own phases.
+        self.phase_clock = StepPhaseClock()
+        self.runner.phase_clock = self.phase_clock
+
+    @classmethod
+    def from_config(cls, config: KvmeshConfig | None = None, worker_id: str = "worker-0") -> "Engine":
+        config = (config or KvmeshConfig()).validate()
+        return cls(config, build_engine_parts(config, worker_id), worker_id)
+
+    # ---- requests in ------------------------------------------------------------------
+
+    def block_extra_keys(self, cache_salt: str | None = None) -> tuple[str, ...]:
+        return block_extra_keys(self.model_name, self.config.model.revision, self.parts.kv_cache_dtype, cache_salt)
+
+    def tokenize(self, request: GenerateRequest) -> list[int]:
+        if (request.prompt is None) == (request.prompt_token_ids is None):
+            raise InvalidRequestError("send exactly one of prompt and prompt_token_ids")
+        if request.prompt is not None:
+            if not isinstance(request.prompt, str) or request.prompt == "":
+                raise InvalidRequestError("the prompt is empty")
+            return list(self.tokenizer.encode(request.prompt, add_special_tokens=False))
+        ids = list(request.prompt_token_ids)
+        bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= self._vocab_size]
+        if bad:
+            raise InvalidRequestError(f"unknown token ids {bad[:5]} (vocab size {self._vocab_size})")
+        return ids
+
+    def validate(self, request: GenerateRequest) -> list[int]:
+        """Every check that needs no scheduler state, the only validation of a request in the
+        worker process (the scheduler's admission checks capacity only); returns the prompt ids."""
+        if not request.request_id:
+            raise InvalidRequestError("request_id must be non-empty")
+        request.sampling.validate(self.config.scheduler.max_new_tokens, self.config.scheduler.max_n)
+        prompt_ids = self.tokenize(request)
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty")
+        check_fits_context(len(prompt_ids), request.sampling.max_tokens, self.max_model_len)
+        self.scheduler.admission.check_request_fits(len(prompt_ids), request.sampling)
+        return prompt_ids
+
+    def add_request(self, request: GenerateRequest, prompt_ids: list[int] | None = None) -> None:
+        """Queue a request or raise InvalidRequestError / OverloadedError (nothing held then)."""
+        if request.request_id in self._children:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
+        if prompt_ids is None:
+            prompt_ids = self.validate(request)
+        n = request.sampling.n
+        group = f"{request.request_id}#{next(self._ids)}" if n > 1 else None
+        members = [Request(request_id=f"{request.request_id}" if n == 1 else f"{group}/{i}",
+                           prompt_token_ids=prompt_ids, sampling=request.sampling,
+                           arrival_time=self.scheduler.clock(), priority=request.priority,
+                           tenant_id=request.tenant_id,
+                           extra_keys=self.block_extra_keys(request.cache_salt), group_id=group, sample_index=i)
+                   for i in range(n)]
+        added: list[Request] = []
+        try:
+            for member in members:
+                self.scheduler.add_request(member)
+                added.append(member)
+        except Exception:
+            self.scheduler.abort_requests([m.request_id for m in added])
+            raise
+        now = time.time()
+        for member in members:
+            self._live[member.request_id] = member
+            self.outputs.add(member, request.request_id, now)
+        self._children[request.request_id] = [m.request_id for m in members]
+
+    def abort(self, request_id: str) -> list[RequestDelta]:
+        """Cancel a request (all its samples); unknown ids are a no-op. Returns final deltas."""
+        internal = self._children.get(request_id, [])
+        aborted = self.scheduler.abort_requests(internal, RequestStatus.CANCELLED)
+        return [self._close(r, FinishReason.ABORT) for r in aborted]
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestDelta]:
+        clock = self.phase_clock
+        clock.begin()
+        sched_out = self.scheduler.schedule()
+        clock.lap("schedule")
+        deltas = [self._close_finished(f.request_id, f.status) for f in sched_out.finished]
+        deltas = [d for d in deltas if d is not None]
+        self.last_step_idle = sched_out.is_empty
+        if sched_out.is_empty:
+            return deltas
+        for entry in sched_out.scheduled:
+            self.outputs.mark_scheduled(entry.request)
+        try:
+            self.runner.apply_block_ops(sched_out)
+            result = self.runner.execute(sched_out.scheduled, self.outputs.sampling_row)
+        except Exception as exc:  # the forward failed: fail this step's requests, keep serving
+            deltas += self._fail_step(sched_out, exc)
+            clock.end(sched_out, failure=exc)
+            return deltas
+        self.num_forward_tokens += result.num_tokens
+        self.scheduler.update_from_output(sched_out, result.sampled)
+        stopped: list[tuple[Request, FinishReason, RequestDelta]] = []
+        for entry in sched_out.scheduled:
+            req = entry.request
+            token = result.sampled.get(req.request_id)
+            if token is None:
+                continue
+            delta, reason = self.outputs.on_token(req, token, result.logprobs.get(req.request_id))
+            if reason is None:
+                deltas.append(delta)
+            else:
+                stopped.append((req, reason, delta))
+        if stopped:
+            self.scheduler.finish_requests([r.request_id for r, _, _ in stopped], RequestStatus.FINISHED)
+            for req, reason, delta in stopped:
+                final = self._close(req, reason)
+                deltas.append(dataclasses.replace(final, text=delta.text + final.text, token_ids=delta.token_ids,
+                                                  logprobs=delta.logprobs))
+        clock.lap("output")
+        clock.end(sched_out)
+        return deltas
+
+    def _fail_step(self, sched_out, exc: Exception) -> list[RequestDelta]:
+        self.num_failed_steps += 1
+        logger.exception("model forward failed; failing the %d requests of this step", len(sched_out.scheduled))
+        ids = [e.request_id for e in sched_out.scheduled]
+        failed = self.scheduler.finish_requests(ids, RequestStatus.FAILED)
+        msg = f"model forward failed: {type(exc).__name__}: {exc}"
+        if getattr(self.runner, "kv_lost", False):  # a tensor-parallel rank died with its KV shard
+            failed += self.scheduler.finish_requests(list(self._live), RequestStatus.FAILED)
+            self.scheduler.kv.reset_prefix_cache()
+            self.runner.kv_lost = False
+        return [self._close(r, FinishReason.ERROR, error=msg, error_type="WorkerFailedError") for r in failed]
+
+    def _close_finished(self, internal_id: str, status: RequestStatus) -> RequestDelta | None:
+        """A request the scheduler ended on its own (queue timeout) or one already closed."""
+        req = self._live.get(internal_id)
+        if req is None or not req.status.is_finished:
+            # Closed by the engine already (stop, abort, failure), or the id now names a new
+            # request added after this one ended and before the scheduler reported it.
+            return None
+        if status == RequestStatus.REJECTED:
+            return self._close(req, FinishReason.ERROR, error="request waited longer than max_queue_time_s",
+                               error_type="OverloadedError",
+                               retry_after_s=self.scheduler.admission.retry_after_s())
+        return self._close(req, FinishReason.ABORT)
+
+    def _close(self, req: Request, reason: FinishReason, **error) -> RequestDelta:
+        self._live.pop(req.request_id, None)
+        delta = self.outputs.final_delta(req, reason, **error)
+        ext = delta.request_id
+        siblings = self._children.get(ext)
+        if siblings is not None:
+            siblings.remove(req.request_id)
+            if not siblings:
+                del self._children[ext]
+        return delta
+
+    # ---- what the router sees ----------------------------------------------------------
+
+    def stats(self) -> WorkerStats:
+        return worker_stats(self.scheduler, self.worker_id)
+
+    def prefix_events(self, since_seq: int) -> PrefixEventBatch:
+        return self.scheduler.kv.events_since(since_seq)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def close(self) -> None:
+        """Release what outlives a Python reference: tensor-parallel rank actors, if any."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def worker_stats(scheduler: Scheduler, worker_id: str) -> WorkerStats:
+    """What the router sees of one engine's scheduler (also used by load_tests/routing_sim.py,
+    whose simulated engines run the real scheduler)."""
+    s = scheduler.stats()
+    kv = s.kv
+    return WorkerStats(
+        worker_id=worker_id, healthy=True, block_size=kv.block_size,
+        num_blocks_total=kv.num_blocks_total, num_blocks_used=kv.num_blocks_used,
+        num_blocks_cached=kv.num_blocks_cached, num_blocks_free=kv.num_blocks_free,
+        kv_tokens_used=s.kv_tokens_used, kv_tokens_capacity=s.kv_tokens_budget,
+        kv_tokens_reserved=s.kv_tokens_reserved, num_running=s.num_running, num_waiting=s.num_waiting,
+        queued_prompt_tokens=s.queued_prompt_tokens, prefix_cache_hit_rate=s.prefix_cache_hit_rate,
+        output_tokens_per_s=s.output_tokens_per_s, num_preemptions_recompute=s.num_preemptions_recompute,
+        num_preemptions_swap=s.num_preemptions_swap, prefix_event_seq=scheduler.kv.events.next_seq)

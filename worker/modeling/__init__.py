@@ -1,0 +1,1 @@
+"""The model and what runs it: layers, attention, kernels, loader, runner, sampler."""

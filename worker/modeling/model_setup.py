@@ -1,0 +1,114 @@
+"""One rank's model from the config: device, dtype, attention backend, weights, KV cache.
+
+Every tensor-parallel rank resolves the model the same way (`resolve_model`), loads its
+shard (`load_model`) and allocates its KV cache (`allocate_rank_caches`); rank 0 then builds
+the engine around its runner (worker/engine_loop/engine_setup.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvmesh.core.config import ConfigError, KvmeshConfig
+from kvmesh.quant.linear import quantize_model
+from kvmesh.worker.modeling.awq_calibration import awq_results_for
+from kvmesh.worker.modeling.attention import LayerKVCache
+from kvmesh.worker.modeling.attention_torch import TorchAttentionBackend
+from kvmesh.worker.modeling.model import LlamaForCausalLM
+from kvmesh.worker.modeling.model_loader import ensure_hf_dir, load_hf_config, load_state_dict
+from kvmesh.worker.modeling.model_runner import TORCH_DTYPES, allocate_kv_caches, kv_storage_dtype
+
+
+def pick_device(config: KvmeshConfig) -> torch.device:
+    want = config.parallel.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("parallel.device=cuda but torch sees no CUDA device")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def pick_dtype(config: KvmeshConfig, device: torch.device) -> torch.dtype:
+    if config.model.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return TORCH_DTYPES[config.model.dtype]
+
+
+def pick_backend(config: KvmeshConfig, device: torch.device):
+    want = config.parallel.attention_backend
+    if want == "triton" or (want == "auto" and device.type == "cuda"):
+        try:
+            from kvmesh.worker.modeling.attention_triton import TritonAttentionBackend  # triton is optional
+        except ImportError as exc:
+            if want == "triton":
+                raise ConfigError(f"attention_backend=triton but Triton is unavailable: {exc}") from exc
+        else:
+            return TritonAttentionBackend()
+    return TorchAttentionBackend()
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What every tensor-parallel rank resolves the same way from the config."""
+
+    hf_dir: Path
+    name: str
+    hf_config: object
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+
+
+def resolve_model(config: KvmeshConfig) -> ModelSpec:
+    resolved = ensure_hf_dir(config.model)
+    hf_config = load_hf_config(resolved.hf_dir)
+    device = pick_device(config)
+    if device.type == "cpu":
+        # One intra-op thread per CPU the worker is given: OpenMP threads spin-wait, and on a
+        # shared box (router, other workers, clients) oversubscribed spinning made matmuls
+        # up to 30x slower than one thread (measured on the 2-core CI machines).
+        torch.set_num_threads(max(1, int(config.parallel.worker_num_cpus or 1)))  # None: outside Ray
+    dtype = pick_dtype(config, device)
+    native_len = int(getattr(hf_config, "max_position_embeddings", 2048))
+    max_model_len = config.model.max_model_len or native_len
+    if max_model_len > native_len:
+        raise ConfigError(f"model.max_model_len {max_model_len} exceeds the model's {native_len} positions")
+    return ModelSpec(Path(resolved.hf_dir), resolved.name, hf_config, device, dtype, max_model_len)
+
+
+def load_model(config: KvmeshConfig, spec: ModelSpec, coll=None, awq=None) -> LlamaForCausalLM:
+    """This rank's model: the whole model at world size 1, its shard under tensor parallelism
+    (`coll` from worker/modeling/distributed.py). Quantized projections are quantized whole, then cut.
+
+    awq: int4_awq search results (worker/modeling/awq_calibration.py); None at world size 1 means
+    calibrate this model here (or take the cached results)."""
+    model = LlamaForCausalLM(spec.hf_config, spec.max_model_len, coll, config.parallel.vocab_parallel)
+    state = load_state_dict(spec.hf_dir)
+    sharded_quant = config.quant.weight != "none" and model.coll.world_size > 1
+    if sharded_quant:
+        state = model.install_quantized_shards(state, config.quant, spec.dtype, awq)
+    model.load_hf_state_dict(state)
+    model.to(dtype=spec.dtype)
+    model.rotary.to(torch.float32)  # rope tables stay fp32, cast per use like HF
+    if config.quant.weight != "none" and not sharded_quant:
+        if config.quant.weight == "int4_awq" and awq is None:
+            model.to(spec.device).eval()  # calibrate where the model will run
+            awq = awq_results_for(config, spec, pick_backend(config, spec.device), lambda: model)
+        quantize_model(model, config.quant, awq)
+    return model.to(spec.device).eval()
+
+
+def allocate_rank_caches(config: KvmeshConfig, spec: ModelSpec, model, num_blocks: int, num_swap_blocks: int
+                         ) -> tuple[list[LayerKVCache], list[LayerKVCache] | None]:
+    """This rank's KV cache (its KV heads) and swap space, same block ids on every rank."""
+    storage = kv_storage_dtype(config.cache.kv_cache_dtype, spec.dtype)
+    layers, hkv, bs = spec.hf_config.num_hidden_layers, model.num_kv_heads, config.cache.block_size
+    kv_caches = allocate_kv_caches(layers, num_blocks, bs, hkv, model.head_dim, storage, spec.device)
+    swap_caches: list[LayerKVCache] | None = None
+    if num_swap_blocks > 0:
+        swap_caches = allocate_kv_caches(layers, num_swap_blocks, bs, hkv, model.head_dim, storage,
+                                         torch.device("cpu"), pin=spec.device.type == "cuda")
+    return kv_caches, swap_caches

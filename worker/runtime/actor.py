@@ -1,0 +1,238 @@
+"""The Ray actor that wraps one AsyncEngine: what the router sees of a worker.
+
+One actor per GPU (later: per tensor-parallel group). The router reaches it only through
+the public async methods below; everything crosses Ray as the plain dataclasses of
+`core/seams.py` plus the two small records defined here.
+
+Why these choices:
+
+* Named, detached actors (`kvmesh-<app>-worker-<i>` in the `kvmesh` namespace) created
+  with `get_if_exists=True`: every router replica finds the *same* workers, so N router
+  replicas agree on who holds which prefix without any router-side global state. Detached,
+  because a router replica restart must not kill the engines; `kvmesh serve` (and the test
+  fixtures) kill them explicitly on shutdown (`kill_workers`).
+* `max_restarts=-1`: Ray restarts a killed or crashed worker; the router learns of the
+  outage from `RayActorError` and from failed stats polls, and of the new incarnation from
+  `WorkerInfo.incarnation` (which resets what it knew of that worker's prefix cache).
+* `max_task_retries=0`: Ray must not replay a `generate` on the restarted actor; only the
+  client knows whether a retry is wanted (it gets UNAVAILABLE and retries, possibly on
+  another worker).
+* `generate` is an async generator, called with `num_returns="streaming"`: Ray ships each
+  yielded item as it is produced. Each item is a *list* of deltas: whatever the engine
+  produced while the previous item was in flight, so a slow consumer costs fewer Ray
+  objects, not more latency.
+* Errors cross the actor boundary as values on the one delta channel: a refusal or failure
+  is the request's final delta with finish_reason ERROR and the error's type, message and
+  retry-after (`ErrorReport.as_delta`), never a raised exception: Ray wraps raised exceptions
+  in RayTaskError and kvmesh's errors carry constructor arguments (`retry_after_s`) that
+  Ray's exception re-creation drops. An exception from a Ray stream therefore always means
+  "the worker itself failed".
+* Cancelling the consumer (`ray.cancel` on the stream, which cancels the actor task) and
+  `abort(request_id)` both end the request in the engine and free its KV blocks.
+* Telemetry lives in this process: the actor sets up its own TracerProvider from
+  `config.observability` and records the kvmesh.worker.* spans as children of the router's
+  span carried in `GenerateRequest.trace_context` (one trace across processes), with one
+  span per prefill chunk from the engine's step reports (a StepPhaseClock observer, no
+  wrapping of engine methods); the same reports feed an EngineMetrics (step phases, batch
+  mix, per-tenant compute, memory probes) whose snapshot rides along in each WorkerPoll.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvmesh.core.config import KvmeshConfig
+from kvmesh.core.resources import resolve_worker_num_cpus
+from kvmesh.core import errors
+from kvmesh.core import telemetry
+from kvmesh.core.seams import (ErrorReport, FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta,
+                               RequestTimings, WorkerStats)
+
+logger = logging.getLogger(__name__)
+
+WORKER_NAMESPACE = "kvmesh"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Static facts about one worker incarnation (a restart yields a new `incarnation`)."""
+
+    worker_id: str
+    incarnation: str
+    model_name: str
+    block_size: int
+    # The Ray node (hex id) this incarnation runs on: where Ray placed it, and after a node
+    # loss, where Ray restarted it.
+    node_id: str = ""
+    # The context length requests are validated against (model.max_model_len, else the
+    # model's own positions): what ListModels reports.
+    max_model_len: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerPoll:
+    """What the router's pool refreshes every `router.stats_refresh_s`, in one call."""
+
+    info: WorkerInfo
+    stats: WorkerStats
+    prefix_events: PrefixEventBatch
+    metrics_snapshot: bytes = b""  # EngineMetrics.snapshot(): Prometheus text format
+
+
+def worker_actor_name(app_name: str, index: int) -> str:
+    return f"kvmesh-{app_name}-worker-{index}"
+
+
+class WorkerActor:
+    """Wraps one AsyncEngine. Create it with `start_workers` (named, detached, restartable)."""
+
+    def __init__(self, config_dict: dict, worker_id: str):
+        # The engine (and torch) load here, in the worker process, never in the router.
+        from kvmesh.worker.runtime.async_engine import AsyncEngine
+
+        self._config = KvmeshConfig.from_dict(config_dict)
+        self._engine = AsyncEngine.from_config(self._config, worker_id=worker_id)
+        self._info = WorkerInfo(worker_id=worker_id, incarnation=uuid.uuid4().hex,
+                                model_name=self._engine.model_name, block_size=self._engine.block_size,
+                                node_id=_current_node_id(), max_model_len=self._engine.engine.max_model_len)
+        self._streaming: set[str] = set()  # request ids with a live `generate` stream
+        self._tracer = telemetry.get_tracer(telemetry.setup_tracing(self._config.observability, "kvmesh-worker"))
+        engine = self._engine.engine
+        plan = engine.parts.plan
+        swap_bytes = plan.num_swap_blocks * plan.block_size * plan.kv_bytes_per_token
+        self._metrics = telemetry.EngineMetrics(
+            worker_id, telemetry.ModelInfo.of_engine(engine, self._config), device=engine.parts.device,
+            tensor_bytes=plan.weight_bytes + plan.kv_cache_bytes + swap_bytes, kv_pool_bytes=plan.kv_cache_bytes)
+        self._step_log = telemetry.RequestStepLog()
+        engine.phase_clock.observers += [self._metrics.observe_step_report, self._step_log.observe_step_report]
+        logger.info("worker %s up (incarnation %s, model %s)", worker_id, self._info.incarnation,
+                    self._info.model_name)
+
+    async def info(self) -> WorkerInfo:
+        return self._info
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[list[RequestDelta]]:
+        """Stream the request's deltas in batches (the engine's one queue for this request). A
+        refusal or failure ends the stream with a final error delta. Closing or cancelling this
+        generator aborts the request."""
+        if request.request_id in self._streaming:
+            # Refused before anything is touched: the request streaming under this id is
+            # another client's and must keep running (and stay known to `abort`).
+            refusal = ErrorReport("InvalidRequestError", f"request id {request.request_id!r} is already in flight")
+            yield [refusal.as_delta(request.request_id)]
+            return
+        arrived_at = time.time()
+        final: RequestDelta | None = None  # the last sample's final delta: timings + usage
+        self._streaming.add(request.request_id)
+        try:
+            async with contextlib.aclosing(self._engine.generate_batches(request)) as batches:
+                async for batch in batches:
+                    for delta in batch:
+                        if delta.finished and delta.sample_index >= request.sampling.n - 1:
+                            final = delta
+                    yield batch
+        except errors.KvmeshError as exc:
+            yield [ErrorReport.from_exception(exc).as_delta(request.request_id)]
+        except Exception as exc:  # a model failure: report it, keep the actor alive
+            logger.exception("request %s failed in the engine", request.request_id)
+            yield [ErrorReport("WorkerFailedError", f"engine failure: {exc!r}").as_delta(request.request_id)]
+        finally:
+            self._streaming.discard(request.request_id)
+            self._record_spans(request, final, arrived_at)
+
+    def _record_spans(self, request: GenerateRequest, final: RequestDelta | None, arrived_at: float) -> None:
+        """kvmesh.worker.* spans for the request, in this process; a request that never got a
+        final delta (cancelled, refused) still gets its generate span, marked abort/error."""
+        steps = self._step_log.pop(request.request_id)
+        try:
+            if final is not None and final.timings is not None:
+                telemetry.record_worker_spans(self._tracer, request, final.timings, final.usage,
+                                              final.finish_reason, steps, self._info.block_size)
+            else:
+                telemetry.record_worker_spans(self._tracer, request,
+                                              RequestTimings(arrival_time=arrived_at, finished_time=time.time()),
+                                              None, FinishReason.ABORT, steps, self._info.block_size)
+        except Exception:  # telemetry must never fail a request
+            logger.exception("recording spans of %s failed", request.request_id)
+
+    async def poll(self, since_prefix_seq: int) -> WorkerPoll:
+        # The *_async reads wait for the engine lock in a thread, never on this event loop.
+        stats = await self._engine.stats_async()
+        window = await self._engine.scheduler_stats_async()
+        self._metrics.set_kv_window(window.peak_kv_tokens, window.mean_kv_tokens)
+        return WorkerPoll(self._info, stats, await self._engine.prefix_events_async(since_prefix_seq),
+                          self._metrics.snapshot())
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request; True when this worker was streaming it (its stream then ends
+        with finish_reason ABORT). Unknown ids are a no-op."""
+        known = request_id in self._streaming
+        await self._engine.abort(request_id)
+        return known
+
+    async def stats(self) -> WorkerStats:
+        return await self._engine.stats_async()
+
+    async def prefix_events(self, since_seq: int) -> PrefixEventBatch:
+        return await self._engine.prefix_events_async(since_seq)
+
+    async def block_extra_keys(self, cache_salt: str | None) -> tuple[str, ...]:
+        return self._engine.block_extra_keys(cache_salt)
+
+    async def shutdown(self) -> None:
+        await self._engine.shutdown()
+
+
+def _current_node_id() -> str:
+    """The Ray node id of this process ("" outside Ray, e.g. an actor class used directly)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+
+
+def worker_actor_options(config: KvmeshConfig, app_name: str, index: int) -> dict:
+    """Ray actor options for worker `index`: named, detached, restarted by Ray."""
+    parallel = config.parallel
+    resources = {parallel.worker_resource: 1.0} if parallel.worker_resource else {}
+    options = dict(name=worker_actor_name(app_name, index), namespace=WORKER_NAMESPACE,
+                   lifetime="detached", get_if_exists=True, max_restarts=-1, max_task_retries=0,
+                   num_cpus=parallel.worker_num_cpus, resources=resources,
+                   max_concurrency=max(1000, 4 * config.scheduler.max_num_seqs))
+    if parallel.worker_resource == "GPU":  # Ray's GPU is its own option, one per TP rank
+        options["num_gpus"] = parallel.tensor_parallel_size
+        options["resources"] = {}
+    return options
+
+
+def start_workers(config: KvmeshConfig, app_name: str) -> list:
+    """Create (or find, when another router replica already did) the worker actors."""
+    import ray
+
+    if config.parallel.worker_num_cpus is None:  # not resolved by the app builder: fit the cluster
+        config = resolve_worker_num_cpus(config, ray.cluster_resources().get("CPU", 0.0), router_cpus=0.0)
+    remote_class = ray.remote(WorkerActor)
+    handles = []
+    for index in range(config.parallel.num_workers):
+        options = worker_actor_options(config, app_name, index)
+        handles.append(remote_class.options(**options).remote(config.to_dict(), f"worker-{index}"))
+    return handles
+
+
+def kill_workers(config: KvmeshConfig, app_name: str) -> int:
+    """Kill the app's detached workers for good; returns how many were found."""
+    import ray
+
+    killed = 0
+    for index in range(config.parallel.num_workers):
+        try:
+            handle = ray.get_actor(worker_actor_name(app_name, index), namespace=WORKER_NAMESPACE)
+        except ValueError:
+            continue
+        ray.kill(handle, no_restart=True)
+        killed += 1
+    return killed

@@ -1,0 +1,211 @@
+"""asyncio front of the engine: a background step thread, one stream per request.
+
+    engine = AsyncEngine.from_config(KvmeshConfig())
+    async for delta in engine.generate(GenerateRequest("r1", prompt="Hi")):
+        print(delta.text, end="")
+
+The step thread is the engine's only owner (TGI's lesson: one owner for mutable state). The
+event loop talks to it through an inbox of commands and gets deltas back through
+`loop.call_soon_threadsafe`, so the loop never blocks on a model forward. Validation errors
+(InvalidRequestError) and admission refusals (OverloadedError) are raised by `generate`
+before its first delta. Cancelling the consuming task, or closing the generator early, aborts
+the request in the engine and frees its KV blocks.
+
+Each request has one queue, filled by the step thread; `generate_batches` hands out
+everything that queue holds at once (the actor ships such batches over Ray), `generate` the
+same deltas one by one. Step timing goes to an `on_step(seconds)` hook, called from the step
+thread after every step that did work.
+
+`stats()` / `prefix_events()` are exact reads taken between steps under the engine lock
+(they wait for at most one step); async code should use `stats_async()` /
+`prefix_events_async()`, which wait in a worker thread instead of the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from kvmesh.core.config import KvmeshConfig
+from kvmesh.core.seams import GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats
+from kvmesh.worker.engine_loop.engine import Engine
+from kvmesh.core.errors import InvalidRequestError, KvmeshError
+from kvmesh.worker.engine_loop.scheduler import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05  # how long the idle step thread sleeps between inbox checks
+_BLOCKED_WAIT_S = 0.002  # pause when requests exist but the scheduler ran nothing
+
+
+@dataclass
+class _Add:
+    request: GenerateRequest
+    prompt_ids: list[int]
+    loop: asyncio.AbstractEventLoop
+    accepted: asyncio.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, on_step: Callable[[float], None] | None = None):
+        self.engine = engine
+        self._on_step = on_step  # seconds of each step that did work (the worker's step-time metric)
+        self.model_name = engine.model_name
+        self.block_size = engine.block_size
+        self.tokenizer = engine.tokenizer
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._lock = threading.Lock()  # held by the step thread while it touches the engine
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvmesh-engine-step", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: KvmeshConfig | None = None, worker_id: str = "worker-0",
+                    on_step: Callable[[float], None] | None = None) -> "AsyncEngine":
+        return cls(Engine.from_config(config, worker_id), on_step)
+
+    def block_extra_keys(self, cache_salt: str | None = None) -> tuple[str, ...]:
+        return self.engine.block_extra_keys(cache_salt)
+
+    # ---- requests -----------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestDelta]:
+        """Async generator of deltas; errors raise on the first iteration, before any delta."""
+        async with contextlib.aclosing(self.generate_batches(request)) as batches:
+            async for batch in batches:
+                for delta in batch:
+                    yield delta
+
+    async def generate_batches(self, request: GenerateRequest) -> AsyncIterator[list[RequestDelta]]:
+        """Like `generate`, but each item is every delta that arrived since the previous item
+        (at least one): a slow consumer takes fewer, larger batches instead of falling behind."""
+        if request.request_id in self._streams:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
+        prompt_ids = self.engine.validate(request)  # pure checks + tokenization, no engine state
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request.request_id] = (loop, stream)
+        accepted = loop.create_future()
+        self._inbox.put(_Add(request, prompt_ids, loop, accepted))
+        self._wakeup.set()
+        remaining = request.sampling.n
+        try:
+            await accepted  # raises OverloadedError / InvalidRequestError from the scheduler
+            while remaining:
+                batch = [await stream.get()]
+                while not stream.empty():
+                    batch.append(stream.get_nowait())
+                remaining -= sum(delta.finished for delta in batch)
+                yield batch
+        finally:
+            self._streams.pop(request.request_id, None)
+            refused = accepted.done() and not accepted.cancelled() and accepted.exception() is not None
+            if remaining and not refused:
+                # the consumer left early (cancelled or closed): free the request's blocks. The
+                # abort queues behind the add, so it lands even if the add is still pending.
+                self._inbox.put(_Abort(request.request_id))
+                self._wakeup.set()
+
+    async def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+        self._wakeup.set()
+
+    # ---- reads --------------------------------------------------------------------------
+
+    def stats(self) -> WorkerStats:
+        with self._lock:
+            return self.engine.stats()
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """The scheduler's own figures (KV peak / mean over its window) for the worker's metrics."""
+        with self._lock:
+            return self.engine.scheduler.stats()
+
+    def prefix_events(self, since_seq: int) -> PrefixEventBatch:
+        with self._lock:
+            return self.engine.prefix_events(since_seq)
+
+    async def stats_async(self) -> WorkerStats:
+        return await asyncio.to_thread(self.stats)
+
+    async def scheduler_stats_async(self) -> SchedulerStats:
+        return await asyncio.to_thread(self.scheduler_stats)
+
+    async def prefix_events_async(self, since_seq: int) -> PrefixEventBatch:
+        return await asyncio.to_thread(self.prefix_events, since_seq)
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        self._wakeup.set()
+        await asyncio.to_thread(self._thread.join, 10)
+        await asyncio.to_thread(self.engine.close)
+
+    # ---- the step thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                deltas = self._drain_inbox()
+                busy = self.engine.has_unfinished()
+                if busy:
+                    started_s = time.perf_counter()
+                    try:
+                        deltas += self.engine.step()
+                    except Exception:  # a bug outside the forward: keep the thread alive, fail loudly
+                        logger.exception("engine step failed outside the model forward")
+                    finally:
+                        if self._on_step is not None and not self.engine.last_step_idle:  # idle: no work
+                            self._on_step(time.perf_counter() - started_s)
+            self._dispatch(deltas)
+            if not busy:
+                self._wakeup.wait(_IDLE_WAIT_S)
+                self._wakeup.clear()
+            elif self.engine.last_step_idle:  # requests wait on a window or a sibling: don't spin
+                self._wakeup.wait(_BLOCKED_WAIT_S)
+                self._wakeup.clear()
+
+    def _drain_inbox(self) -> list[RequestDelta]:
+        deltas: list[RequestDelta] = []
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return deltas
+            if isinstance(cmd, _Add):
+                try:
+                    self.engine.add_request(cmd.request, cmd.prompt_ids)
+                except KvmeshError as exc:
+                    cmd.loop.call_soon_threadsafe(_settle, cmd.accepted, exc)
+                else:
+                    cmd.loop.call_soon_threadsafe(_settle, cmd.accepted, None)
+            else:
+                deltas += self.engine.abort(cmd.request_id)
+
+    def _dispatch(self, deltas: list[RequestDelta]) -> None:
+        for delta in deltas:
+            target = self._streams.get(delta.request_id)
+            if target is not None:
+                loop, stream = target
+                loop.call_soon_threadsafe(stream.put_nowait, delta)
+
+
+def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)
