@@ -258,7 +258,7 @@ def test_dashboard_and_alerts_query_only_kvmesh_metrics_the_code_defines(chart):
 
     names = grafana_dashboard.queried_metric_names(grafana_dashboard.dashboard_json())
     names |= grafana_dashboard.queried_metric_names(yaml.safe_dump(_prometheus_rule(chart)))
-    source = "".join(p.read_text() for p in (REPO / "router" / "metrics.py", REPO / "worker" / "telemetry.py"))
+    source = "".join(p.read_text() for p in (REPO / "router" / "metrics.py", REPO / "core" / "telemetry.py"))
     suffixes = ("_bucket", "_sum", "_count", "_total")
     bases = {next((n[:-len(s)] for s in suffixes if n.endswith(s)), n).removeprefix("kvmesh_") for n in names}
     missing = sorted(b for b in bases if f'"{b}"' not in source and f'"{b}":' not in source)
