@@ -73,10 +73,27 @@ def pick_device(config: KvmeshConfig) -> torch.device:
     return torch.device("cpu")
 
 
+def cpu_has_native_bf16() -> bool:
+    """True when torch reports native bf16 matmul instructions on this CPU (AVX-512 BF16 or
+    AMX tiles): there oneDNN runs bf16 GEMMs at 3x the fp32 rate (docs/benchmarks.md). Without
+    them bf16 is emulated through fp32 and only loses precision."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch >= 2.3 names them so
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
 def pick_dtype(config: KvmeshConfig, device: torch.device) -> torch.dtype:
-    if config.model.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return TORCH_DTYPES[config.model.dtype]
+    """model.dtype auto: bf16 on CUDA and on CPUs with native bf16 matmuls, fp32 otherwise.
+    The token-exact tests ask for fp32 explicitly."""
+    if config.model.dtype != "auto":
+        return TORCH_DTYPES[config.model.dtype]
+    if device.type == "cuda":
+        chosen, why = torch.bfloat16, "CUDA"
+    elif cpu_has_native_bf16():
+        chosen, why = torch.bfloat16, "the CPU has native bf16 matmuls (AVX-512 BF16 / AMX)"
+    else:
+        chosen, why = torch.float32, "the CPU has no native bf16 matmuls"
+    logger.info("model.dtype auto -> %s: %s", chosen, why)
+    return chosen
 
 
 def pick_backend(config: KvmeshConfig, device: torch.device):
@@ -89,9 +106,13 @@ def pick_backend(config: KvmeshConfig, device: torch.device):
                 raise ConfigError(f"attention_backend=triton but Triton is unavailable: {exc}") from exc
         else:
             return TritonAttentionBackend()
-    from kvmesh.worker.attention_torch import TorchAttentionBackend
+    if want == "torch":
+        from kvmesh.worker.attention_torch import TorchAttentionBackend
 
-    return TorchAttentionBackend()
+        return TorchAttentionBackend()
+    from kvmesh.worker.attention_cpu import CpuAttentionBackend
+
+    return CpuAttentionBackend()
 
 
 def _effective_kv_dtype_name(config: KvmeshConfig, dtype: torch.dtype) -> str:
