@@ -190,6 +190,25 @@ def resolve_model(config: KvmeshConfig) -> ModelSpec:
     return ModelSpec(Path(resolved.hf_dir), resolved.name, hf_config, device, dtype, max_model_len)
 
 
+def with_valid_group_size(config: KvmeshConfig, hf_config) -> KvmeshConfig:
+    """int4 modes: the largest supported group size <= quant.group_size that divides every
+    projection's input width on every tensor-parallel shard (logged when it differs), so the
+    default (128) starts on models whose hidden size it does not divide (SmolLM2: 576)."""
+    if not config.quant.weight.startswith("int4"):
+        return config
+    from kvmesh.quant.primitives import largest_valid_group_size
+
+    tp = config.parallel.tensor_parallel_size
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    widths = [hf_config.hidden_size, hf_config.num_attention_heads * head_dim // tp, hf_config.intermediate_size // tp]
+    chosen = largest_valid_group_size(widths, config.quant.group_size)
+    if chosen == config.quant.group_size:
+        return config
+    logger.info("quant.group_size %d does not divide the projection widths %s; using %d",
+                config.quant.group_size, widths, chosen)
+    return config.replace(quant={"group_size": chosen})
+
+
 def load_model(config: KvmeshConfig, spec: ModelSpec, coll=None, awq=None) -> LlamaForCausalLM:
     """This rank's model: the whole model at world size 1, its shard under tensor parallelism
     (`coll` from worker/distributed.py). Quantized projections are quantized whole, then cut.
@@ -213,7 +232,9 @@ def load_model(config: KvmeshConfig, spec: ModelSpec, coll=None, awq=None) -> Ll
             model.to(spec.device).eval()  # calibrate where the model will run
             awq = awq_results_for(config, spec, model)
         quantize_model(model, config.quant, awq)
-    return model.to(spec.device).eval()
+    model = model.to(spec.device).eval()
+    model.fuse_projections()  # last: fused weights share the final parameters' storage
+    return model
 
 
 def allocate_rank_caches(config: KvmeshConfig, spec: ModelSpec, model, num_blocks: int, num_swap_blocks: int
@@ -233,6 +254,7 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
     from kvmesh.worker.tokenizer import load_tokenizer
 
     spec = resolve_model(config)
+    config = with_valid_group_size(config, spec.hf_config)
     hf_config, device, dtype, max_model_len = spec.hf_config, spec.device, spec.dtype, spec.max_model_len
     group = None
     if config.parallel.tensor_parallel_size > 1:
