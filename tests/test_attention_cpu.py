@@ -2,8 +2,8 @@
 
 Batches mix decodes of very different context lengths (several decode groups), prefill
 chunks over cached context and from scratch, GQA, block sizes 8 and 16, permuted block ids,
-plain and int8 KV. Slots no request owns hold NaN in the poisoned variant: the fast path
-reads only attended slots, so its output stays finite and unchanged. Engine-level token
+plain and int8 KV. Blocks no request owns hold NaN in the poisoned variant: the fast path
+reads only the requests' own blocks, so its output stays finite and unchanged. Engine-level token
 identity with HF (chunked prefill + preemption) is in tests/test_engine_exact.py.
 """
 
@@ -41,6 +41,11 @@ def _make_batch(requests, num_kv_heads, queries_per_kv, head_dim, block_size, kv
     if kv != "auto":
         cache.key_scale = torch.full(shape[:3], fill, dtype=kv_quant.KV_SCALE_DTYPE)
         cache.value_scale = torch.full(shape[:3], fill, dtype=kv_quant.KV_SCALE_DTYPE)
+    for i, n in enumerate(blocks_per_req):  # owned blocks: written or zero, never poison
+        owned = block_tables[i, :n].long()
+        for t in (cache.key_cache, cache.value_cache, cache.key_scale, cache.value_scale):
+            if t is not None:
+                t[owned] = 0
     new_slots = []
     for i, (ctx, q) in enumerate(requests):
         pos = torch.arange(ctx + q)
@@ -78,7 +83,7 @@ def test_fast_path_matches_reference(kv, block_size, queries_per_kv):
     assert len(plan.decode_groups) > 1, "the mixed lengths must split into several decode groups"
     assert fast.attend(query, cache, meta, 0.25).equal(got), "the cached plan serves every later layer"
 
-    # Unowned slots poisoned with NaN: the fast path never reads them.
+    # Blocks no request owns poisoned with NaN: the fast path never reads them.
     query_p, cache_p, meta_p = _make_batch(MIXED_BATCH, 2, queries_per_kv, 16, block_size, kv, poison=True)
     assert CpuAttentionBackend().attend(query_p, cache_p, meta_p, 0.25).equal(got)
 

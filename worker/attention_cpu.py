@@ -11,9 +11,9 @@ layers x batch x longest-context work. Here:
   * Decode rows are sorted by context length and cut into groups whose padded size stays
     within `PAD_RATIO` of the tokens they really attend, so the gathered K/V and the SDPA
     work grow with the attended tokens, not with batch x longest context. Each group is one
-    gather of exactly its slots and one scaled_dot_product_attention call (no mask when
-    every row of the group has the same length).
-  * A prefill chunk reads exactly its context's slots; a chunk with no cached context uses
+    block-granular gather of its rows' own blocks (contiguous copies, no per-token index)
+    and one scaled_dot_product_attention call.
+  * A prefill chunk reads exactly its context's blocks; a chunk with no cached context uses
     SDPA's own causal path instead of an explicit mask.
 
 Numerics are those of the reference: same dtype, same SDPA, padding masked out; the engine's
@@ -40,8 +40,8 @@ class DecodeGroup:
     """Decode rows that share one padded SDPA call."""
 
     query_rows: torch.Tensor  # [n] long, flat index of each row's query token
-    slots: torch.Tensor  # [n, L] long, cache slot of each attended token (padding -> the row's first)
-    mask: torch.Tensor | None  # [n, 1, 1, L] bool, True = attend; None when every row has L tokens
+    blocks: torch.Tensor  # [n, nb] long, the rows' cache blocks (padding -> the row's first block)
+    mask: torch.Tensor | None  # [n, 1, 1, nb * block_size] bool, True = attend; None = attend all
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,9 @@ class PrefillChunk:
 
     query_start: int
     query_end: int
-    slots: torch.Tensor  # [ctx] long
-    mask: torch.Tensor | None  # [qlen, ctx] bool; None = plain causal (no cached context)
+    blocks: torch.Tensor  # [nb] long
+    context: int  # tokens attended (the first `context` slots of `blocks`)
+    mask: torch.Tensor | None  # [qlen, context] bool; None = plain causal (no cached context)
 
 
 @dataclass(frozen=True)
@@ -75,15 +76,10 @@ def group_decode_rows(seq_lens: list[tuple[int, int]], pad_ratio: float = PAD_RA
     return groups
 
 
-def _row_slots(block_tables: torch.Tensor, rows: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """rows: [n] -> [n, length] cache slots of positions 0 .. length - 1 through the block tables."""
-    nb = -(-length // block_size)
-    blocks = block_tables[rows, :nb].long()  # [n, nb]
-    slots = blocks[:, :, None] * block_size + torch.arange(block_size, device=blocks.device)
-    return slots.reshape(rows.shape[0], nb * block_size)[:, :length]
-
-
 def build_plan(meta: AttentionMetadata, block_size: int) -> CpuAttentionPlan:
+    """K/V are read whole blocks at a time (one contiguous block_size x Hkv x D copy per
+    block, far cheaper than a per-token gather); the masks hide the tail of a row's last block
+    and the padding blocks, which re-read the row's own first block (always written)."""
     dev = meta.block_tables.device
     tables = meta.block_tables
     starts = [0]
@@ -94,38 +90,41 @@ def build_plan(meta: AttentionMetadata, block_size: int) -> CpuAttentionPlan:
     for members in group_decode_rows(decode):
         rows = torch.tensor([i for i, _ in members], dtype=torch.long, device=dev)
         lens = torch.tensor([n for _, n in members], dtype=torch.long, device=dev)
-        longest = members[-1][1]
-        slots = _row_slots(tables, rows, longest, block_size)
+        nb = -(-members[-1][1] // block_size)
+        owned = torch.arange(nb, device=dev)[None, :] * block_size < lens[:, None]  # [n, nb]
+        blocks = tables[rows, :nb].long()
+        blocks = torch.where(owned, blocks, blocks[:, :1])  # unused table entries may be anything
         mask = None
-        if members[0][1] != longest:
-            valid = torch.arange(longest, device=dev)[None, :] < lens[:, None]  # [n, L]
-            # padding reads the row's own first token (finite, written); unused table entries may be anything
-            slots = torch.where(valid, slots, slots[:, :1])
-            mask = valid[:, None, None, :]
+        if any(n != nb * block_size for _, n in members):
+            mask = (torch.arange(nb * block_size, device=dev)[None, :] < lens[:, None])[:, None, None, :]
         query_rows = torch.tensor([starts[i] for i, _ in members], dtype=torch.long, device=dev)
-        groups.append(DecodeGroup(query_rows, slots, mask))
+        groups.append(DecodeGroup(query_rows, blocks, mask))
     prefills = []
     for i, (qlen, ctx) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
         if qlen == 1:
             continue
-        slots = _row_slots(tables, torch.tensor([i], device=dev), ctx, block_size)[0]
+        blocks = tables[i, :-(-ctx // block_size)].long()
         mask = None
         if ctx != qlen:  # query j sits at position ctx - qlen + j and sees positions <= its own
             q_pos = torch.arange(ctx - qlen, ctx, device=dev)[:, None]
             mask = torch.arange(ctx, device=dev)[None, :] <= q_pos
-        prefills.append(PrefillChunk(starts[i], starts[i + 1], slots, mask))
+        prefills.append(PrefillChunk(starts[i], starts[i + 1], blocks, ctx, mask))
     return CpuAttentionPlan(tuple(groups), tuple(prefills))
 
 
-def read_slots(cache: LayerKVCache, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """slots: [...] -> K, V: [..., Hkv, D] in dtype (dequantized when the cache is quantized)."""
-    hkv, d = cache.key_cache.shape[2], cache.key_cache.shape[3]
-    k = cache.key_cache.view(-1, hkv, d)[slots]
-    v = cache.value_cache.view(-1, hkv, d)[slots]
+def read_blocks(cache: LayerKVCache, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """blocks: [..., nb] -> K, V: [..., nb * block_size, Hkv, D] in dtype (dequantized when the
+    cache is quantized)."""
+    bs, hkv, d = cache.key_cache.shape[1:]
+    lead = blocks.shape[:-1]
+    flat = blocks.reshape(-1)
+    k = cache.key_cache.index_select(0, flat)  # [n * nb, bs, Hkv, D]
+    v = cache.value_cache.index_select(0, flat)
     if cache.quantized:
-        k = k.to(torch.float32) * cache.key_scale.view(-1, hkv)[slots].to(torch.float32).unsqueeze(-1)
-        v = v.to(torch.float32) * cache.value_scale.view(-1, hkv)[slots].to(torch.float32).unsqueeze(-1)
-    return k.to(dtype), v.to(dtype)
+        k = k.to(torch.float32) * cache.key_scale.index_select(0, flat).to(torch.float32).unsqueeze(-1)
+        v = v.to(torch.float32) * cache.value_scale.index_select(0, flat).to(torch.float32).unsqueeze(-1)
+    shape = (*lead, blocks.shape[-1] * bs, hkv, d)
+    return k.reshape(shape).to(dtype), v.reshape(shape).to(dtype)
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -140,13 +139,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
             plan = meta.backend_plans[self.name] = build_plan(meta, cache.block_size)
         out = torch.empty_like(query)
         for g in plan.decode_groups:
-            k, v = read_slots(cache, g.slots, query.dtype)  # [n, L, Hkv, D]
+            k, v = read_blocks(cache, g.blocks, query.dtype)  # [n, nb * bs, Hkv, D]
             q = query[g.query_rows].unsqueeze(2)  # [n, Hq, 1, D]
             o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask,
                                                scale=scale, enable_gqa=True)  # [n, Hq, 1, D]
             out[g.query_rows] = o[:, :, 0, :]
         for p in plan.prefills:
-            k, v = read_slots(cache, p.slots, query.dtype)  # [ctx, Hkv, D]
+            k, v = read_blocks(cache, p.blocks, query.dtype)
+            k, v = k[:p.context], v[:p.context]  # [ctx, Hkv, D]
             q = query[p.query_start:p.query_end]  # [qlen, Hq, D]
             o = F.scaled_dot_product_attention(
                 q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
