@@ -47,7 +47,7 @@ class ModelConfig:
     served_model_name: str | None = None
     # Part of the prefix-cache extra keys: bump it when the weights at `path` change.
     revision: str = "main"
-    dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU (fp32 is what the exactness tests need)
+    dtype: str = "auto"  # auto = bf16 on CUDA and on CPUs with native bf16 (AVX-512 BF16 / AMX), else fp32
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0
 
@@ -111,7 +111,7 @@ class ParallelConfig:
     num_workers: int = 1  # engines (each one TP group)
     tensor_parallel_size: int = 1
     device: str = "auto"  # auto | cpu | cuda
-    attention_backend: str = "auto"  # auto = triton on CUDA, torch on CPU
+    attention_backend: str = "auto"  # auto = triton on CUDA, cpu on CPU; torch = the reference
     # Ray resource each worker rank asks for, besides CPU ("GPU" on GPU nodes; tests use a
     # custom resource to stand in for GPUs on one machine). None = no extra resource.
     worker_resource: str | None = None
@@ -134,7 +134,7 @@ class ParallelConfig:
         _check(self.num_workers >= 1, "parallel.num_workers must be >= 1")
         _check(self.tensor_parallel_size >= 1, "parallel.tensor_parallel_size must be >= 1")
         _one_of("parallel.device", self.device, ("auto", "cpu", "cuda"))
-        _one_of("parallel.attention_backend", self.attention_backend, ("auto", "torch", "triton"))
+        _one_of("parallel.attention_backend", self.attention_backend, ("auto", "torch", "cpu", "triton"))
         _check(self.worker_num_cpus is None or self.worker_num_cpus >= 0, "parallel.worker_num_cpus must be >= 0")
         _check(self.collective_timeout_s > 0, "parallel.collective_timeout_s must be > 0")
 

@@ -36,6 +36,16 @@ def _check_weight(w: torch.Tensor) -> None:
         raise ConfigError(f"expected a floating [out_features, in_features] weight, got {tuple(w.shape)} {w.dtype}")
 
 
+def largest_valid_group_size(in_features: list[int], configured: int) -> int:
+    """The largest supported int4 group size <= `configured` that divides every projection's
+    in_features (e.g. 64 for SmolLM2's hidden size 576 when 128 is configured)."""
+    for g in sorted(SUPPORTED_GROUP_SIZES, reverse=True):
+        if g <= configured and all(k % g == 0 for k in in_features):
+            return g
+    raise ConfigError(f"no int4 group size in {SUPPORTED_GROUP_SIZES} up to {configured} divides the model's "
+                      f"projection widths {sorted(set(in_features))}")
+
+
 def check_group_size(in_features: int, group_size: int) -> None:
     if group_size <= 0 or group_size % 2 or in_features % group_size:
         raise ConfigError(f"int4 group size {group_size} must be even and divide in_features {in_features}")

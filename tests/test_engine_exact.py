@@ -3,7 +3,9 @@
 Eight prompts of mixed lengths are served together in one continuous batch, with chunked
 prefill forced small (16 tokens per step) and a block pool small enough that decodes must
 preempt (the KV budget is over-committed on purpose so admission lets them all in). Every
-request must still produce exactly HF `generate`'s greedy tokens.
+request must still produce exactly HF `generate`'s greedy tokens, with the torch reference
+attention backend and with the CPU fast path (worker/modeling/attention_cpu.py), which are therefore
+token-identical to each other.
 """
 
 import os
@@ -29,7 +31,9 @@ PROMPTS = [
     "1, 2, 3, 4, 5,",
     "Translate to French: 'Good morning, how are you today?'",
 ]
-BACKEND = os.environ.get("KVMESH_TEST_ATTENTION_BACKEND", "torch")  # gpu_check runs it with triton
+# gpu_check runs it with triton; on CPU both the reference and the fast path are checked
+BACKENDS = [os.environ["KVMESH_TEST_ATTENTION_BACKEND"]] if "KVMESH_TEST_ATTENTION_BACKEND" in os.environ \
+    else ["torch", "cpu"]
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +52,14 @@ def hf_reference(smollm2_dir):
     return outputs
 
 
-def _run_engine(smollm2_dir, **sched):
-    device = "cuda" if BACKEND == "triton" else "cpu"
+def _run_engine(smollm2_dir, backend, **sched):
+    device = "cuda" if backend == "triton" else "cpu"
     config = KvmeshConfig.from_dict({
         "model": {"path": smollm2_dir, "dtype": "fp32"},
         "cache": {"num_blocks": 12, "block_size": 16},
         "scheduler": {"max_num_batched_tokens": 64, "max_prefill_tokens_per_step": 16,
                       "max_total_kv_tokens": 1 << 20, "max_queue_time_s": 3600, **sched},
-        "parallel": {"attention_backend": BACKEND, "device": device},
+        "parallel": {"attention_backend": backend, "device": device},
     })
     engine = Engine.from_config(config)
     for i, prompt in enumerate(PROMPTS):
@@ -73,9 +77,10 @@ def _run_engine(smollm2_dir, **sched):
     return [tokens[f"r{i}"] for i in range(len(PROMPTS))], stats, max_running
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_greedy_equals_hf_under_chunking_and_preemption(smollm2_dir, hf_reference, mode):
-    ours, stats, max_running = _run_engine(smollm2_dir, preemption_mode=mode)
+def test_greedy_equals_hf_under_chunking_and_preemption(smollm2_dir, hf_reference, mode, backend):
+    ours, stats, max_running = _run_engine(smollm2_dir, backend, preemption_mode=mode)
     assert max_running >= 4, "the prompts must really share a continuous batch"
     preemptions = stats.num_preemptions_recompute + stats.num_preemptions_swap
     assert preemptions > 0, "the small pool must force preemption"

@@ -27,7 +27,8 @@ from kvmesh.kv.kv_cache_manager import KVCacheManager
 from kvmesh.kv.capacity import kv_bytes_per_token, num_blocks_for_budget
 from kvmesh.worker.modeling.attention import AttentionMetadata
 from kvmesh.worker.modeling.model_runner import ModelRunner, allocate_kv_caches, kv_storage_dtype
-from kvmesh.worker.modeling.model_setup import allocate_rank_caches, load_model, pick_backend, resolve_model
+from kvmesh.worker.modeling.model_setup import (allocate_rank_caches, load_model, pick_backend, resolve_model,
+                                                with_valid_group_size)
 from kvmesh.worker.modeling.tokenizer import load_tokenizer
 from kvmesh.worker.modeling.tp_group import TensorParallelGroup, TensorParallelRunner
 
@@ -113,6 +114,7 @@ def _plan_memory(config: KvmeshConfig, model, hf_config, device, kv_dtype_name: 
 
 def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> EngineParts:
     spec = resolve_model(config)
+    config = with_valid_group_size(config, spec.hf_config)
     hf_config, device, dtype, max_model_len = spec.hf_config, spec.device, spec.dtype, spec.max_model_len
     group = None
     if config.parallel.tensor_parallel_size > 1:

@@ -18,13 +18,14 @@ query[query_start_loc[i]:query_start_loc[i+1]] at positions
 seq_lens[i] - query_len_i ... seq_lens[i] - 1; each attends causally to every earlier
 token of its own request (cached context plus the chunk itself).
 
-Implementations: `TorchAttentionBackend` (worker/modeling/attention_torch.py, the reference and the
-CPU default) and `TritonAttentionBackend` (worker/modeling/attention_triton.py, the CUDA default).
+Implementations: `TorchAttentionBackend` (worker/modeling/attention_torch.py, the reference and
+the oracle of the others), `CpuAttentionBackend` (worker/modeling/attention_cpu.py, the CPU
+default) and `TritonAttentionBackend` (worker/modeling/attention_triton.py, the CUDA default).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -66,6 +67,9 @@ class AttentionMetadata:
     # Host copies, so backends can plan without a device sync.
     query_lens_host: tuple[int, ...] = ()
     seq_lens_host: tuple[int, ...] = ()
+    # Per-step work a backend plans once and every layer reuses (backend name -> plan); the
+    # metadata lives for one step, so the plans do too.
+    backend_plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def single_prefill(cls, num_tokens: int, block_size: int, device: torch.device) -> "AttentionMetadata":

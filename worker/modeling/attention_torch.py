@@ -1,4 +1,4 @@
-"""The torch reference attention backend (the CPU default, and the Triton kernels' oracle).
+"""The torch reference attention backend: the oracle of the CPU fast path (attention_cpu.py) and the Triton kernels.
 
 Plain torch: gathers each request's K/V through its block table, dequantizes quantized KV,
 and calls scaled_dot_product_attention with an explicit causal-offset mask. Decode rows

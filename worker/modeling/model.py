@@ -19,6 +19,7 @@ heads (local to this rank under tensor parallelism), D = head_dim, V = vocab.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.worker.modeling import kernel_dispatch as ops  # Triton on CUDA, torch elsewhere: decided there
@@ -39,8 +40,8 @@ class RMSNorm(nn.Module):
         # As HF: normalise in fp32, cast back, then scale (worker/modeling/torch_ops.py).
         return ops.rms_norm(x, self.weight, self.eps)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (self(x + residual), x + residual): one fused kernel on the Triton path."""
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): one fused kernel on the Triton path."""
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
@@ -63,11 +64,64 @@ class RotaryTables(nn.Module):
         self.register_buffer("cos", cos[0].to(torch.float32), persistent=False)
         self.register_buffer("sin", sin[0].to(torch.float32), persistent=False)
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, Hq, D], k: [T, Hkv, D], positions: [T]
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
+    def for_positions(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> (cos, sin) [T, 1, D] in dtype; looked up once per step, used by every layer."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+    @staticmethod
+    def rotate(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, Hq, D], k: [T, Hkv, D]
+        cos, sin = cos_sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotate(q, k, self.for_positions(positions, q.dtype))
+
+
+class FusedLinears:
+    """Float projections of the same input run as ONE GEMM (merged QKV, merged gate-up).
+
+    The weights are concatenated once and each member's parameter becomes a view of its rows
+    of the concatenation, so parameter names, the state dict, weight loaders and tensor-
+    parallel shards stay exactly as they were (each rank fuses its own shards). `usable` says
+    whether the fusion still describes the members: a member replaced (quantization), moved
+    or recast (`.to()` gives new storage) or hooked (calibration) makes the caller run the
+    members one by one, as before."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        self.members = tuple(linears)
+        self.sizes = [lin.out_features for lin in linears]
+        with torch.no_grad():
+            self.weight = torch.cat([lin.weight.detach() for lin in linears])
+            has_bias = [lin.bias is not None for lin in linears]
+            self.bias = torch.cat([lin.bias.detach() for lin in linears]) if all(has_bias) else None
+            start = 0
+            for lin, n in zip(linears, self.sizes):
+                lin.weight.data = self.weight[start:start + n]
+                if self.bias is not None:
+                    lin.bias.data = self.bias[start:start + n]
+                start += n
+
+    @staticmethod
+    def fusable(linears: list[nn.Module]) -> bool:
+        first = linears[0]
+        return all(type(lin) is type(first) and isinstance(lin, nn.Linear) for lin in linears) and \
+            len({(lin.weight.dtype, lin.weight.device, lin.in_features, lin.bias is None) for lin in linears}) == 1
+
+    def usable(self, linears: tuple[nn.Module, ...]) -> bool:
+        return all(a is b and not (a._forward_hooks or a._forward_pre_hooks) for a, b in zip(linears, self.members)) \
+            and linears[0].weight.data_ptr() == self.weight.data_ptr()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _run_projections(fused: FusedLinears | None, linears: tuple[nn.Module, ...], x: torch.Tensor
+                     ) -> list[torch.Tensor]:
+    if fused is not None and fused.usable(linears):
+        return list(fused(x).split(fused.sizes, dim=-1))
+    return [lin(x) for lin in linears]
 
 
 class LlamaAttention(nn.Module):
@@ -85,14 +139,16 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, h, bias, coll)
         self.num_heads = self.q_proj.num_local_heads  # this rank's
         self.num_kv_heads = self.k_proj.num_local_heads
+        self.qkv: FusedLinears | None = None  # set by fuse_projections once the weights are final
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryTables, cache: LayerKVCache,
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], cache: LayerKVCache,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, -1, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(t, -1, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, -1, self.head_dim)
-        q, k = rotary.apply(q, k, positions)
+        q, k, v = _run_projections(self.qkv, (self.q_proj, self.k_proj, self.v_proj), x)
+        q = q.reshape(t, -1, self.head_dim)  # [T, Hq, D]
+        k = k.reshape(t, -1, self.head_dim)  # [T, Hkv, D]
+        v = v.reshape(t, -1, self.head_dim)
+        q, k = RotaryTables.rotate(q, k, cos_sin)
         backend.write_kv(cache, k, v, meta.slot_mapping)
         out = backend.attend(q, cache, meta, self.scale)  # [T, Hq, D]
         return self.coll.all_reduce(self.o_proj(out.reshape(t, -1)))
@@ -106,9 +162,15 @@ class LlamaMLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias, coll)
         self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias, coll)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias, coll)
+        self.gate_up: FusedLinears | None = None  # set by fuse_projections
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.coll.all_reduce(self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x))))
+        pair = (self.gate_proj, self.up_proj)
+        if self.gate_up is not None and self.gate_up.usable(pair):
+            act = ops.silu_and_mul(self.gate_up(x))
+        else:
+            act = ops.silu_mul(self.gate_proj(x), self.up_proj(x))
+        return self.coll.all_reduce(self.down_proj(act))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -119,10 +181,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, cache, meta, backend):
-        attn = self.self_attn(self.input_layernorm(x), positions, rotary, cache, meta, backend)
-        normed, x = self.post_attention_layernorm.add_and_norm(attn, x)
-        return x + self.mlp(normed)
+    def forward(self, x, residual, cos_sin, cache, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (this layer's MLP output, the residual stream before it); the
+        residual add is fused into the next RMSNorm, rounding as HF's x = x + f(norm(x))."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos_sin, cache, meta, backend)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -158,9 +226,26 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, H] (pre lm_head)."""
         x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary.for_positions(positions, x.dtype)
+        residual = None
         for layer, cache in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, self.rotary, cache, meta, backend)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos_sin, cache, meta, backend)
+        return self.model.norm.add_forward(x, residual)[0]
+
+    def fuse_projections(self) -> int:
+        """Merge each layer's float q/k/v and gate/up projections into one GEMM each (see
+        FusedLinears); quantized projections stay separate. Call once the weights are final
+        (after loading, quantization and the last `.to()`). Returns how many groups fused."""
+        fused = 0
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if FusedLinears.fusable([attn.q_proj, attn.k_proj, attn.v_proj]):
+                attn.qkv = FusedLinears([attn.q_proj, attn.k_proj, attn.v_proj])
+                fused += 1
+            if FusedLinears.fusable([mlp.gate_proj, mlp.up_proj]):
+                mlp.gate_up = FusedLinears([mlp.gate_proj, mlp.up_proj])
+                fused += 1
+        return fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, V] in fp32 (sampling and logprobs want fp32)."""

@@ -14,6 +14,7 @@ KV cache memory (per layer, see worker/modeling/attention.py for the block layou
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -216,11 +217,10 @@ class ModelRunner:
 
     def _eager_forward(self, inputs: StepInputs) -> torch.Tensor:
         dev = self.device
-        table = torch.zeros((len(inputs.block_tables), max(len(b) for b in inputs.block_tables)), dtype=torch.int32)
-        for i, blocks in enumerate(inputs.block_tables):
-            table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        qsl = torch.zeros(len(inputs.query_lens) + 1, dtype=torch.int32)
-        qsl[1:] = torch.cumsum(torch.tensor(inputs.query_lens, dtype=torch.int32), 0)
+        # One tensor creation per field, not one per request: this runs every step.
+        width = max(len(b) for b in inputs.block_tables)
+        table = torch.tensor([b + (0,) * (width - len(b)) for b in inputs.block_tables], dtype=torch.int32)
+        qsl = torch.tensor((0, *itertools.accumulate(inputs.query_lens)), dtype=torch.int32)
         meta = AttentionMetadata(
             query_start_loc=qsl.to(dev), seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int32, device=dev),
             block_tables=table.to(dev), slot_mapping=torch.tensor(inputs.slot_mapping, dtype=torch.long, device=dev),

@@ -7,6 +7,7 @@ the engine around its runner (worker/engine_loop/engine_setup.py).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,12 +15,16 @@ import torch
 
 from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.quant.linear import quantize_model
+from kvmesh.quant.primitives import largest_valid_group_size
 from kvmesh.worker.modeling.awq_calibration import awq_results_for
 from kvmesh.worker.modeling.attention import LayerKVCache
+from kvmesh.worker.modeling.attention_cpu import CpuAttentionBackend
 from kvmesh.worker.modeling.attention_torch import TorchAttentionBackend
 from kvmesh.worker.modeling.model import LlamaForCausalLM
 from kvmesh.worker.modeling.model_loader import ensure_hf_dir, load_hf_config, load_state_dict
 from kvmesh.worker.modeling.model_runner import TORCH_DTYPES, allocate_kv_caches, kv_storage_dtype
+
+logger = logging.getLogger(__name__)
 
 
 def pick_device(config: KvmeshConfig) -> torch.device:
@@ -31,10 +36,27 @@ def pick_device(config: KvmeshConfig) -> torch.device:
     return torch.device("cpu")
 
 
+def cpu_has_native_bf16() -> bool:
+    """True when torch reports native bf16 matmul instructions on this CPU (AVX-512 BF16 or
+    AMX tiles): there oneDNN runs bf16 GEMMs at 3x the fp32 rate (docs/benchmarks.md). Without
+    them bf16 is emulated through fp32 and only loses precision."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch >= 2.3 names them so
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
 def pick_dtype(config: KvmeshConfig, device: torch.device) -> torch.dtype:
-    if config.model.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return TORCH_DTYPES[config.model.dtype]
+    """model.dtype auto: bf16 on CUDA and on CPUs with native bf16 matmuls, fp32 otherwise.
+    The token-exact tests ask for fp32 explicitly."""
+    if config.model.dtype != "auto":
+        return TORCH_DTYPES[config.model.dtype]
+    if device.type == "cuda":
+        chosen, why = torch.bfloat16, "CUDA"
+    elif cpu_has_native_bf16():
+        chosen, why = torch.bfloat16, "the CPU has native bf16 matmuls (AVX-512 BF16 / AMX)"
+    else:
+        chosen, why = torch.float32, "the CPU has no native bf16 matmuls"
+    logger.info("model.dtype auto -> %s: %s", chosen, why)
+    return chosen
 
 
 def pick_backend(config: KvmeshConfig, device: torch.device):
@@ -47,7 +69,9 @@ def pick_backend(config: KvmeshConfig, device: torch.device):
                 raise ConfigError(f"attention_backend=triton but Triton is unavailable: {exc}") from exc
         else:
             return TritonAttentionBackend()
-    return TorchAttentionBackend()
+    if want == "torch":
+        return TorchAttentionBackend()
+    return CpuAttentionBackend()
 
 
 @dataclass(frozen=True)
@@ -98,7 +122,26 @@ def load_model(config: KvmeshConfig, spec: ModelSpec, coll=None, awq=None) -> Ll
             model.to(spec.device).eval()  # calibrate where the model will run
             awq = awq_results_for(config, spec, pick_backend(config, spec.device), lambda: model)
         quantize_model(model, config.quant, awq)
-    return model.to(spec.device).eval()
+    model = model.to(spec.device).eval()
+    model.fuse_projections()  # last: fused weights share the final parameters' storage
+    return model
+
+
+def with_valid_group_size(config: KvmeshConfig, hf_config) -> KvmeshConfig:
+    """int4 modes: the largest supported group size <= quant.group_size that divides every
+    projection's input width on every tensor-parallel shard (logged when it differs), so the
+    default (128) starts on models whose hidden size it does not divide (SmolLM2: 576)."""
+    if not config.quant.weight.startswith("int4"):
+        return config
+    tp = config.parallel.tensor_parallel_size
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    widths = [hf_config.hidden_size, hf_config.num_attention_heads * head_dim // tp, hf_config.intermediate_size // tp]
+    chosen = largest_valid_group_size(widths, config.quant.group_size)
+    if chosen == config.quant.group_size:
+        return config
+    logger.info("quant.group_size %d does not divide the projection widths %s; using %d",
+                config.quant.group_size, widths, chosen)
+    return config.replace(quant={"group_size": chosen})
 
 
 def allocate_rank_caches(config: KvmeshConfig, spec: ModelSpec, model, num_blocks: int, num_swap_blocks: int

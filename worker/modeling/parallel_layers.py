@@ -118,8 +118,9 @@ def head_shard(num_heads: int, coll: Collectives, what: str) -> ShardSpec:
 
 
 class QKVParallelLinear(_ShardedLinear):
-    """Column-parallel by whole heads: one of q_proj / k_proj / v_proj (kept apart, not fused,
-    so Hugging Face names load as is). `num_local_heads` is what this rank's attention runs."""
+    """Column-parallel by whole heads: one of q_proj / k_proj / v_proj (kept apart so Hugging
+    Face names load as is; after loading, the model runs the three as one GEMM over shared
+    storage, worker/modeling/model.py FusedLinears). `num_local_heads` is what this rank's attention runs."""
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, bias: bool, coll: Collectives, what: str):
         self.shard = head_shard(num_heads, coll, what)

@@ -47,40 +47,59 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             logits[i, list(row.min_tokens_block)] = float("-inf")
 
 
-def _filter(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """probs: [V] -> filtered, renormalised probs (min_p, top_k, top_p)."""
-    if p.min_p > 0.0:
-        probs = torch.where(probs < p.min_p * probs.max(), torch.zeros_like(probs), probs)
-    if p.top_k > 0 and p.top_k < probs.shape[0]:
-        kth = torch.topk(probs, p.top_k).values[-1]
-        probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
-    if p.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sorted_p, 0)
-        drop_sorted = (cum - sorted_p) >= p.top_p  # keep the smallest prefix reaching top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        probs = torch.where(drop, torch.zeros_like(probs), probs)
-    return probs / probs.sum()
+def _filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """probs: [N, V] -> filtered, renormalised probs (min_p, top_k, top_p), one batched op per
+    filter for all N rows; a row whose parameter is off keeps everything."""
+    n, vocab = probs.shape
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)[:, None]
+        probs = torch.where(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
+    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if min(top_ks) < vocab:
+        kmax = max(k for k in top_ks if k < vocab)
+        top = torch.topk(probs, kmax, dim=-1).values  # [N, kmax], descending
+        kth = top.gather(1, torch.tensor([min(k, kmax) - 1 for k in top_ks])[:, None])
+        kth = torch.where(torch.tensor([k < vocab for k in top_ks])[:, None], kth, 0.0)
+        probs = torch.where(probs < kth, 0.0, probs)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype)[:, None]
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        cum = torch.cumsum(sorted_p, dim=-1)
+        drop_sorted = (cum - sorted_p) >= top_p  # keep the smallest prefix reaching top_p
+        drop_sorted &= top_p < 1.0
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        probs = torch.where(drop, 0.0, probs)
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator) -> SampleResult:
-    """logits: [N, V] fp32, one row per entry of `rows`. Does not modify `logits`."""
-    logits = logits.clone()
+    """logits: [N, V] fp32, one row per entry of `rows`. Does not modify `logits`.
+    Greedy rows: one batched argmax; sampled rows: batched temperature, softmax and filters,
+    then one exponential draw per row from its own generator (seeded requests stay
+    reproducible in any batch)."""
+    if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty != 0.0
+           or r.params.frequency_penalty != 0.0 or r.min_tokens_block for r in rows):
+        logits = logits.clone()
     want_logprobs = any(r.params.logprobs for r in rows)
     base_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     _apply_penalties(logits, rows)
-    chosen: list[int] = []
-    for i, row in enumerate(rows):
-        p = row.params
-        if p.greedy:
-            chosen.append(int(torch.argmax(logits[i])))
-            continue
-        probs = torch.softmax(logits[i] / p.temperature, dim=-1)
-        probs = _filter(probs, p)
-        gen = row.generator or default_generator
-        q = torch.empty_like(probs).exponential_(1.0, generator=gen)
-        chosen.append(int(torch.argmax(probs / q)))
+    chosen: list[int] = [0] * len(rows)
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    if greedy:
+        picked = (logits.argmax(dim=-1) if len(greedy) == len(rows) else logits[greedy].argmax(dim=-1)).tolist()
+        for i, t in zip(greedy, picked):
+            chosen[i] = t
+    drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if drawn:
+        params = [rows[i].params for i in drawn]
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)[:, None]
+        probs = _filter(torch.softmax(logits[drawn] / temps, dim=-1), params)
+        q = torch.empty_like(probs)
+        for j, i in enumerate(drawn):
+            q[j].exponential_(1.0, generator=rows[i].generator or default_generator)
+        for i, t in zip(drawn, (probs / q).argmax(dim=-1).tolist()):
+            chosen[i] = t
     logprobs = None
     if base_logprobs is not None:
-        logprobs = [float(base_logprobs[i, t]) for i, t in enumerate(chosen)]
+        logprobs = base_logprobs[torch.arange(len(rows)), torch.tensor(chosen, dtype=torch.long)].tolist()
     return SampleResult(chosen, logprobs)

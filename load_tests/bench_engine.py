@@ -1,0 +1,409 @@
+"""Engine speed on CPU, side by side in ONE process and run: kvmesh per dtype / quant mode,
+HF transformers static batches of 8, and llama.cpp's `llama-server` when a binary is given.
+
+    python -m kvmesh.load_tests.bench_engine                       # the full comparison
+    python -m kvmesh.load_tests.bench_engine --llama-server PATH   # + llama.cpp on the GGUF
+    python -m kvmesh.load_tests.bench_engine --quick --model DIR   # seconds, tiny model (tests)
+
+Figures per kvmesh mode:
+  * the seed-shaped run: 64 requests, the articles' length shape x0.25 (load_tests/workloads.py
+    synthetic kind, seed 0), all at t=0, exact output lengths (ignore_eos), greedy:
+    output tok/s and E2E P50 / P99;
+  * decode tok/s at batch 1 (40-token prompt, 72 new tokens) and batch 64 (64 such requests),
+    the median step over the steady decode steps;
+  * the fraction of this process's measured GEMM rate ([64 x H] x [H x I], in the engine's
+    dtype) that the batch-64 step reaches: linear FLOPs of a step / step time / GEMM rate;
+  * bf16 only: greedy agreement with HF transformers in bf16 over a fixed prompt set (tokens
+    equal up to the first divergence, over all generated tokens).
+The machine is shared and noisy: compare figures within one run (ratios), not across runs.
+"""
+
+from __future__ import annotations
+
+# Function-level imports: torch, transformers and the engine load only for the modes a run
+# measures, so `--help` and the --quick smoke run start fast.
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvmesh.core.config import KvmeshConfig
+from kvmesh.load_tests.corpus import TokenCorpus
+from kvmesh.load_tests.workloads import WorkloadRequest, WorkloadSpec, generate_workload
+from kvmesh.core.seams import GenerateRequest, SamplingParams
+from kvmesh.worker.engine_loop.engine import Engine
+
+# (name, model.dtype, quant.weight); int8/int4 run their packed CPU kernels on bf16 activations
+FULL_MODES = [("fp32", "fp32", "none"), ("bf16", "bf16", "none"), ("bf16-int8", "bf16", "int8"),
+              ("bf16-int4", "bf16", "int4")]
+QUICK_MODES = [("fp32", "fp32", "none"), ("bf16-int8", "bf16", "int8")]
+AGREEMENT_PROMPTS = [  # fixed, mixed lengths and kinds; 32 greedy tokens each
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a young girl who loved to read books about dragons,",
+    "List three primary colors:",
+    "<|im_start|>user\nWhat is the boiling point of water at sea level?<|im_end|>\n<|im_start|>assistant\n",
+    "Photosynthesis is the process by which green plants use sunlight to synthesize foods from",
+    "1, 2, 3, 4, 5,",
+    "Translate to French: 'Good morning, how are you today?'",
+]
+
+
+@dataclass
+class RunFigures:
+    output_tok_s: float
+    e2e_p50_s: float
+    e2e_p99_s: float
+    wall_s: float
+    output_tokens: int
+
+
+@dataclass
+class ModeFigures:
+    mode: str
+    dtype: str
+    quant: str
+    seed_run: RunFigures
+    batch1_decode_tok_s: float
+    batch64_decode_tok_s: float
+    batch64_step_ms: float
+    gemm_gflop_s: float  # this process's [64 x H] x [H x I] rate in the engine dtype
+    batch64_gflop_s: float  # linear FLOPs of one batch-64 decode step / its time
+    gemm_fraction: float
+    hf_agreement: dict | None = None
+
+
+@dataclass
+class BenchReport:
+    cpu_flags: list[str]
+    torch_threads: int
+    torch_version: str
+    model: str
+    modes: list[ModeFigures] = field(default_factory=list)
+    hf_static: RunFigures | None = None
+    llama_server: RunFigures | None = None
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def _run_figures(finish_s: list[float], output_tokens: int, wall_s: float) -> RunFigures:
+    return RunFigures(output_tokens / wall_s, percentile(finish_s, 50), percentile(finish_s, 99), wall_s,
+                      output_tokens)
+
+
+def cpu_flags() -> list[str]:
+    want = {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile"}
+    try:
+        with open("/proc/cpuinfo") as f:
+            return sorted(want & set(f.read().split()))
+    except OSError:
+        return [platform.processor()]
+
+
+# ---- kvmesh --------------------------------------------------------------------------------
+
+
+def engine_config(model: str | None, dtype: str, quant: str, threads: int, max_num_seqs: int = 64,
+                  kv_gib: float = 1.0) -> KvmeshConfig:
+    return KvmeshConfig.from_dict({
+        "model": {"dtype": dtype, **({"path": model} if model else {})},
+        "quant": {"weight": quant},
+        "cache": {"block_size": 16, "cpu_kv_cache_gib": kv_gib},
+        "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 2048, "max_new_tokens": 4096,
+                      "max_queue_time_s": 3600},
+        "parallel": {"device": "cpu", "worker_num_cpus": threads},
+    })
+
+
+def run_engine_workload(engine: Engine, requests: list[WorkloadRequest]) -> RunFigures:
+    """Every request added at t=0; E2E of a request = when its final delta comes out."""
+    t0 = time.perf_counter()
+    for r in requests:
+        engine.add_request(GenerateRequest(f"w{r.index}", prompt_token_ids=r.prompt_token_ids, sampling=SamplingParams(
+            max_tokens=r.output_tokens, temperature=0, ignore_eos=True)))
+    finish: list[float] = []
+    while engine.has_unfinished():
+        for delta in engine.step():
+            if delta.finished:
+                finish.append(time.perf_counter() - t0)
+    return _run_figures(finish, sum(r.output_tokens for r in requests), time.perf_counter() - t0)
+
+
+def decode_rate(engine: Engine, prompt_ids: tuple[int, ...], batch: int, new_tokens: int) -> tuple[float, float]:
+    """(decode tok/s, median step ms) over the steps where every request decodes."""
+    for i in range(batch):
+        engine.add_request(GenerateRequest(f"d{batch}-{i}", prompt_token_ids=prompt_ids, sampling=SamplingParams(
+            max_tokens=new_tokens, temperature=0, ignore_eos=True)))
+    steps = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t)
+        if engine.scheduler.stats().num_running != batch:
+            steps.pop()  # prefill and the tail are not steady decode steps
+    step = statistics.median(steps[1:] or steps)  # the first step after prefill warms caches
+    return batch / step, step * 1e3
+
+
+def gemm_rate_gflop_s(hidden: int, inter: int, dtype: torch.dtype, rows: int = 64, seconds: float = 1.0) -> float:
+    x = torch.randn(rows, hidden).to(dtype)
+    w = torch.randn(inter, hidden).to(dtype)
+    for _ in range(5):
+        F.linear(x, w)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        F.linear(x, w)
+        n += 1
+    return 2 * rows * hidden * inter * n / (time.perf_counter() - t0) / 1e9
+
+
+def linear_flops_per_token(hf_config) -> int:
+    """2 x the multiply-adds of every projection and the LM head for one token."""
+    h, i = hf_config.hidden_size, hf_config.intermediate_size
+    d = getattr(hf_config, "head_dim", None) or h // hf_config.num_attention_heads
+    q, kv = hf_config.num_attention_heads * d, hf_config.num_key_value_heads * d
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
+    return 2 * (per_layer * hf_config.num_hidden_layers + h * hf_config.vocab_size)
+
+
+def bench_mode(name: str, dtype: str, quant: str, model: str | None, threads: int,
+               requests: list[WorkloadRequest], decode_prompt: tuple[int, ...], decode_tokens: int,
+               big_batch: int, gemm_seconds: float, agreement: bool) -> ModeFigures:
+    kv_gib = 1.0 if big_batch >= 64 else 0.05
+    engine = Engine.from_config(engine_config(model, dtype, quant, threads, max(64, big_batch), kv_gib))
+    hf = engine.parts.hf_config
+    torch_dtype = next(engine.runner.model.parameters()).dtype
+    decode_rate(engine, decode_prompt, 1, 4)  # warm-up
+    b1, _ = decode_rate(engine, decode_prompt, 1, decode_tokens)
+    b64, step_ms = decode_rate(engine, decode_prompt, big_batch, decode_tokens)
+    seed = run_engine_workload(engine, requests)
+    gemm = gemm_rate_gflop_s(hf.hidden_size, hf.intermediate_size, torch_dtype, seconds=gemm_seconds)
+    step_gflop_s = linear_flops_per_token(hf) * big_batch / (step_ms / 1e3) / 1e9
+    agree = hf_agreement(engine, model) if agreement and dtype == "bf16" and quant == "none" else None
+    return ModeFigures(name, dtype, quant, seed, b1, b64, step_ms, gemm, step_gflop_s, step_gflop_s / gemm, agree)
+
+
+def hf_agreement(engine: Engine, model: str | None, new_tokens: int = 32) -> dict:
+    """Greedy tokens of this (bf16) engine vs HF transformers in bf16 on AGREEMENT_PROMPTS."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(_hf_dir(model), dtype=torch.bfloat16).eval()
+    agreeing = total = identical = 0
+    for i, prompt in enumerate(AGREEMENT_PROMPTS):
+        ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+        with torch.inference_mode():
+            want = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                pad_token_id=0)[0, len(ids):].tolist()
+        engine.add_request(GenerateRequest(f"agree{i}", prompt_token_ids=tuple(ids), sampling=SamplingParams(
+            max_tokens=new_tokens, temperature=0, ignore_eos=True)))
+        got: list[int] = []
+        while engine.has_unfinished():
+            for delta in engine.step():
+                got.extend(delta.token_ids)
+        prefix = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        agreeing += prefix
+        total += len(want)
+        identical += prefix == len(want)
+    return {"prompts": len(AGREEMENT_PROMPTS), "identical_prompts": identical,
+            "tokens_before_first_divergence": agreeing, "tokens": total, "agreement": agreeing / total}
+
+
+def _hf_dir(model: str | None) -> str:
+    from kvmesh.core.config import ModelConfig
+    from kvmesh.worker.modeling.model_loader import ensure_hf_dir
+
+    return str(ensure_hf_dir(ModelConfig(path=model) if model else ModelConfig()).hf_dir)
+
+
+# ---- peers ---------------------------------------------------------------------------------
+
+
+def run_hf_static(model: str | None, requests: list[WorkloadRequest], dtype: torch.dtype, batch_size: int = 8
+                  ) -> RunFigures:
+    """HF generate in static batches of `batch_size` in request order, left-padded; a request
+    finishes at the step where its own output length is reached."""
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    ref = AutoModelForCausalLM.from_pretrained(_hf_dir(model), dtype=dtype).eval()
+    finish: list[float] = []
+    t0 = time.perf_counter()
+    for start in range(0, len(requests), batch_size):
+        batch = requests[start:start + batch_size]
+        width = max(r.prompt_tokens for r in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, r in enumerate(batch):
+            ids[row, width - r.prompt_tokens:] = torch.tensor(r.prompt_token_ids)
+            mask[row, width - r.prompt_tokens:] = 1
+        longest = max(r.output_tokens for r in batch)
+        step = [0]
+
+        class _Clock(LogitsProcessor):
+            def __call__(self, input_ids, scores):
+                step[0] += 1
+                finish.extend(time.perf_counter() - t0 for r in batch if r.output_tokens == step[0])
+                return scores
+
+        with torch.inference_mode():
+            ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                         do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([_Clock()]))
+    return _run_figures(finish, sum(r.output_tokens for r in requests), time.perf_counter() - t0)
+
+
+def run_llama_server(binary: str, gguf: str, requests: list[WorkloadRequest], threads: int, slots: int = 8,
+                     port: int = 18089, timeout_s: float = 3600) -> RunFigures:
+    """llama.cpp's llama-server on loopback with `slots` parallel slots; every request sent
+    at t=0 (one client thread each) to /completion with its token ids, greedy, ignore_eos."""
+    ctx = slots * (max(r.prompt_tokens + r.output_tokens for r in requests) + 16)
+    proc = subprocess.Popen([binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+                             "-c", str(ctx), "-t", str(threads), "--cont-batching"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not become healthy (exit code {proc.poll()})")
+            time.sleep(0.5)
+        finish: list[float] = []
+        errors: list[str] = []
+        t0 = time.perf_counter()
+
+        def one(r: WorkloadRequest) -> None:
+            body = json.dumps({"prompt": list(r.prompt_token_ids), "n_predict": r.output_tokens, "temperature": 0,
+                               "ignore_eos": True, "cache_prompt": False}).encode()
+            req = urllib.request.Request(f"{base}/completion", body, {"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                    json.load(resp)
+                finish.append(time.perf_counter() - t0)
+            except OSError as exc:
+                errors.append(str(exc))
+
+        workers = [threading.Thread(target=one, args=(r,)) for r in requests]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        if errors:
+            raise RuntimeError(f"{len(errors)} llama-server requests failed: {errors[0]}")
+        return _run_figures(finish, sum(r.output_tokens for r in requests), time.perf_counter() - t0)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+# ---- the run -------------------------------------------------------------------------------
+
+
+def seed_shaped_requests(tokenizer, num_requests: int, scale: float) -> list[WorkloadRequest]:
+    return generate_workload(WorkloadSpec(kind="synthetic", num_requests=num_requests, scale=scale, seed=0),
+                             TokenCorpus(tokenizer))
+
+
+def run(args) -> BenchReport:
+    torch.set_num_threads(args.threads)
+    from kvmesh.worker.modeling.tokenizer import load_tokenizer
+    from kvmesh.core.config import ModelConfig
+
+    tokenizer = load_tokenizer(ModelConfig(path=args.model) if args.model else ModelConfig())
+    if args.quick:
+        requests = seed_shaped_requests(tokenizer, 6, 0.05)
+        decode_tokens, big_batch, gemm_seconds, modes = 6, 4, 0.05, QUICK_MODES
+    else:
+        requests = seed_shaped_requests(tokenizer, 64, 0.25)
+        decode_tokens, big_batch, gemm_seconds, modes = 72, 64, 1.0, FULL_MODES
+    if args.modes:
+        modes = [m for m in FULL_MODES + QUICK_MODES if m[0] in args.modes.split(",")]
+    corpus = TokenCorpus(tokenizer)
+    decode_prompt = corpus.window(0, 40)
+    report = BenchReport(cpu_flags(), torch.get_num_threads(), torch.__version__, args.model or "embedded SmolLM2")
+    for name, dtype, quant in dict.fromkeys(modes):
+        figures = bench_mode(name, dtype, quant, args.model, args.threads, requests, decode_prompt, decode_tokens,
+                             big_batch, gemm_seconds, agreement=not args.quick)
+        report.modes.append(figures)
+        print(f"[{name}] {json.dumps(asdict(figures))}", file=sys.stderr, flush=True)
+    if not args.no_hf:
+        report.hf_static = run_hf_static(args.model, requests, torch.float32 if args.quick else torch.bfloat16)
+    if args.llama_server:
+        gguf = args.gguf or str(_gguf_path(args.model))
+        report.llama_server = run_llama_server(args.llama_server, gguf, requests, args.threads)
+    return report
+
+
+def _gguf_path(model: str | None):
+    from kvmesh.worker.modeling.model_loader import embedded_gguf_path
+
+    if model and model.endswith(".gguf"):
+        return model
+    return embedded_gguf_path()
+
+
+def format_table(report: BenchReport) -> str:
+    lines = [f"CPU flags: {' '.join(report.cpu_flags)}; torch {report.torch_version}, {report.torch_threads} threads; "
+             f"model {report.model}",
+             "| target | output tok/s | E2E P50 s | E2E P99 s | batch-1 decode tok/s | batch-64 decode tok/s | "
+             "batch-64 step / GEMM rate |",
+             "|---|---|---|---|---|---|---|"]
+    for m in report.modes:
+        s = m.seed_run
+        lines.append(f"| kvmesh {m.mode} | {s.output_tok_s:.1f} | {s.e2e_p50_s:.1f} | {s.e2e_p99_s:.1f} | "
+                     f"{m.batch1_decode_tok_s:.1f} | {m.batch64_decode_tok_s:.1f} | "
+                     f"{m.gemm_fraction:.0%} ({m.batch64_gflop_s:.0f} / {m.gemm_gflop_s:.0f} GFLOP/s) |")
+    for name, peer in (("HF static batches of 8", report.hf_static), ("llama-server, 8 slots", report.llama_server)):
+        if peer is not None:
+            lines.append(f"| {name} | {peer.output_tok_s:.1f} | {peer.e2e_p50_s:.1f} | {peer.e2e_p99_s:.1f} | - | - | - |")
+    for m in report.modes:
+        if m.hf_agreement:
+            a = m.hf_agreement
+            lines.append(f"\nbf16 greedy agreement with HF bf16 ({m.mode}): {a['agreement']:.1%} of tokens before the "
+                         f"first divergence, {a['identical_prompts']}/{a['prompts']} prompts identical")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> BenchReport:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="HF folder or GGUF (default: the embedded SmolLM2)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (and llama-server's)")
+    p.add_argument("--modes", help="comma-separated subset of: " + ", ".join(m[0] for m in FULL_MODES))
+    p.add_argument("--quick", action="store_true", help="a few tiny requests, two modes: a smoke run in seconds")
+    p.add_argument("--no-hf", action="store_true", help="skip HF transformers static batches")
+    p.add_argument("--llama-server", metavar="PATH", help="llama.cpp llama-server binary to compare against")
+    p.add_argument("--gguf", help="GGUF for llama-server (default: the embedded model's)")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    args = p.parse_args(argv)
+    if args.llama_server and not shutil.which(args.llama_server) and not os.path.exists(args.llama_server):
+        p.error(f"--llama-server {args.llama_server}: no such binary")
+    report = run(args)
+    print(format_table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(asdict(report), f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The CPU attention fast path: varlen attention over the paged cache, planned once per step.
+
+The reference backend (worker/modeling/attention_torch.py, the oracle this one is tested against)
+gathers every decode row's blocks up to the longest context of the batch, in every layer,
+and rebuilds its index and mask tensors each time: per step it does
+layers x batch x longest-context work. Here:
+
+  * The step's plan (which cache slots each query reads, and the masks) is built ONCE per
+    step, by the first layer, from the metadata's host copies, and reused by every layer:
+    `AttentionMetadata.backend_plans` carries it for the life of the step's metadata.
+  * Decode rows are sorted by context length and cut into groups whose padded size stays
+    within `PAD_RATIO` of the tokens they really attend, so the gathered K/V and the SDPA
+    work grow with the attended tokens, not with batch x longest context. Each group is one
+    block-granular gather of its rows' own blocks (contiguous copies, no per-token index)
+    and one scaled_dot_product_attention call.
+  * A prefill chunk reads exactly its context's blocks; a chunk with no cached context uses
+    SDPA's own causal path instead of an explicit mask.
+
+Numerics are those of the reference: same dtype, same SDPA, padding masked out; the engine's
+exactness prompts give identical tokens with either backend (tests/test_attention_cpu.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvmesh.worker.modeling.attention import AttentionMetadata, LayerKVCache
+from kvmesh.worker.modeling.attention_torch import TorchAttentionBackend
+
+# A decode group may pad up to this factor over the tokens its rows attend. Lower means less
+# wasted work but more groups (one gather + one SDPA call per group per layer).
+PAD_RATIO = 1.25
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decode rows that share one padded SDPA call."""
+
+    query_rows: torch.Tensor  # [n] long, flat index of each row's query token
+    blocks: torch.Tensor  # [n, nb] long, the rows' cache blocks (padding -> the row's first block)
+    mask: torch.Tensor | None  # [n, 1, 1, nb * block_size] bool, True = attend; None = attend all
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One request's chunk of several query tokens."""
+
+    query_start: int
+    query_end: int
+    blocks: torch.Tensor  # [nb] long
+    context: int  # tokens attended (the first `context` slots of `blocks`)
+    mask: torch.Tensor | None  # [qlen, context] bool; None = plain causal (no cached context)
+
+
+@dataclass(frozen=True)
+class CpuAttentionPlan:
+    decode_groups: tuple[DecodeGroup, ...]
+    prefills: tuple[PrefillChunk, ...]
+
+
+def group_decode_rows(seq_lens: list[tuple[int, int]], pad_ratio: float = PAD_RATIO) -> list[list[tuple[int, int]]]:
+    """(row, context length) pairs -> groups, each sorted by length, whose padded size
+    (rows x longest) is at most pad_ratio x the sum of their lengths."""
+    groups: list[list[tuple[int, int]]] = []
+    total = 0
+    for row, n in sorted(seq_lens, key=lambda rn: rn[1]):
+        if groups and (len(groups[-1]) + 1) * n <= pad_ratio * (total + n):
+            groups[-1].append((row, n))
+            total += n
+        else:
+            groups.append([(row, n)])
+            total = n
+    return groups
+
+
+def build_plan(meta: AttentionMetadata, block_size: int) -> CpuAttentionPlan:
+    """K/V are read whole blocks at a time (one contiguous block_size x Hkv x D copy per
+    block, far cheaper than a per-token gather); the masks hide the tail of a row's last block
+    and the padding blocks, which re-read the row's own first block (always written)."""
+    dev = meta.block_tables.device
+    tables = meta.block_tables
+    starts = [0]
+    for n in meta.query_lens_host:
+        starts.append(starts[-1] + n)
+    decode = [(i, ctx) for i, (q, ctx) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)) if q == 1]
+    groups = []
+    for members in group_decode_rows(decode):
+        rows = torch.tensor([i for i, _ in members], dtype=torch.long, device=dev)
+        lens = torch.tensor([n for _, n in members], dtype=torch.long, device=dev)
+        nb = -(-members[-1][1] // block_size)
+        owned = torch.arange(nb, device=dev)[None, :] * block_size < lens[:, None]  # [n, nb]
+        blocks = tables[rows, :nb].long()
+        blocks = torch.where(owned, blocks, blocks[:, :1])  # unused table entries may be anything
+        mask = None
+        if any(n != nb * block_size for _, n in members):
+            mask = (torch.arange(nb * block_size, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        query_rows = torch.tensor([starts[i] for i, _ in members], dtype=torch.long, device=dev)
+        groups.append(DecodeGroup(query_rows, blocks, mask))
+    prefills = []
+    for i, (qlen, ctx) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        if qlen == 1:
+            continue
+        blocks = tables[i, :-(-ctx // block_size)].long()
+        mask = None
+        if ctx != qlen:  # query j sits at position ctx - qlen + j and sees positions <= its own
+            q_pos = torch.arange(ctx - qlen, ctx, device=dev)[:, None]
+            mask = torch.arange(ctx, device=dev)[None, :] <= q_pos
+        prefills.append(PrefillChunk(starts[i], starts[i + 1], blocks, ctx, mask))
+    return CpuAttentionPlan(tuple(groups), tuple(prefills))
+
+
+def read_blocks(cache: LayerKVCache, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """blocks: [..., nb] -> K, V: [..., nb * block_size, Hkv, D] in dtype (dequantized when the
+    cache is quantized)."""
+    bs, hkv, d = cache.key_cache.shape[1:]
+    lead = blocks.shape[:-1]
+    flat = blocks.reshape(-1)
+    k = cache.key_cache.index_select(0, flat)  # [n * nb, bs, Hkv, D]
+    v = cache.value_cache.index_select(0, flat)
+    if cache.quantized:
+        k = k.to(torch.float32) * cache.key_scale.index_select(0, flat).to(torch.float32).unsqueeze(-1)
+        v = v.to(torch.float32) * cache.value_scale.index_select(0, flat).to(torch.float32).unsqueeze(-1)
+    shape = (*lead, blocks.shape[-1] * bs, hkv, d)
+    return k.reshape(shape).to(dtype), v.reshape(shape).to(dtype)
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """write_kv is the reference's; attend runs the per-step plan (see the module doc)."""
+
+    name = "cpu"
+
+    def attend(self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        plan = meta.backend_plans.get(self.name)
+        if plan is None:  # the first layer of the step plans for all of them
+            plan = meta.backend_plans[self.name] = build_plan(meta, cache.block_size)
+        out = torch.empty_like(query)
+        for g in plan.decode_groups:
+            k, v = read_blocks(cache, g.blocks, query.dtype)  # [n, nb * bs, Hkv, D]
+            q = query[g.query_rows].unsqueeze(2)  # [n, Hq, 1, D]
+            o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask,
+                                               scale=scale, enable_gqa=True)  # [n, Hq, 1, D]
+            out[g.query_rows] = o[:, :, 0, :]
+        for p in plan.prefills:
+            k, v = read_blocks(cache, p.blocks, query.dtype)
+            k, v = k[:p.context], v[:p.context]  # [ctx, Hkv, D]
+            q = query[p.query_start:p.query_end]  # [qlen, Hq, D]
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True)  # [1, Hq, qlen, D]
+            out[p.query_start:p.query_end] = o[0].transpose(0, 1)
+        return out
