@@ -183,10 +183,12 @@ def hit_rate(served: list[Served]) -> float:
     return sum(s.cached_tokens for s in served) / sum(s.prompt_tokens for s in served)
 
 
-def tokens_per_worker(served: list[Served]) -> dict[str, int]:
+def computed_tokens_per_worker(served: list[Served]) -> dict[str, int]:
+    """Tokens each worker had to compute: prompt tokens its prefix cache did not serve, plus
+    the output. This is the load the router balances (a cache hit costs the worker nothing)."""
     totals = collections.Counter()
     for s in served:
-        totals[s.worker_id] += s.prompt_tokens + s.completion_tokens
+        totals[s.worker_id] += s.prompt_tokens - s.cached_tokens + s.completion_tokens
     return dict(totals)
 
 
@@ -246,13 +248,14 @@ def test_skewed_mix_load_threshold_keeps_workers_within_one_and_a_half_x(cluster
     """80% of the traffic is one family, four requests in flight: affinity alone would put
     80% of the tokens on that family's worker. The absolute margin (128 tokens) is below one
     request's 204, so one extra request on the hot worker is enough to spill when the ratio
-    also trips. Tokens per worker are summed from the final usage of the requests each
-    worker served."""
+    also trips. Computed tokens per worker (uncached prompt + output) are summed from the
+    final usage of the requests each worker served: the router's load guard balances the work
+    a worker must do, not the tokens its cache serves for free."""
     seed = 23
     config = _deploy(cluster, policy="prefix_aware", imbalance_abs_tokens=128)
     warm = _warm_up(config, seed)
     served = _run(config, _workload(seed, [80, 7, 7, 6], 60), concurrency=4)
-    per_worker = tokens_per_worker(warm + served)
+    per_worker = computed_tokens_per_worker(warm + served)
     hot_home = next(s.worker_id for s in warm if s.family == 0)
     hot_spread = collections.Counter(s.worker_id for s in served if s.family == 0)
     print(f"\nMEASURED skew tokens per worker={per_worker} hot family on {hot_spread} (home {hot_home}) "

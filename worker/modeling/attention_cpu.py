@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.worker.modeling.attention import AttentionMetadata, LayerKVCache
+from kvmesh.quant.kv_quant import dequantize_kv
 from kvmesh.worker.modeling.attention_torch import TorchAttentionBackend
 
 # A decode group may pad up to this factor over the tokens its rows attend. Lower means less
@@ -115,15 +116,15 @@ def build_plan(meta: AttentionMetadata, block_size: int) -> CpuAttentionPlan:
 def read_blocks(cache: LayerKVCache, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """blocks: [..., nb] -> K, V: [..., nb * block_size, Hkv, D] in dtype (dequantized when the
     cache is quantized)."""
-    bs, hkv, d = cache.key_cache.shape[1:]
+    bs, hkv = cache.key_cache.shape[1:3]
     lead = blocks.shape[:-1]
     flat = blocks.reshape(-1)
-    k = cache.key_cache.index_select(0, flat)  # [n * nb, bs, Hkv, D]
+    k = cache.key_cache.index_select(0, flat)  # [n * nb, bs, Hkv, D] (D / 2 bytes for packed int4)
     v = cache.value_cache.index_select(0, flat)
-    if cache.quantized:
-        k = k.to(torch.float32) * cache.key_scale.index_select(0, flat).to(torch.float32).unsqueeze(-1)
-        v = v.to(torch.float32) * cache.value_scale.index_select(0, flat).to(torch.float32).unsqueeze(-1)
-    shape = (*lead, blocks.shape[-1] * bs, hkv, d)
+    if cache.quantized:  # the one definition of the KV codes (int8, fp8, packed int4)
+        k = dequantize_kv(k, cache.key_scale.index_select(0, flat))
+        v = dequantize_kv(v, cache.value_scale.index_select(0, flat))
+    shape = (*lead, blocks.shape[-1] * bs, hkv, k.shape[-1])
     return k.reshape(shape).to(dtype), v.reshape(shape).to(dtype)
 
 
