@@ -82,7 +82,10 @@ def test_reports_are_valid_html_json_and_markdown(results, tmp_path):
     table = [line for line in md.splitlines() if line.startswith("| ")]
     assert len(table) == 1 + 4  # header + one row per run
     assert all(line.count("|") == table[0].count("|") for line in table)
-    assert "| fast@2 | poisson 2/s | 20 | 0 | 0 | 0 |" in md
+    goodput = results["runs"][0]["summary"]["goodput"]
+    # The headline comes first: goodput, shed rate, retry-after accuracy (no retries: "-").
+    assert table[0].startswith("| run | arrival | goodput req/s | shed | retry-after ok | done |")
+    assert f"| fast@2 | poisson 2/s | {goodput:.2f} | 0% | - | 20 | 0 | 0 | 0 |" in md
 
 
 def test_per_tenant_table_for_multi_tenant_runs(results, tmp_path, monkeypatch):
@@ -92,7 +95,9 @@ def test_per_tenant_table_for_multi_tenant_runs(results, tmp_path, monkeypatch):
     run["summary_by_tenant"] = {"heavy": run["summary"], "light": results["runs"][2]["summary"]}
     md = markdown_summary(results)
     assert "## Per tenant" in md
-    assert "| fast@2 | heavy | 20 | 0 | 0 |" in md and "| fast@2 | light | 20 | 0 | 0 |" in md
+    heavy, light = (results["runs"][i]["summary"]["goodput"] for i in (0, 2))
+    assert f"| fast@2 | heavy | {heavy:.2f} | 0% | - | 20 | 0 | 0 |" in md
+    assert f"| fast@2 | light | {light:.2f} | 0% | - | 20 | 0 | 0 |" in md
     write_reports(results, tmp_path)
     checker = _Checker()
     checker.feed((tmp_path / "report.html").read_text())
