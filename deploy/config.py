@@ -170,6 +170,9 @@ class RouterConfig:
     # Longest a request waits in the router's admission queue before OverloadedError
     # (a request's own deadline, when sooner, wins).
     max_queue_wait_s: float = 30.0
+    # Refuse (retryable, with retry-after) on arrival a request whose deadline its expected
+    # queue wait already overruns, instead of queueing it until the deadline fails it.
+    deadline_shedding: bool = True
 
     def validate(self) -> None:
         _one_of("router.policy", self.policy, ("prefix_aware", "least_loaded", "round_robin"))

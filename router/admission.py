@@ -43,6 +43,13 @@ up to `max_queue_wait_s` or their deadline. Two lanes:
 so a retry storm fills its own small lane and is rejected there, while first attempts keep
 their queue and their share of the budget.
 
+Deadline-aware shedding (`deadline_shedding`, on by default): a request that must queue and
+carries a deadline is refused at once (`DeadlineUnmeetableError`, an `OverloadedError` with
+retry-after) when its expected wait, the same drain estimate as retry-after below without
+its one-refresh floor, already ends after the deadline: waiting would only end in
+DeadlineExceededError while holding a queue slot. Judged once, on arrival; with no measured
+drain rate nothing is known, and the request queues as before.
+
 Over the limit (lane full, or the wait ran out) the answer is immediate: `OverloadedError`
 with `retry_after_s = tokens that must drain / measured drain rate`, where the tokens are
 the request's overflow on its best worker plus the cost of everything queued ahead of it,
@@ -70,6 +77,7 @@ from kvmesh.kv.kv_cost import request_kv_tokens
 from kvmesh.worker.api import SamplingParams, WorkerStats
 from kvmesh.worker.errors import (
     DeadlineExceededError,
+    DeadlineUnmeetableError,
     InvalidRequestError,
     OverloadedError,
     WorkerFailedError,
@@ -166,12 +174,16 @@ class AdmissionSnapshot:
     committed_tokens: int  # cluster: reserved (stats) + in flight since refresh
     capacity_tokens: int
     drain_tokens_per_s: float
+    num_deadline_shed: int = 0  # requests refused on arrival because their deadline could not be met
 
 
 class AdmissionController:
-    def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time):
         self._config = config
         self._clock = clock
+        self._wall_clock = wall_clock  # deadlines are absolute time.time() values
+        self._num_deadline_shed = 0
         self._stats: dict[str, WorkerStats] = {}
         self._pending: dict[str, list[AdmissionTicket]] = collections.defaultdict(list)  # sent since refresh
         self._live: set[AdmissionTicket] = set()
@@ -222,6 +234,8 @@ class AdmissionController:
         slots = self.retry_slots if attempt > 1 else self.first_slots
         if len(lane) >= slots:
             raise self._overloaded(cost_tokens, attempt, "admission queue full")
+        if deadline_s is not None and self._config.deadline_shedding:
+            self._shed_if_deadline_unmeetable(cost_tokens, lane, deadline_s)
         return await self._wait(lane, cost_tokens, attempt, route, deadline_s, cost_for)
 
     # ---- queries --------------------------------------------------------------------------
@@ -237,7 +251,8 @@ class AdmissionController:
             num_in_flight=len(self._live), retry_tokens_in_flight=self._retry_tokens_live,
             committed_tokens=sum(self._committed(w.worker_id) for w in healthy),
             capacity_tokens=sum(w.kv_tokens_capacity for w in healthy),
-            drain_tokens_per_s=sum(w.output_tokens_per_s for w in healthy))
+            drain_tokens_per_s=sum(w.output_tokens_per_s for w in healthy),
+            num_deadline_shed=self._num_deadline_shed)
 
     # ---- internals ------------------------------------------------------------------------
 
@@ -296,9 +311,9 @@ class AdmissionController:
                          cost_for)
         lane.append(waiter)
         wait_s = self._config.max_queue_wait_s
-        deadline_first = deadline_s is not None and deadline_s - time.time() < wait_s
+        deadline_first = deadline_s is not None and deadline_s - self._wall_clock() < wait_s
         if deadline_first:
-            wait_s = max(0.0, deadline_s - time.time())
+            wait_s = max(0.0, deadline_s - self._wall_clock())
         try:
             return await asyncio.wait_for(asyncio.shield(waiter.future), timeout=wait_s)
         except asyncio.TimeoutError:
@@ -368,11 +383,29 @@ class AdmissionController:
         lane_name = "retry" if attempt > 1 else "first-attempt"
         return OverloadedError(f"server overloaded: {reason} ({lane_name} lane)", retry_after_s=retry_after_s)
 
-    def retry_after_s(self, cost_tokens: int, tokens_ahead: int) -> float:
-        """Seconds until `tokens_ahead` plus this request's overflow should have drained."""
+    def _shed_if_deadline_unmeetable(self, cost_tokens: int, lane: collections.deque, deadline_s: float) -> None:
+        expected_wait_s = self.expected_wait_s(cost_tokens, self._ahead_of(lane, None))
+        remaining_s = deadline_s - self._wall_clock()
+        if expected_wait_s is None or expected_wait_s <= remaining_s:
+            return
+        self._num_deadline_shed += 1
+        retry_after_s = max(self._config.stats_refresh_s, expected_wait_s)
+        logger.debug("admission shed: expected wait %.3fs > %.3fs to the deadline", expected_wait_s, remaining_s)
+        raise DeadlineUnmeetableError(
+            f"server overloaded: expected queue wait {expected_wait_s:.2f} s exceeds the {max(0.0, remaining_s):.2f} s "
+            "left before the request's deadline", retry_after_s=retry_after_s)
+
+    def expected_wait_s(self, cost_tokens: int, tokens_ahead: int) -> float | None:
+        """Seconds until `tokens_ahead` plus this request's overflow should have drained at the
+        measured rate; None before any rate is measured (or with no healthy worker)."""
         healthy = self._healthy()
         drain = sum(w.output_tokens_per_s for w in healthy)
         if drain <= 0 or not healthy:
-            return self._config.stats_refresh_s
+            return None
         overflow = min(max(0, self._committed(w.worker_id) + cost_tokens - w.kv_tokens_capacity) for w in healthy)
-        return max(self._config.stats_refresh_s, (overflow + tokens_ahead) / drain)
+        return (overflow + tokens_ahead) / drain
+
+    def retry_after_s(self, cost_tokens: int, tokens_ahead: int) -> float:
+        """The expected wait, never less than one stats refresh (nothing is known sooner)."""
+        expected = self.expected_wait_s(cost_tokens, tokens_ahead)
+        return self._config.stats_refresh_s if expected is None else max(self._config.stats_refresh_s, expected)

@@ -52,6 +52,7 @@ from kvmesh.worker.actor import ErrorReport
 from kvmesh.worker.api import FinishReason, GenerateRequest, RequestDelta, SamplingParams, WorkerStats
 from kvmesh.worker.errors import (
     DeadlineExceededError,
+    DeadlineUnmeetableError,
     InvalidRequestError,
     OverloadedError,
     QuotaExceededError,
@@ -143,7 +144,7 @@ class RouterCore:
             if isinstance(exc, (UnauthenticatedError, InvalidRequestError, QuotaExceededError)):
                 self.metrics.observe_rejection(_REJECTION_REASON[type(exc)])
             elif isinstance(exc, OverloadedError):
-                self.metrics.observe_rejection("overload")
+                self.metrics.observe_rejection("deadline" if isinstance(exc, DeadlineUnmeetableError) else "overload")
             elif isinstance(exc, DeadlineExceededError):
                 self.metrics.observe_timeout(tenant_id, "admission")
             root.record_exception(exc)

@@ -12,7 +12,8 @@ from kvmesh.deploy.config import RouterConfig
 from kvmesh.router.admission import AdmissionController, cost_with_cached_prefix, request_cost_tokens
 from kvmesh.router.routing import choose_worker, is_spill
 from kvmesh.worker.api import SamplingParams, WorkerStats
-from kvmesh.worker.errors import DeadlineExceededError, InvalidRequestError, OverloadedError, WorkerFailedError
+from kvmesh.worker.errors import (DeadlineExceededError, DeadlineUnmeetableError, InvalidRequestError,
+                                  OverloadedError, WorkerFailedError)
 
 
 def stats(worker_id, reserved=0, capacity=1000, rate=50.0, healthy=True):
@@ -33,9 +34,9 @@ class FakeClock:
         return self.now
 
 
-def controller(workers, clock=None, **router):
+def controller(workers, clock=None, wall_clock=time.time, **router):
     config = RouterConfig(**{"max_queue_len": 10, "retry_lane_fraction": 0.2, "max_queue_wait_s": 5.0, **router})
-    admission = AdmissionController(config, clock=clock or FakeClock())
+    admission = AdmissionController(config, clock=clock or FakeClock(), wall_clock=wall_clock)
     admission.update_stats(workers)
     return admission
 
@@ -173,12 +174,57 @@ def test_running_retries_hold_at_most_their_fraction_of_capacity():
 
 def test_waiting_too_long_is_overloaded_and_a_sooner_deadline_is_deadline_exceeded():
     async def main():
-        admission = controller([stats("w0", reserved=1000)], max_queue_wait_s=0.05)
+        # No drain rate measured yet: nothing says the deadline is unmeetable, so it waits.
+        admission = controller([stats("w0", reserved=1000, rate=0.0)], max_queue_wait_s=0.05)
         with pytest.raises(OverloadedError):
             await admission.acquire(100)
         with pytest.raises(DeadlineExceededError):
             await admission.acquire(100, deadline_s=time.time() + 0.01)
         assert admission.snapshot().num_queued_first == 0
+    asyncio.run(main())
+
+
+def test_a_deadline_the_queue_cannot_meet_is_refused_at_once_with_retry_after():
+    async def main():
+        wall = FakeClock()
+        wall.now = 1_000.0  # time.time() as the controller sees it
+        admission = controller([stats("w0", reserved=900, capacity=1000, rate=50.0)], wall_clock=wall)
+        # 200 tokens overflow the worker by 100; at 50 tok/s the expected wait is 2 s: a
+        # deadline exactly 2 s away can be met, so the request queues.
+        first = asyncio.ensure_future(admission.acquire(200, deadline_s=wall.now + 2.0))
+        await settle()
+        assert not first.done() and admission.snapshot().num_queued_first == 1
+        # Behind it: its 200 queued tokens + the 100 overflow = 300 / 50 = 6 s > 5 s left.
+        with pytest.raises(DeadlineUnmeetableError) as refused:
+            await admission.acquire(200, deadline_s=wall.now + 5.0)
+        assert isinstance(refused.value, OverloadedError) and refused.value.retryable
+        assert refused.value.retry_after_s == pytest.approx(6.0)
+        snap = admission.snapshot()
+        assert (snap.num_queued_first, snap.num_deadline_shed) == (1, 1)  # refused without queueing
+        # Without a deadline, or with one the queue can meet, the same request still queues.
+        no_deadline = asyncio.ensure_future(admission.acquire(200))
+        await settle()
+        assert not no_deadline.done() and admission.snapshot().num_queued_first == 2
+        # Room frees up: the queued ones are admitted in order; the shed one left no trace.
+        admission.update_stats([stats("w0", reserved=0, capacity=1000, rate=50.0)])
+        tickets = [await asyncio.wait_for(f, 1) for f in (first, no_deadline)]
+        assert [t.cost_tokens for t in tickets] == [200, 200] and admission.snapshot().num_in_flight == 2
+        for t in tickets:
+            t.release()
+        assert admission.snapshot().num_in_flight == 0
+    asyncio.run(main())
+
+
+def test_deadline_shedding_off_queues_until_the_deadline():
+    async def main():
+        wall = FakeClock()
+        wall.now = 1_000.0
+        admission = controller([stats("w0", reserved=1000, rate=50.0)], wall_clock=wall, deadline_shedding=False)
+        waiting = asyncio.ensure_future(admission.acquire(100, deadline_s=wall.now + 0.05))  # expects 2 s
+        await settle()
+        assert not waiting.done() and admission.snapshot().num_deadline_shed == 0
+        with pytest.raises(DeadlineExceededError):  # the wait runs to the deadline, then fails
+            await waiting
     asyncio.run(main())
 
 

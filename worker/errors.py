@@ -52,6 +52,12 @@ class OverloadedError(KvmeshError):
         return (type(self), (self.message, self.retry_after_s))
 
 
+class DeadlineUnmeetableError(OverloadedError):
+    """Refused at once: the queue ahead drains too slowly for the request's deadline. A
+    retryable overload to the caller (same status, with retry-after); its own class so the
+    router can count this reason apart."""
+
+
 class RequestCancelledError(KvmeshError):
     """The request was cancelled (client gone, Cancel RPC)."""
 
