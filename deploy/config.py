@@ -93,6 +93,12 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # recompute | swap
     static_batch_size: int = 8  # policy=static: batch formed, run to completion
     dynamic_batch_window_s: float = 0.05  # policy=dynamic: wait this long to fill a batch
+    # A waiting request of a strictly more important priority class (tenants[].priority plus
+    # the request's own) may preempt running requests of less important classes when it
+    # cannot start otherwise; each request is preempted so at most max_priority_preemptions
+    # times (then it runs to completion: no starvation by preemption, no thrashing).
+    priority_preemption: bool = False
+    max_priority_preemptions: int = 1
 
     def validate(self) -> None:
         _one_of("scheduler.policy", self.policy, ("continuous", "static", "dynamic"))
@@ -104,6 +110,7 @@ class SchedulerConfig:
                "scheduler.max_total_kv_tokens must be >= 1")
         _check(self.max_queue_time_s > 0, "scheduler.max_queue_time_s must be > 0")
         _check(self.dynamic_batch_window_s >= 0, "scheduler.dynamic_batch_window_s must be >= 0")
+        _check(self.max_priority_preemptions >= 1, "scheduler.max_priority_preemptions must be >= 1")
 
 
 @dataclass(frozen=True)

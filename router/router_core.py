@@ -179,7 +179,8 @@ class RouterCore:
         # The tenant's class, refined by its backlog here, so a flooding tenant's queued
         # requests cannot starve another tenant's in the engine's priority queue.
         rank = self._backlog.enter(tenant.id)
-        request = dataclasses.replace(request, priority=engine_priority(request.priority, rank))
+        request = dataclasses.replace(request, priority=engine_priority(request.priority, rank),
+                                      priority_class=request.priority)
         try:
             with self._tracer.start_as_current_span(tracing.SPAN_ADMISSION, context=parent) as admission_span:
                 admission_started = time.time()

@@ -187,6 +187,10 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0  # lower value = more important; ties by arrival
+    # The class priority preemption compares (lower = more important); None = `priority`.
+    # The router sets it: its `priority` also carries the tenant's fair rank (fairness.py),
+    # which orders the queue but must not let one tenant preempt another of the same class.
+    priority_class: int | None = None
     tenant_id: str = "default"
     cache_salt: str | None = None  # tenant cache isolation: part of the block hash extra keys
     deadline_s: float | None = None  # absolute time.time() deadline

@@ -112,6 +112,7 @@ class Engine:
         members = [Request(request_id=f"{request.request_id}" if n == 1 else f"{group}/{i}",
                            prompt_token_ids=prompt_ids, sampling=request.sampling,
                            arrival_time=self.scheduler.clock(), priority=request.priority,
+                           priority_class=request.priority_class,
                            tenant_id=request.tenant_id,
                            extra_keys=self.block_extra_keys(request.cache_salt), group_id=group, sample_index=i)
                    for i in range(n)]
