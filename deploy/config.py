@@ -99,6 +99,13 @@ class SchedulerConfig:
     # times (then it runs to completion: no starvation by preemption, no thrashing).
     priority_preemption: bool = False
     max_priority_preemptions: int = 1
+    # What a request's KV reservation counts for its output: its whole max_tokens (never
+    # preempted for lack of blocks unless over-committed), or `expected`: an estimate learned
+    # per tenant from finished requests (worker/output_estimate.py), never below the floor,
+    # topped up as a request outgrows it, preemption as the safety valve.
+    admission_reserve: str = "max_tokens"  # max_tokens | expected
+    expected_output_floor_tokens: int = 16
+    expected_output_quantile: float = 0.9
 
     def validate(self) -> None:
         _one_of("scheduler.policy", self.policy, ("continuous", "static", "dynamic"))
@@ -111,6 +118,9 @@ class SchedulerConfig:
         _check(self.max_queue_time_s > 0, "scheduler.max_queue_time_s must be > 0")
         _check(self.dynamic_batch_window_s >= 0, "scheduler.dynamic_batch_window_s must be >= 0")
         _check(self.max_priority_preemptions >= 1, "scheduler.max_priority_preemptions must be >= 1")
+        _one_of("scheduler.admission_reserve", self.admission_reserve, ("max_tokens", "expected"))
+        _check(self.expected_output_floor_tokens >= 1, "scheduler.expected_output_floor_tokens must be >= 1")
+        _check(0 < self.expected_output_quantile <= 1, "scheduler.expected_output_quantile must be in (0, 1]")
 
 
 @dataclass(frozen=True)

@@ -486,3 +486,55 @@ def test_a_request_is_preempted_for_priority_at_most_the_limit_and_classes_not_r
     assert low.num_priority_preemptions == 1 and scheduler.stats().num_preemptions_priority == 1
     assert low.output_token_ids == expected_output(low.prompt_token_ids, 30)
     assert_pool_whole(scheduler)
+
+
+# ---- admission on expected output (scheduler.admission_reserve: expected) -----------------
+
+def _teach_short_outputs(scheduler, model, num_output_tokens=2):
+    """MIN_SAMPLES requests of tenant t that stop after `num_output_tokens` (as at a stop token)."""
+    from kvmesh.worker.output_estimate import MIN_SAMPLES
+    for i in range(MIN_SAMPLES):  # one at a time: each reserves its whole max_tokens until taught
+        submit(scheduler, f"teach{i}", range(100 + i, 104 + i), max_tokens=20, tenant_id="t")
+        while scheduler.has_unfinished():
+            engine_step(scheduler, model)
+            scheduler.finish_requests([r.request_id for r in scheduler.running
+                                       if r.num_output_tokens >= num_output_tokens])
+            scheduler.check_integrity()
+
+
+def test_expected_output_admits_more_and_preemption_covers_a_wrong_estimate():
+    # 16 blocks of 4 = 64 tokens. A request of 4 prompt + 20 max_tokens reserves 24 on
+    # max_tokens, 4 + 4 (the floor; it learned outputs of 2) = 8 on expected.
+    plain, _ = build(num_blocks=16)
+    for i in range(2):
+        submit(plain, f"r{i}", range(10 * i, 10 * i + 4), max_tokens=20, tenant_id="t")
+    with pytest.raises(OverloadedError):  # 48 + 24 > 64
+        submit(plain, "r2", range(20, 24), max_tokens=20, tenant_id="t")
+
+    scheduler, model = build(num_blocks=16, admission_reserve="expected", expected_output_floor_tokens=4)
+    _teach_short_outputs(scheduler, model)
+    requests = [submit(scheduler, f"r{i}", range(10 * i, 10 * i + 4), max_tokens=20, tenant_id="t")
+                for i in range(6)]  # 6 x 8 = 48 reserved: three times as many as max_tokens admits
+    assert [r.reserved_kv_tokens for r in requests] == [8] * 6
+    run_until_idle(scheduler, model)  # this time they run to max_tokens: 6 x 24 tokens > the pool
+    stats = scheduler.stats()
+    assert stats.num_outgrown_estimates == 6 and stats.num_preemptions_recompute > 0
+    for r in requests:  # nothing lost: every request completes with its exact output
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, 20)
+    assert_pool_whole(scheduler)
+
+
+def test_a_request_outgrowing_its_estimate_tops_its_reservation_up_block_by_block():
+    scheduler, model = build(num_blocks=64, admission_reserve="expected", expected_output_floor_tokens=4)
+    _teach_short_outputs(scheduler, model)
+    request = submit(scheduler, "long", range(4), max_tokens=14, tenant_id="t")
+    assert request.reserved_kv_tokens == 8  # 4 prompt + 4 estimated
+    reserved = []
+    while scheduler.has_unfinished():
+        engine_step(scheduler, model)  # check_integrity: the admission total matches every step
+        reserved.append((request.num_output_tokens, request.reserved_kv_tokens))
+    # Past 4 outputs it grows a block at a time, and never beyond prompt + max_tokens (rounded).
+    assert (4, 8) in reserved and (5, 12) in reserved and (9, 16) in reserved
+    assert max(r for _, r in reserved) == 4 * 5  # ceil((4 + 14) / 4) blocks
+    assert scheduler.stats().num_outgrown_estimates == 1
+    assert_pool_whole(scheduler)

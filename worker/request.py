@@ -60,6 +60,8 @@ class Request:
     num_priority_preemptions: int = 0  # of those, for a more important waiting request
     is_swapped: bool = False  # its KV sits in CPU swap space (owned by the KV manager)
     reserved_kv_tokens: int = 0  # admission reservation: kv_cost.request_kv_tokens less its pinned prefix
+    reserved_output_tokens: int = 0  # the output that reservation covers (max_tokens, or an estimate)
+    outgrew_estimate: bool = False  # produced more output than first reserved for it
     num_pinned_tokens: int = 0  # resident prefix held for it from admission (kv_cache_manager.pin_prefix)
     num_reserved_cached_tokens: int = 0  # prompt tokens its reservation left out (pinned + shared with others)
 

@@ -132,6 +132,7 @@ class SchedulerStats:
     num_preemptions_recompute: int
     num_preemptions_swap: int
     num_preemptions_priority: int  # of the two above, made for a more important waiting request
+    num_outgrown_estimates: int  # admission_reserve=expected: requests that produced more than estimated
     prefix_cache_hit_rate: float
     output_tokens_per_s: float
     drain_tokens_per_s: float  # reserved KV tokens returned per second
@@ -221,6 +222,8 @@ class Scheduler:
         self.kv.unpin(request)
         self._claim_prompt_blocks(request, -1)
         request.is_swapped = False
+        if status is RequestStatus.FINISHED:
+            self.admission.observe_finished(request)
         self.admission.release(request)
         if request.group_id is not None:
             members = self._groups[request.group_id]
@@ -479,6 +482,7 @@ class Scheduler:
                 if request.request_id not in sampled_token_ids:
                     raise KeyError(f"no sampled token for {request.request_id}, which was due to sample")
                 request.append_output_token(sampled_token_ids[request.request_id])
+                self.admission.grow_for_output(request)
                 self._output_tokens.add(1)
                 request.status = RequestStatus.DECODING
                 if request.first_token_time is None:
@@ -511,6 +515,7 @@ class Scheduler:
             num_preemptions_recompute=self.num_preemptions["recompute"],
             num_preemptions_swap=self.num_preemptions["swap"],
             num_preemptions_priority=self.num_priority_preemptions,
+            num_outgrown_estimates=self.admission.num_outgrown_estimates,
             prefix_cache_hit_rate=kv_stats.prefix_hit_rate, output_tokens_per_s=self._output_tokens.rate(),
             drain_tokens_per_s=self.admission.drain.rate(), num_steps=self._num_steps, kv=kv_stats)
 
