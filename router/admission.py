@@ -30,8 +30,11 @@ test_overload_e2e.py): forgetting at `taken_at` itself let the router over-admit
 burst, and the workers' own admission turned those requests away after they had crossed
 the cluster. Keeping them one period longer errs on the side of counting a request twice.
 
-Queue: requests that do not fit wait (FIFO per lane) until a refresh or a release makes room,
-up to `max_queue_wait_s` or their deadline. Two lanes:
+Queue: requests that do not fit wait (per lane: by priority class, lower = more important,
+then FIFO) until a refresh or a release makes room, up to `max_queue_wait_s` or their
+deadline. A more important request therefore waits only behind requests of its own class or
+better, as in the engine's queue (worker/scheduler.py), instead of behind a flood of less
+important work. Two lanes:
 
     first attempts   max_queue_len - retry_slots slots; served first (a retry is admitted
                      only while no first attempt is waiting)
@@ -161,6 +164,16 @@ class _Waiter:
     enqueued_at: float
     future: asyncio.Future
     cost_for: CostFn | None = None
+    priority_class: int = 0
+
+
+def _enqueue(lane: collections.deque, waiter: _Waiter) -> None:
+    """Behind every waiter of the same or a more important class, ahead of the rest."""
+    for index, other in enumerate(lane):
+        if other.priority_class > waiter.priority_class:
+            lane.insert(index, waiter)
+            return
+    lane.append(waiter)
 
 
 @dataclass(frozen=True)
@@ -211,12 +224,13 @@ class AdmissionController:
 
     async def acquire(self, cost_tokens: int, *, attempt: int = 1, route: RouteFn | None = None,
                       deadline_s: float | None = None, cost_for: CostFn | None = None,
-                      exclude: frozenset[str] = frozenset()) -> AdmissionTicket:
+                      exclude: frozenset[str] = frozenset(), priority_class: int = 0) -> AdmissionTicket:
         """Admit now, wait for room, or raise (OverloadedError, WorkerFailedError,
         InvalidRequestError, DeadlineExceededError). `deadline_s` is absolute time.time().
         `cost_tokens` is the whole cost (nothing cached); `cost_for(worker_id)`, when given,
         the cost on one worker with its cached prefix taken off (never more than the whole).
-        Workers in `exclude` (one that already refused this request) are never chosen."""
+        Workers in `exclude` (one that already refused this request) are never chosen.
+        `priority_class` (lower = more important) orders the wait queue."""
         healthy = self._healthy()
         if not healthy:
             raise WorkerFailedError("no healthy worker to admit the request to")
@@ -227,7 +241,8 @@ class AdmissionController:
             raise InvalidRequestError(
                 f"prompt plus max_tokens needs {cost_tokens} KV tokens; the largest worker holds {largest}")
         lane = self._retry_lane if attempt > 1 else self._first_lane
-        if not lane and not (attempt > 1 and self._first_lane):  # nobody ahead: admit at once if it fits
+        nobody_ahead = not any(w.priority_class <= priority_class for w in lane)
+        if nobody_ahead and not (attempt > 1 and self._first_lane):  # admit at once if it fits
             ticket = self._try_admit(cost_tokens, attempt, route, queued_since=None, cost_for=cost_for)
             if ticket is not None:
                 return ticket
@@ -235,8 +250,8 @@ class AdmissionController:
         if len(lane) >= slots:
             raise self._overloaded(cost_tokens, attempt, "admission queue full")
         if deadline_s is not None and self._config.deadline_shedding:
-            self._shed_if_deadline_unmeetable(cost_tokens, lane, deadline_s)
-        return await self._wait(lane, cost_tokens, attempt, route, deadline_s, cost_for)
+            self._shed_if_deadline_unmeetable(cost_tokens, lane, deadline_s, priority_class)
+        return await self._wait(lane, cost_tokens, attempt, route, deadline_s, cost_for, priority_class)
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -306,10 +321,13 @@ class AdmissionController:
         self._pump()
 
     async def _wait(self, lane: collections.deque, cost_tokens: int, attempt: int, route: RouteFn | None,
-                    deadline_s: float | None, cost_for: CostFn | None = None) -> AdmissionTicket:
+                    deadline_s: float | None, cost_for: CostFn | None = None,
+                    priority_class: int = 0) -> AdmissionTicket:
         waiter = _Waiter(cost_tokens, attempt, route, self._clock(), asyncio.get_running_loop().create_future(),
-                         cost_for)
-        lane.append(waiter)
+                         cost_for, priority_class)
+        _enqueue(lane, waiter)
+        if lane[0] is waiter:
+            self._pump()  # ahead of everyone waiting: it may fit where the old head did not
         wait_s = self._config.max_queue_wait_s
         deadline_first = deadline_s is not None and deadline_s - self._wall_clock() < wait_s
         if deadline_first:
@@ -363,13 +381,15 @@ class AdmissionController:
                 lane.popleft()
                 head.future.set_result(ticket)
 
-    def _ahead_of(self, lane: collections.deque, waiter: _Waiter | None) -> int:
-        """Tokens queued ahead: the whole first lane counts for a retry (it is served first)."""
+    def _ahead_of(self, lane: collections.deque, waiter: _Waiter | None, priority_class: int | None = None) -> int:
+        """Tokens queued ahead of `waiter` (None: of a newcomer of `priority_class`, or of
+        the whole lane when that is None too): the whole first lane counts for a retry (it
+        is served first)."""
         ahead = 0
         if lane is self._retry_lane:
             ahead += sum(w.cost_tokens for w in self._first_lane)
         for w in lane:
-            if w is waiter:
+            if w is waiter or (priority_class is not None and w.priority_class > priority_class):
                 break
             ahead += w.cost_tokens
         return ahead
@@ -383,8 +403,9 @@ class AdmissionController:
         lane_name = "retry" if attempt > 1 else "first-attempt"
         return OverloadedError(f"server overloaded: {reason} ({lane_name} lane)", retry_after_s=retry_after_s)
 
-    def _shed_if_deadline_unmeetable(self, cost_tokens: int, lane: collections.deque, deadline_s: float) -> None:
-        expected_wait_s = self.expected_wait_s(cost_tokens, self._ahead_of(lane, None))
+    def _shed_if_deadline_unmeetable(self, cost_tokens: int, lane: collections.deque, deadline_s: float,
+                                     priority_class: int) -> None:
+        expected_wait_s = self.expected_wait_s(cost_tokens, self._ahead_of(lane, None, priority_class))
         remaining_s = deadline_s - self._wall_clock()
         if expected_wait_s is None or expected_wait_s <= remaining_s:
             return

@@ -240,6 +240,7 @@ class RouterCore:
         ticket = await self.admission.acquire(
             request_cost_tokens(num_prompt, sampling, block_size=block_size), attempt=request.attempt,
             route=route, deadline_s=request.deadline_s, exclude=exclude,
+            priority_class=request.priority if request.priority_class is None else request.priority_class,
             cost_for=lambda w: cost_with_cached_prefix(num_prompt, sampling, block_size, resident.get(w, 0)))
         if hashes:  # the family's next request follows this one before the worker reports it
             token = index.add_in_flight(ticket.worker_id, hashes)

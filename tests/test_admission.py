@@ -228,6 +228,32 @@ def test_deadline_shedding_off_queues_until_the_deadline():
     asyncio.run(main())
 
 
+def test_a_more_important_class_waits_only_behind_its_own_class_or_better():
+    async def main():
+        wall = FakeClock()
+        wall.now = 1_000.0
+        admission = controller([stats("w0", reserved=1000, capacity=1000, rate=50.0)], wall_clock=wall)
+        lows = [asyncio.ensure_future(admission.acquire(100, priority_class=1)) for _ in range(3)]
+        await settle()
+        # Behind three low waiters (300 tokens) a low request's wait is (300 + 100) / 50 = 8 s ...
+        with pytest.raises(DeadlineUnmeetableError):
+            await admission.acquire(100, priority_class=1, deadline_s=wall.now + 2.5)
+        # ... an important one waits only for its own overflow: 100 / 50 = 2 s, so it queues,
+        # at the head of the lane.
+        vip = asyncio.ensure_future(admission.acquire(100, priority_class=0, deadline_s=wall.now + 2.5))
+        await settle()
+        assert not vip.done() and admission.snapshot().num_queued_first == 4
+        admission.update_stats([stats("w0", reserved=900, capacity=1000, rate=50.0)])  # room for one
+        ticket = await asyncio.wait_for(vip, 1)
+        assert not any(f.done() for f in lows)  # it went first; the low ones keep their order
+        ticket.release()
+        admission.update_stats([stats("w0", reserved=0, capacity=1000, rate=50.0)])
+        for ticket in [await asyncio.wait_for(f, 1) for f in lows]:
+            ticket.release()
+        assert admission.snapshot().num_in_flight == 0
+    asyncio.run(main())
+
+
 def test_impossible_requests_and_no_healthy_worker_fail_fast():
     async def main():
         admission = controller([stats("w0", capacity=1000), stats("w1", capacity=4000, healthy=False)])
