@@ -279,6 +279,8 @@ class WorkerStats:
     output_tokens_per_s: float  # recent decode throughput (drain rate), for retry-after
     num_preemptions_recompute: int = 0
     num_preemptions_swap: int = 0
+    num_preemptions_priority: int = 0  # of those, made for a more important waiting request
+    num_outgrown_estimates: int = 0  # admission_reserve=expected: requests that produced more than estimated
     prefix_event_seq: int = 0  # sequence number of the newest prefix-cache event
 
 
