@@ -34,7 +34,8 @@ Queue: requests that do not fit wait (per lane: by priority class, lower = more 
 then FIFO) until a refresh or a release makes room, up to `max_queue_wait_s` or their
 deadline. A more important request therefore waits only behind requests of its own class or
 better, as in the engine's queue (worker/scheduler.py), instead of behind a flood of less
-important work. Two lanes:
+important work; and when its lane is full, the lane's least important, newest waiter is
+refused (OverloadedError with retry-after) to give it the slot. Two lanes:
 
     first attempts   max_queue_len - retry_slots slots; served first (a retry is admitted
                      only while no first attempt is waiting)
@@ -188,6 +189,7 @@ class AdmissionSnapshot:
     capacity_tokens: int
     drain_tokens_per_s: float
     num_deadline_shed: int = 0  # requests refused on arrival because their deadline could not be met
+    num_evicted: int = 0  # waiters refused to free a full lane's slot for a more important request
 
 
 class AdmissionController:
@@ -197,6 +199,7 @@ class AdmissionController:
         self._clock = clock
         self._wall_clock = wall_clock  # deadlines are absolute time.time() values
         self._num_deadline_shed = 0
+        self._num_evicted = 0  # waiters refused to give their slot to a more important request
         self._stats: dict[str, WorkerStats] = {}
         self._pending: dict[str, list[AdmissionTicket]] = collections.defaultdict(list)  # sent since refresh
         self._live: set[AdmissionTicket] = set()
@@ -247,7 +250,7 @@ class AdmissionController:
             if ticket is not None:
                 return ticket
         slots = self.retry_slots if attempt > 1 else self.first_slots
-        if len(lane) >= slots:
+        if len(lane) >= slots and not self._evict_less_important(lane, priority_class):
             raise self._overloaded(cost_tokens, attempt, "admission queue full")
         if deadline_s is not None and self._config.deadline_shedding:
             self._shed_if_deadline_unmeetable(cost_tokens, lane, deadline_s, priority_class)
@@ -267,7 +270,7 @@ class AdmissionController:
             committed_tokens=sum(self._committed(w.worker_id) for w in healthy),
             capacity_tokens=sum(w.kv_tokens_capacity for w in healthy),
             drain_tokens_per_s=sum(w.output_tokens_per_s for w in healthy),
-            num_deadline_shed=self._num_deadline_shed)
+            num_deadline_shed=self._num_deadline_shed, num_evicted=self._num_evicted)
 
     # ---- internals ------------------------------------------------------------------------
 
@@ -347,6 +350,18 @@ class AdmissionController:
             if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
                 waiter.future.result().release()
             raise
+
+    def _evict_less_important(self, lane: collections.deque, priority_class: int) -> bool:
+        """A full lane makes room for a more important newcomer: its last waiter (the least
+        important class, newest) is refused now, as it would have been had it come later."""
+        if not lane or lane[-1].priority_class <= priority_class:
+            return False
+        victim = lane.pop()
+        if not victim.future.done():
+            victim.future.set_exception(self._overloaded(
+                victim.cost_tokens, victim.attempt, "queue slot taken by a more important request"))
+        self._num_evicted += 1
+        return True
 
     def _discard(self, lane: collections.deque, waiter: _Waiter) -> None:
         if not waiter.future.done():

@@ -254,6 +254,30 @@ def test_a_more_important_class_waits_only_behind_its_own_class_or_better():
     asyncio.run(main())
 
 
+def test_a_full_lane_gives_the_newest_less_important_waiter_s_slot_to_a_more_important_request():
+    async def main():
+        # max_queue_len 5, retry fraction 0.2: 4 first-attempt slots.
+        admission = controller([stats("w0", reserved=1000, capacity=1000, rate=50.0)], max_queue_len=5)
+        old = [asyncio.ensure_future(admission.acquire(100, priority_class=1)) for _ in range(3)]
+        newest = asyncio.ensure_future(admission.acquire(100, priority_class=1))
+        await settle()
+        with pytest.raises(OverloadedError):  # same class: no eviction, the newcomer is refused
+            await admission.acquire(100, priority_class=1)
+        vip = asyncio.ensure_future(admission.acquire(100, priority_class=0))
+        await settle()
+        with pytest.raises(OverloadedError) as evicted:  # the newest low waiter gave up its slot
+            await newest
+        assert evicted.value.retry_after_s > 0 and not isinstance(evicted.value, DeadlineUnmeetableError)
+        snap = admission.snapshot()
+        assert (snap.num_queued_first, snap.num_evicted) == (4, 1) and not vip.done()
+        admission.update_stats([stats("w0", reserved=0, capacity=1000, rate=50.0)])
+        tickets = [await asyncio.wait_for(f, 1) for f in (vip, *old)]
+        for ticket in tickets:
+            ticket.release()
+        assert admission.snapshot().num_in_flight == 0
+    asyncio.run(main())
+
+
 def test_impossible_requests_and_no_healthy_worker_fail_fast():
     async def main():
         admission = controller([stats("w0", capacity=1000), stats("w1", capacity=4000, healthy=False)])
