@@ -103,8 +103,10 @@ def evaluate_checks(results: dict) -> list[dict]:
         run = runs.get(check.get("run"))
         actual = lookup(run, check["metric"]) if run else None
         if "baseline" in check:
+            # baseline_metric: compare against another figure of the baseline run (a tenant's
+            # row against a run where that tenant ran alone and has no per-tenant rows).
             base_run = runs.get(check["baseline"])
-            base = lookup(base_run, check["metric"]) if base_run else None
+            base = lookup(base_run, check.get("baseline_metric", check["metric"])) if base_run else None
             expected = None if base is None else base * float(check.get("ratio", 1.0))
         else:
             expected = check.get("value")
@@ -116,7 +118,10 @@ def evaluate_checks(results: dict) -> list[dict]:
 
 def describe_check(c: dict) -> str:
     chk = c["check"]
-    rhs = (f"{chk.get('ratio', 1.0)} x {chk['baseline']}" if "baseline" in chk else f"{chk.get('value')}")
+    base = chk.get("baseline", "")
+    if "baseline_metric" in chk:
+        base += f" {chk['baseline_metric']}"
+    rhs = (f"{chk.get('ratio', 1.0)} x {base}" if "baseline" in chk else f"{chk.get('value')}")
     return f"{chk.get('run')}: {chk['metric']} {chk.get('op', '>=')} {rhs}"
 
 

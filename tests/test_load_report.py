@@ -148,3 +148,14 @@ def test_load_results_rejects_other_files(tmp_path):
     (tmp_path / "results.json").write_text("[1, 2]")
     with pytest.raises(InvalidRequestError):
         load_results(tmp_path)
+
+
+def test_a_check_may_compare_a_tenant_row_with_another_runs_summary(results):
+    run = results["runs"][0]
+    run["summary_by_tenant"] = {"high": results["runs"][2]["summary"]}  # slow@2's figures
+    results["checks"] = [{"run": "fast@2", "metric": "summary_by_tenant.high.ttft.p99_ms", "op": "<=",
+                          "baseline": "fast@4", "baseline_metric": "ttft.p99_ms", "ratio": 2.0}]
+    (check,) = evaluate_checks(results)
+    assert check["expected"] == pytest.approx(2.0 * results["runs"][1]["summary"]["ttft"]["p99_ms"])
+    assert check["passed"] is False  # slow's TTFT (~0.5 s) is more than twice fast's (~0.1 s)
+    assert "2.0 x fast@4 ttft.p99_ms" in markdown_summary(results)
