@@ -96,9 +96,11 @@ class SchedulerConfig:
     # A waiting request of a strictly more important priority class (tenants[].priority plus
     # the request's own) may preempt running requests of less important classes when it
     # cannot start otherwise; each request is preempted so at most max_priority_preemptions
-    # times (then it runs to completion: no starvation by preemption, no thrashing).
+    # times (then it runs to completion: no starvation by preemption, no thrashing). 3, not
+    # 1: a victim resumes first within its class, so with 1 the running requests are soon all
+    # spent and important ones wait for a slot again (priority campaign, docs/load-testing.md).
     priority_preemption: bool = False
-    max_priority_preemptions: int = 1
+    max_priority_preemptions: int = 3
     # What a request's KV reservation counts for its output: its whole max_tokens (never
     # preempted for lack of blocks unless over-committed), or `expected`: an estimate learned
     # per tenant from finished requests (worker/output_estimate.py), never below the floor,
