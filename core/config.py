@@ -93,6 +93,21 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # recompute | swap
     static_batch_size: int = 8  # policy=static: batch formed, run to completion
     dynamic_batch_window_s: float = 0.05  # policy=dynamic: wait this long to fill a batch
+    # A waiting request of a strictly more important priority class (tenants[].priority plus
+    # the request's own) may preempt running requests of less important classes when it
+    # cannot start otherwise; each request is preempted so at most max_priority_preemptions
+    # times (then it runs to completion: no starvation by preemption, no thrashing). 3, not
+    # 1: a victim resumes first within its class, so with 1 the running requests are soon all
+    # spent and important ones wait for a slot again (priority campaign, docs/load-testing.md).
+    priority_preemption: bool = False
+    max_priority_preemptions: int = 3
+    # What a request's KV reservation counts for its output: its whole max_tokens (never
+    # preempted for lack of blocks unless over-committed), or `expected`: an estimate learned
+    # per tenant from finished requests (worker/engine_loop/output_estimate.py), never below the floor,
+    # topped up as a request outgrows it, preemption as the safety valve.
+    admission_reserve: str = "max_tokens"  # max_tokens | expected
+    expected_output_floor_tokens: int = 16
+    expected_output_quantile: float = 0.9
 
     def validate(self) -> None:
         _one_of("scheduler.policy", self.policy, ("continuous", "static", "dynamic"))
@@ -104,6 +119,10 @@ class SchedulerConfig:
                "scheduler.max_total_kv_tokens must be >= 1")
         _check(self.max_queue_time_s > 0, "scheduler.max_queue_time_s must be > 0")
         _check(self.dynamic_batch_window_s >= 0, "scheduler.dynamic_batch_window_s must be >= 0")
+        _check(self.max_priority_preemptions >= 1, "scheduler.max_priority_preemptions must be >= 1")
+        _one_of("scheduler.admission_reserve", self.admission_reserve, ("max_tokens", "expected"))
+        _check(self.expected_output_floor_tokens >= 1, "scheduler.expected_output_floor_tokens must be >= 1")
+        _check(0 < self.expected_output_quantile <= 1, "scheduler.expected_output_quantile must be in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -170,6 +189,9 @@ class RouterConfig:
     # Longest a request waits in the router's admission queue before OverloadedError
     # (a request's own deadline, when sooner, wins).
     max_queue_wait_s: float = 30.0
+    # Refuse (retryable, with retry-after) on arrival a request whose deadline its expected
+    # queue wait already overruns, instead of queueing it until the deadline fails it.
+    deadline_shedding: bool = True
 
     def validate(self) -> None:
         _one_of("router.policy", self.policy, ("prefix_aware", "least_loaded", "round_robin"))

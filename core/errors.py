@@ -47,6 +47,12 @@ class OverloadedError(RetryableError):
     """Capacity is exhausted right now (KV budget, queue full, queue timeout)."""
 
 
+class DeadlineUnmeetableError(OverloadedError):
+    """Refused at once: the queue ahead drains too slowly for the request's deadline. A
+    retryable overload to the caller (same status, with retry-after); its own class so the
+    router can count this reason apart."""
+
+
 class RequestCancelledError(KvmeshError):
     """The request was cancelled (client gone, Cancel RPC)."""
 

@@ -199,6 +199,10 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0  # lower value = more important; ties by arrival
+    # The class priority preemption compares (lower = more important); None = `priority`.
+    # The router sets it: its `priority` also carries the tenant's fair rank (fairness.py),
+    # which orders the queue but must not let one tenant preempt another of the same class.
+    priority_class: int | None = None
     tenant_id: str = "default"
     cache_salt: str | None = None  # tenant cache isolation: part of the block hash extra keys
     deadline_s: float | None = None  # absolute time.time() deadline
@@ -287,6 +291,8 @@ class WorkerStats:
     output_tokens_per_s: float  # recent decode throughput (drain rate), for retry-after
     num_preemptions_recompute: int = 0
     num_preemptions_swap: int = 0
+    num_preemptions_priority: int = 0  # of those, made for a more important waiting request
+    num_outgrown_estimates: int = 0  # admission_reserve=expected: requests that produced more than estimated
     prefix_event_seq: int = 0  # sequence number of the newest prefix-cache event
 
 

@@ -189,6 +189,8 @@ class RunDriver:
         send_s = self._now_s()
         rng = random.Random(f"{self.retry.seed}-{stream_no}-{req.index}")  # str seeds are stable
         retry_codes: list[str] = []
+        advised_s: list[float | None] = []  # per retry: the retry-after its error advertised
+        waited_s: list[float] = []  # per retry: the delay the client chose before sending it
         attempt_no = 0
         while True:
             attempt_no += 1
@@ -209,13 +211,18 @@ class RunDriver:
                     logger.debug("request %s failed: %r", treq.request_id, exc)
                 retryable = isinstance(exc, TimeoutError) or getattr(exc, "retryable", False)
                 if self.retry.mode == "none" or not retryable or attempt_no >= self.retry.max_attempts:
-                    return self._record(stream_no, req, send_s, STATUS_ERROR, seen, attempt_no, retry_codes,
-                                        code, str(exc)[:200])
+                    return self._record(stream_no, req, send_s, STATUS_ERROR, seen, attempt_no,
+                                        (retry_codes, advised_s, waited_s), code, str(exc)[:200])
+                advertised = getattr(exc, "retry_after_s", None)
+                delay = self.retry.delay_s(attempt_no, advertised, rng)
                 retry_codes.append(code)
-                await self._sleep(self.retry.delay_s(attempt_no, getattr(exc, "retry_after_s", None), rng))
+                advised_s.append(advertised)
+                waited_s.append(delay)
+                await self._sleep(delay)
                 continue
             status = STATUS_CANCELLED if seen.cancelled else STATUS_OK
-            return self._record(stream_no, req, send_s, status, seen, attempt_no, retry_codes, None)
+            return self._record(stream_no, req, send_s, status, seen, attempt_no,
+                                (retry_codes, advised_s, waited_s), None)
 
     async def _attempt(self, treq: TargetRequest, cancel_after_tokens: int | None, seen: _Attempt) -> None:
         async with contextlib.aclosing(self.target.stream(treq)) as chunks:
@@ -235,8 +242,9 @@ class RunDriver:
                     return  # leaving the `async with` closes the stream: the server aborts
 
     def _record(self, stream_no: int, req: WorkloadRequest, send_s: float, status: str, seen: _Attempt,
-                attempts: int, retry_codes: list[str], code: str | None,
+                attempts: int, retries: tuple[list[str], list[float | None], list[float]], code: str | None,
                 message: str | None = None) -> RequestRecord:
+        retry_codes, advised_s, waited_s = retries
         if self._bar is not None:
             self._bar.update(1)
         end_s = self._now_s() if status != STATUS_ERROR else None
@@ -246,7 +254,8 @@ class RunDriver:
                              output_tokens=output, first_token_s=seen.first_token_s, end_s=end_s,
                              delta_times_s=tuple(seen.delta_times_s), cached_tokens=seen.cached_tokens,
                              attempts=attempts, error_code=code, error_message=message,
-                             retry_error_codes=tuple(retry_codes),
+                             retry_error_codes=tuple(retry_codes), retry_after_s=tuple(advised_s),
+                             retry_delay_s=tuple(waited_s),
                              family=req.family)
 
 

@@ -10,7 +10,11 @@ The definitions are vLLM bench serve's, pinned here and in docs/load-testing.md:
   request throughput       completed requests / run duration
   output token throughput  output tokens of completed requests / run duration
   goodput                  completed requests meeting every SLO (TTFT <= x, TPOT <= y,
-                           E2E <= z, each optional) / run duration
+                           E2E <= z, each optional) / run duration -- the headline figure
+  shed rate                requests the server shed (ended refused: Overloaded or
+                           QuotaExceeded, or completed degraded) / requests offered
+  retry-after accuracy     of the retries sent no earlier than the Retry-After the refusal
+                           advertised, the share the server did not refuse again
   duration                 from the first send to the last request's end
 
 Percentiles use numpy's default linear interpolation (as vLLM). Latency metrics cover
@@ -29,6 +33,10 @@ PERCENTILES = (50, 90, 95, 99)
 STATUS_OK = "ok"
 STATUS_CANCELLED = "cancelled"  # the client cancelled on purpose (cancel_after_tokens)
 STATUS_ERROR = "error"
+
+# Error codes (driver.error_code) that mean the server refused the request on purpose
+# (admission or quota), as opposed to failing it or the client timing out.
+REFUSAL_CODES = frozenset({"Overloaded", "QuotaExceeded"})
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,11 @@ class RequestRecord:
     error_message: str | None = None  # its message, cut to 200 characters
     retry_error_codes: tuple[str, ...] = ()  # errors of attempts that were retried
     family: int | None = None
+    # Per retry (aligned with retry_error_codes): the retry-after the error advertised (None
+    # when it gave none) and how long the client waited before sending the retry.
+    retry_after_s: tuple[float | None, ...] = ()
+    retry_delay_s: tuple[float, ...] = ()
+    degraded: bool = False  # the server said it served less than asked (e.g. capped max_tokens)
 
     @property
     def ttft_s(self) -> float | None:
@@ -71,6 +84,28 @@ class RequestRecord:
         t = self.delta_times_s
         return tuple(b - a for a, b in zip(t, t[1:]))
 
+    @property
+    def attempt_codes(self) -> tuple[str | None, ...]:
+        """Every attempt's error code in order; None for the last one when it did not fail."""
+        last = self.error_code if self.status == STATUS_ERROR else None
+        return (*self.retry_error_codes, last)
+
+    @property
+    def refused(self) -> bool:
+        return self.status == STATUS_ERROR and self.error_code in REFUSAL_CODES
+
+    def retries_at_advertised_time(self) -> list[bool]:
+        """One entry per retry that waited at least the Retry-After its refusal advertised:
+        True when the server did not refuse that retry again. Retries sent earlier than
+        advised (naive clients) say nothing about the advice and are left out."""
+        codes = self.attempt_codes
+        out = []
+        for k, (advertised, waited) in enumerate(zip(self.retry_after_s, self.retry_delay_s)):
+            if advertised is None or codes[k] not in REFUSAL_CODES or waited < advertised:
+                continue
+            out.append(codes[k + 1] not in REFUSAL_CODES)
+        return out
+
     def to_json(self) -> dict:
         data = asdict(self)
         data.update(ttft_s=self.ttft_s, e2e_s=self.e2e_s, tpot_s=self.tpot_s)
@@ -80,7 +115,7 @@ class RequestRecord:
     def from_json(cls, data: dict) -> "RequestRecord":
         names = set(cls.__dataclass_fields__)
         kwargs = {k: v for k, v in data.items() if k in names}
-        for k in ("delta_times_s", "retry_error_codes"):
+        for k in ("delta_times_s", "retry_error_codes", "retry_after_s", "retry_delay_s"):
             kwargs[k] = tuple(kwargs.get(k, ()))
         return cls(**kwargs)
 
@@ -121,6 +156,11 @@ class Distribution:
 
 @dataclass(frozen=True)
 class RunSummary:
+    # Field order is report order: what the run delivered (goodput) and what it refused
+    # (shed rate, retry-after accuracy) come first, so a run that wins by shedding shows it.
+    goodput: float | None  # requests / s meeting the SLO; None = no SLO given
+    shed_rate: float | None  # (refused + degraded requests) / offered; None = nothing offered
+    retry_after_accuracy: float | None  # see metrics docstring; None = no retry followed the advice
     num_requests: int
     completed: int
     cancelled: int
@@ -130,7 +170,6 @@ class RunSummary:
     output_token_throughput: float  # tokens / s
     total_output_tokens: int
     total_prompt_tokens: int
-    goodput: float | None  # requests / s meeting the SLO; None = no SLO given
     slo_attainment: float | None  # share of completed requests meeting the SLO
     ttft: Distribution
     tpot: Distribution
@@ -140,6 +179,9 @@ class RunSummary:
     retries: int = 0  # extra attempts over all requests
     retried_errors_by_code: dict[str, int] = field(default_factory=dict)
     prefix_cache_hit_rate: float | None = None  # cached prompt tokens / prompt tokens (completed)
+    refused: int = 0  # requests that ended refused (REFUSAL_CODES)
+    degraded: int = 0  # requests completed degraded
+    refused_attempts: int = 0  # attempts refused, retried or not
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -160,7 +202,14 @@ def summarize(records: list[RequestRecord], slo: SLO | None = None) -> RunSummar
         good = per_s(num_good)
         attainment = num_good / len(done) if done else 0.0
     retried = Counter(code for r in records for code in r.retry_error_codes)
+    refused = sum(1 for r in records if r.refused)
+    degraded = sum(1 for r in done if r.degraded)
+    advised = [admitted for r in records for admitted in r.retries_at_advertised_time()]
     return RunSummary(
+        shed_rate=(refused + degraded) / len(records) if records else None,
+        retry_after_accuracy=sum(advised) / len(advised) if advised else None,
+        refused=refused, degraded=degraded,
+        refused_attempts=sum(1 for r in records for code in r.attempt_codes if code in REFUSAL_CODES),
         num_requests=len(records),
         completed=len(done),
         cancelled=sum(1 for r in records if r.status == STATUS_CANCELLED),
@@ -186,4 +235,6 @@ def summarize(records: list[RequestRecord], slo: SLO | None = None) -> RunSummar
 def summary_from_json(data: dict) -> RunSummary:
     dists = {k: Distribution(**data[k]) for k in ("ttft", "tpot", "itl", "e2e")}
     rest = {k: v for k, v in data.items() if k not in dists}
+    for key in ("shed_rate", "retry_after_accuracy"):  # results written before these existed
+        rest.setdefault(key, None)
     return RunSummary(**rest, **dists)

@@ -1,7 +1,9 @@
 """Reports people can read, from a campaign's results.json:
 
-  summary.md    one table row per run (throughput, goodput, TTFT/TPOT/E2E percentiles,
-                errors, retries) and the campaign's checks, pass or fail
+  summary.md    one table row per run, headed by goodput, shed rate and retry-after accuracy
+                (what the run delivered and what it refused to get there), then throughput,
+                TTFT/TPOT/E2E percentiles, errors, retries; per-tenant rows the same way;
+                and the campaign's checks, pass or fail
   report.html   the same table plus plots embedded as base64 PNGs (matplotlib): latency
                 CDFs, throughput and goodput vs request rate, TTFT/TPOT percentiles per
                 run side by side, KV usage and queue length over time
@@ -26,13 +28,15 @@ logger = logging.getLogger(__name__)
 SUMMARY_COLUMNS = (
     ("run", "name", "{}"),
     ("arrival", "arrival_label", "{}"),
+    ("goodput req/s", "summary.goodput", "{:.2f}"),
+    ("shed", "summary.shed_rate", "{:.0%}"),
+    ("retry-after ok", "summary.retry_after_accuracy", "{:.0%}"),
     ("done", "summary.completed", "{}"),
     ("failed", "summary.failed", "{}"),
     ("cancelled", "summary.cancelled", "{}"),
     ("retries", "summary.retries", "{}"),
     ("req/s", "summary.request_throughput", "{:.2f}"),
     ("out tok/s", "summary.output_token_throughput", "{:.1f}"),
-    ("goodput req/s", "summary.goodput", "{:.2f}"),
     ("TTFT p50 ms", "summary.ttft.p50_ms", "{:.0f}"),
     ("TTFT p99 ms", "summary.ttft.p99_ms", "{:.0f}"),
     ("TPOT p50 ms", "summary.tpot.p50_ms", "{:.1f}"),
@@ -45,9 +49,11 @@ SUMMARY_COLUMNS = (
 
 # Metrics `compare` reports, with whether higher is better (for the verdict column).
 COMPARED_METRICS = (
+    ("summary.goodput", True),
+    ("summary.shed_rate", False),
+    ("summary.retry_after_accuracy", True),
     ("summary.output_token_throughput", True),
     ("summary.request_throughput", True),
-    ("summary.goodput", True),
     ("summary.ttft.p50_ms", False),
     ("summary.ttft.p99_ms", False),
     ("summary.tpot.p50_ms", False),
@@ -97,8 +103,10 @@ def evaluate_checks(results: dict) -> list[dict]:
         run = runs.get(check.get("run"))
         actual = lookup(run, check["metric"]) if run else None
         if "baseline" in check:
+            # baseline_metric: compare against another figure of the baseline run (a tenant's
+            # row against a run where that tenant ran alone and has no per-tenant rows).
             base_run = runs.get(check["baseline"])
-            base = lookup(base_run, check["metric"]) if base_run else None
+            base = lookup(base_run, check.get("baseline_metric", check["metric"])) if base_run else None
             expected = None if base is None else base * float(check.get("ratio", 1.0))
         else:
             expected = check.get("value")
@@ -110,7 +118,10 @@ def evaluate_checks(results: dict) -> list[dict]:
 
 def describe_check(c: dict) -> str:
     chk = c["check"]
-    rhs = (f"{chk.get('ratio', 1.0)} x {chk['baseline']}" if "baseline" in chk else f"{chk.get('value')}")
+    base = chk.get("baseline", "")
+    if "baseline_metric" in chk:
+        base += f" {chk['baseline_metric']}"
+    rhs = (f"{chk.get('ratio', 1.0)} x {base}" if "baseline" in chk else f"{chk.get('value')}")
     return f"{chk.get('run')}: {chk['metric']} {chk.get('op', '>=')} {rhs}"
 
 
@@ -138,7 +149,8 @@ def markdown_summary(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-TENANT_COLUMNS = (("done", "completed", "{}"), ("failed", "failed", "{}"), ("retries", "retries", "{}"),
+TENANT_COLUMNS = (("goodput req/s", "goodput", "{:.2f}"), ("shed", "shed_rate", "{:.0%}"),
+                  ("retry-after ok", "retry_after_accuracy", "{:.0%}"), ("done", "completed", "{}"), ("failed", "failed", "{}"), ("retries", "retries", "{}"),
                   ("out tok/s", "output_token_throughput", "{:.1f}"), ("TTFT p50 ms", "ttft.p50_ms", "{:.0f}"),
                   ("TTFT p99 ms", "ttft.p99_ms", "{:.0f}"), ("TPOT p50 ms", "tpot.p50_ms", "{:.1f}"),
                   ("E2E p99 ms", "e2e.p99_ms", "{:.0f}"))

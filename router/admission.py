@@ -30,8 +30,12 @@ test_overload_e2e.py): forgetting at `taken_at` itself let the router over-admit
 burst, and the workers' own admission turned those requests away after they had crossed
 the cluster. Keeping them one period longer errs on the side of counting a request twice.
 
-Queue: requests that do not fit wait (FIFO per lane) until a refresh or a release makes room,
-up to `max_queue_wait_s` or their deadline. Two lanes:
+Queue: requests that do not fit wait (per lane: by priority class, lower = more important,
+then FIFO) until a refresh or a release makes room, up to `max_queue_wait_s` or their
+deadline. A more important request therefore waits only behind requests of its own class or
+better, as in the engine's queue (worker/engine_loop/scheduler.py), instead of behind a flood of less
+important work; and when its lane is full, the lane's least important, newest waiter is
+refused (OverloadedError with retry-after) to give it the slot. Two lanes:
 
     first attempts   max_queue_len - retry_slots slots; served first (a retry is admitted
                      only while no first attempt is waiting)
@@ -42,6 +46,13 @@ up to `max_queue_wait_s` or their deadline. Two lanes:
 
 so a retry storm fills its own small lane and is rejected there, while first attempts keep
 their queue and their share of the budget.
+
+Deadline-aware shedding (`deadline_shedding`, on by default): a request that must queue and
+carries a deadline is refused at once (`DeadlineUnmeetableError`, an `OverloadedError` with
+retry-after) when its expected wait, the same drain estimate as retry-after below without
+its one-refresh floor, already ends after the deadline: waiting would only end in
+DeadlineExceededError while holding a queue slot. Judged once, on arrival; with no measured
+drain rate nothing is known, and the request queues as before.
 
 Over the limit (lane full, or the wait ran out) the answer is immediate: `OverloadedError`
 with `retry_after_s = tokens that must drain / measured drain rate`, where the tokens are
@@ -70,6 +81,7 @@ from kvmesh.kv.kv_cost import request_kv_tokens
 from kvmesh.core.seams import SamplingParams, WorkerStats
 from kvmesh.core.errors import (
     DeadlineExceededError,
+    DeadlineUnmeetableError,
     InvalidRequestError,
     OverloadedError,
     WorkerFailedError,
@@ -153,6 +165,16 @@ class _Waiter:
     enqueued_at: float
     future: asyncio.Future
     cost_for: CostFn | None = None
+    priority_class: int = 0
+
+
+def _enqueue(lane: collections.deque, waiter: _Waiter) -> None:
+    """Behind every waiter of the same or a more important class, ahead of the rest."""
+    for index, other in enumerate(lane):
+        if other.priority_class > waiter.priority_class:
+            lane.insert(index, waiter)
+            return
+    lane.append(waiter)
 
 
 @dataclass(frozen=True)
@@ -166,12 +188,18 @@ class AdmissionSnapshot:
     committed_tokens: int  # cluster: reserved (stats) + in flight since refresh
     capacity_tokens: int
     drain_tokens_per_s: float
+    num_deadline_shed: int = 0  # requests refused on arrival because their deadline could not be met
+    num_evicted: int = 0  # waiters refused to free a full lane's slot for a more important request
 
 
 class AdmissionController:
-    def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time):
         self._config = config
         self._clock = clock
+        self._wall_clock = wall_clock  # deadlines are absolute time.time() values
+        self._num_deadline_shed = 0
+        self._num_evicted = 0  # waiters refused to give their slot to a more important request
         self._stats: dict[str, WorkerStats] = {}
         self._pending: dict[str, list[AdmissionTicket]] = collections.defaultdict(list)  # sent since refresh
         self._live: set[AdmissionTicket] = set()
@@ -199,12 +227,13 @@ class AdmissionController:
 
     async def acquire(self, cost_tokens: int, *, attempt: int = 1, route: RouteFn | None = None,
                       deadline_s: float | None = None, cost_for: CostFn | None = None,
-                      exclude: frozenset[str] = frozenset()) -> AdmissionTicket:
+                      exclude: frozenset[str] = frozenset(), priority_class: int = 0) -> AdmissionTicket:
         """Admit now, wait for room, or raise (OverloadedError, WorkerFailedError,
         InvalidRequestError, DeadlineExceededError). `deadline_s` is absolute time.time().
         `cost_tokens` is the whole cost (nothing cached); `cost_for(worker_id)`, when given,
         the cost on one worker with its cached prefix taken off (never more than the whole).
-        Workers in `exclude` (one that already refused this request) are never chosen."""
+        Workers in `exclude` (one that already refused this request) are never chosen.
+        `priority_class` (lower = more important) orders the wait queue."""
         healthy = self._healthy()
         if not healthy:
             raise WorkerFailedError("no healthy worker to admit the request to")
@@ -215,14 +244,17 @@ class AdmissionController:
             raise InvalidRequestError(
                 f"prompt plus max_tokens needs {cost_tokens} KV tokens; the largest worker holds {largest}")
         lane = self._retry_lane if attempt > 1 else self._first_lane
-        if not lane and not (attempt > 1 and self._first_lane):  # nobody ahead: admit at once if it fits
+        nobody_ahead = not any(w.priority_class <= priority_class for w in lane)
+        if nobody_ahead and not (attempt > 1 and self._first_lane):  # admit at once if it fits
             ticket = self._try_admit(cost_tokens, attempt, route, queued_since=None, cost_for=cost_for)
             if ticket is not None:
                 return ticket
         slots = self.retry_slots if attempt > 1 else self.first_slots
-        if len(lane) >= slots:
+        if len(lane) >= slots and not self._evict_less_important(lane, priority_class):
             raise self._overloaded(cost_tokens, attempt, "admission queue full")
-        return await self._wait(lane, cost_tokens, attempt, route, deadline_s, cost_for)
+        if deadline_s is not None and self._config.deadline_shedding:
+            self._shed_if_deadline_unmeetable(cost_tokens, lane, deadline_s, priority_class)
+        return await self._wait(lane, cost_tokens, attempt, route, deadline_s, cost_for, priority_class)
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -237,7 +269,8 @@ class AdmissionController:
             num_in_flight=len(self._live), retry_tokens_in_flight=self._retry_tokens_live,
             committed_tokens=sum(self._committed(w.worker_id) for w in healthy),
             capacity_tokens=sum(w.kv_tokens_capacity for w in healthy),
-            drain_tokens_per_s=sum(w.output_tokens_per_s for w in healthy))
+            drain_tokens_per_s=sum(w.output_tokens_per_s for w in healthy),
+            num_deadline_shed=self._num_deadline_shed, num_evicted=self._num_evicted)
 
     # ---- internals ------------------------------------------------------------------------
 
@@ -291,14 +324,17 @@ class AdmissionController:
         self._pump()
 
     async def _wait(self, lane: collections.deque, cost_tokens: int, attempt: int, route: RouteFn | None,
-                    deadline_s: float | None, cost_for: CostFn | None = None) -> AdmissionTicket:
+                    deadline_s: float | None, cost_for: CostFn | None = None,
+                    priority_class: int = 0) -> AdmissionTicket:
         waiter = _Waiter(cost_tokens, attempt, route, self._clock(), asyncio.get_running_loop().create_future(),
-                         cost_for)
-        lane.append(waiter)
+                         cost_for, priority_class)
+        _enqueue(lane, waiter)
+        if lane[0] is waiter:
+            self._pump()  # ahead of everyone waiting: it may fit where the old head did not
         wait_s = self._config.max_queue_wait_s
-        deadline_first = deadline_s is not None and deadline_s - time.time() < wait_s
+        deadline_first = deadline_s is not None and deadline_s - self._wall_clock() < wait_s
         if deadline_first:
-            wait_s = max(0.0, deadline_s - time.time())
+            wait_s = max(0.0, deadline_s - self._wall_clock())
         try:
             return await asyncio.wait_for(asyncio.shield(waiter.future), timeout=wait_s)
         except asyncio.TimeoutError:
@@ -314,6 +350,18 @@ class AdmissionController:
             if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
                 waiter.future.result().release()
             raise
+
+    def _evict_less_important(self, lane: collections.deque, priority_class: int) -> bool:
+        """A full lane makes room for a more important newcomer: its last waiter (the least
+        important class, newest) is refused now, as it would have been had it come later."""
+        if not lane or lane[-1].priority_class <= priority_class:
+            return False
+        victim = lane.pop()
+        if not victim.future.done():
+            victim.future.set_exception(self._overloaded(
+                victim.cost_tokens, victim.attempt, "queue slot taken by a more important request"))
+        self._num_evicted += 1
+        return True
 
     def _discard(self, lane: collections.deque, waiter: _Waiter) -> None:
         if not waiter.future.done():
@@ -348,13 +396,15 @@ class AdmissionController:
                 lane.popleft()
                 head.future.set_result(ticket)
 
-    def _ahead_of(self, lane: collections.deque, waiter: _Waiter | None) -> int:
-        """Tokens queued ahead: the whole first lane counts for a retry (it is served first)."""
+    def _ahead_of(self, lane: collections.deque, waiter: _Waiter | None, priority_class: int | None = None) -> int:
+        """Tokens queued ahead of `waiter` (None: of a newcomer of `priority_class`, or of
+        the whole lane when that is None too): the whole first lane counts for a retry (it
+        is served first)."""
         ahead = 0
         if lane is self._retry_lane:
             ahead += sum(w.cost_tokens for w in self._first_lane)
         for w in lane:
-            if w is waiter:
+            if w is waiter or (priority_class is not None and w.priority_class > priority_class):
                 break
             ahead += w.cost_tokens
         return ahead
@@ -368,11 +418,30 @@ class AdmissionController:
         lane_name = "retry" if attempt > 1 else "first-attempt"
         return OverloadedError(f"server overloaded: {reason} ({lane_name} lane)", retry_after_s=retry_after_s)
 
-    def retry_after_s(self, cost_tokens: int, tokens_ahead: int) -> float:
-        """Seconds until `tokens_ahead` plus this request's overflow should have drained."""
+    def _shed_if_deadline_unmeetable(self, cost_tokens: int, lane: collections.deque, deadline_s: float,
+                                     priority_class: int) -> None:
+        expected_wait_s = self.expected_wait_s(cost_tokens, self._ahead_of(lane, None, priority_class))
+        remaining_s = deadline_s - self._wall_clock()
+        if expected_wait_s is None or expected_wait_s <= remaining_s:
+            return
+        self._num_deadline_shed += 1
+        retry_after_s = max(self._config.stats_refresh_s, expected_wait_s)
+        logger.debug("admission shed: expected wait %.3fs > %.3fs to the deadline", expected_wait_s, remaining_s)
+        raise DeadlineUnmeetableError(
+            f"server overloaded: expected queue wait {expected_wait_s:.2f} s exceeds the {max(0.0, remaining_s):.2f} s "
+            "left before the request's deadline", retry_after_s=retry_after_s)
+
+    def expected_wait_s(self, cost_tokens: int, tokens_ahead: int) -> float | None:
+        """Seconds until `tokens_ahead` plus this request's overflow should have drained at the
+        measured rate; None before any rate is measured (or with no healthy worker)."""
         healthy = self._healthy()
         drain = sum(w.output_tokens_per_s for w in healthy)
         if drain <= 0 or not healthy:
-            return self._config.stats_refresh_s
+            return None
         overflow = min(max(0, self._committed(w.worker_id) + cost_tokens - w.kv_tokens_capacity) for w in healthy)
-        return max(self._config.stats_refresh_s, (overflow + tokens_ahead) / drain)
+        return (overflow + tokens_ahead) / drain
+
+    def retry_after_s(self, cost_tokens: int, tokens_ahead: int) -> float:
+        """The expected wait, never less than one stats refresh (nothing is known sooner)."""
+        expected = self.expected_wait_s(cost_tokens, tokens_ahead)
+        return self._config.stats_refresh_s if expected is None else max(self._config.stats_refresh_s, expected)

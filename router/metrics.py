@@ -76,7 +76,8 @@ logger = logging.getLogger(__name__)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 METRICS_BOARD_ACTOR = "kvmesh-metrics-board"
 PREFIX = "kvmesh_"
-REJECTION_REASONS = ("quota", "overload", "invalid", "unauthenticated")
+# deadline: refused on arrival, its expected queue wait already past its deadline (admission.py)
+REJECTION_REASONS = ("quota", "overload", "deadline", "invalid", "unauthenticated")
 TIMEOUT_STAGES = ("admission", "stream")
 FINISH_TIMEOUT = "timeout"  # finish_reason label of a request whose deadline passed (not an error)
 SPILL_REASONS = ("preferred_full", "worker_refused")

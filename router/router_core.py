@@ -53,6 +53,7 @@ from kvmesh.core.seams import (ErrorReport, FinishReason, GenerateRequest, Reque
                                check_fits_context)
 from kvmesh.core.errors import (
     DeadlineExceededError,
+    DeadlineUnmeetableError,
     InvalidRequestError,
     OverloadedError,
     QuotaExceededError,
@@ -144,7 +145,7 @@ class RouterCore:
             if isinstance(exc, (UnauthenticatedError, InvalidRequestError, QuotaExceededError)):
                 self.metrics.observe_rejection(_REJECTION_REASON[type(exc)])
             elif isinstance(exc, OverloadedError):
-                self.metrics.observe_rejection("overload")
+                self.metrics.observe_rejection("deadline" if isinstance(exc, DeadlineUnmeetableError) else "overload")
             elif isinstance(exc, DeadlineExceededError):
                 self.metrics.observe_timeout(tenant_id, "admission")
             root.record_exception(exc)
@@ -179,7 +180,8 @@ class RouterCore:
         # The tenant's class, refined by its backlog here, so a flooding tenant's queued
         # requests cannot starve another tenant's in the engine's priority queue.
         rank = self._backlog.enter(tenant.id)
-        request = dataclasses.replace(request, priority=engine_priority(request.priority, rank))
+        request = dataclasses.replace(request, priority=engine_priority(request.priority, rank),
+                                      priority_class=request.priority)
         try:
             with self._tracer.start_as_current_span(tracing.SPAN_ADMISSION, context=parent) as admission_span:
                 admission_started = time.time()
@@ -239,6 +241,7 @@ class RouterCore:
         ticket = await self.admission.acquire(
             request_cost_tokens(num_prompt, sampling, block_size=block_size), attempt=request.attempt,
             route=route, deadline_s=request.deadline_s, exclude=exclude,
+            priority_class=request.priority if request.priority_class is None else request.priority_class,
             cost_for=lambda w: cost_with_cached_prefix(num_prompt, sampling, block_size, resident.get(w, 0)))
         if hashes:  # the family's next request follows this one before the worker reports it
             token = index.add_in_flight(ticket.worker_id, hashes)

@@ -12,7 +12,8 @@ from kvmesh.core.config import RouterConfig
 from kvmesh.router.admission import AdmissionController, cost_with_cached_prefix, request_cost_tokens
 from kvmesh.router.routing import choose_worker, is_spill
 from kvmesh.core.seams import SamplingParams, WorkerStats
-from kvmesh.core.errors import DeadlineExceededError, InvalidRequestError, OverloadedError, WorkerFailedError
+from kvmesh.core.errors import (DeadlineExceededError, DeadlineUnmeetableError, InvalidRequestError,
+                               OverloadedError, WorkerFailedError)
 
 
 def stats(worker_id, reserved=0, capacity=1000, rate=50.0, healthy=True):
@@ -33,9 +34,9 @@ class FakeClock:
         return self.now
 
 
-def controller(workers, clock=None, **router):
+def controller(workers, clock=None, wall_clock=time.time, **router):
     config = RouterConfig(**{"max_queue_len": 10, "retry_lane_fraction": 0.2, "max_queue_wait_s": 5.0, **router})
-    admission = AdmissionController(config, clock=clock or FakeClock())
+    admission = AdmissionController(config, clock=clock or FakeClock(), wall_clock=wall_clock)
     admission.update_stats(workers)
     return admission
 
@@ -173,12 +174,107 @@ def test_running_retries_hold_at_most_their_fraction_of_capacity():
 
 def test_waiting_too_long_is_overloaded_and_a_sooner_deadline_is_deadline_exceeded():
     async def main():
-        admission = controller([stats("w0", reserved=1000)], max_queue_wait_s=0.05)
+        # No drain rate measured yet: nothing says the deadline is unmeetable, so it waits.
+        admission = controller([stats("w0", reserved=1000, rate=0.0)], max_queue_wait_s=0.05)
         with pytest.raises(OverloadedError):
             await admission.acquire(100)
         with pytest.raises(DeadlineExceededError):
             await admission.acquire(100, deadline_s=time.time() + 0.01)
         assert admission.snapshot().num_queued_first == 0
+    asyncio.run(main())
+
+
+def test_a_deadline_the_queue_cannot_meet_is_refused_at_once_with_retry_after():
+    async def main():
+        wall = FakeClock()
+        wall.now = 1_000.0  # time.time() as the controller sees it
+        admission = controller([stats("w0", reserved=900, capacity=1000, rate=50.0)], wall_clock=wall)
+        # 200 tokens overflow the worker by 100; at 50 tok/s the expected wait is 2 s: a
+        # deadline exactly 2 s away can be met, so the request queues.
+        first = asyncio.ensure_future(admission.acquire(200, deadline_s=wall.now + 2.0))
+        await settle()
+        assert not first.done() and admission.snapshot().num_queued_first == 1
+        # Behind it: its 200 queued tokens + the 100 overflow = 300 / 50 = 6 s > 5 s left.
+        with pytest.raises(DeadlineUnmeetableError) as refused:
+            await admission.acquire(200, deadline_s=wall.now + 5.0)
+        assert isinstance(refused.value, OverloadedError) and refused.value.retryable
+        assert refused.value.retry_after_s == pytest.approx(6.0)
+        snap = admission.snapshot()
+        assert (snap.num_queued_first, snap.num_deadline_shed) == (1, 1)  # refused without queueing
+        # Without a deadline, or with one the queue can meet, the same request still queues.
+        no_deadline = asyncio.ensure_future(admission.acquire(200))
+        await settle()
+        assert not no_deadline.done() and admission.snapshot().num_queued_first == 2
+        # Room frees up: the queued ones are admitted in order; the shed one left no trace.
+        admission.update_stats([stats("w0", reserved=0, capacity=1000, rate=50.0)])
+        tickets = [await asyncio.wait_for(f, 1) for f in (first, no_deadline)]
+        assert [t.cost_tokens for t in tickets] == [200, 200] and admission.snapshot().num_in_flight == 2
+        for t in tickets:
+            t.release()
+        assert admission.snapshot().num_in_flight == 0
+    asyncio.run(main())
+
+
+def test_deadline_shedding_off_queues_until_the_deadline():
+    async def main():
+        wall = FakeClock()
+        wall.now = 1_000.0
+        admission = controller([stats("w0", reserved=1000, rate=50.0)], wall_clock=wall, deadline_shedding=False)
+        waiting = asyncio.ensure_future(admission.acquire(100, deadline_s=wall.now + 0.05))  # expects 2 s
+        await settle()
+        assert not waiting.done() and admission.snapshot().num_deadline_shed == 0
+        with pytest.raises(DeadlineExceededError):  # the wait runs to the deadline, then fails
+            await waiting
+    asyncio.run(main())
+
+
+def test_a_more_important_class_waits_only_behind_its_own_class_or_better():
+    async def main():
+        wall = FakeClock()
+        wall.now = 1_000.0
+        admission = controller([stats("w0", reserved=1000, capacity=1000, rate=50.0)], wall_clock=wall)
+        lows = [asyncio.ensure_future(admission.acquire(100, priority_class=1)) for _ in range(3)]
+        await settle()
+        # Behind three low waiters (300 tokens) a low request's wait is (300 + 100) / 50 = 8 s ...
+        with pytest.raises(DeadlineUnmeetableError):
+            await admission.acquire(100, priority_class=1, deadline_s=wall.now + 2.5)
+        # ... an important one waits only for its own overflow: 100 / 50 = 2 s, so it queues,
+        # at the head of the lane.
+        vip = asyncio.ensure_future(admission.acquire(100, priority_class=0, deadline_s=wall.now + 2.5))
+        await settle()
+        assert not vip.done() and admission.snapshot().num_queued_first == 4
+        admission.update_stats([stats("w0", reserved=900, capacity=1000, rate=50.0)])  # room for one
+        ticket = await asyncio.wait_for(vip, 1)
+        assert not any(f.done() for f in lows)  # it went first; the low ones keep their order
+        ticket.release()
+        admission.update_stats([stats("w0", reserved=0, capacity=1000, rate=50.0)])
+        for ticket in [await asyncio.wait_for(f, 1) for f in lows]:
+            ticket.release()
+        assert admission.snapshot().num_in_flight == 0
+    asyncio.run(main())
+
+
+def test_a_full_lane_gives_the_newest_less_important_waiter_s_slot_to_a_more_important_request():
+    async def main():
+        # max_queue_len 5, retry fraction 0.2: 4 first-attempt slots.
+        admission = controller([stats("w0", reserved=1000, capacity=1000, rate=50.0)], max_queue_len=5)
+        old = [asyncio.ensure_future(admission.acquire(100, priority_class=1)) for _ in range(3)]
+        newest = asyncio.ensure_future(admission.acquire(100, priority_class=1))
+        await settle()
+        with pytest.raises(OverloadedError):  # same class: no eviction, the newcomer is refused
+            await admission.acquire(100, priority_class=1)
+        vip = asyncio.ensure_future(admission.acquire(100, priority_class=0))
+        await settle()
+        with pytest.raises(OverloadedError) as evicted:  # the newest low waiter gave up its slot
+            await newest
+        assert evicted.value.retry_after_s > 0 and not isinstance(evicted.value, DeadlineUnmeetableError)
+        snap = admission.snapshot()
+        assert (snap.num_queued_first, snap.num_evicted) == (4, 1) and not vip.done()
+        admission.update_stats([stats("w0", reserved=0, capacity=1000, rate=50.0)])
+        tickets = [await asyncio.wait_for(f, 1) for f in (vip, *old)]
+        for ticket in tickets:
+            ticket.release()
+        assert admission.snapshot().num_in_flight == 0
     asyncio.run(main())
 
 

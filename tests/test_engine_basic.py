@@ -242,3 +242,46 @@ def test_async_batches_and_the_step_hook(tiny_model_dir):
     assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
     assert sum(len(d.token_ids) for d in deltas) == 12
     assert len(step_times_s) >= 12 and all(t > 0 for t in step_times_s)
+def _steps_until_done(engine, first, later, after_steps):
+    """Add `first`, step `after_steps` times, add `later`, run to the end. Returns (tokens by
+    id, step of each id's first token, step each id finished), checking invariants."""
+    for r in first:
+        engine.add_request(r)
+    out, first_token, finished, step = {}, {}, {}, 0
+    while engine.has_unfinished():
+        step += 1
+        if step == after_steps + 1:
+            for r in later:
+                engine.add_request(r)
+        for d in engine.step():
+            out.setdefault(d.request_id, []).append(d)
+            if d.token_ids:
+                first_token.setdefault(d.request_id, step)
+            if d.finished:
+                finished[d.request_id] = step
+        engine.check_integrity()
+    assert engine.stats().num_blocks_used == 0
+    return {rid: tokens(deltas) for rid, deltas in out.items()}, first_token, finished
+
+
+@pytest.mark.parametrize("preemption", [True, False])
+def test_priority_preemption_serves_the_important_request_first_with_the_same_greedy_output(
+        tiny_model_dir, engine, preemption):
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    low = [GenerateRequest(f"low{i}", prompt=f"Low priority story number {i}, told slowly",
+                           sampling=SamplingParams(max_tokens=24, **greedy), priority=1) for i in range(2)]
+    vip = GenerateRequest("vip", prompt="Urgent: the answer is", sampling=SamplingParams(max_tokens=4, **greedy))
+    reference = {rid: tokens(deltas) for rid, deltas in run(engine, [*low, vip]).items()}
+    # Two slots, both held by low-priority requests when the important one arrives.
+    full = Engine.from_config(_config(tiny_model_dir, scheduler={"max_num_seqs": 2,
+                                                                 "priority_preemption": preemption}))
+    outputs, first_token, finished = _steps_until_done(full, low, [vip], after_steps=3)
+    assert outputs == reference  # every request completes, with the same greedy tokens
+    low_done = [finished[r.request_id] for r in low]
+    stats = full.stats()  # what the router's GetStats carries
+    if preemption:
+        assert first_token["vip"] < min(low_done)  # served before any low-priority one ends
+        assert stats.num_preemptions_priority == 1 and stats.num_preemptions_recompute == 1
+    else:
+        assert first_token["vip"] > min(low_done)  # waited for a slot
+        assert stats.num_preemptions_priority == 0

@@ -71,6 +71,48 @@ def test_no_slo_means_no_goodput_and_json_round_trip(records):
     assert RequestRecord.from_json(records[0].to_json()) == records[0]
 
 
+def test_shed_rate_and_retry_after_accuracy_by_hand():
+    ok = dict(deltas=(1.0, 1.1), end=1.1)
+    records = [
+        rec(0, 0.0, **ok),  # served first time
+        # Refused twice, each retry sent at (or after) the advertised time; the first retry was
+        # refused again (advice wrong), the second admitted (advice right).
+        rec(1, 0.0, **ok, attempts=3, retry_error_codes=("Overloaded", "Overloaded"),
+            retry_after_s=(1.0, 2.0), retry_delay_s=(1.0, 2.5)),
+        # Quota refusal retried too early (0.2 < 0.5 s: says nothing of the advice), then
+        # refused for good: a shed request.
+        rec(2, 0.0, status="error", error_code="Overloaded", attempts=2, retry_error_codes=("QuotaExceeded",),
+            retry_after_s=(0.5,), retry_delay_s=(0.2,)),
+        # Retried at the advertised time and admitted; the client then timed out: not refused.
+        rec(3, 0.0, status="error", error_code="timeout", attempts=2, retry_error_codes=("Overloaded",),
+            retry_after_s=(0.5,), retry_delay_s=(0.5,)),
+        rec(4, 0.0, **ok, degraded=True),  # served less than asked: shed too
+        # A worker failure carries no retry-after: neither shed nor judged.
+        rec(5, 0.0, status="error", error_code="WorkerFailed", attempts=2, retry_error_codes=("WorkerFailed",),
+            retry_after_s=(None,), retry_delay_s=(0.1,)),
+    ]
+    s = summarize(records, SLO(ttft_ms=2000))
+    assert (s.refused, s.degraded) == (1, 1)
+    assert s.shed_rate == pytest.approx(2 / 6)
+    assert s.retry_after_accuracy == pytest.approx(2 / 3)  # [False, True] + [True]
+    assert s.refused_attempts == 2 + 2 + 1  # B twice, C twice, D once
+    assert s.goodput == pytest.approx(3 / 1.1)  # A, B and E meet the TTFT SLO; duration 1.1 s
+    assert list(s.to_json())[:3] == ["goodput", "shed_rate", "retry_after_accuracy"]  # headline first
+    assert summary_from_json(s.to_json()) == s
+    assert RequestRecord.from_json(records[1].to_json()) == records[1]
+
+
+def test_nothing_offered_or_no_advised_retry_gives_none():
+    s = summarize([])
+    assert s.shed_rate is None and s.retry_after_accuracy is None
+    naive = rec(0, 0.0, (1.0,), end=1.0, attempts=2, retry_error_codes=("Overloaded",), retry_after_s=(0.5,),
+                retry_delay_s=(0.0,))
+    assert summarize([naive]).retry_after_accuracy is None and summarize([naive]).shed_rate == 0.0
+    old = summarize([naive]).to_json()
+    del old["shed_rate"], old["retry_after_accuracy"]  # a results.json from before these figures
+    assert summary_from_json(old).shed_rate is None
+
+
 def test_empty_and_all_failed_runs():
     s = summarize([rec(0, 0.0, status="error", error_code="timeout")], SLO(ttft_ms=1))
     assert s.completed == 0 and s.request_throughput == 0.0 and s.ttft == Distribution.of_seconds([])

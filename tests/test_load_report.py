@@ -82,7 +82,10 @@ def test_reports_are_valid_html_json_and_markdown(results, tmp_path):
     table = [line for line in md.splitlines() if line.startswith("| ")]
     assert len(table) == 1 + 4  # header + one row per run
     assert all(line.count("|") == table[0].count("|") for line in table)
-    assert "| fast@2 | poisson 2/s | 20 | 0 | 0 | 0 |" in md
+    goodput = results["runs"][0]["summary"]["goodput"]
+    # The headline comes first: goodput, shed rate, retry-after accuracy (no retries: "-").
+    assert table[0].startswith("| run | arrival | goodput req/s | shed | retry-after ok | done |")
+    assert f"| fast@2 | poisson 2/s | {goodput:.2f} | 0% | - | 20 | 0 | 0 | 0 |" in md
 
 
 def test_per_tenant_table_for_multi_tenant_runs(results, tmp_path, monkeypatch):
@@ -92,7 +95,9 @@ def test_per_tenant_table_for_multi_tenant_runs(results, tmp_path, monkeypatch):
     run["summary_by_tenant"] = {"heavy": run["summary"], "light": results["runs"][2]["summary"]}
     md = markdown_summary(results)
     assert "## Per tenant" in md
-    assert "| fast@2 | heavy | 20 | 0 | 0 |" in md and "| fast@2 | light | 20 | 0 | 0 |" in md
+    heavy, light = (results["runs"][i]["summary"]["goodput"] for i in (0, 2))
+    assert f"| fast@2 | heavy | {heavy:.2f} | 0% | - | 20 | 0 | 0 |" in md
+    assert f"| fast@2 | light | {light:.2f} | 0% | - | 20 | 0 | 0 |" in md
     write_reports(results, tmp_path)
     checker = _Checker()
     checker.feed((tmp_path / "report.html").read_text())
@@ -143,3 +148,14 @@ def test_load_results_rejects_other_files(tmp_path):
     (tmp_path / "results.json").write_text("[1, 2]")
     with pytest.raises(InvalidRequestError):
         load_results(tmp_path)
+
+
+def test_a_check_may_compare_a_tenant_row_with_another_runs_summary(results):
+    run = results["runs"][0]
+    run["summary_by_tenant"] = {"high": results["runs"][2]["summary"]}  # slow@2's figures
+    results["checks"] = [{"run": "fast@2", "metric": "summary_by_tenant.high.ttft.p99_ms", "op": "<=",
+                          "baseline": "fast@4", "baseline_metric": "ttft.p99_ms", "ratio": 2.0}]
+    (check,) = evaluate_checks(results)
+    assert check["expected"] == pytest.approx(2.0 * results["runs"][1]["summary"]["ttft"]["p99_ms"])
+    assert check["passed"] is False  # slow's TTFT (~0.5 s) is more than twice fast's (~0.1 s)
+    assert "2.0 x fast@4 ttft.p99_ms" in markdown_summary(results)

@@ -99,16 +99,27 @@ def test_overload_naive_retries_are_counted(tiny, tmp_path):
     campaign = parse_campaign({
         "name": "overload-smoke", "defaults": defaults,
         "runs": [{"name": "naive", "arrival": {"rate": "inf"}, "retry": {"mode": "naive", "max_attempts": 3}},
+                 {"name": "backoff", "arrival": {"rate": "inf"}, "retry": {"mode": "backoff", "max_attempts": 3}},
                  {"name": "no-retry", "arrival": {"rate": "inf"}}],
     })
-    runs = {r["name"]: r["summary"] for r in run_campaign(campaign, tmp_path, tokenizer=tokenizer,
-                                                          progress=False)["runs"]}
+    results = run_campaign(campaign, tmp_path, tokenizer=tokenizer, progress=False)
+    runs = {r["name"]: r["summary"] for r in results["runs"]}
     # A burst of 12 into a queue of 1: refusals are errors without retries ...
     assert runs["no-retry"]["failed"] > 0 and runs["no-retry"]["retries"] == 0
     assert set(runs["no-retry"]["errors_by_code"]) == {"Overloaded"}
     # ... and immediate resends with naive retries (each counted, with its error code).
     assert runs["naive"]["retries"] > 0
     assert set(runs["naive"]["retried_errors_by_code"]) == {"Overloaded"}
+    # Shedding is in the headline: refused requests / offered.
+    assert runs["no-retry"]["shed_rate"] == pytest.approx(runs["no-retry"]["failed"] / 12)
+    # Naive resends ignore the advertised retry-after, so they cannot judge it; backoff waits
+    # at least that long, and each of its retries records the advice and the wait.
+    assert runs["naive"]["retry_after_accuracy"] is None
+    backoff = next(r for r in results["runs"] if r["name"] == "backoff")
+    retried = [r for r in backoff["records"] if r["attempts"] > 1]
+    assert retried and all(len(r["retry_after_s"]) == len(r["retry_delay_s"]) == r["attempts"] - 1 for r in retried)
+    assert all(w >= a for r in retried for a, w in zip(r["retry_after_s"], r["retry_delay_s"]))
+    assert 0.0 <= backoff["summary"]["retry_after_accuracy"] <= 1.0
 
 
 def test_cli_runs_a_campaign_file_with_a_trace_replay(tiny, tmp_path):

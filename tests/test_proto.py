@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from kvmesh.proto import generate, kvmesh_pb2, kvmesh_pb2_grpc
+from kvmesh.router.convert import worker_stats_from_pb, worker_stats_to_pb
+from kvmesh.core.seams import WorkerStats
 
 
 def test_regenerating_gives_identical_files(tmp_path: Path):
@@ -49,3 +52,14 @@ def test_optional_sampling_fields_track_presence_through_the_wire():
     assert received.HasField("temperature") and received.temperature == 0.0  # greedy, not "unset"
     assert not received.HasField("top_p")
     assert not received.HasField("seed")
+
+
+def test_worker_stats_cross_the_wire_field_for_field():
+    stats = WorkerStats(worker_id="w0", healthy=True, block_size=16, num_blocks_total=64, num_blocks_used=9,
+                        num_blocks_cached=3, num_blocks_free=52, kv_tokens_used=140, kv_tokens_capacity=1024,
+                        kv_tokens_reserved=400, num_running=2, num_waiting=1, queued_prompt_tokens=30,
+                        prefix_cache_hit_rate=0.25, output_tokens_per_s=12.5, num_preemptions_recompute=4,
+                        num_preemptions_swap=1, num_preemptions_priority=3, num_outgrown_estimates=2,
+                        prefix_event_seq=7)
+    assert all(getattr(stats, f.name) not in (0, None) for f in dataclasses.fields(WorkerStats))  # all set
+    assert worker_stats_from_pb(worker_stats_to_pb(stats, age_s=0.5)) == stats

@@ -385,3 +385,154 @@ def test_a_prefix_an_admitted_request_will_compute_is_reserved_once_and_topped_u
     run_until_idle(scheduler, model)
     assert follower.output_token_ids == expected_output(prefix + [3, 4], 2)
     assert_pool_whole(scheduler)
+
+
+# ---- priority preemption (scheduler.priority_preemption) ----------------------------------
+
+def _run_collecting(scheduler, model):
+    """Run to idle (integrity checked every step by engine_step) -> ({request id: step of its
+    first token}, {request id: step it finished}) for the requests unfinished at the start."""
+    first_token_step, finished_step, step = {}, {}, 0
+    tracked = dict(scheduler.requests)
+    while scheduler.has_unfinished():
+        step += 1
+        engine_step(scheduler, model)
+        for rid, r in tracked.items():
+            if r.num_output_tokens and rid not in first_token_step:
+                first_token_step[rid] = step
+            if r.is_finished and rid not in finished_step:
+                finished_step[rid] = step
+    return first_token_step, finished_step
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_more_important_request_preempts_for_a_slot_and_everyone_finishes_exactly(mode):
+    clock = FakeClock()
+    scheduler, model = build(clock=clock, max_num_seqs=2, priority_preemption=True, preemption_mode=mode,
+                             num_cpu_blocks=32 if mode == "swap" else 0)
+    old = submit(scheduler, "old", range(10), max_tokens=20, priority=1)
+    clock.now += 1
+    engine_step(scheduler, model)
+    new = submit(scheduler, "new", range(20, 30), max_tokens=20, priority=1)
+    for _ in range(3):
+        engine_step(scheduler, model)
+    clock.now += 1
+    vip = submit(scheduler, "vip", range(40, 45), max_tokens=3, priority=0)
+    output = engine_step(scheduler, model)
+    # The newest-started request of the less important class made room, in the same step.
+    assert output.preempted_ids == ("new",) and "vip" in output.num_scheduled_tokens
+    assert "new" not in output.num_scheduled_tokens and "old" in output.num_scheduled_tokens
+    run_until_idle(scheduler, model)
+    assert (new.num_priority_preemptions, old.num_priority_preemptions, vip.num_preemptions) == (1, 0, 0)
+    assert scheduler.stats().num_preemptions_priority == 1
+    for r in (old, new, vip):
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.sampling.max_tokens)
+    assert_pool_whole(scheduler)
+
+
+def test_without_priority_preemption_the_important_request_waits_for_a_slot():
+    scheduler, model = build(max_num_seqs=2)
+    low = [submit(scheduler, f"low{i}", range(10 * i, 10 * i + 10), max_tokens=12, priority=1) for i in range(2)]
+    engine_step(scheduler, model)
+    vip = submit(scheduler, "vip", range(40, 45), max_tokens=3, priority=0)
+    first, finished = _run_collecting(scheduler, model)
+    assert first["vip"] > min(finished[r.request_id] for r in low)  # only once a low one ended
+    assert scheduler.stats().num_preemptions_priority == 0
+    assert vip.output_token_ids == expected_output(vip.prompt_token_ids, 3)
+
+
+def test_priority_preemption_frees_blocks_in_an_overcommitted_pool():
+    clock = FakeClock()
+    # 12 blocks of 4 tokens; admission over-committed, so the low requests fill the pool.
+    scheduler, model = build(clock=clock, num_blocks=12, max_total_kv_tokens=10_000, priority_preemption=True)
+    lows = []
+    for i in range(3):
+        lows.append(submit(scheduler, f"low{i}", range(10 * i, 10 * i + 8), max_tokens=8, priority=1))
+        clock.now += 1
+        engine_step(scheduler, model)
+    assert scheduler.kv.pool.num_free_blocks == 4
+    vip = submit(scheduler, "vip", range(50, 70), max_tokens=4, priority=0)  # its prompt needs 5 blocks
+    output = engine_step(scheduler, model)
+    assert "vip" in output.num_scheduled_tokens and output.preempted_ids[0] == "low2"  # newest low first
+    run_until_idle(scheduler, model)
+    assert vip.num_preemptions == 0 and scheduler.stats().num_preemptions_priority >= 1
+    for r in (*lows, vip):
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.sampling.max_tokens)
+    assert_pool_whole(scheduler)
+
+
+def test_a_request_is_preempted_for_priority_at_most_the_limit_and_classes_not_ranks_count():
+    clock = FakeClock()
+    scheduler, model = build(clock=clock, max_num_seqs=1, priority_preemption=True, max_priority_preemptions=1)
+    low = submit(scheduler, "low", range(10), max_tokens=30, priority=5)
+    engine_step(scheduler, model)
+    clock.now += 1
+    submit(scheduler, "vip1", range(40, 45), max_tokens=2, priority=0)
+    assert engine_step(scheduler, model).preempted_ids == ("low",)
+    run_until_idle_steps = 0
+    while "low" not in {r.request_id for r in scheduler.running}:  # vip1 finishes, low resumes
+        engine_step(scheduler, model)
+        run_until_idle_steps += 1
+        assert run_until_idle_steps < 20
+    # A second important arrival cannot take low again: it has used its one preemption.
+    submit(scheduler, "vip2", range(60, 65), max_tokens=2, priority=0)
+    # Nor can one of the same class with a better rank (the router's fair rank lives in
+    # `priority`; `priority_class` is what preemption compares).
+    submit(scheduler, "rank0", range(70, 75), max_tokens=2, priority=0, priority_class=5)
+    first, finished = _run_collecting(scheduler, model)
+    assert first["vip2"] > finished["low"] and first["rank0"] > finished["low"]  # low ran to its end
+    assert low.num_priority_preemptions == 1 and scheduler.stats().num_preemptions_priority == 1
+    assert low.output_token_ids == expected_output(low.prompt_token_ids, 30)
+    assert_pool_whole(scheduler)
+
+
+# ---- admission on expected output (scheduler.admission_reserve: expected) -----------------
+
+def _teach_short_outputs(scheduler, model, num_output_tokens=2):
+    """MIN_SAMPLES requests of tenant t that stop after `num_output_tokens` (as at a stop token)."""
+    from kvmesh.worker.engine_loop.output_estimate import MIN_SAMPLES
+    for i in range(MIN_SAMPLES):  # one at a time: each reserves its whole max_tokens until taught
+        submit(scheduler, f"teach{i}", range(100 + i, 104 + i), max_tokens=20, tenant_id="t")
+        while scheduler.has_unfinished():
+            engine_step(scheduler, model)
+            scheduler.finish_requests([r.request_id for r in scheduler.running
+                                       if r.num_output_tokens >= num_output_tokens])
+            scheduler.check_integrity()
+
+
+def test_expected_output_admits_more_and_preemption_covers_a_wrong_estimate():
+    # 16 blocks of 4 = 64 tokens. A request of 4 prompt + 20 max_tokens reserves 24 on
+    # max_tokens, 4 + 4 (the floor; it learned outputs of 2) = 8 on expected.
+    plain, _ = build(num_blocks=16)
+    for i in range(2):
+        submit(plain, f"r{i}", range(10 * i, 10 * i + 4), max_tokens=20, tenant_id="t")
+    with pytest.raises(OverloadedError):  # 48 + 24 > 64
+        submit(plain, "r2", range(20, 24), max_tokens=20, tenant_id="t")
+
+    scheduler, model = build(num_blocks=16, admission_reserve="expected", expected_output_floor_tokens=4)
+    _teach_short_outputs(scheduler, model)
+    requests = [submit(scheduler, f"r{i}", range(10 * i, 10 * i + 4), max_tokens=20, tenant_id="t")
+                for i in range(6)]  # 6 x 8 = 48 reserved: three times as many as max_tokens admits
+    assert [r.reserved_kv_tokens for r in requests] == [8] * 6
+    run_until_idle(scheduler, model)  # this time they run to max_tokens: 6 x 24 tokens > the pool
+    stats = scheduler.stats()
+    assert stats.num_outgrown_estimates == 6 and stats.num_preemptions_recompute > 0
+    for r in requests:  # nothing lost: every request completes with its exact output
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, 20)
+    assert_pool_whole(scheduler)
+
+
+def test_a_request_outgrowing_its_estimate_tops_its_reservation_up_block_by_block():
+    scheduler, model = build(num_blocks=64, admission_reserve="expected", expected_output_floor_tokens=4)
+    _teach_short_outputs(scheduler, model)
+    request = submit(scheduler, "long", range(4), max_tokens=14, tenant_id="t")
+    assert request.reserved_kv_tokens == 8  # 4 prompt + 4 estimated
+    reserved = []
+    while scheduler.has_unfinished():
+        engine_step(scheduler, model)  # check_integrity: the admission total matches every step
+        reserved.append((request.num_output_tokens, request.reserved_kv_tokens))
+    # Past 4 outputs it grows a block at a time, and never beyond prompt + max_tokens (rounded).
+    assert (4, 8) in reserved and (5, 12) in reserved and (9, 16) in reserved
+    assert max(r for _, r in reserved) == 4 * 5  # ceil((4 + 14) / 4) blocks
+    assert scheduler.stats().num_outgrown_estimates == 1
+    assert_pool_whole(scheduler)

@@ -25,6 +25,11 @@ finished) are added once to the committed total, however many requests share the
     whole prompt counted:   2 x 576 = 1,152 reserved; the fourth request is refused
     blocks counted once:    33 x 16 shared + 2 x 48 = 624 committed for two, room for 30
 
+With `admission_reserve: expected` the output part is an estimate learned per tenant
+(worker/engine_loop/output_estimate.py) instead of max_tokens; a request that outgrows it has its
+reservation topped up a block at a time (`grow_for_output`), and preemption covers the pool
+running short meanwhile. "Can this ever fit" still counts the whole max_tokens.
+
 Refusals are explicit: a retryable OverloadedError carrying retry_after_s estimated from the
 measured drain rate (reserved tokens returned per second), or a non-retryable
 InvalidRequestError. A prompt is never truncated and max_tokens never lowered.
@@ -40,6 +45,7 @@ from kvmesh.core.config import SchedulerConfig
 from kvmesh.kv.kv_cost import request_kv_tokens
 from kvmesh.core.errors import InvalidRequestError, OverloadedError
 from kvmesh.worker.engine_loop.request import Request
+from kvmesh.worker.engine_loop.output_estimate import OutputLengthEstimator
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +88,20 @@ class AdmissionController:
         self.reserved_tokens = 0
         self.num_reservations = 0
         self.drain = RateMeter(window_s, clock)  # reserved tokens returned per second
+        self.estimator = (OutputLengthEstimator(config.expected_output_floor_tokens, config.expected_output_quantile)
+                          if config.admission_reserve == "expected" else None)
+        self.num_outgrown_estimates = 0  # requests that produced more than their estimate
 
-    def reservation_for(self, request: Request, cached_prompt_tokens: int = 0) -> int:
+    def output_tokens_to_reserve(self, request: Request) -> int:
+        if self.estimator is None:
+            return request.sampling.max_tokens
+        return self.estimator.estimate(request.tenant_id, request.sampling.max_tokens)
+
+    def reservation_for(self, request: Request, cached_prompt_tokens: int = 0,
+                        output_tokens: int | None = None) -> int:
         # One sample: the engine submits each of the n samples as its own Request.
-        return request_kv_tokens(request.num_prompt_tokens, request.sampling.max_tokens, self.block_size,
+        output_tokens = self.output_tokens_to_reserve(request) if output_tokens is None else output_tokens
+        return request_kv_tokens(request.num_prompt_tokens, output_tokens, self.block_size,
                                  cached_prompt_tokens=cached_prompt_tokens)
 
     def committed_tokens(self, shared_tokens: int = 0) -> int:
@@ -98,10 +114,11 @@ class AdmissionController:
         # Over-committing (max_total_kv_tokens > the pool) is allowed, but one request must
         # fit the pool on its own, or preemption could never make room for it.
         limit = min(self.budget_tokens, self.capacity_tokens)
-        if self.reservation_for(request) > limit:
+        whole = self.reservation_for(request, output_tokens=request.sampling.max_tokens)
+        if whole > limit:
             raise InvalidRequestError(
                 f"prompt ({request.num_prompt_tokens}) + max_tokens ({request.sampling.max_tokens}) needs "
-                f"{self.reservation_for(request)} KV tokens; this worker can hold at most {limit}")
+                f"{whole} KV tokens; this worker can hold at most {limit}")
 
     def check_request_fits(self, prompt_tokens: int, sampling) -> None:
         """All n samples of one request together must fit the budget (each reserves its own
@@ -138,9 +155,31 @@ class AdmissionController:
         return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, estimate))
 
     def reserve(self, request: Request, cached_prompt_tokens: int = 0) -> None:
-        request.reserved_kv_tokens = self.reservation_for(request, cached_prompt_tokens)
+        request.reserved_output_tokens = self.output_tokens_to_reserve(request)
+        request.reserved_kv_tokens = self.reservation_for(request, cached_prompt_tokens,
+                                                          request.reserved_output_tokens)
         self.reserved_tokens += request.reserved_kv_tokens
         self.num_reservations += 1
+
+    def grow_for_output(self, request: Request) -> None:
+        """A request past its reserved output: reserve one more block's worth of output
+        (never past max_tokens), so the committed total stays true."""
+        if request.num_output_tokens <= request.reserved_output_tokens:
+            return
+        if request.reserved_output_tokens < request.sampling.max_tokens and not request.outgrew_estimate:
+            request.outgrew_estimate = True
+            self.num_outgrown_estimates += 1
+        grown = min(request.sampling.max_tokens, request.num_output_tokens + self.block_size - 1)
+        cached = request.num_reserved_cached_tokens
+        extra = (self.reservation_for(request, cached, grown)
+                 - self.reservation_for(request, cached, request.reserved_output_tokens))
+        request.reserved_output_tokens = grown
+        self.top_up(request, extra)
+
+    def observe_finished(self, request: Request) -> None:
+        """A request that ended by itself: its output length teaches the estimate."""
+        if self.estimator is not None:
+            self.estimator.observe(request.tenant_id, request.num_output_tokens)
 
     def top_up(self, request: Request, num_tokens: int) -> None:
         """Grow an admitted request's reservation (blocks it was expected to share are not there)."""

@@ -107,6 +107,7 @@ class Engine:
         members = [Request(request_id=f"{request.request_id}" if n == 1 else f"{group}/{i}",
                            prompt_token_ids=prompt_ids, sampling=request.sampling,
                            arrival_time=self.scheduler.clock(), priority=request.priority,
+                           priority_class=request.priority_class,
                            tenant_id=request.tenant_id,
                            extra_keys=self.block_extra_keys(request.cache_salt), group_id=group, sample_index=i)
                    for i in range(n)]
@@ -244,4 +245,5 @@ def worker_stats(scheduler: Scheduler, worker_id: str) -> WorkerStats:
         kv_tokens_reserved=s.kv_tokens_reserved, num_running=s.num_running, num_waiting=s.num_waiting,
         queued_prompt_tokens=s.queued_prompt_tokens, prefix_cache_hit_rate=s.prefix_cache_hit_rate,
         output_tokens_per_s=s.output_tokens_per_s, num_preemptions_recompute=s.num_preemptions_recompute,
-        num_preemptions_swap=s.num_preemptions_swap, prefix_event_seq=scheduler.kv.events.next_seq)
+        num_preemptions_swap=s.num_preemptions_swap, num_preemptions_priority=s.num_preemptions_priority,
+        num_outgrown_estimates=s.num_outgrown_estimates, prefix_event_seq=scheduler.kv.events.next_seq)

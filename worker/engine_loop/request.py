@@ -42,6 +42,7 @@ class Request:
     sampling: SamplingParams
     arrival_time: float  # scheduler clock (monotonic seconds), not wall time
     priority: int = 0  # lower value = more important
+    priority_class: int | None = None  # what priority preemption compares; None = priority
     tenant_id: str = "default"  # whose compute the request's rows are (per-tenant cost metrics)
     # kv.hashing.block_extra_keys(model, revision, kv dtype, tenant salt), built by the engine.
     extra_keys: tuple[str, ...] = ()
@@ -56,8 +57,11 @@ class Request:
     block_ids: list[int] = field(default_factory=list)  # the block table (device blocks)
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full blocks of all_token_ids
     num_preemptions: int = 0
+    num_priority_preemptions: int = 0  # of those, for a more important waiting request
     is_swapped: bool = False  # its KV sits in CPU swap space (owned by the KV manager)
     reserved_kv_tokens: int = 0  # admission reservation: kv_cost.request_kv_tokens less its pinned prefix
+    reserved_output_tokens: int = 0  # the output that reservation covers (max_tokens, or an estimate)
+    outgrew_estimate: bool = False  # produced more output than first reserved for it
     num_pinned_tokens: int = 0  # resident prefix held for it from admission (kv_cache_manager.pin_prefix)
     num_reserved_cached_tokens: int = 0  # prompt tokens its reservation left out (pinned + shared with others)
 
@@ -93,6 +97,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def importance_class(self) -> int:
+        """Lower = more important; only a strictly lower class may preempt this request."""
+        return self.priority if self.priority_class is None else self.priority_class
 
     @property
     def num_tokens_to_compute(self) -> int:

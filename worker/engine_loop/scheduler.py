@@ -10,7 +10,10 @@ One step (`schedule()`), composed of small pieces:
     schedule_waiting   only when nothing was preempted this step: the batching policy names
                        the candidates, admitted in order while max_num_seqs, the step's token
                        budget, the prefill budget and free blocks allow; the first that does
-                       not fit stops admission (no overtaking: priority order holds)
+                       not fit stops admission (no overtaking: priority order holds).
+                       With scheduler.priority_preemption, a candidate that does not fit
+                       (no slot, budget or blocks) may first preempt running requests of a
+                       strictly less important class (see _preempt_for_priority)
 
 then the engine runs the SchedulerOutput and calls `update_from_output`, which advances
 num_computed_tokens, appends the sampled tokens and offers newly full blocks to the prefix
@@ -47,6 +50,13 @@ def _waiting_order(request: Request) -> tuple[int, int, float]:
     return (request.priority, 0 if request.num_preemptions else 1, request.arrival_time)
 
 
+def _priority_victim_order(request: Request) -> tuple[int, float, float]:
+    """Priority preemption takes the largest: least important class, then the one that
+    started most recently (it has the least work to lose)."""
+    started = request.first_scheduled_time if request.first_scheduled_time is not None else request.arrival_time
+    return (request.importance_class, started, request.arrival_time)
+
+
 def _tokens_left_to_compute(request: Request) -> int:
     """Tokens the model still has to run for a waiting request: its pinned prefix will be
     shared, not computed (at least one token always is, for the logits)."""
@@ -71,6 +81,9 @@ class _StepBudget:
         if num_tokens_to_compute > 1:
             self.prefill_tokens_left -= num_tokens
 
+    def give_back(self, num_tokens_to_compute: int, num_tokens: int) -> None:
+        self.consume(num_tokens_to_compute, -num_tokens)
+
 
 @dataclass
 class _StepPlan:
@@ -80,6 +93,14 @@ class _StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)
+
+    def remove(self, request: Request) -> ScheduledRequest:
+        """Take a request back out of this step (priority preemption of an already
+        scheduled one); the caller returns its budget and blocks."""
+        entry = next(s for s in self.scheduled if s.request is request)
+        self.scheduled.remove(entry)
+        self.scheduled_ids.discard(request.request_id)
+        return entry
 
     def add(self, request: Request, num_tokens: int) -> None:
         start = request.num_computed_tokens
@@ -110,6 +131,8 @@ class SchedulerStats:
     batch_fill_rate: float  # mean of scheduled tokens / max_num_batched_tokens per step
     num_preemptions_recompute: int
     num_preemptions_swap: int
+    num_preemptions_priority: int  # of the two above, made for a more important waiting request
+    num_outgrown_estimates: int  # admission_reserve=expected: requests that produced more than estimated
     prefix_cache_hit_rate: float
     output_tokens_per_s: float
     drain_tokens_per_s: float  # reserved KV tokens returned per second
@@ -135,6 +158,7 @@ class Scheduler:
         self._groups: dict[str, list[Request]] = {}  # n > 1: unfinished members by group_id
         self._newly_finished: list[FinishedRequest] = []
         self.num_preemptions = {"recompute": 0, "swap": 0}
+        self.num_priority_preemptions = 0
         self._num_steps = 0
         self._stats_window_s = stats_window_s
         self._output_tokens = RateMeter(stats_window_s, clock)
@@ -198,6 +222,8 @@ class Scheduler:
         self.kv.unpin(request)
         self._claim_prompt_blocks(request, -1)
         request.is_swapped = False
+        if status is RequestStatus.FINISHED:
+            self.admission.observe_finished(request)
         self.admission.release(request)
         if request.group_id is not None:
             members = self._groups[request.group_id]
@@ -308,10 +334,45 @@ class Scheduler:
     def _schedule_waiting(self, budget: _StepBudget, plan: _StepPlan, now: float) -> None:
         candidates = self.policy.admission_candidates(sorted(self.waiting, key=_waiting_order), now)
         for request in candidates:
-            if len(self.running) >= self.config.max_num_seqs or budget.tokens_left == 0:
-                return
-            if self._try_admit(request, budget, plan, now) is _Admission.BLOCKED:
-                return
+            while True:
+                full = len(self.running) >= self.config.max_num_seqs or budget.tokens_left == 0
+                admission = _Admission.BLOCKED if full else self._try_admit(request, budget, plan, now)
+                if admission is not _Admission.BLOCKED:
+                    break
+                if not self._preempt_for_priority(request, budget, plan):
+                    return  # the first that does not fit stops admission
+
+    def _preempt_for_priority(self, request: Request, budget: _StepBudget, plan: _StepPlan) -> bool:
+        """Make room for a blocked waiting `request` by preempting one running request of a
+        strictly less important class (largest _priority_victim_order) that has been
+        preempted for priority fewer than max_priority_preemptions times. One victim per
+        call: the caller retries the admission and calls again while it is still blocked.
+        A victim already scheduled this step is taken out of the step first (its budget
+        given back; its blocks go with the preemption). False = no victim, or off.
+
+        Why the limit: without it a stream of important arrivals could preempt the same
+        request forever (starvation) and each preemption recomputes its whole prefix
+        (thrashing); past the limit a request is never chosen again and runs to the end."""
+        if not self.config.priority_preemption:
+            return False
+        if budget.grant(_tokens_left_to_compute(request)) == 0 and not any(
+                r.request_id in plan.scheduled_ids and r.importance_class > request.importance_class
+                for r in self.running):
+            return False  # out of step budget, and no victim would give any back: wait a step
+        victims = [r for r in self.running if r.importance_class > request.importance_class
+                   and r.num_priority_preemptions < self.config.max_priority_preemptions]
+        if not victims:
+            return False
+        victim = max(victims, key=_priority_victim_order)
+        if victim.request_id in plan.scheduled_ids:
+            entry = plan.remove(victim)
+            budget.give_back(victim.num_tokens_to_compute, entry.num_scheduled_tokens)
+        self._preempt(victim, plan)
+        victim.num_priority_preemptions += 1
+        self.num_priority_preemptions += 1
+        logger.debug("preempted %s (class %d) for %s (class %d)", victim.request_id, victim.importance_class,
+                     request.request_id, request.importance_class)
+        return True
 
     def _try_admit(self, request: Request, budget: _StepBudget, plan: _StepPlan, now: float) -> _Admission:
         if request.is_swapped:
@@ -421,6 +482,7 @@ class Scheduler:
                 if request.request_id not in sampled_token_ids:
                     raise KeyError(f"no sampled token for {request.request_id}, which was due to sample")
                 request.append_output_token(sampled_token_ids[request.request_id])
+                self.admission.grow_for_output(request)
                 self._output_tokens.add(1)
                 request.status = RequestStatus.DECODING
                 if request.first_token_time is None:
@@ -452,6 +514,8 @@ class Scheduler:
             batch_fill_rate=sum(s[2] for s in samples) / len(samples) if samples else 0.0,
             num_preemptions_recompute=self.num_preemptions["recompute"],
             num_preemptions_swap=self.num_preemptions["swap"],
+            num_preemptions_priority=self.num_priority_preemptions,
+            num_outgrown_estimates=self.admission.num_outgrown_estimates,
             prefix_cache_hit_rate=kv_stats.prefix_hit_rate, output_tokens_per_s=self._output_tokens.rate(),
             drain_tokens_per_s=self.admission.drain.rate(), num_steps=self._num_steps, kv=kv_stats)
 
