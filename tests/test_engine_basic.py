@@ -218,12 +218,14 @@ def test_queue_timeout_rejects_as_retryable_and_holds_nothing(tiny_model_dir):
 
 
 def test_async_batches_and_the_step_hook(tiny_model_dir):
-    """generate_batches hands out the request's one queue in batches; on_step sees each step
-    that did work (the actor's step-time metric), from the step thread."""
+    """generate_batches hands out the request's one queue in batches; the engine's phase clock
+    reports each step that did work (what the actor's step-time metric observes), from the
+    step thread."""
     step_times_s: list[float] = []
 
     async def scenario():
-        aengine = AsyncEngine.from_config(_config(tiny_model_dir), on_step=step_times_s.append)
+        aengine = AsyncEngine.from_config(_config(tiny_model_dir))
+        aengine.engine.phase_clock.observers.append(lambda report: step_times_s.append(report.total_s))
         try:
             batches = []
             async for batch in aengine.generate_batches(req("b1", max_tokens=12, ignore_eos=True)):

@@ -13,8 +13,9 @@ the request in the engine and frees its KV blocks.
 
 Each request has one queue, filled by the step thread; `generate_batches` hands out
 everything that queue holds at once (the actor ships such batches over Ray), `generate` the
-same deltas one by one. Step timing goes to an `on_step(seconds)` hook, called from the step
-thread after every step that did work.
+same deltas one by one. Step timing is the engine's own (Engine.phase_clock: its observers get
+one StepReport per step that did work, from the step thread; the actor's metrics and spans
+are such observers).
 
 `stats()` / `prefix_events()` are exact reads taken between steps under the engine lock
 (they wait for at most one step); async code should use `stats_async()` /
@@ -28,8 +29,7 @@ import contextlib
 import logging
 import queue
 import threading
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvmesh.core.config import KvmeshConfig
@@ -58,9 +58,8 @@ class _Abort:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, on_step: Callable[[float], None] | None = None):
+    def __init__(self, engine: Engine):
         self.engine = engine
-        self._on_step = on_step  # seconds of each step that did work (the worker's step-time metric)
         self.model_name = engine.model_name
         self.block_size = engine.block_size
         self.tokenizer = engine.tokenizer
@@ -73,9 +72,8 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: KvmeshConfig | None = None, worker_id: str = "worker-0",
-                    on_step: Callable[[float], None] | None = None) -> "AsyncEngine":
-        return cls(Engine.from_config(config, worker_id), on_step)
+    def from_config(cls, config: KvmeshConfig | None = None, worker_id: str = "worker-0") -> "AsyncEngine":
+        return cls(Engine.from_config(config, worker_id))
 
     def block_extra_keys(self, cache_salt: str | None = None) -> tuple[str, ...]:
         return self.engine.block_extra_keys(cache_salt)
@@ -161,14 +159,10 @@ class AsyncEngine:
                 deltas = self._drain_inbox()
                 busy = self.engine.has_unfinished()
                 if busy:
-                    started_s = time.perf_counter()
                     try:
                         deltas += self.engine.step()
                     except Exception:  # a bug outside the forward: keep the thread alive, fail loudly
                         logger.exception("engine step failed outside the model forward")
-                    finally:
-                        if self._on_step is not None and not self.engine.last_step_idle:  # idle: no work
-                            self._on_step(time.perf_counter() - started_s)
             self._dispatch(deltas)
             if not busy:
                 self._wakeup.wait(_IDLE_WAIT_S)
