@@ -102,7 +102,7 @@ class GrpcTarget(Target):
         self._clients.clear()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -131,8 +131,8 @@ class ClusterTarget(GrpcTarget):
         router = dict(config.get("router") or {})
         if router.get("host", "127.0.0.1") not in ("127.0.0.1", "localhost"):
             raise InvalidRequestError("a cluster target serves on loopback only (router.host: 127.0.0.1)")
-        router.setdefault("grpc_port", _free_port())
-        router.setdefault("http_port", _free_port())
+        router.setdefault("grpc_port", free_port())
+        router.setdefault("http_port", free_port())
         self.config = KvmeshConfig.from_dict({**config, "router": router})
         self.app_name = app_name
         super().__init__(f"127.0.0.1:{self.config.router.grpc_port}", **grpc_options)

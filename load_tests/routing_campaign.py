@@ -27,7 +27,6 @@ import concurrent.futures
 import json
 import os
 import random
-import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -65,12 +64,6 @@ class RunFigures:
     wall_s: float
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def family_workload(spec: dict, seed: int) -> list[tuple[int, list[int]]]:
     """(family, prompt ids): fresh family prefixes per seed, families drawn by weight."""
     rng = random.Random(seed)
@@ -81,11 +74,20 @@ def family_workload(spec: dict, seed: int) -> list[tuple[int, list[int]]]:
     return [(f, prefixes[f] + [rng.randrange(1000, 40000) for _ in range(rng.randint(low, high))]) for f in picks]
 
 
-def figures(policy: str, concurrency: int, served: list[Served], num_failed: int, wall_s: float) -> RunFigures:
+def computed_tokens_per_worker(served) -> dict[str, int]:
+    """Tokens each worker had to compute: prompt tokens its prefix cache did not serve, plus the
+    output. This is the load the router balances (a cache hit costs the worker nothing). Takes
+    any records with worker_id, prompt_tokens, cached_tokens and completion_tokens."""
     computed = collections.Counter()
-    families = collections.defaultdict(set)
     for s in served:
         computed[s.worker_id] += s.prompt_tokens - s.cached_tokens + s.completion_tokens
+    return dict(computed)
+
+
+def figures(policy: str, concurrency: int, served: list[Served], num_failed: int, wall_s: float) -> RunFigures:
+    computed = computed_tokens_per_worker(served)
+    families = collections.defaultdict(set)
+    for s in served:
         families[s.family].add(s.worker_id)
     per_worker = collections.Counter(w for ws in families.values() for w in ws)
     ttfts = sorted(s.ttft_s for s in served)
@@ -95,7 +97,7 @@ def figures(policy: str, concurrency: int, served: list[Served], num_failed: int
         hit_rate=sum(s.cached_tokens for s in served) / max(1, sum(s.prompt_tokens for s in served)),
         ttft_p50_ms=1000 * statistics.median(ttfts) if ttfts else float("nan"),
         ttft_p90_ms=1000 * ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else float("nan"),
-        computed_tokens_per_worker=dict(computed),
+        computed_tokens_per_worker=computed,
         computed_max_over_min=max(values) / min(values) if len(values) > 1 and min(values) > 0 else float("inf"),
         families_per_worker=dict(per_worker), families_on_both=sum(len(ws) > 1 for ws in families.values()),
         wall_s=wall_s)
@@ -147,13 +149,14 @@ def run_campaign(spec: dict, out_dir: Path) -> list[RunFigures]:
     from kvmesh.router.app import build_router_app
     from kvmesh.router.client import KvmeshClient
     from kvmesh.router.retry import RetryPolicy
+    from kvmesh.load_tests.grpc_target import free_port
 
     config = KvmeshConfig.from_dict({
         "model": spec.get("model", {}),
         "cache": {"block_size": spec["block_size"], "num_blocks": spec["num_blocks_per_worker"]},
         "scheduler": {"max_num_seqs": spec["max_num_seqs"], "max_queue_time_s": 300},
         "parallel": {"num_workers": spec["num_workers"], "device": "cpu"},
-        "router": {"host": "127.0.0.1", "grpc_port": _free_port(), "http_port": _free_port(),
+        "router": {"host": "127.0.0.1", "grpc_port": free_port(), "http_port": free_port(),
                    "stats_refresh_s": spec["stats_refresh_s"], "max_queue_wait_s": 60.0},
     })
     target = f"127.0.0.1:{config.router.grpc_port}"

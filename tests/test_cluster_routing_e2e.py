@@ -36,6 +36,7 @@ from kvmesh.core.config import KvmeshConfig
 from kvmesh.router.client import KvmeshClient
 from kvmesh.router.retry import RetryPolicy
 from kvmesh.core.seams import SamplingParams
+from kvmesh.load_tests.routing_campaign import computed_tokens_per_worker
 from e2e_cluster import serving, tiny_cluster_config
 
 logger = logging.getLogger(__name__)
@@ -181,15 +182,6 @@ def _wait_for(predicate, timeout_s: float = 60.0, what: str = "condition"):
 def hit_rate(served: list[Served]) -> float:
     """Cluster prefix hit rate: cached prompt tokens / prompt tokens, from the final usage."""
     return sum(s.cached_tokens for s in served) / sum(s.prompt_tokens for s in served)
-
-
-def computed_tokens_per_worker(served: list[Served]) -> dict[str, int]:
-    """Tokens each worker had to compute: prompt tokens its prefix cache did not serve, plus
-    the output. This is the load the router balances (a cache hit costs the worker nothing)."""
-    totals = collections.Counter()
-    for s in served:
-        totals[s.worker_id] += s.prompt_tokens - s.cached_tokens + s.completion_tokens
-    return dict(totals)
 
 
 def test_new_prefix_goes_to_the_smaller_cache_footprint_unless_loads_are_imbalanced():
