@@ -132,6 +132,12 @@ def _warm_up(config: KvmeshConfig, seed: int) -> list[Served]:
     served = []
     with _client(config, recorder) as client:
         for family, prefix in enumerate(_families(seed)):
+            # Before each placement the router's view must be current: both workers routable
+            # and idle, and the blocks of every family placed so far counted in its cache
+            # footprints (a poll answered late on a loaded machine once left one worker
+            # unroutable or its footprint stale, and two families followed the first).
+            _wait_for(lambda: _router_sees(client, cached_families=family),
+                      what="the router to see both workers idle with the placed prefixes' blocks")
             seen = _event_seq(client)
             prompt = prefix + random.Random(seed * 1000 + family).choices(range(1000, 40000), k=SUFFIX_TOKENS)
             served.append(_send(client, recorder, f"warm-{seed}-{family}", family, prompt))
@@ -143,6 +149,17 @@ def _event_seq(client: KvmeshClient) -> int:
     """Sum of the workers' newest prefix-event numbers as the router last polled them (the
     router applies a poll's events and its stats together)."""
     return sum(w.prefix_event_seq for w in client.get_stats(timeout_s=10).workers)
+
+
+def _router_sees(client: KvmeshClient, cached_families: int) -> bool:
+    """The router's latest poll shows both workers healthy and idle, their caches holding at
+    least the prefix blocks of `cached_families` families placed in this phase (a phase's
+    fresh families come on top of what earlier phases left cached)."""
+    workers = client.get_stats(timeout_s=10).workers
+    if len(workers) != 2 or not all(w.healthy and w.num_running == 0 and w.num_waiting == 0 for w in workers):
+        return False
+    held = sum(w.num_blocks_cached + w.num_blocks_used for w in workers)
+    return held >= min(cached_families * PREFIX_TOKENS // BLOCK_SIZE, 2 * NUM_BLOCKS_PER_WORKER)
 
 
 def _run(config: KvmeshConfig, workload, concurrency: int) -> list[Served]:
