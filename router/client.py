@@ -113,11 +113,11 @@ class _ClientBase:
                       sampling: SamplingParams | None, model: str, request_id: str | None,
                       priority: int) -> pb.GenerateRequest:
         chat = None if messages is None else tuple(convert.ChatMessage(m["role"], m["content"]) for m in messages)
-        request = convert.GenerateInput(
+        request = convert.InboundRequest(
             request_id=request_id or uuid.uuid4().hex, model=model, prompt=prompt, messages=chat,
             prompt_token_ids=None if prompt_token_ids is None else tuple(prompt_token_ids),
             sampling=sampling or SamplingParams(), priority=priority)
-        return convert.generate_input_to_pb(request)
+        return convert.inbound_to_pb(request)
 
 
 def _delivered(delta: RequestDelta) -> bool:

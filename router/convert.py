@@ -46,17 +46,24 @@ class ChatMessage:
 
 
 @dataclass(frozen=True)
-class GenerateInput:
-    """A Generate call as the caller sent it: exactly one of prompt / messages / token ids.
-    The router renders chat, tokenizes and builds the worker's `GenerateRequest` from it."""
+class InboundRequest:
+    """A Generate call as an edge decoded it: the one request form between the edges (gRPC
+    message + call metadata, OpenAI body + headers, and the client that builds the message)
+    and `RouterCore`, which renders chat, tokenizes and builds the worker's `GenerateRequest`.
+    Exactly one of prompt / messages / prompt_token_ids is set."""
 
-    request_id: str  # "" = the server assigns one
-    model: str  # "" = the served model
+    request_id: str = ""  # "" = the router assigns one
+    model: str = ""  # "" = the served model
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     priority: int = 0
+    # Call metadata (gRPC metadata / HTTP headers), not part of the message:
+    api_key: str | None = None
+    deadline_s: float | None = None  # absolute time.time()
+    attempt: int = 1
+    trace_context: dict[str, str] = dataclasses.field(default_factory=dict)  # traceparent, tracestate
 
 
 @dataclass(frozen=True)
@@ -143,7 +150,9 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
 
 # ---- Generate ----------------------------------------------------------------------------
 
-def generate_input_to_pb(request: GenerateInput) -> pb.GenerateRequest:
+def inbound_to_pb(request: InboundRequest) -> pb.GenerateRequest:
+    """The message part of the request (api key, attempt and trace context travel as call
+    metadata; the client sets them)."""
     msg = pb.GenerateRequest(request_id=request.request_id, model=request.model,
                              sampling=sampling_to_pb(request.sampling), priority=request.priority)
     given = [x is not None for x in (request.prompt, request.messages, request.prompt_token_ids)]
@@ -158,21 +167,26 @@ def generate_input_to_pb(request: GenerateInput) -> pb.GenerateRequest:
     return msg
 
 
-def generate_input_from_pb(msg: pb.GenerateRequest) -> GenerateInput:
+def inbound_from_pb(msg: pb.GenerateRequest, call: CallMetadata | None = None,
+                    deadline_s: float | None = None) -> InboundRequest:
+    """The request from the message and its call metadata (`deadline_s`: absolute, from the
+    call's timeout)."""
     which = msg.WhichOneof("input")
     if which is None:
         raise InvalidRequestError("one of prompt, chat and prompt_token_ids is required")
+    call = call or CallMetadata()
     common = dict(request_id=msg.request_id, model=msg.model, priority=msg.priority,
-                  sampling=sampling_from_pb(msg.sampling))
+                  sampling=sampling_from_pb(msg.sampling), api_key=call.api_key, deadline_s=deadline_s,
+                  attempt=call.attempt, trace_context=dict(call.trace_context))
     if which == "prompt":
-        return GenerateInput(prompt=msg.prompt, **common)
+        return InboundRequest(prompt=msg.prompt, **common)
     if which == "chat":
         if not msg.chat.messages:
             raise InvalidRequestError("chat.messages must not be empty")
-        return GenerateInput(messages=tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages), **common)
+        return InboundRequest(messages=tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages), **common)
     if not msg.prompt_token_ids.ids:
         raise InvalidRequestError("prompt_token_ids must not be empty")
-    return GenerateInput(prompt_token_ids=tuple(msg.prompt_token_ids.ids), **common)
+    return InboundRequest(prompt_token_ids=tuple(msg.prompt_token_ids.ids), **common)
 
 
 def delta_to_pb(delta: RequestDelta) -> pb.GenerateResponse:

@@ -29,7 +29,8 @@ import time
 
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.router import convert, grpc_edge, status_map
-from kvmesh.router.router_core import InboundRequest, RouterCore
+from kvmesh.router.convert import InboundRequest
+from kvmesh.router.router_core import RouterCore
 from kvmesh.core.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -127,13 +128,7 @@ def _fail(grpc_context, exc: BaseException) -> None:
 
 
 def inbound_from_pb(request: pb.GenerateRequest, metadata: list[tuple[str, str]]) -> InboundRequest:
-    """The router core's request from the message (convert.py) and the call metadata."""
-    given = convert.generate_input_from_pb(request)
-    meta = convert.call_metadata_from_grpc(metadata)
+    """The router core's request from the message and the call metadata (convert.py)."""
     timeout_s = status_map.positive_float(status_map.metadata_value(metadata, TIMEOUT_KEY), f"metadata {TIMEOUT_KEY}")
-    messages = None if given.messages is None else tuple(m.to_dict() for m in given.messages)
-    return InboundRequest(
-        api_key=meta.api_key, request_id=given.request_id, prompt=given.prompt, messages=messages,
-        prompt_token_ids=given.prompt_token_ids, sampling=given.sampling, priority=given.priority,
-        model=given.model, deadline_s=None if timeout_s is None else time.time() + timeout_s,
-        attempt=meta.attempt, trace_context=meta.trace_context)
+    return convert.inbound_from_pb(request, convert.call_metadata_from_grpc(metadata),
+                                   deadline_s=None if timeout_s is None else time.time() + timeout_s)

@@ -30,7 +30,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvmesh.router import status_map
 from kvmesh.router.auth import bearer_token
-from kvmesh.router.router_core import InboundRequest, RequestStream, RouterCore
+from kvmesh.router.convert import ChatMessage, InboundRequest
+from kvmesh.router.router_core import RequestStream, RouterCore
 from kvmesh.core.seams import RequestDelta, SamplingParams, Usage
 from kvmesh.core.errors import InvalidRequestError
 from kvmesh.router.metrics import CONTENT_TYPE
@@ -169,7 +170,7 @@ def _streaming_options(body: dict) -> tuple[bool, bool]:
     return streaming, include_usage
 
 
-def _chat_message(message) -> dict:
+def _chat_message(message) -> ChatMessage:
     if not isinstance(message, dict):
         raise InvalidRequestError("each message must be an object with 'role' and 'content'")
     content = message.get("content")
@@ -177,7 +178,7 @@ def _chat_message(message) -> dict:
         if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
             raise InvalidRequestError("only text content parts are supported")
         content = "".join(str(p.get("text", "")) for p in content)
-    return {"role": message.get("role"), "content": content}
+    return ChatMessage(message.get("role"), content)
 
 
 def _completion_prompt(prompt) -> tuple[str | None, tuple[int, ...] | None]:

@@ -42,6 +42,7 @@ from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.router import request_rules, tracing
 from kvmesh.router.admission import AdmissionController, AdmissionTicket, cost_with_cached_prefix, request_cost_tokens
 from kvmesh.router.auth import Authenticator
+from kvmesh.router.convert import InboundRequest
 from kvmesh.router.fairness import TenantBacklog, engine_priority
 from kvmesh.router.metrics import FINISH_TIMEOUT, RouterMetrics
 from kvmesh.router.quota import QuotaStore, Reservation, check_request_fits
@@ -65,23 +66,6 @@ logger = logging.getLogger(__name__)
 
 # GetStats reads every worker's figures live; one slower than this is shown as last polled.
 LIVE_STATS_TIMEOUT_S = 1.0
-
-
-@dataclass(frozen=True)
-class InboundRequest:
-    """A request as an ingress decoded it; exactly one of prompt / messages / token ids."""
-
-    api_key: str | None
-    request_id: str = ""  # "" = the router assigns one
-    prompt: str | None = None
-    messages: tuple[dict, ...] | None = None  # chat: [{"role", "content"}]
-    prompt_token_ids: tuple[int, ...] | None = None
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    priority: int = 0
-    model: str = ""  # "" = the served model
-    deadline_s: float | None = None  # absolute time.time()
-    attempt: int = 1
-    trace_context: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -268,8 +252,8 @@ class RouterCore:
             text = inbound.prompt
             if inbound.messages is not None:
                 for message in inbound.messages:
-                    request_rules.check_text(message.get("content"), "message content")
-                text = render_chat(self.tokenizer, [dict(m) for m in inbound.messages])
+                    request_rules.check_text(message.content, "message content")
+                text = render_chat(self.tokenizer, [m.to_dict() for m in inbound.messages])
             request_rules.check_text(text, "prompt")
             ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))  # as the engine does
         if not ids:

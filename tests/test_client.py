@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import random
 import threading
 import time
@@ -47,7 +48,7 @@ class ScriptedKvmesh(pb_grpc.KvmeshServicer):
 
     async def Generate(self, request, context):
         meta = convert.call_metadata_from_grpc(context.invocation_metadata())
-        inp = convert.generate_input_from_pb(request)
+        inp = convert.inbound_from_pb(request)
         self.calls[inp.request_id].append((meta.attempt, meta, time.monotonic(), inp))
         attempt = len(self.calls[inp.request_id])
         script, _, arg = (inp.prompt or "ok").partition(":")
@@ -357,13 +358,19 @@ def test_sampling_and_delta_conversions_round_trip():
     assert convert.delta_from_pb(convert.delta_to_pb(delta)) == delta
 
 
-def test_generate_input_and_metadata_validation():
+def test_inbound_request_and_metadata_validation():
     with pytest.raises(InvalidRequestError):
-        convert.generate_input_from_pb(pb.GenerateRequest(request_id="x"))
+        convert.inbound_from_pb(pb.GenerateRequest(request_id="x"))
     with pytest.raises(InvalidRequestError):
-        convert.generate_input_to_pb(convert.GenerateInput("x", "", prompt="a", prompt_token_ids=(1,)))
-    chat = convert.GenerateInput("x", "m", messages=(convert.ChatMessage("user", "hi"),))
-    assert convert.generate_input_from_pb(convert.generate_input_to_pb(chat)) == chat
+        convert.inbound_to_pb(convert.InboundRequest("x", "", prompt="a", prompt_token_ids=(1,)))
+    chat = convert.InboundRequest("x", "m", messages=(convert.ChatMessage("user", "hi"),))
+    assert convert.inbound_from_pb(convert.inbound_to_pb(chat)) == chat
+    # The call metadata joins the message in the one inbound form; the message never carries it.
+    call = convert.CallMetadata(api_key="sk-1", attempt=2, trace_context={"traceparent": "00-ab-cd-01"})
+    full = convert.inbound_from_pb(convert.inbound_to_pb(chat), call, deadline_s=123.0)
+    assert full == dataclasses.replace(chat, api_key="sk-1", attempt=2, deadline_s=123.0,
+                                       trace_context={"traceparent": "00-ab-cd-01"})
+    assert convert.inbound_to_pb(full) == convert.inbound_to_pb(chat)
     with pytest.raises(InvalidRequestError):
         convert.call_metadata_from_grpc([("x-kvmesh-attempt", "zero")])
     meta = convert.call_metadata_from_grpc([("authorization", "Bearer  sk-1 "), ("x-kvmesh-attempt", "3")])

@@ -161,9 +161,7 @@ def _backoff_user(channel, prompt: list[int], outcome: Outcome, lock: threading.
 def _naive_user(channel, prompt: list[int], outcome: Outcome, lock: threading.Lock) -> None:
     """Retries at once, ignoring retry-after; marks the attempt number like the library."""
     stub = kvmesh_pb2_grpc.KvmeshStub(channel)
-    request = convert.generate_input_to_pb(convert.GenerateInput(
-        request_id="", model="", prompt=None, messages=None, prompt_token_ids=tuple(prompt), sampling=SAMPLING,
-        priority=0))
+    request = convert.inbound_to_pb(convert.InboundRequest(prompt_token_ids=tuple(prompt), sampling=SAMPLING))
     started = time.monotonic()
     for attempt in range(1, MAX_ATTEMPTS + 1):
         try:
