@@ -95,10 +95,10 @@ RouteFn = Callable[[list[WorkerStats], Mapping[str, int]], str]
 CostFn = Callable[[str], int]
 
 
-def request_cost_tokens(prompt_tokens: int, sampling: SamplingParams, block_size: int = 1) -> int:
+def request_cost_tokens(prompt_tokens: int, sampling: SamplingParams, block_size: int) -> int:
     """KV tokens the worker will reserve for a request, as its admission counts them: each of
     the n samples reserves prompt + max_tokens rounded up to whole blocks (K x ceil(S / K)).
-    Pass the workers' block_size to match them exactly; 1 gives the unrounded figure."""
+    `block_size` is the workers' (no default: an unrounded cost admits more than they take)."""
     return request_kv_tokens(prompt_tokens, sampling.max_tokens, block_size, n=sampling.n)
 
 

@@ -50,7 +50,7 @@ def test_request_cost_matches_the_workers_block_granular_reservation():
     # the worker reserves K x ceil((prompt + max_tokens) / K) for each of the n samples
     assert request_cost_tokens(40, SamplingParams(max_tokens=30), block_size=16) == 80
     assert request_cost_tokens(100, SamplingParams(max_tokens=20, n=3), block_size=16) == 3 * 128
-    assert request_cost_tokens(100, SamplingParams(max_tokens=20)) == 120
+    assert request_cost_tokens(100, SamplingParams(max_tokens=20), block_size=1) == 120
 
 
 def test_admits_where_it_fits_and_routes_only_among_workers_with_room():
