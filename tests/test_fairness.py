@@ -1,8 +1,12 @@
 """Fairness between tenants of equal priority, measured with real load on loopback.
 
 Two tenants, same priority class, no quota limits (so nothing but scheduling protects the
-light one). The heavy tenant sends 10x the light tenant's rate, at a rate ~2.5x what the
-worker can serve, for LOAD_S seconds, through the real Serve gRPC ingress to one CPU worker.
+light one). The heavy tenant keeps 6 x max_num_seqs requests outstanding (closed loop: an
+overload on any CPU, however loaded the machine is; two batch slots and 48-token answers
+keep the client's own work per unit of engine work small, so a starved client still
+floods) and sends 4x the light tenant's requests, for LOAD_S seconds, through the real Serve gRPC ingress to one CPU worker. (An
+open-loop rate derived from a measured capacity stopped being an overload once when the
+shared machine sped up between the measurement and the flood.)
 
 SLO, and why. A request of the light tenant under load must wait for one of the
 max_num_seqs batch slots to free (equal priority: running requests are not preempted for
@@ -14,9 +18,10 @@ percentile is D x (1 - 0.1^(1/k)). So the best any scheduler can give at P90 is 
 
 and we require the light tenant's P90 TTFT under load to be within 3x of that (slack for a
 shared CPU and the router's own work under load). A FIFO engine queue instead makes the
-light request wait behind the heavy tenant's whole backlog, which grows for the entire run
-(measured once with the fair rank switched off: light P90 TTFT 51.5 s); the heavy tenant's
-own TTFT shows that backlog, and the light tenant must be far below it.
+light request wait behind the heavy tenant's whole backlog, 5 x max_num_seqs queued
+requests, about 5 D (an open-loop flood measured once with the fair rank switched off: light
+P90 TTFT 51.5 s); the heavy tenant's own TTFT shows that backlog, and the light tenant must
+be far below it.
 
 Router admission is given a KV budget larger than the run's backlog, so the queue being
 tested is the engine's (router/fairness.py gives it per-tenant fair ranks).
@@ -40,12 +45,12 @@ from kvmesh.router.tenants import generate_api_key, hash_api_key
 
 APP_NAME = "kvmesh-fair"
 KEYS = {"heavy": generate_api_key(), "light": generate_api_key()}
-MAX_NUM_SEQS = 4
+MAX_NUM_SEQS = 2
 PROMPT_TOKENS = 32
-MAX_TOKENS = 24
+MAX_TOKENS = 48
 LOAD_S = 20.0
-HEAVY_TO_LIGHT = 10
-OVERLOAD_FACTOR = 2.5  # heavy rate / measured capacity
+HEAVY_TO_LIGHT = 4
+HEAVY_IN_FLIGHT = 6 * MAX_NUM_SEQS  # the flood: this many heavy requests always outstanding
 
 
 def test_fair_rank_orders_by_backlog_within_a_class():
@@ -111,26 +116,30 @@ async def _run_load(port: int) -> dict:
         assert len(client.results) == 6 and not client.failures, client.failures
         ttft_0 = statistics.median(r[1] for r in client.results[1:])  # the first one warms up
         e2e_0 = statistics.median(r[2] for r in client.results[1:])
-        # Capacity estimate: max_num_seqs requests per unloaded request time (batched decode
-        # steps are slower, so the real capacity is lower and the overload larger).
-        heavy_rate = min(40.0, OVERLOAD_FACTOR * MAX_NUM_SEQS / e2e_0)
         client.results.clear()
-        tasks: dict[str, list[asyncio.Task]] = {"heavy": [], "light": []}
+        light_tasks: list[asyncio.Task] = []
+        num_heavy_sent = 0
         start = time.perf_counter()
-        num_sent = 0
-        while time.perf_counter() - start < LOAD_S:
-            num_sent += 1
-            tenant = "light" if num_sent % (HEAVY_TO_LIGHT + 1) == 0 else "heavy"
-            tasks[tenant].append(asyncio.create_task(client.request(tenant)))
-            next_at = start + num_sent / (heavy_rate * (HEAVY_TO_LIGHT + 1) / HEAVY_TO_LIGHT)
-            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+
+        async def heavy_user() -> None:
+            # Closed loop: each heavy user sends its next request as soon as one ends, so
+            # HEAVY_IN_FLIGHT requests are always outstanding, whatever the CPU's speed.
+            nonlocal num_heavy_sent
+            while time.perf_counter() - start < LOAD_S:
+                num_heavy_sent += 1
+                if num_heavy_sent % HEAVY_TO_LIGHT == 0:  # one light request per HEAVY_TO_LIGHT heavy ones
+                    light_tasks.append(asyncio.create_task(client.request("light")))
+                await client.request("heavy")
+
+        heavy_users = [asyncio.create_task(heavy_user()) for _ in range(HEAVY_IN_FLIGHT)]
+        await asyncio.sleep(LOAD_S)
         # The light tenant's requests all finish; then the heavy backlog is dropped.
-        await asyncio.wait_for(asyncio.gather(*tasks["light"]), timeout=60)
-        for task in tasks["heavy"]:
+        await asyncio.wait_for(asyncio.gather(*light_tasks), timeout=60)
+        for task in heavy_users:
             task.cancel()
-        await asyncio.gather(*tasks["heavy"], return_exceptions=True)
-    return dict(client=client, ttft_0=ttft_0, e2e_0=e2e_0, heavy_rate=heavy_rate,
-                num_light_sent=len(tasks["light"]))
+        await asyncio.gather(*heavy_users, return_exceptions=True)
+    return dict(client=client, ttft_0=ttft_0, e2e_0=e2e_0, heavy_rate=num_heavy_sent / LOAD_S,
+                num_light_sent=len(light_tasks))
 
 
 def _p(values: list[float], q: float) -> float:
@@ -152,9 +161,10 @@ def test_light_tenant_meets_ttft_slo_while_heavy_floods(cluster):
     slo = 3.0 * (ttft_0 + decode_load * (1.0 - 0.1 ** (1.0 / MAX_NUM_SEQS)))
     light_p90 = _p([r[1] for r in light], 0.9)
     heavy_p50 = _p([r[1] for r in heavy], 0.5) if heavy else float("nan")
-    figures = (f"heavy rate {heavy_rate:.1f}/s, light {heavy_rate / HEAVY_TO_LIGHT:.2f}/s over {LOAD_S:.0f}s; "
+    figures = (f"heavy sent {heavy_rate:.1f}/s ({HEAVY_IN_FLIGHT} outstanding), light {heavy_rate / HEAVY_TO_LIGHT:.2f}/s "
+               f"over {LOAD_S:.0f}s; "
                f"unloaded TTFT {ttft_0 * 1e3:.0f} ms, e2e {e2e_0 * 1e3:.0f} ms; decode under load "
-               f"{decode_load * 1e3:.0f} ms; light P90 TTFT {light_p90 * 1e3:.0f} ms (SLO {slo * 1e3:.0f} ms, "
+               f"{decode_load * 1e3:.0f} ms; light P50 TTFT {_p([r[1] for r in light], 0.5) * 1e3:.0f} ms, P90 {light_p90 * 1e3:.0f} ms (SLO {slo * 1e3:.0f} ms, "
                f"n={len(light)}); heavy P50 TTFT {heavy_p50 * 1e3:.0f} ms (n={len(heavy)} finished)")
     print(figures)  # shown with -s; the figures go in the issue note
     assert light_p90 <= slo, figures
