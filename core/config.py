@@ -68,6 +68,11 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # auto = model dtype
     enable_prefix_caching: bool = True
     swap_space_gib: float = 0.5  # CPU swap space for swap preemption
+    # The host tier below the pool (kv/host_tier.py): evicted prefix blocks are kept in this
+    # much host memory (GiB; 0 = off) and copied back on a hit instead of recomputed.
+    # host_tier_num_blocks overrides the size in blocks (tests use small tiers).
+    host_tier_gib: float = 0.0
+    host_tier_num_blocks: int | None = None
 
     def validate(self) -> None:
         _check(self.block_size >= 1 and (self.block_size & (self.block_size - 1)) == 0,
@@ -77,6 +82,9 @@ class CacheConfig:
         _check(self.num_blocks is None or self.num_blocks >= 1, "cache.num_blocks must be >= 1")
         _one_of("cache.kv_cache_dtype", self.kv_cache_dtype, ("auto", "fp32", "fp16", "bf16", "int8", "fp8", "int4"))
         _check(self.swap_space_gib >= 0, "cache.swap_space_gib must be >= 0")
+        _check(self.host_tier_gib >= 0, "cache.host_tier_gib must be >= 0")
+        _check(self.host_tier_num_blocks is None or self.host_tier_num_blocks >= 0,
+               "cache.host_tier_num_blocks must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmesh.kv.prefix_cache import CachedBlockKey, PrefixCache
@@ -47,6 +48,9 @@ class BlockPool:
         self._free: deque[int] = deque(range(num_blocks))
         self._cached_lru: OrderedDict[int, None] = OrderedDict()  # first = least recently released
         self.num_evictions = 0
+        # Called with (block_id, key) as a cached block is evicted, before its key is dropped:
+        # the host tier (kv/host_tier.py) keeps a copy of what the pool forgets.
+        self.on_evict: Callable[[int, CachedBlockKey], None] | None = None
 
     # ---- counts ----------------------------------------------------------------------------
 
@@ -82,6 +86,8 @@ class BlockPool:
         else:
             assert self._cached_lru, "allocate() on an exhausted pool: check num_free_blocks first"
             block_id, _ = self._cached_lru.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(block_id, self.blocks[block_id].cache_key)
             self._drop_key(self.blocks[block_id])
             self.num_evictions += 1
         block = self.blocks[block_id]

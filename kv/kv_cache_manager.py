@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from kvmesh.kv import hashing
 from kvmesh.kv.block_pool import BlockPool
+from kvmesh.kv.host_tier import HostTier, TierStats
 from kvmesh.kv.prefix_cache import CachedBlockKey, PrefixCache, PrefixEventLog
 from kvmesh.kv.swap_space import SwapSpace
 from kvmesh.core.seams import PrefixEventBatch
@@ -58,7 +60,24 @@ class KVRequest(Protocol):
 
 class PrefixMatch(NamedTuple):
     block_ids: list[int]  # cached blocks to share, in block-table order
-    num_tokens: int  # tokens they cover (a multiple of block_size)
+    num_tokens: int  # tokens they and the tier blocks cover (a multiple of block_size)
+    # The host-tier blocks right after block_ids, (slot, content checksum) each: copied back
+    # onto fresh device blocks instead of recomputed (see match_tier).
+    tier_slots: tuple[tuple[int, int], ...] = ()
+
+    def resident(self) -> "PrefixMatch":
+        """The part already in the device pool."""
+        if not self.tier_slots:
+            return self
+        return PrefixMatch(self.block_ids, self.num_tokens * len(self.block_ids)
+                           // (len(self.block_ids) + len(self.tier_slots)))
+
+
+class TierCopies(NamedTuple):
+    """One step's host-tier copies, for the engine to run around the forward."""
+
+    stores: tuple[tuple[int, int, bytes], ...]  # (device block, host slot, block hash): before anything else
+    loads: tuple[tuple[int, int], ...]  # (host slot, device block): after the step's other block copies
 
 
 @dataclass(frozen=True)
@@ -78,11 +97,13 @@ class KVCacheStats:
     num_evictions: int
     num_cpu_blocks_total: int
     num_cpu_blocks_used: int
+    tier: TierStats | None = None  # the host tier's figures (None: no tier)
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
-                 num_cpu_blocks: int = 0, worker_id: str = "", max_events: int = 4096):
+                 num_cpu_blocks: int = 0, worker_id: str = "", max_events: int = 4096,
+                 num_host_tier_blocks: int = 0):
         self.block_size = block_size
         self.prefix_cache = PrefixCache(worker_id, max_events) if enable_prefix_caching else None
         # With caching off there are never events; the log still answers the router politely.
@@ -96,6 +117,17 @@ class KVCacheManager:
         # Prefix blocks a queued request was admitted against (see pin_prefix): held from
         # admission to its end, so what its reservation counted as cached stays resident.
         self._pins: dict[str, list[int]] = {}
+        # The host tier below the pool (kv/host_tier.py): evicted cached blocks are copied
+        # there, and a prefix lookup continues into it past the pool's hits.
+        self.host_tier: HostTier | None = None
+        if num_host_tier_blocks > 0 and self.prefix_cache is not None:
+            self.host_tier = HostTier(num_host_tier_blocks, block_size)
+            self.pool.on_evict = self._store_in_tier
+        # Set by the engine, which owns the bytes: does a host slot still hold content with
+        # this checksum? None = trusted (bookkeeping-only tests).
+        self.verify_tier_slot: Callable[[int, int], bool] | None = None
+        self._tier_stores: list[tuple[int, int, bytes]] = []
+        self._tier_loads: list[tuple[int, int]] = []
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -150,6 +182,52 @@ class KVCacheManager:
                 break
             block_ids.append(block_id)
         return PrefixMatch(block_ids, len(block_ids) * self.block_size)
+
+    # ---- the host tier -------------------------------------------------------------------
+
+    def match_tier(self, request: KVRequest, match: PrefixMatch) -> PrefixMatch:
+        """Extend a pool match with the ready host-tier blocks that follow it (same cap: the
+        last token is always computed). Changes nothing; the content check is in allocate."""
+        if self.host_tier is None or match.tier_slots:
+            return match
+        max_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        slots: list[tuple[int, int]] = []
+        for index in range(len(match.block_ids), max_blocks):
+            found = self.host_tier.lookup(self._key(request, index))
+            if found is None:
+                break
+            slots.append(found)
+        num_blocks = len(match.block_ids) + len(slots)
+        return PrefixMatch(match.block_ids, num_blocks * self.block_size, tuple(slots))
+
+    def _verified(self, request: KVRequest, match: PrefixMatch) -> PrefixMatch:
+        """`match` cut at the first tier block whose bytes fail their checksum (dropped)."""
+        if not match.tier_slots or self.verify_tier_slot is None:
+            return match
+        for i, (slot, checksum) in enumerate(match.tier_slots):
+            if not self.verify_tier_slot(slot, checksum):
+                self.host_tier.reject(self._key(request, len(match.block_ids) + i))
+                kept = len(match.block_ids) + i
+                return PrefixMatch(match.block_ids, kept * self.block_size, match.tier_slots[:i])
+        return match
+
+    def _store_in_tier(self, block_id: int, key: CachedBlockKey) -> None:
+        slot = self.host_tier.store(key)
+        if slot is not None:
+            self._tier_stores.append((block_id, slot, key.block_hash))
+
+    def take_tier_copies(self) -> TierCopies:
+        """The copies this schedule() decided (stores first, then loads), once. Only a
+        schedule() evicts from the tier, and the engine runs these loads before the next one,
+        so the slots they read need no protection past this point: holds end here."""
+        copies = TierCopies(tuple(self._tier_stores), tuple(self._tier_loads))
+        self._tier_stores, self._tier_loads = [], []
+        if self.host_tier is not None:
+            self.host_tier.release_holds()
+        return copies
+
+    def confirm_tier_store(self, slot: int, block_hash: bytes, checksum: int) -> None:
+        self.host_tier.confirm(slot, block_hash, checksum)
 
     # ---- pins: cached prefix blocks held for an admitted request --------------------------
 
@@ -206,15 +284,25 @@ class KVCacheManager:
         revived = sum(self.pool.is_cached(b) for b in match.block_ids)  # leave the LRU when shared
         return needed <= self.pool.num_free_blocks - revived
 
-    def allocate(self, request: KVRequest, num_new_tokens: int, match: PrefixMatch) -> None:
+    def allocate(self, request: KVRequest, num_new_tokens: int, match: PrefixMatch) -> PrefixMatch:
+        """Share `match`'s pool blocks, copy its tier blocks back onto fresh ones (those whose
+        bytes pass the content check) and grow the table by `num_new_tokens`. Returns the
+        match served (shorter than `match` when a tier block failed its check: the rest is
+        computed, within the same number of new tokens, so fewer blocks are needed)."""
         assert not self.holds(request) and not self.is_swapped(request), f"{request.request_id} already has blocks"
         assert self.can_allocate(request, num_new_tokens, match)
+        match = self._verified(request, match)
         for block_id in match.block_ids:
             self.pool.touch(block_id)
+        for slot, _ in match.tier_slots:  # before _grow, whose evictions store into the tier
+            self.host_tier.hold(slot)
         request.block_ids = list(match.block_ids)
         request.num_computed_tokens = match.num_tokens
         self._start_holding(request, granted=match.num_tokens, registered=len(match.block_ids))
         self._grow(request, match.num_tokens + num_new_tokens)
+        first = len(match.block_ids)
+        self._tier_loads.extend((slot, request.block_ids[first + i]) for i, (slot, _) in enumerate(match.tier_slots))
+        return match
 
     def can_append(self, request: KVRequest, num_new_tokens: int) -> bool:
         needed = self.blocks_for(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
@@ -371,6 +459,7 @@ class KVCacheManager:
             num_prefix_collisions=collisions,
             num_evictions=self.pool.num_evictions, num_cpu_blocks_total=self.swap.num_cpu_blocks,
             num_cpu_blocks_used=self.swap.num_used_blocks,
+            tier=self.host_tier.stats() if self.host_tier is not None else None,
         )
 
     def check_integrity(self) -> None:
@@ -392,3 +481,5 @@ class KVCacheManager:
             assert not request.block_ids and self.swap.holds(rid), f"{rid}: swapped state inconsistent"
             assert len(self.swap.blocks_of(rid)) == self.blocks_for(request.num_computed_tokens)
         assert self.swap.num_used_blocks == sum(len(self.swap.blocks_of(r)) for r in self._swapped)
+        if self.host_tier is not None:
+            self.host_tier.check_integrity()

@@ -149,7 +149,10 @@ class Engine:
         for entry in sched_out.scheduled:
             self.outputs.mark_scheduled(entry.request)
         try:
+            self._store_in_tier(sched_out)  # evicted blocks leave before anything overwrites them
             self.runner.apply_block_ops(sched_out)
+            if self.parts.host_tier_store is not None:
+                self.parts.host_tier_store.load(self.runner.kv_caches, sched_out.tier_loads)
             result = self.runner.execute(sched_out.scheduled, self.outputs.sampling_row)
         except Exception as exc:  # the forward failed: fail this step's requests, keep serving
             deltas += self._fail_step(sched_out, exc)
@@ -177,6 +180,12 @@ class Engine:
         clock.lap("output")
         clock.end(sched_out)
         return deltas
+
+    def _store_in_tier(self, sched_out) -> None:
+        store = self.parts.host_tier_store
+        if store is not None and sched_out.tier_stores:
+            for slot, block_hash, checksum in store.store(self.runner.kv_caches, sched_out.tier_stores):
+                self.scheduler.kv.confirm_tier_store(slot, block_hash, checksum)
 
     def _fail_step(self, sched_out, exc: Exception) -> list[RequestDelta]:
         self.num_failed_steps += 1
