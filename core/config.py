@@ -200,6 +200,10 @@ class RouterConfig:
     # Refuse (retryable, with retry-after) on arrival a request whose deadline its expected
     # queue wait already overruns, instead of queueing it until the deadline fails it.
     deadline_shedding: bool = True
+    # Failover that keeps the stream: a request whose worker dies after streaming output is
+    # resumed on a survivor (prompt + the tokens streamed so far) at most this many times;
+    # 0 = the client gets a retryable WorkerFailedError instead.
+    max_stream_resumptions: int = 1
 
     def validate(self) -> None:
         _one_of("router.policy", self.policy, ("prefix_aware", "least_loaded", "round_robin"))
@@ -212,6 +216,7 @@ class RouterConfig:
         _check(0 <= self.retry_lane_fraction <= 1, "router.retry_lane_fraction must be in [0, 1]")
         _check(self.stats_refresh_s > 0, "router.stats_refresh_s must be > 0")
         _check(self.max_queue_wait_s > 0, "router.max_queue_wait_s must be > 0")
+        _check(self.max_stream_resumptions >= 0, "router.max_stream_resumptions must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,15 @@ Request ids: the client's id (or a generated one) is scoped by tenant on the wor
 Cancel is broadcast to every worker, because the stream may live on another router
 replica; each worker answers whether it knew the id.
 
-A worker that dies mid-stream (RayActorError) is marked failed in the pool at once and the
-stream ends with WorkerFailedError (UNAVAILABLE: the client retries, and the retry is
-routed elsewhere). When it dies before the request's first delta, nothing was streamed, so
-the router re-routes once by itself.
+A worker that dies mid-stream (RayActorError) is marked failed in the pool at once. When it
+dies before the request's first delta, nothing was streamed, so the router re-routes once by
+itself. When output had already reached the client, the router resumes the stream on a
+survivor (router.max_stream_resumptions times at most): the request goes out again with the
+tokens and the number of text characters streamed so far (GenerateRequest.resume_*), the
+survivor recomputes or finds in its caches (pool, host tier) the prompt + those tokens and
+streams only what follows, so the client sees one stream, with no token missing or twice
+(greedy: the same text as without the failure). When it cannot (resumption off or spent,
+n > 1, no survivor), the stream ends with WorkerFailedError (UNAVAILABLE: the client retries).
 """
 
 from __future__ import annotations
@@ -255,7 +260,8 @@ class RouterCore:
         if self.config.router.policy != "prefix_aware" or info is None:
             return []
         extra_keys = await self._block_extra_keys(request.cache_salt)
-        return hash_full_blocks(request.prompt_token_ids, info.block_size, extra_keys)
+        # A resumed request's KV covers its streamed tokens too (GenerateRequest.resume_token_ids).
+        return hash_full_blocks(request.prompt_token_ids + request.resume_token_ids, info.block_size, extra_keys)
 
     def _prompt_token_ids(self, inbound: InboundRequest) -> tuple[int, ...]:
         given = [x is not None for x in (inbound.prompt, inbound.messages, inbound.prompt_token_ids)]
@@ -366,26 +372,45 @@ class RequestStream:
         core = self._core
         core.in_flight += 1
         streamed_tokens = 0
+        streamed_ids: list[int] = []  # n = 1: the output so far, what a resumption starts from
+        streamed_chars = 0
+        reroutes_left, resumptions_left = 1, core.config.router.max_stream_resumptions
         final: RequestDelta | None = None
         try:
-            for attempt in (1, 2):
+            while True:
                 try:
                     async for delta in self._worker_deltas():
                         streamed_tokens += len(delta.token_ids)
+                        streamed_ids.extend(delta.token_ids)
+                        streamed_chars += len(delta.text)
                         if delta.finished:
                             final = delta
                         yield dataclasses.replace(delta, request_id=self.request_id)
                     return
                 except (WorkerFailedError, OverloadedError) as exc:
-                    if streamed_tokens or attempt == 2 or not core.pool.routable_ids():
-                        raise
-                    # Nothing reached the client: re-route once rather than fail it. A worker
-                    # whose own admission refused (its budget filled before the router's view
-                    # caught up) spills the request to another worker with room.
-                    logger.warning("worker %s %s before request %s produced output; re-routing", self.worker_id,
-                                   "refused" if isinstance(exc, OverloadedError) else "failed", self.request_id)
-                    if isinstance(exc, OverloadedError):
-                        core.metrics.observe_spill("worker_refused")
+                    if streamed_tokens:
+                        resumable = (isinstance(exc, WorkerFailedError) and resumptions_left > 0
+                                     and self._request.sampling.n == 1 and bool(core.pool.routable_ids())
+                                     and len(streamed_ids) < self._request.sampling.max_tokens)
+                        core.metrics.observe_stream_resumption(resumable)
+                        if not resumable:
+                            raise
+                        resumptions_left -= 1
+                        logger.warning("worker %s failed after %d tokens of request %s; resuming elsewhere",
+                                       self.worker_id, len(streamed_ids), self.request_id)
+                        self._request = dataclasses.replace(self._request, resume_token_ids=tuple(streamed_ids),
+                                                            resume_text_chars=streamed_chars)
+                    else:
+                        if reroutes_left == 0 or not core.pool.routable_ids():
+                            raise
+                        reroutes_left -= 1
+                        # Nothing reached the client: re-route once rather than fail it. A worker
+                        # whose own admission refused (its budget filled before the router's view
+                        # caught up) spills the request to another worker with room.
+                        logger.warning("worker %s %s before request %s produced output; re-routing", self.worker_id,
+                                       "refused" if isinstance(exc, OverloadedError) else "failed", self.request_id)
+                        if isinstance(exc, OverloadedError):
+                            core.metrics.observe_spill("worker_refused")
                     self._ticket.release()
                     self.decision, self._ticket = await core._admit(self._request, frozenset({self.worker_id}))
         finally:

@@ -103,9 +103,10 @@ class Engine:
         if prompt_ids is None:
             prompt_ids = self.validate(request)
         n = request.sampling.n
+        resumed = self._check_resume(request)
         group = f"{request.request_id}#{next(self._ids)}" if n > 1 else None
         members = [Request(request_id=f"{request.request_id}" if n == 1 else f"{group}/{i}",
-                           prompt_token_ids=prompt_ids, sampling=request.sampling,
+                           prompt_token_ids=prompt_ids, sampling=request.sampling, output_token_ids=resumed,
                            arrival_time=self.scheduler.clock(), priority=request.priority,
                            priority_class=request.priority_class,
                            tenant_id=request.tenant_id,
@@ -123,7 +124,22 @@ class Engine:
         for member in members:
             self._live[member.request_id] = member
             self.outputs.add(member, request.request_id, now)
+            if resumed:
+                self.outputs.resume(member, request.resume_text_chars)
         self._children[request.request_id] = [m.request_id for m in members]
+
+    def _check_resume(self, request: GenerateRequest) -> list[int]:
+        """The output a failed-over request already streamed (GenerateRequest.resume_token_ids)."""
+        ids = list(request.resume_token_ids)
+        if not ids:
+            return []
+        if request.sampling.n != 1:
+            raise InvalidRequestError("only a single-sample request (n = 1) can be resumed")
+        if len(ids) >= request.sampling.max_tokens:
+            raise InvalidRequestError(f"{len(ids)} tokens to resume from leave nothing of max_tokens")
+        if any(not isinstance(t, int) or t < 0 or t >= self._vocab_size for t in ids) or request.resume_text_chars < 0:
+            raise InvalidRequestError("resume_token_ids / resume_text_chars out of range")
+        return ids
 
     def abort(self, request_id: str) -> list[RequestDelta]:
         """Cancel a request (all its samples); unknown ids are a no-op. Returns final deltas."""
