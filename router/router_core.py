@@ -42,6 +42,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from kvmesh.core import telemetry
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.router import request_rules, tracing
@@ -400,6 +401,10 @@ class RequestStream:
                                        self.worker_id, len(streamed_ids), self.request_id)
                         self._request = dataclasses.replace(self._request, resume_token_ids=tuple(streamed_ids),
                                                             resume_text_chars=streamed_chars)
+                        if self._spans:
+                            self._spans[0].add_event(telemetry.EVENT_STREAM_RESUMED, {
+                                telemetry.ATTR_RESUMED_FROM_WORKER: self.worker_id,
+                                telemetry.ATTR_RESUMED_TOKENS: len(streamed_ids)})
                     else:
                         if reroutes_left == 0 or not core.pool.routable_ids():
                             raise

@@ -138,3 +138,27 @@ def test_tier_size_comes_from_the_config(tiny_model_dir):
     assert _engine(tiny_model_dir, num_blocks=12).scheduler.kv.host_tier is None, "off by default"
     with pytest.raises(ConfigError):
         KvmeshConfig.from_dict({"cache": {"host_tier_gib": -1}}).validate()
+
+
+def test_tier_figures_reach_the_workers_metrics(tiny_model_dir):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvmesh.core.kv_tier_metrics import KVTierCollector
+
+    engine = _engine(tiny_model_dir, num_blocks=12, host_tier_num_blocks=64)
+    _cycle_families(engine)
+    registry = CollectorRegistry()
+    registry.register(KVTierCollector("worker-7", engine.kv_tier_figures))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(generate_latest(registry).decode())
+               for s in family.samples}
+    figures = engine.kv_tier_figures()
+    assert figures.hit_tokens > 0 and figures.bytes_loaded > 0
+    assert samples[("kvmesh_kv_tier_hit_tokens_total", (("worker", "worker-7"),))] == figures.hit_tokens
+    assert samples[("kvmesh_kv_tier_bytes_total", (("direction", "load"), ("worker", "worker-7")))] == \
+        figures.bytes_loaded
+    assert samples[("kvmesh_kv_tier_blocks", (("state", "total"), ("worker", "worker-7")))] == 64
+    empty = CollectorRegistry()
+    empty.register(KVTierCollector("w", _engine(tiny_model_dir, num_blocks=12).kv_tier_figures))
+    assert b"kv_tier" not in generate_latest(empty), "no tier, no tier samples"

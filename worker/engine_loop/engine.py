@@ -24,6 +24,7 @@ import logging
 import time
 
 from kvmesh.core.config import KvmeshConfig
+from kvmesh.core.kv_tier_metrics import KVTierFigures
 from kvmesh.kv.hashing import block_extra_keys
 from kvmesh.core.seams import (FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats,
                                check_fits_context)
@@ -243,6 +244,15 @@ class Engine:
 
     def stats(self) -> WorkerStats:
         return worker_stats(self.scheduler, self.worker_id)
+
+    def kv_tier_figures(self) -> KVTierFigures | None:
+        tier, store = self.scheduler.kv.host_tier, self.parts.host_tier_store
+        if tier is None or store is None:
+            return None
+        s = tier.stats()
+        return KVTierFigures(s.num_slots_total, s.num_slots_used, s.num_hit_tokens, store.num_bytes_stored,
+                             store.num_bytes_loaded, store.store_time_s + store.load_time_s,
+                             s.num_checksum_failures)
 
     def prefix_events(self, since_seq: int) -> PrefixEventBatch:
         return self.scheduler.kv.events_since(since_seq)

@@ -50,6 +50,7 @@ from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.resources import resolve_worker_num_cpus
 from kvmesh.core import errors
 from kvmesh.core import telemetry
+from kvmesh.core.kv_tier_metrics import KVTierCollector
 from kvmesh.core.seams import (ErrorReport, FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta,
                                RequestTimings, WorkerStats)
 
@@ -109,6 +110,7 @@ class WorkerActor:
             worker_id, telemetry.ModelInfo.of_engine(engine, self._config), device=engine.parts.device,
             tensor_bytes=plan.weight_bytes + plan.kv_cache_bytes + swap_bytes, kv_pool_bytes=plan.kv_cache_bytes)
         self._step_log = telemetry.RequestStepLog()
+        self._metrics.register(KVTierCollector(worker_id, engine.kv_tier_figures))
         engine.phase_clock.observers += [self._metrics.observe_step_report, self._step_log.observe_step_report]
         logger.info("worker %s up (incarnation %s, model %s)", worker_id, self._info.incarnation,
                     self._info.model_name)
