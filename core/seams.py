@@ -214,6 +214,10 @@ class GenerateRequest:
     # the text after the first `resume_text_chars` characters, the tokens after these.
     resume_token_ids: tuple[int, ...] = ()
     resume_text_chars: int = 0
+    # Transfer hint (router/router_core.py): the Ray actor name of a worker holding more of
+    # this prompt's prefix than the chosen one. The chosen worker may pull those blocks into
+    # its host tier first, when its cost model says that beats recomputing them.
+    kv_source: str | None = None
 
 
 class FinishReason(str, enum.Enum):

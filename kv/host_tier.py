@@ -28,6 +28,7 @@ miss (recomputed), never wrong KV.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmesh.kv.hashing import BlockHash
@@ -68,6 +69,8 @@ class HostTier:
         self.num_evictions = 0
         self.num_checksum_failures = 0
         self.num_store_skips = 0
+        # Called with the hash of an entry evicted or rejected (the worker may no longer hold it).
+        self.on_drop: Callable[[BlockHash], None] | None = None
 
     # ---- stores ----------------------------------------------------------------------------
 
@@ -103,6 +106,8 @@ class HostTier:
             if entry.slot not in self._held:
                 self._drop(entry)
                 self.num_evictions += 1
+                if self.on_drop is not None:
+                    self.on_drop(block_hash)
                 return self._free.popleft()
         return None
 
@@ -125,6 +130,8 @@ class HostTier:
         if entry is not None and entry.key == key:
             self._drop(entry)
             self.num_checksum_failures += 1
+            if self.on_drop is not None:
+                self.on_drop(key.block_hash)
 
     def hold(self, slot: int) -> None:
         """Protect `slot` from eviction until `release_holds` (its load is in flight)."""

@@ -34,7 +34,7 @@ from kvmesh.kv.block_pool import BlockPool
 from kvmesh.kv.host_tier import HostTier, TierStats
 from kvmesh.kv.prefix_cache import CachedBlockKey, PrefixCache, PrefixEventLog
 from kvmesh.kv.swap_space import SwapSpace
-from kvmesh.core.seams import PrefixEventBatch
+from kvmesh.core.seams import PrefixEventBatch, PrefixEventKind
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,7 @@ class KVCacheManager:
         if num_host_tier_blocks > 0 and self.prefix_cache is not None:
             self.host_tier = HostTier(num_host_tier_blocks, block_size)
             self.pool.on_evict = self._store_in_tier
+            self.host_tier.on_drop = self._tier_dropped
         # Set by the engine, which owns the bytes: does a host slot still hold content with
         # this checksum? None = trusted (bookkeeping-only tests).
         self.verify_tier_slot: Callable[[int, int], bool] | None = None
@@ -211,10 +212,19 @@ class KVCacheManager:
                 return PrefixMatch(match.block_ids, kept * self.block_size, match.tier_slots[:i])
         return match
 
-    def _store_in_tier(self, block_id: int, key: CachedBlockKey) -> None:
+    # The router's view (prefix events) covers the pool and the tier: a block evicted from the
+    # pool into the tier is still this worker's (no EVICTED), one leaving the tier is gone
+    # unless the pool holds it again.
+
+    def _store_in_tier(self, block_id: int, key: CachedBlockKey) -> bool:
         slot = self.host_tier.store(key)
         if slot is not None:
             self._tier_stores.append((block_id, slot, key.block_hash))
+        return self.host_tier.holds_hash(key.block_hash)
+
+    def _tier_dropped(self, block_hash: bytes) -> None:
+        if self.prefix_cache.holder(block_hash) is None:
+            self.events.record(PrefixEventKind.EVICTED, block_hash)
 
     def take_tier_copies(self) -> TierCopies:
         """The copies this schedule() decided (stores first, then loads), once. Only a
@@ -428,6 +438,8 @@ class KVCacheManager:
 
     def events_since(self, seq: int) -> PrefixEventBatch:
         hashes = self.prefix_cache.hashes() if self.prefix_cache is not None else ()
+        if self.host_tier is not None:
+            hashes = tuple(dict.fromkeys(hashes + self.host_tier.hashes()))
         return self.events.events_since(seq, hashes)
 
     def reset_prefix_cache(self) -> None:

@@ -191,7 +191,8 @@ class RouterCore:
         try:
             with self._tracer.start_as_current_span(tracing.SPAN_ADMISSION, context=parent) as admission_span:
                 admission_started = time.time()
-                decision, ticket = await self._admit(request, exclude=frozenset(), parent=parent)
+                decision, ticket, kv_source = await self._admit(request, exclude=frozenset(), parent=parent)
+                request = dataclasses.replace(request, kv_source=kv_source)
                 dispatched_s = time.time()
                 admission_span.set_attribute(tracing.ATTR_ADMISSION_WAIT_S, dispatched_s - admission_started)
         except BaseException:
@@ -222,8 +223,10 @@ class RouterCore:
             deadline_s=inbound.deadline_s, attempt=inbound.attempt, trace_context=dict(inbound.trace_context))
 
     async def _admit(self, request: GenerateRequest, exclude: frozenset[str],
-                     parent=None) -> tuple[RoutingDecision, AdmissionTicket]:
-        """Wait for KV budget on some worker; the routing policy picks among those with room."""
+                     parent=None) -> tuple[RoutingDecision, AdmissionTicket, str | None]:
+        """Wait for KV budget on some worker; the routing policy picks among those with room.
+        The third value is the transfer hint for the chosen worker (see _kv_source)."""
+
         hashes = await self._prefix_hashes(request)
         index = self.pool.prefix_index
         matched = index.longest_prefix(hashes)  # routing: what each worker holds or was just sent
@@ -252,7 +255,20 @@ class RouterCore:
         if hashes:  # the family's next request follows this one before the worker reports it
             token = index.add_in_flight(ticket.worker_id, hashes)
             ticket.on_release(lambda: index.end_in_flight(token))
-        return decisions[-1], ticket
+        return decisions[-1], ticket, self._kv_source(resident, ticket.worker_id, exclude)
+
+    def _kv_source(self, resident: dict[str, int], chosen: str, exclude: frozenset[str]) -> str | None:
+        """The Ray actor name of the routable worker holding the most of the prompt's prefix
+        blocks (resident, as its events reported), when that is more than the chosen worker
+        holds: the chosen one may pull them instead of recomputing (worker/runtime/prefix_pull.py)."""
+        holders = [w for w in self.pool.routable_ids() if w != chosen and w not in exclude and resident.get(w, 0)]
+        if not holders:
+            return None
+        holder = max(holders, key=lambda w: resident[w])
+        info = self.pool.info(holder)
+        if resident[holder] <= resident.get(chosen, 0) or info is None or not info.actor_name:
+            return None
+        return info.actor_name
 
     async def _prefix_hashes(self, request: GenerateRequest) -> list:
         """The prompt's full-block chain hashes as the workers compute them ([] when routing
@@ -417,7 +433,9 @@ class RequestStream:
                         if isinstance(exc, OverloadedError):
                             core.metrics.observe_spill("worker_refused")
                     self._ticket.release()
-                    self.decision, self._ticket = await core._admit(self._request, frozenset({self.worker_id}))
+                    self.decision, self._ticket, kv_source = await core._admit(self._request,
+                                                                               frozenset({self.worker_id}))
+                    self._request = dataclasses.replace(self._request, kv_source=kv_source)
         finally:
             # Everything synchronous first: a client that goes away cancels this task, and a
             # second cancel arriving during the await below must not skip the metrics or spans.

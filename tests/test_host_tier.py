@@ -162,3 +162,41 @@ def test_tier_figures_reach_the_workers_metrics(tiny_model_dir):
     empty = CollectorRegistry()
     empty.register(KVTierCollector("w", _engine(tiny_model_dir, num_blocks=12).kv_tier_figures))
     assert b"kv_tier" not in generate_latest(empty), "no tier, no tier samples"
+
+
+def test_prefix_events_cover_the_pool_and_the_tier():
+    """The router's view: a block evicted from the pool into the tier is still the worker's (no
+    EVICTED); it is EVICTED once the tier drops it too, and a reset lists tier blocks as well."""
+    from fake_paged_model import FakePagedModel, run_until_idle
+
+    from kvmesh.core.config import SchedulerConfig
+    from kvmesh.core.seams import PrefixEventKind
+    from kvmesh.kv.kv_cache_manager import KVCacheManager
+    from kvmesh.worker.engine_loop.request import Request, RequestStatus
+    from kvmesh.worker.engine_loop.scheduler import Scheduler
+
+    kv = KVCacheManager(num_blocks=4, block_size=2, num_host_tier_blocks=4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=1, max_total_kv_tokens=100), kv, clock=lambda: 0.0)
+    model = FakePagedModel(4, 2, num_tier_blocks=4).attach(scheduler)
+    families = [[10 * f + i for i in range(5)] for f in range(8)]  # 2 full blocks each (+1 token)
+
+    def run(family: int, rid: str) -> Request:
+        request = Request(rid, families[family], SamplingParams(max_tokens=1), arrival_time=0.0)
+        scheduler.add_request(request)
+        run_until_idle(scheduler, model)
+        assert request.status is RequestStatus.FINISHED
+        return request
+
+    first = run(0, "a")
+    hashes = set(first.block_hashes[:2])
+    run(1, "b")  # pool (4 blocks) evicts family 0 into the tier
+    events = kv.events_since(0).events
+    evicted = {h for e in events if e.kind is PrefixEventKind.EVICTED for h in e.block_hashes}
+    assert kv.pool.num_evictions > 0 and not (hashes & evicted), "in the tier: still this worker's"
+    in_tier = hashes & set(kv.host_tier.hashes())
+    assert in_tier and hashes <= in_tier | set(kv.prefix_cache.hashes())
+    assert hashes <= set(kv.events_since(10**6).all_hashes), "a reset lists tier blocks too"
+    for family in range(2, 8):  # pool and tier (4 + 4 blocks) drop family 0 at last
+        run(family, f"f{family}")
+    evicted = {h for e in kv.events_since(0).events if e.kind is PrefixEventKind.EVICTED for h in e.block_hashes}
+    assert hashes <= evicted and not (hashes & (set(kv.host_tier.hashes()) | set(kv.prefix_cache.hashes())))

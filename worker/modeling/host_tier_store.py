@@ -21,16 +21,28 @@ from kvmesh.worker.modeling.attention import LayerKVCache
 from kvmesh.worker.modeling.model_runner import _copy_blocks, allocate_kv_caches
 
 
-def block_checksum(caches: list[LayerKVCache], block: int) -> int:
-    """CRC-32 of one block's bytes across layers (K, V, then scales when quantized)."""
-    crc = 0
+def cache_tensors(caches: list[LayerKVCache]) -> list[torch.Tensor]:
+    """Every tensor of a cache, in one fixed order: per layer K, V, then the scales when quantized.
+    Each is [num_blocks, ...]: row i of all of them is block i's KV."""
+    tensors = []
     for layer in caches:
-        tensors = [layer.key_cache, layer.value_cache]
+        tensors += [layer.key_cache, layer.value_cache]
         if layer.quantized:
             tensors += [layer.key_scale, layer.value_scale]
-        for tensor in tensors:
-            crc = zlib.crc32(tensor[block].contiguous().view(torch.uint8).numpy(), crc)
+    return tensors
+
+
+def rows_checksum(tensors: list[torch.Tensor], row: int) -> int:
+    """CRC-32 of row `row` of every tensor, in order (one block's bytes)."""
+    crc = 0
+    for tensor in tensors:
+        crc = zlib.crc32(tensor[row].contiguous().view(torch.uint8).numpy(), crc)
     return crc
+
+
+def block_checksum(caches: list[LayerKVCache], block: int) -> int:
+    """CRC-32 of one block's bytes across layers (K, V, then scales when quantized)."""
+    return rows_checksum(cache_tensors(caches), block)
 
 
 class HostTierStore:
