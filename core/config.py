@@ -73,6 +73,10 @@ class CacheConfig:
     # host_tier_num_blocks overrides the size in blocks (tests use small tiers).
     host_tier_gib: float = 0.0
     host_tier_num_blocks: int | None = None
+    # Pulling prefix KV from the worker the router names (needs the host tier): auto = when
+    # the cost model says it beats recomputing (kv/transfer_cost.py), always, or never.
+    kv_transfer: str = "auto"
+    kv_transfer_timeout_s: float = 5.0
 
     def validate(self) -> None:
         _check(self.block_size >= 1 and (self.block_size & (self.block_size - 1)) == 0,
@@ -85,6 +89,8 @@ class CacheConfig:
         _check(self.host_tier_gib >= 0, "cache.host_tier_gib must be >= 0")
         _check(self.host_tier_num_blocks is None or self.host_tier_num_blocks >= 0,
                "cache.host_tier_num_blocks must be >= 0")
+        _one_of("cache.kv_transfer", self.kv_transfer, ("auto", "always", "never"))
+        _check(self.kv_transfer_timeout_s > 0, "cache.kv_transfer_timeout_s must be > 0")
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,9 @@ class WorkerActor:
             worker_id, telemetry.ModelInfo.of_engine(engine, self._config), device=engine.parts.device,
             tensor_bytes=plan.weight_bytes + plan.kv_cache_bytes + swap_bytes, kv_pool_bytes=plan.kv_cache_bytes)
         self._step_log = telemetry.RequestStepLog()
-        self._puller = PrefixPuller(self._engine, WORKER_NAMESPACE, tracer=self._tracer)
+        cache = self._config.cache
+        self._puller = PrefixPuller(self._engine, WORKER_NAMESPACE, cache.kv_transfer_timeout_s, cache.kv_transfer,
+                                    tracer=self._tracer)
         engine.phase_clock.observers.append(self._puller.observe_step_report)
         self._metrics.register(KVTierCollector(worker_id, self._kv_tier_figures))
         engine.phase_clock.observers += [self._metrics.observe_step_report, self._step_log.observe_step_report]

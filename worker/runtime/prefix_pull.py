@@ -31,11 +31,12 @@ SPAN_KV_PULL = "kvmesh.worker.kv_pull"
 
 
 class PrefixPuller:
-    def __init__(self, engine, namespace: str, timeout_s: float = 5.0, cost: TransferCostModel | None = None,
-                 tracer=None):
+    def __init__(self, engine, namespace: str, timeout_s: float = 5.0, mode: str = "auto",
+                 cost: TransferCostModel | None = None, tracer=None):
         self._engine = engine  # AsyncEngine
         self._namespace = namespace
         self.timeout_s = timeout_s
+        self.mode = mode  # cache.kv_transfer: auto | always | never
         self.cost = cost or TransferCostModel()
         self._tracer = tracer
         self._peers: dict[str, object] = {}
@@ -54,14 +55,15 @@ class PrefixPuller:
         """Blocks stored in this worker's tier for the request (0: nothing pulled). Never raises."""
         engine = self._engine.engine
         store = engine.parts.host_tier_store
-        if not request.kv_source or store is None:
+        if not request.kv_source or store is None or self.mode == "never":
             return 0
         tokens = list(prompt_ids) + list(request.resume_token_ids)
         extra_keys = self._engine.block_extra_keys(request.cache_salt)
         have = await self._engine.locked_async(local_prefix_blocks, tokens, extra_keys)
         wanted = shareable_blocks(len(tokens), engine.block_size) - have
         num_bytes = wanted * store.bytes_per_block
-        if wanted <= 0 or not self.cost.pull_is_cheaper(wanted * engine.block_size, num_bytes):
+        if wanted <= 0 or (self.mode == "auto" and not self.cost.pull_is_cheaper(wanted * engine.block_size,
+                                                                                   num_bytes)):
             self.num_skipped_by_cost += wanted > 0
             return 0
         span = (telemetry.start_worker_span(self._tracer, request, SPAN_KV_PULL) if self._tracer is not None
