@@ -133,13 +133,17 @@ def main(argv: list[str] | None = None) -> int:
     spec = TierBenchSpec(families=4, pool_families=1, prefix_tokens=64, rounds=1) if args.quick else TierBenchSpec()
     if args.rounds is not None:
         spec = TierBenchSpec(**{**asdict(spec), "rounds": args.rounds})
-    report = run(args.model, spec)
+    print_report(run(args.model, spec), args.out)
+    return 0
+
+
+def print_report(report, out: str | None) -> None:
+    """A benchmark's report dataclass as JSON on stdout, and in `out` when given."""
     text = json.dumps(asdict(report), indent=2)
     print(text)
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write(text + "\n")
-    return 0
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
@@ -28,6 +27,7 @@ from dataclasses import asdict, dataclass
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.load_tests.bench_engine import cpu_flags, percentile
+from kvmesh.load_tests.bench_kv_tier import print_report
 
 APP_NAME = "kvmesh-bench-transfer"
 
@@ -168,12 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     spec = (TransferBenchSpec(families=4, prefix_tokens=64, saturating_requests=2, saturating_tokens=200,
                               host_tier_gib=0.01) if args.quick else TransferBenchSpec())
-    report = run(args.model, spec)
-    text = json.dumps(asdict(report), indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print_report(run(args.model, spec), args.out)
     return 0
 
 

@@ -2,13 +2,13 @@
 (tiny random Llama), exact greedy output on tier hits, the content check, tenant isolation."""
 
 import pytest
+from engine_runs import generate_greedy, tiny_engine
 
 from kvmesh.core.config import ConfigError, KvmeshConfig
-from kvmesh.core.seams import GenerateRequest, SamplingParams
+from kvmesh.core.seams import SamplingParams
 from kvmesh.kv.hashing import hash_block
 from kvmesh.kv.host_tier import HostTier
 from kvmesh.kv.prefix_cache import CachedBlockKey
-from kvmesh.worker.engine_loop.engine import Engine
 
 
 def _key(tokens, parent=None, extra=("salt=a",)):
@@ -66,22 +66,11 @@ FAMILIES = [f"Family {name} handbook: the {name} team ships on Tuesdays, reviews
             ("amber", "birch", "cobalt", "dune")]
 
 
-def _engine(model_dir, **cache):
-    return Engine.from_config(KvmeshConfig.from_dict({
-        "model": {"path": model_dir, "dtype": "fp32", "max_model_len": 512},
-        "cache": {"block_size": 8, **cache}}))
+_engine = tiny_engine
 
 
 def _generate(engine, rid, prompt, salt=None):
-    engine.add_request(GenerateRequest(rid, prompt=prompt, cache_salt=salt,
-                                       sampling=SamplingParams(max_tokens=8, temperature=0)))
-    out, final = [], None
-    while engine.has_unfinished():
-        for d in engine.step():
-            out.extend(d.token_ids)
-            final = d if d.finished else final
-        engine.check_integrity()
-    return out, final.usage
+    return generate_greedy(engine, rid, prompt, salt)[:2]
 
 
 def _cycle_families(engine, salt=None):

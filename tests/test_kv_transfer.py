@@ -3,32 +3,20 @@ tests/test_kv_transfer_e2e.py): export from the holder's pool or tier, import in
 tier after the hash / token / checksum checks, then an exact tier hit; the cost model."""
 
 import pytest
+from engine_runs import generate_greedy, tiny_engine
 
-from kvmesh.core.config import KvmeshConfig
-from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.kv.transfer_cost import TransferCostModel, TransferPriors
-from kvmesh.worker.engine_loop.engine import Engine
 from kvmesh.worker.engine_loop.kv_transfer import export_prefix, import_prefix, local_prefix_blocks
 
 PREFIX = "Shared onboarding guide: badges at the desk, laptops from IT, lunch at noon, and " * 2
 
 
-def _engine(model_dir, **cache):
-    return Engine.from_config(KvmeshConfig.from_dict({
-        "model": {"path": model_dir, "dtype": "fp32", "max_model_len": 512},
-        "cache": {"block_size": 8, "num_blocks": 48, "host_tier_num_blocks": 32, **cache}}))
+def _engine(model_dir):
+    return tiny_engine(model_dir, num_blocks=48, host_tier_num_blocks=32)
 
 
 def _generate(engine, rid, prompt, salt=None):
-    engine.add_request(GenerateRequest(rid, prompt=prompt, cache_salt=salt,
-                                       sampling=SamplingParams(max_tokens=8, temperature=0)))
-    out, final = [], None
-    while engine.has_unfinished():
-        for d in engine.step():
-            out.extend(d.token_ids)
-            final = d if d.finished else final
-        engine.check_integrity()
-    return out, final.usage
+    return generate_greedy(engine, rid, prompt, salt)[:2]
 
 
 @pytest.fixture(scope="module")
