@@ -40,7 +40,9 @@ class TransferBenchSpec:
     saturating_requests: int = 4  # long decodes kept on the holder
     saturating_tokens: int = 4000
     block_size: int = 16
-    host_tier_gib: float = 1.0
+    # Sized for a shared 24 GiB machine (SmolLM2 fp32: 45 KiB of KV per token, 44 MiB a family).
+    kv_cache_gib: float = 0.5
+    host_tier_gib: float = 0.3
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,8 @@ class TransferBenchReport:
 def _config(model: str | None, spec: TransferBenchSpec) -> KvmeshConfig:
     return KvmeshConfig.from_dict({
         "model": {"dtype": "fp32", **({"path": model} if model else {})},
-        "cache": {"block_size": spec.block_size, "host_tier_gib": spec.host_tier_gib, "kv_transfer": "auto",
+        "cache": {"block_size": spec.block_size, "cpu_kv_cache_gib": spec.kv_cache_gib,
+                  "host_tier_gib": spec.host_tier_gib, "kv_transfer": "auto",
                   "swap_space_gib": 0.0},
         "scheduler": {"max_num_seqs": 16, "max_new_tokens": spec.saturating_tokens,
                       "max_num_batched_tokens": 2048, "max_prefill_tokens_per_step": 2048,
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="also write the JSON report here")
     args = parser.parse_args(argv)
     spec = (TransferBenchSpec(families=4, prefix_tokens=64, saturating_requests=2, saturating_tokens=200,
-                              host_tier_gib=0.01) if args.quick else TransferBenchSpec())
+                              kv_cache_gib=0.01, host_tier_gib=0.01) if args.quick else TransferBenchSpec())
     print_report(run(args.model, spec), args.out)
     return 0
 

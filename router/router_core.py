@@ -255,20 +255,9 @@ class RouterCore:
         if hashes:  # the family's next request follows this one before the worker reports it
             token = index.add_in_flight(ticket.worker_id, hashes)
             ticket.on_release(lambda: index.end_in_flight(token))
-        return decisions[-1], ticket, self._kv_source(resident, ticket.worker_id, exclude)
-
-    def _kv_source(self, resident: dict[str, int], chosen: str, exclude: frozenset[str]) -> str | None:
-        """The Ray actor name of the routable worker holding the most of the prompt's prefix
-        blocks (resident, as its events reported), when that is more than the chosen worker
-        holds: the chosen one may pull them instead of recomputing (worker/runtime/prefix_pull.py)."""
-        holders = [w for w in self.pool.routable_ids() if w != chosen and w not in exclude and resident.get(w, 0)]
-        if not holders:
-            return None
-        holder = max(holders, key=lambda w: resident[w])
-        info = self.pool.info(holder)
-        if resident[holder] <= resident.get(chosen, 0) or info is None or not info.actor_name:
-            return None
-        return info.actor_name
+        holder = transfer_source(resident, ticket.worker_id, set(self.pool.routable_ids()) - exclude)
+        info = self.pool.info(holder) if holder is not None else None
+        return decisions[-1], ticket, (info.actor_name or None) if info is not None else None
 
     async def _prefix_hashes(self, request: GenerateRequest) -> list:
         """The prompt's full-block chain hashes as the workers compute them ([] when routing
@@ -358,6 +347,22 @@ class RouterCore:
 
 _REJECTION_REASON = {UnauthenticatedError: "unauthenticated", InvalidRequestError: "invalid",
                      QuotaExceededError: "quota"}
+
+
+def transfer_source(resident_blocks: dict[str, int], chosen: str, candidates: set[str]) -> str | None:
+    """The transfer hint for a request routed to `chosen`: the candidate worker holding the
+    most of its prompt's prefix blocks (as the workers' events reported: pool or host tier),
+    when that is more than `chosen` holds. The chosen worker may then pull those blocks
+    instead of recomputing them (worker/runtime/prefix_pull.py). Ties go to the lower id.
+
+        resident {w0: 62, w1: 0}, chosen w1  -> w0      (w0 was too loaded to take it)
+        resident {w0: 62, w1: 62}, chosen w1 -> None    (w1 has it all)
+    """
+    holders = sorted(w for w in candidates if w != chosen and resident_blocks.get(w, 0))
+    if not holders:
+        return None
+    holder = max(holders, key=lambda w: resident_blocks[w])
+    return holder if resident_blocks[holder] > resident_blocks.get(chosen, 0) else None
 
 
 def scoped_request_id(tenant_id: str, request_id: str) -> str:
