@@ -38,11 +38,13 @@ class TransferBenchSpec:
     prefix_tokens: int = 1000
     question_tokens: int = 8
     saturating_requests: int = 4  # long decodes kept on the holder
-    saturating_tokens: int = 4000
+    saturating_tokens: int = 2000  # 4 x 2,000 fit the holder's KV budget with room to spare
     block_size: int = 16
-    # Sized for a shared 24 GiB machine (SmolLM2 fp32: 45 KiB of KV per token, 44 MiB a family).
-    kv_cache_gib: float = 0.5
-    host_tier_gib: float = 0.3
+    # Sized for a shared 24 GiB machine where Ray's memory monitor kills workers at 95% use
+    # (SmolLM2 bf16: 22.5 KiB of KV per token, 22 MiB a family).
+    dtype: str = "bf16"
+    kv_cache_gib: float = 0.25
+    host_tier_gib: float = 0.15
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class TransferBenchReport:
 
 def _config(model: str | None, spec: TransferBenchSpec) -> KvmeshConfig:
     return KvmeshConfig.from_dict({
-        "model": {"dtype": "fp32", **({"path": model} if model else {})},
+        "model": {"dtype": spec.dtype, **({"path": model} if model else {})},
         "cache": {"block_size": spec.block_size, "cpu_kv_cache_gib": spec.kv_cache_gib,
                   "host_tier_gib": spec.host_tier_gib, "kv_transfer": "auto",
                   "swap_space_gib": 0.0},

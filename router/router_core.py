@@ -225,8 +225,7 @@ class RouterCore:
     async def _admit(self, request: GenerateRequest, exclude: frozenset[str],
                      parent=None) -> tuple[RoutingDecision, AdmissionTicket, str | None]:
         """Wait for KV budget on some worker; the routing policy picks among those with room.
-        The third value is the transfer hint for the chosen worker (see _kv_source)."""
-
+        The third value is the transfer hint for the chosen worker (see transfer_source)."""
         hashes = await self._prefix_hashes(request)
         index = self.pool.prefix_index
         matched = index.longest_prefix(hashes)  # routing: what each worker holds or was just sent

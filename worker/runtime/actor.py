@@ -35,6 +35,9 @@ Why these choices:
   span per prefill chunk from the engine's step reports (a StepPhaseClock observer, no
   wrapping of engine methods); the same reports feed an EngineMetrics (step phases, batch
   mix, per-tenant compute, memory probes) whose snapshot rides along in each WorkerPoll.
+* Prefix KV moves between workers by actor call (`export_prefix`, pulled by the worker the
+  router sends a request to with `kv_source`: worker/runtime/prefix_pull.py), never through
+  the router: the router only names the holder (docs/kv-tiers.md).
 """
 
 from __future__ import annotations
