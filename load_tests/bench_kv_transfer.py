@@ -44,7 +44,7 @@ class TransferBenchSpec:
     # (SmolLM2 bf16: 22.5 KiB of KV per token, 22 MiB a family).
     dtype: str = "bf16"
     kv_cache_gib: float = 0.25
-    host_tier_gib: float = 0.15
+    host_tier_gib: float = 0.3  # the holder keeps in pool + tier every family (up to ~16)
 
 
 @dataclass(frozen=True)
@@ -169,10 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
     parser.add_argument("--quick", action="store_true", help="4 families of 64 tokens (smoke run)")
+    parser.add_argument("--families", type=int, default=None, help="measured requests (half of them pulled)")
     parser.add_argument("--out", default=None, help="also write the JSON report here")
     args = parser.parse_args(argv)
     spec = (TransferBenchSpec(families=4, prefix_tokens=64, saturating_requests=2, saturating_tokens=200,
                               kv_cache_gib=0.01, host_tier_gib=0.01) if args.quick else TransferBenchSpec())
+    if args.families is not None:
+        spec = TransferBenchSpec(**{**asdict(spec), "families": args.families})
     print_report(run(args.model, spec), args.out)
     return 0
 
