@@ -5,13 +5,13 @@ verified like the prefix cache (kv/prefix_cache.py). The engine owns the bytes a
 copies the tier asks for. The lifecycle of one entry follows vLLM's offloading manager
 (prepare_store / complete_store / prepare_load / complete_load):
 
-    pool evicts block 12 (key k)  ->  store(k) -> slot 3, PENDING   (copy device 12 -> host 3
-                                                                     runs before the step's forward)
+    pool evicts block 12 (key k)  ->  store_evicted(12, k): slot 3, PENDING   (copy device 12 ->
+                                      host 3 runs before the step's forward)
     copy done, checksum c         ->  confirm(3, k.block_hash, c)    READY
-    a prefix lookup misses the    ->  lookup(k) -> slot 3 (READY and the key equal, bytes
-    pool, hits the tier                checked against c by the caller), hold(3) for the
-                                       step: copy host 3 -> a fresh device block
-    step done                     ->  release_holds()
+    a prefix lookup misses the    ->  lookup_run([k, ..]) -> slot 3 (READY, the key equal);
+    pool, hits the tier               num_verified: the bytes still give c (`verify`, the
+                                      engine's); hold(3), load(3, fresh device block)
+    schedule() returns            ->  take_copies(): the copies to run; holds end
 
     slots:  [ 0 ][ 1 ][ 2 ][ 3 ][ 4 ]     free: 0 1        LRU (oldest first): 4 2 3
              free free  k2   k   k4       held this step: 3 (never evicted while held)
@@ -28,8 +28,9 @@ miss (recomputed), never wrong KV.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvmesh.kv.hashing import BlockHash
 from kvmesh.kv.prefix_cache import CachedBlockKey
@@ -40,6 +41,13 @@ class _TierEntry:
     key: CachedBlockKey
     slot: int
     checksum: int | None = None  # None while the store copy is pending
+
+
+class TierCopies(NamedTuple):
+    """One schedule()'s tier copies, for the engine to run around the forward."""
+
+    stores: tuple[tuple[int, int, BlockHash], ...]  # (device block, slot, hash): before anything else
+    loads: tuple[tuple[int, int], ...]  # (slot, device block): after the step's other block copies
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,11 @@ class HostTier:
         self.num_store_skips = 0
         # Called with the hash of an entry evicted or rejected (the worker may no longer hold it).
         self.on_drop: Callable[[BlockHash], None] | None = None
+        # Set by the engine, which owns the bytes: does `slot` still hold content with this
+        # checksum? None = trusted (bookkeeping-only tests).
+        self.verify: Callable[[int, int], bool] | None = None
+        self._pending_stores: list[tuple[int, int, BlockHash]] = []
+        self._pending_loads: list[tuple[int, int]] = []
 
     # ---- stores ----------------------------------------------------------------------------
 
@@ -92,6 +105,14 @@ class HostTier:
         self._slot_hash[slot] = key.block_hash
         self.num_stores += 1
         return slot
+
+    def store_evicted(self, block_id: int, key: CachedBlockKey) -> bool:
+        """The pool evicts `block_id` (BlockPool.on_evict): keep a copy, copied this step.
+        True = the tier holds the block now (the worker still has it)."""
+        slot = self.store(key)
+        if slot is not None:
+            self._pending_stores.append((block_id, slot, key.block_hash))
+        return self.holds_hash(key.block_hash)
 
     def confirm(self, slot: int, block_hash: BlockHash, checksum: int) -> None:
         """The store copy into `slot` finished; `checksum` is its content's. Ignored when the
@@ -117,6 +138,25 @@ class HostTier:
 
     # ---- loads -----------------------------------------------------------------------------
 
+    def lookup_run(self, keys: Iterable[CachedBlockKey]) -> list[tuple[int, int]]:
+        """(slot, checksum) of the ready entries for `keys`, up to the first miss."""
+        found = []
+        for key in keys:
+            entry = self.lookup(key)
+            if entry is None:
+                break
+            found.append(entry)
+        return found
+
+    def num_verified(self, keys: Sequence[CachedBlockKey], found: Sequence[tuple[int, int]]) -> int:
+        """How many of `found` (from lookup_run over `keys`), from the first, still hold their
+        checksummed bytes; the first that does not is dropped (its block is recomputed)."""
+        for i, (slot, checksum) in enumerate(found):
+            if self.verify is not None and not self.verify(slot, checksum):
+                self.reject(keys[i])
+                return i
+        return len(found)
+
     def lookup(self, key: CachedBlockKey) -> tuple[int, int] | None:
         """(slot, checksum) of a ready entry whose key equals `key`, else None. Changes nothing."""
         entry = self._entries.get(key.block_hash)
@@ -134,14 +174,25 @@ class HostTier:
                 self.on_drop(key.block_hash)
 
     def hold(self, slot: int) -> None:
-        """Protect `slot` from eviction until `release_holds` (its load is in flight)."""
+        """Protect `slot` from eviction until `take_copies` (its load is in flight)."""
         assert slot in self._slot_hash, f"holding tier slot {slot}, which holds nothing"
         self._held[slot] = self._held.get(slot, 0) + 1
         self._entries.move_to_end(self._slot_hash[slot])
         self.num_hits += 1
 
-    def release_holds(self) -> None:
+    def load(self, slot: int, device_block: int) -> None:
+        """Copy held `slot` onto `device_block` this step."""
+        assert slot in self._held, "load from a slot not held"
+        self._pending_loads.append((slot, device_block))
+
+    def take_copies(self) -> TierCopies:
+        """The copies this schedule() decided, once. Only a schedule() evicts from the tier,
+        and the engine runs these loads before the next one, so the slots they read need no
+        protection past this point: holds end here."""
+        copies = TierCopies(tuple(self._pending_stores), tuple(self._pending_loads))
+        self._pending_stores, self._pending_loads = [], []
         self._held.clear()
+        return copies
 
     # ---- figures and invariants --------------------------------------------------------------
 

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from kvmesh.kv import hashing
 from kvmesh.kv.block_pool import BlockPool
-from kvmesh.kv.host_tier import HostTier, TierStats
+from kvmesh.kv.host_tier import HostTier, TierCopies, TierStats
 from kvmesh.kv.prefix_cache import CachedBlockKey, PrefixCache, PrefixEventLog
 from kvmesh.kv.swap_space import SwapSpace
 from kvmesh.core.seams import PrefixEventBatch, PrefixEventKind
@@ -71,13 +70,6 @@ class PrefixMatch(NamedTuple):
             return self
         return PrefixMatch(self.block_ids, self.num_tokens * len(self.block_ids)
                            // (len(self.block_ids) + len(self.tier_slots)))
-
-
-class TierCopies(NamedTuple):
-    """One step's host-tier copies, for the engine to run around the forward."""
-
-    stores: tuple[tuple[int, int, bytes], ...]  # (device block, host slot, block hash): before anything else
-    loads: tuple[tuple[int, int], ...]  # (host slot, device block): after the step's other block copies
 
 
 @dataclass(frozen=True)
@@ -122,13 +114,8 @@ class KVCacheManager:
         self.host_tier: HostTier | None = None
         if num_host_tier_blocks > 0 and self.prefix_cache is not None:
             self.host_tier = HostTier(num_host_tier_blocks, block_size)
-            self.pool.on_evict = self._store_in_tier
+            self.pool.on_evict = self.host_tier.store_evicted
             self.host_tier.on_drop = self._tier_dropped
-        # Set by the engine, which owns the bytes: does a host slot still hold content with
-        # this checksum? None = trusted (bookkeeping-only tests).
-        self.verify_tier_slot: Callable[[int, int], bool] | None = None
-        self._tier_stores: list[tuple[int, int, bytes]] = []
-        self._tier_loads: list[tuple[int, int]] = []
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -192,52 +179,30 @@ class KVCacheManager:
         if self.host_tier is None or match.tier_slots:
             return match
         max_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
-        slots: list[tuple[int, int]] = []
-        for index in range(len(match.block_ids), max_blocks):
-            found = self.host_tier.lookup(self._key(request, index))
-            if found is None:
-                break
-            slots.append(found)
-        num_blocks = len(match.block_ids) + len(slots)
-        return PrefixMatch(match.block_ids, num_blocks * self.block_size, tuple(slots))
+        first = len(match.block_ids)
+        slots = self.host_tier.lookup_run(self._key(request, i) for i in range(first, max_blocks))
+        return PrefixMatch(match.block_ids, (first + len(slots)) * self.block_size, tuple(slots))
 
     def _verified(self, request: KVRequest, match: PrefixMatch) -> PrefixMatch:
         """`match` cut at the first tier block whose bytes fail their checksum (dropped)."""
-        if not match.tier_slots or self.verify_tier_slot is None:
+        if not match.tier_slots:
             return match
-        for i, (slot, checksum) in enumerate(match.tier_slots):
-            if not self.verify_tier_slot(slot, checksum):
-                self.host_tier.reject(self._key(request, len(match.block_ids) + i))
-                kept = len(match.block_ids) + i
-                return PrefixMatch(match.block_ids, kept * self.block_size, match.tier_slots[:i])
-        return match
-
-    # The router's view (prefix events) covers the pool and the tier: a block evicted from the
-    # pool into the tier is still this worker's (no EVICTED), one leaving the tier is gone
-    # unless the pool holds it again.
-
-    def _store_in_tier(self, block_id: int, key: CachedBlockKey) -> bool:
-        slot = self.host_tier.store(key)
-        if slot is not None:
-            self._tier_stores.append((block_id, slot, key.block_hash))
-        return self.host_tier.holds_hash(key.block_hash)
+        first = len(match.block_ids)
+        keys = [self._key(request, first + i) for i in range(len(match.tier_slots))]
+        kept = self.host_tier.num_verified(keys, match.tier_slots)
+        if kept == len(match.tier_slots):
+            return match
+        return PrefixMatch(match.block_ids, (first + kept) * self.block_size, match.tier_slots[:kept])
 
     def _tier_dropped(self, block_hash: bytes) -> None:
+        """The router's view (prefix events) covers pool and tier: a block the pool evicts into
+        the tier is still this worker's (no EVICTED); one leaving the tier is gone unless the
+        pool holds it again."""
         if self.prefix_cache.holder(block_hash) is None:
             self.events.record(PrefixEventKind.EVICTED, block_hash)
 
     def take_tier_copies(self) -> TierCopies:
-        """The copies this schedule() decided (stores first, then loads), once. Only a
-        schedule() evicts from the tier, and the engine runs these loads before the next one,
-        so the slots they read need no protection past this point: holds end here."""
-        copies = TierCopies(tuple(self._tier_stores), tuple(self._tier_loads))
-        self._tier_stores, self._tier_loads = [], []
-        if self.host_tier is not None:
-            self.host_tier.release_holds()
-        return copies
-
-    def confirm_tier_store(self, slot: int, block_hash: bytes, checksum: int) -> None:
-        self.host_tier.confirm(slot, block_hash, checksum)
+        return self.host_tier.take_copies() if self.host_tier is not None else TierCopies((), ())
 
     # ---- pins: cached prefix blocks held for an admitted request --------------------------
 
@@ -310,8 +275,8 @@ class KVCacheManager:
         request.num_computed_tokens = match.num_tokens
         self._start_holding(request, granted=match.num_tokens, registered=len(match.block_ids))
         self._grow(request, match.num_tokens + num_new_tokens)
-        first = len(match.block_ids)
-        self._tier_loads.extend((slot, request.block_ids[first + i]) for i, (slot, _) in enumerate(match.tier_slots))
+        for i, (slot, _) in enumerate(match.tier_slots):
+            self.host_tier.load(slot, request.block_ids[len(match.block_ids) + i])
         return match
 
     def can_append(self, request: KVRequest, num_new_tokens: int) -> bool:

@@ -46,7 +46,8 @@ class FakePagedModel:
 
     def attach(self, scheduler: Scheduler) -> "FakePagedModel":
         """Check host-tier content on lookup as the engine does (the tier's bytes live here)."""
-        scheduler.kv.verify_tier_slot = lambda slot, checksum: self.tier_checksum(slot) == checksum
+        if scheduler.kv.host_tier is not None:
+            scheduler.kv.host_tier.verify = lambda slot, checksum: self.tier_checksum(slot) == checksum
         return self
 
     def _slot(self, block_ids: tuple[int, ...], position: int) -> tuple[list[int | None], int]:
@@ -85,7 +86,7 @@ def engine_step(scheduler: Scheduler, model: FakePagedModel) -> SchedulerOutput:
     output = scheduler.schedule()
     sampled = model.execute(output)
     for _, slot, block_hash in output.tier_stores:
-        scheduler.kv.confirm_tier_store(slot, block_hash, model.tier_checksum(slot))
+        scheduler.kv.host_tier.confirm(slot, block_hash, model.tier_checksum(slot))
     scheduler.update_from_output(output, sampled)
     done = [r.request_id for r in scheduler.running if r.num_output_tokens >= r.sampling.max_tokens]
     scheduler.finish_requests(done)

@@ -32,7 +32,7 @@ def test_tier_is_an_lru_of_confirmed_entries_that_never_evicts_a_held_slot():
     assert slot_c == slot_b and not tier.holds_hash(b.block_hash) and tier.holds_hash(a.block_hash)
     tier.hold(slot_c)
     assert tier.store(_key([7, 8])) is None and tier.num_store_skips == 1, "every slot held: nothing evicted"
-    tier.release_holds()
+    tier.take_copies()
     tier.check_integrity()
     assert tier.stats().num_evictions == 1
 

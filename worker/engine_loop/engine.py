@@ -202,7 +202,7 @@ class Engine:
         store = self.parts.host_tier_store
         if store is not None and sched_out.tier_stores:
             for slot, block_hash, checksum in store.store(self.runner.kv_caches, sched_out.tier_stores):
-                self.scheduler.kv.confirm_tier_store(slot, block_hash, checksum)
+                self.scheduler.kv.host_tier.confirm(slot, block_hash, checksum)
 
     def _fail_step(self, sched_out, exc: Exception) -> list[RequestDelta]:
         self.num_failed_steps += 1

@@ -154,7 +154,7 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
     if plan.num_host_tier_blocks:
         tier_store = HostTierStore(hf_config.num_hidden_layers, plan.num_host_tier_blocks, plan.block_size,
                                    model.num_kv_heads, model.head_dim, storage, pin=device.type == "cuda")
-        kv_manager.verify_tier_slot = tier_store.holds_checksum
+        kv_manager.host_tier.verify = tier_store.holds_checksum
     logger.info(
         "engine memory: weights %.1f MiB, KV %d bytes/token (%s), %d blocks x %d tokens = %d tokens "
         "(%.1f MiB), swap %d blocks, peak activation %.1f MiB, device %s, dtype %s, backend %s",

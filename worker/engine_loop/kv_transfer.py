@@ -122,6 +122,6 @@ def import_prefix(engine, export: PrefixExport, token_ids: list[int], extra_keys
             continue
         for h, t in zip(host, export.tensors):
             h[slot].copy_(t[j])
-        kv.confirm_tier_store(slot, block_hash, export.checksums[j])
+        kv.host_tier.confirm(slot, block_hash, export.checksums[j])
         stored += 1
     return ImportResult(stored, present, 0)
