@@ -68,6 +68,15 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # auto = model dtype
     enable_prefix_caching: bool = True
     swap_space_gib: float = 0.5  # CPU swap space for swap preemption
+    # The host tier below the pool (kv/host_tier.py): evicted prefix blocks are kept in this
+    # much host memory (GiB; 0 = off) and copied back on a hit instead of recomputed.
+    # host_tier_num_blocks overrides the size in blocks (tests use small tiers).
+    host_tier_gib: float = 0.0
+    host_tier_num_blocks: int | None = None
+    # Pulling prefix KV from the worker the router names (needs the host tier): auto = when
+    # the cost model says it beats recomputing (kv/transfer_cost.py), always, or never.
+    kv_transfer: str = "auto"
+    kv_transfer_timeout_s: float = 5.0
 
     def validate(self) -> None:
         _check(self.block_size >= 1 and (self.block_size & (self.block_size - 1)) == 0,
@@ -77,6 +86,11 @@ class CacheConfig:
         _check(self.num_blocks is None or self.num_blocks >= 1, "cache.num_blocks must be >= 1")
         _one_of("cache.kv_cache_dtype", self.kv_cache_dtype, ("auto", "fp32", "fp16", "bf16", "int8", "fp8", "int4"))
         _check(self.swap_space_gib >= 0, "cache.swap_space_gib must be >= 0")
+        _check(self.host_tier_gib >= 0, "cache.host_tier_gib must be >= 0")
+        _check(self.host_tier_num_blocks is None or self.host_tier_num_blocks >= 0,
+               "cache.host_tier_num_blocks must be >= 0")
+        _one_of("cache.kv_transfer", self.kv_transfer, ("auto", "always", "never"))
+        _check(self.kv_transfer_timeout_s > 0, "cache.kv_transfer_timeout_s must be > 0")
 
 
 @dataclass(frozen=True)
@@ -192,6 +206,10 @@ class RouterConfig:
     # Refuse (retryable, with retry-after) on arrival a request whose deadline its expected
     # queue wait already overruns, instead of queueing it until the deadline fails it.
     deadline_shedding: bool = True
+    # Failover that keeps the stream: a request whose worker dies after streaming output is
+    # resumed on a survivor (prompt + the tokens streamed so far) at most this many times;
+    # 0 = the client gets a retryable WorkerFailedError instead.
+    max_stream_resumptions: int = 1
 
     def validate(self) -> None:
         _one_of("router.policy", self.policy, ("prefix_aware", "least_loaded", "round_robin"))
@@ -204,6 +222,7 @@ class RouterConfig:
         _check(0 <= self.retry_lane_fraction <= 1, "router.retry_lane_fraction must be in [0, 1]")
         _check(self.stats_refresh_s > 0, "router.stats_refresh_s must be > 0")
         _check(self.max_queue_wait_s > 0, "router.max_queue_wait_s must be > 0")
+        _check(self.max_stream_resumptions >= 0, "router.max_stream_resumptions must be >= 0")
 
 
 @dataclass(frozen=True)

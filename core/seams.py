@@ -208,6 +208,16 @@ class GenerateRequest:
     deadline_s: float | None = None  # absolute time.time() deadline
     attempt: int = 1  # 1 = first attempt; >1 = client retry
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent carrier
+    # Failover (router/router_core.py): the request's output streamed so far by a worker that
+    # died. The engine continues it as a request preempted by recompute would be (prompt +
+    # these tokens computed again, or found in its caches) and streams only what follows:
+    # the text after the first `resume_text_chars` characters, the tokens after these.
+    resume_token_ids: tuple[int, ...] = ()
+    resume_text_chars: int = 0
+    # Transfer hint (router/router_core.py): the Ray actor name of a worker holding more of
+    # this prompt's prefix than the chosen one. The chosen worker may pull those blocks into
+    # its host tier first, when its cost model says that beats recomputing them.
+    kv_source: str | None = None
 
 
 class FinishReason(str, enum.Enum):

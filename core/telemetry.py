@@ -80,6 +80,11 @@ ATTR_DECODE_STEP_TIME_S = "kvmesh.decode.step_time_s"
 # Routing truth: the prefix blocks the router expected the chosen worker to hold, and the
 # blocks the worker's prefix cache actually served (cached prompt tokens // block size).
 ATTR_ROUTE_PREDICTED_BLOCKS = "kvmesh.route.predicted_prefix_blocks"
+# Failover (router/router_core.py): an event on kvmesh.stream each time its worker died and the
+# stream went on on another worker, with the failed worker and the tokens streamed before.
+EVENT_STREAM_RESUMED = "kvmesh.stream.resumed"
+ATTR_RESUMED_FROM_WORKER = "kvmesh.resumed_from_worker"
+ATTR_RESUMED_TOKENS = "kvmesh.resumed_tokens"
 ATTR_PREFIX_HIT_BLOCKS = "kvmesh.prefix.hit_blocks"
 ATTR_ROUTE_CANDIDATES = "kvmesh.route.candidates"
 ATTR_ROUTE_PATH = "kvmesh.route.path"
@@ -470,6 +475,10 @@ class EngineMetrics:
                 self.gpu_temp.labels(self.worker_id).set(gpu[1])
         except Exception:  # a probe must never break the stats poll
             logger.exception("reading memory / GPU probes failed")
+
+    def register(self, collector) -> None:
+        """Add a custom collector (e.g. core/kv_tier_metrics.py) to this worker's snapshot."""
+        self._registry.register(collector)
 
     def snapshot(self) -> bytes:
         from prometheus_client import generate_latest

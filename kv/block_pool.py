@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmesh.kv.prefix_cache import CachedBlockKey, PrefixCache
@@ -47,6 +48,10 @@ class BlockPool:
         self._free: deque[int] = deque(range(num_blocks))
         self._cached_lru: OrderedDict[int, None] = OrderedDict()  # first = least recently released
         self.num_evictions = 0
+        # Called with (block_id, key) as a cached block is evicted, before its key is dropped:
+        # the host tier (kv/host_tier.py) keeps a copy of what the pool forgets. True = this
+        # worker still holds the block (in the tier): no EVICTED event for the router.
+        self.on_evict: Callable[[int, CachedBlockKey], bool] | None = None
 
     # ---- counts ----------------------------------------------------------------------------
 
@@ -82,7 +87,8 @@ class BlockPool:
         else:
             assert self._cached_lru, "allocate() on an exhausted pool: check num_free_blocks first"
             block_id, _ = self._cached_lru.popitem(last=False)
-            self._drop_key(self.blocks[block_id])
+            kept = self.on_evict is not None and self.on_evict(block_id, self.blocks[block_id].cache_key)
+            self._drop_key(self.blocks[block_id], record_event=not kept)
             self.num_evictions += 1
         block = self.blocks[block_id]
         assert block.ref_count == 0 and block.cache_key is None
@@ -138,9 +144,9 @@ class BlockPool:
         self.prefix_cache.events.record(PrefixEventKind.CLEARED)
         return moved
 
-    def _drop_key(self, block: KVBlock) -> None:
+    def _drop_key(self, block: KVBlock, record_event: bool = True) -> None:
         assert self.prefix_cache is not None and block.cache_key is not None
-        self.prefix_cache.remove(block.cache_key, block.block_id)
+        self.prefix_cache.remove(block.cache_key, block.block_id, record_event)
         block.cache_key = None
 
     # ---- invariants ------------------------------------------------------------------------

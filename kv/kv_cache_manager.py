@@ -30,9 +30,10 @@ from typing import NamedTuple, Protocol
 
 from kvmesh.kv import hashing
 from kvmesh.kv.block_pool import BlockPool
+from kvmesh.kv.host_tier import HostTier, TierCopies, TierStats
 from kvmesh.kv.prefix_cache import CachedBlockKey, PrefixCache, PrefixEventLog
 from kvmesh.kv.swap_space import SwapSpace
-from kvmesh.core.seams import PrefixEventBatch
+from kvmesh.core.seams import PrefixEventBatch, PrefixEventKind
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,17 @@ class KVRequest(Protocol):
 
 class PrefixMatch(NamedTuple):
     block_ids: list[int]  # cached blocks to share, in block-table order
-    num_tokens: int  # tokens they cover (a multiple of block_size)
+    num_tokens: int  # tokens they and the tier blocks cover (a multiple of block_size)
+    # The host-tier blocks right after block_ids, (slot, content checksum) each: copied back
+    # onto fresh device blocks instead of recomputed (see match_tier).
+    tier_slots: tuple[tuple[int, int], ...] = ()
+
+    def resident(self) -> "PrefixMatch":
+        """The part already in the device pool."""
+        if not self.tier_slots:
+            return self
+        return PrefixMatch(self.block_ids, self.num_tokens * len(self.block_ids)
+                           // (len(self.block_ids) + len(self.tier_slots)))
 
 
 @dataclass(frozen=True)
@@ -78,11 +89,13 @@ class KVCacheStats:
     num_evictions: int
     num_cpu_blocks_total: int
     num_cpu_blocks_used: int
+    tier: TierStats | None = None  # the host tier's figures (None: no tier)
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
-                 num_cpu_blocks: int = 0, worker_id: str = "", max_events: int = 4096):
+                 num_cpu_blocks: int = 0, worker_id: str = "", max_events: int = 4096,
+                 num_host_tier_blocks: int = 0):
         self.block_size = block_size
         self.prefix_cache = PrefixCache(worker_id, max_events) if enable_prefix_caching else None
         # With caching off there are never events; the log still answers the router politely.
@@ -96,6 +109,13 @@ class KVCacheManager:
         # Prefix blocks a queued request was admitted against (see pin_prefix): held from
         # admission to its end, so what its reservation counted as cached stays resident.
         self._pins: dict[str, list[int]] = {}
+        # The host tier below the pool (kv/host_tier.py): evicted cached blocks are copied
+        # there, and a prefix lookup continues into it past the pool's hits.
+        self.host_tier: HostTier | None = None
+        if num_host_tier_blocks > 0 and self.prefix_cache is not None:
+            self.host_tier = HostTier(num_host_tier_blocks, block_size)
+            self.pool.on_evict = self.host_tier.store_evicted
+            self.host_tier.on_drop = self._tier_dropped
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -150,6 +170,39 @@ class KVCacheManager:
                 break
             block_ids.append(block_id)
         return PrefixMatch(block_ids, len(block_ids) * self.block_size)
+
+    # ---- the host tier -------------------------------------------------------------------
+
+    def match_tier(self, request: KVRequest, match: PrefixMatch) -> PrefixMatch:
+        """Extend a pool match with the ready host-tier blocks that follow it (same cap: the
+        last token is always computed). Changes nothing; the content check is in allocate."""
+        if self.host_tier is None or match.tier_slots:
+            return match
+        max_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        first = len(match.block_ids)
+        slots = self.host_tier.lookup_run(self._key(request, i) for i in range(first, max_blocks))
+        return PrefixMatch(match.block_ids, (first + len(slots)) * self.block_size, tuple(slots))
+
+    def _verified(self, request: KVRequest, match: PrefixMatch) -> PrefixMatch:
+        """`match` cut at the first tier block whose bytes fail their checksum (dropped)."""
+        if not match.tier_slots:
+            return match
+        first = len(match.block_ids)
+        keys = [self._key(request, first + i) for i in range(len(match.tier_slots))]
+        kept = self.host_tier.num_verified(keys, match.tier_slots)
+        if kept == len(match.tier_slots):
+            return match
+        return PrefixMatch(match.block_ids, (first + kept) * self.block_size, match.tier_slots[:kept])
+
+    def _tier_dropped(self, block_hash: bytes) -> None:
+        """The router's view (prefix events) covers pool and tier: a block the pool evicts into
+        the tier is still this worker's (no EVICTED); one leaving the tier is gone unless the
+        pool holds it again."""
+        if self.prefix_cache.holder(block_hash) is None:
+            self.events.record(PrefixEventKind.EVICTED, block_hash)
+
+    def take_tier_copies(self) -> TierCopies:
+        return self.host_tier.take_copies() if self.host_tier is not None else TierCopies((), ())
 
     # ---- pins: cached prefix blocks held for an admitted request --------------------------
 
@@ -206,15 +259,25 @@ class KVCacheManager:
         revived = sum(self.pool.is_cached(b) for b in match.block_ids)  # leave the LRU when shared
         return needed <= self.pool.num_free_blocks - revived
 
-    def allocate(self, request: KVRequest, num_new_tokens: int, match: PrefixMatch) -> None:
+    def allocate(self, request: KVRequest, num_new_tokens: int, match: PrefixMatch) -> PrefixMatch:
+        """Share `match`'s pool blocks, copy its tier blocks back onto fresh ones (those whose
+        bytes pass the content check) and grow the table by `num_new_tokens`. Returns the
+        match served (shorter than `match` when a tier block failed its check: the rest is
+        computed, within the same number of new tokens, so fewer blocks are needed)."""
         assert not self.holds(request) and not self.is_swapped(request), f"{request.request_id} already has blocks"
         assert self.can_allocate(request, num_new_tokens, match)
+        match = self._verified(request, match)
         for block_id in match.block_ids:
             self.pool.touch(block_id)
+        for slot, _ in match.tier_slots:  # before _grow, whose evictions store into the tier
+            self.host_tier.hold(slot)
         request.block_ids = list(match.block_ids)
         request.num_computed_tokens = match.num_tokens
         self._start_holding(request, granted=match.num_tokens, registered=len(match.block_ids))
         self._grow(request, match.num_tokens + num_new_tokens)
+        for i, (slot, _) in enumerate(match.tier_slots):
+            self.host_tier.load(slot, request.block_ids[len(match.block_ids) + i])
+        return match
 
     def can_append(self, request: KVRequest, num_new_tokens: int) -> bool:
         needed = self.blocks_for(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
@@ -340,6 +403,8 @@ class KVCacheManager:
 
     def events_since(self, seq: int) -> PrefixEventBatch:
         hashes = self.prefix_cache.hashes() if self.prefix_cache is not None else ()
+        if self.host_tier is not None:
+            hashes = tuple(dict.fromkeys(hashes + self.host_tier.hashes()))
         return self.events.events_since(seq, hashes)
 
     def reset_prefix_cache(self) -> None:
@@ -371,6 +436,7 @@ class KVCacheManager:
             num_prefix_collisions=collisions,
             num_evictions=self.pool.num_evictions, num_cpu_blocks_total=self.swap.num_cpu_blocks,
             num_cpu_blocks_used=self.swap.num_used_blocks,
+            tier=self.host_tier.stats() if self.host_tier is not None else None,
         )
 
     def check_integrity(self) -> None:
@@ -392,3 +458,5 @@ class KVCacheManager:
             assert not request.block_ids and self.swap.holds(rid), f"{rid}: swapped state inconsistent"
             assert len(self.swap.blocks_of(rid)) == self.blocks_for(request.num_computed_tokens)
         assert self.swap.num_used_blocks == sum(len(self.swap.blocks_of(r)) for r in self._swapped)
+        if self.host_tier is not None:
+            self.host_tier.check_integrity()

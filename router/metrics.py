@@ -154,6 +154,13 @@ class RouterMetrics:
             ["reason"], registry=r)
         for reason in SPILL_REASONS:
             self.routing_spills.labels(reason)
+        self.stream_resumptions = Counter(
+            PREFIX + "stream_resumptions",
+            "Streams whose worker failed after output had reached the client, continued on another worker "
+            "(resumed) or ended with a retryable error (not_resumable: resumption off, spent, n > 1, no worker).",
+            ["outcome"], registry=r)
+        for outcome in ("resumed", "not_resumable"):
+            self.stream_resumptions.labels(outcome)
         self.quota_fallback = Gauge(PREFIX + "quota_store_fallback_active",
                                     "1 while Redis is unreachable and local per-replica limits apply.",
                                     ["replica"], registry=r)
@@ -221,6 +228,9 @@ class RouterMetrics:
 
     def observe_retry(self) -> None:
         self.retries_seen.inc()
+
+    def observe_stream_resumption(self, resumed: bool) -> None:
+        self.stream_resumptions.labels("resumed" if resumed else "not_resumable").inc()
 
     def set_quota_fallback(self, active: bool) -> None:
         self.quota_fallback.labels(self.replica_id).set(1 if active else 0)

@@ -19,10 +19,15 @@ Request ids: the client's id (or a generated one) is scoped by tenant on the wor
 Cancel is broadcast to every worker, because the stream may live on another router
 replica; each worker answers whether it knew the id.
 
-A worker that dies mid-stream (RayActorError) is marked failed in the pool at once and the
-stream ends with WorkerFailedError (UNAVAILABLE: the client retries, and the retry is
-routed elsewhere). When it dies before the request's first delta, nothing was streamed, so
-the router re-routes once by itself.
+A worker that dies mid-stream (RayActorError) is marked failed in the pool at once. When it
+dies before the request's first delta, nothing was streamed, so the router re-routes once by
+itself. When output had already reached the client, the router resumes the stream on a
+survivor (router.max_stream_resumptions times at most): the request goes out again with the
+tokens and the number of text characters streamed so far (GenerateRequest.resume_*), the
+survivor recomputes or finds in its caches (pool, host tier) the prompt + those tokens and
+streams only what follows, so the client sees one stream, with no token missing or twice
+(greedy: the same text as without the failure). When it cannot (resumption off or spent,
+n > 1, no survivor), the stream ends with WorkerFailedError (UNAVAILABLE: the client retries).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from kvmesh.core import telemetry
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.router import request_rules, tracing
@@ -169,7 +175,8 @@ class RouterCore:
         try:
             with self._tracer.start_as_current_span(tracing.SPAN_ADMISSION, context=parent) as admission_span:
                 admission_started = time.time()
-                decision, ticket = await self._admit(request, exclude=frozenset(), parent=parent)
+                decision, ticket, kv_source = await self._admit(request, exclude=frozenset(), parent=parent)
+                request = dataclasses.replace(request, kv_source=kv_source)
                 dispatched_s = time.time()
                 admission_span.set_attribute(tracing.ATTR_ADMISSION_WAIT_S, dispatched_s - admission_started)
         except BaseException:
@@ -200,8 +207,9 @@ class RouterCore:
             deadline_s=inbound.deadline_s, attempt=inbound.attempt, trace_context=dict(inbound.trace_context))
 
     async def _admit(self, request: GenerateRequest, exclude: frozenset[str],
-                     parent=None) -> tuple[RoutingDecision, AdmissionTicket]:
-        """Wait for KV budget on some worker; the routing policy picks among those with room."""
+                     parent=None) -> tuple[RoutingDecision, AdmissionTicket, str | None]:
+        """Wait for KV budget on some worker; the routing policy picks among those with room.
+        The third value is the transfer hint for the chosen worker (see transfer_source)."""
         hashes = await self._prefix_hashes(request)
         index = self.pool.prefix_index
         matched = index.longest_prefix(hashes)  # routing: what each worker holds or was just sent
@@ -230,7 +238,9 @@ class RouterCore:
         if hashes:  # the family's next request follows this one before the worker reports it
             token = index.add_in_flight(ticket.worker_id, hashes)
             ticket.on_release(lambda: index.end_in_flight(token))
-        return decisions[-1], ticket
+        holder = transfer_source(resident, ticket.worker_id, set(self.pool.routable_ids()) - exclude)
+        info = self.pool.info(holder) if holder is not None else None
+        return decisions[-1], ticket, (info.actor_name or None) if info is not None else None
 
     async def _prefix_hashes(self, request: GenerateRequest) -> list:
         """The prompt's full-block chain hashes as the workers compute them ([] when routing
@@ -239,7 +249,8 @@ class RouterCore:
         if self.config.router.policy != "prefix_aware" or info is None:
             return []
         extra_keys = await self._block_extra_keys(request.cache_salt)
-        return hash_full_blocks(request.prompt_token_ids, info.block_size, extra_keys)
+        # A resumed request's KV covers its streamed tokens too (GenerateRequest.resume_token_ids).
+        return hash_full_blocks(request.prompt_token_ids + request.resume_token_ids, info.block_size, extra_keys)
 
     def _prompt_token_ids(self, inbound: InboundRequest) -> tuple[int, ...]:
         given = [x is not None for x in (inbound.prompt, inbound.messages, inbound.prompt_token_ids)]
@@ -321,6 +332,22 @@ _REJECTION_REASON = {UnauthenticatedError: "unauthenticated", InvalidRequestErro
                      QuotaExceededError: "quota"}
 
 
+def transfer_source(resident_blocks: dict[str, int], chosen: str, candidates: set[str]) -> str | None:
+    """The transfer hint for a request routed to `chosen`: the candidate worker holding the
+    most of its prompt's prefix blocks (as the workers' events reported: pool or host tier),
+    when that is more than `chosen` holds. The chosen worker may then pull those blocks
+    instead of recomputing them (worker/runtime/prefix_pull.py). Ties go to the lower id.
+
+        resident {w0: 62, w1: 0}, chosen w1  -> w0      (w0 was too loaded to take it)
+        resident {w0: 62, w1: 62}, chosen w1 -> None    (w1 has it all)
+    """
+    holders = sorted(w for w in candidates if w != chosen and resident_blocks.get(w, 0))
+    if not holders:
+        return None
+    holder = max(holders, key=lambda w: resident_blocks[w])
+    return holder if resident_blocks[holder] > resident_blocks.get(chosen, 0) else None
+
+
 def scoped_request_id(tenant_id: str, request_id: str) -> str:
     return f"{tenant_id}/{request_id}"
 
@@ -350,28 +377,53 @@ class RequestStream:
         core = self._core
         core.in_flight += 1
         streamed_tokens = 0
+        streamed_ids: list[int] = []  # n = 1: the output so far, what a resumption starts from
+        streamed_chars = 0
+        reroutes_left, resumptions_left = 1, core.config.router.max_stream_resumptions
         final: RequestDelta | None = None
         try:
-            for attempt in (1, 2):
+            while True:
                 try:
                     async for delta in self._worker_deltas():
                         streamed_tokens += len(delta.token_ids)
+                        streamed_ids.extend(delta.token_ids)
+                        streamed_chars += len(delta.text)
                         if delta.finished:
                             final = delta
                         yield dataclasses.replace(delta, request_id=self.request_id)
                     return
                 except (WorkerFailedError, OverloadedError) as exc:
-                    if streamed_tokens or attempt == 2 or not core.pool.routable_ids():
-                        raise
-                    # Nothing reached the client: re-route once rather than fail it. A worker
-                    # whose own admission refused (its budget filled before the router's view
-                    # caught up) spills the request to another worker with room.
-                    logger.warning("worker %s %s before request %s produced output; re-routing", self.worker_id,
-                                   "refused" if isinstance(exc, OverloadedError) else "failed", self.request_id)
-                    if isinstance(exc, OverloadedError):
-                        core.metrics.observe_spill("worker_refused")
+                    if streamed_tokens:
+                        resumable = (isinstance(exc, WorkerFailedError) and resumptions_left > 0
+                                     and self._request.sampling.n == 1 and bool(core.pool.routable_ids())
+                                     and len(streamed_ids) < self._request.sampling.max_tokens)
+                        core.metrics.observe_stream_resumption(resumable)
+                        if not resumable:
+                            raise
+                        resumptions_left -= 1
+                        logger.warning("worker %s failed after %d tokens of request %s; resuming elsewhere",
+                                       self.worker_id, len(streamed_ids), self.request_id)
+                        self._request = dataclasses.replace(self._request, resume_token_ids=tuple(streamed_ids),
+                                                            resume_text_chars=streamed_chars)
+                        if self._spans:
+                            self._spans[0].add_event(telemetry.EVENT_STREAM_RESUMED, {
+                                telemetry.ATTR_RESUMED_FROM_WORKER: self.worker_id,
+                                telemetry.ATTR_RESUMED_TOKENS: len(streamed_ids)})
+                    else:
+                        if reroutes_left == 0 or not core.pool.routable_ids():
+                            raise
+                        reroutes_left -= 1
+                        # Nothing reached the client: re-route once rather than fail it. A worker
+                        # whose own admission refused (its budget filled before the router's view
+                        # caught up) spills the request to another worker with room.
+                        logger.warning("worker %s %s before request %s produced output; re-routing", self.worker_id,
+                                       "refused" if isinstance(exc, OverloadedError) else "failed", self.request_id)
+                        if isinstance(exc, OverloadedError):
+                            core.metrics.observe_spill("worker_refused")
                     self._ticket.release()
-                    self.decision, self._ticket = await core._admit(self._request, frozenset({self.worker_id}))
+                    self.decision, self._ticket, kv_source = await core._admit(self._request,
+                                                                               frozenset({self.worker_id}))
+                    self._request = dataclasses.replace(self._request, kv_source=kv_source)
         finally:
             # Everything synchronous first: a client that goes away cancels this task, and a
             # second cancel arriving during the await below must not skip the metrics or spans.

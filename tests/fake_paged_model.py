@@ -34,22 +34,36 @@ def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 class FakePagedModel:
-    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, num_tier_blocks: int = 0):
         self.block_size = block_size
         self.device: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.cpu: list[list[int | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
+        self.tier: list[list[int | None]] = [[None] * block_size for _ in range(num_tier_blocks)]
         self.num_forward_tokens = 0
+
+    def tier_checksum(self, slot: int) -> int:
+        return hash(tuple(self.tier[slot]))
+
+    def attach(self, scheduler: Scheduler) -> "FakePagedModel":
+        """Check host-tier content on lookup as the engine does (the tier's bytes live here)."""
+        if scheduler.kv.host_tier is not None:
+            scheduler.kv.host_tier.verify = lambda slot, checksum: self.tier_checksum(slot) == checksum
+        return self
 
     def _slot(self, block_ids: tuple[int, ...], position: int) -> tuple[list[int | None], int]:
         return self.device[block_ids[position // self.block_size]], position % self.block_size
 
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
+        for device_block, slot, _ in output.tier_stores:
+            self.tier[slot] = list(self.device[device_block])
         for device_block, cpu_block in output.swap_out:
             self.cpu[cpu_block] = list(self.device[device_block])
         for cpu_block, device_block in output.swap_in:
             self.device[device_block] = list(self.cpu[cpu_block])
         for source, destination in output.copy_blocks:
             self.device[destination] = list(self.device[source])
+        for slot, device_block in output.tier_loads:
+            self.device[device_block] = list(self.tier[slot])
         for entry in output.scheduled:
             for position, token in zip(entry.positions, entry.token_ids):
                 block, offset = self._slot(entry.block_ids, position)
@@ -70,7 +84,10 @@ class FakePagedModel:
 def engine_step(scheduler: Scheduler, model: FakePagedModel) -> SchedulerOutput:
     """One engine iteration: schedule, run, update, finish at max_tokens, check invariants."""
     output = scheduler.schedule()
-    scheduler.update_from_output(output, model.execute(output))
+    sampled = model.execute(output)
+    for _, slot, block_hash in output.tier_stores:
+        scheduler.kv.host_tier.confirm(slot, block_hash, model.tier_checksum(slot))
+    scheduler.update_from_output(output, sampled)
     done = [r.request_id for r in scheduler.running if r.num_output_tokens >= r.sampling.max_tokens]
     scheduler.finish_requests(done)
     scheduler.check_integrity()
@@ -94,6 +111,8 @@ def assert_pool_whole(scheduler: Scheduler) -> None:
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
     assert kv.swap.num_used_blocks == 0
     assert scheduler.admission.reserved_tokens == 0
+    if kv.host_tier is not None:  # entries stay (a cache), but none is held by a load
+        assert kv.host_tier.num_held_slots == 0
 
 
 def outputs_of(requests: list[Request]) -> dict[str, list[int]]:

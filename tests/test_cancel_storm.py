@@ -47,16 +47,18 @@ def make_requests(rng: random.Random, clock: StepClock) -> list[Request]:
     return requests
 
 
-@pytest.mark.parametrize("seed,mode,num_cpu_blocks", [(1, "recompute", 0), (2, "swap", 12), (3, "swap", 2)])
-def test_cancel_storm_keeps_every_invariant(seed, mode, num_cpu_blocks):
+@pytest.mark.parametrize("seed,mode,num_cpu_blocks,num_tier_blocks",
+                         [(1, "recompute", 0, 0), (2, "swap", 12, 0), (3, "swap", 2, 0), (4, "recompute", 0, 24)])
+def test_cancel_storm_keeps_every_invariant(seed, mode, num_cpu_blocks, num_tier_blocks):
     rng = random.Random(seed)
     clock = StepClock()
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_prefill_tokens_per_step=16,
                              max_total_kv_tokens=100_000, max_queue_len=48, max_queue_time_s=40.0,
                              preemption_mode=mode)
-    kv = KVCacheManager(num_blocks=20, block_size=BLOCK, num_cpu_blocks=num_cpu_blocks)
+    kv = KVCacheManager(num_blocks=20, block_size=BLOCK, num_cpu_blocks=num_cpu_blocks,
+                        num_host_tier_blocks=num_tier_blocks)
     scheduler = Scheduler(config, kv, clock=clock)
-    model = FakePagedModel(20, BLOCK, num_cpu_blocks)
+    model = FakePagedModel(20, BLOCK, num_cpu_blocks, num_tier_blocks).attach(scheduler)
     pending = make_requests(rng, clock)
     num_requests = len(pending)  # 200, or a few more when the last is an n > 1 group
     submitted: list[Request] = []
@@ -99,6 +101,8 @@ def test_cancel_storm_keeps_every_invariant(seed, mode, num_cpu_blocks):
     if mode == "swap" and num_cpu_blocks >= 12:
         assert stats.num_preemptions_swap > 0
     assert stats.kv.prefix_hit_tokens > 0
+    if num_tier_blocks:  # the storm went through the tier: blocks stored and served back
+        assert stats.kv.tier.num_stores > 0 and stats.kv.tier.num_hits > 0
     assert_pool_whole(scheduler)
     assert all(block.ref_count == 0 for block in kv.pool.blocks)
 
@@ -111,16 +115,17 @@ def test_random_configurations_reproduce_the_reference_tokens(seed):
     block_size = rng.choice([1, 2, 4, 8, 16])
     num_blocks = max(4, rng.randrange(48, 160) // block_size)
     num_cpu_blocks = rng.choice([0, 3, 40])
+    num_tier_blocks = rng.choice([0, 2, 30])
     config = SchedulerConfig(
         policy=rng.choice(["continuous", "static", "dynamic"]), static_batch_size=rng.randrange(1, 6),
         dynamic_batch_window_s=2.5, max_num_seqs=rng.randrange(1, 7), max_num_batched_tokens=24,
         max_prefill_tokens_per_step=rng.randrange(1, 25), max_total_kv_tokens=100_000,
         preemption_mode=rng.choice(["recompute", "swap"]), max_queue_time_s=1e9)
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=rng.random() < 0.7,
-                        num_cpu_blocks=num_cpu_blocks)
+                        num_cpu_blocks=num_cpu_blocks, num_host_tier_blocks=num_tier_blocks)
     clock = StepClock()
     scheduler = Scheduler(config, kv, clock=clock)
-    model = FakePagedModel(num_blocks, block_size, num_cpu_blocks)
+    model = FakePagedModel(num_blocks, block_size, num_cpu_blocks, num_tier_blocks).attach(scheduler)
     requests = make_requests(rng, clock)[:40]
     pending = list(requests)
     steps = 0

@@ -1,33 +1,20 @@
 """Prefix caching and KV sizing through the real engine (tiny random Llama)."""
 
 import pytest
+from engine_runs import generate_greedy, tiny_engine
 
-from kvmesh.core.config import KvmeshConfig
 from kvmesh.kv.kv_cost import request_kv_tokens
 from kvmesh.core.seams import GenerateRequest, SamplingParams
-from kvmesh.worker.engine_loop.engine import Engine
 from kvmesh.core.errors import OverloadedError
 
 SYSTEM = "You are a careful assistant. Answer briefly and cite the rules you follow. " * 4
 
 
 def _engine(model_dir, **cache):
-    return Engine.from_config(KvmeshConfig.from_dict({
-        "model": {"path": model_dir, "dtype": "fp32", "max_model_len": 512},
-        "cache": {"num_blocks": 96, "block_size": 8, **cache}}))
+    return tiny_engine(model_dir, **{"num_blocks": 96, **cache})
 
 
-def _generate(engine, rid, prompt, salt=None):
-    engine.add_request(GenerateRequest(rid, prompt=prompt, cache_salt=salt,
-                                       sampling=SamplingParams(max_tokens=8, temperature=0)))
-    before = engine.num_forward_tokens
-    out, final = [], None
-    while engine.has_unfinished():
-        for d in engine.step():
-            out.extend(d.token_ids)
-            final = d if d.finished else final
-        engine.check_integrity()
-    return out, final.usage, engine.num_forward_tokens - before
+_generate = generate_greedy  # (tokens, usage, tokens the model ran)
 
 
 @pytest.fixture(scope="module")

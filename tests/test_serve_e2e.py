@@ -57,7 +57,8 @@ def e2e_config(tiny_model_dir) -> KvmeshConfig:
     # test_health_models_metrics checks that the defaults bring up both workers.
     return tiny_cluster_config(tiny_model_dir, num_workers=2, num_blocks=128, max_new_tokens=960,
                                parallel={"worker_num_cpus": None},
-                               router={"policy": "round_robin"}, observability={"tracing_exporter": "console"})
+                               router={"policy": "round_robin", "max_stream_resumptions": 0},  # see below
+                               observability={"tracing_exporter": "console"})
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +243,8 @@ def _busy_worker(stub) -> str | None:
 
 
 def test_worker_killed_mid_stream(cluster, stub, http_base):
+    """With resumption off (router.max_stream_resumptions = 0) a stream whose worker dies ends
+    with UNAVAILABLE; with it on it resumes (tests/test_failover_resume_e2e.py)."""
     import httpx
     import ray
 

@@ -61,6 +61,10 @@ class IncrementalDetokenizer:
             self._text = self._text[:best[0]]
             self.stop_hit = best[1]
 
+    def mark_emitted(self, num_chars: int) -> None:
+        """The first `num_chars` characters of the text were streamed elsewhere (failover)."""
+        self._emitted = min(num_chars, len(self._text))
+
     def take_delta(self, finished: bool) -> str:
         """Text not yet returned; while unfinished, the possible start of a stop string is held back."""
         end = len(self._text) if (finished or self.stop_hit is not None) else max(self._emitted, len(self._text) - self._holdback)

@@ -24,6 +24,7 @@ import logging
 import time
 
 from kvmesh.core.config import KvmeshConfig
+from kvmesh.core.kv_tier_metrics import KVTierFigures
 from kvmesh.kv.hashing import block_extra_keys
 from kvmesh.core.seams import (FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats,
                                check_fits_context)
@@ -103,9 +104,10 @@ class Engine:
         if prompt_ids is None:
             prompt_ids = self.validate(request)
         n = request.sampling.n
+        resumed = self._check_resume(request)
         group = f"{request.request_id}#{next(self._ids)}" if n > 1 else None
         members = [Request(request_id=f"{request.request_id}" if n == 1 else f"{group}/{i}",
-                           prompt_token_ids=prompt_ids, sampling=request.sampling,
+                           prompt_token_ids=prompt_ids, sampling=request.sampling, output_token_ids=resumed,
                            arrival_time=self.scheduler.clock(), priority=request.priority,
                            priority_class=request.priority_class,
                            tenant_id=request.tenant_id,
@@ -123,7 +125,22 @@ class Engine:
         for member in members:
             self._live[member.request_id] = member
             self.outputs.add(member, request.request_id, now)
+            if resumed:
+                self.outputs.resume(member, request.resume_text_chars)
         self._children[request.request_id] = [m.request_id for m in members]
+
+    def _check_resume(self, request: GenerateRequest) -> list[int]:
+        """The output a failed-over request already streamed (GenerateRequest.resume_token_ids)."""
+        ids = list(request.resume_token_ids)
+        if not ids:
+            return []
+        if request.sampling.n != 1:
+            raise InvalidRequestError("only a single-sample request (n = 1) can be resumed")
+        if len(ids) >= request.sampling.max_tokens:
+            raise InvalidRequestError(f"{len(ids)} tokens to resume from leave nothing of max_tokens")
+        if any(not isinstance(t, int) or t < 0 or t >= self._vocab_size for t in ids) or request.resume_text_chars < 0:
+            raise InvalidRequestError("resume_token_ids / resume_text_chars out of range")
+        return ids
 
     def abort(self, request_id: str) -> list[RequestDelta]:
         """Cancel a request (all its samples); unknown ids are a no-op. Returns final deltas."""
@@ -149,7 +166,10 @@ class Engine:
         for entry in sched_out.scheduled:
             self.outputs.mark_scheduled(entry.request)
         try:
+            self._store_in_tier(sched_out)  # evicted blocks leave before anything overwrites them
             self.runner.apply_block_ops(sched_out)
+            if self.parts.host_tier_store is not None:
+                self.parts.host_tier_store.load(self.runner.kv_caches, sched_out.tier_loads)
             result = self.runner.execute(sched_out.scheduled, self.outputs.sampling_row)
         except Exception as exc:  # the forward failed: fail this step's requests, keep serving
             deltas += self._fail_step(sched_out, exc)
@@ -177,6 +197,12 @@ class Engine:
         clock.lap("output")
         clock.end(sched_out)
         return deltas
+
+    def _store_in_tier(self, sched_out) -> None:
+        store = self.parts.host_tier_store
+        if store is not None and sched_out.tier_stores:
+            for slot, block_hash, checksum in store.store(self.runner.kv_caches, sched_out.tier_stores):
+                self.scheduler.kv.host_tier.confirm(slot, block_hash, checksum)
 
     def _fail_step(self, sched_out, exc: Exception) -> list[RequestDelta]:
         self.num_failed_steps += 1
@@ -218,6 +244,15 @@ class Engine:
 
     def stats(self) -> WorkerStats:
         return worker_stats(self.scheduler, self.worker_id)
+
+    def kv_tier_figures(self) -> KVTierFigures | None:
+        tier, store = self.scheduler.kv.host_tier, self.parts.host_tier_store
+        if tier is None or store is None:
+            return None
+        s = tier.stats()
+        return KVTierFigures(s.num_slots_total, s.num_slots_used, s.num_hit_tokens, store.num_bytes_stored,
+                             store.num_bytes_loaded, store.store_time_s + store.load_time_s,
+                             s.num_checksum_failures)
 
     def prefix_events(self, since_seq: int) -> PrefixEventBatch:
         return self.scheduler.kv.events_since(since_seq)

@@ -31,6 +31,7 @@ from kvmesh.worker.modeling.model_setup import (allocate_rank_caches, load_model
                                                 with_valid_group_size)
 from kvmesh.worker.modeling.tokenizer import load_tokenizer
 from kvmesh.worker.modeling.tp_group import TensorParallelGroup, TensorParallelRunner
+from kvmesh.worker.modeling.host_tier_store import HostTierStore
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class MemoryPlan:
     num_swap_blocks: int
     kv_cache_bytes: int
     peak_activation_bytes: int  # CUDA only (profiled); 0 on CPU
+    num_host_tier_blocks: int = 0  # host tier slots (cache.host_tier_*; 0 = no tier)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -64,6 +66,7 @@ class EngineParts:
     eos_token_ids: tuple[int, ...]
     plan: MemoryPlan
     device: torch.device
+    host_tier_store: HostTierStore | None = None  # the host tier's bytes (kv_manager.host_tier: its books)
 
 
 def _effective_kv_dtype_name(config: KvmeshConfig, dtype: torch.dtype) -> str:
@@ -108,8 +111,11 @@ def _plan_memory(config: KvmeshConfig, model, hf_config, device, kv_dtype_name: 
     if num_blocks < 1:
         raise ConfigError(f"no memory left for the KV cache (one block needs {per_block} bytes)")
     num_swap = num_blocks_for_budget(int(cache_cfg.swap_space_gib * GIB), cache_cfg.block_size, per_token)
+    num_tier = cache_cfg.host_tier_num_blocks
+    if num_tier is None:
+        num_tier = num_blocks_for_budget(int(cache_cfg.host_tier_gib * GIB), cache_cfg.block_size, per_token)
     return MemoryPlan(weight_bytes, per_token, cache_cfg.block_size, num_blocks, num_swap,
-                      num_blocks * per_block, peak)
+                      num_blocks * per_block, peak, num_tier if cache_cfg.enable_prefix_caching else 0)
 
 
 def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> EngineParts:
@@ -138,9 +144,17 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
     else:
         runner = TensorParallelRunner(group, plan, model, backend, device, kv_caches, swap_caches, plan.block_size,
                                       seed=config.model.seed)
+    if group is not None and plan.num_host_tier_blocks:
+        raise ConfigError("cache.host_tier_* needs parallel.tensor_parallel_size = 1 (the tier copies rank 0's KV only)")
     kv_manager = KVCacheManager(plan.num_blocks, plan.block_size,
                                 enable_prefix_caching=config.cache.enable_prefix_caching,
-                                num_cpu_blocks=plan.num_swap_blocks, worker_id=worker_id)
+                                num_cpu_blocks=plan.num_swap_blocks, worker_id=worker_id,
+                                num_host_tier_blocks=plan.num_host_tier_blocks)
+    tier_store = None
+    if plan.num_host_tier_blocks:
+        tier_store = HostTierStore(hf_config.num_hidden_layers, plan.num_host_tier_blocks, plan.block_size,
+                                   model.num_kv_heads, model.head_dim, storage, pin=device.type == "cuda")
+        kv_manager.host_tier.verify = tier_store.holds_checksum
     logger.info(
         "engine memory: weights %.1f MiB, KV %d bytes/token (%s), %d blocks x %d tokens = %d tokens "
         "(%.1f MiB), swap %d blocks, peak activation %.1f MiB, device %s, dtype %s, backend %s",
@@ -148,7 +162,7 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
         plan.kv_capacity_tokens, plan.kv_cache_bytes / 2**20, plan.num_swap_blocks,
         plan.peak_activation_bytes / 2**20, device, dtype, backend.name)
     return EngineParts(runner, kv_manager, tokenizer, hf_config, spec.name, kv_dtype_name, max_model_len,
-                       _eos_ids(hf_config, tokenizer), plan, device)
+                       _eos_ids(hf_config, tokenizer), plan, device, tier_store)
 
 
 def build_graph_runner(config: KvmeshConfig, model, backend, kv_caches, device, max_model_len: int,

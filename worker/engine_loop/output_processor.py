@@ -53,6 +53,14 @@ class OutputProcessor:
             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling.stop),
             gen, arrival_wall_s)
 
+    def resume(self, request: Request, text_chars: int) -> None:
+        """A failed-over request: its output so far was streamed by another worker. Feed it to
+        the detokenizer (context for what follows) without streaming it again."""
+        detokenizer = self.states[request.request_id].detokenizer
+        for token_id in request.output_token_ids:
+            detokenizer.push(token_id)
+        detokenizer.mark_emitted(text_chars)
+
     def sampling_row(self, request: Request) -> SamplingRow:
         state = self.states[request.request_id]
         p = request.sampling

@@ -282,10 +282,12 @@ class Scheduler:
         if not plan.preempted_ids:  # freed blocks go to the preempted first, not newcomers
             self._schedule_waiting(budget, plan, now)
         self.kv.flush_events()
+        tier = self.kv.take_tier_copies()
         output = SchedulerOutput(
             step=self._num_steps, scheduled=tuple(plan.scheduled), preempted_ids=tuple(plan.preempted_ids),
             swap_out=tuple(plan.swap_out), swap_in=tuple(plan.swap_in), copy_blocks=tuple(plan.copy_blocks),
-            finished=tuple(self._newly_finished), token_budget=self.config.max_num_batched_tokens)
+            finished=tuple(self._newly_finished), token_budget=self.config.max_num_batched_tokens,
+            tier_stores=tier.stores, tier_loads=tier.loads)
         self._newly_finished = []
         self._record_step(output, now)
         return output
@@ -396,14 +398,15 @@ class Scheduler:
         match = self.kv.match_prefix(request)
         if self._prefix_in_progress(request, len(match.block_ids)):
             return _Admission.SKIPPED  # a running request is computing its next blocks: share them
+        match = self.kv.match_tier(request, match)  # blocks past the pool's hits, in host memory
         remaining = request.num_tokens - match.num_tokens
         num_tokens = budget.grant(remaining)
         if num_tokens == 0 or not self.kv.can_allocate(request, num_tokens, match):
             return _Admission.BLOCKED
-        self._settle_reservation(request, match)
-        self.kv.allocate(request, num_tokens, match)
+        self._settle_reservation(request, match.resident())
+        match = self.kv.allocate(request, num_tokens, match)
         self._note_cache_hit(request, match.num_tokens)
-        return self._start_running(request, remaining, num_tokens, budget, plan, now)
+        return self._start_running(request, request.num_tokens - match.num_tokens, num_tokens, budget, plan, now)
 
     def _prefix_in_progress(self, request: Request, num_matched_blocks: int) -> bool:
         """True when the block after the request's cached prefix is one a running request is

@@ -60,6 +60,10 @@ class SchedulerOutput:
     # finished by the engine, rejected on queue timeout); their blocks are already free.
     finished: tuple[FinishedRequest, ...] = ()
     token_budget: int = 0  # the step's max_num_batched_tokens, for the batch fill rate
+    # Host-tier copies (kv/host_tier.py): stores (device block, host slot, block hash) run
+    # first, loads (host slot, device block) after the block copies above, both before the forward.
+    tier_stores: tuple[tuple[int, int, bytes], ...] = ()
+    tier_loads: tuple[BlockPair, ...] = ()
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -35,11 +35,15 @@ Why these choices:
   span per prefill chunk from the engine's step reports (a StepPhaseClock observer, no
   wrapping of engine methods); the same reports feed an EngineMetrics (step phases, batch
   mix, per-tenant compute, memory probes) whose snapshot rides along in each WorkerPoll.
+* Prefix KV moves between workers by actor call (`export_prefix`, pulled by the worker the
+  router sends a request to with `kv_source`: worker/runtime/prefix_pull.py), never through
+  the router: the router only names the holder (docs/kv-tiers.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -50,6 +54,7 @@ from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.resources import resolve_worker_num_cpus
 from kvmesh.core import errors
 from kvmesh.core import telemetry
+from kvmesh.core.kv_tier_metrics import KVTierCollector, KVTierFigures
 from kvmesh.core.seams import (ErrorReport, FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta,
                                RequestTimings, WorkerStats)
 
@@ -72,6 +77,9 @@ class WorkerInfo:
     # The context length requests are validated against (model.max_model_len, else the
     # model's own positions): what ListModels reports.
     max_model_len: int = 0
+    # This actor's Ray name: what another worker asks for to pull prefix KV from it
+    # (GenerateRequest.kv_source); "" outside Ray.
+    actor_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -94,12 +102,14 @@ class WorkerActor:
     def __init__(self, config_dict: dict, worker_id: str):
         # The engine (and torch) load here, in the worker process, never in the router.
         from kvmesh.worker.runtime.async_engine import AsyncEngine
+        from kvmesh.worker.runtime.prefix_pull import PrefixPuller  # torch too (via kv_transfer)
 
         self._config = KvmeshConfig.from_dict(config_dict)
         self._engine = AsyncEngine.from_config(self._config, worker_id=worker_id)
         self._info = WorkerInfo(worker_id=worker_id, incarnation=uuid.uuid4().hex,
                                 model_name=self._engine.model_name, block_size=self._engine.block_size,
-                                node_id=_current_node_id(), max_model_len=self._engine.engine.max_model_len)
+                                node_id=_current_node_id(), max_model_len=self._engine.engine.max_model_len,
+                                actor_name=_current_actor_name())
         self._streaming: set[str] = set()  # request ids with a live `generate` stream
         self._tracer = telemetry.get_tracer(telemetry.setup_tracing(self._config.observability, "kvmesh-worker"))
         engine = self._engine.engine
@@ -109,6 +119,11 @@ class WorkerActor:
             worker_id, telemetry.ModelInfo.of_engine(engine, self._config), device=engine.parts.device,
             tensor_bytes=plan.weight_bytes + plan.kv_cache_bytes + swap_bytes, kv_pool_bytes=plan.kv_cache_bytes)
         self._step_log = telemetry.RequestStepLog()
+        cache = self._config.cache
+        self._puller = PrefixPuller(self._engine, WORKER_NAMESPACE, cache.kv_transfer_timeout_s, cache.kv_transfer,
+                                    tracer=self._tracer)
+        engine.phase_clock.observers.append(self._puller.observe_step_report)
+        self._metrics.register(KVTierCollector(worker_id, self._kv_tier_figures))
         engine.phase_clock.observers += [self._metrics.observe_step_report, self._step_log.observe_step_report]
         logger.info("worker %s up (incarnation %s, model %s)", worker_id, self._info.incarnation,
                     self._info.model_name)
@@ -130,6 +145,8 @@ class WorkerActor:
         final: RequestDelta | None = None  # the last sample's final delta: timings + usage
         self._streaming.add(request.request_id)
         try:
+            if request.kv_source and request.kv_source != self._info.actor_name:
+                await self._puller.pull(request, self._engine.engine.tokenize(request))
             async with contextlib.aclosing(self._engine.generate_batches(request)) as batches:
                 async for batch in batches:
                     for delta in batch:
@@ -181,11 +198,32 @@ class WorkerActor:
     async def prefix_events(self, since_seq: int) -> PrefixEventBatch:
         return await self._engine.prefix_events_async(since_seq)
 
+    async def export_prefix(self, token_ids: list[int], extra_keys: tuple[str, ...], first_block: int):
+        """The KV of the prompt's prefix blocks from `first_block` on that this worker holds, a
+        kv_transfer.PrefixExport (another worker pulls them: worker/runtime/prefix_pull.py)."""
+        from kvmesh.worker.engine_loop.kv_transfer import export_prefix  # torch: worker process only
+
+        return await self._engine.locked_async(export_prefix, list(token_ids), tuple(extra_keys), int(first_block))
+
+    def _kv_tier_figures(self) -> KVTierFigures | None:
+        figures = self._engine.engine.kv_tier_figures()
+        if figures is None:
+            return None
+        p = self._puller
+        return dataclasses.replace(figures, transfer_blocks_in=p.num_blocks_in, transfer_bytes_in=p.num_bytes_in,
+                                   transfer_s=p.transfer_s, num_transfer_fallbacks=p.num_fallbacks)
+
     async def block_extra_keys(self, cache_salt: str | None) -> tuple[str, ...]:
         return self._engine.block_extra_keys(cache_salt)
 
     async def shutdown(self) -> None:
         await self._engine.shutdown()
+
+
+def _current_actor_name() -> str:
+    import ray
+
+    return (ray.get_runtime_context().get_actor_name() or "") if ray.is_initialized() else ""
 
 
 def _current_node_id() -> str:

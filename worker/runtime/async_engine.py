@@ -145,6 +145,14 @@ class AsyncEngine:
     async def prefix_events_async(self, since_seq: int) -> PrefixEventBatch:
         return await asyncio.to_thread(self.prefix_events, since_seq)
 
+    def locked(self, fn, *args):
+        """`fn(engine, *args)` between two steps (prefix export / import, worker/engine_loop/kv_transfer.py)."""
+        with self._lock:
+            return fn(self.engine, *args)
+
+    async def locked_async(self, fn, *args):
+        return await asyncio.to_thread(self.locked, fn, *args)
+
     async def shutdown(self) -> None:
         self._stop.set()
         self._wakeup.set()
