@@ -85,7 +85,8 @@ class GrpcTarget(Target):
                 usage = delta.usage if delta.finished else None
                 yield StreamChunk(len(delta.token_ids), finished=delta.finished,
                                   completion_tokens=usage.completion_tokens if usage else None,
-                                  cached_tokens=usage.cached_tokens if usage else None)
+                                  cached_tokens=usage.cached_tokens if usage else None,
+                                  degraded=bool(delta.finished and delta.degraded))
 
     async def server_sample(self) -> dict[str, float] | None:
         try:

@@ -52,6 +52,7 @@ class StreamChunk:
     finished: bool = False
     completion_tokens: int | None = None  # the server's count, on the final chunk
     cached_tokens: int | None = None
+    degraded: bool = False  # the server's degradation ladder capped it or sent it to its fallback pool
 
 
 class Target(ABC):
@@ -245,7 +246,7 @@ def parse_sse_line(line: str) -> StreamChunk | None:
     if usage:
         details = usage.get("prompt_tokens_details") or {}
         return StreamChunk(num_tokens=1 if text else 0, finished=True, completion_tokens=usage.get("completion_tokens"),
-                           cached_tokens=details.get("cached_tokens"))
+                           cached_tokens=details.get("cached_tokens"), degraded=bool(usage.get("kvmesh_degraded")))
     if not text and not finished:
         return None
     return StreamChunk(num_tokens=1 if text else 0, finished=finished)

@@ -84,6 +84,7 @@ from kvmesh.core.errors import (
     DeadlineUnmeetableError,
     InvalidRequestError,
     OverloadedError,
+    QueueSlotTakenError,
     WorkerFailedError,
 )
 
@@ -227,13 +228,16 @@ class AdmissionController:
 
     async def acquire(self, cost_tokens: int, *, attempt: int = 1, route: RouteFn | None = None,
                       deadline_s: float | None = None, cost_for: CostFn | None = None,
-                      exclude: frozenset[str] = frozenset(), priority_class: int = 0) -> AdmissionTicket:
+                      exclude: frozenset[str] = frozenset(), priority_class: int = 0,
+                      max_wait_s: float | None = None) -> AdmissionTicket:
         """Admit now, wait for room, or raise (OverloadedError, WorkerFailedError,
         InvalidRequestError, DeadlineExceededError). `deadline_s` is absolute time.time().
         `cost_tokens` is the whole cost (nothing cached); `cost_for(worker_id)`, when given,
         the cost on one worker with its cached prefix taken off (never more than the whole).
         Workers in `exclude` (one that already refused this request) are never chosen.
-        `priority_class` (lower = more important) orders the wait queue."""
+        `priority_class` (lower = more important) orders the wait queue. `max_wait_s` bounds
+        the wait below router.max_queue_wait_s (the degradation ladder's queue step); 0 admits
+        now or raises OverloadedError without queueing."""
         healthy = self._healthy()
         if not healthy:
             raise WorkerFailedError("no healthy worker to admit the request to")
@@ -249,12 +253,14 @@ class AdmissionController:
             ticket = self._try_admit(cost_tokens, attempt, route, queued_since=None, cost_for=cost_for)
             if ticket is not None:
                 return ticket
+        if max_wait_s == 0:
+            raise self._overloaded(cost_tokens, attempt, "no room now")
         slots = self.retry_slots if attempt > 1 else self.first_slots
         if len(lane) >= slots and not self._evict_less_important(lane, priority_class):
             raise self._overloaded(cost_tokens, attempt, "admission queue full")
         if deadline_s is not None and self._config.deadline_shedding:
             self._shed_if_deadline_unmeetable(cost_tokens, lane, deadline_s, priority_class)
-        return await self._wait(lane, cost_tokens, attempt, route, deadline_s, cost_for, priority_class)
+        return await self._wait(lane, cost_tokens, attempt, route, deadline_s, cost_for, priority_class, max_wait_s)
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -325,13 +331,13 @@ class AdmissionController:
 
     async def _wait(self, lane: collections.deque, cost_tokens: int, attempt: int, route: RouteFn | None,
                     deadline_s: float | None, cost_for: CostFn | None = None,
-                    priority_class: int = 0) -> AdmissionTicket:
+                    priority_class: int = 0, max_wait_s: float | None = None) -> AdmissionTicket:
         waiter = _Waiter(cost_tokens, attempt, route, self._clock(), asyncio.get_running_loop().create_future(),
                          cost_for, priority_class)
         _enqueue(lane, waiter)
         if lane[0] is waiter:
             self._pump()  # ahead of everyone waiting: it may fit where the old head did not
-        wait_s = self._config.max_queue_wait_s
+        wait_s = self._config.max_queue_wait_s if max_wait_s is None else min(max_wait_s, self._config.max_queue_wait_s)
         deadline_first = deadline_s is not None and deadline_s - self._wall_clock() < wait_s
         if deadline_first:
             wait_s = max(0.0, deadline_s - self._wall_clock())
@@ -358,8 +364,8 @@ class AdmissionController:
             return False
         victim = lane.pop()
         if not victim.future.done():
-            victim.future.set_exception(self._overloaded(
-                victim.cost_tokens, victim.attempt, "queue slot taken by a more important request"))
+            refusal = self._overloaded(victim.cost_tokens, victim.attempt, "queue slot taken by a more important request")
+            victim.future.set_exception(QueueSlotTakenError(refusal.message, retry_after_s=refusal.retry_after_s))
         self._num_evicted += 1
         return True
 

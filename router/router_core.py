@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.kv.hashing import hash_full_blocks
-from kvmesh.router import request_rules, tracing
+from kvmesh.router import degradation, request_rules, tracing
 from kvmesh.router.admission import AdmissionController, AdmissionTicket, cost_with_cached_prefix, request_cost_tokens
 from kvmesh.router.auth import Authenticator
 from kvmesh.router.fairness import TenantBacklog, engine_priority
@@ -56,6 +56,7 @@ from kvmesh.core.errors import (
     DeadlineUnmeetableError,
     InvalidRequestError,
     OverloadedError,
+    QueueSlotTakenError,
     QuotaExceededError,
     UnauthenticatedError,
     WorkerFailedError,
@@ -145,7 +146,7 @@ class RouterCore:
             if isinstance(exc, (UnauthenticatedError, InvalidRequestError, QuotaExceededError)):
                 self.metrics.observe_rejection(_REJECTION_REASON[type(exc)])
             elif isinstance(exc, OverloadedError):
-                self.metrics.observe_rejection("deadline" if isinstance(exc, DeadlineUnmeetableError) else "overload")
+                self.metrics.observe_rejection(_overload_reason(exc))
             elif isinstance(exc, DeadlineExceededError):
                 self.metrics.observe_timeout(tenant_id, "admission")
             root.record_exception(exc)
@@ -185,7 +186,7 @@ class RouterCore:
         try:
             with self._tracer.start_as_current_span(tracing.SPAN_ADMISSION, context=parent) as admission_span:
                 admission_started = time.time()
-                decision, ticket = await self._admit(request, exclude=frozenset(), parent=parent)
+                decision, ticket, request, degraded = await self._admit_degrading(request, parent)
                 dispatched_s = time.time()
                 admission_span.set_attribute(tracing.ATTR_ADMISSION_WAIT_S, dispatched_s - admission_started)
         except BaseException:
@@ -197,7 +198,8 @@ class RouterCore:
         request = dataclasses.replace(request, trace_context=carrier)
         self.metrics.observe_dispatch(arrived_s, dispatched_s)
         return RequestStream(self, request, inbound.request_id or request.request_id.split("/", 1)[1],
-                             decision, ticket, reservation, spans=(stream_span, root), arrived_s=arrived_s)
+                             decision, ticket, reservation, spans=(stream_span, root), arrived_s=arrived_s,
+                             degraded=degraded)
 
     def _worker_request(self, inbound: InboundRequest, tenant: Tenant) -> GenerateRequest:
         request_rules.check_request_id(inbound.request_id)
@@ -215,9 +217,45 @@ class RouterCore:
             priority=tenant.priority + inbound.priority, tenant_id=tenant.id, cache_salt=tenant.cache_salt,
             deadline_s=inbound.deadline_s, attempt=inbound.attempt, trace_context=dict(inbound.trace_context))
 
-    async def _admit(self, request: GenerateRequest, exclude: frozenset[str],
-                     parent=None) -> tuple[RoutingDecision, AdmissionTicket]:
-        """Wait for KV budget on some worker; the routing policy picks among those with room."""
+    async def _admit_degrading(self, request: GenerateRequest,
+                               parent) -> tuple[RoutingDecision, AdmissionTicket, GenerateRequest, str | None]:
+        """Admission with the degradation ladder of the request's class (router/degradation.py):
+        the decision, the ticket, the request as admitted (capped or not) and the step taken
+        (None: admitted as sent). Raises the main pool's OverloadedError when every step fails."""
+        rule = degradation.rule_for(self.config, request.priority_class)
+        if rule is None:
+            decision, ticket = await self._admit(request, exclude=frozenset(), parent=parent)
+            return decision, ticket, request, None
+        try:
+            decision, ticket = await self._admit(request, exclude=frozenset(), parent=parent,
+                                                 max_wait_s=rule.queue_wait_s)
+            return decision, ticket, request, None
+        except OverloadedError as exc:
+            refused = exc
+        steps: list[tuple[str, GenerateRequest, bool]] = []
+        if rule.cap_max_tokens is not None and request.sampling.max_tokens > rule.cap_max_tokens:
+            capped = dataclasses.replace(request, sampling=dataclasses.replace(
+                request.sampling, max_tokens=rule.cap_max_tokens))
+            steps.append((degradation.STEP_CAP, capped, False))
+        if rule.fallback and self.pool.fallback_ids:
+            steps.append((degradation.STEP_FALLBACK, request, True))
+        for step, degraded_request, on_fallback in steps:
+            try:
+                decision, ticket = await self._admit(degraded_request, exclude=frozenset(), parent=parent,
+                                                     max_wait_s=0.0, fallback=on_fallback)
+            except (OverloadedError, WorkerFailedError):
+                continue
+            self.metrics.observe_degraded(step)
+            return decision, ticket, degraded_request, step
+        self.metrics.observe_degraded(degradation.STEP_REJECT)
+        raise refused
+
+    async def _admit(self, request: GenerateRequest, exclude: frozenset[str], parent=None,
+                     max_wait_s: float | None = None, fallback: bool = False) -> tuple[RoutingDecision, AdmissionTicket]:
+        """Wait for KV budget on some worker of the main pool (of the fallback pool when
+        `fallback`); the routing policy picks among those with room."""
+        other_pool = (frozenset(self.pool.worker_ids) - self.pool.fallback_ids) if fallback else self.pool.fallback_ids
+        exclude = exclude | other_pool
         hashes = await self._prefix_hashes(request)
         index = self.pool.prefix_index
         matched = index.longest_prefix(hashes)  # routing: what each worker holds or was just sent
@@ -242,7 +280,7 @@ class RouterCore:
             request_cost_tokens(num_prompt, sampling, block_size=block_size), attempt=request.attempt,
             route=route, deadline_s=request.deadline_s, exclude=exclude,
             priority_class=request.priority if request.priority_class is None else request.priority_class,
-            cost_for=lambda w: cost_with_cached_prefix(num_prompt, sampling, block_size, resident.get(w, 0)))
+            max_wait_s=max_wait_s, cost_for=lambda w: cost_with_cached_prefix(num_prompt, sampling, block_size, resident.get(w, 0)))
         if hashes:  # the family's next request follows this one before the worker reports it
             token = index.add_in_flight(ticket.worker_id, hashes)
             ticket.on_release(lambda: index.end_in_flight(token))
@@ -337,6 +375,12 @@ _REJECTION_REASON = {UnauthenticatedError: "unauthenticated", InvalidRequestErro
                      QuotaExceededError: "quota"}
 
 
+def _overload_reason(exc: OverloadedError) -> str:
+    if isinstance(exc, DeadlineUnmeetableError):
+        return "deadline"
+    return "evicted" if isinstance(exc, QueueSlotTakenError) else "overload"
+
+
 def scoped_request_id(tenant_id: str, request_id: str) -> str:
     return f"{tenant_id}/{request_id}"
 
@@ -347,8 +391,11 @@ class RequestStream:
 
     def __init__(self, core: RouterCore, request: GenerateRequest, request_id: str,
                  decision: RoutingDecision, ticket: AdmissionTicket, reservation: Reservation,
-                 spans: tuple = (), arrived_s: float | None = None):
+                 spans: tuple = (), arrived_s: float | None = None, degraded: str | None = None):
         self._core = core
+        # The ladder step this request was admitted by ("cap", "fallback"), None = as sent.
+        self.degraded = degraded
+        self._on_fallback = degraded == degradation.STEP_FALLBACK
         self._arrived_s = arrived_s  # time.time() at the router: the start of TTFT
         self._spans = spans  # (kvmesh.stream, kvmesh.request): ended, in that order, at the end
         self._request = request
@@ -374,7 +421,8 @@ class RequestStream:
                         streamed_tokens += len(delta.token_ids)
                         if delta.finished:
                             final = delta
-                        yield dataclasses.replace(delta, request_id=self.request_id)
+                        yield dataclasses.replace(delta, request_id=self.request_id,
+                                                  degraded=self.degraded if delta.finished else None)
                     return
                 except (WorkerFailedError, OverloadedError) as exc:
                     if streamed_tokens or attempt == 2 or not core.pool.routable_ids():
@@ -387,7 +435,8 @@ class RequestStream:
                     if isinstance(exc, OverloadedError):
                         core.metrics.observe_spill("worker_refused")
                     self._ticket.release()
-                    self.decision, self._ticket = await core._admit(self._request, frozenset({self.worker_id}))
+                    self.decision, self._ticket = await core._admit(self._request, frozenset({self.worker_id}),
+                                                                    fallback=self._on_fallback)
         finally:
             # Everything synchronous first: a client that goes away cancels this task, and a
             # second cancel arriving during the await below must not skip the metrics or spans.

@@ -13,7 +13,7 @@ from kvmesh.router.admission import AdmissionController, cost_with_cached_prefix
 from kvmesh.router.routing import choose_worker, is_spill
 from kvmesh.core.seams import SamplingParams, WorkerStats
 from kvmesh.core.errors import (DeadlineExceededError, DeadlineUnmeetableError, InvalidRequestError,
-                               OverloadedError, WorkerFailedError)
+                               OverloadedError, QueueSlotTakenError, WorkerFailedError)
 
 
 def stats(worker_id, reserved=0, capacity=1000, rate=50.0, healthy=True):
@@ -267,7 +267,7 @@ def test_a_full_lane_gives_the_newest_less_important_waiter_s_slot_to_a_more_imp
         await settle()
         with pytest.raises(OverloadedError) as evicted:  # the newest low waiter gave up its slot
             await newest
-        assert evicted.value.retry_after_s > 0 and not isinstance(evicted.value, DeadlineUnmeetableError)
+        assert evicted.value.retry_after_s > 0 and isinstance(evicted.value, QueueSlotTakenError)
         snap = admission.snapshot()
         assert (snap.num_queued_first, snap.num_evicted) == (4, 1) and not vip.done()
         admission.update_stats([stats("w0", reserved=0, capacity=1000, rate=50.0)])
@@ -343,4 +343,24 @@ def test_a_full_preferred_worker_spills_to_one_with_room_and_only_none_means_ove
         ticket.release()
         again = await admission.acquire(100, route=route, exclude=frozenset({"w0"}))
         assert again.worker_id == "w1"
+    asyncio.run(main())
+
+
+def test_max_wait_zero_admits_now_or_refuses_without_queueing_and_a_short_wait_bounds_the_queue():
+    """The degradation ladder's probes: a step that does not fit now is refused at once and
+    takes no queue slot; the ladder's queue step waits its own bound, not max_queue_wait_s."""
+    async def main():
+        clock = FakeClock()
+        admission = controller([stats("w0", reserved=900, capacity=1000)], clock=clock, max_queue_wait_s=30.0)
+        with pytest.raises(OverloadedError) as refused:
+            await admission.acquire(200, max_wait_s=0.0)
+        assert refused.value.retry_after_s > 0
+        assert admission.snapshot().num_queued_first == 0
+        ticket = await admission.acquire(100, max_wait_s=0.0)  # fits: admitted as usual
+        assert ticket.worker_id == "w0"
+        ticket.release()
+        with pytest.raises(OverloadedError):  # after the step's 0.05 s (a 30 s wait would hit the guard)
+            await asyncio.wait_for(admission.acquire(200, max_wait_s=0.05), timeout=20)
+        assert admission.snapshot().num_queued_first == 0
+
     asyncio.run(main())
