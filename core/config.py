@@ -109,6 +109,11 @@ class SchedulerConfig:
     admission_reserve: str = "max_tokens"  # max_tokens | expected
     expected_output_floor_tokens: int = 16
     expected_output_quantile: float = 0.9
+    # Class-aware KV admission: this share of the KV budget is kept for requests of a class
+    # more important than (numerically below) kv_reserved_below_class; the other classes
+    # together may commit at most the rest, so a flood of them cannot take all of it.
+    kv_reserved_fraction: float = 0.0
+    kv_reserved_below_class: int = 1
 
     def validate(self) -> None:
         _one_of("scheduler.policy", self.policy, ("continuous", "static", "dynamic"))
@@ -124,6 +129,7 @@ class SchedulerConfig:
         _one_of("scheduler.admission_reserve", self.admission_reserve, ("max_tokens", "expected"))
         _check(self.expected_output_floor_tokens >= 1, "scheduler.expected_output_floor_tokens must be >= 1")
         _check(0 < self.expected_output_quantile <= 1, "scheduler.expected_output_quantile must be in (0, 1]")
+        _check(0 <= self.kv_reserved_fraction < 1, "scheduler.kv_reserved_fraction must be in [0, 1)")
 
 
 @dataclass(frozen=True)
