@@ -104,7 +104,7 @@ class SchedulerConfig:
     max_priority_preemptions: int = 3
     # What a request's KV reservation counts for its output: its whole max_tokens (never
     # preempted for lack of blocks unless over-committed), or `expected`: an estimate learned
-    # per tenant from finished requests (worker/engine_loop/output_estimate.py), never below the floor,
+    # per tenant from finished requests (kv/output_estimate.py), never below the floor,
     # topped up as a request outgrows it, preemption as the safety valve.
     admission_reserve: str = "max_tokens"  # max_tokens | expected
     expected_output_floor_tokens: int = 16

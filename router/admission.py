@@ -10,7 +10,10 @@ Budget (the articles' rule, per worker, from its latest `WorkerStats`):
     a request of cost C_w = n x K x (ceil((prompt + max_tokens) / K) - cached_w) fits on w when
                                                   committed_w + C_w <= kv_tokens_capacity_w
 
-where cached_w is the prompt blocks the prefix index says w already holds (`cost_for`): a
+where cached_w is the prompt blocks the prefix index says w already holds (`cost_for`), and
+max_tokens is the router's estimate of the output instead when the workers reserve on
+expected output (scheduler.admission_reserve: expected; router_core.py learns it per tenant
+as the workers do, from finished requests' usage): a
 worker reserves only the blocks it will newly allocate, and counts the shared ones once
 (worker/engine_loop/admission.py). The router's estimate may be stale; the worker's own check is exact,
 and a worker that refuses is spilled over by the router (router_core.py).
@@ -96,11 +99,15 @@ RouteFn = Callable[[list[WorkerStats], Mapping[str, int]], str]
 CostFn = Callable[[str], int]
 
 
-def request_cost_tokens(prompt_tokens: int, sampling: SamplingParams, block_size: int = 1) -> int:
+def request_cost_tokens(prompt_tokens: int, sampling: SamplingParams, block_size: int = 1,
+                        output_tokens: int | None = None) -> int:
     """KV tokens the worker will reserve for a request, as its admission counts them: each of
     the n samples reserves prompt + max_tokens rounded up to whole blocks (K x ceil(S / K)).
-    Pass the workers' block_size to match them exactly; 1 gives the unrounded figure."""
-    return request_kv_tokens(prompt_tokens, sampling.max_tokens, block_size, n=sampling.n)
+    Pass the workers' block_size to match them exactly; 1 gives the unrounded figure.
+    `output_tokens`: the output the worker reserves when not max_tokens (admission_reserve:
+    expected, the router's estimate of it)."""
+    output = sampling.max_tokens if output_tokens is None else output_tokens
+    return request_kv_tokens(prompt_tokens, output, block_size, n=sampling.n)
 
 
 def _excluding(cost_for: CostFn, exclude: frozenset[str]) -> CostFn:
@@ -109,11 +116,12 @@ def _excluding(cost_for: CostFn, exclude: frozenset[str]) -> CostFn:
 
 
 def cost_with_cached_prefix(prompt_tokens: int, sampling: SamplingParams, block_size: int,
-                            cached_blocks: int) -> int:
+                            cached_blocks: int, output_tokens: int | None = None) -> int:
     """The cost on a worker that holds `cached_blocks` leading prompt blocks. Capped as the
     worker's prefix match is: the last prompt token is always computed."""
     cached_blocks = min(cached_blocks, (prompt_tokens - 1) // block_size)
-    return request_kv_tokens(prompt_tokens, sampling.max_tokens, block_size, n=sampling.n,
+    output = sampling.max_tokens if output_tokens is None else output_tokens
+    return request_kv_tokens(prompt_tokens, output, block_size, n=sampling.n,
                              cached_prompt_tokens=cached_blocks * block_size)
 
 

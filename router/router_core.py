@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.kv.hashing import hash_full_blocks
+from kvmesh.kv.output_estimate import OutputLengthEstimator
 from kvmesh.router import degradation, request_rules, tracing
 from kvmesh.router.admission import AdmissionController, AdmissionTicket, cost_with_cached_prefix, request_cost_tokens
 from kvmesh.router.auth import Authenticator
@@ -115,6 +116,11 @@ class RouterCore:
         self.in_flight = 0
         self.live_request_ids: set[str] = set()  # scoped ids of this replica's admitted requests
         self._backlog = TenantBacklog()  # per-tenant in-flight: the fair rank (router/fairness.py)
+        # Workers that reserve on expected output: the router costs requests the same way,
+        # with its own estimate learned per tenant from the usage of finished requests.
+        s = config.scheduler
+        self.output_estimate = (OutputLengthEstimator(s.expected_output_floor_tokens, s.expected_output_quantile)
+                                if s.admission_reserve == "expected" else None)
         pool.on_stats = self._on_worker_stats
 
     def _on_worker_stats(self, stats: list[WorkerStats], taken_at: float | None) -> None:
@@ -276,11 +282,15 @@ class RouterCore:
         info = self.pool.any_info()
         block_size = info.block_size if info is not None else 1  # the workers' own rounding
         num_prompt, sampling = len(request.prompt_token_ids), request.sampling
+        output = None if self.output_estimate is None else self.output_estimate.estimate(
+            request.tenant_id, sampling.max_tokens)
         ticket = await self.admission.acquire(
-            request_cost_tokens(num_prompt, sampling, block_size=block_size), attempt=request.attempt,
+            request_cost_tokens(num_prompt, sampling, block_size=block_size, output_tokens=output),
+            attempt=request.attempt,
             route=route, deadline_s=request.deadline_s, exclude=exclude,
             priority_class=request.priority if request.priority_class is None else request.priority_class,
-            max_wait_s=max_wait_s, cost_for=lambda w: cost_with_cached_prefix(num_prompt, sampling, block_size, resident.get(w, 0)))
+            max_wait_s=max_wait_s,
+            cost_for=lambda w: cost_with_cached_prefix(num_prompt, sampling, block_size, resident.get(w, 0), output))
         if hashes:  # the family's next request follows this one before the worker reports it
             token = index.add_in_flight(ticket.worker_id, hashes)
             ticket.on_release(lambda: index.end_in_flight(token))
@@ -454,6 +464,7 @@ class RequestStream:
             core.metrics.observe_request_end(self._request.tenant_id, final.timings if final else None, usage,
                                              FINISH_TIMEOUT if timed_out else reason, self._arrived_s)
             self._record_route_truth(usage)
+            self._learn_output_length(reason, usage)
             for span in self._spans:
                 span.set_attribute(tracing.ATTR_FINISH_REASON, FINISH_TIMEOUT if timed_out else reason.value)
                 if reason is FinishReason.ERROR:
@@ -463,6 +474,13 @@ class RequestStream:
             # Shielded: if this task is cancelled meanwhile the settlement still completes
             # (else the tenant's slot would stay taken until its lease expires).
             await asyncio.shield(core._settle(self._reservation, used if (used or final is not None) else None))
+
+    def _learn_output_length(self, reason: FinishReason, usage) -> None:
+        """A request that ended by itself teaches the expected-output estimate, as on the worker."""
+        estimate = self._core.output_estimate
+        if (estimate is not None and usage is not None and self._request.sampling.n == 1
+                and reason in (FinishReason.STOP, FinishReason.LENGTH) and not self.degraded):
+            estimate.observe(self._request.tenant_id, usage.completion_tokens)
 
     def _record_route_truth(self, usage) -> None:
         """Predicted vs actually hit prefix blocks: a metric, and attributes of kvmesh.stream."""

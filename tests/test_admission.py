@@ -364,3 +364,25 @@ def test_max_wait_zero_admits_now_or_refuses_without_queueing_and_a_short_wait_b
         assert admission.snapshot().num_queued_first == 0
 
     asyncio.run(main())
+
+
+def test_in_front_of_expected_output_workers_the_router_costs_a_request_as_the_worker_reserves_it():
+    """Same history, same estimate: the router's cost (output_tokens = its estimate) is the
+    worker's reservation, where max_tokens would overstate it 4x."""
+    from kvmesh.core.config import SchedulerConfig
+    from kvmesh.kv.output_estimate import OutputLengthEstimator
+    from kvmesh.worker.engine_loop.admission import AdmissionController as WorkerAdmission
+    from kvmesh.worker.engine_loop.request import Request
+
+    scheduler = SchedulerConfig(admission_reserve="expected", expected_output_floor_tokens=16)
+    worker = WorkerAdmission(scheduler, capacity_tokens=4096, block_size=16, clock=time.monotonic)
+    router = OutputLengthEstimator(scheduler.expected_output_floor_tokens, scheduler.expected_output_quantile)
+    for length in (20, 30, 25, 40, 35, 28, 22, 33, 27, 31):  # requests of tenant t that ended by themselves
+        worker.estimator.observe("t", length)
+        router.observe("t", length)
+    sampling = SamplingParams(max_tokens=200)
+    request = Request("r", list(range(40)), sampling, arrival_time=0.0, tenant_id="t")
+    cost = request_cost_tokens(40, sampling, block_size=16, output_tokens=router.estimate("t", 200))
+    assert cost == worker.reservation_for(request) == 16 * -(-(40 + 40) // 16)  # 40 = the 0.9 quantile
+    assert request_cost_tokens(40, sampling, block_size=16) == 240
+    assert cost_with_cached_prefix(40, sampling, 16, 2, output_tokens=40) == cost - 32

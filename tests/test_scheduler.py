@@ -490,7 +490,7 @@ def test_a_request_is_preempted_for_priority_at_most_the_limit_and_classes_not_r
 
 def _teach_short_outputs(scheduler, model, num_output_tokens=2):
     """MIN_SAMPLES requests of tenant t that stop after `num_output_tokens` (as at a stop token)."""
-    from kvmesh.worker.engine_loop.output_estimate import MIN_SAMPLES
+    from kvmesh.kv.output_estimate import MIN_SAMPLES
     for i in range(MIN_SAMPLES):  # one at a time: each reserves its whole max_tokens until taught
         submit(scheduler, f"teach{i}", range(100 + i, 104 + i), max_tokens=20, tenant_id="t")
         while scheduler.has_unfinished():

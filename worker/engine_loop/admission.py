@@ -26,7 +26,7 @@ finished) are added once to the committed total, however many requests share the
     blocks counted once:    33 x 16 shared + 2 x 48 = 624 committed for two, room for 30
 
 With `admission_reserve: expected` the output part is an estimate learned per tenant
-(worker/engine_loop/output_estimate.py) instead of max_tokens; a request that outgrows it has its
+(kv/output_estimate.py) instead of max_tokens; a request that outgrows it has its
 reservation topped up a block at a time (`grow_for_output`), and preemption covers the pool
 running short meanwhile. "Can this ever fit" still counts the whole max_tokens.
 
@@ -54,7 +54,7 @@ from kvmesh.core.config import SchedulerConfig
 from kvmesh.kv.kv_cost import request_kv_tokens
 from kvmesh.core.errors import InvalidRequestError, OverloadedError
 from kvmesh.worker.engine_loop.request import Request
-from kvmesh.worker.engine_loop.output_estimate import OutputLengthEstimator
+from kvmesh.kv.output_estimate import OutputLengthEstimator
 
 logger = logging.getLogger(__name__)
 
