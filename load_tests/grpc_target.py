@@ -25,7 +25,6 @@ from kvmesh.core.errors import InvalidRequestError, WorkerFailedError
 from kvmesh.router.client import AsyncKvmeshClient
 from kvmesh.router.retry import RetryPolicy
 from kvmesh.router.client import StreamRestart
-from kvmesh.core.seams import SamplingParams
 from kvmesh.core.config import KvmeshConfig
 
 logger = logging.getLogger(__name__)
@@ -74,7 +73,7 @@ class GrpcTarget(Target):
         return self._clients[api_key]
 
     async def stream(self, request: TargetRequest) -> AsyncIterator[StreamChunk]:
-        sampling = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
+        sampling = request.sampling()
         deltas = self._client(request.api_key).generate(prompt_token_ids=request.prompt_token_ids,
                                                         sampling=sampling, request_id=request.request_id,
                                                         timeout_s=self.timeout_s)

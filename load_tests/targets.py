@@ -38,10 +38,15 @@ class TargetRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     prompt_text: str
-    max_tokens: int  # exact output length: sent with ignore_eos
+    max_tokens: int  # exact output length: sent with ignore_eos (a ceiling when `stop` is set)
     tenant_id: str = "default"
     api_key: str | None = None
     attempt: int = 1  # 1 = first attempt
+    stop: tuple[str, ...] = ()  # stop strings: the output ends at the first (EOS counts too)
+
+    def sampling(self) -> SamplingParams:
+        """Greedy; exactly max_tokens, or up to max_tokens ending at a stop string or EOS."""
+        return SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=not self.stop, stop=self.stop)
 
 
 @dataclass(frozen=True)
@@ -122,7 +127,7 @@ class EngineTarget(Target):
 
     async def stream(self, request: TargetRequest) -> AsyncIterator[StreamChunk]:
         req = GenerateRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                              sampling=SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True),
+                              sampling=request.sampling(),
                               tenant_id=request.tenant_id, attempt=request.attempt)
         async with contextlib.aclosing(self.engine.generate(req)) as deltas:
             async for delta in deltas:
@@ -188,8 +193,10 @@ class OpenAIHttpTarget(Target):
 
     def _body(self, request: TargetRequest) -> dict:
         body = {"prompt": list(request.prompt_token_ids) if self.send_token_ids else request.prompt_text,
-                "max_tokens": request.max_tokens, "temperature": 0.0, "stream": True, "ignore_eos": True,
+                "max_tokens": request.max_tokens, "temperature": 0.0, "stream": True, "ignore_eos": not request.stop,
                 "stream_options": {"include_usage": True}}
+        if request.stop:
+            body["stop"] = list(request.stop)
         if self.model:
             body["model"] = self.model
         return body

@@ -164,3 +164,17 @@ def test_shipped_campaigns_parse_and_bad_ones_are_rejected():
                 {"runs": [{"name": "x", "workload": {"kind": "zipf"}}]}):
         with pytest.raises(InvalidRequestError):
             campaign_mod.parse_campaign(bad)
+
+
+def test_a_stop_workload_asks_the_same_ceiling_and_lets_the_text_end_each_output(corpus):
+    from kvmesh.load_tests.targets import TargetRequest
+
+    spec = WorkloadSpec(num_requests=6, scale=0.05, seed=3, stop=(".",), max_tokens=200)
+    reqs = generate_workload(spec, corpus)
+    assert {r.output_tokens for r in reqs} == {200} and {r.stop for r in reqs} == {(".",)}
+    sent = TargetRequest("r", reqs[0].prompt_token_ids, "", 200, stop=(".",)).sampling()
+    assert (sent.max_tokens, sent.stop, sent.ignore_eos) == (200, (".",), False)
+    assert TargetRequest("r", (1,), "", 7).sampling().ignore_eos  # exact length: ignore_eos
+    for bad in ({"stop": (".",)}, {"max_tokens": 200}, {"stop": (".",), "max_tokens": 0}):
+        with pytest.raises(InvalidRequestError):
+            generate_workload(WorkloadSpec(num_requests=2, **bad), corpus)
