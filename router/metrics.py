@@ -109,6 +109,13 @@ class RouterMetrics:
         def hist(name: str, doc: str, buckets=_LATENCY_BUCKETS_S) -> Histogram:
             return Histogram(PREFIX + name, doc, buckets=buckets, registry=r)
 
+        def counter_by(name: str, doc: str, label: str, values: tuple[str, ...]) -> Counter:
+            """A counter with one label, every value present at 0 so rate() works from the start."""
+            counter = Counter(PREFIX + name, doc, [label], registry=r)
+            for value in values:
+                counter.labels(value)
+            return counter
+
         self.ttft = hist("time_to_first_token_seconds",
                          "Time from the router's arrival to the first output token (what the client waits).")
         self.itl = hist("inter_token_latency_seconds", "Mean gap between output tokens, per request.", _ITL_BUCKETS_S)
@@ -130,15 +137,11 @@ class RouterMetrics:
                                          "Prompt tokens found in the prefix cache.", registry=r)
         self.requests = Counter(PREFIX + "requests", "Finished requests by finish reason.",
                                 ["finish_reason", "tenant"], registry=r)
-        self.rejections = Counter(PREFIX + "rejections", "Requests rejected before running, by reason.",
-                                  ["reason"], registry=r)
-        for reason in REJECTION_REASONS:
-            self.rejections.labels(reason)  # present at 0, so rate() works from the start
-        self.timeouts = Counter(PREFIX + "request_timeouts", "Requests whose deadline passed, by where they were "
-                                "(admission: before a worker; stream: on a worker). Not counted as errors.",
-                                ["stage"], registry=r)
-        for stage in TIMEOUT_STAGES:
-            self.timeouts.labels(stage)
+        self.rejections = counter_by("rejections", "Requests rejected before running, by reason.", "reason",
+                                     REJECTION_REASONS)
+        self.timeouts = counter_by("request_timeouts", "Requests whose deadline passed, by where they were "
+                                   "(admission: before a worker; stream: on a worker). Not counted as errors.",
+                                   "stage", TIMEOUT_STAGES)
         self.route_predicted_blocks = Counter(PREFIX + "route_predicted_prefix_blocks",
                                               "Prompt blocks the router expected the chosen worker to have cached.",
                                               registry=r)
@@ -150,20 +153,16 @@ class RouterMetrics:
                                             buckets=_ROUTE_ERROR_BUCKETS, registry=r)
         self.retries_seen = Counter(PREFIX + "retries_seen", "Requests that arrived as a client retry.",
                                     registry=r)
-        self.routing_spills = Counter(
-            PREFIX + "routing_spills",
+        self.routing_spills = counter_by(
+            "routing_spills",
             "Requests sent to another worker than their cached prefix's because that one was full "
             "(preferred_full: no budget in the router's view; worker_refused: its own admission said no).",
-            ["reason"], registry=r)
-        for reason in SPILL_REASONS:
-            self.routing_spills.labels(reason)
-        self.degraded = Counter(
-            PREFIX + "degraded",
+            "reason", SPILL_REASONS)
+        self.degraded = counter_by(
+            "degraded",
             "Requests the degradation ladder handled, by its step (cap: max_tokens capped; fallback: "
             "sent to the fallback pool; reject: every step failed, refused with retry-after).",
-            ["step"], registry=r)
-        for step in DEGRADATION_STEPS:
-            self.degraded.labels(step)
+            "step", DEGRADATION_STEPS)
         self.quota_fallback = Gauge(PREFIX + "quota_store_fallback_active",
                                     "1 while Redis is unreachable and local per-replica limits apply.",
                                     ["replica"], registry=r)

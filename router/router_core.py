@@ -348,6 +348,12 @@ class RouterCore:
         results = await asyncio.gather(*refs, return_exceptions=True)
         return any(r is True for r in results)
 
+    def _others_routable(self, worker_id: str, fallback: bool) -> bool:
+        """Another routable worker of the same pool: where a re-route could go (with none, it
+        would only queue for the worker that just refused or failed)."""
+        pool = self.pool.fallback_ids if fallback else frozenset(self.pool.worker_ids) - self.pool.fallback_ids
+        return any(w in pool and w != worker_id for w in self.pool.routable_ids())
+
     def max_model_len(self) -> int | None:
         """The context length requests are checked against: the workers' own (which the
         config's model.max_model_len sets when given), None before any worker answered."""
@@ -435,7 +441,7 @@ class RequestStream:
                                                   degraded=self.degraded if delta.finished else None)
                     return
                 except (WorkerFailedError, OverloadedError) as exc:
-                    if streamed_tokens or attempt == 2 or not core.pool.routable_ids():
+                    if streamed_tokens or attempt == 2 or not core._others_routable(self.worker_id, self._on_fallback):
                         raise
                     # Nothing reached the client: re-route once rather than fail it. A worker
                     # whose own admission refused (its budget filled before the router's view
