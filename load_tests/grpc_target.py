@@ -119,7 +119,9 @@ def _init_ray_on_this_thread() -> None:
 
     if not ray.is_initialized():
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster
-        ray.init(include_dashboard=False, log_to_driver=False)
+        # address="local": always a new cluster, never one some other process on this machine
+        # started (a plain ray.init() joins the latest one it finds).
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
 
 
 class ClusterTarget(GrpcTarget):
