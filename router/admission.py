@@ -18,6 +18,13 @@ worker reserves only the blocks it will newly allocate, and counts the shared on
 (worker/engine_loop/admission.py). The router's estimate may be stale; the worker's own check is exact,
 and a worker that refuses is spilled over by the router (router_core.py).
 
+With class-aware KV admission on the workers (scheduler.kv_reserved_fraction f, classes >= c
+limited to (1 - f) of the budget; worker/engine_loop/admission.py), a request of class >= c
+fits on w only when committed_w + C_w <= (1 - f) x capacity_w: stricter than the worker
+(which counts only those classes' reservations against that share), never looser, so the
+router does not send a flood the worker would turn away, and its own pending tickets for
+such requests cannot crowd out a more important one.
+
 The cluster budget is the sum over healthy workers; a request is admitted when at least one
 worker has room, and routing then chooses among the workers that do (the `route` callback).
 Capacity is whatever the workers measure and report: nothing here is a hard-coded threshold.
@@ -203,8 +210,15 @@ class AdmissionSnapshot:
 
 class AdmissionController:
     def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time):
+                 wall_clock: Callable[[], float] = time.time, kv_reserved_fraction: float = 0.0,
+                 kv_reserved_below_class: int = 1):
         self._config = config
+        # The workers' class-aware KV admission (scheduler.kv_reserved_fraction): requests of
+        # a class >= kv_reserved_below_class fit only within (1 - fraction) of a worker's
+        # capacity. Counted against everything committed (the router does not see the
+        # workers' split by class), so it never sends one the worker must refuse.
+        self._shared_class_fraction = 1.0 - kv_reserved_fraction
+        self._reserved_below_class = kv_reserved_below_class
         self._clock = clock
         self._wall_clock = wall_clock  # deadlines are absolute time.time() values
         self._num_deadline_shed = 0
@@ -258,7 +272,8 @@ class AdmissionController:
         lane = self._retry_lane if attempt > 1 else self._first_lane
         nobody_ahead = not any(w.priority_class <= priority_class for w in lane)
         if nobody_ahead and not (attempt > 1 and self._first_lane):  # admit at once if it fits
-            ticket = self._try_admit(cost_tokens, attempt, route, queued_since=None, cost_for=cost_for)
+            ticket = self._try_admit(cost_tokens, attempt, route, queued_since=None, cost_for=cost_for,
+                                     priority_class=priority_class)
             if ticket is not None:
                 return ticket
         if max_wait_s == 0:
@@ -302,12 +317,14 @@ class AdmissionController:
         return self._retry_tokens_live + cost_tokens <= self._config.retry_lane_fraction * capacity
 
     def _try_admit(self, cost_tokens: int, attempt: int, route: RouteFn | None,
-                   queued_since: float | None, cost_for: CostFn | None = None) -> AdmissionTicket | None:
+                   queued_since: float | None, cost_for: CostFn | None = None,
+                   priority_class: int = 0) -> AdmissionTicket | None:
         if attempt > 1 and not self._retry_budget_allows(cost_tokens):
             return None
         costs = {w.worker_id: cost_for(w.worker_id) if cost_for else cost_tokens for w in self._healthy()}
+        share = self._shared_class_fraction if priority_class >= self._reserved_below_class else 1.0
         eligible = [w for w in self._healthy()
-                    if self._committed(w.worker_id) + costs[w.worker_id] <= w.kv_tokens_capacity]
+                    if self._committed(w.worker_id) + costs[w.worker_id] <= share * w.kv_tokens_capacity]
         if not eligible:
             return None
         eligible.sort(key=lambda w: w.worker_id)
@@ -400,7 +417,7 @@ class AdmissionController:
                     continue
                 try:
                     ticket = self._try_admit(head.cost_tokens, head.attempt, head.route, head.enqueued_at,
-                                             head.cost_for)
+                                             head.cost_for, head.priority_class)
                 except Exception as exc:  # a failing route callback fails its own request only
                     lane.popleft()
                     head.future.set_exception(exc)

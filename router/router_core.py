@@ -106,7 +106,8 @@ class RouterCore:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics or RouterMetrics(max_num_seqs=config.scheduler.max_num_seqs)
-        self.admission = AdmissionController(config.router)
+        self.admission = AdmissionController(config.router, kv_reserved_fraction=config.scheduler.kv_reserved_fraction,
+                                             kv_reserved_below_class=config.scheduler.kv_reserved_below_class)
         self._auth = authenticator
         self._quota = quota
         self._tracer = tracer or tracing.get_tracer()  # the global provider: a no-op until set up

@@ -386,3 +386,17 @@ def test_in_front_of_expected_output_workers_the_router_costs_a_request_as_the_w
     assert cost == worker.reservation_for(request) == 16 * -(-(40 + 40) // 16)  # 40 = the 0.9 quantile
     assert request_cost_tokens(40, sampling, block_size=16) == 240
     assert cost_with_cached_prefix(40, sampling, 16, 2, output_tokens=40) == cost - 32
+
+
+def test_with_a_kept_kv_share_less_important_classes_fit_only_within_the_rest():
+    async def main():
+        admission = AdmissionController(RouterConfig(max_queue_len=10, max_queue_wait_s=5.0), clock=FakeClock(),
+                                        kv_reserved_fraction=0.25, kv_reserved_below_class=1)
+        admission.update_stats([stats("w0", reserved=600, capacity=1000)])
+        low = await admission.acquire(150, priority_class=1)  # 600 + 150 <= 750
+        with pytest.raises(OverloadedError):  # 750 + 100 > 750: the rest is kept for class 0
+            await admission.acquire(100, priority_class=2, max_wait_s=0.0)
+        high = await admission.acquire(200, priority_class=0)  # 750 + 200 <= 1000
+        assert (low.worker_id, high.worker_id) == ("w0", "w0")
+
+    asyncio.run(main())

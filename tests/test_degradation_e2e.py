@@ -18,6 +18,7 @@ step. Afterwards every worker's KV is back to zero.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,8 @@ import pytest
 
 from e2e_cluster import scrape, serving, tiny_cluster_config, total, wait_for
 from kvmesh.core.seams import SamplingParams
+from kvmesh.load_tests.grpc_target import GrpcTarget
+from kvmesh.load_tests.targets import TargetRequest
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc
 from kvmesh.router import status_map
@@ -155,7 +158,7 @@ def test_each_ladder_step_tells_the_client_what_happened(cluster):
     _assert_kv_returns_to_zero(stub)
 
 
-def test_http_says_capped_in_a_header_and_in_usage(cluster):
+def test_http_and_the_load_driver_s_grpc_target_see_the_cap(cluster):
     config, stub = cluster
     rng = random.Random(19)
     capacity = _main_worker(stub).kv_tokens_capacity
@@ -164,15 +167,31 @@ def test_http_says_capped_in_a_header_and_in_usage(cluster):
     while not next(messages).token_ids:  # admitted and running: the main pool is under pressure
         pass
     body = {"prompt": _prompt(rng), "max_tokens": ASKED_TOKENS, "temperature": 0.0, "ignore_eos": True}
-    response = httpx.post(f"http://127.0.0.1:{config.router.http_port}/v1/completions", json=body, timeout=60)
+    load_request = TargetRequest("load-1", tuple(_prompt(rng)), "", ASKED_TOKENS)  # the load driver's view
+    with ThreadPoolExecutor(2) as pool:
+        http = pool.submit(httpx.post, f"http://127.0.0.1:{config.router.http_port}/v1/completions", json=body,
+                           timeout=60)
+        chunks = pool.submit(asyncio.run, _target_chunks(f"127.0.0.1:{config.router.grpc_port}", load_request))
+        response, chunks = http.result(), chunks.result()
     rest = list(messages)
     assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH  # it held the pool until the end
+    # The load driver's gRPC target reads the flag (RequestRecord.degraded comes from it).
+    assert chunks[-1].finished and chunks[-1].degraded and chunks[-1].completion_tokens == CAP_TOKENS
     assert response.status_code == 200, response.text
     assert response.headers[DEGRADED_KEY] == "cap"
     result = response.json()
     assert result["usage"]["kvmesh_degraded"] == "cap" and result["usage"]["completion_tokens"] == CAP_TOKENS
     assert result["choices"][0]["finish_reason"] == "length"
     _assert_kv_returns_to_zero(stub)
+
+
+async def _target_chunks(address: str, request: TargetRequest) -> list:
+    target = GrpcTarget(address)
+    await target.start()
+    try:
+        return [chunk async for chunk in target.stream(request)]
+    finally:
+        await target.close()
 
 
 def _assert_kv_returns_to_zero(stub) -> None:
