@@ -153,8 +153,12 @@ def test_shipped_campaigns_parse_and_bad_ones_are_rejected():
             campaign_mod.load_campaign(path)
     names = {p.stem: campaign_mod.load_campaign(p) for p in folder.glob("*.yaml") if p not in own_driver}
     assert {"seed-table", "peers", "prefix-routing", "overload", "tenants", "cancel-storm"} <= set(names)
-    assert [r.name for r in names["seed-table"].runs] == ["static-batch-8", "continuous", "continuous-preemption",
-                                                          "continuous-max-4"]
+    assert [r.name for r in names["seed-table"].runs] == [
+        "static-batch-8", "continuous", "continuous-preemption", "continuous-max-4", "stop-max-tokens",
+        "stop-expected-preemption", "stop-max-tokens-poisson", "stop-expected-preemption-poisson"]
+    expected_row = names["seed-table"].runs[5]
+    assert expected_row.config["scheduler"]["admission_reserve"] == "expected"
+    assert tuple(expected_row.streams[0].workload.stop) == (".", "\n") and expected_row.streams[0].workload.max_tokens == 200
     sweep = campaign_mod.parse_campaign({"runs": [{"name": "c", "arrival": {"rate": [1, 2, 4]}}]})
     assert [(r.name, r.label, r.streams[0].arrival.rate) for r in sweep.runs] == [
         ("c@1", "c", 1.0), ("c@2", "c", 2.0), ("c@4", "c", 4.0)]
