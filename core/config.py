@@ -12,7 +12,8 @@ fields. Each component receives only its own section (``config.cache``, ``config
     ├── quant          weight quantization
     ├── router         ports, routing policy, admission thresholds, retry lane
     ├── tenants        auth, quota store, tenant list
-    └── observability  tracing exporter and sampling, metrics
+    ├── observability  tracing exporter and sampling, metrics
+    └── degradation    the ladder under pressure (cap, fallback pool, reject) per priority class
 """
 
 from __future__ import annotations
@@ -117,11 +118,16 @@ class SchedulerConfig:
     max_priority_preemptions: int = 3
     # What a request's KV reservation counts for its output: its whole max_tokens (never
     # preempted for lack of blocks unless over-committed), or `expected`: an estimate learned
-    # per tenant from finished requests (worker/engine_loop/output_estimate.py), never below the floor,
+    # per tenant from finished requests (kv/output_estimate.py), never below the floor,
     # topped up as a request outgrows it, preemption as the safety valve.
     admission_reserve: str = "max_tokens"  # max_tokens | expected
     expected_output_floor_tokens: int = 16
     expected_output_quantile: float = 0.9
+    # Class-aware KV admission: this share of the KV budget is kept for requests of a class
+    # more important than (numerically below) kv_reserved_below_class; the other classes
+    # together may commit at most the rest, so a flood of them cannot take all of it.
+    kv_reserved_fraction: float = 0.0
+    kv_reserved_below_class: int = 1
 
     def validate(self) -> None:
         _one_of("scheduler.policy", self.policy, ("continuous", "static", "dynamic"))
@@ -137,6 +143,7 @@ class SchedulerConfig:
         _one_of("scheduler.admission_reserve", self.admission_reserve, ("max_tokens", "expected"))
         _check(self.expected_output_floor_tokens >= 1, "scheduler.expected_output_floor_tokens must be >= 1")
         _check(0 < self.expected_output_quantile <= 1, "scheduler.expected_output_quantile must be in (0, 1]")
+        _check(0 <= self.kv_reserved_fraction < 1, "scheduler.kv_reserved_fraction must be in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -284,6 +291,60 @@ class ObservabilityConfig:
 
 
 @dataclass(frozen=True)
+class DegradationRule:
+    """What the router does for one range of priority classes when the main pool has no room
+    (router/degradation.py), in this order: queue up to `queue_wait_s` -> cap max_tokens to
+    `cap_max_tokens` (when set) -> send to the fallback pool (when `fallback`) -> reject
+    with retry-after. The rule with the highest `min_priority_class` not above a request's
+    class applies (lower class = more important); a class no rule covers queues up to
+    router.max_queue_wait_s and is then rejected, as without a ladder."""
+
+    min_priority_class: int = 0
+    queue_wait_s: float = 0.0
+    cap_max_tokens: int | None = None
+    fallback: bool = False
+
+    def validate(self) -> None:
+        _check(self.queue_wait_s >= 0, "degradation.rules[].queue_wait_s must be >= 0")
+        _check(self.cap_max_tokens is None or self.cap_max_tokens >= 1,
+               "degradation.rules[].cap_max_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class FallbackPoolConfig:
+    """A second worker group the ladder's `fallback` step sends requests to, never used by
+    undegraded traffic: the same model with other weight quantization (e.g. int4, cheaper
+    per token), or another model that shares the main model's tokenizer. 0 workers = none."""
+
+    num_workers: int = 0
+    quant_weight: str | None = None  # None = quant.weight of the main pool
+    model_path: str | None = None  # None = model.path of the main pool
+    max_num_seqs: int | None = None  # None = scheduler.max_num_seqs
+
+    def validate(self) -> None:
+        _check(self.num_workers >= 0, "degradation.fallback_pool.num_workers must be >= 0")
+        if self.quant_weight is not None:
+            _one_of("degradation.fallback_pool.quant_weight", self.quant_weight, ("none", "int8", "int4", "int4_awq"))
+        _check(self.max_num_seqs is None or self.max_num_seqs >= 1,
+               "degradation.fallback_pool.max_num_seqs must be >= 1")
+
+
+@dataclass(frozen=True)
+class DegradationConfig:
+    rules: tuple[DegradationRule, ...] = ()  # empty = no ladder: queue, then reject
+    fallback_pool: FallbackPoolConfig = field(default_factory=FallbackPoolConfig)
+
+    def validate(self) -> None:
+        classes = [r.min_priority_class for r in self.rules]
+        _check(len(classes) == len(set(classes)), f"degradation.rules: duplicate min_priority_class in {classes}")
+        for rule in self.rules:
+            rule.validate()
+            _check(not rule.fallback or self.fallback_pool.num_workers > 0,
+                   "degradation.rules[].fallback needs degradation.fallback_pool.num_workers >= 1")
+        self.fallback_pool.validate()
+
+
+@dataclass(frozen=True)
 class KvmeshConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -293,6 +354,7 @@ class KvmeshConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     tenants: TenantsConfig = field(default_factory=TenantsConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    degradation: DegradationConfig = field(default_factory=DegradationConfig)
 
     def validate(self) -> "KvmeshConfig":
         for f in dataclasses.fields(self):

@@ -53,6 +53,11 @@ class DeadlineUnmeetableError(OverloadedError):
     router can count this reason apart."""
 
 
+class QueueSlotTakenError(OverloadedError):
+    """Refused while queued: a more important request took this one's slot in a full
+    admission lane. A retryable overload to the caller; its own class so it is counted apart."""
+
+
 class RequestCancelledError(KvmeshError):
     """The request was cancelled (client gone, Cancel RPC)."""
 

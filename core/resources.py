@@ -29,7 +29,9 @@ _GRANULE_CPUS = 0.05
 
 
 def worker_rank_count(config: KvmeshConfig) -> int:
-    return config.parallel.num_workers * config.parallel.tensor_parallel_size
+    """Ranks of every engine: the main workers and the degradation ladder's fallback pool."""
+    engines = config.parallel.num_workers + config.degradation.fallback_pool.num_workers
+    return engines * config.parallel.tensor_parallel_size
 
 
 def derive_worker_num_cpus(cluster_cpus: float, num_ranks: int, router_cpus: float) -> float:

@@ -277,6 +277,9 @@ class RequestDelta:
     error_type: str | None = None
     retry_after_s: float | None = None
     sample_index: int = 0  # which of the n samples this delta belongs to
+    # On a final delta: the router's degradation-ladder step that admitted the request
+    # ("cap" | "fallback"; router/degradation.py), None = served as sent.
+    degraded: str | None = None
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,7 @@ def stop_serving(config: KvmeshConfig, app_name: str = "kvmesh") -> None:
 
     for step, action in (("delete app", lambda: serve.delete(app_name)),
                          ("kill workers", lambda: kill_workers(config, app_name)),
+                         ("kill fallback workers", lambda: _kill_fallback_workers(config, app_name)),
                          ("shutdown serve", serve.shutdown)):
         try:
             action()
@@ -142,3 +143,12 @@ def run(args: argparse.Namespace) -> int:
 
         ray.shutdown()
     return 0
+
+
+def _kill_fallback_workers(config: KvmeshConfig, app_name: str) -> None:
+    from kvmesh.router.degradation import fallback_app_name, fallback_pool_config
+    from kvmesh.worker.runtime.actor import kill_workers
+
+    fallback = fallback_pool_config(config)
+    if fallback is not None:
+        kill_workers(fallback, fallback_app_name(app_name))

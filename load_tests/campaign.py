@@ -258,8 +258,9 @@ async def _warm_up(target, requests, count: int) -> None:
     """A few short requests so model warm-up (first-call allocations) is not measured."""
     for i, req in enumerate(requests[:count]):
         treq = TargetRequest(request_id=f"warmup-{i}-{time.monotonic_ns()}", prompt_token_ids=req.prompt_token_ids,
-                             prompt_text=req.prompt_text, max_tokens=min(4, req.output_tokens),
-                             tenant_id=req.tenant_id, api_key=req.api_key)
+                             prompt_text=req.prompt_text, tenant_id=req.tenant_id, api_key=req.api_key,
+                             # stop workloads: whole requests, which also teach expected-output estimates
+                             max_tokens=req.output_tokens if req.stop else min(4, req.output_tokens), stop=req.stop)
         try:
             async for _ in target.stream(treq):
                 pass

@@ -95,6 +95,7 @@ class _Attempt:
         self.completion_tokens: int | None = None
         self.cached_tokens = 0
         self.cancelled = False
+        self.degraded = False  # the final delta said the server's ladder degraded it
 
 
 class RunDriver:
@@ -197,7 +198,7 @@ class RunDriver:
             treq = TargetRequest(request_id=f"{self.run_id}-s{stream_no}-r{req.index}-a{attempt_no}",
                                  prompt_token_ids=req.prompt_token_ids, prompt_text=req.prompt_text,
                                  max_tokens=req.output_tokens, tenant_id=req.tenant_id, api_key=req.api_key,
-                                 attempt=attempt_no)
+                                 attempt=attempt_no, stop=req.stop)
             seen = _Attempt()
             try:
                 if self.retry.timeout_s is None:
@@ -237,6 +238,7 @@ class RunDriver:
                     seen.completion_tokens = chunk.completion_tokens
                 if chunk.cached_tokens is not None:
                     seen.cached_tokens = chunk.cached_tokens
+                seen.degraded = seen.degraded or chunk.degraded
                 if cancel_after_tokens is not None and seen.num_tokens >= cancel_after_tokens:
                     seen.cancelled = True
                     return  # leaving the `async with` closes the stream: the server aborts
@@ -255,7 +257,7 @@ class RunDriver:
                              delta_times_s=tuple(seen.delta_times_s), cached_tokens=seen.cached_tokens,
                              attempts=attempts, error_code=code, error_message=message,
                              retry_error_codes=tuple(retry_codes), retry_after_s=tuple(advised_s),
-                             retry_delay_s=tuple(waited_s),
+                             retry_delay_s=tuple(waited_s), degraded=seen.degraded,
                              family=req.family)
 
 

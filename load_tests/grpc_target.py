@@ -25,7 +25,6 @@ from kvmesh.core.errors import InvalidRequestError, WorkerFailedError
 from kvmesh.router.client import AsyncKvmeshClient
 from kvmesh.router.retry import RetryPolicy
 from kvmesh.router.client import StreamRestart
-from kvmesh.core.seams import SamplingParams
 from kvmesh.core.config import KvmeshConfig
 
 logger = logging.getLogger(__name__)
@@ -74,7 +73,7 @@ class GrpcTarget(Target):
         return self._clients[api_key]
 
     async def stream(self, request: TargetRequest) -> AsyncIterator[StreamChunk]:
-        sampling = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
+        sampling = request.sampling()
         deltas = self._client(request.api_key).generate(prompt_token_ids=request.prompt_token_ids,
                                                         sampling=sampling, request_id=request.request_id,
                                                         timeout_s=self.timeout_s)
@@ -85,7 +84,8 @@ class GrpcTarget(Target):
                 usage = delta.usage if delta.finished else None
                 yield StreamChunk(len(delta.token_ids), finished=delta.finished,
                                   completion_tokens=usage.completion_tokens if usage else None,
-                                  cached_tokens=usage.cached_tokens if usage else None)
+                                  cached_tokens=usage.cached_tokens if usage else None,
+                                  degraded=bool(delta.finished and delta.degraded))
 
     async def server_sample(self) -> dict[str, float] | None:
         try:
@@ -119,7 +119,9 @@ def _init_ray_on_this_thread() -> None:
 
     if not ray.is_initialized():
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster
-        ray.init(include_dashboard=False, log_to_driver=False)
+        # address="local": always a new cluster, never one some other process on this machine
+        # started (a plain ray.init() joins the latest one it finds).
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
 
 
 class ClusterTarget(GrpcTarget):

@@ -45,6 +45,8 @@ SUMMARY_COLUMNS = (
     ("E2E mean ms", "summary.e2e.mean_ms", "{:.0f}"),
     ("E2E p99 ms", "summary.e2e.p99_ms", "{:.0f}"),
     ("max KV use", "peak.kv_usage", "{:.0%}"),
+    ("preemptions", "final.num_preemptions", "{:.0f}"),
+    ("KV tokens after", "final.kv_tokens_used", "{:.0f}"),
 )
 
 # Metrics `compare` reports, with whether higher is better (for the verdict column).

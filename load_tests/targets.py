@@ -38,10 +38,15 @@ class TargetRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     prompt_text: str
-    max_tokens: int  # exact output length: sent with ignore_eos
+    max_tokens: int  # exact output length: sent with ignore_eos (a ceiling when `stop` is set)
     tenant_id: str = "default"
     api_key: str | None = None
     attempt: int = 1  # 1 = first attempt
+    stop: tuple[str, ...] = ()  # stop strings: the output ends at the first (EOS counts too)
+
+    def sampling(self) -> SamplingParams:
+        """Greedy; exactly max_tokens, or up to max_tokens ending at a stop string or EOS."""
+        return SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=not self.stop, stop=self.stop)
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class StreamChunk:
     finished: bool = False
     completion_tokens: int | None = None  # the server's count, on the final chunk
     cached_tokens: int | None = None
+    degraded: bool = False  # the server's degradation ladder capped it or sent it to its fallback pool
 
 
 class Target(ABC):
@@ -121,7 +127,7 @@ class EngineTarget(Target):
 
     async def stream(self, request: TargetRequest) -> AsyncIterator[StreamChunk]:
         req = GenerateRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                              sampling=SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True),
+                              sampling=request.sampling(),
                               tenant_id=request.tenant_id, attempt=request.attempt)
         async with contextlib.aclosing(self.engine.generate(req)) as deltas:
             async for delta in deltas:
@@ -187,8 +193,10 @@ class OpenAIHttpTarget(Target):
 
     def _body(self, request: TargetRequest) -> dict:
         body = {"prompt": list(request.prompt_token_ids) if self.send_token_ids else request.prompt_text,
-                "max_tokens": request.max_tokens, "temperature": 0.0, "stream": True, "ignore_eos": True,
+                "max_tokens": request.max_tokens, "temperature": 0.0, "stream": True, "ignore_eos": not request.stop,
                 "stream_options": {"include_usage": True}}
+        if request.stop:
+            body["stop"] = list(request.stop)
         if self.model:
             body["model"] = self.model
         return body
@@ -245,7 +253,7 @@ def parse_sse_line(line: str) -> StreamChunk | None:
     if usage:
         details = usage.get("prompt_tokens_details") or {}
         return StreamChunk(num_tokens=1 if text else 0, finished=True, completion_tokens=usage.get("completion_tokens"),
-                           cached_tokens=details.get("cached_tokens"))
+                           cached_tokens=details.get("cached_tokens"), degraded=bool(usage.get("kvmesh_degraded")))
     if not text and not finished:
         return None
     return StreamChunk(num_tokens=1 if text else 0, finished=finished)

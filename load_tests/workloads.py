@@ -3,7 +3,10 @@
 Every generator is seeded and returns a fixed list of `WorkloadRequest`s before the run
 starts (vLLM bench serve's lesson: the same request set for every configuration, so
 configurations differ only in the server). Output lengths are exact: requests are sent
-with ignore_eos=True and max_tokens=output_tokens.
+with ignore_eos=True and max_tokens=output_tokens. Except with `stop` (stop strings) and
+`max_tokens` set: then every request asks for max_tokens and ends at the first stop string
+(a sentence, a line), as real clients' requests do, so the output is shorter than asked and
+set by the text, not by the `output` distribution (what admission on expected output is for).
 
 Kinds (the `kind` field of a workload spec in a campaign):
 
@@ -103,6 +106,7 @@ class WorkloadRequest:
     api_key: str | None = None
     family: int | None = None  # shared-prefix family, None = unique prompt
     cancel_after_tokens: int | None = None  # client cancels after this many output tokens
+    stop: tuple[str, ...] = ()  # set: output_tokens is the max_tokens asked, the text ends it sooner
     arrival_offset_s: float | None = None  # only for traces: when to send, from run start
 
     @property
@@ -130,6 +134,9 @@ class WorkloadSpec:
     cancel_fraction: float = 0.0
     # trace
     trace_path: str | None = None
+    # natural output ends: every request asks max_tokens and stops at the first of `stop`
+    stop: tuple[str, ...] = ()
+    max_tokens: int | None = None
 
     def validate(self) -> None:
         if self.kind not in ("synthetic", "shared_prefix", "long_short", "trace"):
@@ -142,6 +149,8 @@ class WorkloadSpec:
             raise InvalidRequestError("shared_prefix needs num_families >= 1 and prefix_tokens >= 1")
         if self.kind == "trace" and not self.trace_path:
             raise InvalidRequestError("a trace workload needs trace_path")
+        if bool(self.stop) != (self.max_tokens is not None) or (self.max_tokens is not None and self.max_tokens < 1):
+            raise InvalidRequestError("workload.stop and workload.max_tokens (>= 1) go together")
         for dist in (self.input, self.output, self.long_input):
             dist.validate()
 
@@ -155,6 +164,8 @@ def generate_workload(spec: WorkloadSpec, corpus: TokenCorpus, tenant_id: str = 
     rng = np.random.default_rng(spec.seed)
     n = spec.num_requests
     outputs = spec.output.scaled(spec.scale).sample(rng, n)
+    if spec.stop:  # the text ends each output; every request asks for the same ceiling
+        outputs = np.full(n, spec.max_tokens)
     families: list[int | None] = [None] * n
     prefixes: list[tuple[int, ...]] = [()] * n
     if spec.kind == "shared_prefix":
@@ -172,7 +183,8 @@ def generate_workload(spec: WorkloadSpec, corpus: TokenCorpus, tenant_id: str = 
         ids, text = corpus.sample_prompt(int(inputs[i]), rng, prefix_ids=prefixes[i])
         requests.append(WorkloadRequest(index=i, prompt_token_ids=ids, prompt_text=text,
                                         output_tokens=int(outputs[i]), tenant_id=tenant_id, api_key=api_key,
-                                        family=families[i], cancel_after_tokens=cancel_points[i]))
+                                        family=families[i], cancel_after_tokens=cancel_points[i],
+                                        stop=tuple(spec.stop)))
     return requests
 
 

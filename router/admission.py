@@ -10,10 +10,20 @@ Budget (the articles' rule, per worker, from its latest `WorkerStats`):
     a request of cost C_w = n x K x (ceil((prompt + max_tokens) / K) - cached_w) fits on w when
                                                   committed_w + C_w <= kv_tokens_capacity_w
 
-where cached_w is the prompt blocks the prefix index says w already holds (`cost_for`): a
+where cached_w is the prompt blocks the prefix index says w already holds (`cost_for`), and
+max_tokens is the router's estimate of the output instead when the workers reserve on
+expected output (scheduler.admission_reserve: expected; router_core.py learns it per tenant
+as the workers do, from finished requests' usage): a
 worker reserves only the blocks it will newly allocate, and counts the shared ones once
 (worker/engine_loop/admission.py). The router's estimate may be stale; the worker's own check is exact,
 and a worker that refuses is spilled over by the router (router_core.py).
+
+With class-aware KV admission on the workers (scheduler.kv_reserved_fraction f, classes >= c
+limited to (1 - f) of the budget; worker/engine_loop/admission.py), a request of class >= c
+fits on w only when committed_w + C_w <= (1 - f) x capacity_w: stricter than the worker
+(which counts only those classes' reservations against that share), never looser, so the
+router does not send a flood the worker would turn away, and its own pending tickets for
+such requests cannot crowd out a more important one.
 
 The cluster budget is the sum over healthy workers; a request is admitted when at least one
 worker has room, and routing then chooses among the workers that do (the `route` callback).
@@ -84,6 +94,7 @@ from kvmesh.core.errors import (
     DeadlineUnmeetableError,
     InvalidRequestError,
     OverloadedError,
+    QueueSlotTakenError,
     WorkerFailedError,
 )
 
@@ -95,11 +106,15 @@ RouteFn = Callable[[list[WorkerStats], Mapping[str, int]], str]
 CostFn = Callable[[str], int]
 
 
-def request_cost_tokens(prompt_tokens: int, sampling: SamplingParams, block_size: int) -> int:
+def request_cost_tokens(prompt_tokens: int, sampling: SamplingParams, block_size: int,
+                        output_tokens: int | None = None) -> int:
     """KV tokens the worker will reserve for a request, as its admission counts them: each of
     the n samples reserves prompt + max_tokens rounded up to whole blocks (K x ceil(S / K)).
-    `block_size` is the workers' (no default: an unrounded cost admits more than they take)."""
-    return request_kv_tokens(prompt_tokens, sampling.max_tokens, block_size, n=sampling.n)
+    `block_size` is the workers' (no default: an unrounded cost admits more than they take).
+    `output_tokens`: the output the worker reserves when not max_tokens (admission_reserve:
+    expected, the router's estimate of it)."""
+    output = sampling.max_tokens if output_tokens is None else output_tokens
+    return request_kv_tokens(prompt_tokens, output, block_size, n=sampling.n)
 
 
 def _excluding(cost_for: CostFn, exclude: frozenset[str]) -> CostFn:
@@ -108,11 +123,12 @@ def _excluding(cost_for: CostFn, exclude: frozenset[str]) -> CostFn:
 
 
 def cost_with_cached_prefix(prompt_tokens: int, sampling: SamplingParams, block_size: int,
-                            cached_blocks: int) -> int:
+                            cached_blocks: int, output_tokens: int | None = None) -> int:
     """The cost on a worker that holds `cached_blocks` leading prompt blocks. Capped as the
     worker's prefix match is: the last prompt token is always computed."""
     cached_blocks = min(cached_blocks, (prompt_tokens - 1) // block_size)
-    return request_kv_tokens(prompt_tokens, sampling.max_tokens, block_size, n=sampling.n,
+    output = sampling.max_tokens if output_tokens is None else output_tokens
+    return request_kv_tokens(prompt_tokens, output, block_size, n=sampling.n,
                              cached_prompt_tokens=cached_blocks * block_size)
 
 
@@ -194,8 +210,15 @@ class AdmissionSnapshot:
 
 class AdmissionController:
     def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time):
+                 wall_clock: Callable[[], float] = time.time, kv_reserved_fraction: float = 0.0,
+                 kv_reserved_below_class: int = 1):
         self._config = config
+        # The workers' class-aware KV admission (scheduler.kv_reserved_fraction): requests of
+        # a class >= kv_reserved_below_class fit only within (1 - fraction) of a worker's
+        # capacity. Counted against everything committed (the router does not see the
+        # workers' split by class), so it never sends one the worker must refuse.
+        self._shared_class_fraction = 1.0 - kv_reserved_fraction
+        self._reserved_below_class = kv_reserved_below_class
         self._clock = clock
         self._wall_clock = wall_clock  # deadlines are absolute time.time() values
         self._num_deadline_shed = 0
@@ -227,13 +250,16 @@ class AdmissionController:
 
     async def acquire(self, cost_tokens: int, *, attempt: int = 1, route: RouteFn | None = None,
                       deadline_s: float | None = None, cost_for: CostFn | None = None,
-                      exclude: frozenset[str] = frozenset(), priority_class: int = 0) -> AdmissionTicket:
+                      exclude: frozenset[str] = frozenset(), priority_class: int = 0,
+                      max_wait_s: float | None = None) -> AdmissionTicket:
         """Admit now, wait for room, or raise (OverloadedError, WorkerFailedError,
         InvalidRequestError, DeadlineExceededError). `deadline_s` is absolute time.time().
         `cost_tokens` is the whole cost (nothing cached); `cost_for(worker_id)`, when given,
         the cost on one worker with its cached prefix taken off (never more than the whole).
         Workers in `exclude` (one that already refused this request) are never chosen.
-        `priority_class` (lower = more important) orders the wait queue."""
+        `priority_class` (lower = more important) orders the wait queue. `max_wait_s` bounds
+        the wait below router.max_queue_wait_s (the degradation ladder's queue step); 0 admits
+        now or raises OverloadedError without queueing."""
         healthy = self._healthy()
         if not healthy:
             raise WorkerFailedError("no healthy worker to admit the request to")
@@ -246,15 +272,18 @@ class AdmissionController:
         lane = self._retry_lane if attempt > 1 else self._first_lane
         nobody_ahead = not any(w.priority_class <= priority_class for w in lane)
         if nobody_ahead and not (attempt > 1 and self._first_lane):  # admit at once if it fits
-            ticket = self._try_admit(cost_tokens, attempt, route, queued_since=None, cost_for=cost_for)
+            ticket = self._try_admit(cost_tokens, attempt, route, queued_since=None, cost_for=cost_for,
+                                     priority_class=priority_class)
             if ticket is not None:
                 return ticket
+        if max_wait_s == 0:
+            raise self._overloaded(cost_tokens, attempt, "no room now")
         slots = self.retry_slots if attempt > 1 else self.first_slots
         if len(lane) >= slots and not self._evict_less_important(lane, priority_class):
             raise self._overloaded(cost_tokens, attempt, "admission queue full")
         if deadline_s is not None and self._config.deadline_shedding:
             self._shed_if_deadline_unmeetable(cost_tokens, lane, deadline_s, priority_class)
-        return await self._wait(lane, cost_tokens, attempt, route, deadline_s, cost_for, priority_class)
+        return await self._wait(lane, cost_tokens, attempt, route, deadline_s, cost_for, priority_class, max_wait_s)
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -288,12 +317,14 @@ class AdmissionController:
         return self._retry_tokens_live + cost_tokens <= self._config.retry_lane_fraction * capacity
 
     def _try_admit(self, cost_tokens: int, attempt: int, route: RouteFn | None,
-                   queued_since: float | None, cost_for: CostFn | None = None) -> AdmissionTicket | None:
+                   queued_since: float | None, cost_for: CostFn | None = None,
+                   priority_class: int = 0) -> AdmissionTicket | None:
         if attempt > 1 and not self._retry_budget_allows(cost_tokens):
             return None
         costs = {w.worker_id: cost_for(w.worker_id) if cost_for else cost_tokens for w in self._healthy()}
+        share = self._shared_class_fraction if priority_class >= self._reserved_below_class else 1.0
         eligible = [w for w in self._healthy()
-                    if self._committed(w.worker_id) + costs[w.worker_id] <= w.kv_tokens_capacity]
+                    if self._committed(w.worker_id) + costs[w.worker_id] <= share * w.kv_tokens_capacity]
         if not eligible:
             return None
         eligible.sort(key=lambda w: w.worker_id)
@@ -325,13 +356,13 @@ class AdmissionController:
 
     async def _wait(self, lane: collections.deque, cost_tokens: int, attempt: int, route: RouteFn | None,
                     deadline_s: float | None, cost_for: CostFn | None = None,
-                    priority_class: int = 0) -> AdmissionTicket:
+                    priority_class: int = 0, max_wait_s: float | None = None) -> AdmissionTicket:
         waiter = _Waiter(cost_tokens, attempt, route, self._clock(), asyncio.get_running_loop().create_future(),
                          cost_for, priority_class)
         _enqueue(lane, waiter)
         if lane[0] is waiter:
             self._pump()  # ahead of everyone waiting: it may fit where the old head did not
-        wait_s = self._config.max_queue_wait_s
+        wait_s = self._config.max_queue_wait_s if max_wait_s is None else min(max_wait_s, self._config.max_queue_wait_s)
         deadline_first = deadline_s is not None and deadline_s - self._wall_clock() < wait_s
         if deadline_first:
             wait_s = max(0.0, deadline_s - self._wall_clock())
@@ -358,8 +389,8 @@ class AdmissionController:
             return False
         victim = lane.pop()
         if not victim.future.done():
-            victim.future.set_exception(self._overloaded(
-                victim.cost_tokens, victim.attempt, "queue slot taken by a more important request"))
+            refusal = self._overloaded(victim.cost_tokens, victim.attempt, "queue slot taken by a more important request")
+            victim.future.set_exception(QueueSlotTakenError(refusal.message, retry_after_s=refusal.retry_after_s))
         self._num_evicted += 1
         return True
 
@@ -386,7 +417,7 @@ class AdmissionController:
                     continue
                 try:
                     ticket = self._try_admit(head.cost_tokens, head.attempt, head.route, head.enqueued_at,
-                                             head.cost_for)
+                                             head.cost_for, head.priority_class)
                 except Exception as exc:  # a failing route callback fails its own request only
                     lane.popleft()
                     head.future.set_exception(exc)

@@ -192,7 +192,7 @@ def inbound_from_pb(msg: pb.GenerateRequest, call: CallMetadata | None = None,
 def delta_to_pb(delta: RequestDelta) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(request_id=delta.request_id, text=delta.text, token_ids=list(delta.token_ids),
                               sample_index=delta.sample_index, finished=delta.finished,
-                              error=delta.error or "")
+                              error=delta.error or "", degraded=delta.degraded or "")
     if delta.logprobs is not None:
         msg.logprobs.values.extend(delta.logprobs)
     if delta.finish_reason is not None:
@@ -216,7 +216,7 @@ def delta_from_pb(msg: pb.GenerateResponse) -> RequestDelta:
         logprobs=tuple(msg.logprobs.values) if msg.HasField("logprobs") else None,
         finished=msg.finished, finish_reason=_FINISH_FROM_PB.get(msg.finish_reason),
         usage=usage, timings=_timings_from_pb(msg.timings) if msg.HasField("timings") else None,
-        error=msg.error or None, sample_index=msg.sample_index)
+        error=msg.error or None, sample_index=msg.sample_index, degraded=msg.degraded or None)
 
 
 def _timings_to_pb(t: RequestTimings) -> pb.Timings:

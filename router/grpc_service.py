@@ -18,7 +18,9 @@ edge also refuses undecodable bytes and cancels streams whose client left (see t
 Metadata read: `authorization: Bearer <key>`, `x-kvmesh-attempt`, `traceparent`/`tracestate`,
 and `x-kvmesh-timeout-s` (a server-enforced deadline; a client's own gRPC deadline also
 works, because the proxy then cancels the call, which aborts the request on the worker).
-Trailing metadata `x-kvmesh-worker` names the worker that served a Generate.
+Trailing metadata `x-kvmesh-worker` names the worker that served a Generate, and
+`x-kvmesh-degraded` (cap | fallback) the degradation-ladder step that admitted it, if any
+(also the final message's `degraded` field; router/degradation.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import sys
 import time
 
 from kvmesh.proto import kvmesh_pb2 as pb
-from kvmesh.router import convert, grpc_edge, status_map
+from kvmesh.router import convert, degradation, grpc_edge, status_map
 from kvmesh.router.convert import InboundRequest
 from kvmesh.router.router_core import RouterCore
 from kvmesh.core.errors import InvalidRequestError
@@ -62,7 +64,10 @@ class KvmeshGrpcMethods:
             _check_decoded(request)
             stream = await self.core.start(inbound_from_pb(request, _invocation_metadata(grpc_context)))
             if grpc_context is not None:
-                grpc_context.set_trailing_metadata([(WORKER_KEY, stream.worker_id)])
+                trailers = [(WORKER_KEY, stream.worker_id)]
+                if stream.degraded:
+                    trailers.append((degradation.DEGRADED_KEY, stream.degraded))
+                grpc_context.set_trailing_metadata(trailers)
             async for delta in stream:
                 yield convert.delta_to_pb(delta)
         except Exception as exc:

@@ -10,6 +10,7 @@ Names follow vLLM's (`vllm:x` -> `kvmesh_x`) where vLLM has one, so existing das
     metrics.observe_route_truth(predicted_blocks=2, hit_blocks=1)  # routing truth histogram
     metrics.observe_rejection("quota")           # quota | overload | invalid | unauthenticated
     metrics.observe_retry()                      # a request that says it is a client retry
+    metrics.observe_degraded("cap")              # the degradation ladder's step: cap | fallback | reject
     metrics.update_worker_stats(stats_list)      # every stats refresh (list[WorkerStats])
     metrics.set_quota_fallback(True)             # FallbackQuotaStore's on_fallback_change
     body = metrics.render(peer_snapshots)        # bytes for GET /metrics (CONTENT_TYPE)
@@ -67,6 +68,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.core.seams import FinishReason, RequestTimings, Usage, WorkerStats
 from kvmesh.core.telemetry import EngineMetrics  # re-exported: the worker side of step time
+from kvmesh.router.degradation import STEPS as DEGRADATION_STEPS  # cap | fallback | reject, in order
 
 __all__ = ["CONTENT_TYPE", "EngineMetrics", "MetricsBoard", "RouterMetrics", "get_or_create_board",
            "render_merged", "start_publishing", "worker_families"]
@@ -76,8 +78,9 @@ logger = logging.getLogger(__name__)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 METRICS_BOARD_ACTOR = "kvmesh-metrics-board"
 PREFIX = "kvmesh_"
-# deadline: refused on arrival, its expected queue wait already past its deadline (admission.py)
-REJECTION_REASONS = ("quota", "overload", "deadline", "invalid", "unauthenticated")
+# deadline: refused on arrival, its expected queue wait already past its deadline (admission.py);
+# evicted: refused while queued, its slot given to a more important request (admission.py)
+REJECTION_REASONS = ("quota", "overload", "deadline", "evicted", "invalid", "unauthenticated")
 TIMEOUT_STAGES = ("admission", "stream")
 FINISH_TIMEOUT = "timeout"  # finish_reason label of a request whose deadline passed (not an error)
 SPILL_REASONS = ("preferred_full", "worker_refused")
@@ -106,6 +109,13 @@ class RouterMetrics:
         def hist(name: str, doc: str, buckets=_LATENCY_BUCKETS_S) -> Histogram:
             return Histogram(PREFIX + name, doc, buckets=buckets, registry=r)
 
+        def counter_by(name: str, doc: str, label: str, values: tuple[str, ...]) -> Counter:
+            """A counter with one label, every value present at 0 so rate() works from the start."""
+            counter = Counter(PREFIX + name, doc, [label], registry=r)
+            for value in values:
+                counter.labels(value)
+            return counter
+
         self.ttft = hist("time_to_first_token_seconds",
                          "Time from the router's arrival to the first output token (what the client waits).")
         self.itl = hist("inter_token_latency_seconds", "Mean gap between output tokens, per request.", _ITL_BUCKETS_S)
@@ -127,15 +137,11 @@ class RouterMetrics:
                                          "Prompt tokens found in the prefix cache.", registry=r)
         self.requests = Counter(PREFIX + "requests", "Finished requests by finish reason.",
                                 ["finish_reason", "tenant"], registry=r)
-        self.rejections = Counter(PREFIX + "rejections", "Requests rejected before running, by reason.",
-                                  ["reason"], registry=r)
-        for reason in REJECTION_REASONS:
-            self.rejections.labels(reason)  # present at 0, so rate() works from the start
-        self.timeouts = Counter(PREFIX + "request_timeouts", "Requests whose deadline passed, by where they were "
-                                "(admission: before a worker; stream: on a worker). Not counted as errors.",
-                                ["stage"], registry=r)
-        for stage in TIMEOUT_STAGES:
-            self.timeouts.labels(stage)
+        self.rejections = counter_by("rejections", "Requests rejected before running, by reason.", "reason",
+                                     REJECTION_REASONS)
+        self.timeouts = counter_by("request_timeouts", "Requests whose deadline passed, by where they were "
+                                   "(admission: before a worker; stream: on a worker). Not counted as errors.",
+                                   "stage", TIMEOUT_STAGES)
         self.route_predicted_blocks = Counter(PREFIX + "route_predicted_prefix_blocks",
                                               "Prompt blocks the router expected the chosen worker to have cached.",
                                               registry=r)
@@ -147,20 +153,21 @@ class RouterMetrics:
                                             buckets=_ROUTE_ERROR_BUCKETS, registry=r)
         self.retries_seen = Counter(PREFIX + "retries_seen", "Requests that arrived as a client retry.",
                                     registry=r)
-        self.routing_spills = Counter(
-            PREFIX + "routing_spills",
+        self.routing_spills = counter_by(
+            "routing_spills",
             "Requests sent to another worker than their cached prefix's because that one was full "
             "(preferred_full: no budget in the router's view; worker_refused: its own admission said no).",
-            ["reason"], registry=r)
-        for reason in SPILL_REASONS:
-            self.routing_spills.labels(reason)
-        self.stream_resumptions = Counter(
-            PREFIX + "stream_resumptions",
+            "reason", SPILL_REASONS)
+        self.stream_resumptions = counter_by(
+            "stream_resumptions",
             "Streams whose worker failed after output had reached the client, continued on another worker "
             "(resumed) or ended with a retryable error (not_resumable: resumption off, spent, n > 1, no worker).",
-            ["outcome"], registry=r)
-        for outcome in ("resumed", "not_resumable"):
-            self.stream_resumptions.labels(outcome)
+            "outcome", ("resumed", "not_resumable"))
+        self.degraded = counter_by(
+            "degraded",
+            "Requests the degradation ladder handled, by its step (cap: max_tokens capped; fallback: "
+            "sent to the fallback pool; reject: every step failed, refused with retry-after).",
+            "step", DEGRADATION_STEPS)
         self.quota_fallback = Gauge(PREFIX + "quota_store_fallback_active",
                                     "1 while Redis is unreachable and local per-replica limits apply.",
                                     ["replica"], registry=r)
@@ -226,6 +233,11 @@ class RouterMetrics:
             raise ValueError(f"spill reason must be one of {SPILL_REASONS}, got {reason!r}")
         self.routing_spills.labels(reason).inc()
 
+    def observe_degraded(self, step: str) -> None:
+        if step not in DEGRADATION_STEPS:
+            raise ValueError(f"degradation step must be one of {DEGRADATION_STEPS}, got {step!r}")
+        self.degraded.labels(step).inc()
+
     def observe_retry(self) -> None:
         self.retries_seen.inc()
 
@@ -274,6 +286,10 @@ def worker_families(stats: Sequence[WorkerStats], max_num_seqs: int | None) -> l
     }
     families = {name: Metric(PREFIX + name, doc, "gauge") for name, doc in gauges.items()}
     preemptions = Metric(PREFIX + "preemptions", "Preemptions since the worker started, by mode.", "counter")
+    for_priority = Metric(PREFIX + "priority_preemptions", "Of the preemptions, those made for a more important "
+                          "waiting request (scheduler.priority_preemption).", "counter")
+    outgrown = Metric(PREFIX + "outgrown_estimates", "Requests that outgrew their expected-output reservation "
+                      "(scheduler.admission_reserve: expected).", "counter")
     for s in stats:
         labels = {"worker": s.worker_id}
         slots_used = s.num_blocks_used * s.block_size
@@ -293,7 +309,9 @@ def worker_families(stats: Sequence[WorkerStats], max_num_seqs: int | None) -> l
             families[name].add_sample(PREFIX + name, labels, float(value))
         for mode, count in (("recompute", s.num_preemptions_recompute), ("swap", s.num_preemptions_swap)):
             preemptions.add_sample(PREFIX + "preemptions_total", {**labels, "mode": mode}, float(count))
-    return [*families.values(), preemptions]
+        for_priority.add_sample(PREFIX + "priority_preemptions_total", labels, float(s.num_preemptions_priority))
+        outgrown.add_sample(PREFIX + "outgrown_estimates_total", labels, float(s.num_outgrown_estimates))
+    return [*families.values(), preemptions, for_priority, outgrown]
 
 
 def render_merged(snapshots: Iterable[bytes], extra_families: Iterable[Metric] = ()) -> bytes:

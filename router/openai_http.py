@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvmesh.router import status_map
+from kvmesh.router import degradation, status_map
 from kvmesh.router.auth import bearer_token
 from kvmesh.router.convert import ChatMessage, InboundRequest
 from kvmesh.router.router_core import RequestStream, RouterCore
@@ -109,15 +109,25 @@ async def generate_response(core: RouterCore, request: Request, chat: bool) -> R
         except Exception as exc:
             return error_response(exc)
         events = _sse_events(_chain(first, deltas), stream.request_id, core.model_name, created, chat,
-                             include_usage)
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={WORKER_HEADER: stream.worker_id})
+                             include_usage, stream.degraded)
+        return StreamingResponse(events, media_type="text/event-stream", headers=_stream_headers(stream))
     try:
         result = await _collect(stream, core.model_name, created, chat)
     except Exception as exc:
         return error_response(exc)
     # Read after the stream: a worker that failed before the first token was replaced.
-    return JSONResponse(result, headers={WORKER_HEADER: stream.worker_id})
+    if stream.degraded:
+        result["usage"] = {**(result["usage"] or {}), "kvmesh_degraded": stream.degraded}
+    return JSONResponse(result, headers=_stream_headers(stream))
+
+
+def _stream_headers(stream: RequestStream) -> dict[str, str]:
+    """Which worker served the request and, when the degradation ladder admitted it, which
+    step (cap | fallback; router/degradation.py): `usage.kvmesh_degraded` says it too."""
+    headers = {WORKER_HEADER: stream.worker_id}
+    if stream.degraded:
+        headers[degradation.DEGRADED_KEY] = stream.degraded
+    return headers
 
 
 def error_response(exc: BaseException) -> JSONResponse:
@@ -263,7 +273,7 @@ async def _chain(first: list[RequestDelta], rest: AsyncIterator[RequestDelta]) -
 
 
 async def _sse_events(stream: AsyncIterator[RequestDelta], request_id: str, model: str, created: int, chat: bool,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, degraded: str | None = None) -> AsyncIterator[str]:
     object_name = "chat.completion.chunk" if chat else "text_completion"
     response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
     started: set[int] = set()
@@ -281,6 +291,8 @@ async def _sse_events(stream: AsyncIterator[RequestDelta], request_id: str, mode
         if include_usage:
             chunk = {"id": response_id, "object": object_name, "created": created, "model": model,
                      "choices": [], "usage": usage_json(_merge_usage(usages))}
+            if degraded:
+                chunk["usage"] = {**(chunk["usage"] or {}), "kvmesh_degraded": degraded}
             yield f"data: {json.dumps(chunk)}\n\n"
     except Exception as exc:  # the status line is sent: report in-band, as OpenAI does
         status = status_map.status_for(exc)

@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from kvmesh.core import telemetry
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.kv.hashing import hash_full_blocks
-from kvmesh.router import request_rules, tracing
+from kvmesh.kv.output_estimate import OutputLengthEstimator
+from kvmesh.router import degradation, request_rules, tracing
 from kvmesh.router.admission import AdmissionController, AdmissionTicket, cost_with_cached_prefix, request_cost_tokens
 from kvmesh.router.auth import Authenticator
 from kvmesh.router.convert import InboundRequest
@@ -63,6 +64,7 @@ from kvmesh.core.errors import (
     DeadlineUnmeetableError,
     InvalidRequestError,
     OverloadedError,
+    QueueSlotTakenError,
     QuotaExceededError,
     UnauthenticatedError,
     WorkerFailedError,
@@ -94,7 +96,8 @@ class RouterCore:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics or RouterMetrics(max_num_seqs=config.scheduler.max_num_seqs)
-        self.admission = AdmissionController(config.router)
+        self.admission = AdmissionController(config.router, kv_reserved_fraction=config.scheduler.kv_reserved_fraction,
+                                             kv_reserved_below_class=config.scheduler.kv_reserved_below_class)
         self._auth = authenticator
         self._quota = quota
         self._tracer = tracer or tracing.get_tracer()  # the global provider: a no-op until set up
@@ -104,6 +107,11 @@ class RouterCore:
         self.in_flight = 0
         self.live_request_ids: set[str] = set()  # scoped ids of this replica's admitted requests
         self._backlog = TenantBacklog()  # per-tenant in-flight: the fair rank (router/fairness.py)
+        # Workers that reserve on expected output: the router costs requests the same way,
+        # with its own estimate learned per tenant from the usage of finished requests.
+        s = config.scheduler
+        self.output_estimate = (OutputLengthEstimator(s.expected_output_floor_tokens, s.expected_output_quantile)
+                                if s.admission_reserve == "expected" else None)
         pool.on_stats = self._on_worker_stats
 
     def _on_worker_stats(self, stats: list[WorkerStats], taken_at: float | None) -> None:
@@ -135,7 +143,7 @@ class RouterCore:
             if isinstance(exc, (UnauthenticatedError, InvalidRequestError, QuotaExceededError)):
                 self.metrics.observe_rejection(_REJECTION_REASON[type(exc)])
             elif isinstance(exc, OverloadedError):
-                self.metrics.observe_rejection("deadline" if isinstance(exc, DeadlineUnmeetableError) else "overload")
+                self.metrics.observe_rejection(_overload_reason(exc))
             elif isinstance(exc, DeadlineExceededError):
                 self.metrics.observe_timeout(tenant_id, "admission")
             root.record_exception(exc)
@@ -175,8 +183,7 @@ class RouterCore:
         try:
             with self._tracer.start_as_current_span(tracing.SPAN_ADMISSION, context=parent) as admission_span:
                 admission_started = time.time()
-                decision, ticket, kv_source = await self._admit(request, exclude=frozenset(), parent=parent)
-                request = dataclasses.replace(request, kv_source=kv_source)
+                decision, ticket, request, degraded = await self._admit_degrading(request, parent)
                 dispatched_s = time.time()
                 admission_span.set_attribute(tracing.ATTR_ADMISSION_WAIT_S, dispatched_s - admission_started)
         except BaseException:
@@ -188,7 +195,8 @@ class RouterCore:
         request = dataclasses.replace(request, trace_context=carrier)
         self.metrics.observe_dispatch(arrived_s, dispatched_s)
         return RequestStream(self, request, inbound.request_id or request.request_id.split("/", 1)[1],
-                             decision, ticket, reservation, spans=(stream_span, root), arrived_s=arrived_s)
+                             decision, ticket, reservation, spans=(stream_span, root), arrived_s=arrived_s,
+                             degraded=degraded)
 
     def _worker_request(self, inbound: InboundRequest, tenant: Tenant) -> GenerateRequest:
         request_rules.check_request_id(inbound.request_id)
@@ -206,10 +214,48 @@ class RouterCore:
             priority=tenant.priority + inbound.priority, tenant_id=tenant.id, cache_salt=tenant.cache_salt,
             deadline_s=inbound.deadline_s, attempt=inbound.attempt, trace_context=dict(inbound.trace_context))
 
-    async def _admit(self, request: GenerateRequest, exclude: frozenset[str],
-                     parent=None) -> tuple[RoutingDecision, AdmissionTicket, str | None]:
-        """Wait for KV budget on some worker; the routing policy picks among those with room.
-        The third value is the transfer hint for the chosen worker (see transfer_source)."""
+    async def _admit_degrading(self, request: GenerateRequest,
+                               parent) -> tuple[RoutingDecision, AdmissionTicket, GenerateRequest, str | None]:
+        """Admission with the degradation ladder of the request's class (router/degradation.py):
+        the decision, the ticket, the request as admitted (capped or not, with its transfer
+        hint) and the step taken (None: admitted as sent). Raises the main pool's
+        OverloadedError when every step fails."""
+        rule = degradation.rule_for(self.config, request.priority_class)
+        if rule is None:
+            decision, ticket, kv_source = await self._admit(request, exclude=frozenset(), parent=parent)
+            return decision, ticket, dataclasses.replace(request, kv_source=kv_source), None
+        try:
+            decision, ticket, kv_source = await self._admit(request, exclude=frozenset(), parent=parent,
+                                                            max_wait_s=rule.queue_wait_s)
+            return decision, ticket, dataclasses.replace(request, kv_source=kv_source), None
+        except OverloadedError as exc:
+            refused = exc
+        steps: list[tuple[str, GenerateRequest, bool]] = []
+        if rule.cap_max_tokens is not None and request.sampling.max_tokens > rule.cap_max_tokens:
+            capped = dataclasses.replace(request, sampling=dataclasses.replace(
+                request.sampling, max_tokens=rule.cap_max_tokens))
+            steps.append((degradation.STEP_CAP, capped, False))
+        if rule.fallback and self.pool.fallback_ids:
+            steps.append((degradation.STEP_FALLBACK, request, True))
+        for step, degraded_request, on_fallback in steps:
+            try:
+                decision, ticket, kv_source = await self._admit(degraded_request, exclude=frozenset(), parent=parent,
+                                                                max_wait_s=0.0, fallback=on_fallback)
+            except (OverloadedError, WorkerFailedError):
+                continue
+            self.metrics.observe_degraded(step)
+            return decision, ticket, dataclasses.replace(degraded_request, kv_source=kv_source), step
+        self.metrics.observe_degraded(degradation.STEP_REJECT)
+        raise refused
+
+    async def _admit(self, request: GenerateRequest, exclude: frozenset[str], parent=None,
+                     max_wait_s: float | None = None,
+                     fallback: bool = False) -> tuple[RoutingDecision, AdmissionTicket, str | None]:
+        """Wait for KV budget on some worker of the main pool (of the fallback pool when
+        `fallback`); the routing policy picks among those with room. The third value is the
+        transfer hint for the chosen worker (see transfer_source)."""
+        other_pool = (frozenset(self.pool.worker_ids) - self.pool.fallback_ids) if fallback else self.pool.fallback_ids
+        exclude = exclude | other_pool
         hashes = await self._prefix_hashes(request)
         index = self.pool.prefix_index
         matched = index.longest_prefix(hashes)  # routing: what each worker holds or was just sent
@@ -230,11 +276,15 @@ class RouterCore:
         info = self.pool.any_info()
         block_size = info.block_size if info is not None else 1  # the workers' own rounding
         num_prompt, sampling = len(request.prompt_token_ids), request.sampling
+        output = None if self.output_estimate is None else self.output_estimate.estimate(
+            request.tenant_id, sampling.max_tokens)
         ticket = await self.admission.acquire(
-            request_cost_tokens(num_prompt, sampling, block_size=block_size), attempt=request.attempt,
+            request_cost_tokens(num_prompt, sampling, block_size=block_size, output_tokens=output),
+            attempt=request.attempt,
             route=route, deadline_s=request.deadline_s, exclude=exclude,
             priority_class=request.priority if request.priority_class is None else request.priority_class,
-            cost_for=lambda w: cost_with_cached_prefix(num_prompt, sampling, block_size, resident.get(w, 0)))
+            max_wait_s=max_wait_s,
+            cost_for=lambda w: cost_with_cached_prefix(num_prompt, sampling, block_size, resident.get(w, 0), output))
         if hashes:  # the family's next request follows this one before the worker reports it
             token = index.add_in_flight(ticket.worker_id, hashes)
             ticket.on_release(lambda: index.end_in_flight(token))
@@ -295,6 +345,12 @@ class RouterCore:
         results = await asyncio.gather(*refs, return_exceptions=True)
         return any(r is True for r in results)
 
+    def _others_routable(self, worker_id: str, fallback: bool) -> bool:
+        """Another routable worker of the same pool: where a re-route could go (with none, it
+        would only queue for the worker that just refused or failed)."""
+        pool = self.pool.fallback_ids if fallback else frozenset(self.pool.worker_ids) - self.pool.fallback_ids
+        return any(w in pool and w != worker_id for w in self.pool.routable_ids())
+
     def max_model_len(self) -> int | None:
         """The context length requests are checked against: the workers' own (which the
         config's model.max_model_len sets when given), None before any worker answered."""
@@ -346,6 +402,10 @@ def transfer_source(resident_blocks: dict[str, int], chosen: str, candidates: se
         return None
     holder = max(holders, key=lambda w: resident_blocks[w])
     return holder if resident_blocks[holder] > resident_blocks.get(chosen, 0) else None
+def _overload_reason(exc: OverloadedError) -> str:
+    if isinstance(exc, DeadlineUnmeetableError):
+        return "deadline"
+    return "evicted" if isinstance(exc, QueueSlotTakenError) else "overload"
 
 
 def scoped_request_id(tenant_id: str, request_id: str) -> str:
@@ -358,8 +418,11 @@ class RequestStream:
 
     def __init__(self, core: RouterCore, request: GenerateRequest, request_id: str,
                  decision: RoutingDecision, ticket: AdmissionTicket, reservation: Reservation,
-                 spans: tuple = (), arrived_s: float | None = None):
+                 spans: tuple = (), arrived_s: float | None = None, degraded: str | None = None):
         self._core = core
+        # The ladder step this request was admitted by ("cap", "fallback"), None = as sent.
+        self.degraded = degraded
+        self._on_fallback = degraded == degradation.STEP_FALLBACK
         self._arrived_s = arrived_s  # time.time() at the router: the start of TTFT
         self._spans = spans  # (kvmesh.stream, kvmesh.request): ended, in that order, at the end
         self._request = request
@@ -390,12 +453,14 @@ class RequestStream:
                         streamed_chars += len(delta.text)
                         if delta.finished:
                             final = delta
-                        yield dataclasses.replace(delta, request_id=self.request_id)
+                        yield dataclasses.replace(delta, request_id=self.request_id,
+                                                  degraded=self.degraded if delta.finished else None)
                     return
                 except (WorkerFailedError, OverloadedError) as exc:
+                    others = core._others_routable(self.worker_id, self._on_fallback)
                     if streamed_tokens:
                         resumable = (isinstance(exc, WorkerFailedError) and resumptions_left > 0
-                                     and self._request.sampling.n == 1 and bool(core.pool.routable_ids())
+                                     and self._request.sampling.n == 1 and others
                                      and len(streamed_ids) < self._request.sampling.max_tokens)
                         core.metrics.observe_stream_resumption(resumable)
                         if not resumable:
@@ -410,7 +475,9 @@ class RequestStream:
                                 telemetry.ATTR_RESUMED_FROM_WORKER: self.worker_id,
                                 telemetry.ATTR_RESUMED_TOKENS: len(streamed_ids)})
                     else:
-                        if reroutes_left == 0 or not core.pool.routable_ids():
+                        # With no other routable worker of its pool a re-route would only queue
+                        # for the worker that just refused or failed: the error goes back now.
+                        if reroutes_left == 0 or not others:
                             raise
                         reroutes_left -= 1
                         # Nothing reached the client: re-route once rather than fail it. A worker
@@ -421,8 +488,8 @@ class RequestStream:
                         if isinstance(exc, OverloadedError):
                             core.metrics.observe_spill("worker_refused")
                     self._ticket.release()
-                    self.decision, self._ticket, kv_source = await core._admit(self._request,
-                                                                               frozenset({self.worker_id}))
+                    self.decision, self._ticket, kv_source = await core._admit(
+                        self._request, frozenset({self.worker_id}), fallback=self._on_fallback)
                     self._request = dataclasses.replace(self._request, kv_source=kv_source)
         finally:
             # Everything synchronous first: a client that goes away cancels this task, and a
@@ -441,6 +508,7 @@ class RequestStream:
             core.metrics.observe_request_end(self._request.tenant_id, final.timings if final else None, usage,
                                              FINISH_TIMEOUT if timed_out else reason, self._arrived_s)
             self._record_route_truth(usage)
+            self._learn_output_length(reason, usage)
             for span in self._spans:
                 span.set_attribute(tracing.ATTR_FINISH_REASON, FINISH_TIMEOUT if timed_out else reason.value)
                 if reason is FinishReason.ERROR:
@@ -450,6 +518,13 @@ class RequestStream:
             # Shielded: if this task is cancelled meanwhile the settlement still completes
             # (else the tenant's slot would stay taken until its lease expires).
             await asyncio.shield(core._settle(self._reservation, used if (used or final is not None) else None))
+
+    def _learn_output_length(self, reason: FinishReason, usage) -> None:
+        """A request that ended by itself teaches the expected-output estimate, as on the worker."""
+        estimate = self._core.output_estimate
+        if (estimate is not None and usage is not None and self._request.sampling.n == 1
+                and reason in (FinishReason.STOP, FinishReason.LENGTH) and not self.degraded):
+            estimate.observe(self._request.tenant_id, usage.completion_tokens)
 
     def _record_route_truth(self, usage) -> None:
         """Predicted vs actually hit prefix blocks: a metric, and attributes of kvmesh.stream."""

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmesh.core.config import KvmeshConfig
+from kvmesh.router.degradation import FALLBACK_WORKER_PREFIX, fallback_app_name, fallback_pool_config
 from kvmesh.router.prefix_index import PrefixIndex
 from kvmesh.worker.public_api import WorkerInfo, WorkerPoll, start_workers
 from kvmesh.core.seams import WorkerStats
@@ -73,15 +74,23 @@ class WorkerPool:
         # Called with (stats_for_routing(), taken_at) after every change: admission and
         # metrics follow the pool. taken_at is time.monotonic() when the poll was sent.
         self.on_stats: Callable[[list[WorkerStats], float | None], None] | None = None
+        # Workers of the fallback pool (degradation.fallback_pool): only degraded requests go there.
+        self.fallback_ids: frozenset[str] = frozenset()
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
         """Find or create the workers and start watching them (call on the event loop)."""
-        for index, handle in enumerate(start_workers(self._config, self._app_name)):
-            worker_id = f"worker-{index}"
-            self._workers[worker_id] = _WorkerState(worker_id, handle)
-            self._watchers.append(asyncio.get_running_loop().create_task(self._watch(worker_id)))
+        groups = [(self._config, self._app_name, "worker")]
+        fallback = fallback_pool_config(self._config)
+        if fallback is not None:  # the degradation ladder's second worker group
+            groups.append((fallback, fallback_app_name(self._app_name), FALLBACK_WORKER_PREFIX))
+        for config, app_name, prefix in groups:
+            for index, handle in enumerate(start_workers(config, app_name, prefix)):
+                worker_id = f"{prefix}-{index}"
+                self._workers[worker_id] = _WorkerState(worker_id, handle)
+                self._watchers.append(asyncio.get_running_loop().create_task(self._watch(worker_id)))
+        self.fallback_ids = frozenset(w for w in self._workers if w.startswith(FALLBACK_WORKER_PREFIX + "-"))
 
     async def wait_routable(self, timeout_s: float, min_workers: int = 1) -> bool:
         """Wait until at least `min_workers` workers are routable (model loads take a while)."""

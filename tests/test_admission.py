@@ -13,7 +13,7 @@ from kvmesh.router.admission import AdmissionController, cost_with_cached_prefix
 from kvmesh.router.routing import choose_worker, is_spill
 from kvmesh.core.seams import SamplingParams, WorkerStats
 from kvmesh.core.errors import (DeadlineExceededError, DeadlineUnmeetableError, InvalidRequestError,
-                               OverloadedError, WorkerFailedError)
+                               OverloadedError, QueueSlotTakenError, WorkerFailedError)
 
 
 def stats(worker_id, reserved=0, capacity=1000, rate=50.0, healthy=True):
@@ -267,7 +267,7 @@ def test_a_full_lane_gives_the_newest_less_important_waiter_s_slot_to_a_more_imp
         await settle()
         with pytest.raises(OverloadedError) as evicted:  # the newest low waiter gave up its slot
             await newest
-        assert evicted.value.retry_after_s > 0 and not isinstance(evicted.value, DeadlineUnmeetableError)
+        assert evicted.value.retry_after_s > 0 and isinstance(evicted.value, QueueSlotTakenError)
         snap = admission.snapshot()
         assert (snap.num_queued_first, snap.num_evicted) == (4, 1) and not vip.done()
         admission.update_stats([stats("w0", reserved=0, capacity=1000, rate=50.0)])
@@ -343,4 +343,60 @@ def test_a_full_preferred_worker_spills_to_one_with_room_and_only_none_means_ove
         ticket.release()
         again = await admission.acquire(100, route=route, exclude=frozenset({"w0"}))
         assert again.worker_id == "w1"
+    asyncio.run(main())
+
+
+def test_max_wait_zero_admits_now_or_refuses_without_queueing_and_a_short_wait_bounds_the_queue():
+    """The degradation ladder's probes: a step that does not fit now is refused at once and
+    takes no queue slot; the ladder's queue step waits its own bound, not max_queue_wait_s."""
+    async def main():
+        clock = FakeClock()
+        admission = controller([stats("w0", reserved=900, capacity=1000)], clock=clock, max_queue_wait_s=30.0)
+        with pytest.raises(OverloadedError) as refused:
+            await admission.acquire(200, max_wait_s=0.0)
+        assert refused.value.retry_after_s > 0
+        assert admission.snapshot().num_queued_first == 0
+        ticket = await admission.acquire(100, max_wait_s=0.0)  # fits: admitted as usual
+        assert ticket.worker_id == "w0"
+        ticket.release()
+        with pytest.raises(OverloadedError):  # after the step's 0.05 s (a 30 s wait would hit the guard)
+            await asyncio.wait_for(admission.acquire(200, max_wait_s=0.05), timeout=20)
+        assert admission.snapshot().num_queued_first == 0
+
+    asyncio.run(main())
+
+
+def test_in_front_of_expected_output_workers_the_router_costs_a_request_as_the_worker_reserves_it():
+    """Same history, same estimate: the router's cost (output_tokens = its estimate) is the
+    worker's reservation, where max_tokens would overstate it 4x."""
+    from kvmesh.core.config import SchedulerConfig
+    from kvmesh.kv.output_estimate import OutputLengthEstimator
+    from kvmesh.worker.engine_loop.admission import AdmissionController as WorkerAdmission
+    from kvmesh.worker.engine_loop.request import Request
+
+    scheduler = SchedulerConfig(admission_reserve="expected", expected_output_floor_tokens=16)
+    worker = WorkerAdmission(scheduler, capacity_tokens=4096, block_size=16, clock=time.monotonic)
+    router = OutputLengthEstimator(scheduler.expected_output_floor_tokens, scheduler.expected_output_quantile)
+    for length in (20, 30, 25, 40, 35, 28, 22, 33, 27, 31):  # requests of tenant t that ended by themselves
+        worker.estimator.observe("t", length)
+        router.observe("t", length)
+    sampling = SamplingParams(max_tokens=200)
+    request = Request("r", list(range(40)), sampling, arrival_time=0.0, tenant_id="t")
+    cost = request_cost_tokens(40, sampling, block_size=16, output_tokens=router.estimate("t", 200))
+    assert cost == worker.reservation_for(request) == 16 * -(-(40 + 40) // 16)  # 40 = the 0.9 quantile
+    assert request_cost_tokens(40, sampling, block_size=16) == 240
+    assert cost_with_cached_prefix(40, sampling, 16, 2, output_tokens=40) == cost - 32
+
+
+def test_with_a_kept_kv_share_less_important_classes_fit_only_within_the_rest():
+    async def main():
+        admission = AdmissionController(RouterConfig(max_queue_len=10, max_queue_wait_s=5.0), clock=FakeClock(),
+                                        kv_reserved_fraction=0.25, kv_reserved_below_class=1)
+        admission.update_stats([stats("w0", reserved=600, capacity=1000)])
+        low = await admission.acquire(150, priority_class=1)  # 600 + 150 <= 750
+        with pytest.raises(OverloadedError):  # 750 + 100 > 750: the rest is kept for class 0
+            await admission.acquire(100, priority_class=2, max_wait_s=0.0)
+        high = await admission.acquire(200, priority_class=0)  # 750 + 200 <= 1000
+        assert (low.worker_id, high.worker_id) == ("w0", "w0")
+
     asyncio.run(main())

@@ -9,6 +9,8 @@ generated stubs, status_map on the server side and convert on both sides.
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 import collections
 import dataclasses
@@ -356,6 +358,8 @@ def test_sampling_and_delta_conversions_round_trip():
     delta = RequestDelta("r", text="é", token_ids=(5, 6), logprobs=(-0.5, -1.25), finished=True,
                          finish_reason=FinishReason.STOP, usage=Usage(3, 2, 1), sample_index=1)
     assert convert.delta_from_pb(convert.delta_to_pb(delta)) == delta
+    capped = dataclasses.replace(delta, finish_reason=FinishReason.LENGTH, degraded="cap")  # the ladder's flag
+    assert convert.delta_to_pb(capped).degraded == "cap" and convert.delta_from_pb(convert.delta_to_pb(capped)) == capped
 
 
 def test_inbound_request_and_metadata_validation():

@@ -373,6 +373,8 @@ def _schema_type_ok(hint: typing.Any, prop: dict) -> bool:
         return {"type": "null"} in kinds and any(_schema_type_ok(inner, k) for k in kinds if k != {"type": "null"})
     if typing.get_origin(hint) is tuple:
         return prop.get("type") == "array"
+    if dataclasses.is_dataclass(hint):
+        return prop.get("type") == "object"
     if "enum" in prop and "type" not in prop:
         return all(isinstance(v, hint) for v in prop["enum"])
     return prop.get("type") == json_type.get(hint)
@@ -387,6 +389,9 @@ def test_values_schema_mirrors_the_config_dataclasses():
     schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["kvmesh"]["properties"]
     pairs = [(name, cls, schema[name]) for name, cls in _sections()]
     pairs.append(("tenants.tenants[]", config_module.TenantConfig, schema["tenants"]["properties"]["tenants"]["items"]))
+    degradation = schema["degradation"]["properties"]
+    pairs.append(("degradation.rules[]", config_module.DegradationRule, degradation["rules"]["items"]))
+    pairs.append(("degradation.fallback_pool", config_module.FallbackPoolConfig, degradation["fallback_pool"]))
     assert set(schema) == {name for name, _ in _sections()}
     for where, cls, section_schema in pairs:
         hints = typing.get_type_hints(cls)
@@ -468,7 +473,8 @@ def test_one_engine_per_worker_pod(rendered):
     head, workers = _groups(rendered)
     limits = workers["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert head["rayStartParams"]["num-gpus"] == "0"
-    assert workers["replicas"] == parallel["num_workers"]
+    # one pod per engine: the main ones and the degradation ladder's fallback pool
+    assert workers["replicas"] == parallel["num_workers"] + values["kvmesh"]["degradation"]["fallback_pool"]["num_workers"]
     if parallel["worker_resource"] == "GPU":
         gpu = values["workers"]["gpuResourceName"]
         assert workers["rayStartParams"]["num-gpus"] == str(tp)

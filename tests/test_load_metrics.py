@@ -182,6 +182,10 @@ def test_openai_sse_lines_become_chunks():
     usage = parse_sse_line('data: {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 7, '
                            '"prompt_tokens_details": {"cached_tokens": 4}}}')
     assert (usage.completion_tokens, usage.cached_tokens, usage.finished) == (7, 4, True)
+    assert not usage.degraded
+    capped = parse_sse_line('data: {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 7, '
+                            '"kvmesh_degraded": "cap"}}')
+    assert capped.degraded and capped.finished  # the ladder's flag reaches RequestRecord.degraded
     with pytest.raises(Exception) as err:
         parse_sse_line('data: {"error": {"message": "worker died"}}')
     assert error_code(err.value) == "WorkerFailed"

@@ -153,8 +153,12 @@ def test_shipped_campaigns_parse_and_bad_ones_are_rejected():
             campaign_mod.load_campaign(path)
     names = {p.stem: campaign_mod.load_campaign(p) for p in folder.glob("*.yaml") if p not in own_driver}
     assert {"seed-table", "peers", "prefix-routing", "overload", "tenants", "cancel-storm"} <= set(names)
-    assert [r.name for r in names["seed-table"].runs] == ["static-batch-8", "continuous", "continuous-preemption",
-                                                          "continuous-max-4"]
+    assert [r.name for r in names["seed-table"].runs] == [
+        "static-batch-8", "continuous", "continuous-preemption", "continuous-max-4", "stop-max-tokens",
+        "stop-expected-preemption", "stop-max-tokens-poisson", "stop-expected-preemption-poisson"]
+    expected_row = names["seed-table"].runs[5]
+    assert expected_row.config["scheduler"]["admission_reserve"] == "expected"
+    assert tuple(expected_row.streams[0].workload.stop) == (".", "\n") and expected_row.streams[0].workload.max_tokens == 200
     sweep = campaign_mod.parse_campaign({"runs": [{"name": "c", "arrival": {"rate": [1, 2, 4]}}]})
     assert [(r.name, r.label, r.streams[0].arrival.rate) for r in sweep.runs] == [
         ("c@1", "c", 1.0), ("c@2", "c", 2.0), ("c@4", "c", 4.0)]
@@ -164,3 +168,17 @@ def test_shipped_campaigns_parse_and_bad_ones_are_rejected():
                 {"runs": [{"name": "x", "workload": {"kind": "zipf"}}]}):
         with pytest.raises(InvalidRequestError):
             campaign_mod.parse_campaign(bad)
+
+
+def test_a_stop_workload_asks_the_same_ceiling_and_lets_the_text_end_each_output(corpus):
+    from kvmesh.load_tests.targets import TargetRequest
+
+    spec = WorkloadSpec(num_requests=6, scale=0.05, seed=3, stop=(".",), max_tokens=200)
+    reqs = generate_workload(spec, corpus)
+    assert {r.output_tokens for r in reqs} == {200} and {r.stop for r in reqs} == {(".",)}
+    sent = TargetRequest("r", reqs[0].prompt_token_ids, "", 200, stop=(".",)).sampling()
+    assert (sent.max_tokens, sent.stop, sent.ignore_eos) == (200, (".",), False)
+    assert TargetRequest("r", (1,), "", 7).sampling().ignore_eos  # exact length: ignore_eos
+    for bad in ({"stop": (".",)}, {"max_tokens": 200}, {"stop": (".",), "max_tokens": 0}):
+        with pytest.raises(InvalidRequestError):
+            generate_workload(WorkloadSpec(num_requests=2, **bad), corpus)

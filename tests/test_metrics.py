@@ -185,7 +185,7 @@ def test_kvmesh_stats_scrapes_a_live_metrics_endpoint(capsys):
         summary = cmd_stats.summarize(cmd_stats.scrape(url))
         assert summary.requests_by_reason == {"stop": 2, "length": 1, "abort": 1}
         assert summary.prompt_tokens == 169 and summary.generation_tokens == 31
-        assert summary.rejections == {"quota": 1, "overload": 0, "deadline": 0, "invalid": 0,
+        assert summary.rejections == {"quota": 1, "overload": 0, "deadline": 0, "evicted": 0, "invalid": 0,
                                       "unauthenticated": 0}
         assert summary.prefix_cache_hit_ratio == pytest.approx(32 / 169)
         assert summary.workers["w0"]["kv_cache_usage_ratio"] == pytest.approx(0.2)

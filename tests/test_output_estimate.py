@@ -1,9 +1,9 @@
-"""worker/engine_loop/output_estimate.py: the per-tenant output-length estimate, by hand; its config."""
+"""kv/output_estimate.py: the per-tenant output-length estimate, by hand; its config."""
 
 import pytest
 
 from kvmesh.core.config import ConfigError, SchedulerConfig
-from kvmesh.worker.engine_loop.output_estimate import MIN_SAMPLES, WINDOW, OutputLengthEstimator
+from kvmesh.kv.output_estimate import MIN_SAMPLES, WINDOW, OutputLengthEstimator
 
 
 def test_max_tokens_until_enough_finished_requests_then_the_quantile_with_a_floor():

@@ -490,7 +490,7 @@ def test_a_request_is_preempted_for_priority_at_most_the_limit_and_classes_not_r
 
 def _teach_short_outputs(scheduler, model, num_output_tokens=2):
     """MIN_SAMPLES requests of tenant t that stop after `num_output_tokens` (as at a stop token)."""
-    from kvmesh.worker.engine_loop.output_estimate import MIN_SAMPLES
+    from kvmesh.kv.output_estimate import MIN_SAMPLES
     for i in range(MIN_SAMPLES):  # one at a time: each reserves its whole max_tokens until taught
         submit(scheduler, f"teach{i}", range(100 + i, 104 + i), max_tokens=20, tenant_id="t")
         while scheduler.has_unfinished():
@@ -536,3 +536,28 @@ def test_a_request_outgrowing_its_estimate_tops_its_reservation_up_block_by_bloc
     assert max(r for _, r in reserved) == 4 * 5  # ceil((4 + 14) / 4) blocks
     assert scheduler.stats().num_outgrown_estimates == 1
     assert_pool_whole(scheduler)
+
+
+def test_a_low_priority_flood_cannot_take_the_kv_share_kept_for_more_important_classes():
+    # 16 blocks of 4 = 64 tokens; each request 4 prompt + 8 output = 12 reserved.
+    flooded, _ = build(num_blocks=16)  # no reserved share: the flood takes the pool
+    for i in range(5):
+        submit(flooded, f"low{i}", range(10 * i, 10 * i + 4), max_tokens=8, priority=1)
+    with pytest.raises(OverloadedError):  # 60 + 12 > 64
+        submit(flooded, "high", range(90, 94), max_tokens=8, priority=0)
+
+    # A quarter kept for class 0: classes >= 1 may commit 48 between them.
+    scheduler, model = build(num_blocks=16, kv_reserved_fraction=0.25, kv_reserved_below_class=1)
+    lows = [submit(scheduler, f"low{i}", range(10 * i, 10 * i + 4), max_tokens=8, priority=1 + i % 2)
+            for i in range(4)]
+    with pytest.raises(OverloadedError, match="kept for more important classes") as refused:
+        submit(scheduler, "low4", range(40, 44), max_tokens=8, priority=1)
+    assert refused.value.retry_after_s > 0
+    high = submit(scheduler, "high", range(90, 94), max_tokens=8, priority=0)  # 48 + 12 <= 64
+    assert scheduler.admission.shared_class_reserved_tokens == 48
+    run_until_idle(scheduler, model)  # check_integrity (class share included) after every step
+    for r in [*lows, high]:
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, 8)
+    assert scheduler.admission.shared_class_reserved_tokens == 0
+    assert_pool_whole(scheduler)
+    submit(scheduler, "low5", range(50, 54), max_tokens=8, priority=1)  # the share is free again

@@ -218,6 +218,8 @@ def test_worker_cpus_are_derived_from_the_machine_or_refused_naming_the_setting(
     assert derive_worker_num_cpus(2.0, 3, 0.5) == 0.5  # floored to 0.05, never rounded up
     tp = config.replace(parallel={"num_workers": 2, "tensor_parallel_size": 2})
     assert resolve_worker_num_cpus(tp, 2.0, 0.5).parallel.worker_num_cpus == 0.35  # per rank
+    with_fallback = config.replace(degradation={"fallback_pool": {"num_workers": 1}})  # 3 engines share
+    assert resolve_worker_num_cpus(with_fallback, 2.0, 0.5).parallel.worker_num_cpus == 0.5
     with pytest.raises(ConfigError, match="parallel.worker_num_cpus"):
         derive_worker_num_cpus(2.0, 64, 0.5)
     explicit = config.replace(parallel={"worker_num_cpus": 1.0})

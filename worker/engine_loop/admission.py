@@ -26,9 +26,18 @@ finished) are added once to the committed total, however many requests share the
     blocks counted once:    33 x 16 shared + 2 x 48 = 624 committed for two, room for 30
 
 With `admission_reserve: expected` the output part is an estimate learned per tenant
-(worker/engine_loop/output_estimate.py) instead of max_tokens; a request that outgrows it has its
+(kv/output_estimate.py) instead of max_tokens; a request that outgrows it has its
 reservation topped up a block at a time (`grow_for_output`), and preemption covers the pool
 running short meanwhile. "Can this ever fit" still counts the whole max_tokens.
+
+Class-aware (`kv_reserved_fraction` f, `kv_reserved_below_class` c): requests of class >= c
+(the less important ones; lower class = more important) may together commit at most
+(1 - f) x budget; the remaining f x budget only requests of a class below c can take. A
+flood of low-priority work is refused there (retryable), and an important request arriving
+behind it still finds room, without waiting for the flood to drain:
+
+    budget 1,024, f = 0.25, c = 1: class >= 1 requests commit at most 768 between them;
+    a class-0 request may use the whole 1,024 (the total rule above still holds)
 
 Refusals are explicit: a retryable OverloadedError carrying retry_after_s estimated from the
 measured drain rate (reserved tokens returned per second), or a non-retryable
@@ -45,7 +54,7 @@ from kvmesh.core.config import SchedulerConfig
 from kvmesh.kv.kv_cost import request_kv_tokens
 from kvmesh.core.errors import InvalidRequestError, OverloadedError
 from kvmesh.worker.engine_loop.request import Request
-from kvmesh.worker.engine_loop.output_estimate import OutputLengthEstimator
+from kvmesh.kv.output_estimate import OutputLengthEstimator
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +100,9 @@ class AdmissionController:
         self.estimator = (OutputLengthEstimator(config.expected_output_floor_tokens, config.expected_output_quantile)
                           if config.admission_reserve == "expected" else None)
         self.num_outgrown_estimates = 0  # requests that produced more than their estimate
+        # Class-aware KV admission: what the less important classes may commit together.
+        self.shared_class_budget_tokens = int(self.budget_tokens * (1.0 - config.kv_reserved_fraction))
+        self.shared_class_reserved_tokens = 0  # reservations of requests of class >= kv_reserved_below_class
 
     def output_tokens_to_reserve(self, request: Request) -> int:
         if self.estimator is None:
@@ -144,6 +156,16 @@ class AdmissionController:
             raise OverloadedError(
                 f"KV budget: {committed} of {self.budget_tokens} tokens committed, request needs {needed} "
                 f"({cached_prompt_tokens} of its prompt cached)", self.retry_after_s(over))
+        over = self.shared_class_reserved_tokens + needed - self.shared_class_budget_tokens
+        if self.in_shared_class(request) and over > 0:
+            raise OverloadedError(
+                f"KV budget of priority class {request.importance_class} and below: "
+                f"{self.shared_class_reserved_tokens} of {self.shared_class_budget_tokens} tokens committed "
+                f"(the rest is kept for more important classes), request needs {needed}", self.retry_after_s(over))
+
+    def in_shared_class(self, request: Request) -> bool:
+        """Counted against the share the less important classes have (class-aware admission)."""
+        return self.config.kv_reserved_fraction > 0 and request.importance_class >= self.config.kv_reserved_below_class
 
     def retry_after_s(self, tokens_to_drain: int | None = None) -> float:
         """Seconds until `tokens_to_drain` reserved KV tokens are likely returned, from the
@@ -160,6 +182,8 @@ class AdmissionController:
                                                           request.reserved_output_tokens)
         self.reserved_tokens += request.reserved_kv_tokens
         self.num_reservations += 1
+        if self.in_shared_class(request):
+            self.shared_class_reserved_tokens += request.reserved_kv_tokens
 
     def grow_for_output(self, request: Request) -> None:
         """A request past its reserved output: reserve one more block's worth of output
@@ -185,10 +209,14 @@ class AdmissionController:
         """Grow an admitted request's reservation (blocks it was expected to share are not there)."""
         request.reserved_kv_tokens += num_tokens
         self.reserved_tokens += num_tokens
+        if self.in_shared_class(request):
+            self.shared_class_reserved_tokens += num_tokens
 
     def release(self, request: Request) -> None:
         self.reserved_tokens -= request.reserved_kv_tokens
         self.num_reservations -= 1
+        if self.in_shared_class(request):
+            self.shared_class_reserved_tokens -= request.reserved_kv_tokens
         self.drain.add(request.reserved_kv_tokens)
         request.reserved_kv_tokens = 0
 

@@ -540,5 +540,7 @@ class Scheduler:
             assert request.is_swapped or request.num_computed_tokens == 0
         assert self.admission.reserved_tokens == sum(r.reserved_kv_tokens for r in self.requests.values())
         assert self.admission.num_reservations == len(self.requests)
+        assert self.admission.shared_class_reserved_tokens == sum(
+            r.reserved_kv_tokens for r in self.requests.values() if self.admission.in_shared_class(r))
         grouped = [m for members in self._groups.values() for m in members]
         assert all(self.requests.get(m.request_id) is m for m in grouped), "a finished request left in a group"

@@ -247,8 +247,10 @@ def worker_actor_options(config: KvmeshConfig, app_name: str, index: int) -> dic
     return options
 
 
-def start_workers(config: KvmeshConfig, app_name: str) -> list:
-    """Create (or find, when another router replica already did) the worker actors."""
+def start_workers(config: KvmeshConfig, app_name: str, worker_id_prefix: str = "worker") -> list:
+    """Create (or find, when another router replica already did) the worker actors, with ids
+    `<worker_id_prefix>-<index>` (a second group, e.g. a fallback pool, has its own prefix
+    and app name)."""
     import ray
 
     if config.parallel.worker_num_cpus is None:  # not resolved by the app builder: fit the cluster
@@ -257,7 +259,7 @@ def start_workers(config: KvmeshConfig, app_name: str) -> list:
     handles = []
     for index in range(config.parallel.num_workers):
         options = worker_actor_options(config, app_name, index)
-        handles.append(remote_class.options(**options).remote(config.to_dict(), f"worker-{index}"))
+        handles.append(remote_class.options(**options).remote(config.to_dict(), f"{worker_id_prefix}-{index}"))
     return handles
 
 

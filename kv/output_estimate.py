@@ -2,7 +2,10 @@
 
 Admission on expected output (`scheduler.admission_reserve: expected`) reserves a request's
 prompt plus this estimate instead of its whole max_tokens, so more requests run at once when
-clients ask for far more than they use. Per tenant (each tenant's traffic has its own shape):
+clients ask for far more than they use. Pure bookkeeping (no torch), in kv/ beside the one
+KV-cost rule (kv_cost.py) because two sides use it: the worker's admission
+(worker/engine_loop/admission.py) and the router's cost of a request in front of such
+workers (router/router_core.py), each learning from the requests it saw finish. Per tenant (each tenant's traffic has its own shape):
 
     estimate = min(max_tokens, max(floor, quantile_q(last WINDOW outputs of the tenant)))
 
