@@ -192,6 +192,11 @@ class RouterConfig:
     # Refuse (retryable, with retry-after) on arrival a request whose deadline its expected
     # queue wait already overruns, instead of queueing it until the deadline fails it.
     deadline_shedding: bool = True
+    # The absolute imbalance margin is at least this many mean requests (the KV tokens of the
+    # router's recent requests, prompt + max_tokens): a fixed token count below one request
+    # lets a single queued request break affinity (long prompts), one far above it never
+    # does (short ones). 0 = imbalance_abs_tokens alone.
+    imbalance_margin_requests: float = 2.0
 
     def validate(self) -> None:
         _one_of("router.policy", self.policy, ("prefix_aware", "least_loaded", "round_robin"))
@@ -204,6 +209,7 @@ class RouterConfig:
         _check(0 <= self.retry_lane_fraction <= 1, "router.retry_lane_fraction must be in [0, 1]")
         _check(self.stats_refresh_s > 0, "router.stats_refresh_s must be > 0")
         _check(self.max_queue_wait_s > 0, "router.max_queue_wait_s must be > 0")
+        _check(self.imbalance_margin_requests >= 0, "router.imbalance_margin_requests must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -52,9 +52,9 @@ from dataclasses import dataclass, field
 from kvmesh.core.config import RouterConfig, SchedulerConfig
 from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.kv.kv_cache_manager import KVCacheManager
-from kvmesh.router.admission import cost_with_cached_prefix
+from kvmesh.router.admission import cost_with_cached_prefix, request_cost_tokens
 from kvmesh.router.prefix_index import PrefixIndex
-from kvmesh.router.routing import RoundRobinCursor, choose_worker, is_spill
+from kvmesh.router.routing import RequestSizeMeter, RoundRobinCursor, choose_worker, is_spill
 from kvmesh.core.seams import SamplingParams
 from kvmesh.worker.engine_loop.engine import worker_stats
 from kvmesh.core.errors import OverloadedError
@@ -150,6 +150,7 @@ class _SimRequest:
     request: Request | None = None
     first_token_s: float | None = None
     in_flight_token: int | None = None
+    observed: bool = False  # its size went into the request-size meter (a queued retry does not count twice)
 
 
 class _SimWorker:
@@ -222,7 +223,7 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
     clock = _Clock()
     workers = {f"worker-{i}": _SimWorker(f"worker-{i}", cluster, clock) for i in range(cluster.num_workers)}
     index = PrefixIndex(linger_s=4 * cluster.stats_refresh_s, clock=clock)
-    rng, cursor = random.Random(workload.seed + 1), RoundRobinCursor()
+    rng, cursor, sizes = random.Random(workload.seed + 1), RoundRobinCursor(), RequestSizeMeter()
     stats = {w: worker_stats(sim.scheduler, w) for w, sim in workers.items()}
     sent_since_poll: dict[str, int] = collections.Counter()
     requests = make_requests(workload, cluster.block_size)
@@ -247,6 +248,9 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
         matched = index.longest_prefix(sim_request.hashes, include_in_flight=in_flight_claims) \
             if policy == "prefix_aware" else {}
         resident = index.longest_prefix(sim_request.hashes, include_in_flight=False)
+        if not exclude and not sim_request.observed:  # as router_core: once per request
+            sizes.observe(request_cost_tokens(prompt_len, sampling, cluster.block_size))
+            sim_request.observed = True
         eligible = []
         for worker_id, s in stats.items():
             cost = cost_with_cached_prefix(prompt_len, sampling, cluster.block_size, resident.get(worker_id, 0))
@@ -256,7 +260,8 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
         if not eligible:
             return False
         costs = {s.worker_id: cost for s, cost in eligible}
-        decision = choose_worker(matched, [s for s, _ in eligible], router, rng, cursor, dict(sent_since_poll))
+        decision = choose_worker(matched, [s for s, _ in eligible], router, rng, cursor, dict(sent_since_poll),
+                                 sizes.mean_tokens())
         if is_spill(matched, [s for s, _ in eligible], decision.worker_id):
             spills["preferred_full"] += 1
         worker_id = decision.worker_id
@@ -449,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-s-per-token", type=float, default=CostModel.prefill_s_per_token)
     parser.add_argument("--decode-s-per-token", type=float, default=CostModel.decode_s_per_token)
     parser.add_argument("--imbalance-abs-tokens", type=int, default=RouterConfig.imbalance_abs_tokens)
+    parser.add_argument("--imbalance-margin-requests", type=float, default=RouterConfig.imbalance_margin_requests,
+                        help="the margin is at least this many mean requests (0: abs tokens only)")
     parser.add_argument("--measure", action="store_true",
                         help="measure the cost model on the real engine (embedded SmolLM2) first and use it")
     parser.add_argument("--seed", type=int, default=0)
@@ -462,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         cost = measure_cost_model()
         print(f"measured cost model: {cost}", flush=True)
     loads = [dict(qps=q) for q in args.qps] if args.qps else [dict(concurrency=c) for c in (args.concurrency or [4])]
-    router = RouterConfig(imbalance_abs_tokens=args.imbalance_abs_tokens)
+    router = RouterConfig(imbalance_abs_tokens=args.imbalance_abs_tokens,
+                          imbalance_margin_requests=args.imbalance_margin_requests)
     if args.replay_campaign:
         results = replay_campaign(args.replay_campaign, cost, router, args.concurrency)
         print(markdown_table(results))

@@ -60,9 +60,16 @@ class KvmeshGrpcMethods:
         try:
             _check_decoded(request)
             stream = await self.core.start(inbound_from_pb(request, _invocation_metadata(grpc_context)))
+            routed_to = stream.worker_id
             if grpc_context is not None:
-                grpc_context.set_trailing_metadata([(WORKER_KEY, stream.worker_id)])
+                grpc_context.set_trailing_metadata([(WORKER_KEY, routed_to)])
             async for delta in stream:
+                if grpc_context is not None and stream.worker_id != routed_to:
+                    # Re-routed before any token (the first worker refused or failed): name
+                    # the worker that serves it. Serve's proxy copies the context with each
+                    # message, so this must be set before one is yielded.
+                    routed_to = stream.worker_id
+                    grpc_context.set_trailing_metadata([(WORKER_KEY, routed_to)])
                 yield convert.delta_to_pb(delta)
         except Exception as exc:
             _fail(grpc_context, exc)

@@ -45,7 +45,7 @@ from kvmesh.router.auth import Authenticator
 from kvmesh.router.fairness import TenantBacklog, engine_priority
 from kvmesh.router.metrics import FINISH_TIMEOUT, RouterMetrics
 from kvmesh.router.quota import QuotaStore, Reservation, check_request_fits
-from kvmesh.router.routing import RoundRobinCursor, RoutingDecision, choose_worker, is_spill
+from kvmesh.router.routing import RequestSizeMeter, RoundRobinCursor, RoutingDecision, choose_worker, is_spill
 from kvmesh.router.tenants import Tenant
 from kvmesh.router.worker_pool import WorkerPool
 from kvmesh.worker.public_api import render_chat
@@ -110,11 +110,17 @@ class RouterCore:
         self._tracer = tracer or tracing.get_tracer()  # the global provider: a no-op until set up
         self._rng = random.Random()
         self._cursor = RoundRobinCursor()
+        self._request_sizes = RequestSizeMeter()  # the unit of the load guard's margin
         self._extra_keys: dict[str | None, tuple[str, ...]] = {}  # cache salt -> block extra keys
         self.in_flight = 0
         self.live_request_ids: set[str] = set()  # scoped ids of this replica's admitted requests
         self._backlog = TenantBacklog()  # per-tenant in-flight: the fair rank (router/fairness.py)
         pool.on_stats = self._on_worker_stats
+        # Polls answered before this point (the replica waits for a routable worker before it
+        # builds its core) found no listener: start from them, not from nothing until the next
+        # poll (a stats_refresh_s later), when admission would see fewer workers than the pool.
+        if pool.stats_for_routing():
+            self._on_worker_stats(pool.stats_for_routing(), None)
 
     def _on_worker_stats(self, stats: list[WorkerStats], taken_at: float | None) -> None:
         self.admission.update_stats(stats, taken_at)
@@ -223,10 +229,17 @@ class RouterCore:
         matched = index.longest_prefix(hashes)  # routing: what each worker holds or was just sent
         resident = index.longest_prefix(hashes, include_in_flight=False)  # cost: what surely is there
         decisions: list[RoutingDecision] = []
+        info = self.pool.any_info()
+        block_size = info.block_size if info is not None else 1  # the workers' own rounding
+        num_prompt, sampling = len(request.prompt_token_ids), request.sampling
+        whole_cost = request_cost_tokens(num_prompt, sampling, block_size=block_size)
+        if not exclude:  # a re-admission is the same request, not another one
+            self._request_sizes.observe(whole_cost)
 
         def route(eligible: list[WorkerStats], in_flight) -> str:
             with self._tracer.start_as_current_span(tracing.SPAN_ROUTE, context=parent) as span:
-                decision = choose_worker(matched, eligible, self.config.router, self._rng, self._cursor, in_flight)
+                decision = choose_worker(matched, eligible, self.config.router, self._rng, self._cursor, in_flight,
+                                         self._request_sizes.mean_tokens())
                 tracing.set_route_attributes(span, decision.worker_id, decision.matched_blocks,
                                              self.config.router.policy)
                 tracing.set_route_candidates(span, decision, matched, eligible, in_flight)
@@ -235,11 +248,8 @@ class RouterCore:
             decisions.append(decision)
             return decision.worker_id
 
-        info = self.pool.any_info()
-        block_size = info.block_size if info is not None else 1  # the workers' own rounding
-        num_prompt, sampling = len(request.prompt_token_ids), request.sampling
         ticket = await self.admission.acquire(
-            request_cost_tokens(num_prompt, sampling, block_size=block_size), attempt=request.attempt,
+            whole_cost, attempt=request.attempt,
             route=route, deadline_s=request.deadline_s, exclude=exclude,
             priority_class=request.priority if request.priority_class is None else request.priority_class,
             cost_for=lambda w: cost_with_cached_prefix(num_prompt, sampling, block_size, resident.get(w, 0)))
