@@ -11,7 +11,8 @@ What is real and what is simulated:
                each worker's real prefix events, polled every stats_refresh_s, with the
                in-flight claims of dispatched requests), the router's admission rule
                (committed + cost on a worker <= capacity, the cost less the prefix the index
-               says is resident: router/admission.py cost_with_cached_prefix), the worker's
+               says is held or being computed there: router/admission.py
+               cost_with_cached_prefix), the worker's
                scheduler (worker/engine_loop/scheduler.py: admission with pinned prefixes, chunked
                prefill, preemption) over kv/kv_cache_manager.py (block pool, prefix cache,
                LRU eviction, events)
@@ -247,15 +248,15 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
     def try_dispatch(sim_request: _SimRequest, exclude: frozenset[str] = frozenset()) -> bool:
         prompt_len = len(sim_request.prompt)
         sampling = SamplingParams(max_tokens=workload.max_tokens, ignore_eos=True)
+        # As router_core: only prefix_aware hashes prompts; its cost counts what routing matched.
         matched = index.longest_prefix(sim_request.hashes, include_in_flight=in_flight_claims) \
             if policy == "prefix_aware" else {}
-        resident = index.longest_prefix(sim_request.hashes, include_in_flight=False)
         if not exclude and not sim_request.observed:  # as router_core: once per request
             sizes.observe(request_cost_tokens(prompt_len, sampling, cluster.block_size))
             sim_request.observed = True
         eligible = []
         for worker_id, s in stats.items():
-            cost = cost_with_cached_prefix(prompt_len, sampling, cluster.block_size, resident.get(worker_id, 0))
+            cost = cost_with_cached_prefix(prompt_len, sampling, cluster.block_size, matched.get(worker_id, 0))
             committed = s.kv_tokens_reserved + sent_since_poll[worker_id]
             if worker_id not in exclude and committed + cost <= s.kv_tokens_capacity:
                 eligible.append((s, cost))
@@ -277,7 +278,7 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
         sent_since_poll[worker_id] += costs[worker_id]
         sim_request.worker_id, sim_request.request = worker_id, request
         by_id[request.request_id] = sim_request
-        if in_flight_claims and sim_request.hashes:
+        if in_flight_claims and policy == "prefix_aware" and sim_request.hashes:
             sim_request.in_flight_token = index.add_in_flight(worker_id, sim_request.hashes)
         workers[worker_id].families.add(sim_request.family)
         kick(worker_id)
@@ -448,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-tokens", type=int, default=528)
     parser.add_argument("--question-tokens", type=int, nargs=2, default=[12, 24])
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--num-requests", type=int,
+                        help="default 64; with --replay-campaign the spec's (pass what the real run was given)")
     parser.add_argument("--concurrency", type=int, nargs="+", help="closed loop: requests in flight (a sweep)")
     parser.add_argument("--qps", type=float, nargs="+", help="open loop Poisson rates (a sweep)")
     parser.add_argument("--policies", nargs="+", default=["prefix_aware", "round_robin"])
@@ -475,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     router = RouterConfig(imbalance_abs_tokens=args.imbalance_abs_tokens,
                           imbalance_margin_requests=args.imbalance_margin_requests)
     if args.replay_campaign:
-        results = replay_campaign(args.replay_campaign, cost, router, args.concurrency)
+        results = replay_campaign(args.replay_campaign, cost, router, args.concurrency, args.num_requests)
         print(markdown_table(results))
         return 0
     results = []
@@ -486,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
             workload = SimWorkload(num_families=args.families, zipf_s=args.zipf_s,
                                    family_weights=tuple(args.family_weights) if args.family_weights else None,
                                    prefix_tokens=args.prefix_tokens, question_tokens=tuple(args.question_tokens),
-                                   max_tokens=args.max_tokens, num_requests=args.num_requests, seed=args.seed, **load)
+                                   max_tokens=args.max_tokens, num_requests=args.num_requests or 64, seed=args.seed,
+                                   **load)
             for policy in args.policies:
                 results.append(simulate(policy, cluster, workload, router))
                 print(json.dumps(dataclasses.asdict(results[-1])), flush=True)
