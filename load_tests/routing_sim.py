@@ -95,6 +95,9 @@ class SimWorkload:
     # Exact (family, prompt ids) to send instead of generating them: the calibration replays
     # the very requests a real campaign run sent (routing_campaign.family_workload).
     prompts: tuple[tuple[int, tuple[int, ...]], ...] | None = None
+    # Closed loop: the first `warm_up` requests go one at a time, each two polls after the
+    # previous one ended (as the routing e2e test places each family's prompt first).
+    warm_up: int = 0
 
     def weights(self) -> list[float]:
         if self.family_weights is not None:
@@ -294,7 +297,10 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
         pump()
 
     pending = collections.deque(requests)
-    if workload.qps is None:
+    warm_up_left = workload.warm_up if workload.qps is None else 0
+    if warm_up_left:
+        push(0.0, "arrive", pending.popleft())
+    elif workload.qps is None:
         for _ in range(min(workload.concurrency, len(pending))):
             push(0.0, "arrive", pending.popleft())
     else:
@@ -324,7 +330,12 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
                 finished.append(done)
                 if done.in_flight_token is not None:
                     index.end_in_flight(done.in_flight_token)
-                if workload.qps is None and pending:
+                if warm_up_left:
+                    warm_up_left -= 1
+                    settled = clock.now + 2 * cluster.stats_refresh_s
+                    for _ in range(min(1 if warm_up_left else workload.concurrency, len(pending))):
+                        push(settled, "arrive", pending.popleft())
+                elif workload.qps is None and pending:
                     push(clock.now, "arrive", pending.popleft())
             kick(payload)
             pump()

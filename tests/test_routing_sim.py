@@ -59,3 +59,12 @@ def test_the_oracle_hit_rate_bounds_every_policy_and_counts_only_repeated_full_b
     for policy in ("prefix_aware", "round_robin"):
         result = simulate(policy, CLUSTER, WORKLOAD)
         assert 0 < result.hit_rate <= result.oracle_hit_rate < 1
+
+
+def test_a_warm_up_sends_its_requests_one_at_a_time_before_the_closed_loop_starts():
+    warm = SimWorkload(**{**WORKLOAD.__dict__, "num_requests": 12, "warm_up": 12, "concurrency": 4})
+    result = simulate("prefix_aware", CLUSTER, warm)
+    assert result.num_requests == 12
+    # Each request is sent two polls after the previous one ended: never two at once.
+    assert result.sim_duration_s >= 11 * 2 * CLUSTER.stats_refresh_s
+    assert result.spills_router == result.spills_worker_refused == 0
