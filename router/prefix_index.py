@@ -33,9 +33,8 @@ or prefilling saw no match and went wherever load said; with four in flight ever
 landed on both workers (measured on the cluster, the issue's table). The claim lasts while
 the request runs and `linger_s` after it ends (time for its STORED events to be polled),
 and an EVICTED event for the block on that worker drops it at once: the events correct it.
-`longest_prefix(..., include_in_flight=False)` answers from events alone (the router before
-the claims; the simulator's "events only" comparison). Admission uses the claims too: a
-prefix an admitted request is computing on a worker is reserved there once (router_core).
+`longest_prefix(..., include_in_flight=False)` answers from events alone (what is surely
+resident: admission charges only for that).
 """
 
 from __future__ import annotations
