@@ -217,6 +217,11 @@ class RouterConfig:
     # resumed on a survivor (prompt + the tokens streamed so far) at most this many times;
     # 0 = the client gets a retryable WorkerFailedError instead.
     max_stream_resumptions: int = 1
+    # The absolute imbalance margin is at least this many mean requests (the KV tokens of the
+    # router's recent requests, prompt + max_tokens): a fixed token count below one request
+    # lets a single queued request break affinity (long prompts), one far above it never
+    # does (short ones). 0 = imbalance_abs_tokens alone.
+    imbalance_margin_requests: float = 2.0
 
     def validate(self) -> None:
         _one_of("router.policy", self.policy, ("prefix_aware", "least_loaded", "round_robin"))
@@ -230,6 +235,7 @@ class RouterConfig:
         _check(self.stats_refresh_s > 0, "router.stats_refresh_s must be > 0")
         _check(self.max_queue_wait_s > 0, "router.max_queue_wait_s must be > 0")
         _check(self.max_stream_resumptions >= 0, "router.max_stream_resumptions must be >= 0")
+        _check(self.imbalance_margin_requests >= 0, "router.imbalance_margin_requests must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ class RunFigures:
     families_per_worker: dict[str, int]
     families_on_both: int
     wall_s: float
+    oracle_hit_rate: float = 0.0  # the best any router could reach on this run's requests
 
 
 def family_workload(spec: dict, seed: int) -> list[tuple[int, list[int]]]:
@@ -74,6 +75,28 @@ def family_workload(spec: dict, seed: int) -> list[tuple[int, list[int]]]:
     return [(f, prefixes[f] + [rng.randrange(1000, 40000) for _ in range(rng.randint(low, high))]) for f in picks]
 
 
+def oracle_hit_rate(prompts, block_size: int) -> float:
+    """The best prefix hit rate any router could reach on these prompts, sent in this order:
+    one cache that never evicts, shared by all workers, so a request hits every full block of
+    its longest common prefix with any earlier request (the last prompt token always computed,
+    as the workers cap a match). No policy, cache size or number of workers does better; a
+    family's first request always misses. `prompts`: token id sequences."""
+    from kvmesh.kv.hashing import hash_full_blocks
+
+    seen: set = set()
+    cached = total = 0
+    for prompt in prompts:
+        hashes = hash_full_blocks(list(prompt), block_size, ())  # chain hashes: block i covers 0..i
+        cacheable = (len(prompt) - 1) // block_size
+        blocks = 0
+        while blocks < cacheable and hashes[blocks] in seen:
+            blocks += 1
+        cached += blocks * block_size
+        total += len(prompt)
+        seen.update(hashes)
+    return cached / max(1, total)
+
+
 def computed_tokens_per_worker(served) -> dict[str, int]:
     """Tokens each worker had to compute: prompt tokens its prefix cache did not serve, plus the
     output. This is the load the router balances (a cache hit costs the worker nothing). Takes
@@ -84,7 +107,8 @@ def computed_tokens_per_worker(served) -> dict[str, int]:
     return dict(computed)
 
 
-def figures(policy: str, concurrency: int, served: list[Served], num_failed: int, wall_s: float) -> RunFigures:
+def figures(policy: str, concurrency: int, served: list[Served], num_failed: int, wall_s: float,
+            oracle: float = 0.0) -> RunFigures:
     computed = computed_tokens_per_worker(served)
     families = collections.defaultdict(set)
     for s in served:
@@ -100,7 +124,7 @@ def figures(policy: str, concurrency: int, served: list[Served], num_failed: int
         computed_tokens_per_worker=computed,
         computed_max_over_min=max(values) / min(values) if len(values) > 1 and min(values) > 0 else float("inf"),
         families_per_worker=dict(per_worker), families_on_both=sum(len(ws) > 1 for ws in families.values()),
-        wall_s=wall_s)
+        wall_s=wall_s, oracle_hit_rate=oracle)
 
 
 class _CallRecorder:
@@ -185,7 +209,8 @@ def run_campaign(spec: dict, out_dir: Path) -> list[RunFigures]:
                         except Exception as exc:  # counted, and the run goes on
                             print(f"request failed: {exc}", flush=True)
                             failed += 1
-                result = figures(policy, concurrency, served, failed, time.perf_counter() - started)
+                result = figures(policy, concurrency, served, failed, time.perf_counter() - started,
+                                 oracle_hit_rate([p for _, p in workload], spec["block_size"]))
                 results.append(result)
                 print(json.dumps(asdict(result)), flush=True)
     finally:
@@ -198,15 +223,16 @@ def run_campaign(spec: dict, out_dir: Path) -> list[RunFigures]:
 
 def markdown_table(results: list[RunFigures], num_families: int) -> str:
     by_key = {(r.concurrency, r.policy): r for r in results}
-    lines = ["| in flight | hit rate PA / RR | ratio | TTFT P50 PA / RR (ms) | ratio | computed max/min PA (RR) "
-             "| families on both workers PA (RR) | families per worker PA |",
+    lines = ["| in flight | hit rate PA / RR (oracle) | ratio (oracle / RR) | TTFT P50 PA / RR (ms) | ratio "
+             "| computed max/min PA (RR) | families on both workers PA (RR) | families per worker PA |",
              "|---|---|---|---|---|---|---|---|"]
     for concurrency in sorted({r.concurrency for r in results}):
         pa, rr = by_key.get((concurrency, "prefix_aware")), by_key.get((concurrency, "round_robin"))
         if pa is None or rr is None or not pa.num_served or not rr.num_served:
             continue
         lines.append(
-            f"| {concurrency} | {pa.hit_rate:.3f} / {rr.hit_rate:.3f} | {pa.hit_rate / rr.hit_rate:.2f}x "
+            f"| {concurrency} | {pa.hit_rate:.3f} / {rr.hit_rate:.3f} ({pa.oracle_hit_rate:.3f}) "
+            f"| {pa.hit_rate / rr.hit_rate:.2f}x ({pa.oracle_hit_rate / rr.hit_rate:.2f}x) "
             f"| {pa.ttft_p50_ms:.0f} / {rr.ttft_p50_ms:.0f} | {pa.ttft_p50_ms / rr.ttft_p50_ms:.2f} "
             f"| {pa.computed_max_over_min:.2f} ({rr.computed_max_over_min:.2f}) "
             f"| {pa.families_on_both} ({rr.families_on_both}) of {num_families} "

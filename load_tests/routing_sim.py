@@ -33,8 +33,8 @@ router's view; worker refused), families per worker.
 
 from __future__ import annotations
 
-# Function-level imports: torch and the engine load only to measure the cost model, and the
-# campaign module only for --replay-campaign; a plain simulation needs neither.
+# Function-level imports: torch and the engine load only to measure the cost model (the
+# campaign module, imported for its workload and oracle, imports Ray only when it runs).
 
 import argparse
 import collections
@@ -52,9 +52,10 @@ from dataclasses import dataclass, field
 from kvmesh.core.config import RouterConfig, SchedulerConfig
 from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.kv.kv_cache_manager import KVCacheManager
-from kvmesh.router.admission import cost_with_cached_prefix
+from kvmesh.load_tests.routing_campaign import family_workload, oracle_hit_rate
+from kvmesh.router.admission import cost_with_cached_prefix, request_cost_tokens
 from kvmesh.router.prefix_index import PrefixIndex
-from kvmesh.router.routing import RoundRobinCursor, choose_worker, is_spill
+from kvmesh.router.routing import RequestSizeMeter, RoundRobinCursor, choose_worker, is_spill
 from kvmesh.core.seams import SamplingParams
 from kvmesh.worker.engine_loop.engine import worker_stats
 from kvmesh.core.errors import OverloadedError
@@ -93,6 +94,9 @@ class SimWorkload:
     # Exact (family, prompt ids) to send instead of generating them: the calibration replays
     # the very requests a real campaign run sent (routing_campaign.family_workload).
     prompts: tuple[tuple[int, tuple[int, ...]], ...] | None = None
+    # Closed loop: the first `warm_up` requests go one at a time, each two polls after the
+    # previous one ended (as the routing e2e test places each family's prompt first).
+    warm_up: int = 0
 
     def weights(self) -> list[float]:
         if self.family_weights is not None:
@@ -129,6 +133,7 @@ class SimResult:
     mean_families_per_worker: float
     sim_duration_s: float
     wall_s: float
+    oracle_hit_rate: float = 0.0  # the best any router could do on these requests (routing_campaign.oracle_hit_rate)
 
 
 class _Clock:
@@ -150,6 +155,7 @@ class _SimRequest:
     request: Request | None = None
     first_token_s: float | None = None
     in_flight_token: int | None = None
+    observed: bool = False  # its size went into the request-size meter (a queued retry does not count twice)
 
 
 class _SimWorker:
@@ -222,7 +228,7 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
     clock = _Clock()
     workers = {f"worker-{i}": _SimWorker(f"worker-{i}", cluster, clock) for i in range(cluster.num_workers)}
     index = PrefixIndex(linger_s=4 * cluster.stats_refresh_s, clock=clock)
-    rng, cursor = random.Random(workload.seed + 1), RoundRobinCursor()
+    rng, cursor, sizes = random.Random(workload.seed + 1), RoundRobinCursor(), RequestSizeMeter()
     stats = {w: worker_stats(sim.scheduler, w) for w, sim in workers.items()}
     sent_since_poll: dict[str, int] = collections.Counter()
     requests = make_requests(workload, cluster.block_size)
@@ -244,9 +250,14 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
     def try_dispatch(sim_request: _SimRequest, exclude: frozenset[str] = frozenset()) -> bool:
         prompt_len = len(sim_request.prompt)
         sampling = SamplingParams(max_tokens=workload.max_tokens, ignore_eos=True)
+        # As router_core: only prefix_aware hashes prompts; its cost counts what is resident.
         matched = index.longest_prefix(sim_request.hashes, include_in_flight=in_flight_claims) \
             if policy == "prefix_aware" else {}
-        resident = index.longest_prefix(sim_request.hashes, include_in_flight=False)
+        resident = index.longest_prefix(sim_request.hashes, include_in_flight=False) \
+            if policy == "prefix_aware" else {}
+        if not exclude and not sim_request.observed:  # as router_core: once per request
+            sizes.observe(request_cost_tokens(prompt_len, sampling, cluster.block_size))
+            sim_request.observed = True
         eligible = []
         for worker_id, s in stats.items():
             cost = cost_with_cached_prefix(prompt_len, sampling, cluster.block_size, resident.get(worker_id, 0))
@@ -256,7 +267,8 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
         if not eligible:
             return False
         costs = {s.worker_id: cost for s, cost in eligible}
-        decision = choose_worker(matched, [s for s, _ in eligible], router, rng, cursor, dict(sent_since_poll))
+        decision = choose_worker(matched, [s for s, _ in eligible], router, rng, cursor, dict(sent_since_poll),
+                                 sizes.mean_tokens())
         if is_spill(matched, [s for s, _ in eligible], decision.worker_id):
             spills["preferred_full"] += 1
         worker_id = decision.worker_id
@@ -270,7 +282,7 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
         sent_since_poll[worker_id] += costs[worker_id]
         sim_request.worker_id, sim_request.request = worker_id, request
         by_id[request.request_id] = sim_request
-        if in_flight_claims and sim_request.hashes:
+        if in_flight_claims and policy == "prefix_aware" and sim_request.hashes:
             sim_request.in_flight_token = index.add_in_flight(worker_id, sim_request.hashes)
         workers[worker_id].families.add(sim_request.family)
         kick(worker_id)
@@ -286,7 +298,10 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
         pump()
 
     pending = collections.deque(requests)
-    if workload.qps is None:
+    warm_up_left = workload.warm_up if workload.qps is None else 0
+    if warm_up_left:
+        push(0.0, "arrive", pending.popleft())
+    elif workload.qps is None:
         for _ in range(min(workload.concurrency, len(pending))):
             push(0.0, "arrive", pending.popleft())
     else:
@@ -316,7 +331,12 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
                 finished.append(done)
                 if done.in_flight_token is not None:
                     index.end_in_flight(done.in_flight_token)
-                if workload.qps is None and pending:
+                if warm_up_left:
+                    warm_up_left -= 1
+                    settled = clock.now + 2 * cluster.stats_refresh_s
+                    for _ in range(min(1 if warm_up_left else workload.concurrency, len(pending))):
+                        push(settled, "arrive", pending.popleft())
+                elif workload.qps is None and pending:
                     push(clock.now, "arrive", pending.popleft())
             kick(payload)
             pump()
@@ -343,7 +363,9 @@ def _result(policy, cluster, workload, workers, finished, spills, sim_s, wall_s)
         families_on_more_than_one=sum(len(ws) > 1 for ws in family_workers.values()),
         max_workers_per_family=max((len(ws) for ws in family_workers.values()), default=0),
         mean_families_per_worker=statistics.mean(len(sim.families) for sim in workers.values()),
-        sim_duration_s=sim_s, wall_s=wall_s)
+        sim_duration_s=sim_s, wall_s=wall_s,
+        oracle_hit_rate=oracle_hit_rate([r.prompt for r in sorted(finished, key=lambda r: r.arrival_s)],
+                                        cluster.block_size))
 
 
 def measure_cost_model(model: dict | None = None, prefill_tokens: int = 512, decode_batch: int = 8,
@@ -396,8 +418,6 @@ def replay_campaign(spec_path: str, cost: CostModel, router: RouterConfig,
     ones the real run was started with."""
     import yaml
 
-    from kvmesh.load_tests.routing_campaign import family_workload
-
     with open(spec_path) as f:
         spec = yaml.safe_load(f)
     if num_requests:
@@ -416,11 +436,12 @@ def replay_campaign(spec_path: str, cost: CostModel, router: RouterConfig,
 
 
 def markdown_table(results: Sequence[SimResult]) -> str:
-    lines = ["| workers | load | policy | hit rate | TTFT P50 (ms) | TTFT P90 (ms) | computed max/min "
+    lines = ["| workers | load | policy | hit rate (oracle) | TTFT P50 (ms) | TTFT P90 (ms) | computed max/min "
              "| spills (router / worker) | families on >1 worker | max workers per family |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r.num_workers} | {r.load} | {r.policy} | {r.hit_rate:.3f} | {r.ttft_p50_ms:.0f} "
+        lines.append(f"| {r.num_workers} | {r.load} | {r.policy} | {r.hit_rate:.3f} ({r.oracle_hit_rate:.3f}) "
+                     f"| {r.ttft_p50_ms:.0f} "
                      f"| {r.ttft_p90_ms:.0f} | {r.computed_max_over_min:.2f} | {r.spills_router} / "
                      f"{r.spills_worker_refused} | {r.families_on_more_than_one} | {r.max_workers_per_family} |")
     return "\n".join(lines)
@@ -440,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-tokens", type=int, default=528)
     parser.add_argument("--question-tokens", type=int, nargs=2, default=[12, 24])
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--num-requests", type=int,
+                        help="default 64; with --replay-campaign the spec's (pass what the real run was given)")
     parser.add_argument("--concurrency", type=int, nargs="+", help="closed loop: requests in flight (a sweep)")
     parser.add_argument("--qps", type=float, nargs="+", help="open loop Poisson rates (a sweep)")
     parser.add_argument("--policies", nargs="+", default=["prefix_aware", "round_robin"])
@@ -449,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-s-per-token", type=float, default=CostModel.prefill_s_per_token)
     parser.add_argument("--decode-s-per-token", type=float, default=CostModel.decode_s_per_token)
     parser.add_argument("--imbalance-abs-tokens", type=int, default=RouterConfig.imbalance_abs_tokens)
+    parser.add_argument("--imbalance-margin-requests", type=float, default=RouterConfig.imbalance_margin_requests,
+                        help="the margin is at least this many mean requests (0: abs tokens only)")
     parser.add_argument("--measure", action="store_true",
                         help="measure the cost model on the real engine (embedded SmolLM2) first and use it")
     parser.add_argument("--seed", type=int, default=0)
@@ -462,9 +486,10 @@ def main(argv: list[str] | None = None) -> int:
         cost = measure_cost_model()
         print(f"measured cost model: {cost}", flush=True)
     loads = [dict(qps=q) for q in args.qps] if args.qps else [dict(concurrency=c) for c in (args.concurrency or [4])]
-    router = RouterConfig(imbalance_abs_tokens=args.imbalance_abs_tokens)
+    router = RouterConfig(imbalance_abs_tokens=args.imbalance_abs_tokens,
+                          imbalance_margin_requests=args.imbalance_margin_requests)
     if args.replay_campaign:
-        results = replay_campaign(args.replay_campaign, cost, router, args.concurrency)
+        results = replay_campaign(args.replay_campaign, cost, router, args.concurrency, args.num_requests)
         print(markdown_table(results))
         return 0
     results = []
@@ -475,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
             workload = SimWorkload(num_families=args.families, zipf_s=args.zipf_s,
                                    family_weights=tuple(args.family_weights) if args.family_weights else None,
                                    prefix_tokens=args.prefix_tokens, question_tokens=tuple(args.question_tokens),
-                                   max_tokens=args.max_tokens, num_requests=args.num_requests, seed=args.seed, **load)
+                                   max_tokens=args.max_tokens, num_requests=args.num_requests or 64, seed=args.seed,
+                                   **load)
             for policy in args.policies:
                 results.append(simulate(policy, cluster, workload, router))
                 print(json.dumps(dataclasses.asdict(results[-1])), flush=True)

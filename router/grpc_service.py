@@ -63,12 +63,16 @@ class KvmeshGrpcMethods:
         try:
             _check_decoded(request)
             stream = await self.core.start(inbound_from_pb(request, _invocation_metadata(grpc_context)))
+            routed_to = stream.worker_id
             if grpc_context is not None:
-                trailers = [(WORKER_KEY, stream.worker_id)]
-                if stream.degraded:
-                    trailers.append((degradation.DEGRADED_KEY, stream.degraded))
-                grpc_context.set_trailing_metadata(trailers)
+                grpc_context.set_trailing_metadata(_trailers(routed_to, stream.degraded))
             async for delta in stream:
+                if grpc_context is not None and stream.worker_id != routed_to:
+                    # Re-routed before any token (the first worker refused or failed): name
+                    # the worker that serves it. Serve's proxy copies the context with each
+                    # message, so this must be set before one is yielded.
+                    routed_to = stream.worker_id
+                    grpc_context.set_trailing_metadata(_trailers(routed_to, stream.degraded))
                 yield convert.delta_to_pb(delta)
         except Exception as exc:
             _fail(grpc_context, exc)
@@ -130,6 +134,14 @@ def _fail(grpc_context, exc: BaseException) -> None:
         # metadata, and the edge in its proxy moves them back (router/grpc_edge.py).
         grpc_context.set_details(status_map.grpc_details(status))
         grpc_context.set_trailing_metadata(list(status_map.grpc_trailing_metadata(status)))
+
+
+def _trailers(worker_id: str, degraded: str | None) -> list[tuple[str, str]]:
+    """The serving worker, and the degradation step when the ladder took one."""
+    trailers = [(WORKER_KEY, worker_id)]
+    if degraded:
+        trailers.append((degradation.DEGRADED_KEY, degraded))
+    return trailers
 
 
 def inbound_from_pb(request: pb.GenerateRequest, metadata: list[tuple[str, str]]) -> InboundRequest:

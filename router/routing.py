@@ -5,11 +5,21 @@
 - matched_blocks: {worker_id: leading prompt blocks that worker has cached}, from
   `PrefixIndex.longest_prefix(block_hashes)`;
 - workers: the latest `WorkerStats` of every worker (unhealthy ones are never chosen);
-- config: `RouterConfig` (policy, imbalance_ratio, imbalance_abs_tokens);
+- config: `RouterConfig` (policy, imbalance_ratio, imbalance_abs_tokens, imbalance_margin_requests);
 - rng: a `random.Random` the caller owns (seeded in tests);
 - extra_load_tokens: tokens the router sent a worker since its stats were taken
   (admission's in-flight accounting), so a burst between refreshes is not all sent to the
-  one worker that looked idle.
+  one worker that looked idle;
+- mean_request_tokens: the mean KV tokens (prompt + max_tokens) of the router's recent
+  requests (`RequestSizeMeter`), which scales the absolute imbalance margin.
+
+The absolute margin is `max(imbalance_abs_tokens, imbalance_margin_requests x mean request)`
+(`imbalance_margin_tokens`). A fixed token count means different things for different
+request mixes: 2,048 tokens is ~4 of the 2-worker campaign's 550-token requests but less than
+one 7.2k-token request of the 16-worker table, where one queued request on a hot worker then
+broke affinity and families spread over up to 15 workers (simulated: hit rate 0.34 against
+0.58 with a margin of ~2 requests at 8 QPS). In units of requests the guard says the same
+thing for every mix: "spill when the hot worker is more than ~2 requests ahead".
 
 A worker's load is `kv_tokens_used + queued_prompt_tokens (+ extra)`: KV it holds now (a
 prefix shared by its running requests counted once) plus the prompt tokens waiting requests
@@ -21,7 +31,7 @@ Policies (RouterConfig.policy):
 
     prefix_aware   the worker with the longest cached prefix (ties: lower load, then rng), unless its
                    load exceeds the least loaded worker's by BOTH imbalance_ratio (x) and
-                   imbalance_abs_tokens (+); then another worker already holding at
+                   the absolute margin (+, imbalance_margin_tokens); then another worker already holding at
                    least half of that prefix and not itself overloaded (sticky spill: a
                    family's set of workers grows only when all of them are overloaded);
                    else, or when nothing matched, power of two choices by load. Both
@@ -46,7 +56,9 @@ The decision records the path taken, for metrics and traces.
 
 from __future__ import annotations
 
+import collections
 import enum
+import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -85,20 +97,48 @@ class RoundRobinCursor:
         return chosen
 
 
+class RequestSizeMeter:
+    """Mean KV tokens of the last `window` requests the router routed: the unit of the
+    imbalance margin. One per router replica (no module state)."""
+
+    def __init__(self, window: int = 256) -> None:
+        self._sizes: collections.deque[int] = collections.deque(maxlen=window)
+        self._sum = 0
+
+    def observe(self, kv_tokens: int) -> None:
+        if len(self._sizes) == self._sizes.maxlen:
+            self._sum -= self._sizes[0]
+        self._sizes.append(kv_tokens)
+        self._sum += kv_tokens
+
+    def mean_tokens(self) -> float:
+        """0.0 before any request."""
+        return self._sum / len(self._sizes) if self._sizes else 0.0
+
+
+def imbalance_margin_tokens(config: RouterConfig, mean_request_tokens: float = 0.0) -> int:
+    """The absolute margin of the load guard: imbalance_abs_tokens, raised to
+    imbalance_margin_requests mean requests when requests are large."""
+    return max(config.imbalance_abs_tokens, math.ceil(config.imbalance_margin_requests * mean_request_tokens))
+
+
 def worker_load_tokens(stats: WorkerStats, extra_tokens: int = 0) -> int:
     """KV tokens in use plus prompt tokens queued for prefill (plus router in-flight)."""
     return stats.kv_tokens_used + stats.queued_prompt_tokens + extra_tokens
 
 
-def is_imbalanced(load_tokens: int, min_load_tokens: int, config: RouterConfig) -> bool:
-    """True when `load_tokens` exceeds the minimum by both the ratio and the absolute margin."""
-    return (load_tokens > min_load_tokens * config.imbalance_ratio
-            and load_tokens - min_load_tokens > config.imbalance_abs_tokens)
+def is_imbalanced(load_tokens: int, min_load_tokens: int, config: RouterConfig,
+                  margin_tokens: int | None = None) -> bool:
+    """True when `load_tokens` exceeds the minimum by both the ratio and the absolute margin
+    (`margin_tokens`, default config.imbalance_abs_tokens: see `imbalance_margin_tokens`)."""
+    margin = config.imbalance_abs_tokens if margin_tokens is None else margin_tokens
+    return load_tokens > min_load_tokens * config.imbalance_ratio and load_tokens - min_load_tokens > margin
 
 
 def choose_worker(matched_blocks: Mapping[str, int], workers: Sequence[WorkerStats], config: RouterConfig,
                   rng: random.Random, cursor: RoundRobinCursor | None = None,
-                  extra_load_tokens: Mapping[str, int] | None = None) -> RoutingDecision:
+                  extra_load_tokens: Mapping[str, int] | None = None,
+                  mean_request_tokens: float = 0.0) -> RoutingDecision:
     """Pick the worker for one request (see the module docstring for the policies)."""
     healthy = sorted((w for w in workers if w.healthy), key=lambda w: w.worker_id)
     if not healthy:
@@ -117,7 +157,8 @@ def choose_worker(matched_blocks: Mapping[str, int], workers: Sequence[WorkerSta
     if config.policy == "least_loaded":
         return decide(_least_loaded(ids, loads, rng), RoutingPath.LEAST_LOADED)
     footprints = {w.worker_id: kv_footprint_tokens(w, extra.get(w.worker_id, 0)) for w in healthy}
-    return _prefix_aware(ids, loads, footprints, matched_blocks, config, rng, decide)
+    margin = imbalance_margin_tokens(config, mean_request_tokens)
+    return _prefix_aware(ids, loads, footprints, matched_blocks, config, margin, rng, decide)
 
 
 def kv_footprint_tokens(stats: WorkerStats, extra_tokens: int = 0) -> int:
@@ -127,11 +168,11 @@ def kv_footprint_tokens(stats: WorkerStats, extra_tokens: int = 0) -> int:
 
 
 def _prefix_aware(ids: list[str], loads: dict[str, int], footprints: dict[str, int],
-                  matched_blocks: Mapping[str, int], config: RouterConfig, rng: random.Random,
+                  matched_blocks: Mapping[str, int], config: RouterConfig, margin: int, rng: random.Random,
                   decide) -> RoutingDecision:
     matching = [w for w in ids if matched_blocks.get(w, 0) > 0]
     if not matching:
-        return decide(_place_new_prefix(ids, loads, footprints, config, rng), RoutingPath.NO_PREFIX)
+        return decide(_place_new_prefix(ids, loads, footprints, config, margin, rng), RoutingPath.NO_PREFIX)
     # Longest match first; among equal matches the less loaded one keeps affinity cheaper,
     # and a full tie is a coin toss: breaking it by worker id sent the hot family's requests
     # to worker-0 whenever both held it idle (measured: 1.67x the other's tokens).
@@ -139,13 +180,13 @@ def _prefix_aware(ids: list[str], loads: dict[str, int], footprints: dict[str, i
     lowest = min(loads[w] for w in matching if matched_blocks[w] == top)
     best = rng.choice([w for w in matching if matched_blocks[w] == top and loads[w] == lowest])
     min_load = min(loads.values())
-    if not is_imbalanced(loads[best], min_load, config):
+    if not is_imbalanced(loads[best], min_load, config, margin):
         return decide(best, RoutingPath.PREFIX_MATCH)
     # Sticky spill: a worker that already holds most of this prefix (where the family spilled
     # before) takes it while it is not overloaded itself, so a hot family grows onto a second
     # worker once and stays on those two, instead of landing on a random one each time.
     holders = [w for w in matching if w != best and 2 * matched_blocks[w] >= top
-               and not is_imbalanced(loads[w], min_load, config)]
+               and not is_imbalanced(loads[w], min_load, config, margin)]
     if holders:
         return decide(min(holders, key=lambda w: (loads[w], -matched_blocks[w], w)), RoutingPath.PREFIX_SPILL)
     return decide(_power_of_two(ids, loads, rng), RoutingPath.PREFIX_IMBALANCED)
@@ -168,14 +209,14 @@ def _least_loaded(ids: list[str], loads: dict[str, int], rng: random.Random) -> 
 
 
 def _place_new_prefix(ids: list[str], loads: dict[str, int], footprints: dict[str, int], config: RouterConfig,
-                      rng: random.Random) -> str:
+                      margin: int, rng: random.Random) -> str:
     """Power of two choices; between loads within the imbalance thresholds, the smaller KV
     footprint wins (then the lower load), else the lower load."""
     if len(ids) == 1:
         return ids[0]
     pair = rng.sample(ids, 2)
     low, high = sorted(loads[w] for w in pair)
-    if is_imbalanced(high, low, config):
+    if is_imbalanced(high, low, config, margin):
         return min(pair, key=lambda w: loads[w])
     return min(pair, key=lambda w: (footprints[w], loads[w]))
 

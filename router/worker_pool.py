@@ -7,9 +7,17 @@ in-memory global. One watcher task per worker keeps exactly one `poll` call in f
     watcher(worker-i):  poll(since_seq) ──ok──> stats, prefix events -> PrefixIndex, healthy
                               │
                               ├─ RayActorError ─> unhealthy; sleep; poll again
-                              └─ no answer within poll_timeout_s -> unhealthy; keep
+                              └─ no answer within the slow-poll timeout -> unhealthy; keep
                                  waiting on the same call (a restarting actor answers late;
                                  piling up calls on it would only delay it)
+
+Slow is not gone: a dead actor's call fails (RayActorError) and a restarting one's raises
+ActorUnavailableError, both at once; an unanswered poll only means the worker is slower than
+expected. The timeout is therefore relative to how slowly polls are answered right now
+(`slow_poll_timeout_s`): on a loaded machine every poll takes seconds, and a fixed 2 s timeout
+took workers out of routing while they were serving (131 such warnings in one afternoon of
+this project's test runs on a shared 2-core machine), sending all traffic to the others:
+prefix families split, one worker computed 1.68x the other's tokens.
 
 A worker is routable when its last poll succeeded, it reported `healthy`, and no request
 stream has failed on that same incarnation since. A failed stream (`mark_failed`) takes
@@ -21,6 +29,7 @@ drops what the prefix index knew of the old one (its cache died with it).
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
@@ -36,6 +45,19 @@ from kvmesh.core.seams import WorkerStats
 logger = logging.getLogger(__name__)
 
 _MAX_POLL_WAIT_S = 300.0  # longer than any model load; then the call is presumed lost
+# An unanswered poll marks a worker down after this many times the slowest recent answer
+# (any worker's), at least the configured floor and at most _SLOW_POLL_CAP_S.
+SLOW_POLL_FACTOR = 4.0
+_SLOW_POLL_CAP_S = 60.0
+_POLL_HISTORY = 32  # recent answered polls' round trips, all workers together
+
+
+def slow_poll_timeout_s(floor_s: float, recent_round_trips_s) -> float:
+    """How long a poll may go unanswered before its worker is taken out of routing: the floor,
+    or SLOW_POLL_FACTOR x the slowest recent round trip when the machine is that slow (capped:
+    a worker that stopped answering altogether is still taken out within a minute)."""
+    slowest = max(recent_round_trips_s, default=0.0)
+    return min(max(floor_s, SLOW_POLL_FACTOR * slowest), max(floor_s, _SLOW_POLL_CAP_S))
 
 
 @dataclass
@@ -70,6 +92,7 @@ class WorkerPool:
         # A poll is a few dict reads on the worker; several refresh periods without an answer
         # means the actor is gone or restarting, not slow.
         self._poll_timeout_s = max(2.0, 8 * self._refresh_s)
+        self._poll_round_trips_s: collections.deque[float] = collections.deque(maxlen=_POLL_HISTORY)
         self._changed = asyncio.Event()
         # Called with (stats_for_routing(), taken_at) after every change: admission and
         # metrics follow the pool. taken_at is time.monotonic() when the poll was sent.
@@ -190,15 +213,20 @@ class WorkerPool:
             taken_at = time.monotonic()
             ref = state.handle.poll.remote(self.prefix_index.next_seq(worker_id))
             future = asyncio.ensure_future(_await_ref(ref))
+            timeout_s = slow_poll_timeout_s(self._poll_timeout_s, self._poll_round_trips_s)
             try:
-                done, _ = await asyncio.wait({future}, timeout=self._poll_timeout_s)
+                done, _ = await asyncio.wait({future}, timeout=timeout_s)
                 if not done:
-                    self._set_down(state, f"no answer to poll within {self._poll_timeout_s:.1f}s")
+                    self._set_down(state, f"no answer to poll within {timeout_s:.1f}s")
                     # A restart (process start + model load) answers late; a call that never
                     # answers is dropped after a generous bound and the poll sent again.
                     poll = await asyncio.wait_for(future, timeout=_MAX_POLL_WAIT_S)
+                    if state.info is not None and poll.info.incarnation == state.info.incarnation:
+                        # Late, not restarted: this is how slow polls are now.
+                        self._poll_round_trips_s.append(time.monotonic() - taken_at)
                 else:
                     poll = future.result()
+                    self._poll_round_trips_s.append(time.monotonic() - taken_at)
                 self._apply(state, poll)
                 self._notify(taken_at)
             except asyncio.CancelledError:

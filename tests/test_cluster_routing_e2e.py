@@ -37,7 +37,7 @@ from kvmesh.router.client import KvmeshClient
 from kvmesh.router.retry import RetryPolicy
 from kvmesh.core.seams import SamplingParams
 from kvmesh.load_tests.routing_campaign import computed_tokens_per_worker
-from e2e_cluster import serving, tiny_cluster_config
+from e2e_cluster import serving, settled_scrape, tiny_cluster_config, total
 
 logger = logging.getLogger(__name__)
 
@@ -255,13 +255,16 @@ def test_prefix_aware_keeps_families_on_one_worker_and_doubles_round_robin_hits(
 
 def test_skewed_mix_load_threshold_keeps_workers_within_one_and_a_half_x(cluster):
     """80% of the traffic is one family, four requests in flight: affinity alone would put
-    80% of the tokens on that family's worker. The absolute margin (128 tokens) is below one
-    request's 204, so one extra request on the hot worker is enough to spill when the ratio
-    also trips. Computed tokens per worker (uncached prompt + output) are summed from the
+    80% of the tokens on that family's worker. The absolute margin (128 tokens, not scaled to
+    the mean request: imbalance_margin_requests 0) is below one request's 204, so one extra
+    request on the hot worker is enough to spill when the ratio also trips. Under CPU
+    contention this once measured 1.68x; the likely cause, polls answered in over 2 s taking a
+    serving worker out of routing (common on that machine), is fixed in the router
+    (worker_pool.slow_poll_timeout_s judges slowness against recent polls). Computed tokens per worker (uncached prompt + output) are summed from the
     final usage of the requests each worker served: the router's load guard balances the work
     a worker must do, not the tokens its cache serves for free."""
     seed = 23
-    config = _deploy(cluster, policy="prefix_aware", imbalance_abs_tokens=128)
+    config = _deploy(cluster, policy="prefix_aware", imbalance_abs_tokens=128, imbalance_margin_requests=0)
     warm = _warm_up(config, seed)
     served = _run(config, _workload(seed, [80, 7, 7, 6], 60), concurrency=4)
     per_worker = computed_tokens_per_worker(warm + served)
@@ -274,3 +277,73 @@ def test_skewed_mix_load_threshold_keeps_workers_within_one_and_a_half_x(cluster
     # The hot family spilled beyond its home worker, and still mostly hit a cached prefix.
     assert len(hot_spread) == 2
     assert hit_rate(served) > 0.5
+
+
+class _KeepBusy:
+    """Keeps `count` requests running on one worker actor, sent to it directly (the router
+    never hears of them until its next poll): each one is replaced as soon as it ends, so
+    their reservations hold that worker's KV budget for as long as the block lasts."""
+
+    def __init__(self, handle, count: int, prompt_tokens: int, max_tokens: int):
+        import threading
+
+        self._handle, self._stop = handle, threading.Event()
+        self._sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self._prompt = tuple(range(1000, 1000 + prompt_tokens))
+        self._started = [threading.Event() for _ in range(count)]
+        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(count)]
+
+    def _loop(self, slot: int) -> None:
+        import ray
+
+        from kvmesh.core.seams import GenerateRequest
+
+        for n in range(10**6):
+            if self._stop.is_set():
+                return
+            request = GenerateRequest(f"busy-{slot}-{n}", prompt_token_ids=self._prompt, sampling=self._sampling)
+            for ref in self._handle.generate.options(num_returns="streaming").remote(request):
+                ray.get(ref)
+                self._started[slot].set()
+
+    def __enter__(self) -> "_KeepBusy":
+        for thread in self._threads:
+            thread.start()
+        for started in self._started:
+            assert started.wait(60), "a keep-busy request never started"
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(120)
+
+
+def test_a_worker_that_refuses_spills_the_request_to_one_with_room_and_the_client_sees_success(cluster):
+    """The worker's own admission refuses (OverloadedError before any token) while the router,
+    one poll behind, still saw room there: the router re-admits the request on the other
+    worker and the client's single attempt succeeds. Real router, real workers: worker-0's
+    KV budget is held by requests sent to its actor directly (the router does not hear of them
+    before its next poll, 60 s away), and round robin's first pick is worker-0. (The refusal is
+    the worker's real admission; only its cause, a stale view, is staged.)"""
+    import ray
+
+    from kvmesh.worker.runtime.actor import WORKER_NAMESPACE, worker_actor_name
+
+    config = _deploy(cluster, policy="round_robin", stats_refresh_s=60.0)
+    metrics_url = f"http://127.0.0.1:{config.router.http_port}"
+    # The counter is the cluster's (replicas publish theirs): earlier phases may have spilled.
+    refusals_before = total(settled_scrape(metrics_url), "kvmesh_routing_spills_total", reason="worker_refused")
+    worker_0 = ray.get_actor(worker_actor_name(APP_NAME, 0), namespace=WORKER_NAMESPACE)
+    # Three requests of 16 + 128 tokens hold 27 of worker-0's 28 blocks (any two of them 18);
+    # the routed request needs 13. Each is replaced the moment it ends (they run ~0.1 s).
+    with _KeepBusy(worker_0, count=3, prompt_tokens=16, max_tokens=128):
+        recorder = _WorkerRecorder()
+        channel = grpc.intercept_channel(grpc.insecure_channel(f"127.0.0.1:{config.router.grpc_port}"), recorder)
+        prompt = _families(31)[0] + list(range(2000, 2000 + SUFFIX_TOKENS))
+        with KvmeshClient("", channel=channel, retry_policy=RetryPolicy(max_attempts=1)) as client:
+            served = _send(client, recorder, "refused-once", 0, prompt)
+    refusals = total(settled_scrape(metrics_url), "kvmesh_routing_spills_total", reason="worker_refused")
+    assert len(recorder.calls["refused-once"]) == 1  # one client attempt: the spill happened inside the router
+    assert served.worker_id == "worker-1" and served.completion_tokens == MAX_TOKENS
+    assert refusals - refusals_before == 1

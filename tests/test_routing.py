@@ -11,7 +11,8 @@ import pytest
 from kvmesh.core.config import RouterConfig
 from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.router.prefix_index import PrefixIndex
-from kvmesh.router.routing import RoundRobinCursor, RoutingPath, choose_worker, worker_load_tokens
+from kvmesh.router.routing import (RequestSizeMeter, RoundRobinCursor, RoutingPath, choose_worker,
+                                   imbalance_margin_tokens, worker_load_tokens)
 from kvmesh.core.seams import PrefixEvent, PrefixEventBatch, PrefixEventKind, WorkerStats
 from kvmesh.core.errors import WorkerFailedError
 
@@ -199,3 +200,39 @@ def test_an_overloaded_family_spills_to_the_worker_already_holding_it_not_a_new_
     # A worker holding only a sliver of the prefix is not a holder worth sticking to.
     workers = [stats("w0", 3000), stats("w1", 0), stats("w2", 0)]
     assert choose_worker({"w0": 10, "w1": 2}, workers, config, random.Random(1)).path is RoutingPath.PREFIX_IMBALANCED
+
+
+def test_the_absolute_margin_is_counted_in_mean_requests_so_one_long_request_does_not_break_affinity():
+    """7.2k-token requests (the 16-worker table's): the hot worker one request ahead of an idle
+    one keeps its family; two and a bit requests ahead it spills. With short requests the
+    fixed floor (imbalance_abs_tokens) still applies, and 0 requests means the floor alone."""
+    config = RouterConfig(policy="prefix_aware", imbalance_ratio=1.5, imbalance_abs_tokens=2048,
+                          imbalance_margin_requests=2.0)
+    long_request = 7232
+    assert imbalance_margin_tokens(config, long_request) == 2 * long_request
+    assert imbalance_margin_tokens(config, 200) == 2048  # short requests: the floor
+    assert imbalance_margin_tokens(RouterConfig(imbalance_margin_requests=0), long_request) == 2048
+
+    one_ahead = [stats("w0", kv_tokens_used=long_request + 1000), stats("w1", kv_tokens_used=1000)]
+    kept = choose_worker({"w0": 375}, one_ahead, config, random.Random(0), mean_request_tokens=long_request)
+    assert (kept.worker_id, kept.path) == ("w0", RoutingPath.PREFIX_MATCH)
+    # The same loads judged by the fixed 2,048 tokens alone (no requests measured yet): a spill.
+    fixed = choose_worker({"w0": 375}, one_ahead, config, random.Random(0))
+    assert (fixed.worker_id, fixed.path) == ("w1", RoutingPath.PREFIX_IMBALANCED)
+
+    far_ahead = [stats("w0", kv_tokens_used=3 * long_request), stats("w1", kv_tokens_used=0)]
+    spilled = choose_worker({"w0": 375}, far_ahead, config, random.Random(0), mean_request_tokens=long_request)
+    assert (spilled.worker_id, spilled.path) == ("w1", RoutingPath.PREFIX_IMBALANCED)
+
+    short = [stats("w0", kv_tokens_used=3500), stats("w1", kv_tokens_used=1000)]
+    assert choose_worker({"w0": 12}, short, config, random.Random(0), mean_request_tokens=200).worker_id == "w1"
+
+
+def test_request_size_meter_is_the_mean_of_a_sliding_window():
+    meter = RequestSizeMeter(window=4)
+    assert meter.mean_tokens() == 0.0
+    for size in (100, 100, 100, 100):
+        meter.observe(size)
+    assert meter.mean_tokens() == 100
+    meter.observe(500)  # the oldest 100 leaves the window
+    assert meter.mean_tokens() == 200

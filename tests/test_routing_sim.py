@@ -45,3 +45,26 @@ def test_replaying_the_campaign_sends_its_exact_requests():
     results = replay_campaign(str(spec), CostModel(), RouterConfig(), concurrency=[1], num_requests=6)
     assert [(r.policy, r.load, r.num_requests) for r in results] == [
         ("prefix_aware", "1 in flight", 6), ("round_robin", "1 in flight", 6)]
+
+
+def test_the_oracle_hit_rate_bounds_every_policy_and_counts_only_repeated_full_blocks():
+    from kvmesh.load_tests.routing_campaign import oracle_hit_rate
+
+    family_a, family_b = list(range(1000, 1032)), list(range(2000, 2032))  # two 2-block prefixes
+    prompts = [family_a + [1] * 8, family_a + [2] * 8, family_b + [3] * 8, family_a[:16] + [4] * 24]
+    # The first of each family misses; the second A hits both blocks, the last only block 0.
+    assert oracle_hit_rate(prompts, 16) == (32 + 16) / (40 * 4)
+    # A prompt that is all prefix still computes its last token: its last block cannot hit.
+    assert oracle_hit_rate([family_a, family_a], 16) == 16 / 64
+    for policy in ("prefix_aware", "round_robin"):
+        result = simulate(policy, CLUSTER, WORKLOAD)
+        assert 0 < result.hit_rate <= result.oracle_hit_rate < 1
+
+
+def test_a_warm_up_sends_its_requests_one_at_a_time_before_the_closed_loop_starts():
+    warm = SimWorkload(**{**WORKLOAD.__dict__, "num_requests": 12, "warm_up": 12, "concurrency": 4})
+    result = simulate("prefix_aware", CLUSTER, warm)
+    assert result.num_requests == 12
+    # Each request is sent two polls after the previous one ended: never two at once.
+    assert result.sim_duration_s >= 11 * 2 * CLUSTER.stats_refresh_s
+    assert result.spills_router == result.spills_worker_refused == 0
