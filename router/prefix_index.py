@@ -159,6 +159,17 @@ class PrefixIndex:
     def num_blocks(self, worker_id: str) -> int:
         return len(self._blocks.get(worker_id, ()))
 
+    def num_blocks_known(self) -> dict[str, int]:
+        """Per worker: distinct blocks reported there plus those claimed by requests
+        dispatched there and not yet reported (see "In flight")."""
+        self._expire_in_flight()
+        known = {w: len(hashes) for w, hashes in self._blocks.items()}
+        for block_hash, claims in self._in_flight_holders.items():
+            for worker_id in claims:
+                if block_hash not in self._blocks.get(worker_id, ()):
+                    known[worker_id] = known.get(worker_id, 0) + 1
+        return known
+
     def workers(self) -> list[str]:
         return sorted(self._blocks)
 

@@ -283,7 +283,8 @@ class RouterCore:
         def route(eligible: list[WorkerStats], in_flight) -> str:
             with self._tracer.start_as_current_span(tracing.SPAN_ROUTE, context=parent) as span:
                 decision = choose_worker(matched, eligible, self.config.router, self._rng, self._cursor, in_flight,
-                                         self._request_sizes.mean_tokens())
+                                         self._request_sizes.mean_tokens(),
+                                         index.num_blocks_known() if not matched else None)
                 tracing.set_route_attributes(span, decision.worker_id, decision.matched_blocks,
                                              self.config.router.policy)
                 tracing.set_route_candidates(span, decision, matched, eligible, in_flight)

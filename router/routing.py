@@ -138,8 +138,12 @@ def is_imbalanced(load_tokens: int, min_load_tokens: int, config: RouterConfig,
 def choose_worker(matched_blocks: Mapping[str, int], workers: Sequence[WorkerStats], config: RouterConfig,
                   rng: random.Random, cursor: RoundRobinCursor | None = None,
                   extra_load_tokens: Mapping[str, int] | None = None,
-                  mean_request_tokens: float = 0.0) -> RoutingDecision:
-    """Pick the worker for one request (see the module docstring for the policies)."""
+                  mean_request_tokens: float = 0.0,
+                  known_blocks: Mapping[str, int] | None = None) -> RoutingDecision:
+    """Pick the worker for one request (see the module docstring for the policies).
+    `known_blocks`: blocks the router's prefix index places on each worker (reported, or
+    claimed by a request dispatched there and not yet reported), a floor under the stats'
+    footprint (`kv_footprint_tokens`)."""
     healthy = sorted((w for w in workers if w.healthy), key=lambda w: w.worker_id)
     if not healthy:
         raise WorkerFailedError(f"no healthy worker among {len(workers)}")
@@ -156,15 +160,21 @@ def choose_worker(matched_blocks: Mapping[str, int], workers: Sequence[WorkerSta
         return decide(cursor.take(ids), RoutingPath.ROUND_ROBIN)
     if config.policy == "least_loaded":
         return decide(_least_loaded(ids, loads, rng), RoutingPath.LEAST_LOADED)
-    footprints = {w.worker_id: kv_footprint_tokens(w, extra.get(w.worker_id, 0)) for w in healthy}
+    known = known_blocks or {}
+    footprints = {w.worker_id: kv_footprint_tokens(w, extra.get(w.worker_id, 0), known.get(w.worker_id, 0))
+                  for w in healthy}
     margin = imbalance_margin_tokens(config, mean_request_tokens)
     return _prefix_aware(ids, loads, footprints, matched_blocks, config, margin, rng, decide)
 
 
-def kv_footprint_tokens(stats: WorkerStats, extra_tokens: int = 0) -> int:
+def kv_footprint_tokens(stats: WorkerStats, extra_tokens: int = 0, known_blocks: int = 0) -> int:
     """KV the worker's cache holds, running or reusable (plus router in-flight): how much a
-    new prefix placed there would compete with."""
-    return (stats.num_blocks_used + stats.num_blocks_cached) * stats.block_size + extra_tokens
+    new prefix placed there would compete with. `known_blocks` (the prefix index's count) is a
+    floor: a request that ended after the worker's last poll is no longer in flight, and its
+    blocks are not yet in the stats; without the floor the worker briefly looked a family
+    lighter, and on a slow machine two new families followed one another onto it."""
+    from_stats = (stats.num_blocks_used + stats.num_blocks_cached) * stats.block_size + extra_tokens
+    return max(from_stats, known_blocks * stats.block_size)
 
 
 def _prefix_aware(ids: list[str], loads: dict[str, int], footprints: dict[str, int],

@@ -85,7 +85,8 @@ class WorkerPool:
         self._config = config
         self._app_name = app_name
         # A dispatched prefix is claimed until its STORED events have surely been polled.
-        self.prefix_index = prefix_index or PrefixIndex(linger_s=4 * config.router.stats_refresh_s)
+        self._base_linger_s = 4 * config.router.stats_refresh_s
+        self.prefix_index = prefix_index or PrefixIndex(linger_s=self._base_linger_s)
         self._workers: dict[str, _WorkerState] = {}
         self._watchers: list[asyncio.Task] = []
         self._refresh_s = config.router.stats_refresh_s
@@ -227,6 +228,10 @@ class WorkerPool:
                 else:
                     poll = future.result()
                     self._poll_round_trips_s.append(time.monotonic() - taken_at)
+                # The claim must outlive the next poll that reports the request's blocks: on a
+                # loaded machine a poll round trip alone can exceed the base linger.
+                self.prefix_index.linger_s = max(self._base_linger_s,
+                                                 self._refresh_s + 2 * max(self._poll_round_trips_s, default=0.0))
                 self._apply(state, poll)
                 self._notify(taken_at)
             except asyncio.CancelledError:

@@ -151,3 +151,19 @@ def test_a_dispatched_prefix_counts_on_its_worker_until_events_or_time_correct_i
     index.remove_worker("w1")
     assert index.longest_prefix(family) == {"w2": 1}
     index.check_integrity()
+
+
+def test_blocks_known_per_worker_count_reported_and_claimed_blocks_once():
+    clock = [0.0]
+    index = PrefixIndex(linger_s=1.0, clock=lambda: clock[0])
+    family = hashes(list(range(100, 116)))  # 4 blocks
+    other = hashes(list(range(200, 208)))  # 2 blocks
+    index.apply(stored("w1", 0, family[:2]))
+    token = index.add_in_flight("w1", family)  # 2 reported + 2 more claimed
+    index.add_in_flight("w2", other)
+    assert index.num_blocks_known() == {"w1": 4, "w2": 2}
+    index.end_in_flight(token)  # ended, not yet reported: still known while it lingers
+    clock[0] = 0.9
+    assert index.num_blocks_known()["w1"] == 4
+    clock[0] = 1.1
+    assert index.num_blocks_known() == {"w1": 2, "w2": 2}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -236,3 +237,18 @@ def test_request_size_meter_is_the_mean_of_a_sliding_window():
     assert meter.mean_tokens() == 100
     meter.observe(500)  # the oldest 100 leaves the window
     assert meter.mean_tokens() == 200
+
+
+def test_blocks_the_index_knows_are_a_floor_under_a_stale_footprint():
+    """w1's last poll predates the family it just served (that request has ended, so it is
+    not in flight either); the index still knows its blocks and the next new family goes to
+    w0, as it would once the stats catch up."""
+    w0 = dataclasses.replace(stats("w0"), num_blocks_cached=12)
+    w1 = dataclasses.replace(stats("w1"), num_blocks_cached=12)  # stale: 24 really
+    config = RouterConfig(policy="prefix_aware")
+    stale = {choose_worker({}, [w0, w1], config, random.Random(seed)).worker_id for seed in range(20)}
+    assert stale == {"w0", "w1"}  # a tie: either
+    known = {"w0": 12, "w1": 24}
+    picks = {choose_worker({}, [w0, w1], config, random.Random(seed), known_blocks=known).worker_id
+             for seed in range(20)}
+    assert picks == {"w0"}
