@@ -55,7 +55,11 @@ HTTP_CLIENT_STATUSES = {200, 400, 404, 405, 422, 429, 504}
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
     config = tiny_cluster_config(tiny_model_dir, num_workers=NUM_WORKERS, num_blocks=NUM_BLOCKS,
-                                 router={"policy": "round_robin", "max_queue_len": 4, "max_queue_wait_s": 2.0})
+                                 # Resumption off: section 6 checks the error a client gets when a
+                                 # stream cannot be resumed (tests/test_failover_resume_e2e.py
+                                 # covers the default, resumed streams).
+                                 router={"policy": "round_robin", "max_queue_len": 4, "max_queue_wait_s": 2.0,
+                                         "max_stream_resumptions": 0})
     as_dict = config.to_dict()
     as_dict["scheduler"]["max_new_tokens"] = MODEL_LEN  # the context length binds, not this ceiling
     config = KvmeshConfig.from_dict(as_dict)

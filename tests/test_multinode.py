@@ -60,7 +60,10 @@ def multinode_config(tiny_model_dir) -> KvmeshConfig:
     # 512 blocks of 16 = 8192 tokens per worker: the whole load fits on the survivor.
     return tiny_cluster_config(tiny_model_dir, num_workers=2, num_blocks=512, max_new_tokens=960,
                                parallel={"worker_resource": GPU_RESOURCE, "worker_num_cpus": 0},
-                               router={"policy": "round_robin"})
+                               # Resumption off: this module checks that a lost node fails only
+                               # its own streams and that clients' retries then succeed (resumed
+                               # streams: tests/test_failover_resume_e2e.py).
+                               router={"policy": "round_robin", "max_stream_resumptions": 0})
 
 
 @pytest.fixture(scope="module")
