@@ -179,3 +179,19 @@ def test_sampled_requests_speculate_through_the_engine(tiny_model_dir):
     assert engine.speculator.counters.num_accepted_tokens > 0
     again, _ = _run(_engine(tiny_model_dir, "ngram"), requests)
     assert again == tokens, "seeded requests stay reproducible with speculation"
+
+
+@pytest.mark.parametrize("draft_quant", ["int8", "int4"])
+def test_quantized_self_draft_is_token_identical_and_frees_its_pool(tiny_model_dir, draft_quant):
+    requests = [(f"r{i}", p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+                for i, p in enumerate(PROMPTS[:4])]
+    small_pool = {"num_blocks": 18, "block_size": 8}
+    plain, _ = _run(_engine(tiny_model_dir, cache=small_pool), requests)
+    engine = _engine(tiny_model_dir, "self_draft", cache=small_pool,
+                     speculative={"draft_quant": draft_quant, "draft_num_blocks": 40})
+    spec, _ = _run(engine, requests)
+    assert spec == plain
+    counters = engine.speculator.counters
+    assert counters.num_draft_tokens > 0 and counters.acceptance_rate > 0.5, counters
+    assert engine.speculator.proposer.num_held_blocks == 0, "the draft pool is whole again"
+    assert engine.scheduler.stats().num_preemptions_recompute > 0
