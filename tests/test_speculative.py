@@ -195,3 +195,25 @@ def test_quantized_self_draft_is_token_identical_and_frees_its_pool(tiny_model_d
     assert counters.num_draft_tokens > 0 and counters.acceptance_rate > 0.5, counters
     assert engine.speculator.proposer.num_held_blocks == 0, "the draft pool is whole again"
     assert engine.scheduler.stats().num_preemptions_recompute > 0
+
+
+def test_speculation_reaches_the_worker_metrics_and_the_request_step_log(tiny_model_dir):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvmesh.core.telemetry import EngineMetrics, RequestStepLog
+
+    engine = _engine(tiny_model_dir, "ngram")
+    metrics, log = EngineMetrics("w0"), RequestStepLog()
+    engine.phase_clock.observers += [metrics.observe_step_report, log.observe_step_report]
+    _run(engine, [("m", PROMPTS[2], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))])
+    samples = {(s.name, s.labels.get("method")): s.value
+               for family in text_string_to_metric_families(metrics.snapshot().decode())
+               for s in family.samples}
+    counters = engine.speculator.counters
+    assert counters.num_accepted_tokens > 0
+    assert samples[("kvmesh_spec_draft_tokens_total", "ngram")] == counters.num_draft_tokens
+    assert samples[("kvmesh_spec_accepted_tokens_total", "ngram")] == counters.num_accepted_tokens
+    assert samples[("kvmesh_spec_verified_requests_total", "ngram")] == counters.num_verified
+    steps = log.pop("m")
+    assert (steps.spec_method, steps.num_draft_tokens, steps.num_accepted_tokens) == (
+        "ngram", counters.num_draft_tokens, counters.num_accepted_tokens)
