@@ -217,3 +217,15 @@ def test_speculation_reaches_the_worker_metrics_and_the_request_step_log(tiny_mo
     steps = log.pop("m")
     assert (steps.spec_method, steps.num_draft_tokens, steps.num_accepted_tokens) == (
         "ngram", counters.num_draft_tokens, counters.num_accepted_tokens)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_quantized_kv_speculation_matches_plain_decoding_on_the_same_kv_dtype(tiny_model_dir, kv_cache_dtype):
+    requests = [(f"q{i}", p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+                for i, p in enumerate(PROMPTS[1:4])]
+    cache = {"kv_cache_dtype": kv_cache_dtype}
+    plain, _ = _run(_engine(tiny_model_dir, cache=cache), requests)
+    engine = _engine(tiny_model_dir, "ngram", cache=cache)
+    spec, _ = _run(engine, requests)
+    assert spec == plain
+    assert engine.speculator.counters.num_accepted_tokens > 0

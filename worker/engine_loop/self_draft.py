@@ -21,7 +21,12 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
+from torch import nn
+
 from kvmesh.kv.kv_cache_manager import KVCacheManager, PrefixMatch
+from kvmesh.quant.linear import Int8WeightOnlyLinear
 from kvmesh.worker.engine_loop.draft_proposers import DraftAsk
 from kvmesh.worker.engine_loop.scheduler_output import ScheduledRequest
 from kvmesh.worker.modeling.model_runner import ModelRunner, StepInputs, allocate_kv_caches
@@ -54,6 +59,25 @@ class DraftSequence:
         return len(self.token_ids)
 
 
+class _Int8LMHead(nn.Module):
+    """The draft's LM head in int8 (per vocabulary row): on a small model the head is a large
+    share of the bytes a decode step reads (SmolLM2-135M: 28M of 135M parameters), and the
+    draft only needs its argmax right most of the time. World size 1: nothing to gather."""
+
+    def __init__(self, weight: torch.Tensor, vocab_size: int):
+        super().__init__()
+        dense = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype, device=weight.device)
+        dense.weight.data = weight.detach()
+        self.linear = Int8WeightOnlyLinear.from_linear(dense)
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden)
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, :self.vocab_size]
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     n = 0
     for x, y in zip(a[:limit], b):
@@ -81,6 +105,7 @@ class SelfDraftProposer:
         model_spec = resolve_model(draft_config)
         draft_config = with_valid_group_size(draft_config, model_spec.hf_config)
         model = load_model(draft_config, model_spec)
+        model.lm_head = _Int8LMHead(model.lm_head.weight, model_spec.hf_config.vocab_size)
         block_size = parts.plan.block_size
         num_blocks = spec_cfg.draft_num_blocks or max(16, parts.plan.num_blocks // 4)
         caches = allocate_kv_caches(model_spec.hf_config.num_hidden_layers, num_blocks, block_size,
