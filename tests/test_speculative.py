@@ -229,3 +229,43 @@ def test_quantized_kv_speculation_matches_plain_decoding_on_the_same_kv_dtype(ti
     spec, _ = _run(engine, requests)
     assert spec == plain
     assert engine.speculator.counters.num_accepted_tokens > 0
+
+
+def _decoding_requests(n):
+    from kvmesh.worker.engine_loop.request import Request
+
+    requests = []
+    for i in range(n):
+        r = Request(f"g{i}", [5, 6, 7, 8] * 4, SamplingParams(max_tokens=64, temperature=0), arrival_time=0.0)
+        r.num_computed_tokens = r.num_tokens - 1  # decode-ready
+        requests.append(r)
+    return requests
+
+
+def _speculator(curve_points):
+    from kvmesh.core.config import SpeculativeConfig
+    from kvmesh.worker.engine_loop.draft_proposers import NgramProposer
+    from kvmesh.worker.engine_loop.speculator import Speculator
+
+    spec = Speculator(SpeculativeConfig(method="ngram", num_tokens=4), NgramProposer(1, 3), max_model_len=512,
+                      max_num_batched_tokens=512)
+    for tokens, seconds in curve_points:
+        spec.cost.observe(tokens, seconds)
+    return spec
+
+
+def test_the_measured_step_curve_switches_speculation_per_step():
+    # Memory-bound (a 512-token step costs 1.5x a 1-token one): one request drafts fully.
+    memory_bound = [(1, 0.020), (512, 0.030)]
+    alone = _decoding_requests(1)
+    _speculator(memory_bound).propose(alone)
+    assert alone[0].spec_token_ids == [5, 6, 7, 8]
+    # Compute-bound (time proportional to tokens): 64 decoding requests draft nothing.
+    compute_bound = [(1, 0.001), (64, 0.064), (512, 0.512)]
+    busy = _decoding_requests(64)
+    _speculator(compute_bound).propose(busy)
+    assert all(r.spec_token_ids == [] for r in busy)
+    # The same compute-bound curve at batch 1 has a fixed cost to amortise: drafts are cut short.
+    small = _decoding_requests(1)
+    _speculator([(1, 0.010), (64, 0.073)]).propose(small)
+    assert 1 <= len(small[0].spec_token_ids) <= 4

@@ -49,6 +49,8 @@ class StepCostCurve:
     def __init__(self, smoothing: float = 0.2):
         self.smoothing = smoothing
         self._buckets: dict[int, tuple[float, float]] = {}  # log2 bucket -> (mean tokens, mean seconds)
+        self._points: list[tuple[float, float]] = []  # the buckets sorted by tokens
+        self._tokens: list[float] = []
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0 or seconds <= 0:
@@ -58,19 +60,21 @@ class StepCostCurve:
         a = self.smoothing
         self._buckets[key] = (num_tokens, seconds) if old is None else \
             ((1 - a) * old[0] + a * num_tokens, (1 - a) * old[1] + a * seconds)
+        self._points = sorted(self._buckets.values())
+        self._tokens = [t for t, _ in self._points]
 
     @property
     def known(self) -> bool:
         return bool(self._buckets)
 
     def seconds(self, num_tokens: float) -> float:
-        points = sorted(self._buckets.values())
+        points = self._points
         if not points:
             return 0.0
         if len(points) == 1:
             return points[0][1]
         # The segment around num_tokens, or the nearest end segment (extrapolated).
-        j = bisect.bisect_left([t for t, _ in points], num_tokens) - 1
+        j = bisect.bisect_left(self._tokens, num_tokens) - 1
         (t0, s0), (t1, s1) = points[min(max(j, 0), len(points) - 2):][:2]
         slope = max(0.0, (s1 - s0) / (t1 - t0)) if t1 > t0 else 0.0
         return max(1e-9, s0 + slope * (num_tokens - t0))
