@@ -269,3 +269,27 @@ def test_the_measured_step_curve_switches_speculation_per_step():
     small = _decoding_requests(1)
     _speculator([(1, 0.010), (64, 0.073)]).propose(small)
     assert 1 <= len(small[0].spec_token_ids) <= 4
+
+
+def test_cli_flags_and_the_proto_field_reach_the_engine(tiny_model_dir, capsys):
+    from kvmesh.deploy import cli
+    from kvmesh.deploy.cmd_generate import _sampling
+    from kvmesh.deploy.cmd_serve import config_from_args
+    from kvmesh.router.convert import sampling_from_pb, sampling_to_pb
+
+    parser = cli.build_parser()
+    assert config_from_args(parser.parse_args(["serve", "--speculative", "ngram"])).speculative.method == "ngram"
+    assert config_from_args(parser.parse_args(["serve"])).speculative.method == "none"
+    # Remote generate: no flag leaves the server's choice; `none` opts the request out.
+    remote = ["generate", "x", "--server", "127.0.0.1:1"]
+    assert _sampling(parser.parse_args(remote)).speculative is True
+    opted_out = _sampling(parser.parse_args(remote + ["--speculative", "none"]))
+    assert opted_out.speculative is False
+    assert sampling_from_pb(sampling_to_pb(opted_out)).speculative is False
+    assert sampling_from_pb(sampling_to_pb(SamplingParams())).speculative is True  # absent = allowed
+    # In-process generate with prompt lookup prints the same text as without.
+    args = ["generate", PROMPTS[2], "--model", tiny_model_dir, "--max-tokens", "12", "--dtype", "fp32"]
+    assert cli.main(args) == 0
+    plain = capsys.readouterr().out
+    assert cli.main(args + ["--speculative", "ngram"]) == 0
+    assert capsys.readouterr().out == plain and plain
