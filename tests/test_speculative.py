@@ -115,7 +115,7 @@ def test_opt_out_and_logprobs_requests_decode_plainly(tiny_model_dir):
 def test_cost_curve_interpolates_measured_step_times():
     curve = StepCostCurve(smoothing=1.0)
     curve.observe(1, 0.010)
-    assert curve.seconds(8) == pytest.approx(0.010)  # one size seen: flat (optimistic)
+    assert curve.seconds(8) == pytest.approx(0.080)  # one size seen: proportional (pessimistic)
     curve.observe(64, 0.073)
     assert curve.seconds(32) == pytest.approx(0.010 + 31 * 0.001)
     assert curve.seconds(128) == pytest.approx(0.010 + 127 * 0.001)  # the last slope extended

@@ -43,8 +43,9 @@ PRIOR_TRIALS = 1.0  # weight of the method's mean acceptance in a request's esti
 class StepCostCurve:
     """Measured forward seconds against tokens per step, in power-of-two buckets of T (each
     an exponential moving average of T and seconds); t(T) interpolates linearly between
-    buckets and extends the last known slope beyond them (flat with one bucket: optimistic
-    until a second size has been seen)."""
+    buckets and extends the nearest slope beyond them. With one bucket it assumes time in
+    proportion to tokens (compute-bound: the pessimistic guess, so nothing speculates until
+    a second step size has been measured; plain decode steps provide it)."""
 
     def __init__(self, smoothing: float = 0.2):
         self.smoothing = smoothing
@@ -72,7 +73,7 @@ class StepCostCurve:
         if not points:
             return 0.0
         if len(points) == 1:
-            return points[0][1]
+            return points[0][1] * num_tokens / points[0][0]
         # The segment around num_tokens, or the nearest end segment (extrapolated).
         j = bisect.bisect_left(self._tokens, num_tokens) - 1
         (t0, s0), (t1, s1) = points[min(max(j, 0), len(points) - 2):][:2]
@@ -172,8 +173,10 @@ class Speculator:
             options += [(alpha ** j, r.request_id) for j in range(1, self._room(r) + 1)]
         options.sort(key=lambda o: -o[0])
         options = options[:max(0, budget)]
-        if threshold is not None or not self.cost.known:
-            chosen = len(options)  # a fixed threshold, or nothing measured yet: speculate fully
+        if threshold is not None:
+            chosen = len(options)  # a fixed threshold: below it, speculate fully
+        elif not self.cost.known:
+            chosen = 0  # nothing measured yet
         else:
             chosen = self._best_prefix(options, num_decoding, base_tokens)
         lengths: dict[str, int] = {}
