@@ -12,6 +12,7 @@ from kvmesh.worker.engine_loop.engine import Engine
 from kvmesh.worker.engine_loop.speculator import StepCostCurve
 from kvmesh.worker.modeling.rejection_sampler import Verified, verify
 from kvmesh.worker.modeling.sampler import SamplingRow
+from kvmesh.worker.modeling.tokenizer import render_chat
 
 SHARED = "Fix the typos in this paragraph: the quick brown fox jumps over the lazy dog. " * 3
 PROMPTS = [SHARED + "Again: the quick brown", SHARED + "Once more, the lazy", "1, 2, 3, 4, 5, 6, 7,",
@@ -293,3 +294,19 @@ def test_cli_flags_and_the_proto_field_reach_the_engine(tiny_model_dir, capsys):
     plain = capsys.readouterr().out
     assert cli.main(args + ["--speculative", "ngram"]) == 0
     assert capsys.readouterr().out == plain and plain
+
+
+@pytest.mark.parametrize("method", ["ngram", "self_draft"])
+def test_smollm2_greedy_is_token_identical_in_fp32(smollm2_dir, method):
+    """The real weights: an editing prompt (prompt lookup drafts most of the answer) and a
+    chat question. fp32, where a forward's numerics do not depend on how many rows it scores
+    (in bf16 a verify forward of 1 + k rows may flip a near-tie, as batching does)."""
+    engine = _engine(smollm2_dir, "none")
+    chat = ["Fix the typos: Teh cat sat on teh mat and lookd at the dor.", "What is the capital of France?"]
+    prompts = [render_chat(engine.tokenizer, [{"role": "user", "content": c}]) for c in chat]
+    requests = [(f"s{i}", p, SamplingParams(max_tokens=16, temperature=0)) for i, p in enumerate(prompts)]
+    plain, _ = _run(engine, requests)
+    spec_engine = _engine(smollm2_dir, method)
+    spec, _ = _run(spec_engine, requests)
+    assert spec == plain
+    assert spec_engine.speculator.counters.num_accepted_tokens > 0
