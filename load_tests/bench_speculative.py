@@ -31,6 +31,7 @@ from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.load_tests.bench_engine import cpu_flags, seed_shaped_requests
 from kvmesh.worker.engine_loop.engine import Engine
+from kvmesh.worker.modeling.model_runner import StepInputs
 from kvmesh.worker.modeling.tokenizer import render_chat
 
 EDIT_PARAGRAPHS = [
@@ -140,8 +141,6 @@ def run_concurrent(engine: Engine, requests) -> float:
 
 def forward_cost(engine: Engine, prompt_ids: list[int], ks=(1, 2, 4, 8), repeats: int = 20) -> dict[str, float]:
     """Forward time of 1 + k tokens over 1 token, one sequence with a cached prefix."""
-    from kvmesh.worker.modeling.model_runner import StepInputs
-
     runner = engine.runner
     bs = engine.block_size
     n = len(prompt_ids)
@@ -175,32 +174,42 @@ def _chat_ids(engine: Engine, text: str) -> list[int]:
 
 def run(args) -> SpeculativeReport:
     torch.set_num_threads(args.threads)
+    parts = set(args.parts.split(","))
     report = SpeculativeReport(cpu_flags(), torch.get_num_threads())
     off = _engine(args.model, args.dtype, "none")
-    edit_prompts = [_chat_ids(off, "Fix the typos in this paragraph and write it out corrected:\n\n" + p)
-                    for p in EDIT_PARAGRAPHS[:args.num_prompts]]
     chat_prompts = [_chat_ids(off, p) for p in CHAT_PROMPTS[:args.num_prompts]]
-    report.forward_cost = forward_cost(off, chat_prompts[0])
-    print(f"[forward_cost] {report.forward_cost}", file=sys.stderr, flush=True)
-    ngram = _engine(args.model, args.dtype, "ngram")
-    report.editing = bench_tpot(off, ngram, edit_prompts, args.max_tokens)
-    print(f"[editing] {asdict(report.editing)}", file=sys.stderr, flush=True)
-    draft = _engine(args.model, args.dtype, "self_draft", draft_quant=args.draft_quant)
-    report.chat = bench_tpot(off, draft, chat_prompts, args.max_tokens)
-    print(f"[chat] {asdict(report.chat)}", file=sys.stderr, flush=True)
-    requests = seed_shaped_requests(off.tokenizer, args.num_concurrent, args.scale)
-    # off, ngram, self_draft, off again: the baseline is the mean of the runs around them.
+    ngram = _engine(args.model, args.dtype, "ngram") if parts & {"editing", "concurrent"} else None
+    draft = _engine(args.model, args.dtype, "self_draft", draft_quant=args.draft_quant) \
+        if parts & {"chat", "concurrent"} else None
+    if "forward_cost" in parts:
+        report.forward_cost = forward_cost(off, chat_prompts[0])
+        print(f"[forward_cost] {report.forward_cost}", file=sys.stderr, flush=True)
+    if "editing" in parts:
+        edit_prompts = [_chat_ids(off, "Fix the typos in this paragraph and write it out corrected:\n\n" + p)
+                        for p in EDIT_PARAGRAPHS[:args.num_prompts]]
+        report.editing = bench_tpot(off, ngram, edit_prompts, args.max_tokens)
+        print(f"[editing] {asdict(report.editing)}", file=sys.stderr, flush=True)
+    if "chat" in parts:
+        report.chat = bench_tpot(off, draft, chat_prompts, args.max_tokens)
+        print(f"[chat] {asdict(report.chat)}", file=sys.stderr, flush=True)
+    if "concurrent" in parts:
+        report.concurrent = bench_concurrent(off, {"ngram": ngram, "self_draft": draft},
+                                             seed_shaped_requests(off.tokenizer, args.num_concurrent, args.scale))
+        print(f"[concurrent] {asdict(report.concurrent)}", file=sys.stderr, flush=True)
+    return report
+
+
+def bench_concurrent(off: Engine, engines: dict[str, Engine], requests) -> ThroughputFigures:
+    """off, each method, off again: the baseline is the mean of the off runs around them."""
     off_runs = [run_concurrent(off, requests)]
     on_tok_s, steps = {}, {}
-    for name, engine in (("ngram", ngram), ("self_draft", draft)):
+    for name, engine in engines.items():
         before = engine.speculator.counters.num_steps
         on_tok_s[name] = run_concurrent(engine, requests)
         steps[name] = engine.speculator.counters.num_steps - before
     off_runs.append(run_concurrent(off, requests))
     off_tok_s = statistics.mean(off_runs)
-    report.concurrent = ThroughputFigures(off_tok_s, on_tok_s, {k: v / off_tok_s for k, v in on_tok_s.items()}, steps)
-    print(f"[concurrent] {asdict(report.concurrent)}", file=sys.stderr, flush=True)
-    return report
+    return ThroughputFigures(off_tok_s, on_tok_s, {k: v / off_tok_s for k, v in on_tok_s.items()}, steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--draft-quant", default="int8", choices=["int8", "int4"])
     p.add_argument("--quick", action="store_true", help="seconds: few prompts, short outputs, 4 concurrent")
+    p.add_argument("--parts", default="forward_cost,editing,chat,concurrent",
+                   help="comma-separated: forward_cost, editing, chat, concurrent")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     args = p.parse_args(argv)
     args.num_prompts, args.max_tokens, args.num_concurrent, args.scale = \

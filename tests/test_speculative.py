@@ -310,3 +310,18 @@ def test_smollm2_greedy_is_token_identical_in_fp32(smollm2_dir, method):
     spec, _ = _run(spec_engine, requests)
     assert spec == plain
     assert spec_engine.speculator.counters.num_accepted_tokens > 0
+
+
+def test_bench_speculative_quick_run_reports_every_figure(tiny_model_dir, tmp_path):
+    import json
+
+    from kvmesh.load_tests import bench_speculative
+
+    out = tmp_path / "spec.json"
+    assert bench_speculative.main(["--quick", "--model", tiny_model_dir, "--dtype", "fp32", "--threads", "1",
+                                   "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["forward_cost"]) == {"1+1", "1+2", "1+4", "1+8"}
+    for part in ("editing", "chat"):
+        assert report[part]["identical_outputs"] and report[part]["on_tpot_ms"] > 0
+    assert set(report["concurrent"]["ratio"]) == {"ngram", "self_draft"}
