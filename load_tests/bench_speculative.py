@@ -68,6 +68,12 @@ class ThroughputFigures:
     on_tok_s: dict[str, float]
     ratio: dict[str, float]  # on / off
     speculating_steps: dict[str, int]  # steps in which drafts were verified (the load gate)
+    off_runs_tok_s: list[float]  # the two off runs (their spread is the machine's noise)
+    # The same per CPU-second of this process: other processes' load stretches wall time at
+    # random, CPU time much less.
+    off_tok_per_cpu_s: float = 0.0
+    on_tok_per_cpu_s: dict[str, float] = field(default_factory=dict)
+    cpu_ratio: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -127,16 +133,18 @@ def _counters(engine: Engine) -> tuple[int, int, int]:
     return c.num_draft_tokens, c.num_accepted_tokens, c.num_verified
 
 
-def run_concurrent(engine: Engine, requests) -> float:
-    """All requests at t=0, exact output lengths; output tokens per second."""
+def run_concurrent(engine: Engine, requests) -> tuple[float, float]:
+    """All requests at t=0, exact output lengths; output tokens per second (wall) and per
+    CPU-second of this process."""
     for r in requests:
         engine.add_request(GenerateRequest(f"c{r.index}", prompt_token_ids=r.prompt_token_ids,
                                            sampling=SamplingParams(max_tokens=r.output_tokens, temperature=0,
                                                                    ignore_eos=True)))
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     while engine.has_unfinished():
         engine.step()
-    return sum(r.output_tokens for r in requests) / (time.perf_counter() - started)
+    tokens = sum(r.output_tokens for r in requests)
+    return tokens / (time.perf_counter() - started), tokens / (time.process_time() - cpu_started)
 
 
 def forward_cost(engine: Engine, prompt_ids: list[int], ks=(1, 2, 4, 8), repeats: int = 20) -> dict[str, float]:
@@ -202,14 +210,17 @@ def run(args) -> SpeculativeReport:
 def bench_concurrent(off: Engine, engines: dict[str, Engine], requests) -> ThroughputFigures:
     """off, each method, off again: the baseline is the mean of the off runs around them."""
     off_runs = [run_concurrent(off, requests)]
-    on_tok_s, steps = {}, {}
+    on, steps = {}, {}
     for name, engine in engines.items():
         before = engine.speculator.counters.num_steps
-        on_tok_s[name] = run_concurrent(engine, requests)
+        on[name] = run_concurrent(engine, requests)
         steps[name] = engine.speculator.counters.num_steps - before
     off_runs.append(run_concurrent(off, requests))
-    off_tok_s = statistics.mean(off_runs)
-    return ThroughputFigures(off_tok_s, on_tok_s, {k: v / off_tok_s for k, v in on_tok_s.items()}, steps)
+    off_wall = statistics.mean(r[0] for r in off_runs)
+    off_cpu = statistics.mean(r[1] for r in off_runs)
+    return ThroughputFigures(off_wall, {k: v[0] for k, v in on.items()}, {k: v[0] / off_wall for k, v in on.items()},
+                             steps, [r[0] for r in off_runs], off_cpu, {k: v[1] for k, v in on.items()},
+                             {k: v[1] / off_cpu for k, v in on.items()})
 
 
 def main(argv: list[str] | None = None) -> int:

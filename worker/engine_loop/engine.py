@@ -67,6 +67,12 @@ class Engine:
         self.runner.phase_clock = self.phase_clock
         # Speculative decoding (None = off): drafts proposed before each schedule().
         self.speculator: Speculator | None = build_speculator(config, parts)
+        # What the speculator's step-cost curve is measured in: on CPU the process's CPU time
+        # (steadier than wall time on a shared machine: other processes' load stretches wall
+        # time at random); on a GPU wall time (the forward waits for the device).
+        self._forward_clock = time.process_time if parts.device.type == "cpu" else time.perf_counter
+        if self.speculator is not None:
+            self.speculator.clock = self._forward_clock
         if self.speculator is not None:
             self.phase_clock.speculative_method = self.speculator.method
 
@@ -162,9 +168,9 @@ class Engine:
             self.outputs.mark_scheduled(entry.request)
         try:
             self.runner.apply_block_ops(sched_out)
-            started = time.perf_counter()
+            started = self._forward_clock()
             result = self.runner.execute(sched_out.scheduled, self.outputs.sampling_row)
-            forward_s = time.perf_counter() - started
+            forward_s = self._forward_clock() - started
         except Exception as exc:  # the forward failed: fail this step's requests, keep serving
             deltas += self._fail_step(sched_out, exc)
             clock.end(sched_out, failure=exc)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.core.config import SpeculativeConfig
@@ -121,6 +121,7 @@ class Speculator:
     _acceptance: dict[str, _Acceptance] = field(default_factory=dict)
     _mean_acceptance: float = 0.5  # method-wide running mean (prior for new requests)
     _draft_s_per_token: float = 0.0
+    clock: Callable[[], float] = time.perf_counter  # the engine's forward clock (same unit as the curve)
 
     @property
     def method(self) -> str:
@@ -140,9 +141,9 @@ class Speculator:
         asks = [DraftAsk(r, lengths[r.request_id]) for r in candidates if lengths.get(r.request_id)]
         if not asks:
             return
-        started = time.perf_counter()
+        started = self.clock()
         drafts = self.proposer.propose(asks)
-        elapsed = time.perf_counter() - started
+        elapsed = self.clock() - started
         self.counters.draft_s += elapsed
         num_drafted = sum(len(d) for d in drafts.values())
         if num_drafted:
