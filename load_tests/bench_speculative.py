@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1: OpenMP spin-waits make 2 erratic on a shared 2-core machine)")
     p.add_argument("--draft-quant", default="int8", choices=["int8", "int4"])
     p.add_argument("--quick", action="store_true", help="seconds: few prompts, short outputs, 4 concurrent")
     p.add_argument("--parts", default="forward_cost,editing,chat,concurrent",

@@ -325,3 +325,29 @@ def test_bench_speculative_quick_run_reports_every_figure(tiny_model_dir, tmp_pa
     for part in ("editing", "chat"):
         assert report[part]["identical_outputs"] and report[part]["on_tpot_ms"] > 0
     assert set(report["concurrent"]["ratio"]) == {"ngram", "self_draft"}
+
+
+def test_a_self_draft_that_is_far_behind_does_not_speculate_under_load():
+    """The draft's catch-up (reading whole prompts) is a cost the gate counts: 64 fresh
+    requests on a memory-bound curve still draft nothing with a model proposer whose
+    reading cost is a forward per token, while prompt lookup (free reading) does."""
+    from kvmesh.core.config import SpeculativeConfig
+    from kvmesh.worker.engine_loop.draft_proposers import NgramProposer
+    from kvmesh.worker.engine_loop.speculator import Speculator
+
+    class FarBehind(NgramProposer):
+        reads_with_a_model = True
+
+        def num_catch_up_tokens(self, request):
+            return request.num_tokens - 1
+
+    curve = [(1, 0.020), (64, 0.022), (512, 0.030)]
+    for proposer, drafts in ((FarBehind(1, 3), False), (NgramProposer(1, 3), True)):
+        spec = Speculator(SpeculativeConfig(method="ngram"), proposer, max_model_len=512, max_num_batched_tokens=512)
+        for tokens, seconds in curve:
+            spec.cost.observe(tokens, seconds)
+        busy = _decoding_requests(64)
+        for r in busy:
+            r.sampling = SamplingParams(max_tokens=4, temperature=0)  # little output left to amortise over
+        spec.propose(busy)
+        assert any(r.spec_token_ids for r in busy) == drafts

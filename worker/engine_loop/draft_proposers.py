@@ -33,6 +33,7 @@ class DraftAsk:
 
 class DraftProposer(Protocol):
     method: str  # the metric label: ngram | self_draft | ...
+    reads_with_a_model: bool  # its cost per token is a forward (the speculator's prior)
 
     def propose(self, asks: Sequence[DraftAsk]) -> dict[str, list[int]]:
         """request_id -> drafts (possibly fewer than asked, or none) for each ask."""
@@ -40,6 +41,11 @@ class DraftProposer(Protocol):
 
     def forget(self, request_id: str) -> None:
         """The request ended (any terminal state): drop what is held for it."""
+        ...
+
+    def num_catch_up_tokens(self, request: Request) -> int:
+        """Known tokens of `request`, before its last one, that the proposer would have to
+        read before drafting (a draft model's KV that is behind); 0 without state."""
         ...
 
 
@@ -74,6 +80,7 @@ class NgramProposer:
     strong where the answer repeats its input (editing, summarising, code)."""
 
     method = "ngram"
+    reads_with_a_model = False
 
     def __init__(self, min_n: int, max_n: int, max_lookback_tokens: int = 4096):
         self.min_n = min_n
@@ -92,3 +99,6 @@ class NgramProposer:
 
     def forget(self, request_id: str) -> None:
         pass  # holds nothing per request
+
+    def num_catch_up_tokens(self, request: Request) -> int:
+        return 0

@@ -89,6 +89,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
 
 class SelfDraftProposer:
     method = "self_draft"
+    reads_with_a_model = True
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager):
         self.runner = runner
@@ -162,6 +163,16 @@ class SelfDraftProposer:
             return False
         self.kv.allocate(seq, len(tokens), PrefixMatch([], 0))
         return True
+
+    def num_catch_up_tokens(self, request) -> int:
+        """Tokens before the last known one that the draft's KV lacks (the last one is fed
+        with the first draft position anyway)."""
+        seq = self._seqs.get(request.request_id)
+        tokens = request.all_token_ids
+        n = 0 if seq is None else seq.num_computed_tokens
+        if n and seq.token_ids[:n] != tokens[:n]:  # usually equal: one C-level comparison
+            n = _common_prefix(seq.token_ids, tokens, n)
+        return max(0, len(tokens) - n - 1)
 
     def forget(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)

@@ -120,7 +120,7 @@ class Speculator:
     counters: SpeculationCounters = field(default_factory=SpeculationCounters)
     _acceptance: dict[str, _Acceptance] = field(default_factory=dict)
     _mean_acceptance: float = 0.5  # method-wide running mean (prior for new requests)
-    _draft_s_per_token: float = 0.0
+    _draft_s_per_token: float | None = None  # proposer seconds per token it reads; None = not measured
     clock: Callable[[], float] = time.perf_counter  # the engine's forward clock (same unit as the curve)
 
     @property
@@ -141,13 +141,15 @@ class Speculator:
         asks = [DraftAsk(r, lengths[r.request_id]) for r in candidates if lengths.get(r.request_id)]
         if not asks:
             return
+        # The proposer's work in tokens: each draft, plus what its model has yet to read
+        # of each request (a self-draft's first proposal reads the whole prompt).
+        num_fed = sum(a.num_tokens + self.proposer.num_catch_up_tokens(a.request) for a in asks)
         started = self.clock()
         drafts = self.proposer.propose(asks)
         elapsed = self.clock() - started
         self.counters.draft_s += elapsed
-        num_drafted = sum(len(d) for d in drafts.values())
-        if num_drafted:
-            self._draft_s_per_token = 0.8 * self._draft_s_per_token + 0.2 * elapsed / num_drafted
+        a = 1.0 if self._draft_s_per_token is None else 0.2
+        self._draft_s_per_token = (1 - a) * (self._draft_s_per_token or 0.0) + a * elapsed / num_fed
         for ask in asks:
             ask.request.spec_token_ids = list(drafts.get(ask.request.request_id, ()))[:ask.num_tokens]
 
@@ -168,10 +170,14 @@ class Speculator:
         if threshold is not None and num_decoding > threshold:
             return {}
         budget = self.max_num_batched_tokens - base_tokens
-        options = []  # (probability the draft is kept, request id)
+        options = []  # (probability the draft is kept, tokens the proposer reads for it, request id)
         for r in candidates:
             alpha = self._acceptance.setdefault(r.request_id, _Acceptance()).estimate(self._mean_acceptance)
-            options += [(alpha ** j, r.request_id) for j in range(1, self._room(r) + 1)]
+            # A first draft also pays for catching the proposer up, amortised over the
+            # request's remaining output (the investment serves every later step too).
+            catch_up = self.proposer.num_catch_up_tokens(r) / max(1, r.sampling.max_tokens - r.num_output_tokens)
+            options += [(alpha ** j, 1.0 + (catch_up if j == 1 else 0.0), r.request_id)
+                        for j in range(1, self._room(r) + 1)]
         options.sort(key=lambda o: -o[0])
         options = options[:max(0, budget)]
         if threshold is not None:
@@ -181,7 +187,7 @@ class Speculator:
         else:
             chosen = self._best_prefix(options, num_decoding, base_tokens)
         lengths: dict[str, int] = {}
-        for _, rid in options[:chosen]:
+        for _, _, rid in options[:chosen]:
             lengths[rid] = lengths.get(rid, 0) + 1
         return lengths
 
@@ -189,10 +195,14 @@ class Speculator:
         """How many of the sorted draft options maximise predicted tokens per second."""
         plain_rate = num_decoding / self.cost.seconds(base_tokens)
         best_rate, best_k = plain_rate * MIN_GAIN, 0
-        gain = 0.0
-        for k, (p_kept, _) in enumerate(options, start=1):
+        draft_s = self._draft_s_per_token
+        if draft_s is None:  # unmeasured: a model proposer costs about a forward per token
+            draft_s = self.cost.seconds(1) if self.proposer.reads_with_a_model else 0.0
+        gain = fed = 0.0
+        for k, (p_kept, tokens, _) in enumerate(options, start=1):
             gain += p_kept
-            rate = (num_decoding + gain) / (self.cost.seconds(base_tokens + k) + k * self._draft_s_per_token)
+            fed += tokens
+            rate = (num_decoding + gain) / (self.cost.seconds(base_tokens + k) + fed * draft_s)
             if rate > best_rate:
                 best_rate, best_k = rate, k
         return best_k
