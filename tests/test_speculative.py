@@ -328,18 +328,18 @@ def test_bench_speculative_quick_run_reports_every_figure(tiny_model_dir, tmp_pa
 
 
 def test_a_self_draft_that_is_far_behind_does_not_speculate_under_load():
-    """The draft's catch-up (reading whole prompts) is a cost the gate counts: 64 fresh
-    requests on a memory-bound curve still draft nothing with a model proposer whose
-    reading cost is a forward per token, while prompt lookup (free reading) does."""
+    """The proposer's own cost is part of the gate: on a memory-bound curve, 64 fresh
+    requests draft nothing with a model proposer whose draft costs a forward per token and
+    that still has to read every prompt, while prompt lookup (free reading) drafts."""
     from kvmesh.core.config import SpeculativeConfig
     from kvmesh.worker.engine_loop.draft_proposers import NgramProposer
     from kvmesh.worker.engine_loop.speculator import Speculator
 
     class FarBehind(NgramProposer):
-        reads_with_a_model = True
+        prior_s_per_token = 0.020  # a forward per draft
 
-        def num_catch_up_tokens(self, request):
-            return request.num_tokens - 1
+        def catch_up_forwards(self, request):
+            return 0.5 * (request.num_tokens - 1)
 
     curve = [(1, 0.020), (64, 0.022), (512, 0.030)]
     for proposer, drafts in ((FarBehind(1, 3), False), (NgramProposer(1, 3), True)):

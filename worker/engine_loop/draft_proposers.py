@@ -33,7 +33,7 @@ class DraftAsk:
 
 class DraftProposer(Protocol):
     method: str  # the metric label: ngram | self_draft | ...
-    reads_with_a_model: bool  # its cost per token is a forward (the speculator's prior)
+    prior_s_per_token: float  # its cost per draft before the speculator has measured it
 
     def propose(self, asks: Sequence[DraftAsk]) -> dict[str, list[int]]:
         """request_id -> drafts (possibly fewer than asked, or none) for each ask."""
@@ -43,9 +43,9 @@ class DraftProposer(Protocol):
         """The request ended (any terminal state): drop what is held for it."""
         ...
 
-    def num_catch_up_tokens(self, request: Request) -> int:
-        """Known tokens of `request`, before its last one, that the proposer would have to
-        read before drafting (a draft model's KV that is behind); 0 without state."""
+    def catch_up_forwards(self, request: Request) -> float:
+        """What reading the known tokens of `request` it lacks (a draft model's KV that is
+        behind) would cost before drafting, in single-token forwards; 0 without state."""
         ...
 
 
@@ -80,7 +80,7 @@ class NgramProposer:
     strong where the answer repeats its input (editing, summarising, code)."""
 
     method = "ngram"
-    reads_with_a_model = False
+    prior_s_per_token = 0.0  # a list search: negligible next to a forward
 
     def __init__(self, min_n: int, max_n: int, max_lookback_tokens: int = 4096):
         self.min_n = min_n
@@ -100,5 +100,5 @@ class NgramProposer:
     def forget(self, request_id: str) -> None:
         pass  # holds nothing per request
 
-    def num_catch_up_tokens(self, request: Request) -> int:
-        return 0
+    def catch_up_forwards(self, request: Request) -> float:
+        return 0.0

@@ -18,6 +18,7 @@ the common prefix, so rejected drafts, preemption and recompute all roll back th
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -89,12 +90,35 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
 
 class SelfDraftProposer:
     method = "self_draft"
-    reads_with_a_model = True
 
-    def __init__(self, runner: ModelRunner, kv: KVCacheManager):
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager, clock=time.perf_counter):
         self.runner = runner
         self.kv = kv
         self._seqs: dict[str, DraftSequence] = {}
+        # Measured at start, in the engine's forward clock: one draft (a single-token forward
+        # of the draft), and what each further row of a forward adds, in such forwards: the
+        # draft's catch-up reads run through int8 kernels whose cost grows with the rows
+        # much faster than the target's forward does.
+        self.prior_s_per_token, self._forwards_per_row = self._calibrate(clock)
+
+    def _calibrate(self, clock, repeats: int = 3) -> tuple[float, float]:
+        seq = DraftSequence("__calibration__", token_ids=[0] * 40)
+        self.kv.allocate(seq, 40, PrefixMatch([], 0))
+        try:
+            def timed(num_rows: int) -> float:
+                entry = ScheduledRequest(request=seq, num_scheduled_tokens=num_rows, num_computed_tokens=8,
+                                         token_ids=(0,) * num_rows, block_ids=tuple(seq.block_ids), sample=True)
+                inputs = StepInputs.build([entry], self.kv.block_size)
+                self.runner.forward(inputs)  # first-call allocations
+                started = clock()
+                for _ in range(repeats):
+                    self.runner.forward(inputs)
+                return (clock() - started) / repeats
+
+            one, many = timed(1), timed(32)
+            return one, max(0.0, (many - one) / (31 * one)) if one > 0 else 0.0
+        finally:
+            self.kv.free(seq)
 
     @classmethod
     def from_config(cls, config, parts) -> "SelfDraftProposer":
@@ -114,7 +138,8 @@ class SelfDraftProposer:
         runner = ModelRunner(model, pick_backend(draft_config, model_spec.device), model_spec.device, caches, None,
                              block_size)
         logger.info("self-draft: %s weights, %d KV blocks x %d tokens", spec_cfg.draft_quant, num_blocks, block_size)
-        return cls(runner, KVCacheManager(num_blocks, block_size, enable_prefix_caching=False))
+        clock = time.process_time if model_spec.device.type == "cpu" else time.perf_counter
+        return cls(runner, KVCacheManager(num_blocks, block_size, enable_prefix_caching=False), clock)
 
     def propose(self, asks: Sequence[DraftAsk]) -> dict[str, list[int]]:
         live = [a for a in asks if self._catch_up(a)]
@@ -163,6 +188,10 @@ class SelfDraftProposer:
             return False
         self.kv.allocate(seq, len(tokens), PrefixMatch([], 0))
         return True
+
+    def catch_up_forwards(self, request) -> float:
+        """What reading the tokens the draft's KV lacks costs, in single-token forwards."""
+        return self.num_catch_up_tokens(request) * self._forwards_per_row
 
     def num_catch_up_tokens(self, request) -> int:
         """Tokens before the last known one that the draft's KV lacks (the last one is fed

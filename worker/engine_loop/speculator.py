@@ -119,7 +119,9 @@ class Speculator:
     cost: StepCostCurve = field(default_factory=StepCostCurve)
     counters: SpeculationCounters = field(default_factory=SpeculationCounters)
     _acceptance: dict[str, _Acceptance] = field(default_factory=dict)
-    _mean_acceptance: float = 0.5  # method-wide running mean (prior for new requests)
+    # Method-wide running mean, the prior for new requests. It starts optimistic so a method
+    # gets tried at all (a pessimistic start never speculates, so never learns otherwise).
+    _mean_acceptance: float = 0.8
     _draft_s_per_token: float | None = None  # proposer seconds per token it reads; None = not measured
     clock: Callable[[], float] = time.perf_counter  # the engine's forward clock (same unit as the curve)
 
@@ -141,15 +143,18 @@ class Speculator:
         asks = [DraftAsk(r, lengths[r.request_id]) for r in candidates if lengths.get(r.request_id)]
         if not asks:
             return
-        # The proposer's work in tokens: each draft, plus what its model has yet to read
-        # of each request (a self-draft's first proposal reads the whole prompt).
-        num_fed = sum(a.num_tokens + self.proposer.num_catch_up_tokens(a.request) for a in asks)
+        num_drafts = sum(a.num_tokens for a in asks)
+        catch_up = sum(self.proposer.catch_up_forwards(a.request) for a in asks)
         started = self.clock()
         drafts = self.proposer.propose(asks)
         elapsed = self.clock() - started
         self.counters.draft_s += elapsed
-        a = 1.0 if self._draft_s_per_token is None else 0.2
-        self._draft_s_per_token = (1 - a) * (self._draft_s_per_token or 0.0) + a * elapsed / num_fed
+        # Learn the cost per draft from steady-state proposals only: a catch-up read (a
+        # self-draft reading a whole prompt through int8 kernels whose cost grows with the
+        # rows) would price every later draft as if it re-read the prompt.
+        if catch_up <= 0.25 * num_drafts:
+            a = 1.0 if self._draft_s_per_token is None else 0.2
+            self._draft_s_per_token = (1 - a) * (self._draft_s_per_token or 0.0) + a * elapsed / num_drafts
         for ask in asks:
             ask.request.spec_token_ids = list(drafts.get(ask.request.request_id, ()))[:ask.num_tokens]
 
@@ -175,7 +180,7 @@ class Speculator:
             alpha = self._acceptance.setdefault(r.request_id, _Acceptance()).estimate(self._mean_acceptance)
             # A first draft also pays for catching the proposer up, amortised over the
             # request's remaining output (the investment serves every later step too).
-            catch_up = self.proposer.num_catch_up_tokens(r) / max(1, r.sampling.max_tokens - r.num_output_tokens)
+            catch_up = self.proposer.catch_up_forwards(r) / max(1, r.sampling.max_tokens - r.num_output_tokens)
             options += [(alpha ** j, 1.0 + (catch_up if j == 1 else 0.0), r.request_id)
                         for j in range(1, self._room(r) + 1)]
         options.sort(key=lambda o: -o[0])
@@ -196,8 +201,8 @@ class Speculator:
         plain_rate = num_decoding / self.cost.seconds(base_tokens)
         best_rate, best_k = plain_rate * MIN_GAIN, 0
         draft_s = self._draft_s_per_token
-        if draft_s is None:  # unmeasured: a model proposer costs about a forward per token
-            draft_s = self.cost.seconds(1) if self.proposer.reads_with_a_model else 0.0
+        if draft_s is None:  # not measured in a step yet: the proposer's own start-up figure
+            draft_s = self.proposer.prior_s_per_token
         gain = fed = 0.0
         for k, (p_kept, tokens, _) in enumerate(options, start=1):
             gain += p_kept
