@@ -351,3 +351,12 @@ def test_a_self_draft_that_is_far_behind_does_not_speculate_under_load():
             r.sampling = SamplingParams(max_tokens=4, temperature=0)  # little output left to amortise over
         spec.propose(busy)
         assert any(r.spec_token_ids for r in busy) == drafts
+
+
+def test_a_draft_pool_too_small_for_a_request_only_skips_its_drafts(tiny_model_dir):
+    requests = [("t", PROMPTS[2], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))]
+    plain, _ = _run(_engine(tiny_model_dir), requests)
+    engine = _engine(tiny_model_dir, "self_draft", speculative={"draft_num_blocks": 1})  # 8 slots
+    spec, _ = _run(engine, requests)
+    assert spec == plain
+    assert engine.speculator.counters.num_draft_tokens == 0 and engine.speculator.proposer.num_held_blocks == 0

@@ -102,8 +102,11 @@ class SelfDraftProposer:
         self.prior_s_per_token, self._forwards_per_row = self._calibrate(clock)
 
     def _calibrate(self, clock, repeats: int = 3) -> tuple[float, float]:
-        seq = DraftSequence("__calibration__", token_ids=[0] * 40)
-        self.kv.allocate(seq, 40, PrefixMatch([], 0))
+        many_rows = min(32, self.kv.capacity_tokens - 8)  # a tiny pool calibrates with fewer rows
+        if many_rows < 2:
+            return 0.0, 0.0  # no room to measure: the speculator learns from real steps
+        seq = DraftSequence("__calibration__", token_ids=[0] * (8 + many_rows))
+        self.kv.allocate(seq, seq.num_tokens, PrefixMatch([], 0))
         try:
             def timed(num_rows: int) -> float:
                 entry = ScheduledRequest(request=seq, num_scheduled_tokens=num_rows, num_computed_tokens=8,
@@ -115,8 +118,8 @@ class SelfDraftProposer:
                     self.runner.forward(inputs)
                 return (clock() - started) / repeats
 
-            one, many = timed(1), timed(32)
-            return one, max(0.0, (many - one) / (31 * one)) if one > 0 else 0.0
+            one, many = timed(1), timed(many_rows)
+            return one, max(0.0, (many - one) / ((many_rows - 1) * one)) if one > 0 else 0.0
         finally:
             self.kv.free(seq)
 
