@@ -190,7 +190,7 @@ def run(args) -> SpeculativeReport:
     draft = _engine(args.model, args.dtype, "self_draft", draft_quant=args.draft_quant) \
         if parts & {"chat", "concurrent"} else None
     if "forward_cost" in parts:
-        report.forward_cost = forward_cost(off, chat_prompts[0])
+        report.forward_cost = forward_cost(off, chat_prompts[0], repeats=3 if args.quick else 20)
         print(f"[forward_cost] {report.forward_cost}", file=sys.stderr, flush=True)
     if "editing" in parts:
         edit_prompts = [_chat_ids(off, "Fix the typos in this paragraph and write it out corrected:\n\n" + p)
