@@ -13,7 +13,8 @@ fields. Each component receives only its own section (``config.cache``, ``config
     ├── router         ports, routing policy, admission thresholds, retry lane
     ├── tenants        auth, quota store, tenant list
     ├── observability  tracing exporter and sampling, metrics
-    └── degradation    the ladder under pressure (cap, fallback pool, reject) per priority class
+    ├── degradation    the ladder under pressure (cap, fallback pool, reject) per priority class
+    └── speculative    speculative decoding: proposer, draft length, load threshold
 """
 
 from __future__ import annotations
@@ -348,6 +349,28 @@ class DegradationConfig:
             _check(not rule.fallback or self.fallback_pool.num_workers > 0,
                    "degradation.rules[].fallback needs degradation.fallback_pool.num_workers >= 1")
         self.fallback_pool.validate()
+class SpeculativeConfig:
+    # none | ngram (prompt lookup in the request's own tokens) | self_draft (this model's
+    # weights quantized to draft_quant draft for the full-precision model)
+    method: str = "none"
+    num_tokens: int = 4  # most drafts per request per step (adapted down per request)
+    ngram_min_tokens: int = 2  # shortest suffix n-gram prompt lookup matches
+    ngram_max_tokens: int = 5  # longest (the longest match wins)
+    draft_quant: str = "int8"  # self_draft weights: int8 | int4
+    draft_num_blocks: int | None = None  # self_draft KV pool; None = as many blocks as the target's
+    # Speculation stays off in a step whose decode rows exceed this; None = decided per step
+    # from live step times (worker/engine_loop/speculator.py), the default.
+    load_threshold_tokens: int | None = None
+
+    def validate(self) -> None:
+        _one_of("speculative.method", self.method, ("none", "ngram", "self_draft"))
+        _check(1 <= self.num_tokens <= 16, "speculative.num_tokens must be in [1, 16]")
+        _check(1 <= self.ngram_min_tokens <= self.ngram_max_tokens,
+               "speculative.ngram_min_tokens must be >= 1 and <= speculative.ngram_max_tokens")
+        _one_of("speculative.draft_quant", self.draft_quant, ("int8", "int4"))
+        _check(self.draft_num_blocks is None or self.draft_num_blocks >= 1, "speculative.draft_num_blocks must be >= 1")
+        _check(self.load_threshold_tokens is None or self.load_threshold_tokens >= 1,
+               "speculative.load_threshold_tokens must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -361,6 +384,7 @@ class KvmeshConfig:
     tenants: TenantsConfig = field(default_factory=TenantsConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     degradation: DegradationConfig = field(default_factory=DegradationConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def validate(self) -> "KvmeshConfig":
         for f in dataclasses.fields(self):

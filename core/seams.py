@@ -33,6 +33,9 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop strings are ignored before this many tokens
     logprobs: bool = False  # return the chosen token's logprob
     n: int = 1  # parallel samples of one prompt (share the prompt's KV blocks)
+    # False = never speculate for this request (the worker's speculative decoding, when on,
+    # keeps outputs unchanged in distribution; this opts out of it, e.g. for timing studies).
+    speculative: bool = True
 
     def validate(self, max_new_tokens: int | None = None, max_n: int | None = None) -> None:
         """Raise InvalidRequestError for the first rule in SAMPLING_RULES this breaks.

@@ -40,6 +40,8 @@ class StepRow:
     tenant_id: str
     num_tokens: int
     is_prefill: bool  # prompt (or recomputed) tokens, not the one decode token
+    num_draft_tokens: int = 0  # speculative decoding: drafts scored in this row (in num_tokens)
+    num_accepted_tokens: int = 0  # of those, kept
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class StepReport:
     rows: tuple[StepRow, ...]
     token_budget: int  # max_num_batched_tokens of the step
     failure: BaseException | None = None  # the forward raised: every row of the step failed
+    speculative_method: str = ""  # the engine's proposer (ngram, self_draft) when speculation is on
 
     @property
     def total_s(self) -> float:
@@ -79,6 +82,7 @@ class StepPhaseClock:
         self._started_at = 0.0
         self._mark = 0.0
         self._laps: dict[str, float] = {}
+        self.speculative_method = ""  # set by an engine that speculates (metric label)
 
     def begin(self) -> None:
         self._started_at = time.time()
@@ -91,14 +95,20 @@ class StepPhaseClock:
         self._laps[phase] = self._laps.get(phase, 0.0) + now - self._mark
         self._mark = now
 
-    def end(self, sched_out, failure: BaseException | None = None) -> None:
-        """Report a step that ran `sched_out` (a SchedulerOutput); idle steps are not reported."""
+    def end(self, sched_out, failure: BaseException | None = None,
+            accepted_drafts: dict[str, tuple[int, ...]] | None = None) -> None:
+        """Report a step that ran `sched_out` (a SchedulerOutput); idle steps are not reported.
+        accepted_drafts: request id -> drafts the target kept (speculating requests)."""
         if not self.observers:
             return
+        accepted_drafts = accepted_drafts or {}
         rows = tuple(StepRow(e.request_id, e.request.tenant_id, e.num_scheduled_tokens,
-                             e.num_scheduled_tokens > 1 or e.num_computed_tokens < e.request.num_prompt_tokens)
+                             e.num_scheduled_tokens - len(e.spec_token_ids) > 1
+                             or e.num_computed_tokens < e.request.num_prompt_tokens,
+                             len(e.spec_token_ids), len(accepted_drafts.get(e.request_id, ())))
                      for e in sched_out.scheduled)
-        report = StepReport(self._started_at, dict(self._laps), rows, sched_out.token_budget, failure)
+        report = StepReport(self._started_at, dict(self._laps), rows, sched_out.token_budget, failure,
+                            self.speculative_method)
         for observer in self.observers:
             try:
                 observer(report)

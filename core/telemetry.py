@@ -77,6 +77,12 @@ ATTR_CHUNK_TOKENS = "kvmesh.prefill.chunk_tokens"
 ATTR_PREFILL_CHUNKS = "kvmesh.prefill.chunks"
 ATTR_DECODE_STEPS = "kvmesh.decode.steps"
 ATTR_DECODE_STEP_TIME_S = "kvmesh.decode.step_time_s"
+# Speculative decoding, on the decode span: the method, the steps that verified drafts for
+# this request, the drafts scored and the drafts kept.
+ATTR_SPEC_METHOD = "kvmesh.spec.method"
+ATTR_SPEC_STEPS = "kvmesh.spec.steps"
+ATTR_SPEC_DRAFT_TOKENS = "kvmesh.spec.draft_tokens"
+ATTR_SPEC_ACCEPTED_TOKENS = "kvmesh.spec.accepted_tokens"
 # Routing truth: the prefix blocks the router expected the chosen worker to hold, and the
 # blocks the worker's prefix cache actually served (cached prompt tokens // block size).
 ATTR_ROUTE_PREDICTED_BLOCKS = "kvmesh.route.predicted_prefix_blocks"
@@ -218,6 +224,10 @@ def record_worker_spans(tracer: trace.Tracer, request: GenerateRequest, timings:
         decode_attrs[ATTR_MEAN_ITL_S] = (end_s - timings.first_token_time) / (output - 1)
     if steps is not None:
         decode_attrs.update({ATTR_DECODE_STEPS: steps.num_decode_steps, ATTR_DECODE_STEP_TIME_S: steps.decode_step_s})
+        if steps.num_spec_steps:
+            decode_attrs.update({ATTR_SPEC_METHOD: steps.spec_method, ATTR_SPEC_STEPS: steps.num_spec_steps,
+                                 ATTR_SPEC_DRAFT_TOKENS: steps.num_draft_tokens,
+                                 ATTR_SPEC_ACCEPTED_TOKENS: steps.num_accepted_tokens})
     child(SPAN_WORKER_DECODE, timings.first_token_time, end_s, decode_attrs)
     root.add_event(EVENT_FINISH, {ATTR_FINISH_REASON: reason or "unknown"}, timestamp=_ns(end_s))
     root.end(end_time=_ns(end_s))
@@ -240,6 +250,10 @@ class RequestSteps:
     num_prefill_chunks: int = 0
     num_decode_steps: int = 0
     decode_step_s: float = 0.0  # sum of the wall time of the steps that decoded it
+    spec_method: str = ""  # speculative decoding: the proposer, when any step verified drafts
+    num_spec_steps: int = 0  # decode steps that verified drafts for it
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class RequestStepLog:
@@ -266,6 +280,11 @@ class RequestStepLog:
                 else:
                     steps.num_decode_steps += 1
                     steps.decode_step_s += report.total_s
+                    if row.num_draft_tokens:
+                        steps.spec_method = report.speculative_method
+                        steps.num_spec_steps += 1
+                        steps.num_draft_tokens += row.num_draft_tokens
+                        steps.num_accepted_tokens += row.num_accepted_tokens
 
     def pop(self, request_id: str) -> RequestSteps | None:
         """The steps of `request_id` (an external id: n > 1 samples, `<id>#k/i`, are merged)."""
@@ -279,6 +298,10 @@ class RequestStepLog:
             merged.num_prefill_chunks += p.num_prefill_chunks
             merged.num_decode_steps += p.num_decode_steps
             merged.decode_step_s += p.decode_step_s
+            merged.spec_method = merged.spec_method or p.spec_method
+            merged.num_spec_steps += p.num_spec_steps
+            merged.num_draft_tokens += p.num_draft_tokens
+            merged.num_accepted_tokens += p.num_accepted_tokens
         return merged
 
     def __len__(self) -> int:
@@ -293,6 +316,7 @@ METRICS_PREFIX = "kvmesh_"
 STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 STEP_PHASE_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, *STEP_BUCKETS_S)
 STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+SPEC_ACCEPTED_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
 FILL_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
@@ -375,6 +399,9 @@ class EngineMetrics:
     batch     tokens per step split prefill / decode, token fill rate (tokens / step budget)
     memory    allocated / reserved / peak bytes, KV pool bytes, KV tokens peak / mean, OOMs
     cost      per-tenant prefill and decode compute seconds
+    spec      speculative decoding per method: drafts scored, drafts kept, verifying
+              request-steps (acceptance rate = kept / scored; mean kept per step = kept /
+              request-steps), kept drafts per request-step as a histogram
     identity  kvmesh_model_info
 
     `observe_step_report` is a StepPhaseClock observer (engine step thread); `snapshot` reads
@@ -434,6 +461,17 @@ class EngineMetrics:
             self.model_info.labels(worker_id, model_info.model, model_info.revision, model_info.dtype,
                                    model_info.weight_quant, model_info.kv_cache_dtype, model_info.version).set(1)
 
+        spec = [*w, "method"]
+        self.spec_draft_tokens = Counter(METRICS_PREFIX + "spec_draft_tokens",
+                                         "Speculative decoding: drafted tokens scored by the target.", spec, registry=r)
+        self.spec_accepted_tokens = Counter(METRICS_PREFIX + "spec_accepted_tokens",
+                                            "Speculative decoding: drafted tokens the target kept.", spec, registry=r)
+        self.spec_verified = Counter(METRICS_PREFIX + "spec_verified_requests",
+                                     "Speculative decoding: request-steps that verified drafts.", spec, registry=r)
+        self.spec_accepted_per_step = Histogram(METRICS_PREFIX + "spec_accepted_per_step",
+                                                "Drafted tokens kept per speculating request per step.", spec,
+                                                buckets=SPEC_ACCEPTED_BUCKETS, registry=r)
+
     def observe_step(self, step_time_s: float) -> None:
         self.step_time.labels(self.worker_id).observe(step_time_s)
 
@@ -450,11 +488,21 @@ class EngineMetrics:
         if decode:
             self.step_tokens.labels(self.worker_id, "decode").observe(decode)
         self.step_fill.labels(self.worker_id).observe(report.token_fill_ratio)
+        self._observe_speculation(report)
         if prefill + decode:
             # A step's cost is shared by its rows in proportion to their tokens.
             for row in report.rows:
                 self.tenant_compute.labels(row.tenant_id, "prefill" if row.is_prefill else "decode").inc(
                     total_s * row.num_tokens / (prefill + decode))
+
+    def _observe_speculation(self, report: StepReport) -> None:
+        labels = (self.worker_id, report.speculative_method)
+        for row in report.rows:
+            if row.num_draft_tokens:
+                self.spec_draft_tokens.labels(*labels).inc(row.num_draft_tokens)
+                self.spec_accepted_tokens.labels(*labels).inc(row.num_accepted_tokens)
+                self.spec_verified.labels(*labels).inc()
+                self.spec_accepted_per_step.labels(*labels).observe(row.num_accepted_tokens)
 
     def set_kv_window(self, peak_kv_tokens: int, mean_kv_tokens: float) -> None:
         self.kv_tokens_peak.labels(self.worker_id).set(peak_kv_tokens)

@@ -30,6 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--speculative", default=None, choices=["none", "ngram", "self_draft"],
+                   help="in-process: the speculative decoding proposer (speculative.method, default none); "
+                        "with --server the server's own method applies and 'none' opts this request out")
     p.add_argument("--server", default=None, metavar="ADDR",
                    help="generate on a running kvmesh server (gRPC host:port) instead of in-process")
     p.set_defaults(func=run)
@@ -39,7 +42,8 @@ def _sampling(args):
     from kvmesh.core.seams import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop))
+                          top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop),
+                          speculative=getattr(args, "speculative", None) != "none")
 
 
 def run(args) -> int:
@@ -56,7 +60,8 @@ def run(args) -> int:
         return run_remote_generate(args.server, prompt, _sampling(args), args.chat, args.system)
     try:
         config = KvmeshConfig.from_dict({"model": {"path": args.model, "dtype": args.dtype},
-                                         "parallel": {"device": args.device}})
+                                         "parallel": {"device": args.device},
+                                         "speculative": {"method": args.speculative or "none"}})
         sampling = _sampling(args)
         sampling.validate()
         engine = Engine.from_config(config)

@@ -47,6 +47,8 @@ def register(subparsers) -> None:
     p.add_argument("--http-port", type=int, help="HTTP port (router.http_port)")
     p.add_argument("--policy", choices=("prefix_aware", "least_loaded", "round_robin"), help="routing policy")
     p.add_argument("--max-num-seqs", type=int, help="max running requests per worker (scheduler.max_num_seqs)")
+    p.add_argument("--speculative", choices=("none", "ngram", "self_draft"),
+                   help="speculative decoding proposer (speculative.method)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override any config field, e.g. --set cache.block_size=32 (repeatable)")
     p.add_argument("--address", help="join this Ray cluster (e.g. 'auto') instead of starting one")
@@ -64,7 +66,8 @@ def config_from_args(args: argparse.Namespace) -> KvmeshConfig:
     flag_fields = {("model", "path"): args.model, ("parallel", "num_workers"): args.workers,
                    ("parallel", "tensor_parallel_size"): args.tp, ("router", "host"): args.host,
                    ("router", "grpc_port"): args.grpc_port, ("router", "http_port"): args.http_port,
-                   ("router", "policy"): args.policy, ("scheduler", "max_num_seqs"): args.max_num_seqs}
+                   ("router", "policy"): args.policy, ("scheduler", "max_num_seqs"): args.max_num_seqs,
+                   ("speculative", "method"): args.speculative}
     for (section, name), value in flag_fields.items():
         if value is not None:
             data[section][name] = value

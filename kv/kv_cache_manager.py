@@ -288,6 +288,18 @@ class KVCacheManager:
         assert self.can_append(request, num_new_tokens)
         self._grow(request, request.num_computed_tokens + num_new_tokens)
 
+    def trim(self, request: KVRequest) -> None:
+        """Give back the slots granted past num_computed_tokens (drafted tokens the target
+        rejected): whole blocks past the last computed token return to the pool. Those
+        blocks were never full of computed tokens, so none is registered in the prefix cache."""
+        assert self.holds(request), f"{request.request_id} holds no blocks"
+        keep = self.blocks_for(request.num_computed_tokens)
+        assert keep >= self._num_registered_blocks[request.request_id], "trimming a cached block"
+        for block_id in reversed(request.block_ids[keep:]):
+            self.pool.release(block_id)
+        del request.block_ids[keep:]
+        self._num_granted_tokens[request.request_id] = request.num_computed_tokens
+
     def _start_holding(self, request: KVRequest, granted: int, registered: int) -> None:
         self._holders[request.request_id] = request
         self._num_granted_tokens[request.request_id] = granted

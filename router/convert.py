@@ -22,7 +22,7 @@ from kvmesh.core.errors import InvalidRequestError
 _DEFAULT_SAMPLING = SamplingParams()
 # Sampling fields declared `optional` in the proto (their absence means "default").
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
-                             "repetition_penalty", "presence_penalty", "frequency_penalty", "n")
+                             "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "speculative")
 _PLAIN_SAMPLING_FIELDS = ("ignore_eos", "min_tokens", "logprobs")
 
 _FINISH_TO_PB = {

@@ -92,6 +92,19 @@ def test_tiny_model_tp_matches_tp1(ray_cluster, tiny_model_dir, tiny_tp1, tp, vo
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("method", ["ngram", "self_draft"])
+def test_speculation_under_tp2_matches_tp1(ray_cluster, tiny_model_dir, tiny_tp1, method):
+    """Drafts are proposed on rank 0 (the self-draft is a whole int8 model there) and verified
+    in the TP group's one forward; greedy tokens stay those of plain TP=1 decoding."""
+    want, _ = tiny_tp1
+    speculative = {"speculative": {"method": method, "ngram_min_tokens": 1, "load_threshold_tokens": 1000}}
+    engines = []
+    got, _ = _greedy(_config(tiny_model_dir, 2, num_blocks=8, **speculative), 24, inspect=engines.append)
+    assert got == want
+    assert engines[0].speculator.counters.num_accepted_tokens > 0
+
+
+@pytest.mark.e2e
 def test_smollm2_tp3_matches_tp1(ray_cluster, smollm2_dir):
     # 9 query heads, 3 KV heads: one KV head and three query heads per rank.
     # Three prompts (about 6, 6 and 20 tokens + 10 new) need 4 blocks of 16; the pool has 3.

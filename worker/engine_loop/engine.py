@@ -8,8 +8,13 @@
 
 One step (the whole loop is these lines; policy lives in the scheduler, tensors in the runner):
 
-    schedule -> block copies (swap/COW) -> forward + sample -> scheduler bookkeeping
-             -> detokenize + stop checks -> finish stopped requests -> deltas
+    [propose drafts] -> schedule -> block copies (swap/COW) -> forward + sample (+ verify drafts)
+             -> scheduler bookkeeping -> detokenize + stop checks -> finish stopped requests -> deltas
+
+With speculative decoding on (config `speculative`, worker/engine_loop/speculator.py) a
+decoding request may gain several tokens in one step; they go through the stop checks one
+by one and whatever follows a stop is dropped, so EOS, stop strings, max_tokens and
+min_tokens hold exactly as without it. Its tokens of one step form one delta.
 
 A forward that raises fails only the requests of that step (FAILED, blocks freed, an error
 delta each) and the engine keeps serving. Not thread-safe: one owner drives it (the
@@ -33,6 +38,7 @@ from kvmesh.core.errors import InvalidRequestError
 from kvmesh.worker.engine_loop.output_processor import OutputProcessor
 from kvmesh.worker.engine_loop.request import Request, RequestStatus
 from kvmesh.worker.engine_loop.scheduler import Scheduler
+from kvmesh.worker.engine_loop.speculator import Speculator, build_speculator
 from kvmesh.core.step_phases import StepPhaseClock
 
 logger = logging.getLogger(__name__)
@@ -60,6 +66,16 @@ class Engine:
         # Phase timing of every step (core/step_phases.py); the runner marks its own phases.
         self.phase_clock = StepPhaseClock()
         self.runner.phase_clock = self.phase_clock
+        # Speculative decoding (None = off): drafts proposed before each schedule().
+        self.speculator: Speculator | None = build_speculator(config, parts)
+        # What the speculator's step-cost curve is measured in: on CPU the process's CPU time
+        # (steadier than wall time on a shared machine: other processes' load stretches wall
+        # time at random); on a GPU wall time (the forward waits for the device).
+        self._forward_clock = time.process_time if parts.device.type == "cpu" else time.perf_counter
+        if self.speculator is not None:
+            self.speculator.clock = self._forward_clock
+        if self.speculator is not None:
+            self.phase_clock.speculative_method = self.speculator.method
 
     @classmethod
     def from_config(cls, config: KvmeshConfig | None = None, worker_id: str = "worker-0") -> "Engine":
@@ -156,6 +172,8 @@ class Engine:
     def step(self) -> list[RequestDelta]:
         clock = self.phase_clock
         clock.begin()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched_out = self.scheduler.schedule()
         clock.lap("schedule")
         deltas = [self._close_finished(f.request_id, f.status) for f in sched_out.finished]
@@ -170,20 +188,25 @@ class Engine:
             self.runner.apply_block_ops(sched_out)
             if self.parts.host_tier_store is not None:
                 self.parts.host_tier_store.load(self.runner.kv_caches, sched_out.tier_loads)
+            started = self._forward_clock()
             result = self.runner.execute(sched_out.scheduled, self.outputs.sampling_row)
+            forward_s = self._forward_clock() - started
         except Exception as exc:  # the forward failed: fail this step's requests, keep serving
             deltas += self._fail_step(sched_out, exc)
             clock.end(sched_out, failure=exc)
             return deltas
         self.num_forward_tokens += result.num_tokens
-        self.scheduler.update_from_output(sched_out, result.sampled)
+        self.scheduler.update_from_output(sched_out, result.sampled, result.accepted_drafts)
+        if self.speculator is not None:
+            self.speculator.observe_step(result.num_tokens, forward_s, sched_out.scheduled, result.accepted_drafts)
         stopped: list[tuple[Request, FinishReason, RequestDelta]] = []
         for entry in sched_out.scheduled:
             req = entry.request
             token = result.sampled.get(req.request_id)
             if token is None:
                 continue
-            delta, reason = self.outputs.on_token(req, token, result.logprobs.get(req.request_id))
+            tokens = (*result.accepted_drafts.get(req.request_id, ()), token)
+            delta, reason = self._on_tokens(req, tokens, result.logprobs.get(req.request_id))
             if reason is None:
                 deltas.append(delta)
             else:
@@ -195,7 +218,7 @@ class Engine:
                 deltas.append(dataclasses.replace(final, text=delta.text + final.text, token_ids=delta.token_ids,
                                                   logprobs=delta.logprobs))
         clock.lap("output")
-        clock.end(sched_out)
+        clock.end(sched_out, accepted_drafts=result.accepted_drafts)
         return deltas
 
     def _store_in_tier(self, sched_out) -> None:
@@ -203,6 +226,21 @@ class Engine:
         if store is not None and sched_out.tier_stores:
             for slot, block_hash, checksum in store.store(self.runner.kv_caches, sched_out.tier_stores):
                 self.scheduler.kv.host_tier.confirm(slot, block_hash, checksum)
+    def _on_tokens(self, req: Request, tokens: tuple[int, ...], logprob: float | None
+                   ) -> tuple[RequestDelta, FinishReason | None]:
+        """Stop checks over the tokens one step gave `req` (already appended), in order: at
+        a stop, the tokens after it are dropped from the request. One delta for all."""
+        if len(tokens) == 1:
+            return self.outputs.on_token(req, tokens[0], logprob)
+        texts: list[str] = []
+        for i, token in enumerate(tokens):
+            num_later = len(tokens) - 1 - i
+            delta, reason = self.outputs.on_token(req, token, logprob if num_later == 0 else None, num_later)
+            texts.append(delta.text)
+            if reason is not None:
+                req.truncate_output(req.num_output_tokens - num_later)
+                break
+        return dataclasses.replace(delta, text="".join(texts), token_ids=tokens[:i + 1]), reason
 
     def _fail_step(self, sched_out, exc: Exception) -> list[RequestDelta]:
         self.num_failed_steps += 1
@@ -231,6 +269,8 @@ class Engine:
 
     def _close(self, req: Request, reason: FinishReason, **error) -> RequestDelta:
         self._live.pop(req.request_id, None)
+        if self.speculator is not None:
+            self.speculator.forget(req.request_id)
         delta = self.outputs.final_delta(req, reason, **error)
         ext = delta.request_id
         siblings = self._children.get(ext)

@@ -72,16 +72,18 @@ class OutputProcessor:
         if state is not None and state.first_scheduled_wall_s is None:
             state.first_scheduled_wall_s = time.time()
 
-    def on_token(self, request: Request, token_id: int, logprob: float | None) -> tuple[RequestDelta, FinishReason | None]:
-        """The request already has `token_id` appended. Returns its delta and, if it must
-        stop now, the finish reason (the engine then finishes it in the scheduler)."""
+    def on_token(self, request: Request, token_id: int, logprob: float | None,
+                 num_later: int = 0) -> tuple[RequestDelta, FinishReason | None]:
+        """The request already has `token_id` appended, and `num_later` tokens after it (one
+        step's accepted drafts: checked in order). Returns its delta and, if it must stop
+        now, the finish reason (the engine then finishes it in the scheduler)."""
         state = self.states[request.request_id]
         if state.first_token_wall_s is None:
             state.first_token_wall_s = time.time()
         if logprob is not None:
             state.logprobs.append(logprob)
         p = request.sampling
-        n_out = request.num_output_tokens
+        n_out = request.num_output_tokens - num_later
         reason = None
         may_stop = n_out >= p.min_tokens
         if may_stop and ((not p.ignore_eos and token_id in self.eos_token_ids) or token_id in p.stop_token_ids):
@@ -90,7 +92,7 @@ class OutputProcessor:
             state.detokenizer.push(token_id)
             if may_stop and state.detokenizer.stop_hit is not None and not p.ignore_eos:
                 reason = FinishReason.STOP
-            elif n_out >= p.max_tokens or request.num_tokens >= self.max_model_len:
+            elif n_out >= p.max_tokens or request.num_tokens - num_later >= self.max_model_len:
                 reason = FinishReason.LENGTH
         text = state.detokenizer.take_delta(finished=reason is not None)
         delta = RequestDelta(

@@ -71,6 +71,11 @@ class Request:
     finished_time: float | None = None
     peak_kv_tokens: int = 0
 
+    # Speculative decoding: drafts proposed for the next step (the engine's speculator sets
+    # them before `schedule()`, which schedules them after the last known token when the
+    # request decodes and budget and blocks allow; they never join all_token_ids unverified).
+    spec_token_ids: list[int] = field(default_factory=list)
+
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -110,3 +115,13 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output past `num_output_tokens`: a stop condition met partway through tokens
+        accepted in one step (speculative decoding). The request finishes right after, so
+        the KV of the dropped tokens is freed with it."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[num_output_tokens:]
+            del self._all_token_ids[len(self._all_token_ids) - drop:]
+            self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)

@@ -102,12 +102,14 @@ class _StepPlan:
         self.scheduled_ids.discard(request.request_id)
         return entry
 
-    def add(self, request: Request, num_tokens: int) -> None:
+    def add(self, request: Request, num_tokens: int, drafts: tuple[int, ...] = ()) -> None:
+        """Schedule `num_tokens` known tokens from num_computed_tokens on, then `drafts`."""
         start = request.num_computed_tokens
         self.scheduled.append(ScheduledRequest(
-            request=request, num_scheduled_tokens=num_tokens, num_computed_tokens=start,
-            token_ids=tuple(request.all_token_ids[start:start + num_tokens]),
-            block_ids=tuple(request.block_ids), sample=start + num_tokens == request.num_tokens))
+            request=request, num_scheduled_tokens=num_tokens + len(drafts), num_computed_tokens=start,
+            token_ids=tuple(request.all_token_ids[start:start + num_tokens]) + drafts,
+            block_ids=tuple(request.block_ids), sample=start + num_tokens == request.num_tokens,
+            spec_token_ids=drafts))
         self.scheduled_ids.add(request.request_id)
 
 
@@ -303,15 +305,29 @@ class Scheduler:
             num_tokens = budget.grant(remaining)
             if num_tokens == 0:
                 continue
+            drafts = self._drafts_that_fit(request, remaining, budget)
             while not self.kv.can_append(request, num_tokens):
                 victim = max((r for r in self.running if r.request_id not in plan.scheduled_ids), key=_running_order)
                 self._preempt(victim, plan)
                 if victim is request:
                     break
             else:
-                self.kv.append(request, num_tokens)
-                budget.consume(remaining, num_tokens)
-                plan.add(request, num_tokens)
+                self.kv.append(request, num_tokens + len(drafts))
+                budget.consume(remaining, num_tokens + len(drafts))
+                plan.add(request, num_tokens, drafts)
+        for request in self.running:
+            request.spec_token_ids = []  # proposals are for this step only
+
+    def _drafts_that_fit(self, request: Request, remaining: int, budget: _StepBudget) -> tuple[int, ...]:
+        """The drafts a decoding request runs this step: as many as the step's token budget
+        and the free blocks allow beyond its one decode token. Drafts never preempt anyone:
+        a request short of blocks decodes plainly (or preempts for that one token)."""
+        if remaining != 1 or not request.spec_token_ids:
+            return ()
+        drafts = request.spec_token_ids[:max(0, budget.tokens_left - 1)]
+        while drafts and not self.kv.can_append(request, 1 + len(drafts)):
+            drafts = drafts[:-1]
+        return tuple(drafts)
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         self.running.remove(request)
@@ -470,23 +486,34 @@ class Scheduler:
 
     # ---- after the forward -----------------------------------------------------------------
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> None:
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int],
+                           accepted_drafts: dict[str, tuple[int, ...]] | None = None) -> None:
         """Advance each scheduled request by its scheduled tokens; append the sampled token
-        where the chunk reached the end of the known tokens. Requests aborted since
+        where the chunk reached the end of the known tokens. A speculating request advances
+        by its known token and the drafts the target accepted (appended before the sampled
+        token); the slots of rejected drafts are given back (`kv.trim`), so only accepted
+        tokens ever reach a full block's prefix-cache hash. Requests aborted since
         `schedule()` are skipped (their blocks are already free)."""
         now = self.clock()
+        accepted_drafts = accepted_drafts or {}
         for scheduled in output.scheduled:
             request = scheduled.request
             if self.requests.get(request.request_id) is not request or not self.kv.holds(request):
                 continue
             assert request.num_computed_tokens == scheduled.num_computed_tokens, "update for a stale output"
-            request.num_computed_tokens += scheduled.num_scheduled_tokens
+            accepted = accepted_drafts.get(request.request_id, ()) if scheduled.spec_token_ids else ()
+            assert tuple(scheduled.spec_token_ids[:len(accepted)]) == tuple(accepted), "accepted a non-draft"
+            num_rejected = len(scheduled.spec_token_ids) - len(accepted)
+            request.num_computed_tokens += scheduled.num_scheduled_tokens - num_rejected
+            if num_rejected:
+                self.kv.trim(request)
             if scheduled.sample:
                 if request.request_id not in sampled_token_ids:
                     raise KeyError(f"no sampled token for {request.request_id}, which was due to sample")
-                request.append_output_token(sampled_token_ids[request.request_id])
+                for token_id in (*accepted, sampled_token_ids[request.request_id]):
+                    request.append_output_token(token_id)
                 self.admission.grow_for_output(request)
-                self._output_tokens.add(1)
+                self._output_tokens.add(1 + len(accepted))
                 request.status = RequestStatus.DECODING
                 if request.first_token_time is None:
                     request.first_token_time = now

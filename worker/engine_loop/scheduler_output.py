@@ -10,6 +10,8 @@ The engine executes a SchedulerOutput in this order, before and around the forwa
                     writing KV through block_ids (slot = block_ids[pos // bs] * bs + pos % bs)
     5. sample       one token for each ScheduledRequest with `sample` set, then
                     Scheduler.update_from_output(output, {request_id: token_id})
+                    (a speculating entry feeds its last known token + spec_token_ids; the
+                    runner verifies the drafts and also returns the accepted ones)
 
 Swap-outs come first because a device block released by a swap-out may be handed to
 another request in the same step; its bytes must leave before anything overwrites them.
@@ -32,6 +34,9 @@ class ScheduledRequest:
     token_ids: tuple[int, ...]  # all_token_ids[num_computed_tokens : + num_scheduled_tokens]
     block_ids: tuple[int, ...]  # the block table as of this step (covers every scheduled slot)
     sample: bool  # the chunk reaches the last known token: the runner samples a next token
+    # Drafted tokens scheduled after the last known token (speculative decoding): token_ids
+    # is (last known token, *spec_token_ids) and num_scheduled_tokens is 1 + their count.
+    spec_token_ids: tuple[int, ...] = ()
 
     @property
     def request_id(self) -> str:

@@ -14,6 +14,7 @@ KV cache memory (per layer, see worker/modeling/attention.py for the block layou
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from kvmesh.core.config import ConfigError
 from kvmesh.quant.kv_quant import KV_QUANT_DTYPES, KV_SCALE_DTYPE, kv_cache_layout
 from kvmesh.quant.kv_quant import kv_storage_dtype as quantized_kv_storage_dtype
 from kvmesh.worker.modeling.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from kvmesh.worker.modeling.rejection_sampler import verify
 from kvmesh.worker.modeling.sampler import SampleResult, SamplingRow, sample
 
 logger = logging.getLogger(__name__)
@@ -90,7 +92,7 @@ class StepInputs:
     query_lens: tuple[int, ...]  # [B]
     seq_lens: tuple[int, ...]  # [B], cached + new tokens
     block_tables: tuple[tuple[int, ...], ...]  # [B][blocks of request b]
-    sample_at: tuple[int, ...]  # flat index of the last token of each sampling request
+    sample_at: tuple[int, ...]  # flat index of each row that gets logits (k + 1 per speculating request)
 
     @classmethod
     def build(cls, scheduled, block_size: int) -> "StepInputs":
@@ -110,17 +112,19 @@ class StepInputs:
                 slots.append(blocks[p // bs] * bs + p % bs)
             query_lens.append(entry.num_scheduled_tokens)
             seq_lens.append(entry.num_computed_tokens + entry.num_scheduled_tokens)
-            if entry.sample:
-                sample_at.append(len(input_ids) - 1)
+            if entry.sample:  # the last token, and every drafted position before it
+                sample_at.extend(range(len(input_ids) - 1 - len(entry.spec_token_ids), len(input_ids)))
         return cls(tuple(input_ids), tuple(positions), tuple(slots), tuple(query_lens), tuple(seq_lens),
                    tuple(tuple(e.block_ids) for e in scheduled), tuple(sample_at))
 
 
 @dataclass(frozen=True)
 class StepResult:
-    sampled: dict[str, int]  # request_id -> token id
+    sampled: dict[str, int]  # request_id -> token id (after any accepted drafts)
     logprobs: dict[str, float]  # request_id -> chosen token's logprob (when asked)
     num_tokens: int  # tokens run through the model this step
+    # Speculating requests: the drafts the target kept, in order, before `sampled`.
+    accepted_drafts: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 def _copy_blocks(dst_caches: list[LayerKVCache], src_caches: list[LayerKVCache], pairs: list[tuple[int, int]]) -> None:
@@ -151,6 +155,21 @@ def prefill_logits(model, input_ids: torch.Tensor, kv_caches: list[LayerKVCache]
     meta = AttentionMetadata.single_prefill(t, block_size, device)
     hidden = model(input_ids.to(device), torch.arange(t, device=device), kv_caches, meta, backend)
     return model.compute_logits(hidden)
+
+
+def _split_logit_rows(scheduled) -> tuple[list[int], list[int]]:
+    """Indices into the step's logits rows (StepInputs.sample_at order) of the plain
+    sampling requests and of the speculating ones (k + 1 consecutive rows each)."""
+    plain: list[int] = []
+    spec: list[int] = []
+    row = 0
+    for entry in scheduled:
+        if not entry.sample:
+            continue
+        width = 1 + len(entry.spec_token_ids)
+        (spec if entry.spec_token_ids else plain).extend(range(row, row + width))
+        row += width
+    return plain, spec
 
 
 class ModelRunner:
@@ -187,7 +206,6 @@ class ModelRunner:
             self.fault_hook()
         clock = self.phase_clock
         inputs = StepInputs.build(scheduled, self.block_size)
-        sample_reqs = [entry.request for entry in scheduled if entry.sample]
         if clock is not None:
             clock.lap("prepare")
         logits = self.forward(inputs)
@@ -195,14 +213,27 @@ class ModelRunner:
             clock.lap("forward")
         if logits is None:
             return StepResult({}, {}, len(inputs.input_ids))
-        result: SampleResult = sample(logits, [rows_for(r) for r in sample_reqs], self.generator)
+        plain = [e for e in scheduled if e.sample and not e.spec_token_ids]
+        speculating = [e for e in scheduled if e.sample and e.spec_token_ids]
+        plain_rows, spec_rows = _split_logit_rows(scheduled)
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, float] = {}
+        if plain:
+            plain_logits = logits if not speculating else logits[torch.tensor(plain_rows)]
+            result: SampleResult = sample(plain_logits, [rows_for(e.request) for e in plain], self.generator)
+            sampled = {e.request_id: t for e, t in zip(plain, result.token_ids)}
+            if result.logprobs is not None:
+                logprobs = {e.request_id: lp for e, lp in zip(plain, result.logprobs) if e.request.sampling.logprobs}
+        accepted: dict[str, tuple[int, ...]] = {}
+        if speculating:
+            verified = verify(logits[torch.tensor(spec_rows)], [e.spec_token_ids for e in speculating],
+                              [rows_for(e.request) for e in speculating], self.generator)
+            for e, v in zip(speculating, verified):
+                sampled[e.request_id] = v.next_token
+                accepted[e.request_id] = v.accepted
         if clock is not None:
             clock.lap("sample")
-        sampled = {r.request_id: t for r, t in zip(sample_reqs, result.token_ids)}
-        logprobs = {}
-        if result.logprobs is not None:
-            logprobs = {r.request_id: lp for r, lp in zip(sample_reqs, result.logprobs) if r.sampling.logprobs}
-        return StepResult(sampled, logprobs, len(inputs.input_ids))
+        return StepResult(sampled, logprobs, len(inputs.input_ids), accepted)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
