@@ -349,6 +349,9 @@ class DegradationConfig:
             _check(not rule.fallback or self.fallback_pool.num_workers > 0,
                    "degradation.rules[].fallback needs degradation.fallback_pool.num_workers >= 1")
         self.fallback_pool.validate()
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     # none | ngram (prompt lookup in the request's own tokens) | self_draft (this model's
     # weights quantized to draft_quant draft for the full-precision model)
