@@ -25,6 +25,8 @@ from torch import nn
 from kvmesh.worker.modeling import kernel_dispatch as ops  # Triton on CUDA, torch elsewhere: decided there
 from kvmesh.worker.modeling.attention import AttentionBackend, AttentionMetadata, LayerKVCache
 from kvmesh.worker.modeling.distributed import Collectives, single_rank
+from kvmesh.quant.linear import merge_output_rows
+from kvmesh.worker.modeling import packed_weights
 from kvmesh.worker.modeling.parallel_layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                            RowParallelLinear, VocabParallelEmbedding, _ShardedLinear,
                                            quantize_sharded)
@@ -80,28 +82,35 @@ class RotaryTables(nn.Module):
 
 
 class FusedLinears:
-    """Float projections of the same input run as ONE GEMM (merged QKV, merged gate-up).
+    """Float projections of the same input run as ONE GEMM (merged QKV, merged gate-up), with
+    the merged weight optionally prepacked for oneDNN (bf16 on CPU, see packed_weights.py).
 
     The weights are concatenated once and each member's parameter becomes a view of its rows
     of the concatenation, so parameter names, the state dict, weight loaders and tensor-
-    parallel shards stay exactly as they were (each rank fuses its own shards). `usable` says
+    parallel shards stay exactly as they were (each rank fuses its own shards). A group of
+    one member keeps the member's own weight (it exists for the prepacking). `usable` says
     whether the fusion still describes the members: a member replaced (quantization), moved
     or recast (`.to()` gives new storage) or hooked (calibration) makes the caller run the
     members one by one, as before."""
 
-    def __init__(self, linears: list[nn.Linear]):
+    def __init__(self, linears: list[nn.Linear], prepack: bool = False):
         self.members = tuple(linears)
         self.sizes = [lin.out_features for lin in linears]
         with torch.no_grad():
-            self.weight = torch.cat([lin.weight.detach() for lin in linears])
-            has_bias = [lin.bias is not None for lin in linears]
-            self.bias = torch.cat([lin.bias.detach() for lin in linears]) if all(has_bias) else None
-            start = 0
-            for lin, n in zip(linears, self.sizes):
-                lin.weight.data = self.weight[start:start + n]
-                if self.bias is not None:
-                    lin.bias.data = self.bias[start:start + n]
-                start += n
+            if len(linears) == 1:
+                self.weight, self.bias = linears[0].weight.detach(), linears[0].bias
+                self.bias = None if self.bias is None else self.bias.detach()
+            else:
+                self.weight = torch.cat([lin.weight.detach() for lin in linears])
+                has_bias = [lin.bias is not None for lin in linears]
+                self.bias = torch.cat([lin.bias.detach() for lin in linears]) if all(has_bias) else None
+                start = 0
+                for lin, n in zip(linears, self.sizes):
+                    lin.weight.data = self.weight[start:start + n]
+                    if self.bias is not None:
+                        lin.bias.data = self.bias[start:start + n]
+                    start += n
+        self.packed = packed_weights.PackedWeight.pack(self.weight) if prepack else None
 
     @staticmethod
     def fusable(linears: list[nn.Module]) -> bool:
@@ -114,13 +123,38 @@ class FusedLinears:
             and linears[0].weight.data_ptr() == self.weight.data_ptr()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return packed_weights.linear(x, self.weight, self.bias, self.packed)
 
 
-def _run_projections(fused: FusedLinears | None, linears: tuple[nn.Module, ...], x: torch.Tensor
+class FusedQuantLinears:
+    """Weight-only quantized projections of the same input (int8 / int4) run as ONE packed-
+    kernel call: quant.linear.merge_output_rows concatenates their rows and makes the members'
+    buffers views of the merged layer's, so nothing is stored twice. Same interface as
+    FusedLinears (members, sizes, usable, call)."""
+
+    def __init__(self, merged: nn.Module, linears: list[nn.Module]):
+        self.members = tuple(linears)
+        self.sizes = [lin.out_features for lin in linears]
+        self.merged = merged
+
+    @classmethod
+    def build(cls, linears: list[nn.Module]) -> "FusedQuantLinears | None":
+        merged = merge_output_rows(linears)
+        return None if merged is None else cls(merged, linears)
+
+    def usable(self, linears: tuple[nn.Module, ...]) -> bool:
+        return all(a is b and not (a._forward_hooks or a._forward_pre_hooks) for a, b in zip(linears, self.members)) \
+            and linears[0].scales.data_ptr() == self.merged.scales.data_ptr()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.merged(x)
+
+
+def _run_projections(fused: FusedLinears | FusedQuantLinears | None, linears: tuple[nn.Module, ...], x: torch.Tensor
                      ) -> list[torch.Tensor]:
     if fused is not None and fused.usable(linears):
-        return list(fused(x).split(fused.sizes, dim=-1))
+        out = fused(x)
+        return [out] if len(linears) == 1 else list(out.split(fused.sizes, dim=-1))
     return [lin(x) for lin in linears]
 
 
@@ -139,7 +173,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, h, bias, coll)
         self.num_heads = self.q_proj.num_local_heads  # this rank's
         self.num_kv_heads = self.k_proj.num_local_heads
-        self.qkv: FusedLinears | None = None  # set by fuse_projections once the weights are final
+        self.qkv: FusedLinears | FusedQuantLinears | None = None  # set by fuse_projections once the weights are final
+        self.o: FusedLinears | None = None  # o_proj alone, prepacked (fuse_projections)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], cache: LayerKVCache,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -151,7 +186,7 @@ class LlamaAttention(nn.Module):
         q, k = RotaryTables.rotate(q, k, cos_sin)
         backend.write_kv(cache, k, v, meta.slot_mapping)
         out = backend.attend(q, cache, meta, self.scale)  # [T, Hq, D]
-        return self.coll.all_reduce(self.o_proj(out.reshape(t, -1)))
+        return self.coll.all_reduce(_run_projections(self.o, (self.o_proj,), out.reshape(t, -1))[0])
 
 
 class LlamaMLP(nn.Module):
@@ -162,7 +197,8 @@ class LlamaMLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias, coll)
         self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias, coll)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias, coll)
-        self.gate_up: FusedLinears | None = None  # set by fuse_projections
+        self.gate_up: FusedLinears | FusedQuantLinears | None = None  # set by fuse_projections
+        self.down: FusedLinears | None = None  # down_proj alone, prepacked (fuse_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pair = (self.gate_proj, self.up_proj)
@@ -170,7 +206,7 @@ class LlamaMLP(nn.Module):
             act = ops.silu_and_mul(self.gate_up(x))
         else:
             act = ops.silu_mul(self.gate_proj(x), self.up_proj(x))
-        return self.coll.all_reduce(self.down_proj(act))
+        return self.coll.all_reduce(_run_projections(self.down, (self.down_proj,), act)[0])
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -232,19 +268,26 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos_sin, cache, meta, backend)
         return self.model.norm.add_forward(x, residual)[0]
 
-    def fuse_projections(self) -> int:
-        """Merge each layer's float q/k/v and gate/up projections into one GEMM each (see
-        FusedLinears); quantized projections stay separate. Call once the weights are final
-        (after loading, quantization and the last `.to()`). Returns how many groups fused."""
+    def fuse_projections(self, prepack: bool = True) -> int:
+        """Merge each layer's q/k/v and gate/up projections into one GEMM each (float: see
+        FusedLinears; int8 / int4: FusedQuantLinears). With `prepack`, bf16 CPU weights
+        (the merged ones, o_proj, down_proj and the LM head) also get their oneDNN layout
+        (packed_weights.py). Call once the weights are final (after loading, quantization and
+        the last `.to()`). Returns how many groups fused."""
         fused = 0
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if FusedLinears.fusable([attn.q_proj, attn.k_proj, attn.v_proj]):
-                attn.qkv = FusedLinears([attn.q_proj, attn.k_proj, attn.v_proj])
-                fused += 1
-            if FusedLinears.fusable([mlp.gate_proj, mlp.up_proj]):
-                mlp.gate_up = FusedLinears([mlp.gate_proj, mlp.up_proj])
-                fused += 1
+            for owner, attr, group in ((attn, "qkv", [attn.q_proj, attn.k_proj, attn.v_proj]),
+                                       (mlp, "gate_up", [mlp.gate_proj, mlp.up_proj])):
+                merged = FusedLinears(group, prepack) if FusedLinears.fusable(group) else FusedQuantLinears.build(group)
+                if merged is not None:
+                    setattr(owner, attr, merged)
+                    fused += 1
+            for owner, attr, lin in ((attn, "o", attn.o_proj), (mlp, "down", mlp.down_proj)):
+                if prepack and FusedLinears.fusable([lin]) and packed_weights.can_pack(lin.weight):
+                    setattr(owner, attr, FusedLinears([lin], prepack))
+        if prepack:
+            self.lm_head.packed = packed_weights.PackedWeight.pack(self.lm_head.weight)
         return fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
