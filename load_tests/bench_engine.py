@@ -12,7 +12,7 @@ Figures per kvmesh mode:
   * decode tok/s at batch 1 (40-token prompt, 72 new tokens) and batch 64 (64 such requests),
     the median step over the steady decode steps;
   * the fraction of this process's measured GEMM rate ([64 x H] x [H x I], in the engine's
-    dtype) that the batch-64 step reaches: linear FLOPs of a step / step time / GEMM rate;
+    dtype, the better of F.linear and a prepacked bf16 weight) that the batch-64 step reaches: linear FLOPs of a step / step time / GEMM rate;
   * bf16 only: greedy agreement with HF transformers in bf16 over a fixed prompt set (tokens
     equal up to the first divergence, over all generated tokens).
 The machine is shared and noisy: compare figures within one run (ratios), not across runs.
@@ -46,8 +46,11 @@ from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.worker.engine_loop.engine import Engine
 
 # (name, model.dtype, quant.weight); int8/int4 run their packed CPU kernels on bf16 activations
-FULL_MODES = [("fp32", "fp32", "none"), ("bf16", "bf16", "none"), ("bf16-int8", "bf16", "int8"),
-              ("bf16-int4", "bf16", "int4")]
+FULL_MODES = [("fp32", "fp32", "none"), ("bf16", "bf16", "none"), ("bf16-unpacked", "bf16", "none"),
+              ("bf16-int8", "bf16", "int8"), ("bf16-int4", "bf16", "int4")]
+# Config beyond dtype / quant for a mode: bf16-unpacked is bf16 with plain F.linear weights,
+# the in-run A/B of the oneDNN prepacking (worker/modeling/packed_weights.py).
+MODE_OVERRIDES = {"bf16-unpacked": {"model": {"cpu_prepack_weights": False}}}
 QUICK_MODES = [("fp32", "fp32", "none"), ("bf16-int8", "bf16", "int8")]
 AGREEMENT_PROMPTS = [  # fixed, mixed lengths and kinds; 32 greedy tokens each
     "The capital of France is",
@@ -162,15 +165,24 @@ def decode_rate(engine: Engine, prompt_ids: tuple[int, ...], batch: int, new_tok
 
 
 def gemm_rate_gflop_s(hidden: int, inter: int, dtype: torch.dtype, rows: int = 64, seconds: float = 1.0) -> float:
+    """[rows x hidden] x [hidden x inter] in dtype, the best of plain F.linear and (bf16 on
+    CPU) a oneDNN-prepacked weight: the machine's GEMM rate, whichever way the engine calls it."""
+    from kvmesh.worker.modeling.packed_weights import PackedWeight
+
     x = torch.randn(rows, hidden).to(dtype)
     w = torch.randn(inter, hidden).to(dtype)
-    for _ in range(5):
-        F.linear(x, w)
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        F.linear(x, w)
-        n += 1
-    return 2 * rows * hidden * inter * n / (time.perf_counter() - t0) / 1e9
+    packed = PackedWeight.pack(w)
+    calls = [lambda: F.linear(x, w)] + ([lambda: packed.linear(x)] if packed is not None else [])
+    best = 0.0
+    for call in calls:
+        for _ in range(5):
+            call()
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds / len(calls):
+            call()
+            n += 1
+        best = max(best, 2 * rows * hidden * inter * n / (time.perf_counter() - t0) / 1e9)
+    return best
 
 
 def linear_flops_per_token(hf_config) -> int:
@@ -186,7 +198,8 @@ def bench_mode(name: str, dtype: str, quant: str, model: str | None, threads: in
                requests: list[WorkloadRequest], decode_prompt: tuple[int, ...], decode_tokens: int,
                big_batch: int, gemm_seconds: float, agreement: bool) -> ModeFigures:
     kv_gib = 1.0 if big_batch >= 64 else 0.05
-    engine = Engine.from_config(engine_config(model, dtype, quant, threads, max(64, big_batch), kv_gib))
+    config = engine_config(model, dtype, quant, threads, max(64, big_batch), kv_gib)
+    engine = Engine.from_config(config.replace(**MODE_OVERRIDES.get(name, {})))
     hf = engine.parts.hf_config
     torch_dtype = next(engine.runner.model.parameters()).dtype
     decode_rate(engine, decode_prompt, 1, 4)  # warm-up
@@ -195,7 +208,7 @@ def bench_mode(name: str, dtype: str, quant: str, model: str | None, threads: in
     seed = run_engine_workload(engine, requests)
     gemm = gemm_rate_gflop_s(hf.hidden_size, hf.intermediate_size, torch_dtype, seconds=gemm_seconds)
     step_gflop_s = linear_flops_per_token(hf) * big_batch / (step_ms / 1e3) / 1e9
-    agree = hf_agreement(engine, model) if agreement and dtype == "bf16" and quant == "none" else None
+    agree = hf_agreement(engine, model) if agreement and name == "bf16" else None
     return ModeFigures(name, dtype, quant, seed, b1, b64, step_ms, gemm, step_gflop_s, step_gflop_s / gemm, agree)
 
 

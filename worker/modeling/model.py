@@ -47,13 +47,13 @@ class RMSNorm(nn.Module):
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryTables(nn.Module):
-    """cos/sin per position, [max_positions, D] fp32, from transformers' rotary module."""
+    """cos/sin per position, [max_positions, D] fp32, from transformers' rotary module.
+
+    HF rotates as x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1). Here the
+    sign is folded into the table once (sin_signed = cat(-sin1, sin2)) and rotate_half becomes
+    a roll: roll(x) * sin_signed = cat(x2 * -sin1, x1 * sin2), the same products bit for bit
+    (IEEE negation is exact), in 4 ops instead of 7, for q and k heads together."""
 
     def __init__(self, hf_config, max_positions: int):
         super().__init__()
@@ -63,22 +63,20 @@ class RotaryTables(nn.Module):
         probe = torch.zeros(1, dtype=torch.float32)
         positions = torch.arange(max_positions, dtype=torch.long)[None, :]
         cos, sin = rope(probe, positions)  # [1, P, D]
+        half = sin.shape[-1] // 2
+        sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         self.register_buffer("cos", cos[0].to(torch.float32), persistent=False)
-        self.register_buffer("sin", sin[0].to(torch.float32), persistent=False)
+        self.register_buffer("sin_signed", sin_signed[0].to(torch.float32), persistent=False)
 
     def for_positions(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] -> (cos, sin) [T, 1, D] in dtype; looked up once per step, used by every layer."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        """positions: [T] -> (cos, sin_signed) [T, 1, D] in dtype; looked up once per step, used by every layer."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin_signed[positions].to(dtype)[:, None, :]
 
     @staticmethod
-    def rotate(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, Hq, D], k: [T, Hkv, D]
-        cos, sin = cos_sin
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotate(q, k, self.for_positions(positions, q.dtype))
+    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [T, heads, D] (q and k heads side by side) -> rotated, a new contiguous tensor."""
+        cos, sin_signed = cos_sin
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 class FusedLinears:
@@ -130,11 +128,10 @@ class FusedQuantLinears:
     """Weight-only quantized projections of the same input (int8 / int4) run as ONE packed-
     kernel call: quant.linear.merge_output_rows concatenates their rows and makes the members'
     buffers views of the merged layer's, so nothing is stored twice. Same interface as
-    FusedLinears (members, sizes, usable, call)."""
+    FusedLinears (members, usable, call)."""
 
     def __init__(self, merged: nn.Module, linears: list[nn.Module]):
         self.members = tuple(linears)
-        self.sizes = [lin.out_features for lin in linears]
         self.merged = merged
 
     @classmethod
@@ -150,12 +147,9 @@ class FusedQuantLinears:
         return self.merged(x)
 
 
-def _run_projections(fused: FusedLinears | FusedQuantLinears | None, linears: tuple[nn.Module, ...], x: torch.Tensor
-                     ) -> list[torch.Tensor]:
-    if fused is not None and fused.usable(linears):
-        out = fused(x)
-        return [out] if len(linears) == 1 else list(out.split(fused.sizes, dim=-1))
-    return [lin(x) for lin in linears]
+def _run_projection(fused: FusedLinears | None, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """One projection, through its prepacked FusedLinears while that still describes it."""
+    return fused(x) if fused is not None and fused.usable((linear,)) else linear(x)
 
 
 class LlamaAttention(nn.Module):
@@ -178,15 +172,18 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], cache: LayerKVCache,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = _run_projections(self.qkv, (self.q_proj, self.k_proj, self.v_proj), x)
-        q = q.reshape(t, -1, self.head_dim)  # [T, Hq, D]
-        k = k.reshape(t, -1, self.head_dim)  # [T, Hkv, D]
-        v = v.reshape(t, -1, self.head_dim)
-        q, k = RotaryTables.rotate(q, k, cos_sin)
+        t, nq, nkv = x.shape[0], self.num_heads, self.num_kv_heads
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if self.qkv is not None and self.qkv.usable(projections):
+            qkv = self.qkv(x)
+        else:  # unfused (hooked, replaced): one concatenation, so the rest is the same
+            qkv = torch.cat([lin(x) for lin in projections], dim=-1)
+        qkv = qkv.view(t, nq + 2 * nkv, self.head_dim)  # q | k | v heads
+        qk = RotaryTables.rotate(qkv[:, :nq + nkv], cos_sin)  # q and k heads in one pass
+        q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
         backend.write_kv(cache, k, v, meta.slot_mapping)
         out = backend.attend(q, cache, meta, self.scale)  # [T, Hq, D]
-        return self.coll.all_reduce(_run_projections(self.o, (self.o_proj,), out.reshape(t, -1))[0])
+        return self.coll.all_reduce(_run_projection(self.o, self.o_proj, out.reshape(t, -1)))
 
 
 class LlamaMLP(nn.Module):
@@ -206,7 +203,7 @@ class LlamaMLP(nn.Module):
             act = ops.silu_and_mul(self.gate_up(x))
         else:
             act = ops.silu_mul(self.gate_proj(x), self.up_proj(x))
-        return self.coll.all_reduce(_run_projections(self.down, (self.down_proj,), act)[0])
+        return self.coll.all_reduce(_run_projection(self.down, self.down_proj, act))
 
 
 class LlamaDecoderLayer(nn.Module):
