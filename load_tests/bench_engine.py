@@ -97,6 +97,7 @@ class BenchReport:
     modes: list[ModeFigures] = field(default_factory=list)
     hf_static: RunFigures | None = None
     llama_server: RunFigures | None = None
+    served: RunFigures | None = None  # --serve: the same requests through a local `kvmesh serve`
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -329,6 +330,46 @@ def run_llama_server(binary: str, gguf: str, requests: list[WorkloadRequest], th
         proc.wait(30)
 
 
+def run_served(model: str | None, requests: list[WorkloadRequest], warmup: int = 2) -> RunFigures:
+    """The same requests through a private local `kvmesh serve` (Ray Serve router + worker
+    actor, the serving defaults but for the model path and loopback ports) over gRPC, every
+    request sent at t=0 with the client library; E2E = when its final delta arrives."""
+    import asyncio
+
+    from kvmesh.load_tests.grpc_target import ClusterTarget
+    from kvmesh.load_tests.targets import TargetRequest
+
+    config = {"router": {"host": "127.0.0.1"}, **({"model": {"path": model}} if model else {})}
+
+    import os
+
+    import ray
+
+    if not ray.is_initialized():  # a Ray of its own: never join another cluster on this machine
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+
+    async def go() -> RunFigures:
+        target = ClusterTarget(config, app_name="kvmesh-bench")
+        await target.start()
+        try:
+            async def one(r: WorkloadRequest, tag: str, t0: float, finish: list[float]) -> None:
+                req = TargetRequest(f"{tag}{r.index}", r.prompt_token_ids, "", r.output_tokens)
+                async for chunk in target.stream(req):
+                    if chunk.finished:
+                        finish.append(time.perf_counter() - t0)
+
+            await asyncio.gather(*(one(r, "warm", 0.0, []) for r in requests[:warmup]))
+            finish: list[float] = []
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(r, "w", t0, finish) for r in requests))
+            return _run_figures(finish, sum(r.output_tokens for r in requests), time.perf_counter() - t0)
+        finally:
+            await target.close()
+
+    return asyncio.run(go())
+
+
 # ---- the run -------------------------------------------------------------------------------
 
 
@@ -361,6 +402,8 @@ def run(args) -> BenchReport:
         print(f"[{name}] {json.dumps(asdict(figures))}", file=sys.stderr, flush=True)
     if not args.no_hf:
         report.hf_static = run_hf_static(args.model, requests, torch.float32 if args.quick else torch.bfloat16)
+    if args.serve:
+        report.served = run_served(args.model, requests[:2] if args.quick else requests)
     if args.llama_server:
         gguf = args.gguf or str(_gguf_path(args.model))
         report.llama_server = run_llama_server(args.llama_server, gguf, requests, args.threads)
@@ -375,6 +418,24 @@ def _gguf_path(model: str | None):
     return embedded_gguf_path()
 
 
+def ratio_lines(report: BenchReport) -> list[str]:
+    """The issue's in-run ratios: best mode vs HF static, served vs the in-process engine in
+    the dtype the server picks (model.dtype auto)."""
+    from kvmesh.worker.modeling.model_setup import cpu_has_native_bf16
+
+    lines = []
+    if report.modes and report.hf_static is not None:
+        best = max(report.modes, key=lambda m: m.seed_run.output_tok_s)
+        lines.append(f"seed-shaped run: kvmesh {best.mode} / HF static = "
+                     f"{best.seed_run.output_tok_s / report.hf_static.output_tok_s:.2f}x")
+    default = "bf16" if cpu_has_native_bf16() else "fp32"
+    in_process = next((m for m in report.modes if m.mode == default), None)
+    if report.served is not None and in_process is not None:
+        lines.append(f"kvmesh serve / in-process {default} (the served default here) = "
+                     f"{report.served.output_tok_s / in_process.seed_run.output_tok_s:.2f}x")
+    return lines
+
+
 def format_table(report: BenchReport) -> str:
     lines = [f"CPU flags: {' '.join(report.cpu_flags)}; torch {report.torch_version}, {report.torch_threads} threads; "
              f"model {report.model}",
@@ -386,9 +447,11 @@ def format_table(report: BenchReport) -> str:
         lines.append(f"| kvmesh {m.mode} | {s.output_tok_s:.1f} | {s.e2e_p50_s:.1f} | {s.e2e_p99_s:.1f} | "
                      f"{m.batch1_decode_tok_s:.1f} | {m.batch64_decode_tok_s:.1f} | "
                      f"{m.gemm_fraction:.0%} ({m.batch64_gflop_s:.0f} / {m.gemm_gflop_s:.0f} GFLOP/s) |")
-    for name, peer in (("HF static batches of 8", report.hf_static), ("llama-server, 8 slots", report.llama_server)):
+    for name, peer in (("HF static batches of 8", report.hf_static), ("llama-server, 8 slots", report.llama_server),
+                       ("kvmesh serve (gRPC, defaults)", report.served)):
         if peer is not None:
             lines.append(f"| {name} | {peer.output_tok_s:.1f} | {peer.e2e_p50_s:.1f} | {peer.e2e_p99_s:.1f} | - | - | - |")
+    lines += [""] + ratio_lines(report)
     for m in report.modes:
         if m.hf_agreement:
             a = m.hf_agreement
@@ -404,6 +467,8 @@ def main(argv: list[str] | None = None) -> BenchReport:
     p.add_argument("--modes", help="comma-separated subset of: " + ", ".join(m[0] for m in FULL_MODES))
     p.add_argument("--quick", action="store_true", help="a few tiny requests, two modes: a smoke run in seconds")
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers static batches")
+    p.add_argument("--serve", action="store_true",
+                   help="also send the seed-shaped run through a local `kvmesh serve` (Ray, gRPC, defaults)")
     p.add_argument("--llama-server", metavar="PATH", help="llama.cpp llama-server binary to compare against")
     p.add_argument("--gguf", help="GGUF for llama-server (default: the embedded model's)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
