@@ -12,7 +12,8 @@ Figures per kvmesh mode:
   * decode tok/s at batch 1 (40-token prompt, 72 new tokens) and batch 64 (64 such requests),
     the median step over the steady decode steps;
   * the fraction of this process's measured GEMM rate ([64 x H] x [H x I], in the engine's
-    dtype, the better of F.linear and a prepacked bf16 weight) that the batch-64 step reaches: linear FLOPs of a step / step time / GEMM rate;
+    dtype, the better of F.linear and a prepacked bf16 weight, sampled between the batch-64
+    steps) that the batch-64 step reaches: linear FLOPs of a step / step time / GEMM rate;
   * bf16 only: greedy agreement with HF transformers in bf16 over a fixed prompt set (tokens
     equal up to the first divergence, over all generated tokens).
 The machine is shared and noisy: compare figures within one run (ratios), not across runs.
@@ -34,6 +35,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -149,8 +151,10 @@ def run_engine_workload(engine: Engine, requests: list[WorkloadRequest]) -> RunF
     return _run_figures(finish, sum(r.output_tokens for r in requests), time.perf_counter() - t0)
 
 
-def decode_rate(engine: Engine, prompt_ids: tuple[int, ...], batch: int, new_tokens: int) -> tuple[float, float]:
-    """(decode tok/s, median step ms) over the steps where every request decodes."""
+def decode_rate(engine: Engine, prompt_ids: tuple[int, ...], batch: int, new_tokens: int,
+                between_steps: Callable[[], None] | None = None) -> tuple[float, float]:
+    """(decode tok/s, median step ms) over the steps where every request decodes.
+    between_steps runs after each step, outside the timing (the interleaved GEMM probe)."""
     for i in range(batch):
         engine.add_request(GenerateRequest(f"d{batch}-{i}", prompt_token_ids=prompt_ids, sampling=SamplingParams(
             max_tokens=new_tokens, temperature=0, ignore_eos=True)))
@@ -161,29 +165,43 @@ def decode_rate(engine: Engine, prompt_ids: tuple[int, ...], batch: int, new_tok
         steps.append(time.perf_counter() - t)
         if engine.scheduler.stats().num_running != batch:
             steps.pop()  # prefill and the tail are not steady decode steps
+        elif between_steps is not None:
+            between_steps()
     step = statistics.median(steps[1:] or steps)  # the first step after prefill warms caches
     return batch / step, step * 1e3
 
 
-def gemm_rate_gflop_s(hidden: int, inter: int, dtype: torch.dtype, rows: int = 64, seconds: float = 1.0) -> float:
-    """[rows x hidden] x [hidden x inter] in dtype, the best of plain F.linear and (bf16 on
-    CPU) a oneDNN-prepacked weight: the machine's GEMM rate, whichever way the engine calls it."""
-    from kvmesh.worker.modeling.packed_weights import PackedWeight
+class GemmProbe:
+    """[rows x hidden] x [hidden x inter] in dtype, the better of plain F.linear and (bf16 on
+    CPU) a oneDNN-prepacked weight: the machine's GEMM rate, whichever way the engine calls it.
+    Sampled between the batch-64 decode steps, so the step and its reference see the same
+    load on a shared machine (measured minutes apart they differed by up to 3x)."""
 
-    x = torch.randn(rows, hidden).to(dtype)
-    w = torch.randn(inter, hidden).to(dtype)
-    packed = PackedWeight.pack(w)
-    calls = [lambda: F.linear(x, w)] + ([lambda: packed.linear(x)] if packed is not None else [])
-    best = 0.0
-    for call in calls:
-        for _ in range(5):
-            call()
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds / len(calls):
-            call()
-            n += 1
-        best = max(best, 2 * rows * hidden * inter * n / (time.perf_counter() - t0) / 1e9)
-    return best
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, rows: int = 64):
+        from kvmesh.worker.modeling.packed_weights import PackedWeight
+
+        self.flops = 2 * rows * hidden * inter
+        x = torch.randn(rows, hidden).to(dtype)
+        w = torch.randn(inter, hidden).to(dtype)
+        packed = PackedWeight.pack(w)
+        self.calls = [lambda: F.linear(x, w)] + ([lambda: packed.linear(x)] if packed is not None else [])
+        for call in self.calls:
+            call()  # first-call setup (oneDNN primitive creation) is not the rate
+        self.samples: list[float] = []
+
+    def sample(self, seconds: float = 0.02) -> float:
+        best = 0.0
+        for call in self.calls:
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds / len(self.calls) or n < 2:
+                call()
+                n += 1
+            best = max(best, self.flops * n / (time.perf_counter() - t0) / 1e9)
+        self.samples.append(best)
+        return best
+
+    def rate_gflop_s(self) -> float:
+        return statistics.median(self.samples) if self.samples else self.sample(1.0)
 
 
 def linear_flops_per_token(hf_config) -> int:
@@ -205,9 +223,11 @@ def bench_mode(name: str, dtype: str, quant: str, model: str | None, threads: in
     torch_dtype = next(engine.runner.model.parameters()).dtype
     decode_rate(engine, decode_prompt, 1, 4)  # warm-up
     b1, _ = decode_rate(engine, decode_prompt, 1, decode_tokens)
-    b64, step_ms = decode_rate(engine, decode_prompt, big_batch, decode_tokens)
+    probe = GemmProbe(hf.hidden_size, hf.intermediate_size, torch_dtype)
+    b64, step_ms = decode_rate(engine, decode_prompt, big_batch, decode_tokens,
+                               between_steps=lambda: probe.sample(gemm_seconds))
     seed = run_engine_workload(engine, requests)
-    gemm = gemm_rate_gflop_s(hf.hidden_size, hf.intermediate_size, torch_dtype, seconds=gemm_seconds)
+    gemm = probe.rate_gflop_s()
     step_gflop_s = linear_flops_per_token(hf) * big_batch / (step_ms / 1e3) / 1e9
     agree = hf_agreement(engine, model) if agreement and name == "bf16" else None
     return ModeFigures(name, dtype, quant, seed, b1, b64, step_ms, gemm, step_gflop_s, step_gflop_s / gemm, agree)
@@ -386,10 +406,10 @@ def run(args) -> BenchReport:
     tokenizer = load_tokenizer(ModelConfig(path=args.model) if args.model else ModelConfig())
     if args.quick:
         requests = seed_shaped_requests(tokenizer, 6, 0.05)
-        decode_tokens, big_batch, gemm_seconds, modes = 6, 4, 0.05, QUICK_MODES
+        decode_tokens, big_batch, gemm_seconds, modes = 6, 4, 0.005, QUICK_MODES
     else:
         requests = seed_shaped_requests(tokenizer, 64, 0.25)
-        decode_tokens, big_batch, gemm_seconds, modes = 72, 64, 1.0, FULL_MODES
+        decode_tokens, big_batch, gemm_seconds, modes = 72, 64, 0.05, FULL_MODES
     if args.modes:
         modes = [m for m in FULL_MODES + QUICK_MODES if m[0] in args.modes.split(",")]
     corpus = TokenCorpus(tokenizer)
