@@ -52,6 +52,10 @@ class ModelConfig:
     dtype: str = "auto"  # auto = bf16 on CUDA and on CPUs with native bf16 (AVX-512 BF16 / AMX), else fp32
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0
+    # bf16 on CPU: keep projection and LM-head weights in oneDNN's blocked layout, reordered
+    # once at load instead of on every matmul (worker/modeling/packed_weights.py). Costs a
+    # second copy of those weights; false = plain F.linear.
+    cpu_prepack_weights: bool = True
 
     def validate(self) -> None:
         _one_of("model.dtype", self.dtype, ("auto", "fp32", "bf16", "fp16"))

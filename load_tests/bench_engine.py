@@ -12,7 +12,8 @@ Figures per kvmesh mode:
   * decode tok/s at batch 1 (40-token prompt, 72 new tokens) and batch 64 (64 such requests),
     the median step over the steady decode steps;
   * the fraction of this process's measured GEMM rate ([64 x H] x [H x I], in the engine's
-    dtype) that the batch-64 step reaches: linear FLOPs of a step / step time / GEMM rate;
+    dtype, the better of F.linear and a prepacked bf16 weight, sampled between the batch-64
+    steps) that the batch-64 step reaches: linear FLOPs of a step / step time / GEMM rate;
   * bf16 only: greedy agreement with HF transformers in bf16 over a fixed prompt set (tokens
     equal up to the first divergence, over all generated tokens).
 The machine is shared and noisy: compare figures within one run (ratios), not across runs.
@@ -34,6 +35,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -46,8 +48,11 @@ from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.worker.engine_loop.engine import Engine
 
 # (name, model.dtype, quant.weight); int8/int4 run their packed CPU kernels on bf16 activations
-FULL_MODES = [("fp32", "fp32", "none"), ("bf16", "bf16", "none"), ("bf16-int8", "bf16", "int8"),
-              ("bf16-int4", "bf16", "int4")]
+FULL_MODES = [("fp32", "fp32", "none"), ("bf16", "bf16", "none"), ("bf16-unpacked", "bf16", "none"),
+              ("bf16-int8", "bf16", "int8"), ("bf16-int4", "bf16", "int4")]
+# Config beyond dtype / quant for a mode: bf16-unpacked is bf16 with plain F.linear weights,
+# the in-run A/B of the oneDNN prepacking (worker/modeling/packed_weights.py).
+MODE_OVERRIDES = {"bf16-unpacked": {"model": {"cpu_prepack_weights": False}}}
 QUICK_MODES = [("fp32", "fp32", "none"), ("bf16-int8", "bf16", "int8")]
 AGREEMENT_PROMPTS = [  # fixed, mixed lengths and kinds; 32 greedy tokens each
     "The capital of France is",
@@ -94,6 +99,7 @@ class BenchReport:
     modes: list[ModeFigures] = field(default_factory=list)
     hf_static: RunFigures | None = None
     llama_server: RunFigures | None = None
+    served: RunFigures | None = None  # --serve: the same requests through a local `kvmesh serve`
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -145,8 +151,10 @@ def run_engine_workload(engine: Engine, requests: list[WorkloadRequest]) -> RunF
     return _run_figures(finish, sum(r.output_tokens for r in requests), time.perf_counter() - t0)
 
 
-def decode_rate(engine: Engine, prompt_ids: tuple[int, ...], batch: int, new_tokens: int) -> tuple[float, float]:
-    """(decode tok/s, median step ms) over the steps where every request decodes."""
+def decode_rate(engine: Engine, prompt_ids: tuple[int, ...], batch: int, new_tokens: int,
+                between_steps: Callable[[], None] | None = None) -> tuple[float, float]:
+    """(decode tok/s, median step ms) over the steps where every request decodes.
+    between_steps runs after each step, outside the timing (the interleaved GEMM probe)."""
     for i in range(batch):
         engine.add_request(GenerateRequest(f"d{batch}-{i}", prompt_token_ids=prompt_ids, sampling=SamplingParams(
             max_tokens=new_tokens, temperature=0, ignore_eos=True)))
@@ -157,20 +165,43 @@ def decode_rate(engine: Engine, prompt_ids: tuple[int, ...], batch: int, new_tok
         steps.append(time.perf_counter() - t)
         if engine.scheduler.stats().num_running != batch:
             steps.pop()  # prefill and the tail are not steady decode steps
+        elif between_steps is not None:
+            between_steps()
     step = statistics.median(steps[1:] or steps)  # the first step after prefill warms caches
     return batch / step, step * 1e3
 
 
-def gemm_rate_gflop_s(hidden: int, inter: int, dtype: torch.dtype, rows: int = 64, seconds: float = 1.0) -> float:
-    x = torch.randn(rows, hidden).to(dtype)
-    w = torch.randn(inter, hidden).to(dtype)
-    for _ in range(5):
-        F.linear(x, w)
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        F.linear(x, w)
-        n += 1
-    return 2 * rows * hidden * inter * n / (time.perf_counter() - t0) / 1e9
+class GemmProbe:
+    """[rows x hidden] x [hidden x inter] in dtype, the better of plain F.linear and (bf16 on
+    CPU) a oneDNN-prepacked weight: the machine's GEMM rate, whichever way the engine calls it.
+    Sampled between the batch-64 decode steps, so the step and its reference see the same
+    load on a shared machine (measured minutes apart they differed by up to 3x)."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, rows: int = 64):
+        from kvmesh.worker.modeling.packed_weights import PackedWeight
+
+        self.flops = 2 * rows * hidden * inter
+        x = torch.randn(rows, hidden).to(dtype)
+        w = torch.randn(inter, hidden).to(dtype)
+        packed = PackedWeight.pack(w)
+        self.calls = [lambda: F.linear(x, w)] + ([lambda: packed.linear(x)] if packed is not None else [])
+        for call in self.calls:
+            call()  # first-call setup (oneDNN primitive creation) is not the rate
+        self.samples: list[float] = []
+
+    def sample(self, seconds: float = 0.02) -> float:
+        best = 0.0
+        for call in self.calls:
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds / len(self.calls) or n < 2:
+                call()
+                n += 1
+            best = max(best, self.flops * n / (time.perf_counter() - t0) / 1e9)
+        self.samples.append(best)
+        return best
+
+    def rate_gflop_s(self) -> float:
+        return statistics.median(self.samples) if self.samples else self.sample(1.0)
 
 
 def linear_flops_per_token(hf_config) -> int:
@@ -186,16 +217,19 @@ def bench_mode(name: str, dtype: str, quant: str, model: str | None, threads: in
                requests: list[WorkloadRequest], decode_prompt: tuple[int, ...], decode_tokens: int,
                big_batch: int, gemm_seconds: float, agreement: bool) -> ModeFigures:
     kv_gib = 1.0 if big_batch >= 64 else 0.05
-    engine = Engine.from_config(engine_config(model, dtype, quant, threads, max(64, big_batch), kv_gib))
+    config = engine_config(model, dtype, quant, threads, max(64, big_batch), kv_gib)
+    engine = Engine.from_config(config.replace(**MODE_OVERRIDES.get(name, {})))
     hf = engine.parts.hf_config
     torch_dtype = next(engine.runner.model.parameters()).dtype
     decode_rate(engine, decode_prompt, 1, 4)  # warm-up
     b1, _ = decode_rate(engine, decode_prompt, 1, decode_tokens)
-    b64, step_ms = decode_rate(engine, decode_prompt, big_batch, decode_tokens)
+    probe = GemmProbe(hf.hidden_size, hf.intermediate_size, torch_dtype)
+    b64, step_ms = decode_rate(engine, decode_prompt, big_batch, decode_tokens,
+                               between_steps=lambda: probe.sample(gemm_seconds))
     seed = run_engine_workload(engine, requests)
-    gemm = gemm_rate_gflop_s(hf.hidden_size, hf.intermediate_size, torch_dtype, seconds=gemm_seconds)
+    gemm = probe.rate_gflop_s()
     step_gflop_s = linear_flops_per_token(hf) * big_batch / (step_ms / 1e3) / 1e9
-    agree = hf_agreement(engine, model) if agreement and dtype == "bf16" and quant == "none" else None
+    agree = hf_agreement(engine, model) if agreement and name == "bf16" else None
     return ModeFigures(name, dtype, quant, seed, b1, b64, step_ms, gemm, step_gflop_s, step_gflop_s / gemm, agree)
 
 
@@ -316,6 +350,46 @@ def run_llama_server(binary: str, gguf: str, requests: list[WorkloadRequest], th
         proc.wait(30)
 
 
+def run_served(model: str | None, requests: list[WorkloadRequest], warmup: int = 2) -> RunFigures:
+    """The same requests through a private local `kvmesh serve` (Ray Serve router + worker
+    actor, the serving defaults but for the model path and loopback ports) over gRPC, every
+    request sent at t=0 with the client library; E2E = when its final delta arrives."""
+    import asyncio
+
+    from kvmesh.load_tests.grpc_target import ClusterTarget
+    from kvmesh.load_tests.targets import TargetRequest
+
+    config = {"router": {"host": "127.0.0.1"}, **({"model": {"path": model}} if model else {})}
+
+    import os
+
+    import ray
+
+    if not ray.is_initialized():  # a Ray of its own: never join another cluster on this machine
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+
+    async def go() -> RunFigures:
+        target = ClusterTarget(config, app_name="kvmesh-bench")
+        await target.start()
+        try:
+            async def one(r: WorkloadRequest, tag: str, t0: float, finish: list[float]) -> None:
+                req = TargetRequest(f"{tag}{r.index}", r.prompt_token_ids, "", r.output_tokens)
+                async for chunk in target.stream(req):
+                    if chunk.finished:
+                        finish.append(time.perf_counter() - t0)
+
+            await asyncio.gather(*(one(r, "warm", 0.0, []) for r in requests[:warmup]))
+            finish: list[float] = []
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(r, "w", t0, finish) for r in requests))
+            return _run_figures(finish, sum(r.output_tokens for r in requests), time.perf_counter() - t0)
+        finally:
+            await target.close()
+
+    return asyncio.run(go())
+
+
 # ---- the run -------------------------------------------------------------------------------
 
 
@@ -332,10 +406,10 @@ def run(args) -> BenchReport:
     tokenizer = load_tokenizer(ModelConfig(path=args.model) if args.model else ModelConfig())
     if args.quick:
         requests = seed_shaped_requests(tokenizer, 6, 0.05)
-        decode_tokens, big_batch, gemm_seconds, modes = 6, 4, 0.05, QUICK_MODES
+        decode_tokens, big_batch, gemm_seconds, modes = 6, 4, 0.005, QUICK_MODES
     else:
         requests = seed_shaped_requests(tokenizer, 64, 0.25)
-        decode_tokens, big_batch, gemm_seconds, modes = 72, 64, 1.0, FULL_MODES
+        decode_tokens, big_batch, gemm_seconds, modes = 72, 64, 0.05, FULL_MODES
     if args.modes:
         modes = [m for m in FULL_MODES + QUICK_MODES if m[0] in args.modes.split(",")]
     corpus = TokenCorpus(tokenizer)
@@ -348,6 +422,8 @@ def run(args) -> BenchReport:
         print(f"[{name}] {json.dumps(asdict(figures))}", file=sys.stderr, flush=True)
     if not args.no_hf:
         report.hf_static = run_hf_static(args.model, requests, torch.float32 if args.quick else torch.bfloat16)
+    if args.serve:
+        report.served = run_served(args.model, requests[:2] if args.quick else requests)
     if args.llama_server:
         gguf = args.gguf or str(_gguf_path(args.model))
         report.llama_server = run_llama_server(args.llama_server, gguf, requests, args.threads)
@@ -362,6 +438,24 @@ def _gguf_path(model: str | None):
     return embedded_gguf_path()
 
 
+def ratio_lines(report: BenchReport) -> list[str]:
+    """The issue's in-run ratios: best mode vs HF static, served vs the in-process engine in
+    the dtype the server picks (model.dtype auto)."""
+    from kvmesh.worker.modeling.model_setup import cpu_has_native_bf16
+
+    lines = []
+    if report.modes and report.hf_static is not None:
+        best = max(report.modes, key=lambda m: m.seed_run.output_tok_s)
+        lines.append(f"seed-shaped run: kvmesh {best.mode} / HF static = "
+                     f"{best.seed_run.output_tok_s / report.hf_static.output_tok_s:.2f}x")
+    default = "bf16" if cpu_has_native_bf16() else "fp32"
+    in_process = next((m for m in report.modes if m.mode == default), None)
+    if report.served is not None and in_process is not None:
+        lines.append(f"kvmesh serve / in-process {default} (the served default here) = "
+                     f"{report.served.output_tok_s / in_process.seed_run.output_tok_s:.2f}x")
+    return lines
+
+
 def format_table(report: BenchReport) -> str:
     lines = [f"CPU flags: {' '.join(report.cpu_flags)}; torch {report.torch_version}, {report.torch_threads} threads; "
              f"model {report.model}",
@@ -373,9 +467,11 @@ def format_table(report: BenchReport) -> str:
         lines.append(f"| kvmesh {m.mode} | {s.output_tok_s:.1f} | {s.e2e_p50_s:.1f} | {s.e2e_p99_s:.1f} | "
                      f"{m.batch1_decode_tok_s:.1f} | {m.batch64_decode_tok_s:.1f} | "
                      f"{m.gemm_fraction:.0%} ({m.batch64_gflop_s:.0f} / {m.gemm_gflop_s:.0f} GFLOP/s) |")
-    for name, peer in (("HF static batches of 8", report.hf_static), ("llama-server, 8 slots", report.llama_server)):
+    for name, peer in (("HF static batches of 8", report.hf_static), ("llama-server, 8 slots", report.llama_server),
+                       ("kvmesh serve (gRPC, defaults)", report.served)):
         if peer is not None:
             lines.append(f"| {name} | {peer.output_tok_s:.1f} | {peer.e2e_p50_s:.1f} | {peer.e2e_p99_s:.1f} | - | - | - |")
+    lines += [""] + ratio_lines(report)
     for m in report.modes:
         if m.hf_agreement:
             a = m.hf_agreement
@@ -391,6 +487,8 @@ def main(argv: list[str] | None = None) -> BenchReport:
     p.add_argument("--modes", help="comma-separated subset of: " + ", ".join(m[0] for m in FULL_MODES))
     p.add_argument("--quick", action="store_true", help="a few tiny requests, two modes: a smoke run in seconds")
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers static batches")
+    p.add_argument("--serve", action="store_true",
+                   help="also send the seed-shaped run through a local `kvmesh serve` (Ray, gRPC, defaults)")
     p.add_argument("--llama-server", metavar="PATH", help="llama.cpp llama-server binary to compare against")
     p.add_argument("--gguf", help="GGUF for llama-server (default: the embedded model's)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")

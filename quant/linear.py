@@ -258,6 +258,43 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
                                     self.zeros[:, group_cols].clone(), g, bias, input_scale)
 
 
+# Per-output-row buffers of each layer type: what `merge_output_rows` concatenates.
+_ROW_BUFFERS = {Int8WeightOnlyLinear: ("weight_int8", "scales"), Int4WeightOnlyLinear: ("qweight", "scales", "zeros")}
+
+
+def merge_output_rows(layers: list[nn.Module]) -> _WeightOnlyLinear | None:
+    """One quantized layer computing every layer of `layers` on the same input, outputs
+    concatenated in order (merged QKV / gate-up: one packed-kernel call instead of several).
+    Each member's row buffers become views of the merged layer's, so no weight is stored twice
+    and the members still compute exactly what they did. None when the layers are not all
+    of one quantized type with the same input width, group size, bias presence and AWQ scale."""
+    first = layers[0]
+    kind = type(first)
+    if kind not in _ROW_BUFFERS or len(layers) < 2 or any(type(lay) is not kind for lay in layers):
+        return None
+    same = all(lay.in_features == first.in_features and (lay.bias is None) == (first.bias is None)
+               and getattr(lay, "group_size", None) == getattr(first, "group_size", None)
+               and (lay.input_inv_scale is None) == (first.input_inv_scale is None)
+               and (lay.input_inv_scale is None or torch.equal(lay.input_inv_scale, first.input_inv_scale))
+               for lay in layers)
+    if not same:
+        return None
+    names = _ROW_BUFFERS[kind] + (() if first.bias is None else ("bias",))
+    cat = {n: torch.cat([getattr(lay, n) for lay in layers]) for n in names}
+    if kind is Int8WeightOnlyLinear:
+        merged = Int8WeightOnlyLinear(cat["weight_int8"], cat["scales"], cat.get("bias"))
+    else:
+        merged = Int4WeightOnlyLinear(cat["qweight"], cat["scales"], cat["zeros"], first.group_size, cat.get("bias"))
+    merged.input_inv_scale = first.input_inv_scale  # the exact stored reciprocal, not recomputed
+    start = 0
+    for lay in layers:
+        rows = slice(start, start + lay.out_features)
+        for n in names:
+            setattr(lay, n, getattr(merged, n)[rows])
+        start += lay.out_features
+    return merged
+
+
 # ---- installing the layers in a model ----------------------------------------------------
 
 

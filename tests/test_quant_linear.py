@@ -11,7 +11,7 @@ from torch import nn
 from kvmesh.core.config import ConfigError, QuantConfig
 from kvmesh.quant import awq, calibration
 from kvmesh.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
-from kvmesh.quant.linear import quantize_model
+from kvmesh.quant.linear import merge_output_rows, quantize_model
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -100,6 +100,31 @@ def test_row_parallel_shards_sum_to_the_whole(kind, world_size):
     if kind != "int8":  # packed bytes and group columns split with the inputs
         assert shards[0].qweight.shape == (64, width // 2)
         assert shards[0].scales.shape == (64, width // module.group_size)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merged_output_rows_compute_the_members_concatenated(kind, dtype):
+    """merged QKV / gate-up: one call == each member's output side by side, bit for bit, and the
+    members (now views of the merged buffers) compute exactly what they did before."""
+    scale = torch.rand(128) + 0.5
+    members = [quantized(kind, linear(n=n, k=128, bias=True, seed=i), input_scale=scale).to(dtype)
+               for i, n in enumerate((64, 32, 32))]
+    x = torch.randn(5, 128).to(dtype)
+    before = [m(x) for m in members]
+    merged = merge_output_rows(members)
+    assert merged is not None and merged.out_features == 128
+    assert torch.equal(merged(x), torch.cat(before, dim=-1))
+    assert all(torch.equal(m(x), b) for m, b in zip(members, before))
+    assert members[1].scales.data_ptr() == merged.scales[64:].data_ptr()  # views, not copies
+
+
+def test_merge_output_rows_refuses_what_one_call_cannot_compute():
+    a, b = linear(n=32, k=128, seed=1), linear(n=32, k=128, seed=2)
+    assert merge_output_rows([quantized("int4_g32", a), quantized("int4_g64", b)]) is None  # group sizes
+    assert merge_output_rows([quantized("int8", a), quantized("int4_g32", b)]) is None  # kinds
+    assert merge_output_rows([quantized("int8", a, torch.rand(128) + 0.5), quantized("int8", b)]) is None  # AWQ
+    assert merge_output_rows([a, b]) is None  # float layers: the model's FusedLinears
 
 
 def test_row_parallel_needs_whole_groups():

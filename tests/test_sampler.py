@@ -4,7 +4,9 @@ for the sampled ones, per-request generators kept."""
 import torch
 
 from kvmesh.core.seams import SamplingParams
-from kvmesh.worker.modeling.sampler import SamplingRow, sample
+import pytest
+
+from kvmesh.worker.modeling.sampler import SamplingRow, first_argmax, sample
 
 VOCAB = 50
 
@@ -59,3 +61,18 @@ def test_logprobs_are_those_of_the_chosen_tokens():
     want = torch.log_softmax(logits, dim=-1)
     for i, t in enumerate(result.token_ids):
         assert abs(result.logprobs[i] - float(want[i, t])) < 1e-6
+
+
+@pytest.mark.parametrize("vocab", [49152, 32000, 1000, 300, 7])
+def test_first_argmax_is_argmax_with_ties_nan_and_inf(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    many_ties = torch.randint(0, 4, (16, vocab), generator=gen).float()
+    noise = torch.randn(16, vocab, generator=gen)
+    special = noise.clone()
+    special[0] = float("-inf")
+    special[1, vocab // 2] = float("nan")
+    special[2, -1] = float("inf")
+    special[3, 0] = special[3, -1] = float("inf")
+    special[4, vocab - 3:] = float("nan")
+    for x in (many_ties, noise, special, noise.bfloat16(), noise[:1]):
+        assert torch.equal(first_argmax(x), x.argmax(dim=-1))

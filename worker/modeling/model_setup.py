@@ -123,7 +123,8 @@ def load_model(config: KvmeshConfig, spec: ModelSpec, coll=None, awq=None) -> Ll
             awq = awq_results_for(config, spec, pick_backend(config, spec.device), lambda: model)
         quantize_model(model, config.quant, awq)
     model = model.to(spec.device).eval()
-    model.fuse_projections()  # last: fused weights share the final parameters' storage
+    # last: fused weights share the final parameters' storage, packed ones copy it
+    model.fuse_projections(prepack=config.model.cpu_prepack_weights)
     return model
 
 

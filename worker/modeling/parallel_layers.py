@@ -35,7 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.core.config import ConfigError
+from kvmesh.worker.modeling import packed_weights
 from kvmesh.worker.modeling.distributed import Collectives
+from kvmesh.worker.modeling.packed_weights import PackedWeight
 from kvmesh.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
 @dataclass(frozen=True)
@@ -174,8 +176,10 @@ class VocabParallelEmbedding(nn.Embedding):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for this rank's vocabulary rows; `gather_logits` assembles [N, V] on every rank."""
 
+    packed: PackedWeight | None = None  # oneDNN layout of the weight (bf16 CPU), set by fuse_projections
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V_shard]
-        return F.linear(hidden, self.weight)
+        return packed_weights.linear(hidden, self.weight, None, self.packed)
 
     def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         if self.shard.num_shards == 1:

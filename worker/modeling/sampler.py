@@ -31,6 +31,28 @@ class SampleResult:
     logprobs: list[float] | None  # logprob of each chosen token (from the unmodified distribution)
 
 
+# Row widths tried for first_argmax's two-stage reduction (the first that divides the vocab).
+_ARGMAX_CHUNKS = (1024, 512, 256, 128)
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x: [N, V] -> [N] long, the index of the first maximum of each row: exactly
+    x.argmax(dim=-1) (ties -> lowest index, NaN counts as the maximum), ~15x faster on CPU.
+
+    torch's CPU argmax over a long row is a scalar loop (64 x 49152 fp32 logits: 20-30 ms, a
+    tenth of a bf16 decode step at batch 64); amax is vectorised. So: the max of each
+    chunk of a row (amax), the first chunk holding the row's max (argmax over a few dozen
+    values), and argmax inside that chunk only."""
+    n, v = x.shape
+    chunk = next((c for c in _ARGMAX_CHUNKS if v % c == 0 and v > c), None)
+    if chunk is None or x.device.type != "cpu":
+        return x.argmax(dim=-1)
+    chunks = x.reshape(n, v // chunk, chunk)
+    best = chunks.amax(dim=-1).argmax(dim=-1)  # [N]: the first chunk whose max is the row's max
+    inner = chunks[torch.arange(n, device=x.device), best].argmax(dim=-1)
+    return best * chunk + inner
+
+
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     vocab = logits.shape[1]
     for i, row in enumerate(rows):
@@ -86,7 +108,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
     chosen: list[int] = [0] * len(rows)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if greedy:
-        picked = (logits.argmax(dim=-1) if len(greedy) == len(rows) else logits[greedy].argmax(dim=-1)).tolist()
+        picked = first_argmax(logits if len(greedy) == len(rows) else logits[greedy]).tolist()
         for i, t in zip(greedy, picked):
             chosen[i] = t
     drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -97,7 +119,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
         q = torch.empty_like(probs)
         for j, i in enumerate(drawn):
             q[j].exponential_(1.0, generator=rows[i].generator or default_generator)
-        for i, t in zip(drawn, (probs / q).argmax(dim=-1).tolist()):
+        for i, t in zip(drawn, first_argmax(probs / q).tolist()):
             chosen[i] = t
     logprobs = None
     if base_logprobs is not None:
