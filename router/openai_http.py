@@ -48,6 +48,7 @@ _SAMPLING_FIELDS = {
     "presence_penalty": ("presence_penalty", float), "frequency_penalty": ("frequency_penalty", float),
     "repetition_penalty": ("repetition_penalty", float), "ignore_eos": ("ignore_eos", bool),
     "min_tokens": ("min_tokens", int),
+    "speculative": ("speculative", bool),  # kvmesh extension: false = never speculate for it
 }
 
 

@@ -360,3 +360,13 @@ def test_a_draft_pool_too_small_for_a_request_only_skips_its_drafts(tiny_model_d
     spec, _ = _run(engine, requests)
     assert spec == plain
     assert engine.speculator.counters.num_draft_tokens == 0 and engine.speculator.proposer.num_held_blocks == 0
+
+
+def test_the_http_api_carries_the_per_request_opt_out():
+    from kvmesh.core.errors import InvalidRequestError
+    from kvmesh.router.openai_http import _sampling
+
+    assert _sampling({"max_tokens": 4}, chat=True).speculative is True  # absent = allowed
+    assert _sampling({"max_tokens": 4, "speculative": False}, chat=False).speculative is False
+    with pytest.raises(InvalidRequestError):
+        _sampling({"max_tokens": 4, "speculative": "no"}, chat=True)
