@@ -216,7 +216,8 @@ def test_metrics_board_keeps_fresh_snapshots_and_excludes_the_caller():
 @pytest.mark.e2e
 def test_two_replicas_render_the_same_cluster_totals_through_a_ray_board():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=1, include_dashboard=False, namespace=f"kvmesh-metrics-{os.getpid()}",
+    # address="local": a private cluster, never one another process on the machine started.
+    ray.init(address="local", num_cpus=1, include_dashboard=False, namespace=f"kvmesh-metrics-{os.getpid()}",
              log_to_driver=False)
     try:
         replicas = [RouterMetrics(replica_id="r0"), RouterMetrics(replica_id="r1")]

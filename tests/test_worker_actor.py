@@ -54,7 +54,7 @@ def worker(actor_config):
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         [handle] = start_workers(actor_config, APP_NAME)
         ray.get(handle.info.remote(), timeout=240)
