@@ -168,11 +168,11 @@ def test_http_and_the_load_driver_s_grpc_target_see_the_cap(cluster):
         pass
     body = {"prompt": _prompt(rng), "max_tokens": ASKED_TOKENS, "temperature": 0.0, "ignore_eos": True}
     load_request = TargetRequest("load-1", tuple(_prompt(rng)), "", ASKED_TOKENS)  # the load driver's view
-    with ThreadPoolExecutor(2) as pool:
-        http = pool.submit(httpx.post, f"http://127.0.0.1:{config.router.http_port}/v1/completions", json=body,
-                           timeout=60)
-        chunks = pool.submit(asyncio.run, _target_chunks(f"127.0.0.1:{config.router.grpc_port}", load_request))
-        response, chunks = http.result(), chunks.result()
+    # One after the other: sent together, the second could be refused while the first still
+    # waited out its class's queue_wait_s in the lane (a capped request is tried at once and
+    # a waiter ahead blocks it; open in #18's note), which is not what this test is about.
+    response = httpx.post(f"http://127.0.0.1:{config.router.http_port}/v1/completions", json=body, timeout=60)
+    chunks = asyncio.run(_target_chunks(f"127.0.0.1:{config.router.grpc_port}", load_request))
     rest = list(messages)
     assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH  # it held the pool until the end
     # The load driver's gRPC target reads the flag (RequestRecord.degraded comes from it).
