@@ -228,12 +228,10 @@ class RouterCore:
         OverloadedError when every step fails."""
         rule = degradation.rule_for(self.config, request.priority_class)
         if rule is None:
-            decision, ticket, kv_source = await self._admit(request, exclude=frozenset(), parent=parent)
-            return decision, ticket, dataclasses.replace(request, kv_source=kv_source), None
+            return *await self._admit(request, exclude=frozenset(), parent=parent), None
         try:
-            decision, ticket, kv_source = await self._admit(request, exclude=frozenset(), parent=parent,
-                                                            max_wait_s=rule.queue_wait_s)
-            return decision, ticket, dataclasses.replace(request, kv_source=kv_source), None
+            return *await self._admit(request, exclude=frozenset(), parent=parent,
+                                      max_wait_s=rule.queue_wait_s), None
         except OverloadedError as exc:
             refused = exc
         steps: list[tuple[str, GenerateRequest, bool]] = []
@@ -245,21 +243,21 @@ class RouterCore:
             steps.append((degradation.STEP_FALLBACK, request, True))
         for step, degraded_request, on_fallback in steps:
             try:
-                decision, ticket, kv_source = await self._admit(degraded_request, exclude=frozenset(), parent=parent,
-                                                                max_wait_s=0.0, fallback=on_fallback)
+                decision, ticket, admitted = await self._admit(degraded_request, exclude=frozenset(), parent=parent,
+                                                               max_wait_s=0.0, fallback=on_fallback)
             except (OverloadedError, WorkerFailedError):
                 continue
             self.metrics.observe_degraded(step)
-            return decision, ticket, dataclasses.replace(degraded_request, kv_source=kv_source), step
+            return decision, ticket, admitted, step
         self.metrics.observe_degraded(degradation.STEP_REJECT)
         raise refused
 
     async def _admit(self, request: GenerateRequest, exclude: frozenset[str], parent=None,
                      max_wait_s: float | None = None,
-                     fallback: bool = False) -> tuple[RoutingDecision, AdmissionTicket, str | None]:
+                     fallback: bool = False) -> tuple[RoutingDecision, AdmissionTicket, GenerateRequest]:
         """Wait for KV budget on some worker of the main pool (of the fallback pool when
         `fallback`); the routing policy picks among those with room. The third value is the
-        transfer hint for the chosen worker (see transfer_source)."""
+        request with the chosen worker's transfer hint set (`kv_source`, see transfer_source)."""
         readmission = bool(exclude)  # the same request again, not another one
         other_pool = (frozenset(self.pool.worker_ids) - self.pool.fallback_ids) if fallback else self.pool.fallback_ids
         exclude = exclude | other_pool
@@ -304,7 +302,8 @@ class RouterCore:
             ticket.on_release(lambda: index.end_in_flight(token))
         holder = transfer_source(resident, ticket.worker_id, set(self.pool.routable_ids()) - exclude)
         info = self.pool.info(holder) if holder is not None else None
-        return decisions[-1], ticket, (info.actor_name or None) if info is not None else None
+        kv_source = (info.actor_name or None) if info is not None else None
+        return decisions[-1], ticket, dataclasses.replace(request, kv_source=kv_source)
 
     async def _prefix_hashes(self, request: GenerateRequest) -> list:
         """The prompt's full-block chain hashes as the workers compute them ([] when routing
@@ -502,9 +501,8 @@ class RequestStream:
                         if isinstance(exc, OverloadedError):
                             core.metrics.observe_spill("worker_refused")
                     self._ticket.release()
-                    self.decision, self._ticket, kv_source = await core._admit(
+                    self.decision, self._ticket, self._request = await core._admit(
                         self._request, frozenset({self.worker_id}), fallback=self._on_fallback)
-                    self._request = dataclasses.replace(self._request, kv_source=kv_source)
         finally:
             # Everything synchronous first: a client that goes away cancels this task, and a
             # second cancel arriving during the await below must not skip the metrics or spans.
