@@ -57,6 +57,19 @@ refused (OverloadedError with retry-after) to give it the slot. Two lanes:
 so a retry storm fills its own small lane and is rejected there, while first attempts keep
 their queue and their share of the budget.
 
+The degradation ladder (router/degradation.py) asks in steps: queue up to the rule's wait
+(`max_wait_s`), then a capped or fallback request "now" (`max_wait_s=0`). Two things keep a
+step from being refused while it has room:
+- its place: every step passes the time it first asked (`queued_since`), so only waiters
+  ahead of that place (more important, or its own class asked earlier) that could use the
+  same workers hold it back. Requests of one class that queued together step down together;
+  a later one of its class, still waiting and about to step down itself, is behind it.
+- the double count above: a step that fits on the workers' reports plus only the
+  admissions sent after them waits for the next reports (at its place) instead of being
+  refused on the extra refresh period; it is refused as soon as it would not fit even so.
+Measured on the cluster: right after a long request's first token, a capped request that
+fit was refused in 3 of 24 tries (the long one counted twice); with the wait, 0 of 20.
+
 Deadline-aware shedding (`deadline_shedding`, on by default): a request that must queue and
 carries a deadline is refused at once (`DeadlineUnmeetableError`, an `OverloadedError` with
 retry-after) when its expected wait, the same drain estimate as retry-after below without
@@ -178,16 +191,22 @@ class _Waiter:
     cost_tokens: int
     attempt: int
     route: RouteFn | None
-    enqueued_at: float
+    enqueued_at: float  # its place in the lane: when it first asked (see acquire's queued_since)
     future: asyncio.Future
     cost_for: CostFn | None = None
     priority_class: int = 0
+    exclude: frozenset[str] = frozenset()  # workers it may not go to (the other pool, a refuser)
+    # A ladder step that fits but for admissions the workers' reports may already count: it
+    # waits for those to settle, and is refused as soon as it would not fit even without them.
+    until_settled: bool = False
 
 
 def _enqueue(lane: collections.deque, waiter: _Waiter) -> None:
-    """Behind every waiter of the same or a more important class, ahead of the rest."""
+    """By class, then by place: behind every waiter of a more important class and every one
+    of its own class that asked before it, ahead of the rest. (A newcomer asked last: it goes
+    behind its whole class; a request stepping down the ladder keeps its place.)"""
     for index, other in enumerate(lane):
-        if other.priority_class > waiter.priority_class:
+        if (other.priority_class, other.enqueued_at) > (waiter.priority_class, waiter.enqueued_at):
             lane.insert(index, waiter)
             return
     lane.append(waiter)
@@ -224,6 +243,8 @@ class AdmissionController:
         self._num_deadline_shed = 0
         self._num_evicted = 0  # waiters refused to give their slot to a more important request
         self._stats: dict[str, WorkerStats] = {}
+        self._last_place = -math.inf  # see now()
+        self._reported_at: dict[str, float] = {}  # worker id -> when its current stats were requested
         self._pending: dict[str, list[AdmissionTicket]] = collections.defaultdict(list)  # sent since refresh
         self._live: set[AdmissionTicket] = set()
         self._retry_tokens_live = 0
@@ -238,20 +259,33 @@ class AdmissionController:
         """Replace the workers' figures. `taken_at` (this controller's clock) is when the
         stats were requested: admissions sent before it are assumed counted by the workers."""
         taken_at = self._clock() if taken_at is None else taken_at
+        for w in workers:  # a worker whose figures did not change keeps its own report time
+            if self._stats.get(w.worker_id) is not w:
+                self._reported_at[w.worker_id] = taken_at
         self._stats = {w.worker_id: w for w in workers}
-        counted_before = taken_at - self._config.stats_refresh_s  # see "In-flight accounting"
         for worker_id in list(self._pending):
-            kept = [t for t in self._pending[worker_id] if t.sent_at >= counted_before and worker_id in self._stats]
+            if worker_id not in self._stats:
+                del self._pending[worker_id]
+                continue
+            # See "In-flight accounting": forgotten one refresh after the report that surely counts them.
+            counted_before = self._reported_at[worker_id] - self._config.stats_refresh_s
+            kept = [t for t in self._pending[worker_id] if t.sent_at >= counted_before]
             if kept:
                 self._pending[worker_id] = kept
             else:
                 del self._pending[worker_id]
         self._pump()
 
+    def now(self) -> float:
+        """A place in line for acquire's `queued_since`: this controller's clock, strictly
+        increasing from call to call, so two requests never share a place (first asked, first)."""
+        self._last_place = max(self._clock(), math.nextafter(self._last_place, math.inf))
+        return self._last_place
+
     async def acquire(self, cost_tokens: int, *, attempt: int = 1, route: RouteFn | None = None,
                       deadline_s: float | None = None, cost_for: CostFn | None = None,
                       exclude: frozenset[str] = frozenset(), priority_class: int = 0,
-                      max_wait_s: float | None = None) -> AdmissionTicket:
+                      max_wait_s: float | None = None, queued_since: float | None = None) -> AdmissionTicket:
         """Admit now, wait for room, or raise (OverloadedError, WorkerFailedError,
         InvalidRequestError, DeadlineExceededError). `deadline_s` is absolute time.time().
         `cost_tokens` is the whole cost (nothing cached); `cost_for(worker_id)`, when given,
@@ -259,7 +293,19 @@ class AdmissionController:
         Workers in `exclude` (one that already refused this request) are never chosen.
         `priority_class` (lower = more important) orders the wait queue. `max_wait_s` bounds
         the wait below router.max_queue_wait_s (the degradation ladder's queue step); 0 admits
-        now or raises OverloadedError without queueing."""
+        now or raises OverloadedError without queueing (see below for the one exception).
+
+        `queued_since` (this controller's clock, `now()`): when the request first asked. The
+        degradation ladder passes it to every step after its queue step, so a request stepping
+        down keeps its place: only waiters ahead of that place (a more important class, or its
+        own class asked earlier) and able to use the same workers can hold it back, never one
+        of its class that came after it (which will itself step down a moment later).
+
+        A try-now (max_wait_s 0) that fits only if the admissions this router sent just before
+        the workers' latest reports are already in them (the budget keeps counting them for a
+        refresh, see "In-flight accounting") does not get a refusal that is only an artefact of
+        that double count: it waits at its place for the next reports and is admitted, or
+        refused once it would not fit even without them."""
         healthy = self._healthy()
         if not healthy:
             raise WorkerFailedError("no healthy worker to admit the request to")
@@ -270,20 +316,27 @@ class AdmissionController:
             raise InvalidRequestError(
                 f"prompt plus max_tokens needs {cost_tokens} KV tokens; the largest worker holds {largest}")
         lane = self._retry_lane if attempt > 1 else self._first_lane
-        nobody_ahead = not any(w.priority_class <= priority_class for w in lane)
-        if nobody_ahead and not (attempt > 1 and self._first_lane):  # admit at once if it fits
-            ticket = self._try_admit(cost_tokens, attempt, route, queued_since=None, cost_for=cost_for,
+        place = self.now() if queued_since is None else queued_since
+        slots = self.retry_slots if attempt > 1 else self.first_slots
+        first_in_line = (not self._any_ahead(lane, priority_class, place, exclude)
+                         and not (attempt > 1 and self._first_lane))
+        if first_in_line:  # admit at once if it fits
+            ticket = self._try_admit(cost_tokens, attempt, route, queued_since=queued_since, cost_for=cost_for,
                                      priority_class=priority_class)
             if ticket is not None:
                 return ticket
         if max_wait_s == 0:
-            raise self._overloaded(cost_tokens, attempt, "no room now")
-        slots = self.retry_slots if attempt > 1 else self.first_slots
+            if not (first_in_line and len(lane) < slots
+                    and self._eligible(cost_tokens, cost_for, priority_class, as_reported=True)[0]):
+                raise self._overloaded(cost_tokens, attempt, "no room now")
+            return await self._wait(lane, cost_tokens, attempt, route, deadline_s, cost_for, priority_class,
+                                    None, place, exclude, until_settled=True)
         if len(lane) >= slots and not self._evict_less_important(lane, priority_class):
             raise self._overloaded(cost_tokens, attempt, "admission queue full")
         if deadline_s is not None and self._config.deadline_shedding:
             self._shed_if_deadline_unmeetable(cost_tokens, lane, deadline_s, priority_class)
-        return await self._wait(lane, cost_tokens, attempt, route, deadline_s, cost_for, priority_class, max_wait_s)
+        return await self._wait(lane, cost_tokens, attempt, route, deadline_s, cost_for, priority_class, max_wait_s,
+                                place, exclude)
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -306,9 +359,30 @@ class AdmissionController:
     def _healthy(self) -> list[WorkerStats]:
         return [w for w in self._stats.values() if w.healthy]
 
-    def _committed(self, worker_id: str) -> int:
-        pending = sum(t.cost_tokens for t in self._pending.get(worker_id, ()))
-        return self._stats[worker_id].kv_tokens_reserved + pending
+    def _committed(self, worker_id: str, as_reported: bool = False) -> int:
+        """Reserved per the worker's stats plus this router's admissions since. `as_reported`:
+        only those sent after the stats were requested (the ones before may be in them already:
+        a lower bound, used only to tell a refusal from a double count, never to admit)."""
+        tickets = self._pending.get(worker_id, ())
+        if as_reported:
+            reported_at = self._reported_at.get(worker_id, -math.inf)
+            tickets = [t for t in tickets if t.sent_at >= reported_at]
+        return self._stats[worker_id].kv_tokens_reserved + sum(t.cost_tokens for t in tickets)
+
+    def _eligible(self, cost_tokens: int, cost_for: CostFn | None, priority_class: int,
+                  as_reported: bool = False) -> tuple[list[WorkerStats], dict[str, int]]:
+        """The healthy workers the request fits on (within its class's share), and its cost on each."""
+        costs = {w.worker_id: cost_for(w.worker_id) if cost_for else cost_tokens for w in self._healthy()}
+        share = self._shared_class_fraction if priority_class >= self._reserved_below_class else 1.0
+        eligible = [w for w in self._healthy()
+                    if self._committed(w.worker_id, as_reported) + costs[w.worker_id] <= share * w.kv_tokens_capacity]
+        return eligible, costs
+
+    def _any_ahead(self, lane: collections.deque, priority_class: int, place: float, exclude: frozenset[str]) -> bool:
+        """Whether a waiter ahead of `place` in `lane` could take a worker this request could."""
+        usable = {w.worker_id for w in self._healthy()} - exclude
+        return any((w.priority_class, w.enqueued_at) <= (priority_class, place) and usable - w.exclude
+                   for w in lane)
 
     def _retry_budget_allows(self, cost_tokens: int) -> bool:
         if self._retry_tokens_live == 0:
@@ -321,10 +395,7 @@ class AdmissionController:
                    priority_class: int = 0) -> AdmissionTicket | None:
         if attempt > 1 and not self._retry_budget_allows(cost_tokens):
             return None
-        costs = {w.worker_id: cost_for(w.worker_id) if cost_for else cost_tokens for w in self._healthy()}
-        share = self._shared_class_fraction if priority_class >= self._reserved_below_class else 1.0
-        eligible = [w for w in self._healthy()
-                    if self._committed(w.worker_id) + costs[w.worker_id] <= share * w.kv_tokens_capacity]
+        eligible, costs = self._eligible(cost_tokens, cost_for, priority_class)
         if not eligible:
             return None
         eligible.sort(key=lambda w: w.worker_id)
@@ -336,7 +407,7 @@ class AdmissionController:
                 raise ValueError(f"route chose {worker_id!r}, not one of the workers with room")
         now = self._clock()
         ticket = AdmissionTicket(self, worker_id, costs[worker_id], attempt, sent_at=now,
-                                 queue_wait_s=0.0 if queued_since is None else now - queued_since)
+                                 queue_wait_s=0.0 if queued_since is None else max(0.0, now - queued_since))
         self._pending[worker_id].append(ticket)
         self._live.add(ticket)
         if attempt > 1:
@@ -356,9 +427,10 @@ class AdmissionController:
 
     async def _wait(self, lane: collections.deque, cost_tokens: int, attempt: int, route: RouteFn | None,
                     deadline_s: float | None, cost_for: CostFn | None = None,
-                    priority_class: int = 0, max_wait_s: float | None = None) -> AdmissionTicket:
-        waiter = _Waiter(cost_tokens, attempt, route, self._clock(), asyncio.get_running_loop().create_future(),
-                         cost_for, priority_class)
+                    priority_class: int = 0, max_wait_s: float | None = None, place: float | None = None,
+                    exclude: frozenset[str] = frozenset(), until_settled: bool = False) -> AdmissionTicket:
+        waiter = _Waiter(cost_tokens, attempt, route, self._clock() if place is None else place,
+                         asyncio.get_running_loop().create_future(), cost_for, priority_class, exclude, until_settled)
         _enqueue(lane, waiter)
         if lane[0] is waiter:
             self._pump()  # ahead of everyone waiting: it may fit where the old head did not
@@ -426,6 +498,18 @@ class AdmissionController:
                     break
                 lane.popleft()
                 head.future.set_result(ticket)
+        self._settle_try_now_waiters()
+
+    def _settle_try_now_waiters(self) -> None:
+        """Refuse each waiting try-now (see acquire) that no longer fits even without the
+        admissions the reports may already count: its "no room now" is now certain."""
+        for lane in (self._first_lane, self._retry_lane):
+            for waiter in [w for w in lane if w.until_settled]:
+                if waiter.future.done():
+                    continue
+                if not self._eligible(waiter.cost_tokens, waiter.cost_for, waiter.priority_class, as_reported=True)[0]:
+                    lane.remove(waiter)
+                    waiter.future.set_exception(self._overloaded(waiter.cost_tokens, waiter.attempt, "no room now"))
 
     def _ahead_of(self, lane: collections.deque, waiter: _Waiter | None, priority_class: int | None = None) -> int:
         """Tokens queued ahead of `waiter` (None: of a newcomer of `priority_class`, or of

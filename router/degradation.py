@@ -11,6 +11,10 @@ class (config `degradation.rules`, core/config.py):
                            worker with room now
                   reject   OverloadedError with the retry-after the queue measured
 
+Each step keeps the request's place in the admission queue, and "now" is decided on what the
+workers have reported, not on the router's extra in-flight margin (router/admission.py:
+requests of one class that step down together are all capped while the cap has room).
+
 Pressure is what admission measures (router/admission.py): a request that does not fit in any
 main worker's KV headroom queues, and the time it has queued is the second measure. A class
 no rule covers keeps the old answer (queue up to router.max_queue_wait_s, then reject).

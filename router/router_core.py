@@ -229,9 +229,10 @@ class RouterCore:
         rule = degradation.rule_for(self.config, request.priority_class)
         if rule is None:
             return *await self._admit(request, exclude=frozenset(), parent=parent), None
+        place = self.admission.now()  # every step keeps the request's place in the queue
         try:
             return *await self._admit(request, exclude=frozenset(), parent=parent,
-                                      max_wait_s=rule.queue_wait_s), None
+                                      max_wait_s=rule.queue_wait_s, queued_since=place), None
         except OverloadedError as exc:
             refused = exc
         steps: list[tuple[str, GenerateRequest, bool]] = []
@@ -244,7 +245,8 @@ class RouterCore:
         for step, degraded_request, on_fallback in steps:
             try:
                 decision, ticket, admitted = await self._admit(degraded_request, exclude=frozenset(), parent=parent,
-                                                               max_wait_s=0.0, fallback=on_fallback)
+                                                               max_wait_s=0.0, fallback=on_fallback,
+                                                               queued_since=place)
             except (OverloadedError, WorkerFailedError):
                 continue
             self.metrics.observe_degraded(step)
@@ -253,8 +255,8 @@ class RouterCore:
         raise refused
 
     async def _admit(self, request: GenerateRequest, exclude: frozenset[str], parent=None,
-                     max_wait_s: float | None = None,
-                     fallback: bool = False) -> tuple[RoutingDecision, AdmissionTicket, GenerateRequest]:
+                     max_wait_s: float | None = None, fallback: bool = False,
+                     queued_since: float | None = None) -> tuple[RoutingDecision, AdmissionTicket, GenerateRequest]:
         """Wait for KV budget on some worker of the main pool (of the fallback pool when
         `fallback`); the routing policy picks among those with room. The third value is the
         request with the chosen worker's transfer hint set (`kv_source`, see transfer_source)."""
@@ -295,7 +297,7 @@ class RouterCore:
             whole_cost, attempt=request.attempt,
             route=route, deadline_s=request.deadline_s, exclude=exclude,
             priority_class=request.priority if request.priority_class is None else request.priority_class,
-            max_wait_s=max_wait_s,
+            max_wait_s=max_wait_s, queued_since=queued_since,
             cost_for=lambda w: cost_with_cached_prefix(num_prompt, sampling, block_size, resident.get(w, 0), output))
         if hashes:  # the family's next request follows this one before the worker reports it
             token = index.add_in_flight(ticket.worker_id, hashes)

@@ -400,3 +400,104 @@ def test_with_a_kept_kv_share_less_important_classes_fit_only_within_the_rest():
         assert (low.worker_id, high.worker_id) == ("w0", "w0")
 
     asyncio.run(main())
+
+
+async def _ladder(admission, cost, capped_cost, queue_wait_s, priority_class=0):
+    """The degradation ladder's admission calls (router_core._admit_degrading): queue up to the
+    rule's wait, then try the capped cost at once, keeping the request's place."""
+    place = admission.now()
+    try:
+        return "as sent", await admission.acquire(cost, max_wait_s=queue_wait_s, queued_since=place,
+                                                  priority_class=priority_class)
+    except OverloadedError:
+        return "cap", await admission.acquire(capped_cost, max_wait_s=0.0, queued_since=place,
+                                              priority_class=priority_class)
+
+
+def test_requests_stepping_down_together_are_not_held_back_by_each_other_in_the_lane():
+    """Four requests of one class queue together, then step down to the cap at their own
+    moments: each capped request fits, and none is refused because another of its class,
+    which came after it and is about to step down too, still waits in the lane."""
+    async def main():
+        admission = controller([stats("w0", reserved=800, capacity=1000)])
+        outcomes = await asyncio.gather(*(_ladder(admission, 300, 48, queue_wait_s=0.05) for _ in range(4)))
+        assert [step for step, _ in outcomes] == ["cap"] * 4
+        assert all(ticket.worker_id == "w0" for _, ticket in outcomes)
+        assert admission.snapshot().num_queued_first == 0
+        # A fifth no longer fits at the cap (800 + 4 x 48 + 48 > 1000): refused at once.
+        with pytest.raises(OverloadedError):
+            await _ladder(admission, 300, 48, queue_wait_s=0.01)
+
+    asyncio.run(main())
+
+
+def test_a_step_down_still_waits_behind_more_important_and_earlier_waiters_of_the_same_workers():
+    async def main():
+        admission = controller([stats("w0", reserved=900, capacity=1000), stats("f0", reserved=0)])
+        important = asyncio.ensure_future(admission.acquire(200, priority_class=-1, exclude=frozenset({"f0"})))
+        await settle()
+        place = admission.now()
+        with pytest.raises(OverloadedError):  # a more important waiter for w0 is ahead
+            await admission.acquire(48, max_wait_s=0.0, queued_since=place, exclude=frozenset({"f0"}))
+        # The fallback pool's worker: that waiter cannot go there, so it holds nothing back.
+        ticket = await admission.acquire(100, max_wait_s=0.0, queued_since=place, exclude=frozenset({"w0"}))
+        assert ticket.worker_id == "f0"
+        important.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_try_now_that_fits_but_for_a_double_counted_admission_waits_for_the_next_report():
+    """The budget keeps counting an admission for one refresh after a report may already hold
+    it. A ladder step refused on that double count would be a refusal with room: it waits
+    for the next report instead, and is refused only once it truly does not fit."""
+    async def main():
+        clock = FakeClock()
+        admission = controller([stats("w0", reserved=0, capacity=1000)], clock=clock, stats_refresh_s=0.25)
+        long_request = await admission.acquire(700)  # sent at 100.0
+        clock.now = 100.05
+        admission.update_stats([stats("w0", reserved=704)], taken_at=100.05)  # it is in the report...
+        assert admission.snapshot().committed_tokens == 1404  # ...and still in flight: counted twice
+        capped = asyncio.ensure_future(admission.acquire(48, max_wait_s=0.0))
+        await settle()
+        assert not capped.done()  # 704 + 48 fits on what the workers reported: not refused
+        with pytest.raises(OverloadedError):  # 704 + 400 > 1000 even so: refused at once, no wait
+            await admission.acquire(400, max_wait_s=0.0)
+        clock.now = 100.4
+        admission.update_stats([stats("w0", reserved=704)], taken_at=100.3)
+        assert (await capped).worker_id == "w0"
+        assert admission.snapshot().committed_tokens == 704 + 48
+        long_request.release()
+
+        # The other way round: the report did not hold the admission yet (the worker had not
+        # queued it), so the next one shows there is no room: then the refusal comes.
+        admission = controller([stats("w0", reserved=0, capacity=1000)], clock=clock, stats_refresh_s=0.25)
+        await admission.acquire(700)  # sent at 100.4
+        clock.now = 100.45
+        admission.update_stats([stats("w0", reserved=0)], taken_at=100.45)
+        waiting = asyncio.ensure_future(admission.acquire(400, max_wait_s=0.0))
+        await settle()
+        assert not waiting.done()
+        clock.now = 100.8
+        admission.update_stats([stats("w0", reserved=704)], taken_at=100.7)
+        with pytest.raises(OverloadedError, match="no room now"):
+            await waiting
+        assert admission.snapshot().num_queued_first == 0
+
+    asyncio.run(main())
+
+
+def test_a_report_from_one_worker_does_not_forget_admissions_sent_to_another():
+    """Each worker's in-flight admissions are forgotten against its own report's time: a
+    newer poll of another worker says nothing about what this one has counted."""
+    clock = FakeClock()
+    w0, w1 = stats("w0", capacity=1000), stats("w1", capacity=1000)
+    admission = controller([w0, w1], clock=clock, stats_refresh_s=0.25)  # both reported at 100.0
+
+    async def main():
+        return await admission.acquire(600, route=lambda eligible, _: "w0")
+
+    ticket = asyncio.run(main())
+    clock.now = 101.0
+    admission.update_stats([w0, stats("w1", capacity=1000)], taken_at=101.0)  # only w1 polled again
+    assert admission.in_flight_tokens() == {"w0": ticket.cost_tokens}

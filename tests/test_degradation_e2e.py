@@ -8,6 +8,7 @@ reserves all of the main worker's KV but HEADROOM tokens. Then, at once, one req
     class 1   rule: fallback                  asks 16 + 400 -> the fallback worker
     class 2   rule: queue 0.3 s, nothing else asks 16 + 400 -> RESOURCE_EXHAUSTED + retry-after
     class -1  no rule                         asks 16 + 16 (fits)  -> served as sent
+    class 3   rule: queue 0.3 s, then cap 32  (several at once, last test)
 
 (class = the request's priority field; HTTP requests, which have none, are class 0.)
 
@@ -53,7 +54,8 @@ def cluster(tiny_model_dir):
     config = config.replace(degradation={
         "rules": [{"min_priority_class": 0, "cap_max_tokens": CAP_TOKENS},
                   {"min_priority_class": 1, "fallback": True},
-                  {"min_priority_class": 2, "queue_wait_s": 0.3}],
+                  {"min_priority_class": 2, "queue_wait_s": 0.3},
+                  {"min_priority_class": 3, "queue_wait_s": 0.3, "cap_max_tokens": CAP_TOKENS}],
         "fallback_pool": {"num_workers": 1, "quant_weight": "int8", "max_num_seqs": 4}})
     with serving(config, APP_NAME) as config:
         with grpc.insecure_channel(f"127.0.0.1:{config.router.grpc_port}") as channel:
@@ -168,11 +170,11 @@ def test_http_and_the_load_driver_s_grpc_target_see_the_cap(cluster):
         pass
     body = {"prompt": _prompt(rng), "max_tokens": ASKED_TOKENS, "temperature": 0.0, "ignore_eos": True}
     load_request = TargetRequest("load-1", tuple(_prompt(rng)), "", ASKED_TOKENS)  # the load driver's view
-    # One after the other: sent together, the second could be refused while the first still
-    # waited out its class's queue_wait_s in the lane (a capped request is tried at once and
-    # a waiter ahead blocks it; open in #18's note), which is not what this test is about.
-    response = httpx.post(f"http://127.0.0.1:{config.router.http_port}/v1/completions", json=body, timeout=60)
-    chunks = asyncio.run(_target_chunks(f"127.0.0.1:{config.router.grpc_port}", load_request))
+    with ThreadPoolExecutor(2) as pool:  # together
+        http = pool.submit(httpx.post, f"http://127.0.0.1:{config.router.http_port}/v1/completions", json=body,
+                           timeout=60)
+        chunks = pool.submit(asyncio.run, _target_chunks(f"127.0.0.1:{config.router.grpc_port}", load_request))
+        response, chunks = http.result(), chunks.result()
     rest = list(messages)
     assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH  # it held the pool until the end
     # The load driver's gRPC target reads the flag (RequestRecord.degraded comes from it).
@@ -182,6 +184,30 @@ def test_http_and_the_load_driver_s_grpc_target_see_the_cap(cluster):
     result = response.json()
     assert result["usage"]["kvmesh_degraded"] == "cap" and result["usage"]["completion_tokens"] == CAP_TOKENS
     assert result["choices"][0]["finish_reason"] == "length"
+    _assert_kv_returns_to_zero(stub)
+
+
+def test_requests_that_queue_and_step_down_together_are_all_capped_while_the_cap_has_room(cluster):
+    """Four class-3 requests at once, right after the pressure starts: each waits its rule's
+    0.3 s in the admission lane, then steps down to the cap; 4 x (16 + 32) fits the headroom,
+    so every one gets its capped tokens, none is refused because another still waits."""
+    config, stub = cluster
+    rng = random.Random(20)
+    capacity = _main_worker(stub).kv_tokens_capacity
+    long_call = stub.Generate(_request(rng, capacity - HEADROOM - PROMPT_TOKENS, priority=-1), timeout=120)
+    messages = iter(long_call)
+    while not next(messages).token_ids:
+        pass
+    requests = [_request(rng, ASKED_TOKENS, 3) for _ in range(4)]
+    assert 4 * (PROMPT_TOKENS + CAP_TOKENS) <= HEADROOM
+    with ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(lambda request: _call(stub, request), requests))
+    assert list(messages)[-1].finish_reason == pb.FINISH_REASON_LENGTH  # the pressure lasted
+    for result in results:
+        assert result["code"] == grpc.StatusCode.OK, result["details"]
+        assert result["trailers"][DEGRADED_KEY] == "cap" and result["trailers"]["x-kvmesh-worker"] == "worker-0"
+        final = result["messages"][-1]
+        assert final.degraded == "cap" and final.usage.completion_tokens == CAP_TOKENS
     _assert_kv_returns_to_zero(stub)
 
 
