@@ -19,11 +19,18 @@ worker reserves only the blocks it will newly allocate, and counts the shared on
 and a worker that refuses is spilled over by the router (router_core.py).
 
 With class-aware KV admission on the workers (scheduler.kv_reserved_fraction f, classes >= c
-limited to (1 - f) of the budget; worker/engine_loop/admission.py), a request of class >= c
-fits on w only when committed_w + C_w <= (1 - f) x capacity_w: stricter than the worker
-(which counts only those classes' reservations against that share), never looser, so the
-router does not send a flood the worker would turn away, and its own pending tickets for
-such requests cannot crowd out a more important one.
+limited to (1 - f) of the budget; worker/engine_loop/admission.py), the router applies both
+of the worker's rules, from the worker's split (WorkerStats.kv_tokens_reserved_shared):
+
+    class >= c:  committed_w + C_w <= capacity_w  and  shared_w + C_w <= (1 - f) x capacity_w
+    class <  c:  committed_w - max(0, shared_w - (1 - f) x capacity_w) + C_w <= capacity_w
+
+(shared_w = what classes >= c hold per the stats plus this router's tickets for them since).
+The second line is why the kept share works at the router: the worker never lets those
+classes past their limit, so what the router counts for them beyond it (a flood's tickets
+the stats already hold, counted twice for a refresh, see below) is not there, and a more
+important request is admitted on arrival instead of after the next refresh. Measured in the
+priority campaign's KV-bound runs (docs/load-testing.md).
 
 The cluster budget is the sum over healthy workers; a request is admitted when at least one
 worker has room, and routing then chooses among the workers that do (the `route` callback).
@@ -156,6 +163,7 @@ class AdmissionTicket:
         self.attempt = attempt
         self.sent_at = sent_at  # monotonic clock of the controller
         self.queue_wait_s = queue_wait_s
+        self.shared_class = False  # of a class sharing the rest of a kept KV share (see _fits)
         self.released = False
         self._on_release: list[Callable[[], None]] = []
 
@@ -234,8 +242,8 @@ class AdmissionController:
         self._config = config
         # The workers' class-aware KV admission (scheduler.kv_reserved_fraction): requests of
         # a class >= kv_reserved_below_class fit only within (1 - fraction) of a worker's
-        # capacity. Counted against everything committed (the router does not see the
-        # workers' split by class), so it never sends one the worker must refuse.
+        # capacity, counted against what those classes hold (WorkerStats.kv_tokens_reserved_shared
+        # plus this router's tickets for them since), as the worker counts (see _fits).
         self._shared_class_fraction = 1.0 - kv_reserved_fraction
         self._reserved_below_class = kv_reserved_below_class
         self._clock = clock
@@ -359,23 +367,45 @@ class AdmissionController:
     def _healthy(self) -> list[WorkerStats]:
         return [w for w in self._stats.values() if w.healthy]
 
-    def _committed(self, worker_id: str, as_reported: bool = False) -> int:
+    def _committed(self, worker_id: str, as_reported: bool = False, shared_classes: bool = False) -> int:
         """Reserved per the worker's stats plus this router's admissions since. `as_reported`:
         only those sent after the stats were requested (the ones before may be in them already:
-        a lower bound, used only to tell a refusal from a double count, never to admit)."""
+        a lower bound, used only to tell a refusal from a double count, never to admit).
+        `shared_classes`: only what the classes sharing the rest of a kept KV share hold."""
         tickets = self._pending.get(worker_id, ())
         if as_reported:
             reported_at = self._reported_at.get(worker_id, -math.inf)
             tickets = [t for t in tickets if t.sent_at >= reported_at]
-        return self._stats[worker_id].kv_tokens_reserved + sum(t.cost_tokens for t in tickets)
+        stats = self._stats[worker_id]
+        if shared_classes:
+            return stats.kv_tokens_reserved_shared + sum(t.cost_tokens for t in tickets if t.shared_class)
+        return stats.kv_tokens_reserved + sum(t.cost_tokens for t in tickets)
+
+    def _in_shared_class(self, priority_class: int) -> bool:
+        return self._shared_class_fraction < 1.0 and priority_class >= self._reserved_below_class
+
+    def _fits(self, worker: WorkerStats, cost_tokens: float, priority_class: int, as_reported: bool = False) -> bool:
+        """The worker's two rules (worker/engine_loop/admission.py): everything committed
+        within its capacity, and the classes >= kv_reserved_below_class within (1 - f) of it.
+        Those classes can never hold more than their limit there (the worker refuses past
+        it), so for a more important request whatever this router counts for them beyond it
+        (tickets the stats may already hold) is not there: the kept share is room it can
+        take at once, not after the next refresh."""
+        capacity = worker.kv_tokens_capacity
+        committed = self._committed(worker.worker_id, as_reported)
+        if self._shared_class_fraction >= 1.0:
+            return committed + cost_tokens <= capacity
+        shared_limit = self._shared_class_fraction * capacity
+        shared = self._committed(worker.worker_id, as_reported, shared_classes=True)
+        if self._in_shared_class(priority_class):
+            return committed + cost_tokens <= capacity and shared + cost_tokens <= shared_limit
+        return committed - max(0.0, shared - shared_limit) + cost_tokens <= capacity
 
     def _eligible(self, cost_tokens: int, cost_for: CostFn | None, priority_class: int,
                   as_reported: bool = False) -> tuple[list[WorkerStats], dict[str, int]]:
         """The healthy workers the request fits on (within its class's share), and its cost on each."""
         costs = {w.worker_id: cost_for(w.worker_id) if cost_for else cost_tokens for w in self._healthy()}
-        share = self._shared_class_fraction if priority_class >= self._reserved_below_class else 1.0
-        eligible = [w for w in self._healthy()
-                    if self._committed(w.worker_id, as_reported) + costs[w.worker_id] <= share * w.kv_tokens_capacity]
+        eligible = [w for w in self._healthy() if self._fits(w, costs[w.worker_id], priority_class, as_reported)]
         return eligible, costs
 
     def _any_ahead(self, lane: collections.deque, priority_class: int, place: float, exclude: frozenset[str]) -> bool:
@@ -408,6 +438,7 @@ class AdmissionController:
         now = self._clock()
         ticket = AdmissionTicket(self, worker_id, costs[worker_id], attempt, sent_at=now,
                                  queue_wait_s=0.0 if queued_since is None else max(0.0, now - queued_since))
+        ticket.shared_class = self._in_shared_class(priority_class)
         self._pending[worker_id].append(ticket)
         self._live.add(ticket)
         if attempt > 1:

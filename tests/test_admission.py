@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 
@@ -389,15 +390,50 @@ def test_in_front_of_expected_output_workers_the_router_costs_a_request_as_the_w
 
 
 def test_with_a_kept_kv_share_less_important_classes_fit_only_within_the_rest():
+    """Capacity 1000, a quarter kept for class 0: classes >= 1 together hold at most 750, as
+    the worker counts them (WorkerStats.kv_tokens_reserved_shared), and class 0's own
+    reservations do not eat into that rest."""
     async def main():
         admission = AdmissionController(RouterConfig(max_queue_len=10, max_queue_wait_s=5.0), clock=FakeClock(),
                                         kv_reserved_fraction=0.25, kv_reserved_below_class=1)
-        admission.update_stats([stats("w0", reserved=600, capacity=1000)])
+        admission.update_stats([shared_stats("w0", reserved=600, shared=600)])
         low = await admission.acquire(150, priority_class=1)  # 600 + 150 <= 750
         with pytest.raises(OverloadedError):  # 750 + 100 > 750: the rest is kept for class 0
             await admission.acquire(100, priority_class=2, max_wait_s=0.0)
         high = await admission.acquire(200, priority_class=0)  # 750 + 200 <= 1000
         assert (low.worker_id, high.worker_id) == ("w0", "w0")
+
+        # 500 reserved, of which class 0 holds 200: a class-1 request of 400 fits (300 + 400
+        # <= 750, 500 + 400 <= 1000), where counting everything against the 750 would refuse it.
+        admission = AdmissionController(RouterConfig(max_queue_len=10, max_queue_wait_s=5.0), clock=FakeClock(),
+                                        kv_reserved_fraction=0.25, kv_reserved_below_class=1)
+        admission.update_stats([shared_stats("w0", reserved=500, shared=300)])
+        assert (await admission.acquire(400, priority_class=1, max_wait_s=0.0)).worker_id == "w0"
+
+    asyncio.run(main())
+
+
+def shared_stats(worker_id, reserved, shared, capacity=1000):
+    return dataclasses.replace(stats(worker_id, reserved=reserved, capacity=capacity), kv_tokens_reserved_shared=shared)
+
+
+def test_the_kept_share_admits_an_important_request_at_once_despite_the_flood_s_double_counted_tickets():
+    """A flood's admission, in the worker's report and still in flight (counted twice for a
+    refresh), cannot push the flood past its limit at the worker: a class-0 request that fits
+    in the kept quarter is admitted on arrival, not after the next refresh."""
+    async def main():
+        clock = FakeClock()
+        admission = AdmissionController(RouterConfig(max_queue_len=10, max_queue_wait_s=5.0, stats_refresh_s=0.25),
+                                        clock=clock, kv_reserved_fraction=0.25, kv_reserved_below_class=1)
+        admission.update_stats([shared_stats("w0", reserved=600, shared=600)], taken_at=100.0)
+        await admission.acquire(150, priority_class=1)  # sent at 100.0: the flood now at 750
+        clock.now = 100.05
+        admission.update_stats([shared_stats("w0", reserved=750, shared=750)], taken_at=100.05)
+        assert admission.snapshot().committed_tokens == 900  # the ticket counted twice
+        high = await asyncio.wait_for(admission.acquire(250, priority_class=0), timeout=1)
+        assert high.worker_id == "w0" and admission.snapshot().num_queued_first == 0
+        with pytest.raises(OverloadedError):  # the flood itself stays held back
+            await admission.acquire(16, priority_class=1, max_wait_s=0.0)
 
     asyncio.run(main())
 

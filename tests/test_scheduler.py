@@ -15,6 +15,7 @@ from kvmesh.core.seams import SamplingParams
 from kvmesh.core.errors import InvalidRequestError, OverloadedError
 from kvmesh.worker.engine_loop.request import Request, RequestStatus
 from kvmesh.worker.engine_loop.scheduler import Scheduler
+from kvmesh.worker.engine_loop.engine import worker_stats
 
 
 class FakeClock:
@@ -555,6 +556,8 @@ def test_a_low_priority_flood_cannot_take_the_kv_share_kept_for_more_important_c
     assert refused.value.retry_after_s > 0
     high = submit(scheduler, "high", range(90, 94), max_tokens=8, priority=0)  # 48 + 12 <= 64
     assert scheduler.admission.shared_class_reserved_tokens == 48
+    reported = worker_stats(scheduler, "w0")  # the split the router applies the same rules to
+    assert (reported.kv_tokens_reserved, reported.kv_tokens_reserved_shared) == (60, 48)
     run_until_idle(scheduler, model)  # check_integrity (class share included) after every step
     for r in [*lows, high]:
         assert r.output_token_ids == expected_output(r.prompt_token_ids, 8)
