@@ -390,9 +390,8 @@ def test_in_front_of_expected_output_workers_the_router_costs_a_request_as_the_w
 
 
 def test_with_a_kept_kv_share_less_important_classes_fit_only_within_the_rest():
-    """Capacity 1000, a quarter kept for class 0: classes >= 1 together hold at most 750, as
-    the worker counts them (WorkerStats.kv_tokens_reserved_shared), and class 0's own
-    reservations do not eat into that rest."""
+    """Capacity 1000, a quarter kept for class 0: classes >= 1 are admitted only while
+    everything committed stays within 750."""
     async def main():
         admission = AdmissionController(RouterConfig(max_queue_len=10, max_queue_wait_s=5.0), clock=FakeClock(),
                                         kv_reserved_fraction=0.25, kv_reserved_below_class=1)
@@ -403,12 +402,16 @@ def test_with_a_kept_kv_share_less_important_classes_fit_only_within_the_rest():
         high = await admission.acquire(200, priority_class=0)  # 750 + 200 <= 1000
         assert (low.worker_id, high.worker_id) == ("w0", "w0")
 
-        # 500 reserved, of which class 0 holds 200: a class-1 request of 400 fits (300 + 400
-        # <= 750, 500 + 400 <= 1000), where counting everything against the 750 would refuse it.
+        # 500 reserved, of which class 0 holds 200: the worker would take a class-1 request of
+        # 400 (300 + 400 <= 750), the router does not (500 + 400 > 750): a quarter stays free
+        # for the next class-0 arrival while class-0 requests run.
         admission = AdmissionController(RouterConfig(max_queue_len=10, max_queue_wait_s=5.0), clock=FakeClock(),
                                         kv_reserved_fraction=0.25, kv_reserved_below_class=1)
         admission.update_stats([shared_stats("w0", reserved=500, shared=300)])
-        assert (await admission.acquire(400, priority_class=1, max_wait_s=0.0)).worker_id == "w0"
+        with pytest.raises(OverloadedError):
+            await admission.acquire(400, priority_class=1, max_wait_s=0.0)
+        assert (await admission.acquire(250, priority_class=1, max_wait_s=0.0)).worker_id == "w0"
+        assert (await admission.acquire(250, priority_class=0, max_wait_s=0.0)).worker_id == "w0"
 
     asyncio.run(main())
 
