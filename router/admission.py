@@ -28,7 +28,7 @@ The first line is stricter than the worker (which caps only what classes >= c ho
 the capacity stays free for the next important arrival even while important requests run,
 which is what lets one be admitted on arrival when several overlap. (Measured: applying the
 worker's looser cap at the router let the flood fill the room the running important
-requests left, and their TTFT P99 went from 3.3x to 17x idle in the priority campaign.)
+requests left: their TTFT P99 17x idle in one priority campaign run, docs/load-testing.md.)
 shared_w is what classes >= c hold per the worker's report (WorkerStats.
 kv_tokens_reserved_shared) plus this router's tickets for them since. The second line: the
 worker never lets those classes past their limit, so what the router counts for them beyond
