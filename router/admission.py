@@ -77,6 +77,7 @@ step from being refused while it has room:
 - the double count above: a step that fits on the workers' reports plus only the
   admissions sent after them waits for the next reports (at its place) instead of being
   refused on the extra refresh period; it is refused as soon as it would not fit even so.
+  Another step arriving behind such waiters (and only such) waits with them, in order.
 Measured on the cluster: right after a long request's first token, a capped request that
 fit was refused in 3 of 24 tries (the long one counted twice); with the wait, 0 of 20.
 
@@ -316,7 +317,8 @@ class AdmissionController:
         the workers' latest reports are already in them (the budget keeps counting them for a
         refresh, see "In-flight accounting") does not get a refusal that is only an artefact of
         that double count: it waits at its place for the next reports and is admitted, or
-        refused once it would not fit even without them."""
+        refused once it would not fit even without them. So does one that finds only such
+        waiters ahead of it; any other waiter ahead means a real queue: refused."""
         healthy = self._healthy()
         if not healthy:
             raise WorkerFailedError("no healthy worker to admit the request to")
@@ -329,15 +331,17 @@ class AdmissionController:
         lane = self._retry_lane if attempt > 1 else self._first_lane
         place = self.now() if queued_since is None else queued_since
         slots = self.retry_slots if attempt > 1 else self.first_slots
-        first_in_line = (not self._any_ahead(lane, priority_class, place, exclude)
-                         and not (attempt > 1 and self._first_lane))
-        if first_in_line:  # admit at once if it fits
+        ahead = self._waiters_ahead(lane, priority_class, place, exclude)
+        retry_held = attempt > 1 and bool(self._first_lane)
+        if not ahead and not retry_held:  # admit at once if it fits
             ticket = self._try_admit(cost_tokens, attempt, route, queued_since=queued_since, cost_for=cost_for,
                                      priority_class=priority_class)
             if ticket is not None:
                 return ticket
         if max_wait_s == 0:
-            if not (first_in_line and len(lane) < slots
+            # Behind other try-nows waiting for the same reports (requests stepping down
+            # together) it waits with them, in order; behind a real queue it is refused.
+            if not (all(w.until_settled for w in ahead) and not retry_held and len(lane) < slots
                     and self._eligible(cost_tokens, cost_for, priority_class, as_reported=True)[0]):
                 raise self._overloaded(cost_tokens, attempt, "no room now")
             return await self._wait(lane, cost_tokens, attempt, route, deadline_s, cost_for, priority_class,
@@ -410,11 +414,11 @@ class AdmissionController:
         eligible = [w for w in self._healthy() if self._fits(w, costs[w.worker_id], priority_class, as_reported)]
         return eligible, costs
 
-    def _any_ahead(self, lane: collections.deque, priority_class: int, place: float, exclude: frozenset[str]) -> bool:
-        """Whether a waiter ahead of `place` in `lane` could take a worker this request could."""
+    def _waiters_ahead(self, lane: collections.deque, priority_class: int, place: float,
+                       exclude: frozenset[str]) -> list[_Waiter]:
+        """The waiters ahead of `place` in `lane` that could take a worker this request could."""
         usable = {w.worker_id for w in self._healthy()} - exclude
-        return any((w.priority_class, w.enqueued_at) <= (priority_class, place) and usable - w.exclude
-                   for w in lane)
+        return [w for w in lane if (w.priority_class, w.enqueued_at) <= (priority_class, place) and usable - w.exclude]
 
     def _retry_budget_allows(self, cost_tokens: int) -> bool:
         if self._retry_tokens_live == 0:

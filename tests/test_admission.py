@@ -540,3 +540,32 @@ def test_a_report_from_one_worker_does_not_forget_admissions_sent_to_another():
     clock.now = 101.0
     admission.update_stats([w0, stats("w1", capacity=1000)], taken_at=101.0)  # only w1 polled again
     assert admission.in_flight_tokens() == {"w0": ticket.cost_tokens}
+
+
+def test_a_step_behind_another_waiting_only_for_the_next_report_waits_with_it_in_order():
+    """Two capped requests sent together while an admission is counted twice: the first
+    waits for the next report; the second, behind it, is not refused for that (it would be
+    behind a real queue), it waits too, and both are admitted, first first."""
+    async def main():
+        clock = FakeClock()
+        admission = controller([stats("w0", reserved=0, capacity=1000)], clock=clock, stats_refresh_s=0.25)
+        await admission.acquire(700)  # sent at 100.0
+        clock.now = 100.05
+        admission.update_stats([stats("w0", reserved=704)], taken_at=100.05)  # counted twice now
+        first = asyncio.ensure_future(admission.acquire(48, max_wait_s=0.0))
+        await settle()
+        second = asyncio.ensure_future(admission.acquire(48, max_wait_s=0.0))
+        await settle()
+        assert not first.done() and not second.done()
+        blocker = asyncio.ensure_future(admission.acquire(16, priority_class=-1))  # a real waiter ahead
+        await settle()
+        with pytest.raises(OverloadedError):  # behind a real queue: refused at once
+            await admission.acquire(48, max_wait_s=0.0)
+        blocker.cancel()
+        await settle()
+        clock.now = 100.4
+        admission.update_stats([stats("w0", reserved=704)], taken_at=100.3)
+        a, b = await first, await second
+        assert a.sent_at <= b.sent_at and admission.snapshot().committed_tokens == 704 + 96
+
+    asyncio.run(main())
