@@ -321,4 +321,5 @@ def worker_stats(scheduler: Scheduler, worker_id: str) -> WorkerStats:
         queued_prompt_tokens=s.queued_prompt_tokens, prefix_cache_hit_rate=s.prefix_cache_hit_rate,
         output_tokens_per_s=s.output_tokens_per_s, num_preemptions_recompute=s.num_preemptions_recompute,
         num_preemptions_swap=s.num_preemptions_swap, num_preemptions_priority=s.num_preemptions_priority,
-        num_outgrown_estimates=s.num_outgrown_estimates, prefix_event_seq=scheduler.kv.events.next_seq)
+        num_outgrown_estimates=s.num_outgrown_estimates, prefix_event_seq=scheduler.kv.events.next_seq,
+        tokens_to_compute=s.tokens_to_compute)
