@@ -212,7 +212,7 @@ def test_new_prefix_goes_to_the_smaller_cache_footprint_unless_loads_are_imbalan
                            num_blocks_cached=num_blocks_cached, num_blocks_free=100 - num_blocks_cached,
                            kv_tokens_used=load_tokens, kv_tokens_capacity=1600, kv_tokens_reserved=load_tokens,
                            num_running=0, num_waiting=0, queued_prompt_tokens=0, prefix_cache_hit_rate=0.0,
-                           output_tokens_per_s=0.0)
+                           output_tokens_per_s=0.0, tokens_to_compute=load_tokens)
 
     config = RouterConfig(policy="prefix_aware", imbalance_ratio=1.5, imbalance_abs_tokens=256)
     within = [stats("w0", 100, 24), stats("w1", 200, 12)]
