@@ -310,6 +310,9 @@ class WorkerStats:
     num_preemptions_priority: int = 0  # of those, made for a more important waiting request
     num_outgrown_estimates: int = 0  # admission_reserve=expected: requests that produced more than estimated
     prefix_event_seq: int = 0  # sequence number of the newest prefix-cache event
+    # forward-pass tokens still to run for its running and waiting requests: prompt not yet
+    # computed (cached prefix left out) + output still to come; the router's load signal
+    tokens_to_compute: int = 0
     # Of kv_tokens_reserved, what requests of the classes sharing (1 - kv_reserved_fraction)
     # of the budget hold (scheduler.kv_reserved_below_class and less important); 0 with no kept share.
     kv_tokens_reserved_shared: int = 0

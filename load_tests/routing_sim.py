@@ -11,7 +11,7 @@ What is real and what is simulated:
                each worker's real prefix events, polled every stats_refresh_s, with the
                in-flight claims of dispatched requests), the router's admission rule
                (committed + cost on a worker <= capacity, the cost less the prefix the index
-               says is resident: router/admission.py cost_with_cached_prefix), the worker's
+               says is resident or claimed in flight: router/admission.py cost_with_cached_prefix), the worker's
                scheduler (worker/engine_loop/scheduler.py: admission with pinned prefixes, chunked
                prefill, preemption) over kv/kv_cache_manager.py (block pool, prefix cache,
                LRU eviction, events)
@@ -250,17 +250,16 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
     def try_dispatch(sim_request: _SimRequest, exclude: frozenset[str] = frozenset()) -> bool:
         prompt_len = len(sim_request.prompt)
         sampling = SamplingParams(max_tokens=workload.max_tokens, ignore_eos=True)
-        # As router_core: only prefix_aware hashes prompts; its cost counts what is resident.
+        # As router_core: only prefix_aware hashes prompts; its cost counts the matched prefix
+        # (resident or claimed by a request in flight on that worker) as cached.
         matched = index.longest_prefix(sim_request.hashes, include_in_flight=in_flight_claims) \
-            if policy == "prefix_aware" else {}
-        resident = index.longest_prefix(sim_request.hashes, include_in_flight=False) \
             if policy == "prefix_aware" else {}
         if not exclude and not sim_request.observed:  # as router_core: once per request
             sizes.observe(request_cost_tokens(prompt_len, sampling, cluster.block_size))
             sim_request.observed = True
         eligible = []
         for worker_id, s in stats.items():
-            cost = cost_with_cached_prefix(prompt_len, sampling, cluster.block_size, resident.get(worker_id, 0))
+            cost = cost_with_cached_prefix(prompt_len, sampling, cluster.block_size, matched.get(worker_id, 0))
             committed = s.kv_tokens_reserved + sent_since_poll[worker_id]
             if worker_id not in exclude and committed + cost <= s.kv_tokens_capacity:
                 eligible.append((s, cost))

@@ -265,11 +265,12 @@ class RouterCore:
         exclude = exclude | other_pool
         hashes = await self._prefix_hashes(request)
         index = self.pool.prefix_index
-        matched = index.longest_prefix(hashes)  # routing: what each worker holds or was just sent
-        # Cost: what surely is there. Counting the in-flight claims too (as the worker's own
-        # admission counts a prefix an admitted request will compute) gained hit rate at 16 in
-        # flight but made the skewed-mix cluster test fail 2 of 6 runs (docs/routing.md).
-        resident = index.longest_prefix(hashes, include_in_flight=False)
+        # Routing and cost: what each worker holds or was just sent. A prefix claimed by a
+        # request in flight there is charged as cached, as the worker's own admission counts a
+        # prefix an admitted request will compute (else a family's followers are charged
+        # whole prompts and spill: docs/routing.md, "Routing under load").
+        matched = index.longest_prefix(hashes)
+        resident = index.longest_prefix(hashes, include_in_flight=False)  # transfer hints: surely there
         decisions: list[RoutingDecision] = []
         info = self.pool.any_info()
         block_size = info.block_size if info is not None else 1  # the workers' own rounding
@@ -298,7 +299,7 @@ class RouterCore:
             route=route, deadline_s=request.deadline_s, exclude=exclude,
             priority_class=request.priority if request.priority_class is None else request.priority_class,
             max_wait_s=max_wait_s, queued_since=queued_since,
-            cost_for=lambda w: cost_with_cached_prefix(num_prompt, sampling, block_size, resident.get(w, 0), output))
+            cost_for=lambda w: cost_with_cached_prefix(num_prompt, sampling, block_size, matched.get(w, 0), output))
         if hashes:  # the family's next request follows this one before the worker reports it
             token = index.add_in_flight(ticket.worker_id, hashes)
             ticket.on_release(lambda: index.end_in_flight(token))

@@ -21,11 +21,15 @@ broke affinity and families spread over up to 15 workers (simulated: hit rate 0.
 0.58 with a margin of ~2 requests at 8 QPS). In units of requests the guard says the same
 thing for every mix: "spill when the hot worker is more than ~2 requests ahead".
 
-A worker's load is `kv_tokens_used + queued_prompt_tokens (+ extra)`: KV it holds now (a
-prefix shared by its running requests counted once) plus the prompt tokens waiting requests
-must still compute there (their cached prefix left out), plus what the router sent since
-(charged uncached: `cost_for` in admission). A hot family's long prefix therefore weighs
-once on its worker, not once per request, and affinity breaks only on real overload.
+A worker's load is `tokens_to_compute (+ extra)`: the forward-pass tokens its running and
+waiting requests still need (prompt not yet computed, a cached prefix left out, plus output
+to come; `WorkerStats.tokens_to_compute`), plus what the router sent since (charged
+uncached: `cost_for` in admission). A cache hit costs a worker nothing to compute, so a hot
+family's long prefix does not count against its worker at all, and affinity breaks only on
+real overload. (Until #16 the load was the KV held, `kv_tokens_used + queued_prompt_tokens`:
+a worker serving cache hits looked as loaded as one computing misses, and in the skewed-mix
+shape the simulator put computed tokens per worker over 1.5x in 9 of 60 runs, against 5 of
+60 with the tokens to compute: docs/routing.md.)
 
 Policies (RouterConfig.policy):
 
@@ -123,8 +127,8 @@ def imbalance_margin_tokens(config: RouterConfig, mean_request_tokens: float = 0
 
 
 def worker_load_tokens(stats: WorkerStats, extra_tokens: int = 0) -> int:
-    """KV tokens in use plus prompt tokens queued for prefill (plus router in-flight)."""
-    return stats.kv_tokens_used + stats.queued_prompt_tokens + extra_tokens
+    """Tokens the worker still has to compute (plus router in-flight, charged uncached)."""
+    return stats.tokens_to_compute + extra_tokens
 
 
 def is_imbalanced(load_tokens: int, min_load_tokens: int, config: RouterConfig,

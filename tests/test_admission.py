@@ -325,6 +325,32 @@ def test_a_worker_holding_the_prefix_is_charged_only_its_uncached_blocks():
     asyncio.run(main())
 
 
+def test_a_follower_of_a_family_in_flight_is_charged_only_its_tail_where_the_first_one_went():
+    """The family's first request was just dispatched to w0 (no STORED event yet, only the
+    prefix index's in-flight claim). The router charges the follower on w0 what the worker's
+    own admission will (the claimed prefix counted once), so it follows the first request
+    there instead of spilling to w1 for want of a whole prompt's budget."""
+    from kvmesh.kv.hashing import hash_full_blocks
+    from kvmesh.router.prefix_index import PrefixIndex
+
+    async def main():
+        sampling = SamplingParams(max_tokens=8)
+        prompt = list(range(1000, 1552))  # 552 tokens: 34 full blocks of 16
+        hashes = hash_full_blocks(prompt, 16, ())
+        index = PrefixIndex(linger_s=1.0)
+        index.add_in_flight("w0", hashes)
+        matched = index.longest_prefix(hashes)  # what router_core charges against
+        assert matched == {"w0": 34} and index.longest_prefix(hashes, include_in_flight=False) == {}
+        admission = controller([stats("w0", reserved=1600, capacity=2048), stats("w1", reserved=0, capacity=2048)])
+        ticket = await admission.acquire(
+            request_cost_tokens(552, sampling, block_size=16),
+            cost_for=lambda w: cost_with_cached_prefix(552, sampling, 16, matched.get(w, 0)),
+            route=lambda eligible, in_flight: choose_worker(matched, eligible, RouterConfig(), random.Random(0),
+                                                            None, in_flight).worker_id)
+        assert ticket.worker_id == "w0" and ticket.cost_tokens == 560 - 34 * 16  # the tail block: 8 prompt + 8 output
+    asyncio.run(main())
+
+
 def test_a_full_preferred_worker_spills_to_one_with_room_and_only_none_means_overloaded():
     async def main():
         admission = controller([stats("w0", reserved=990), stats("w1", reserved=100)], max_queue_wait_s=0.01)

@@ -18,12 +18,15 @@ from kvmesh.core.seams import PrefixEvent, PrefixEventBatch, PrefixEventKind, Wo
 from kvmesh.core.errors import WorkerFailedError
 
 
-def stats(worker_id, kv_tokens_used=0, queued_prompt_tokens=0, healthy=True):
+def stats(worker_id, tokens_to_compute=0, kv_tokens_used=None, healthy=True):
+    """A worker whose load (routing.worker_load_tokens) is `tokens_to_compute`; it holds as
+    much KV unless told otherwise."""
+    kv = tokens_to_compute if kv_tokens_used is None else kv_tokens_used
     return WorkerStats(worker_id=worker_id, healthy=healthy, block_size=16, num_blocks_total=1000,
                        num_blocks_used=0, num_blocks_cached=0, num_blocks_free=1000,
-                       kv_tokens_used=kv_tokens_used, kv_tokens_capacity=16000, kv_tokens_reserved=kv_tokens_used,
-                       num_running=0, num_waiting=0, queued_prompt_tokens=queued_prompt_tokens,
-                       prefix_cache_hit_rate=0.0, output_tokens_per_s=100.0)
+                       kv_tokens_used=kv, kv_tokens_capacity=16000, kv_tokens_reserved=kv,
+                       num_running=0, num_waiting=0, queued_prompt_tokens=0,
+                       prefix_cache_hit_rate=0.0, output_tokens_per_s=100.0, tokens_to_compute=tokens_to_compute)
 
 
 PREFIX = RouterConfig(policy="prefix_aware", imbalance_ratio=1.5, imbalance_abs_tokens=1000)
@@ -45,7 +48,7 @@ def test_affinity_breaks_only_when_both_ratio_and_absolute_margin_are_exceeded()
     workers = [stats("w0", 5000), stats("w1", 4000)]
     assert choose_worker({"w0": 3}, workers, PREFIX, rng).worker_id == "w0"
     # 3000 vs 1000: ratio 3 and margin 2000 -> load wins
-    workers = [stats("w0", 2000, queued_prompt_tokens=1000), stats("w1", 1000)]
+    workers = [stats("w0", 3000), stats("w1", 1000)]
     decision = choose_worker({"w0": 3}, workers, PREFIX, rng)
     assert (decision.worker_id, decision.path, decision.matched_blocks) == ("w1", RoutingPath.PREFIX_IMBALANCED, 0)
 
@@ -214,18 +217,18 @@ def test_the_absolute_margin_is_counted_in_mean_requests_so_one_long_request_doe
     assert imbalance_margin_tokens(config, 200) == 2048  # short requests: the floor
     assert imbalance_margin_tokens(RouterConfig(imbalance_margin_requests=0), long_request) == 2048
 
-    one_ahead = [stats("w0", kv_tokens_used=long_request + 1000), stats("w1", kv_tokens_used=1000)]
+    one_ahead = [stats("w0", long_request + 1000), stats("w1", 1000)]
     kept = choose_worker({"w0": 375}, one_ahead, config, random.Random(0), mean_request_tokens=long_request)
     assert (kept.worker_id, kept.path) == ("w0", RoutingPath.PREFIX_MATCH)
     # The same loads judged by the fixed 2,048 tokens alone (no requests measured yet): a spill.
     fixed = choose_worker({"w0": 375}, one_ahead, config, random.Random(0))
     assert (fixed.worker_id, fixed.path) == ("w1", RoutingPath.PREFIX_IMBALANCED)
 
-    far_ahead = [stats("w0", kv_tokens_used=3 * long_request), stats("w1", kv_tokens_used=0)]
+    far_ahead = [stats("w0", 3 * long_request), stats("w1", 0)]
     spilled = choose_worker({"w0": 375}, far_ahead, config, random.Random(0), mean_request_tokens=long_request)
     assert (spilled.worker_id, spilled.path) == ("w1", RoutingPath.PREFIX_IMBALANCED)
 
-    short = [stats("w0", kv_tokens_used=3500), stats("w1", kv_tokens_used=1000)]
+    short = [stats("w0", 3500), stats("w1", 1000)]
     assert choose_worker({"w0": 12}, short, config, random.Random(0), mean_request_tokens=200).worker_id == "w1"
 
 
@@ -252,3 +255,16 @@ def test_blocks_the_index_knows_are_a_floor_under_a_stale_footprint():
     picks = {choose_worker({}, [w0, w1], config, random.Random(seed), known_blocks=known).worker_id
              for seed in range(20)}
     assert picks == {"w0"}
+
+
+def test_load_is_the_work_left_to_compute_not_the_kv_held():
+    """w0 holds a long cached prefix for its family's running requests (much KV, little to
+    compute): it keeps the family. w1 holds little KV but has a long prompt queued to
+    compute: a family there spills to the idle worker."""
+    config = RouterConfig(policy="prefix_aware", imbalance_ratio=1.5, imbalance_abs_tokens=1000)
+    hits = [stats("w0", tokens_to_compute=300, kv_tokens_used=8000), stats("w1", tokens_to_compute=0)]
+    kept = choose_worker({"w0": 30}, hits, config, random.Random(0))
+    assert (kept.worker_id, kept.path, kept.load_tokens) == ("w0", RoutingPath.PREFIX_MATCH, 300)
+    misses = [stats("w0", tokens_to_compute=0), stats("w1", tokens_to_compute=4000, kv_tokens_used=200)]
+    spilled = choose_worker({"w1": 30}, misses, config, random.Random(0))
+    assert (spilled.worker_id, spilled.path) == ("w0", RoutingPath.PREFIX_IMBALANCED)

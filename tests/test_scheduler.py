@@ -323,6 +323,23 @@ def test_stats_report_kv_use_queue_and_fill_rate():
     assert stats.mean_kv_tokens == pytest.approx((8 + 9) / 2) and stats.peak_kv_tokens == 9
 
 
+def test_tokens_to_compute_counts_prompt_not_yet_computed_and_output_to_come_not_the_cached_prefix():
+    """The router's load signal: forward-pass tokens left (the forward of the last known
+    token yields the next output, so a prompt of P with O outputs costs P + O - 1)."""
+    scheduler, model = build(max_num_seqs=1, max_num_batched_tokens=8, max_prefill_tokens_per_step=8)
+    submit(scheduler, "a", range(8), max_tokens=2)
+    submit(scheduler, "b", range(20, 25), max_tokens=2)
+    assert scheduler.stats().tokens_to_compute == (8 + 2 - 1) + (5 + 2 - 1)
+    engine_step(scheduler, model)  # a's whole prompt and its first output token
+    assert scheduler.stats().tokens_to_compute == 1 + (5 + 2 - 1)
+    run_until_idle(scheduler, model)
+    assert scheduler.stats().tokens_to_compute == 0
+    # a's prompt is cached now (two full blocks of 4): a request sharing it is pinned to
+    # those blocks at admission and costs only its 2-token tail and its 3 outputs.
+    submit(scheduler, "c", [*range(8), 50, 51], max_tokens=3)
+    assert scheduler.stats().tokens_to_compute == 2 + 3 - 1
+
+
 def test_check_integrity_catches_a_lost_request():
     scheduler, model = build()
     submit(scheduler, "a", range(6), max_tokens=3)

@@ -322,4 +322,5 @@ def worker_stats(scheduler: Scheduler, worker_id: str) -> WorkerStats:
         output_tokens_per_s=s.output_tokens_per_s, num_preemptions_recompute=s.num_preemptions_recompute,
         num_preemptions_swap=s.num_preemptions_swap, num_preemptions_priority=s.num_preemptions_priority,
         num_outgrown_estimates=s.num_outgrown_estimates, prefix_event_seq=scheduler.kv.events.next_seq,
+        tokens_to_compute=s.tokens_to_compute,
         kv_tokens_reserved_shared=scheduler.admission.shared_class_reserved_tokens)

@@ -63,6 +63,21 @@ def _tokens_left_to_compute(request: Request) -> int:
     return max(1, request.num_tokens - max(request.num_computed_tokens, request.num_reserved_cached_tokens))
 
 
+def _output_tokens_left(request: Request) -> int:
+    """Output a request may still produce: what its reservation covers (max_tokens, or the
+    expected-output estimate, topped up as it grows) less what it has produced."""
+    return max(0, (request.reserved_output_tokens or request.sampling.max_tokens) - request.num_output_tokens)
+
+
+def tokens_left_to_compute(request: Request) -> int:
+    """Forward-pass tokens a request still costs this worker: the known tokens not yet
+    computed (a waiting request's pinned prefix left out) plus the output still to come,
+    less one (the forward of the last known token yields the next output). The router's load guard
+    compares workers by this sum, the work they have to do, not by the KV they hold: a
+    worker whose requests hit a long cached prefix holds much KV and has little to compute."""
+    return _tokens_left_to_compute(request) - 1 + _output_tokens_left(request)
+
+
 @dataclass
 class _StepBudget:
     tokens_left: int  # max_num_batched_tokens
@@ -140,6 +155,7 @@ class SchedulerStats:
     drain_tokens_per_s: float  # reserved KV tokens returned per second
     num_steps: int
     kv: KVCacheStats
+    tokens_to_compute: int = 0  # prompt not yet computed + output still to come, running and waiting
 
 
 class Scheduler:
@@ -547,7 +563,8 @@ class Scheduler:
             num_preemptions_priority=self.num_priority_preemptions,
             num_outgrown_estimates=self.admission.num_outgrown_estimates,
             prefix_cache_hit_rate=kv_stats.prefix_hit_rate, output_tokens_per_s=self._output_tokens.rate(),
-            drain_tokens_per_s=self.admission.drain.rate(), num_steps=self._num_steps, kv=kv_stats)
+            drain_tokens_per_s=self.admission.drain.rate(), num_steps=self._num_steps, kv=kv_stats,
+            tokens_to_compute=sum(tokens_left_to_compute(r) for r in self.requests.values()))
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
