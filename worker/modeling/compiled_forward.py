@@ -5,6 +5,11 @@ A 135M-parameter model at batch 1 spends a large share of each step on small ele
 a Python call and a dispatcher round trip). Inductor fuses each chain between two projections
 into one generated C++ loop.
 
+Measured (docs/benchmarks.md, "Third round"): on the 2-core CI machine with torch 2.13 this
+is SLOWER than eager for bf16 (0.6-0.9x; the per-call cost of 30 compiled-region calls and
+150 Python custom-op calls per step exceeds the fused-away ops), so `model.compile` defaults
+to off; it stays as the opt-in path and the A/B (`bench_engine --modes bf16,bf16-compiled`).
+
 What the compiler sees: the layers' norms, residual adds, RoPE and SiLU-mul. What it does
 not: the projections and the paged attention, which are opaque custom ops (`kvmesh::
 opaque_linear`, `kvmesh::paged_attention`) whose implementations are exactly the eager ones
@@ -14,8 +19,8 @@ outside the graph, and the only numeric difference to eager is inductor's fusion
 elementwise chains (fp32 reductions in another order: tests/test_compiled_forward.py checks
 the greedy tokens are identical to eager's in fp32).
 
-Shapes: the token count T is dynamic (one graph for T >= 2, plus torch's specialised T = 1
-graph), so both are compiled once, at engine start (`warm_up`), and no step pads. Steps with
+Shapes: one graph serves every layer (the layer index is a tensor argument) and the token
+count T is dynamic (one graph for T >= 2, plus torch's specialised T = 1 graph), so both are compiled once, at engine start (`warm_up`), and no step pads. Steps with
 more than `max_tokens` tokens (long prefill chunks) run eagerly: the elementwise share of a
 long prefill is small and a compile per new shape is not wanted there.
 
@@ -27,11 +32,11 @@ one warning says why.
 
 from __future__ import annotations
 
-import contextlib
+import importlib.util
 import logging
 import shutil
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -81,16 +86,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: to
 @paged_attention.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.empty_like(q)
-
-
-@contextlib.contextmanager
-def _step_context(ctx: _StepContext) -> Iterator[None]:
-    previous = getattr(_step, "context", None)
-    _step.context = ctx
-    try:
-        yield
-    finally:
-        _step.context = previous
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -177,9 +172,13 @@ class CompiledDecoder:
         """x: [T, H] embeddings, cos_sin: [T, 1, D] each -> final hidden [T, H]."""
         cos, sin = cos_sin
         residual = torch.zeros_like(x)
-        with _step_context(_StepContext(self.projections, kv_caches, meta, backend)):
+        previous = getattr(_step, "context", None)  # a nested run (none today) gets its own back
+        _step.context = _StepContext(self.projections, kv_caches, meta, backend)
+        try:
             for layer, (input_norm, post_norm) in zip(self.layer_ids, self.norms):
                 x, residual = self._layer(self.shape, x, residual, layer, input_norm, post_norm, cos, sin)
+        finally:
+            _step.context = previous
         self.steps_run += 1
         return self._final(x, residual, self.final_norm, self.final_eps)
 
@@ -201,10 +200,8 @@ def compile_unavailable_reason(model) -> str | None:
         return f"device {device.type} (CUDA decode uses CUDA graphs)"
     if not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
         return "no C++ compiler on PATH (inductor's CPU backend needs one)"
-    try:
-        import torch._inductor  # noqa: F401  (torch builds without it exist)
-    except ImportError as exc:
-        return f"torch without inductor: {exc}"
+    if importlib.util.find_spec("torch._inductor") is None:  # torch builds without it exist
+        return "torch without inductor"
     return None
 
 
