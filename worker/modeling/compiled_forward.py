@@ -5,10 +5,10 @@ A 135M-parameter model at batch 1 spends a large share of each step on small ele
 a Python call and a dispatcher round trip). Inductor fuses each chain between two projections
 into one generated C++ loop.
 
-Measured (docs/benchmarks.md, "Third round"): on the 2-core CI machine with torch 2.13 this
-is SLOWER than eager for bf16 (0.6-0.9x; the per-call cost of 30 compiled-region calls and
-150 Python custom-op calls per step exceeds the fused-away ops), so `model.compile` defaults
-to off; it stays as the opt-in path and the A/B (`bench_engine --modes bf16,bf16-compiled`).
+Measured (docs/benchmarks.md, "Third round"): on the 2-core CI machine with torch 2.13 it
+does not pay for bf16: about parity at batch 1 (0.96-1.08x eager), 0.78-0.86x at batch 64 (the
+per-call cost of 30 compiled-region calls and 150 Python custom-op calls per step eats the
+fused-away ops), so `model.compile` defaults to off; it stays as the opt-in path and the A/B (`bench_engine --modes bf16,bf16-compiled`).
 
 What the compiler sees: the layers' norms, residual adds, RoPE and SiLU-mul. What it does
 not: the projections and the paged attention, which are opaque custom ops (`kvmesh::
@@ -163,7 +163,7 @@ class CompiledDecoder:
         # The per-call cost of a compiled region is what decides here (module doc): a C++ wrapper
         # instead of inductor's Python one, and no per-call size / stride asserts on the custom
         # ops' outputs (their shapes are the fake implementations'). Measured batch 1 bf16:
-        # 0.6x eager with the defaults, 0.96x with these (docs/benchmarks.md).
+        # 0.6x eager with the defaults, 0.96-1.08x with these (docs/benchmarks.md).
         options = {"cpp_wrapper": True, "size_asserts": False}
         self._layer = torch.compile(_layer, dynamic=True, fullgraph=True, options=options)
         self._final = torch.compile(_final_norm, dynamic=True, fullgraph=True, options=options)
