@@ -56,9 +56,14 @@ class ModelConfig:
     # once at load instead of on every matmul (worker/modeling/packed_weights.py). Costs a
     # second copy of those weights; false = plain F.linear.
     cpu_prepack_weights: bool = True
+    # decode = compile the decoder stack with torch.compile / inductor (CPU, one rank) for
+    # steps of at most scheduler.max_num_seqs tokens, warmed at start; projections and
+    # attention stay the eager kernels (worker/modeling/compiled_forward.py). off = eager.
+    compile: str = "off"
 
     def validate(self) -> None:
         _one_of("model.dtype", self.dtype, ("auto", "fp32", "bf16", "fp16"))
+        _one_of("model.compile", self.compile, ("off", "decode"))
         _check(self.max_model_len is None or self.max_model_len >= 1, "model.max_model_len must be >= 1")
 
 

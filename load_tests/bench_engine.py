@@ -52,7 +52,11 @@ FULL_MODES = [("fp32", "fp32", "none"), ("bf16", "bf16", "none"), ("bf16-unpacke
               ("bf16-int8", "bf16", "int8"), ("bf16-int4", "bf16", "int4")]
 # Config beyond dtype / quant for a mode: bf16-unpacked is bf16 with plain F.linear weights,
 # the in-run A/B of the oneDNN prepacking (worker/modeling/packed_weights.py).
-MODE_OVERRIDES = {"bf16-unpacked": {"model": {"cpu_prepack_weights": False}}}
+MODE_OVERRIDES = {"bf16-unpacked": {"model": {"cpu_prepack_weights": False}},
+                  "bf16-compiled": {"model": {"compile": "decode"}}, "bf16-int4-compiled": {"model": {"compile": "decode"}}}
+# Only on request (--modes): the inductor-compiled decoder (model.compile decode, compiled at
+# engine start: a minute or more on 2 cores), the in-run A/B against bf16 / bf16-int4.
+OPTIONAL_MODES = [("bf16-compiled", "bf16", "none"), ("bf16-int4-compiled", "bf16", "int4")]
 QUICK_MODES = [("fp32", "fp32", "none"), ("bf16-int8", "bf16", "int8")]
 AGREEMENT_PROMPTS = [  # fixed, mixed lengths and kinds; 32 greedy tokens each
     "The capital of France is",
@@ -411,7 +415,7 @@ def run(args) -> BenchReport:
         requests = seed_shaped_requests(tokenizer, 64, 0.25)
         decode_tokens, big_batch, gemm_seconds, modes = 72, 64, 0.05, FULL_MODES
     if args.modes:
-        modes = [m for m in FULL_MODES + QUICK_MODES if m[0] in args.modes.split(",")]
+        modes = [m for m in FULL_MODES + OPTIONAL_MODES + QUICK_MODES if m[0] in args.modes.split(",")]
     corpus = TokenCorpus(tokenizer)
     decode_prompt = corpus.window(0, 40)
     report = BenchReport(cpu_flags(), torch.get_num_threads(), torch.__version__, args.model or "embedded SmolLM2")
@@ -484,7 +488,7 @@ def main(argv: list[str] | None = None) -> BenchReport:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="HF folder or GGUF (default: the embedded SmolLM2)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (and llama-server's)")
-    p.add_argument("--modes", help="comma-separated subset of: " + ", ".join(m[0] for m in FULL_MODES))
+    p.add_argument("--modes", help="comma-separated subset of: " + ", ".join(m[0] for m in FULL_MODES + OPTIONAL_MODES))
     p.add_argument("--quick", action="store_true", help="a few tiny requests, two modes: a smoke run in seconds")
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers static batches")
     p.add_argument("--serve", action="store_true",

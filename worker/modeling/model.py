@@ -245,6 +245,9 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryTables(cfg, max_positions)
+        # model.compile decode: the layer stack as one inductor-compiled function for steps it
+        # applies to (worker/modeling/compiled_forward.py, installed by model_setup); None = eager
+        self.compiled = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -260,6 +263,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, H] (pre lm_head)."""
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.for_positions(positions, x.dtype)
+        if self.compiled is not None and self.compiled.applies(x.shape[0]):
+            return self.compiled.run(x, cos_sin, kv_caches, meta, backend)
         residual = None
         for layer, cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, cos_sin, cache, meta, backend)

@@ -20,6 +20,7 @@ from kvmesh.worker.modeling.awq_calibration import awq_results_for
 from kvmesh.worker.modeling.attention import LayerKVCache
 from kvmesh.worker.modeling.attention_cpu import CpuAttentionBackend
 from kvmesh.worker.modeling.attention_torch import TorchAttentionBackend
+from kvmesh.worker.modeling import compiled_forward
 from kvmesh.worker.modeling.model import LlamaForCausalLM
 from kvmesh.worker.modeling.model_loader import ensure_hf_dir, load_hf_config, load_state_dict
 from kvmesh.worker.modeling.model_runner import TORCH_DTYPES, allocate_kv_caches, kv_storage_dtype
@@ -125,6 +126,8 @@ def load_model(config: KvmeshConfig, spec: ModelSpec, coll=None, awq=None) -> Ll
     model = model.to(spec.device).eval()
     # last: fused weights share the final parameters' storage, packed ones copy it
     model.fuse_projections(prepack=config.model.cpu_prepack_weights)
+    if config.model.compile == "decode":  # after the fusion: it binds the final projections
+        model.compiled = compiled_forward.install(model, config.scheduler.max_num_seqs)
     return model
 
 
