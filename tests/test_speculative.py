@@ -218,6 +218,27 @@ def test_speculation_reaches_the_worker_metrics_and_the_request_step_log(tiny_mo
     steps = log.pop("m")
     assert (steps.spec_method, steps.num_draft_tokens, steps.num_accepted_tokens) == (
         "ngram", counters.num_draft_tokens, counters.num_accepted_tokens)
+    # One span event per speculating step on the decode span, with that step's counts.
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvmesh.core import telemetry
+    from kvmesh.core.config import ObservabilityConfig
+    from kvmesh.core.seams import GenerateRequest, RequestTimings, Usage
+
+    exporter = InMemorySpanExporter()
+    provider = telemetry.setup_tracing(ObservabilityConfig(tracing_exporter="console"), "test",
+                                       span_exporter=exporter, set_global=False)
+    first, last = steps.spec_steps[0][0], steps.spec_steps[-1][0]
+    telemetry.record_worker_spans(telemetry.get_tracer(provider), GenerateRequest("m", prompt_token_ids=(1,)),
+                                  RequestTimings(arrival_time=first - 1, first_scheduled_time=first - 1,
+                                                 first_token_time=first - 0.5, finished_time=last),
+                                  Usage(1, 24), "length", steps)
+    provider.shutdown()
+    decode = next(s for s in exporter.get_finished_spans() if s.name == telemetry.SPAN_WORKER_DECODE)
+    events = [e for e in decode.events if e.name == telemetry.EVENT_SPEC_STEP]
+    assert len(events) == counters.num_steps == steps.num_spec_steps
+    assert sum(e.attributes[telemetry.ATTR_SPEC_DRAFT_TOKENS] for e in events) == counters.num_draft_tokens
+    assert sum(e.attributes[telemetry.ATTR_SPEC_ACCEPTED_TOKENS] for e in events) == counters.num_accepted_tokens
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
