@@ -106,11 +106,28 @@ def test_stop_conditions_hold_exactly_with_multi_token_acceptance(tiny_model_dir
     assert spec_engine.speculator.counters.num_accepted_tokens > 4
 
 
-def test_opt_out_and_logprobs_requests_decode_plainly(tiny_model_dir):
+def test_opt_out_decodes_plainly_and_logprobs_requests_speculate_with_one_logprob_per_token(tiny_model_dir):
+    opt_out = ("o", PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, speculative=False))
     engine = _engine(tiny_model_dir, "ngram")
-    _run(engine, [("o", PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, speculative=False)),
-                  ("l", PROMPTS[1], SamplingParams(max_tokens=12, temperature=0, logprobs=True))])
+    _run(engine, [opt_out])
     assert engine.speculator.counters.num_draft_tokens == 0
+
+    def with_logprobs(engine):
+        engine.add_request(GenerateRequest("l", prompt=PROMPTS[2], sampling=SamplingParams(
+            max_tokens=24, temperature=0, ignore_eos=True, logprobs=True)))
+        tokens, logprobs = [], []
+        while engine.has_unfinished():
+            for delta in engine.step():
+                assert not delta.token_ids or len(delta.logprobs) == len(delta.token_ids)
+                tokens += delta.token_ids
+                logprobs += delta.logprobs
+        return tokens, logprobs
+
+    plain_tokens, plain_logprobs = with_logprobs(_engine(tiny_model_dir))
+    spec_tokens, spec_logprobs = with_logprobs(engine)
+    assert engine.speculator.counters.num_accepted_tokens > 0  # several tokens (and logprobs) per step
+    assert spec_tokens == plain_tokens
+    assert spec_logprobs == pytest.approx(plain_logprobs, abs=1e-4)
 
 
 def test_cost_curve_interpolates_measured_step_times():
