@@ -13,7 +13,7 @@ Figures (each ratio = off / on, so > 1 means speculation helps):
                 output lengths, greedy: each method vs off. The never-slower check.
   * forward_cost  the measured forward time of 1 + k tokens against 1 token at batch 1:
                 why drafts are nearly free on this CPU (the weights are read once either way).
-Off and on alternate per prompt, so drift of a shared machine hits both alike.
+Off and on alternate per prompt, in ABBA order, so drift of a shared machine hits both alike.
 """
 
 from __future__ import annotations
@@ -115,9 +115,15 @@ def bench_tpot(off: Engine, on: Engine, prompts: list[list[int]], max_tokens: in
     _timed_generate(on, prompts[0][:16], 4)
     before = _counters(on)
     off_tpot, on_tpot, identical = [], [], True
-    for ids in prompts:
-        off_tokens, t_off = _timed_generate(off, ids, max_tokens)
-        on_tokens, t_on = _timed_generate(on, ids, max_tokens)
+    for i, ids in enumerate(prompts):
+        # off-on, then on-off (ABBA): a load that rises or falls through the run would
+        # otherwise favour whichever side always runs second.
+        if i % 2 == 0:
+            off_tokens, t_off = _timed_generate(off, ids, max_tokens)
+            on_tokens, t_on = _timed_generate(on, ids, max_tokens)
+        else:
+            on_tokens, t_on = _timed_generate(on, ids, max_tokens)
+            off_tokens, t_off = _timed_generate(off, ids, max_tokens)
         off_tpot.append(t_off)
         on_tpot.append(t_on)
         identical &= off_tokens == on_tokens
