@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -96,6 +96,9 @@ ATTR_ROUTE_CANDIDATES = "kvmesh.route.candidates"
 ATTR_ROUTE_PATH = "kvmesh.route.path"
 ATTR_ADMISSION_WAIT_S = "kvmesh.admission.wait_s"
 EVENT_FINISH = "kvmesh.finish"
+# One event on the decode span per step that verified drafts for the request (its draft and
+# accepted counts; attributes kvmesh.spec.draft_tokens / accepted_tokens), at the step's end.
+EVENT_SPEC_STEP = "kvmesh.spec.step"
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _global_provider_set = False
@@ -199,10 +202,13 @@ def record_worker_spans(tracer: trace.Tracer, request: GenerateRequest, timings:
         root.set_status(Status(StatusCode.ERROR))
     parent = trace.set_span_in_context(root)
 
-    def child(name: str, start_s: float | None, stop_s: float | None, attributes: dict, context=parent):
+    def child(name: str, start_s: float | None, stop_s: float | None, attributes: dict, context=parent,
+              events: tuple[tuple[str, dict, float], ...] = ()):
         if start_s is None:
             return None
         span = tracer.start_span(name, context=context, start_time=_ns(start_s), attributes=attributes)
+        for event, event_attrs, at_s in events:
+            span.add_event(event, event_attrs, timestamp=_ns(at_s))
         span.end(end_time=_ns(stop_s if stop_s is not None else end_s))
         return span
 
@@ -228,7 +234,10 @@ def record_worker_spans(tracer: trace.Tracer, request: GenerateRequest, timings:
             decode_attrs.update({ATTR_SPEC_METHOD: steps.spec_method, ATTR_SPEC_STEPS: steps.num_spec_steps,
                                  ATTR_SPEC_DRAFT_TOKENS: steps.num_draft_tokens,
                                  ATTR_SPEC_ACCEPTED_TOKENS: steps.num_accepted_tokens})
-    child(SPAN_WORKER_DECODE, timings.first_token_time, end_s, decode_attrs)
+    spec_events = () if steps is None else tuple(
+        (EVENT_SPEC_STEP, {ATTR_SPEC_DRAFT_TOKENS: drafted, ATTR_SPEC_ACCEPTED_TOKENS: kept}, at_s)
+        for at_s, drafted, kept in steps.spec_steps)
+    child(SPAN_WORKER_DECODE, timings.first_token_time, end_s, decode_attrs, events=spec_events)
     root.add_event(EVENT_FINISH, {ATTR_FINISH_REASON: reason or "unknown"}, timestamp=_ns(end_s))
     root.end(end_time=_ns(end_s))
 
@@ -236,6 +245,7 @@ def record_worker_spans(tracer: trace.Tracer, request: GenerateRequest, timings:
 # ---- per-request step log (for the worker's spans) ----------------------------------------
 
 MAX_CHUNKS_PER_REQUEST = 64  # prefill chunk spans kept per request; later chunks are only counted
+MAX_SPEC_EVENTS_PER_REQUEST = 256  # speculation step events kept per request; later steps are only counted
 # Requests tracked at once. A request's entry is popped when its stream ends; one that a step
 # ran after its stream ended (an abort racing the step) would linger, so the oldest go first.
 MAX_LOGGED_REQUESTS = 8192
@@ -254,6 +264,9 @@ class RequestSteps:
     num_spec_steps: int = 0  # decode steps that verified drafts for it
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # (end of the step as time.time(), drafts verified, drafts kept) per speculating step,
+    # the first MAX_SPEC_EVENTS_PER_REQUEST of them
+    spec_steps: list[tuple[float, int, int]] = field(default_factory=list)
 
 
 class RequestStepLog:
@@ -285,6 +298,8 @@ class RequestStepLog:
                         steps.num_spec_steps += 1
                         steps.num_draft_tokens += row.num_draft_tokens
                         steps.num_accepted_tokens += row.num_accepted_tokens
+                        if len(steps.spec_steps) < MAX_SPEC_EVENTS_PER_REQUEST:
+                            steps.spec_steps.append((end, row.num_draft_tokens, row.num_accepted_tokens))
 
     def pop(self, request_id: str) -> RequestSteps | None:
         """The steps of `request_id` (an external id: n > 1 samples, `<id>#k/i`, are merged)."""
@@ -302,6 +317,7 @@ class RequestStepLog:
             merged.num_spec_steps += p.num_spec_steps
             merged.num_draft_tokens += p.num_draft_tokens
             merged.num_accepted_tokens += p.num_accepted_tokens
+        merged.spec_steps = sorted(e for p in parts for e in p.spec_steps)[:MAX_SPEC_EVENTS_PER_REQUEST]
         return merged
 
     def __len__(self) -> int:

@@ -13,7 +13,7 @@ Figures (each ratio = off / on, so > 1 means speculation helps):
                 output lengths, greedy: each method vs off. The never-slower check.
   * forward_cost  the measured forward time of 1 + k tokens against 1 token at batch 1:
                 why drafts are nearly free on this CPU (the weights are read once either way).
-Off and on alternate per prompt, so drift of a shared machine hits both alike.
+Off and on alternate per prompt, in ABBA order, so drift of a shared machine hits both alike.
 """
 
 from __future__ import annotations
@@ -86,9 +86,9 @@ class SpeculativeReport:
     forward_cost: dict[str, float] = field(default_factory=dict)  # "1+k tokens / 1 token" at batch 1
 
 
-def _engine(model: str | None, dtype: str, method: str, **speculative) -> Engine:
+def _engine(model: str | None, dtype: str, method: str, kv_cache_gib: float = 1.0, **speculative) -> Engine:
     return Engine.from_config(KvmeshConfig.from_dict({
-        "model": {"path": model, "dtype": dtype},
+        "model": {"path": model, "dtype": dtype}, "cache": {"cpu_kv_cache_gib": kv_cache_gib},
         "scheduler": {"max_num_seqs": 64, "max_queue_time_s": 3600},
         "speculative": {"method": method, **speculative}}))
 
@@ -115,9 +115,15 @@ def bench_tpot(off: Engine, on: Engine, prompts: list[list[int]], max_tokens: in
     _timed_generate(on, prompts[0][:16], 4)
     before = _counters(on)
     off_tpot, on_tpot, identical = [], [], True
-    for ids in prompts:
-        off_tokens, t_off = _timed_generate(off, ids, max_tokens)
-        on_tokens, t_on = _timed_generate(on, ids, max_tokens)
+    for i, ids in enumerate(prompts):
+        # off-on, then on-off (ABBA): a load that rises or falls through the run would
+        # otherwise favour whichever side always runs second.
+        if i % 2 == 0:
+            off_tokens, t_off = _timed_generate(off, ids, max_tokens)
+            on_tokens, t_on = _timed_generate(on, ids, max_tokens)
+        else:
+            on_tokens, t_on = _timed_generate(on, ids, max_tokens)
+            off_tokens, t_off = _timed_generate(off, ids, max_tokens)
         off_tpot.append(t_off)
         on_tpot.append(t_on)
         identical &= off_tokens == on_tokens
@@ -184,10 +190,11 @@ def run(args) -> SpeculativeReport:
     torch.set_num_threads(args.threads)
     parts = set(args.parts.split(","))
     report = SpeculativeReport(cpu_flags(), torch.get_num_threads())
-    off = _engine(args.model, args.dtype, "none")
+    off = _engine(args.model, args.dtype, "none", args.kv_cache_gib)
     chat_prompts = [_chat_ids(off, p) for p in CHAT_PROMPTS[:args.num_prompts]]
-    ngram = _engine(args.model, args.dtype, "ngram") if parts & {"editing", "concurrent"} else None
-    draft = _engine(args.model, args.dtype, "self_draft", draft_quant=args.draft_quant) \
+    ngram = _engine(args.model, args.dtype, "ngram", args.kv_cache_gib) if parts & {"editing", "concurrent"} else None
+    draft = _engine(args.model, args.dtype, "self_draft", args.kv_cache_gib, draft_quant=args.draft_quant,
+                    num_tokens=args.num_tokens) \
         if parts & {"chat", "concurrent"} else None
     if "forward_cost" in parts:
         report.forward_cost = forward_cost(off, chat_prompts[0], repeats=3 if args.quick else 20)
@@ -230,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: OpenMP spin-waits make 2 erratic on a shared 2-core machine)")
     p.add_argument("--draft-quant", default="int8", choices=["int8", "int4"])
+    p.add_argument("--num-tokens", type=int, default=4, help="speculative.num_tokens of the self-draft engine")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0,
+                   help="KV cache per engine (0.25 holds the batch-1 parts; keep a shared machine's memory low)")
     p.add_argument("--quick", action="store_true", help="seconds: few prompts, short outputs, 4 concurrent")
     p.add_argument("--parts", default="forward_cost,editing,chat,concurrent",
                    help="comma-separated: forward_cost, editing, chat, concurrent")

@@ -106,11 +106,28 @@ def test_stop_conditions_hold_exactly_with_multi_token_acceptance(tiny_model_dir
     assert spec_engine.speculator.counters.num_accepted_tokens > 4
 
 
-def test_opt_out_and_logprobs_requests_decode_plainly(tiny_model_dir):
+def test_opt_out_decodes_plainly_and_logprobs_requests_speculate_with_one_logprob_per_token(tiny_model_dir):
+    opt_out = ("o", PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, speculative=False))
     engine = _engine(tiny_model_dir, "ngram")
-    _run(engine, [("o", PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, speculative=False)),
-                  ("l", PROMPTS[1], SamplingParams(max_tokens=12, temperature=0, logprobs=True))])
+    _run(engine, [opt_out])
     assert engine.speculator.counters.num_draft_tokens == 0
+
+    def with_logprobs(engine):
+        engine.add_request(GenerateRequest("l", prompt=PROMPTS[2], sampling=SamplingParams(
+            max_tokens=24, temperature=0, ignore_eos=True, logprobs=True)))
+        tokens, logprobs = [], []
+        while engine.has_unfinished():
+            for delta in engine.step():
+                assert not delta.token_ids or len(delta.logprobs) == len(delta.token_ids)
+                tokens += delta.token_ids
+                logprobs += delta.logprobs
+        return tokens, logprobs
+
+    plain_tokens, plain_logprobs = with_logprobs(_engine(tiny_model_dir))
+    spec_tokens, spec_logprobs = with_logprobs(engine)
+    assert engine.speculator.counters.num_accepted_tokens > 0  # several tokens (and logprobs) per step
+    assert spec_tokens == plain_tokens
+    assert spec_logprobs == pytest.approx(plain_logprobs, abs=1e-4)
 
 
 def test_cost_curve_interpolates_measured_step_times():
@@ -218,6 +235,27 @@ def test_speculation_reaches_the_worker_metrics_and_the_request_step_log(tiny_mo
     steps = log.pop("m")
     assert (steps.spec_method, steps.num_draft_tokens, steps.num_accepted_tokens) == (
         "ngram", counters.num_draft_tokens, counters.num_accepted_tokens)
+    # One span event per speculating step on the decode span, with that step's counts.
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvmesh.core import telemetry
+    from kvmesh.core.config import ObservabilityConfig
+    from kvmesh.core.seams import GenerateRequest, RequestTimings, Usage
+
+    exporter = InMemorySpanExporter()
+    provider = telemetry.setup_tracing(ObservabilityConfig(tracing_exporter="console"), "test",
+                                       span_exporter=exporter, set_global=False)
+    first, last = steps.spec_steps[0][0], steps.spec_steps[-1][0]
+    telemetry.record_worker_spans(telemetry.get_tracer(provider), GenerateRequest("m", prompt_token_ids=(1,)),
+                                  RequestTimings(arrival_time=first - 1, first_scheduled_time=first - 1,
+                                                 first_token_time=first - 0.5, finished_time=last),
+                                  Usage(1, 24), "length", steps)
+    provider.shutdown()
+    decode = next(s for s in exporter.get_finished_spans() if s.name == telemetry.SPAN_WORKER_DECODE)
+    events = [e for e in decode.events if e.name == telemetry.EVENT_SPEC_STEP]
+    assert len(events) == counters.num_steps == steps.num_spec_steps
+    assert sum(e.attributes[telemetry.ATTR_SPEC_DRAFT_TOKENS] for e in events) == counters.num_draft_tokens
+    assert sum(e.attributes[telemetry.ATTR_SPEC_ACCEPTED_TOKENS] for e in events) == counters.num_accepted_tokens
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])

@@ -206,7 +206,9 @@ class Engine:
             if token is None:
                 continue
             tokens = (*result.accepted_drafts.get(req.request_id, ()), token)
-            delta, reason = self._on_tokens(req, tokens, result.logprobs.get(req.request_id))
+            logprob = result.logprobs.get(req.request_id)
+            logprobs = (*result.accepted_logprobs.get(req.request_id, (None,) * (len(tokens) - 1)), logprob)
+            delta, reason = self._on_tokens(req, tokens, logprobs)
             if reason is None:
                 deltas.append(delta)
             else:
@@ -226,21 +228,24 @@ class Engine:
         if store is not None and sched_out.tier_stores:
             for slot, block_hash, checksum in store.store(self.runner.kv_caches, sched_out.tier_stores):
                 self.scheduler.kv.host_tier.confirm(slot, block_hash, checksum)
-    def _on_tokens(self, req: Request, tokens: tuple[int, ...], logprob: float | None
+    def _on_tokens(self, req: Request, tokens: tuple[int, ...], logprobs: tuple[float | None, ...]
                    ) -> tuple[RequestDelta, FinishReason | None]:
-        """Stop checks over the tokens one step gave `req` (already appended), in order: at
-        a stop, the tokens after it are dropped from the request. One delta for all."""
+        """Stop checks over the tokens one step gave `req` (already appended), in order, each
+        with its logprob (None: not asked): at a stop, the tokens after it are dropped from
+        the request. One delta for all."""
         if len(tokens) == 1:
-            return self.outputs.on_token(req, tokens[0], logprob)
+            return self.outputs.on_token(req, tokens[0], logprobs[0])
         texts: list[str] = []
-        for i, token in enumerate(tokens):
+        for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
             num_later = len(tokens) - 1 - i
-            delta, reason = self.outputs.on_token(req, token, logprob if num_later == 0 else None, num_later)
+            delta, reason = self.outputs.on_token(req, token, logprob, num_later)
             texts.append(delta.text)
             if reason is not None:
                 req.truncate_output(req.num_output_tokens - num_later)
                 break
-        return dataclasses.replace(delta, text="".join(texts), token_ids=tokens[:i + 1]), reason
+        kept = [lp for lp in logprobs[:i + 1] if lp is not None]
+        return dataclasses.replace(delta, text="".join(texts), token_ids=tokens[:i + 1],
+                                   logprobs=tuple(kept) if kept else None), reason
 
     def _fail_step(self, sched_out, exc: Exception) -> list[RequestDelta]:
         self.num_failed_steps += 1

@@ -159,9 +159,7 @@ class Speculator:
             ask.request.spec_token_ids = list(drafts.get(ask.request.request_id, ()))[:ask.num_tokens]
 
     def _eligible(self, request: Request) -> bool:
-        p = request.sampling
-        # logprobs: the verified path reports no per-token logprobs yet, so those decode plainly.
-        return p.speculative and not p.logprobs and self._room(request) > 0
+        return request.sampling.speculative and self._room(request) > 0
 
     def _room(self, request: Request) -> int:
         """Drafts that stay inside max_tokens (one output token always follows them) and the

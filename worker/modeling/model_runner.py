@@ -125,6 +125,9 @@ class StepResult:
     num_tokens: int  # tokens run through the model this step
     # Speculating requests: the drafts the target kept, in order, before `sampled`.
     accepted_drafts: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    # Speculating requests that asked for logprobs: one per accepted draft (`logprobs` has
+    # the sampled token's).
+    accepted_logprobs: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
 
 
 def _copy_blocks(dst_caches: list[LayerKVCache], src_caches: list[LayerKVCache], pairs: list[tuple[int, int]]) -> None:
@@ -225,15 +228,18 @@ class ModelRunner:
             if result.logprobs is not None:
                 logprobs = {e.request_id: lp for e, lp in zip(plain, result.logprobs) if e.request.sampling.logprobs}
         accepted: dict[str, tuple[int, ...]] = {}
+        accepted_logprobs: dict[str, tuple[float, ...]] = {}
         if speculating:
             verified = verify(logits[torch.tensor(spec_rows)], [e.spec_token_ids for e in speculating],
                               [rows_for(e.request) for e in speculating], self.generator)
             for e, v in zip(speculating, verified):
                 sampled[e.request_id] = v.next_token
                 accepted[e.request_id] = v.accepted
+                if v.logprobs is not None:
+                    accepted_logprobs[e.request_id], logprobs[e.request_id] = v.logprobs[:-1], v.logprobs[-1]
         if clock is not None:
             clock.lap("sample")
-        return StepResult(sampled, logprobs, len(inputs.input_ids), accepted)
+        return StepResult(sampled, logprobs, len(inputs.input_ids), accepted, accepted_logprobs)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:

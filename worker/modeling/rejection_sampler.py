@@ -33,6 +33,9 @@ from kvmesh.worker.modeling.sampler import SamplingRow, _apply_penalties, _filte
 class Verified:
     accepted: tuple[int, ...]  # the drafts kept, a prefix of the proposal
     next_token: int  # the correction (first rejected position) or the bonus token
+    # Requests asking for logprobs: each emitted token's (accepted..., next) logprob under the
+    # target's unmodified distribution at its position, as the plain sampler reports them.
+    logprobs: tuple[float, ...] | None = None
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -57,6 +60,7 @@ def verify(logits: torch.Tensor, drafts: list[tuple[int, ...]], rows: list[Sampl
     order; rows: one SamplingRow per request (as of its known output). Does not modify logits."""
     flat_rows = [r for row, d in zip(rows, drafts) for r in position_rows(row, d)]
     assert logits.shape[0] == len(flat_rows), "one logits row per verified position"
+    raw = logits
     if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty != 0.0
            or r.params.frequency_penalty != 0.0 or r.min_tokens_block for r in flat_rows):
         logits = logits.clone()
@@ -92,6 +96,11 @@ def verify(logits: torch.Tensor, drafts: list[tuple[int, ...]], rows: list[Sampl
         if next_token is None:  # every draft kept: the last row gives one more token
             last = start + len(proposal)
             next_token = greedy_tokens[last] if row.params.greedy else _draw(probs[last], generator)
-        results.append(Verified(tuple(accepted), next_token))
+        logprobs = None
+        if row.params.logprobs:  # before penalties and filtering, like the plain sampler's
+            emitted = (*accepted, next_token)
+            logprobs = tuple(torch.log_softmax(raw[start:start + len(emitted)], dim=-1)
+                             [torch.arange(len(emitted)), torch.tensor(emitted)].tolist())
+        results.append(Verified(tuple(accepted), next_token, logprobs))
         start += len(proposal) + 1
     return results
