@@ -7,9 +7,10 @@ in-memory global. One watcher task per worker keeps exactly one `poll` call in f
     watcher(worker-i):  poll(since_seq) ──ok──> stats, prefix events -> PrefixIndex, healthy
                               │
                               ├─ RayActorError ─> unhealthy; sleep; poll again
-                              └─ no answer within the slow-poll timeout -> unhealthy; keep
-                                 waiting on the same call (a restarting actor answers late;
-                                 piling up calls on it would only delay it)
+                              ├─ no answer within the slow-poll timeout -> late; keep
+                              │  waiting on the same call (a restarting actor answers late;
+                              │  piling up calls on it would only delay it)
+                              └─ no answer within _SLOW_POLL_CAP_S -> unhealthy
 
 Slow is not gone: a dead actor's call fails (RayActorError) and a restarting one's raises
 ActorUnavailableError, both at once; an unanswered poll only means the worker is slower than
@@ -20,7 +21,11 @@ this project's test runs on a shared 2-core machine), sending all traffic to the
 prefix families split, one worker computed 1.68x the other's tokens.
 
 A worker is routable when its last poll succeeded, it reported `healthy`, and no request
-stream has failed on that same incarnation since. A failed stream (`mark_failed`) takes
+stream has failed on that same incarnation since. A late worker (its poll unanswered past the
+slow-poll timeout, not yet past the cap) is routed to only while no on-time worker of its pool
+(main or fallback) is routable: Envoy's panic threshold in small. A slow worker beats none: when
+a node dies, the survivor suddenly holds the whole load and on a loaded machine answers its
+polls late; taking it out too refused every request ("no healthy worker") until it caught up. A failed stream (`mark_failed`) takes
 the worker out at once, without waiting for the next poll. Ray restarts the actor
 (`max_restarts=-1`); the first poll answered by the new incarnation brings it back and
 drops what the prefix index knew of the old one (its cache died with it).
@@ -73,11 +78,24 @@ class _WorkerState:
     last_error: str = ""
     last_ok_time: float = 0.0
     metrics_snapshot: bytes = b""  # the worker's EngineMetrics, as of its last poll
+    late: bool = False  # its current poll is past the slow-poll timeout (not yet the cap)
 
     @property
     def routable(self) -> bool:
         return (self.polled_ok and self.stats is not None and self.stats.healthy
                 and self.info is not None and self.info.incarnation != self.failed_incarnation)
+
+
+def routable_now(states: dict[str, _WorkerState]) -> set[str]:
+    """The workers to route to: the routable ones that are on time, plus, in a pool (main or
+    fallback) where none is on time, its routable late ones (a slow worker beats none)."""
+    result: set[str] = set()
+    for in_fallback in (False, True):
+        pool = [s for s in states.values()
+                if s.routable and s.worker_id.startswith(FALLBACK_WORKER_PREFIX) == in_fallback]
+        on_time = [s for s in pool if not s.late]
+        result.update(s.worker_id for s in (on_time or pool))
+    return result
 
 
 class WorkerPool:
@@ -143,7 +161,8 @@ class WorkerPool:
         return sorted(self._workers)
 
     def routable_ids(self) -> list[str]:
-        return [w for w in self.worker_ids if self._workers[w].routable]
+        routable = routable_now(self._workers)
+        return [w for w in self.worker_ids if w in routable]
 
     def handle(self, worker_id: str):
         return self._workers[worker_id].handle
@@ -162,12 +181,13 @@ class WorkerPool:
         """Latest stats of every worker that has reported, `healthy` as the router sees it
         (a worker whose stream just failed is unhealthy even if its last stats said not)."""
         result = []
+        routable = routable_now(self._workers)
         for worker_id in self.worker_ids:
             state = self._workers[worker_id]
             if state.stats is None:
                 continue
-            if state.stats.healthy != state.routable:
-                result.append(_with_health(state.stats, state.routable))
+            if state.stats.healthy != (worker_id in routable):
+                result.append(_with_health(state.stats, worker_id in routable))
             else:
                 result.append(state.stats)
         return result
@@ -218,7 +238,10 @@ class WorkerPool:
             try:
                 done, _ = await asyncio.wait({future}, timeout=timeout_s)
                 if not done:
-                    self._set_down(state, f"no answer to poll within {timeout_s:.1f}s")
+                    self._set_late(state, f"no answer to poll within {timeout_s:.1f}s")
+                    done, _ = await asyncio.wait({future}, timeout=max(0.0, _SLOW_POLL_CAP_S - timeout_s))
+                    if not done:
+                        self._set_down(state, f"no answer to poll within {max(timeout_s, _SLOW_POLL_CAP_S):.0f}s")
                     # A restart (process start + model load) answers late; a call that never
                     # answers is dropped after a generous bound and the poll sent again.
                     poll = await asyncio.wait_for(future, timeout=_MAX_POLL_WAIT_S)
@@ -248,6 +271,7 @@ class WorkerPool:
 
     def _apply(self, state: _WorkerState, poll: WorkerPoll) -> None:
         was_routable = state.routable
+        was_late, state.late = state.late, False  # it answered
         if state.info is not None and state.info.incarnation != poll.info.incarnation:
             # A restart: the old cache died with the old process, and these events were
             # asked for from the old incarnation's sequence numbers. Forget both and let
@@ -265,12 +289,23 @@ class WorkerPool:
         state.last_ok_time = time.time()
         if state.routable != was_routable:
             logger.info("worker %s is %s", state.worker_id, "routable" if state.routable else "not routable")
+        if state.routable != was_routable or was_late:
             self._changed.set()
+
+    def _set_late(self, state: _WorkerState, reason: str) -> None:
+        if state.polled_ok and not state.late:
+            logger.warning("worker %s late: %s (routed to only while no on-time worker is routable)",
+                           state.worker_id, reason)
+        state.late = True
+        state.last_error = reason
+        self._changed.set()
+        self._notify(None)
 
     def _set_down(self, state: _WorkerState, reason: str) -> None:
         if state.polled_ok:
             logger.warning("worker %s not answering: %s", state.worker_id, reason)
         state.polled_ok = False
+        state.late = False
         state.last_error = reason
         self._changed.set()
         self._notify(None)

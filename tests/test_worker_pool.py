@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from kvmesh.router.worker_pool import SLOW_POLL_FACTOR, slow_poll_timeout_s
+from kvmesh.core.seams import WorkerStats
+from kvmesh.router.degradation import FALLBACK_WORKER_PREFIX
+from kvmesh.router.worker_pool import SLOW_POLL_FACTOR, _WorkerState, routable_now, slow_poll_timeout_s
+from kvmesh.worker.public_api import WorkerInfo
 
 
 def test_a_slow_poll_is_judged_against_how_slowly_polls_are_answered_now():
@@ -15,3 +18,26 @@ def test_a_slow_poll_is_judged_against_how_slowly_polls_are_answered_now():
     assert slow_poll_timeout_s(2.0, [40.0]) == 60.0
     # A configured floor above the cap stays the floor.
     assert slow_poll_timeout_s(120.0, [40.0]) == 120.0
+
+
+def _state(worker_id: str, late: bool = False, polled_ok: bool = True):
+    info = WorkerInfo(worker_id=worker_id, incarnation="i1", model_name="m", block_size=16)
+    return _WorkerState(worker_id, handle=None, info=info, stats=WorkerStats(worker_id, True, 16, *([0] * 10), 0.0, 0.0),
+                        polled_ok=polled_ok, late=late)
+
+
+def test_a_late_worker_is_routed_to_only_while_no_on_time_worker_of_its_pool_is_routable():
+    fallback = f"{FALLBACK_WORKER_PREFIX}-0"
+    # Both on time: both routable. One late: only the on-time one.
+    assert routable_now({w: _state(w) for w in ("worker-0", "worker-1")}) == {"worker-0", "worker-1"}
+    assert routable_now({"worker-0": _state("worker-0", late=True), "worker-1": _state("worker-1")}) == {"worker-1"}
+    # The other one died (its poll failed): the late survivor is routed to, not dropped with it
+    # (the CI failure: a node loss left the loaded survivor late, and every request was refused).
+    states = {"worker-0": _state("worker-0", polled_ok=False), "worker-1": _state("worker-1", late=True)}
+    assert routable_now(states) == {"worker-1"}
+    # Every worker late: all of them (a slow worker beats none).
+    assert routable_now({w: _state(w, late=True) for w in ("worker-0", "worker-1")}) == {"worker-0", "worker-1"}
+    # Pools are judged apart: an on-time fallback worker does not take out the late main one.
+    assert routable_now({"worker-0": _state("worker-0", late=True), fallback: _state(fallback)}) == {"worker-0", fallback}
+    # Nothing routable at all stays nothing.
+    assert routable_now({"worker-0": _state("worker-0", polled_ok=False)}) == set()
