@@ -57,7 +57,7 @@ def _priority_victim_order(request: Request) -> tuple[int, float, float]:
     return (request.importance_class, started, request.arrival_time)
 
 
-def _tokens_left_to_compute(request: Request) -> int:
+def _known_tokens_to_compute(request: Request) -> int:
     """Tokens the model still has to run for a waiting request: its pinned prefix will be
     shared, not computed (at least one token always is, for the logits)."""
     return max(1, request.num_tokens - max(request.num_computed_tokens, request.num_reserved_cached_tokens))
@@ -75,7 +75,7 @@ def tokens_left_to_compute(request: Request) -> int:
     less one (the forward of the last known token yields the next output). The router's load guard
     compares workers by this sum, the work they have to do, not by the KV they hold: a
     worker whose requests hit a long cached prefix holds much KV and has little to compute."""
-    return _tokens_left_to_compute(request) - 1 + _output_tokens_left(request)
+    return _known_tokens_to_compute(request) - 1 + _output_tokens_left(request)
 
 
 @dataclass
@@ -389,7 +389,7 @@ class Scheduler:
         (thrashing); past the limit a request is never chosen again and runs to the end."""
         if not self.config.priority_preemption:
             return False
-        if budget.grant(_tokens_left_to_compute(request)) == 0 and not any(
+        if budget.grant(_known_tokens_to_compute(request)) == 0 and not any(
                 r.request_id in plan.scheduled_ids and r.importance_class > request.importance_class
                 for r in self.running):
             return False  # out of step budget, and no victim would give any back: wait a step
@@ -551,7 +551,7 @@ class Scheduler:
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting),
             num_swapped=sum(r.is_swapped for r in self.waiting),
-            queued_prompt_tokens=sum(_tokens_left_to_compute(r) for r in self.waiting),
+            queued_prompt_tokens=sum(_known_tokens_to_compute(r) for r in self.waiting),
             kv_tokens_used=kv_stats.kv_tokens_used,
             kv_tokens_reserved=self.admission.committed_tokens(self._shared_tokens()),
             kv_tokens_budget=self.admission.budget_tokens,
