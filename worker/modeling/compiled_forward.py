@@ -41,6 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
+# The eager definitions, traced as they are: the compiled layer rounds exactly as eager does.
+from kvmesh.worker.modeling.torch_ops import fused_add_rms_norm, rms_norm, silu_and_mul
+
 logger = logging.getLogger(__name__)
 
 _step = threading.local()  # the running step's context, set around each compiled call
@@ -88,12 +91,6 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor, sc
     return torch.empty_like(q)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # the eager definition's rounding (worker/modeling/torch_ops.py): fp32 normalise, cast, scale
-    x32 = x.to(torch.float32)
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
-
-
 @dataclass(frozen=True)
 class _Shape:
     """What every layer shares (one graph serves them all): sizes and constants."""
@@ -123,21 +120,19 @@ def _layer(shape: _Shape, x: torch.Tensor, residual: torch.Tensor, layer: torch.
     residual stream) -> (this layer's MLP output, its residual stream). Layer 0 gets
     residual = 0 (x + 0 == x exactly)."""
     t, nq, nkv, d = x.shape[0], shape.num_heads, shape.num_kv_heads, shape.head_dim
-    residual = x + residual
-    h = _rms_norm(residual, input_norm, shape.eps)
+    h, residual = fused_add_rms_norm(x, residual, input_norm, shape.eps)
     qkv = opaque_linear(h, layer, QKV, (nq + 2 * nkv) * d).view(t, nq + 2 * nkv, d)
     qk = qkv[:, :nq + nkv]
     qk = qk * cos + qk.roll(d // 2, dims=-1) * sin  # RotaryTables.rotate
     attn = paged_attention(qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:], layer, shape.scale)
     residual = opaque_linear(attn.reshape(t, nq * d), layer, O, shape.hidden) + residual
-    h = _rms_norm(residual, post_norm, shape.eps)
-    gate_up = opaque_linear(h, layer, GATE_UP, 2 * shape.intermediate)
-    act = torch.nn.functional.silu(gate_up[:, :shape.intermediate]) * gate_up[:, shape.intermediate:]
+    h = rms_norm(residual, post_norm, shape.eps)
+    act = silu_and_mul(opaque_linear(h, layer, GATE_UP, 2 * shape.intermediate))
     return opaque_linear(act, layer, DOWN, shape.hidden), residual
 
 
 def _final_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _rms_norm(x + residual, weight, eps)
+    return fused_add_rms_norm(x, residual, weight, eps)[0]
 
 
 class CompiledDecoder:
