@@ -53,7 +53,7 @@ from kvmesh.core.config import RouterConfig, SchedulerConfig
 from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.kv.kv_cache_manager import KVCacheManager
 from kvmesh.load_tests.routing_campaign import family_workload, oracle_hit_rate
-from kvmesh.router.admission import cost_with_cached_prefix, request_cost_tokens
+from kvmesh.router.admission import cost_with_cached_prefix
 from kvmesh.router.prefix_index import PrefixIndex
 from kvmesh.router.routing import RequestSizeMeter, RoundRobinCursor, choose_worker, is_spill
 from kvmesh.core.seams import SamplingParams
@@ -134,6 +134,7 @@ class SimResult:
     sim_duration_s: float
     wall_s: float
     oracle_hit_rate: float = 0.0  # the best any router could do on these requests (routing_campaign.oracle_hit_rate)
+    routing_paths: dict[str, int] = field(default_factory=dict)  # choose_worker's decisions by RoutingPath
 
 
 class _Clock:
@@ -155,7 +156,6 @@ class _SimRequest:
     request: Request | None = None
     first_token_s: float | None = None
     in_flight_token: int | None = None
-    observed: bool = False  # its size went into the request-size meter (a queued retry does not count twice)
 
 
 class _SimWorker:
@@ -237,6 +237,7 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
     events: list = []  # (time, seq, kind, payload)
     seq = itertools.count()
     spills = collections.Counter()
+    paths = collections.Counter()  # why each dispatch went where it did (RoutingPath values)
     finished: list[_SimRequest] = []
 
     def push(at: float, kind: str, payload=None) -> None:
@@ -254,9 +255,6 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
         # (resident or claimed by a request in flight on that worker) as cached.
         matched = index.longest_prefix(sim_request.hashes, include_in_flight=in_flight_claims) \
             if policy == "prefix_aware" else {}
-        if not exclude and not sim_request.observed:  # as router_core: once per request
-            sizes.observe(request_cost_tokens(prompt_len, sampling, cluster.block_size))
-            sim_request.observed = True
         eligible = []
         for worker_id, s in stats.items():
             cost = cost_with_cached_prefix(prompt_len, sampling, cluster.block_size, matched.get(worker_id, 0))
@@ -270,6 +268,7 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
                                  sizes.mean_tokens())
         if is_spill(matched, [s for s, _ in eligible], decision.worker_id):
             spills["preferred_full"] += 1
+        paths[decision.path.value] += 1
         worker_id = decision.worker_id
         request = Request(f"r{sim_request.index}", sim_request.prompt, sampling, arrival_time=clock.now,
                           extra_keys=EXTRA_KEYS)
@@ -279,6 +278,7 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
             spills["worker_refused"] += 1
             return try_dispatch(sim_request, exclude | {worker_id})
         sent_since_poll[worker_id] += costs[worker_id]
+        sizes.observe(costs[worker_id])  # as admission: the margin's unit is what each dispatch cost its worker
         sim_request.worker_id, sim_request.request = worker_id, request
         by_id[request.request_id] = sim_request
         if in_flight_claims and policy == "prefix_aware" and sim_request.hashes:
@@ -339,10 +339,11 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
                     push(clock.now, "arrive", pending.popleft())
             kick(payload)
             pump()
-    return _result(policy, cluster, workload, workers, finished, spills, clock.now, time.perf_counter() - started_wall)
+    return _result(policy, cluster, workload, workers, finished, spills, clock.now, time.perf_counter() - started_wall,
+                   paths)
 
 
-def _result(policy, cluster, workload, workers, finished, spills, sim_s, wall_s) -> SimResult:
+def _result(policy, cluster, workload, workers, finished, spills, sim_s, wall_s, paths) -> SimResult:
     ttfts = sorted(r.first_token_s - r.arrival_s for r in finished if r.first_token_s is not None)
     prompt = sum(r.request.num_prompt_tokens for r in finished)
     cached = sum(r.request.num_cached_tokens for r in finished)
@@ -364,7 +365,8 @@ def _result(policy, cluster, workload, workers, finished, spills, sim_s, wall_s)
         mean_families_per_worker=statistics.mean(len(sim.families) for sim in workers.values()),
         sim_duration_s=sim_s, wall_s=wall_s,
         oracle_hit_rate=oracle_hit_rate([r.prompt for r in sorted(finished, key=lambda r: r.arrival_s)],
-                                        cluster.block_size))
+                                        cluster.block_size),
+        routing_paths=dict(paths))
 
 
 def measure_cost_model(model: dict | None = None, prefill_tokens: int = 512, decode_batch: int = 8,

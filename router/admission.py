@@ -113,6 +113,7 @@ from dataclasses import dataclass
 from kvmesh.core.config import RouterConfig
 from kvmesh.kv.kv_cost import request_kv_tokens
 from kvmesh.core.seams import SamplingParams, WorkerStats
+from kvmesh.router.routing import RequestSizeMeter
 from kvmesh.core.errors import (
     DeadlineExceededError,
     DeadlineUnmeetableError,
@@ -260,6 +261,9 @@ class AdmissionController:
         self._pending: dict[str, list[AdmissionTicket]] = collections.defaultdict(list)  # sent since refresh
         self._live: set[AdmissionTicket] = set()
         self._retry_tokens_live = 0
+        # The load guard's unit (routing.imbalance_margin_tokens): the mean cost of recent
+        # tickets, the same tokens `in_flight_tokens` adds to a worker's load.
+        self._admitted_sizes = RequestSizeMeter()
         self._first_lane: collections.deque[_Waiter] = collections.deque()
         self._retry_lane: collections.deque[_Waiter] = collections.deque()
         self.retry_slots = math.floor(config.max_queue_len * config.retry_lane_fraction)
@@ -359,6 +363,11 @@ class AdmissionController:
         """Tokens admitted per worker since its stats were taken (add them to its load)."""
         return {w: sum(t.cost_tokens for t in ts) for w, ts in self._pending.items()}
 
+    def mean_admitted_tokens(self) -> float:
+        """Mean cost of the recent tickets (0.0 before any): what one admitted request adds to
+        its worker's load, cache hits at their uncached cost. The imbalance margin's unit."""
+        return self._admitted_sizes.mean_tokens()
+
     def snapshot(self) -> AdmissionSnapshot:
         healthy = self._healthy()
         return AdmissionSnapshot(
@@ -447,6 +456,7 @@ class AdmissionController:
         ticket.shared_class = self._in_shared_class(priority_class)
         self._pending[worker_id].append(ticket)
         self._live.add(ticket)
+        self._admitted_sizes.observe(ticket.cost_tokens)
         if attempt > 1:
             self._retry_tokens_live += ticket.cost_tokens
         return ticket

@@ -351,6 +351,40 @@ def test_a_follower_of_a_family_in_flight_is_charged_only_its_tail_where_the_fir
     asyncio.run(main())
 
 
+def test_the_load_guard_s_mean_request_is_what_admissions_cost_their_workers_as_the_load_counts_it():
+    """The 16-worker table's shape: a 6,000-token prefix cached on w0 + a 1,200-token question,
+    32 output tokens. A cache hit adds 1,232 tokens to w0's load (its tail), a miss 7,232. The
+    margin of the load guard is 2 mean requests; measured in the load's unit (the tickets'
+    costs) w0 may run two hits ahead and the fourth hit in a row spills. Measured in whole
+    KV sizes (7,232 each: the unit mix-up) the margin would be 14,464 tokens and all four
+    would stay on w0."""
+    from kvmesh.router.routing import RoutingPath
+
+    async def main():
+        sampling = SamplingParams(max_tokens=32)
+        whole = request_cost_tokens(7200, sampling, block_size=16)
+        hit = cost_with_cached_prefix(7200, sampling, 16, cached_blocks=375)
+        assert (whole, hit) == (7232, 1232)
+        admission = controller([stats("w0", capacity=10**6), stats("w1", capacity=10**6)])
+        assert admission.mean_admitted_tokens() == 0.0
+        matched, config, rng = {"w0": 375}, RouterConfig(policy="prefix_aware"), random.Random(0)
+        paths = []
+
+        def route(eligible, in_flight):
+            decision = choose_worker(matched, eligible, config, rng, None, in_flight,
+                                     admission.mean_admitted_tokens())
+            paths.append((decision.worker_id, decision.path))
+            return decision.worker_id
+
+        tickets = [await admission.acquire(whole, route=route, cost_for=lambda w: cost_with_cached_prefix(
+            7200, sampling, 16, matched.get(w, 0))) for _ in range(4)]
+        assert paths == [("w0", RoutingPath.PREFIX_MATCH)] * 3 + [("w1", RoutingPath.PREFIX_IMBALANCED)]
+        assert [t.cost_tokens for t in tickets] == [hit, hit, hit, whole]
+        # The unit is the load's own: the mean ticket is the in-flight tokens per ticket.
+        assert admission.mean_admitted_tokens() == sum(admission.in_flight_tokens().values()) / 4 == (3 * hit + whole) / 4
+    asyncio.run(main())
+
+
 def test_a_full_preferred_worker_spills_to_one_with_room_and_only_none_means_overloaded():
     async def main():
         admission = controller([stats("w0", reserved=990), stats("w1", reserved=100)], max_queue_wait_s=0.01)
