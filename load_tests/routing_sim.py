@@ -489,12 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     loads = [dict(qps=q) for q in args.qps] if args.qps else [dict(concurrency=c) for c in (args.concurrency or [4])]
     router = RouterConfig(imbalance_abs_tokens=args.imbalance_abs_tokens,
                           imbalance_margin_requests=args.imbalance_margin_requests)
-    if args.replay_campaign:
-        results = replay_campaign(args.replay_campaign, cost, router, args.concurrency, args.num_requests)
-        print(markdown_table(results))
-        return 0
-    results = []
-    for num_workers in args.workers:
+    results = replay_campaign(args.replay_campaign, cost, router, args.concurrency, args.num_requests) \
+        if args.replay_campaign else []
+    for num_workers in ([] if args.replay_campaign else args.workers):
         cluster = SimCluster(num_workers, args.num_blocks, args.block_size, args.max_num_seqs,
                              args.max_num_batched_tokens, args.stats_refresh_s, cost=cost)
         for load in loads:

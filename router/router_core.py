@@ -289,6 +289,7 @@ class RouterCore:
                 tracing.set_route_candidates(span, decision, matched, eligible, in_flight)
             if is_spill(matched, eligible, decision.worker_id):
                 self.metrics.observe_spill("preferred_full")
+            self.metrics.observe_route(decision.path.value)
             decisions.append(decision)
             return decision.worker_id
 
