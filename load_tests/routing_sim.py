@@ -156,6 +156,8 @@ class _SimRequest:
     request: Request | None = None
     first_token_s: float | None = None
     in_flight_token: int | None = None
+    sent_at: float = 0.0  # when it was dispatched, and what its worker was charged (the ticket)
+    cost_tokens: int = 0
 
 
 class _SimWorker:
@@ -230,7 +232,9 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
     index = PrefixIndex(linger_s=4 * cluster.stats_refresh_s, clock=clock)
     rng, cursor, sizes = random.Random(workload.seed + 1), RoundRobinCursor(), RequestSizeMeter()
     stats = {w: worker_stats(sim.scheduler, w) for w, sim in workers.items()}
-    sent_since_poll: dict[str, int] = collections.Counter()
+    sent_since_poll: dict[str, int] = collections.Counter()  # the router's pending tickets per worker
+    released_since_poll: dict[str, int] = collections.Counter()  # credited tickets (admission's "Released requests")
+    last_poll_s = -math.inf
     requests = make_requests(workload, cluster.block_size)
     by_id: dict[str, _SimRequest] = {}
     queue: collections.deque[_SimRequest] = collections.deque()
@@ -258,7 +262,7 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
         eligible = []
         for worker_id, s in stats.items():
             cost = cost_with_cached_prefix(prompt_len, sampling, cluster.block_size, matched.get(worker_id, 0))
-            committed = s.kv_tokens_reserved + sent_since_poll[worker_id]
+            committed = max(0, s.kv_tokens_reserved - released_since_poll[worker_id]) + sent_since_poll[worker_id]
             if worker_id not in exclude and committed + cost <= s.kv_tokens_capacity:
                 eligible.append((s, cost))
         if not eligible:
@@ -278,6 +282,7 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
             spills["worker_refused"] += 1
             return try_dispatch(sim_request, exclude | {worker_id})
         sent_since_poll[worker_id] += costs[worker_id]
+        sim_request.sent_at, sim_request.cost_tokens = clock.now, costs[worker_id]
         sizes.observe(costs[worker_id])  # as admission: the margin's unit is what each dispatch cost its worker
         sim_request.worker_id, sim_request.request = worker_id, request
         by_id[request.request_id] = sim_request
@@ -319,6 +324,8 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
                 index.apply(sim.scheduler.kv.events_since(index.next_seq(worker_id)))
                 stats[worker_id] = worker_stats(sim.scheduler, worker_id)
             sent_since_poll.clear()
+            released_since_poll.clear()
+            last_poll_s = at
             pump()
             push(at + cluster.stats_refresh_s, "poll")
         elif kind == "step_done":
@@ -327,6 +334,12 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
                 by_id[request.request_id].first_token_s = clock.now
             for request_id in sim.finished_ids:
                 done = by_id.pop(request_id)
+                # As admission releases the ticket: from the pending ones, or credited against
+                # the report that counts it (the simulated polls are exact: sent before = counted).
+                if done.sent_at < last_poll_s:
+                    released_since_poll[payload] += done.cost_tokens
+                else:
+                    sent_since_poll[payload] -= done.cost_tokens
                 finished.append(done)
                 if done.in_flight_token is not None:
                     index.end_in_flight(done.in_flight_token)

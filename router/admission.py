@@ -50,6 +50,16 @@ test_overload_e2e.py): forgetting at `taken_at` itself let the router over-admit
 burst, and the workers' own admission turned those requests away after they had crossed
 the cluster. Keeping them one period longer errs on the side of counting a request twice.
 
+Released requests: a ticket released (its request ended on the worker) after the report
+that surely counts it (it was already forgotten) gives its cost back at once: it is
+credited against that report until one requested after the release, which no longer holds
+it. Without the credit a worker that had just finished its requests still looked full for
+the rest of the refresh period, and a family's next request, a cache hit there, was sent to
+the other worker as a whole-prompt miss (a `preferred_full` spill that put the family on
+both workers: the 2-worker routing campaign at 16 in flight, docs/routing.md). The credit is
+the ticket's own cost: a first request's prefix that followers still pin is credited too
+early; the worker's own admission then refuses what does not fit, and the router re-routes.
+
 Queue: requests that do not fit wait (per lane: by priority class, lower = more important,
 then FIFO) until a refresh or a release makes room, up to `max_queue_wait_s` or their
 deadline. A more important request therefore waits only behind requests of its own class or
@@ -259,6 +269,9 @@ class AdmissionController:
         self._last_place = -math.inf  # see now()
         self._reported_at: dict[str, float] = {}  # worker id -> when its current stats were requested
         self._pending: dict[str, list[AdmissionTicket]] = collections.defaultdict(list)  # sent since refresh
+        # Tickets released after the worker's report surely counted them (see "Released
+        # requests"): credited against that report until a report requested after the release.
+        self._released: dict[str, list[tuple[float, AdmissionTicket]]] = collections.defaultdict(list)
         self._live: set[AdmissionTicket] = set()
         self._retry_tokens_live = 0
         # The load guard's unit (routing.imbalance_margin_tokens): the mean cost of recent
@@ -279,6 +292,13 @@ class AdmissionController:
             if self._stats.get(w.worker_id) is not w:
                 self._reported_at[w.worker_id] = taken_at
         self._stats = {w.worker_id: w for w in workers}
+        for worker_id in list(self._released):
+            reported_at = self._reported_at.get(worker_id, -math.inf) if worker_id in self._stats else math.inf
+            kept_released = [(at, t) for at, t in self._released[worker_id] if at >= reported_at]
+            if kept_released:
+                self._released[worker_id] = kept_released
+            else:
+                del self._released[worker_id]
         for worker_id in list(self._pending):
             if worker_id not in self._stats:
                 del self._pending[worker_id]
@@ -393,9 +413,11 @@ class AdmissionController:
             reported_at = self._reported_at.get(worker_id, -math.inf)
             tickets = [t for t in tickets if t.sent_at >= reported_at]
         stats = self._stats[worker_id]
+        released = [t for _, t in self._released.get(worker_id, ())]
         if shared_classes:
-            return stats.kv_tokens_reserved_shared + sum(t.cost_tokens for t in tickets if t.shared_class)
-        return stats.kv_tokens_reserved + sum(t.cost_tokens for t in tickets)
+            return (max(0, stats.kv_tokens_reserved_shared - sum(t.cost_tokens for t in released if t.shared_class))
+                    + sum(t.cost_tokens for t in tickets if t.shared_class))
+        return max(0, stats.kv_tokens_reserved - sum(t.cost_tokens for t in released)) + sum(t.cost_tokens for t in tickets)
 
     def _in_shared_class(self, priority_class: int) -> bool:
         return self._shared_class_fraction < 1.0 and priority_class >= self._reserved_below_class
@@ -470,6 +492,8 @@ class AdmissionController:
             pending.remove(ticket)
             if not pending:
                 del self._pending[ticket.worker_id]
+        elif ticket.worker_id in self._stats:  # forgotten: the worker's report surely counts it
+            self._released[ticket.worker_id].append((self._clock(), ticket))
         self._pump()
 
     async def _wait(self, lane: collections.deque, cost_tokens: int, attempt: int, route: RouteFn | None,

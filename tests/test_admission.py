@@ -85,14 +85,13 @@ def test_a_burst_between_refreshes_cannot_over_admit():
         assert admission.in_flight_tokens() == {}
         await settle()
         assert not fourth.done()
-        tickets[0].release()  # finishing frees nothing the router can see until the next refresh
-        await settle()
-        assert not fourth.done()
-        clock.now += 1
-        admission.update_stats([stats("w0", reserved=600)], taken_at=clock.now)
+        tickets[0].release()  # one the report counts ended: its room is free at once
         ticket = await asyncio.wait_for(fourth, 1)
         assert ticket.worker_id == "w0"
         assert admission.snapshot().num_in_flight == 3
+        clock.now += 1
+        admission.update_stats([stats("w0", reserved=900)], taken_at=clock.now)
+        assert admission.snapshot().committed_tokens == 900  # the next report has the fourth, not the first
     asyncio.run(main())
 
 
@@ -106,6 +105,34 @@ def test_releasing_before_the_next_refresh_returns_the_in_flight_tokens():
         async with await admission.acquire(1000):
             assert admission.snapshot().num_in_flight == 1
         assert admission.snapshot().num_in_flight == 0
+    asyncio.run(main())
+
+
+def test_a_request_ending_after_its_worker_reported_it_frees_its_room_at_once_not_at_the_next_report():
+    """The report that counts a running request stays the router's view until the next poll;
+    the request ending in between gives its reservation back at once (credited against that
+    report), so a family's next request is not turned away from its worker (a spill) for the
+    rest of the refresh period. A report requested after the end carries it, credit gone."""
+    async def main():
+        clock = FakeClock()
+        admission = controller([stats("w0", reserved=900, capacity=1000)], clock=clock)
+        ticket = await admission.acquire(100)
+        clock.now += 1.0  # a report requested well after the send surely counts it
+        admission.update_stats([stats("w0", reserved=1000, capacity=1000)], taken_at=clock.now)
+        assert admission.in_flight_tokens() == {} and admission.snapshot().committed_tokens == 1000
+        with pytest.raises(OverloadedError):
+            await admission.acquire(100, max_wait_s=0)
+        clock.now += 0.1
+        ticket.release()  # ended on the worker: its 100 tokens are free there now
+        assert admission.snapshot().committed_tokens == 900
+        follower = await admission.acquire(100, max_wait_s=0)
+        assert admission.snapshot().committed_tokens == 1000
+        # The next report (requested after the release) already lacks the ended request: no credit.
+        clock.now += 0.1
+        admission.update_stats([stats("w0", reserved=1000, capacity=1000)], taken_at=clock.now)
+        assert admission.snapshot().committed_tokens == 1000 + 100  # the follower, kept a refresh longer
+        follower.release()
+        assert admission.snapshot().committed_tokens == 1000
     asyncio.run(main())
 
 
