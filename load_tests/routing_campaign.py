@@ -264,8 +264,9 @@ def run_campaign(spec: dict, out_dir: Path) -> list[RunFigures]:
 def markdown_table(results: list[RunFigures], num_families: int) -> str:
     by_key = {(r.concurrency, r.policy): r for r in results}
     lines = ["| in flight | hit rate PA / RR (oracle) | ratio (oracle / RR) | TTFT P50 PA / RR (ms) | ratio "
-             "| computed max/min PA (RR) | families on both workers PA (RR) | families per worker PA |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| computed max/min PA (RR) | families on both workers PA (RR) | families per worker PA "
+             "| PA spills full / refused |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for concurrency in sorted({r.concurrency for r in results}):
         pa, rr = by_key.get((concurrency, "prefix_aware")), by_key.get((concurrency, "round_robin"))
         if pa is None or rr is None or not pa.num_served or not rr.num_served:
@@ -276,7 +277,9 @@ def markdown_table(results: list[RunFigures], num_families: int) -> str:
             f"| {pa.ttft_p50_ms:.0f} / {rr.ttft_p50_ms:.0f} | {pa.ttft_p50_ms / rr.ttft_p50_ms:.2f} "
             f"| {pa.computed_max_over_min:.2f} ({rr.computed_max_over_min:.2f}) "
             f"| {pa.families_on_both} ({rr.families_on_both}) of {num_families} "
-            f"| {dict(sorted(pa.families_per_worker.items()))} |")
+            f"| {dict(sorted(pa.families_per_worker.items()))} "
+            f"| {pa.router_counters.get('spills:preferred_full', 0):.0f} / "
+            f"{pa.router_counters.get('spills:worker_refused', 0):.0f} |")
     return "\n".join(lines)
 
 
