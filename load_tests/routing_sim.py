@@ -335,9 +335,12 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
             for request_id in sim.finished_ids:
                 done = by_id.pop(request_id)
                 # As admission releases the ticket: from the pending ones, or credited against
-                # the report that counts it (the simulated polls are exact: sent before = counted).
+                # the report that counts it (the simulated polls are exact: sent before = counted)
+                # with what the worker frees, as router_core reckons it.
                 if done.sent_at < last_poll_s:
-                    released_since_poll[payload] += done.cost_tokens
+                    released_since_poll[payload] += done.cost_tokens if done.in_flight_token is None else \
+                        cost_with_cached_prefix(len(done.prompt), done.request.sampling, cluster.block_size,
+                                                index.shared_with_live_requests(done.in_flight_token))
                 else:
                     sent_since_poll[payload] -= done.cost_tokens
                 finished.append(done)

@@ -57,8 +57,13 @@ it. Without the credit a worker that had just finished its requests still looked
 the rest of the refresh period, and a family's next request, a cache hit there, was sent to
 the other worker as a whole-prompt miss (a `preferred_full` spill that put the family on
 both workers: the 2-worker routing campaign at 16 in flight, docs/routing.md). The credit is
-the ticket's own cost: a first request's prefix that followers still pin is credited too
-early; the worker's own admission then refuses what does not fit, and the router re-routes.
+what the worker frees (`AdmissionTicket.freed_on_release`): the request's blocks less the
+prompt blocks other requests running there still hold, per the router's prefix index. So a
+family's first request ending while a follower runs frees only its tail (the follower keeps
+the prefix pinned), and the last one to end frees the prefix too, whoever was charged for
+it (the worker counts a pinned prefix once, to whoever holds it). A credit that is still too
+large (another router replica's requests) is caught by the worker's own admission, and the
+router re-routes.
 
 Queue: requests that do not fit wait (per lane: by priority class, lower = more important,
 then FIFO) until a refresh or a release makes room, up to `max_queue_wait_s` or their
@@ -179,6 +184,9 @@ class AdmissionTicket:
         self.sent_at = sent_at  # monotonic clock of the controller
         self.queue_wait_s = queue_wait_s
         self.shared_class = False  # of a class sharing the rest of a kept KV share (see _fits)
+        # KV tokens its worker frees when it ends (its blocks less those other requests running
+        # there still hold), when the router knows better than the cost; read at release.
+        self.freed_on_release: Callable[[], int] | None = None
         self.released = False
         self._on_release: list[Callable[[], None]] = []
 
@@ -271,7 +279,7 @@ class AdmissionController:
         self._pending: dict[str, list[AdmissionTicket]] = collections.defaultdict(list)  # sent since refresh
         # Tickets released after the worker's report surely counted them (see "Released
         # requests"): credited against that report until a report requested after the release.
-        self._released: dict[str, list[tuple[float, AdmissionTicket]]] = collections.defaultdict(list)
+        self._released: dict[str, list[tuple[float, AdmissionTicket, int]]] = collections.defaultdict(list)
         self._live: set[AdmissionTicket] = set()
         self._retry_tokens_live = 0
         # The load guard's unit (routing.imbalance_margin_tokens): the mean cost of recent
@@ -294,7 +302,7 @@ class AdmissionController:
         self._stats = {w.worker_id: w for w in workers}
         for worker_id in list(self._released):
             reported_at = self._reported_at.get(worker_id, -math.inf) if worker_id in self._stats else math.inf
-            kept_released = [(at, t) for at, t in self._released[worker_id] if at >= reported_at]
+            kept_released = [entry for entry in self._released[worker_id] if entry[0] >= reported_at]
             if kept_released:
                 self._released[worker_id] = kept_released
             else:
@@ -413,11 +421,11 @@ class AdmissionController:
             reported_at = self._reported_at.get(worker_id, -math.inf)
             tickets = [t for t in tickets if t.sent_at >= reported_at]
         stats = self._stats[worker_id]
-        released = [t for _, t in self._released.get(worker_id, ())]
+        released = self._released.get(worker_id, ())
         if shared_classes:
-            return (max(0, stats.kv_tokens_reserved_shared - sum(t.cost_tokens for t in released if t.shared_class))
+            return (max(0, stats.kv_tokens_reserved_shared - sum(credit for _, t, credit in released if t.shared_class))
                     + sum(t.cost_tokens for t in tickets if t.shared_class))
-        return max(0, stats.kv_tokens_reserved - sum(t.cost_tokens for t in released)) + sum(t.cost_tokens for t in tickets)
+        return max(0, stats.kv_tokens_reserved - sum(credit for _, _, credit in released)) + sum(t.cost_tokens for t in tickets)
 
     def _in_shared_class(self, priority_class: int) -> bool:
         return self._shared_class_fraction < 1.0 and priority_class >= self._reserved_below_class
@@ -493,7 +501,8 @@ class AdmissionController:
             if not pending:
                 del self._pending[ticket.worker_id]
         elif ticket.worker_id in self._stats:  # forgotten: the worker's report surely counts it
-            self._released[ticket.worker_id].append((self._clock(), ticket))
+            freed = ticket.freed_on_release() if ticket.freed_on_release is not None else ticket.cost_tokens
+            self._released[ticket.worker_id].append((self._clock(), ticket, freed))
         self._pump()
 
     async def _wait(self, lane: collections.deque, cost_tokens: int, attempt: int, route: RouteFn | None,

@@ -301,6 +301,9 @@ class RouterCore:
             cost_for=lambda w: cost_with_cached_prefix(num_prompt, sampling, block_size, matched.get(w, 0), output))
         if hashes:  # the family's next request follows this one before the worker reports it
             token = index.add_in_flight(ticket.worker_id, hashes)
+            # Its worker frees its blocks less those other requests running there still hold.
+            ticket.freed_on_release = lambda: cost_with_cached_prefix(
+                num_prompt, sampling, block_size, index.shared_with_live_requests(token), output)
             ticket.on_release(lambda: index.end_in_flight(token))
         holder = transfer_source(resident, ticket.worker_id, set(self.pool.routable_ids()) - exclude)
         info = self.pool.info(holder) if holder is not None else None

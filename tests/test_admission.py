@@ -136,6 +136,43 @@ def test_a_request_ending_after_its_worker_reported_it_frees_its_room_at_once_no
     asyncio.run(main())
 
 
+def test_a_first_request_ending_while_its_follower_runs_is_credited_only_what_the_worker_frees():
+    """The family's first request computed the 33-block prefix (charged 560); its follower on
+    the same worker shares it (charged its tail). When the first one ends the worker keeps the
+    prefix pinned for the follower, so the router credits only the first one's own tail; when
+    the follower ends too, the worker frees its tail and the prefix (pinned, counted once, by
+    nobody now), and so does the credit: the router's wiring (router_core)."""
+    from kvmesh.kv.hashing import hash_full_blocks
+    from kvmesh.router.prefix_index import PrefixIndex
+
+    async def main():
+        clock, sampling = FakeClock(), SamplingParams(max_tokens=8)
+        prefix = list(range(1000, 1528))  # 33 blocks
+        first, follower = prefix + list(range(2000, 2024)), prefix + list(range(3000, 3024))
+        index = PrefixIndex(linger_s=1.0, clock=clock)
+        admission = controller([stats("w0", capacity=2048)], clock=clock)
+        tickets = []
+        for prompt in (first, follower):
+            hashes = hash_full_blocks(prompt, 16, ())
+            matched = index.longest_prefix(hashes)
+            ticket = await admission.acquire(request_cost_tokens(552, sampling, block_size=16), cost_for=lambda w: (
+                cost_with_cached_prefix(552, sampling, 16, matched.get(w, 0))))
+            token = index.add_in_flight("w0", hashes)
+            ticket.freed_on_release = lambda token=token: cost_with_cached_prefix(
+                552, sampling, 16, index.shared_with_live_requests(token))
+            ticket.on_release(lambda token=token: index.end_in_flight(token))
+            tickets.append(ticket)
+        assert [t.cost_tokens for t in tickets] == [560, 560 - 33 * 16]
+        clock.now += 1.0  # the worker's report counts both: the prefix once, two tails
+        admission.update_stats([stats("w0", reserved=560 + 32, capacity=2048)], taken_at=clock.now)
+        assert admission.snapshot().committed_tokens == 592
+        tickets[0].release()  # the follower still pins the prefix: only the first one's tail is free
+        assert admission.snapshot().committed_tokens == 592 - 32
+        tickets[1].release()
+        assert admission.snapshot().committed_tokens == 0
+    asyncio.run(main())
+
+
 def test_full_queue_rejects_at_once_with_retry_after_from_the_measured_drain_rate():
     async def main():
         # 2 first-attempt slots; two workers draining 40 + 60 = 100 output tokens/s.
