@@ -209,7 +209,7 @@ class RouterConfig:
     num_replicas: int = 1
     policy: str = "prefix_aware"  # prefix_aware | least_loaded | round_robin
     # Prefix affinity yields to load when the preferred worker's load exceeds the least
-    # loaded worker's by both of these.
+    # loaded worker's by both of these (load: tokens still to compute, router/routing.py).
     imbalance_ratio: float = 1.5
     imbalance_abs_tokens: int = 2048
     # Admission: requests waiting at the router beyond the workers' budgets, and the share
@@ -227,10 +227,10 @@ class RouterConfig:
     # resumed on a survivor (prompt + the tokens streamed so far) at most this many times;
     # 0 = the client gets a retryable WorkerFailedError instead.
     max_stream_resumptions: int = 1
-    # The absolute imbalance margin is at least this many mean requests (the KV tokens of the
-    # router's recent requests, prompt + max_tokens): a fixed token count below one request
-    # lets a single queued request break affinity (long prompts), one far above it never
-    # does (short ones). 0 = imbalance_abs_tokens alone.
+    # The absolute imbalance margin is at least this many mean requests, in the load's unit
+    # (what recent admissions cost their workers: a cache hit its uncached tail): a fixed
+    # token count below one request lets a single queued request break affinity (long
+    # prompts), one far above it never does (short ones). 0 = imbalance_abs_tokens alone.
     imbalance_margin_requests: float = 2.0
 
     def validate(self) -> None:

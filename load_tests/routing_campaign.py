@@ -12,7 +12,10 @@ trailing metadata), cached tokens (final usage), TTFT (client clock, send to fir
 
 Figures per run: prefix hit rate (cached / prompt tokens), TTFT P50/P90, tokens computed per
 worker (prompt - cached + completion) and their max/min, families per worker, families on
-more than one worker, and router refusals seen by the client after its retries.
+more than one worker, requests per family and worker, router refusals seen by the client
+after its retries, and what the router saw (its /metrics over the run: spills by reason,
+routing decisions by path), which tells a family split by the load guard from one split by
+a full KV budget.
 Results: DIR/routing_campaign.json and a markdown table on stdout.
 """
 
@@ -29,7 +32,7 @@ import os
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
@@ -63,6 +66,8 @@ class RunFigures:
     families_on_both: int
     wall_s: float
     oracle_hit_rate: float = 0.0  # the best any router could reach on this run's requests
+    requests_per_family_worker: dict[str, int] = field(default_factory=dict)  # "f0@worker-1" -> requests
+    router_counters: dict[str, float] = field(default_factory=dict)  # "spills:preferred_full", "paths:no_prefix", ...
 
 
 def family_workload(spec: dict, seed: int) -> list[tuple[int, list[int]]]:
@@ -108,7 +113,7 @@ def computed_tokens_per_worker(served) -> dict[str, int]:
 
 
 def figures(policy: str, concurrency: int, served: list[Served], num_failed: int, wall_s: float,
-            oracle: float = 0.0) -> RunFigures:
+            oracle: float = 0.0, router_counters: dict[str, float] | None = None) -> RunFigures:
     computed = computed_tokens_per_worker(served)
     families = collections.defaultdict(set)
     for s in served:
@@ -124,7 +129,41 @@ def figures(policy: str, concurrency: int, served: list[Served], num_failed: int
         computed_tokens_per_worker=computed,
         computed_max_over_min=max(values) / min(values) if len(values) > 1 and min(values) > 0 else float("inf"),
         families_per_worker=dict(per_worker), families_on_both=sum(len(ws) > 1 for ws in families.values()),
-        wall_s=wall_s, oracle_hit_rate=oracle)
+        wall_s=wall_s, oracle_hit_rate=oracle,
+        requests_per_family_worker=dict(sorted(collections.Counter(f"f{s.family}@{s.worker_id}" for s in served).items())),
+        router_counters=router_counters or {})
+
+
+# The router's counters a run reports: metric name -> its one label.
+ROUTER_COUNTERS = {"kvmesh_routing_spills_total": "reason", "kvmesh_routing_decisions_total": "path"}
+
+
+def router_counters(http_base: str, settle_timeout_s: float = 90.0) -> dict[str, float]:
+    """What the router saw over a run: its spill and routing-path counters from /metrics, as
+    {"spills:preferred_full": n, "paths:no_prefix": n, ...}. Each run deploys a fresh router
+    replica (counters from 0), but /metrics also sums the previous replicas' last snapshots
+    until they go stale (60 s, router/metrics.py MetricsBoard), so this waits until the view
+    holds one replica (each replica's `kvmesh_quota_store_fallback_active` carries its id);
+    "replicas_in_view" says how many it held when it gave up waiting."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + settle_timeout_s
+    while True:
+        counters: dict[str, float] = {}
+        replicas = set()
+        for family in text_string_to_metric_families(httpx.get(f"{http_base}/metrics", timeout=10).text):
+            for sample in family.samples:
+                if sample.name == "kvmesh_quota_store_fallback_active":
+                    replicas.add(sample.labels.get("replica"))
+                label = ROUTER_COUNTERS.get(sample.name)
+                if label is not None and sample.value:
+                    key = f"{'spills' if 'spills' in sample.name else 'paths'}:{sample.labels[label]}"
+                    counters[key] = counters.get(key, 0.0) + sample.value
+        if len(replicas) <= 1 or time.monotonic() > deadline:
+            counters["replicas_in_view"] = len(replicas)
+            return counters
+        time.sleep(2.0)
 
 
 class _CallRecorder:
@@ -210,7 +249,8 @@ def run_campaign(spec: dict, out_dir: Path) -> list[RunFigures]:
                             print(f"request failed: {exc}", flush=True)
                             failed += 1
                 result = figures(policy, concurrency, served, failed, time.perf_counter() - started,
-                                 oracle_hit_rate([p for _, p in workload], spec["block_size"]))
+                                 oracle_hit_rate([p for _, p in workload], spec["block_size"]),
+                                 router_counters(f"http://127.0.0.1:{config.router.http_port}"))
                 results.append(result)
                 print(json.dumps(asdict(result)), flush=True)
     finally:
@@ -224,8 +264,9 @@ def run_campaign(spec: dict, out_dir: Path) -> list[RunFigures]:
 def markdown_table(results: list[RunFigures], num_families: int) -> str:
     by_key = {(r.concurrency, r.policy): r for r in results}
     lines = ["| in flight | hit rate PA / RR (oracle) | ratio (oracle / RR) | TTFT P50 PA / RR (ms) | ratio "
-             "| computed max/min PA (RR) | families on both workers PA (RR) | families per worker PA |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| computed max/min PA (RR) | families on both workers PA (RR) | families per worker PA "
+             "| PA spills full / refused |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for concurrency in sorted({r.concurrency for r in results}):
         pa, rr = by_key.get((concurrency, "prefix_aware")), by_key.get((concurrency, "round_robin"))
         if pa is None or rr is None or not pa.num_served or not rr.num_served:
@@ -236,7 +277,9 @@ def markdown_table(results: list[RunFigures], num_families: int) -> str:
             f"| {pa.ttft_p50_ms:.0f} / {rr.ttft_p50_ms:.0f} | {pa.ttft_p50_ms / rr.ttft_p50_ms:.2f} "
             f"| {pa.computed_max_over_min:.2f} ({rr.computed_max_over_min:.2f}) "
             f"| {pa.families_on_both} ({rr.families_on_both}) of {num_families} "
-            f"| {dict(sorted(pa.families_per_worker.items()))} |")
+            f"| {dict(sorted(pa.families_per_worker.items()))} "
+            f"| {pa.router_counters.get('spills:preferred_full', 0):.0f} / "
+            f"{pa.router_counters.get('spills:worker_refused', 0):.0f} |")
     return "\n".join(lines)
 
 

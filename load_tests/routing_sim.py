@@ -53,7 +53,7 @@ from kvmesh.core.config import RouterConfig, SchedulerConfig
 from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.kv.kv_cache_manager import KVCacheManager
 from kvmesh.load_tests.routing_campaign import family_workload, oracle_hit_rate
-from kvmesh.router.admission import cost_with_cached_prefix, request_cost_tokens
+from kvmesh.router.admission import cost_with_cached_prefix
 from kvmesh.router.prefix_index import PrefixIndex
 from kvmesh.router.routing import RequestSizeMeter, RoundRobinCursor, choose_worker, is_spill
 from kvmesh.core.seams import SamplingParams
@@ -134,6 +134,7 @@ class SimResult:
     sim_duration_s: float
     wall_s: float
     oracle_hit_rate: float = 0.0  # the best any router could do on these requests (routing_campaign.oracle_hit_rate)
+    routing_paths: dict[str, int] = field(default_factory=dict)  # choose_worker's decisions by RoutingPath
 
 
 class _Clock:
@@ -155,7 +156,8 @@ class _SimRequest:
     request: Request | None = None
     first_token_s: float | None = None
     in_flight_token: int | None = None
-    observed: bool = False  # its size went into the request-size meter (a queued retry does not count twice)
+    sent_at: float = 0.0  # when it was dispatched, and what its worker was charged (the ticket)
+    cost_tokens: int = 0
 
 
 class _SimWorker:
@@ -230,13 +232,16 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
     index = PrefixIndex(linger_s=4 * cluster.stats_refresh_s, clock=clock)
     rng, cursor, sizes = random.Random(workload.seed + 1), RoundRobinCursor(), RequestSizeMeter()
     stats = {w: worker_stats(sim.scheduler, w) for w, sim in workers.items()}
-    sent_since_poll: dict[str, int] = collections.Counter()
+    sent_since_poll: dict[str, int] = collections.Counter()  # the router's pending tickets per worker
+    released_since_poll: dict[str, int] = collections.Counter()  # credited tickets (admission's "Released requests")
+    last_poll_s = -math.inf
     requests = make_requests(workload, cluster.block_size)
     by_id: dict[str, _SimRequest] = {}
     queue: collections.deque[_SimRequest] = collections.deque()
     events: list = []  # (time, seq, kind, payload)
     seq = itertools.count()
     spills = collections.Counter()
+    paths = collections.Counter()  # why each dispatch went where it did (RoutingPath values)
     finished: list[_SimRequest] = []
 
     def push(at: float, kind: str, payload=None) -> None:
@@ -254,13 +259,10 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
         # (resident or claimed by a request in flight on that worker) as cached.
         matched = index.longest_prefix(sim_request.hashes, include_in_flight=in_flight_claims) \
             if policy == "prefix_aware" else {}
-        if not exclude and not sim_request.observed:  # as router_core: once per request
-            sizes.observe(request_cost_tokens(prompt_len, sampling, cluster.block_size))
-            sim_request.observed = True
         eligible = []
         for worker_id, s in stats.items():
             cost = cost_with_cached_prefix(prompt_len, sampling, cluster.block_size, matched.get(worker_id, 0))
-            committed = s.kv_tokens_reserved + sent_since_poll[worker_id]
+            committed = max(0, s.kv_tokens_reserved - released_since_poll[worker_id]) + sent_since_poll[worker_id]
             if worker_id not in exclude and committed + cost <= s.kv_tokens_capacity:
                 eligible.append((s, cost))
         if not eligible:
@@ -270,6 +272,7 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
                                  sizes.mean_tokens())
         if is_spill(matched, [s for s, _ in eligible], decision.worker_id):
             spills["preferred_full"] += 1
+        paths[decision.path.value] += 1
         worker_id = decision.worker_id
         request = Request(f"r{sim_request.index}", sim_request.prompt, sampling, arrival_time=clock.now,
                           extra_keys=EXTRA_KEYS)
@@ -279,6 +282,8 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
             spills["worker_refused"] += 1
             return try_dispatch(sim_request, exclude | {worker_id})
         sent_since_poll[worker_id] += costs[worker_id]
+        sim_request.sent_at, sim_request.cost_tokens = clock.now, costs[worker_id]
+        sizes.observe(costs[worker_id])  # as admission: the margin's unit is what each dispatch cost its worker
         sim_request.worker_id, sim_request.request = worker_id, request
         by_id[request.request_id] = sim_request
         if in_flight_claims and policy == "prefix_aware" and sim_request.hashes:
@@ -319,6 +324,8 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
                 index.apply(sim.scheduler.kv.events_since(index.next_seq(worker_id)))
                 stats[worker_id] = worker_stats(sim.scheduler, worker_id)
             sent_since_poll.clear()
+            released_since_poll.clear()
+            last_poll_s = at
             pump()
             push(at + cluster.stats_refresh_s, "poll")
         elif kind == "step_done":
@@ -327,6 +334,15 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
                 by_id[request.request_id].first_token_s = clock.now
             for request_id in sim.finished_ids:
                 done = by_id.pop(request_id)
+                # As admission releases the ticket: from the pending ones, or credited against
+                # the report that counts it (the simulated polls are exact: sent before = counted)
+                # with what the worker frees, as router_core reckons it.
+                if done.sent_at < last_poll_s:
+                    released_since_poll[payload] += done.cost_tokens if done.in_flight_token is None else \
+                        cost_with_cached_prefix(len(done.prompt), done.request.sampling, cluster.block_size,
+                                                index.shared_with_live_requests(done.in_flight_token))
+                else:
+                    sent_since_poll[payload] -= done.cost_tokens
                 finished.append(done)
                 if done.in_flight_token is not None:
                     index.end_in_flight(done.in_flight_token)
@@ -339,10 +355,11 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
                     push(clock.now, "arrive", pending.popleft())
             kick(payload)
             pump()
-    return _result(policy, cluster, workload, workers, finished, spills, clock.now, time.perf_counter() - started_wall)
+    return _result(policy, cluster, workload, workers, finished, spills, clock.now, time.perf_counter() - started_wall,
+                   paths)
 
 
-def _result(policy, cluster, workload, workers, finished, spills, sim_s, wall_s) -> SimResult:
+def _result(policy, cluster, workload, workers, finished, spills, sim_s, wall_s, paths) -> SimResult:
     ttfts = sorted(r.first_token_s - r.arrival_s for r in finished if r.first_token_s is not None)
     prompt = sum(r.request.num_prompt_tokens for r in finished)
     cached = sum(r.request.num_cached_tokens for r in finished)
@@ -364,7 +381,8 @@ def _result(policy, cluster, workload, workers, finished, spills, sim_s, wall_s)
         mean_families_per_worker=statistics.mean(len(sim.families) for sim in workers.values()),
         sim_duration_s=sim_s, wall_s=wall_s,
         oracle_hit_rate=oracle_hit_rate([r.prompt for r in sorted(finished, key=lambda r: r.arrival_s)],
-                                        cluster.block_size))
+                                        cluster.block_size),
+        routing_paths=dict(paths))
 
 
 def measure_cost_model(model: dict | None = None, prefill_tokens: int = 512, decode_batch: int = 8,
@@ -487,12 +505,9 @@ def main(argv: list[str] | None = None) -> int:
     loads = [dict(qps=q) for q in args.qps] if args.qps else [dict(concurrency=c) for c in (args.concurrency or [4])]
     router = RouterConfig(imbalance_abs_tokens=args.imbalance_abs_tokens,
                           imbalance_margin_requests=args.imbalance_margin_requests)
-    if args.replay_campaign:
-        results = replay_campaign(args.replay_campaign, cost, router, args.concurrency, args.num_requests)
-        print(markdown_table(results))
-        return 0
-    results = []
-    for num_workers in args.workers:
+    results = replay_campaign(args.replay_campaign, cost, router, args.concurrency, args.num_requests) \
+        if args.replay_campaign else []
+    for num_workers in ([] if args.replay_campaign else args.workers):
         cluster = SimCluster(num_workers, args.num_blocks, args.block_size, args.max_num_seqs,
                              args.max_num_batched_tokens, args.stats_refresh_s, cost=cost)
         for load in loads:

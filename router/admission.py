@@ -50,6 +50,21 @@ test_overload_e2e.py): forgetting at `taken_at` itself let the router over-admit
 burst, and the workers' own admission turned those requests away after they had crossed
 the cluster. Keeping them one period longer errs on the side of counting a request twice.
 
+Released requests: a ticket released (its request ended on the worker) after the report
+that surely counts it (it was already forgotten) gives its cost back at once: it is
+credited against that report until one requested after the release, which no longer holds
+it. Without the credit a worker that had just finished its requests still looked full for
+the rest of the refresh period, and a family's next request, a cache hit there, was sent to
+the other worker as a whole-prompt miss (a `preferred_full` spill that put the family on
+both workers: the 2-worker routing campaign at 16 in flight, docs/routing.md). The credit is
+what the worker frees (`AdmissionTicket.freed_on_release`): the request's blocks less the
+prompt blocks other requests running there still hold, per the router's prefix index. So a
+family's first request ending while a follower runs frees only its tail (the follower keeps
+the prefix pinned), and the last one to end frees the prefix too, whoever was charged for
+it (the worker counts a pinned prefix once, to whoever holds it). A credit that is still too
+large (another router replica's requests) is caught by the worker's own admission, and the
+router re-routes.
+
 Queue: requests that do not fit wait (per lane: by priority class, lower = more important,
 then FIFO) until a refresh or a release makes room, up to `max_queue_wait_s` or their
 deadline. A more important request therefore waits only behind requests of its own class or
@@ -113,6 +128,7 @@ from dataclasses import dataclass
 from kvmesh.core.config import RouterConfig
 from kvmesh.kv.kv_cost import request_kv_tokens
 from kvmesh.core.seams import SamplingParams, WorkerStats
+from kvmesh.router.routing import RequestSizeMeter
 from kvmesh.core.errors import (
     DeadlineExceededError,
     DeadlineUnmeetableError,
@@ -168,6 +184,9 @@ class AdmissionTicket:
         self.sent_at = sent_at  # monotonic clock of the controller
         self.queue_wait_s = queue_wait_s
         self.shared_class = False  # of a class sharing the rest of a kept KV share (see _fits)
+        # KV tokens its worker frees when it ends (its blocks less those other requests running
+        # there still hold), when the router knows better than the cost; read at release.
+        self.freed_on_release: Callable[[], int] | None = None
         self.released = False
         self._on_release: list[Callable[[], None]] = []
 
@@ -258,8 +277,14 @@ class AdmissionController:
         self._last_place = -math.inf  # see now()
         self._reported_at: dict[str, float] = {}  # worker id -> when its current stats were requested
         self._pending: dict[str, list[AdmissionTicket]] = collections.defaultdict(list)  # sent since refresh
+        # Tickets released after the worker's report surely counted them (see "Released
+        # requests"): credited against that report until a report requested after the release.
+        self._released: dict[str, list[tuple[float, AdmissionTicket, int]]] = collections.defaultdict(list)
         self._live: set[AdmissionTicket] = set()
         self._retry_tokens_live = 0
+        # The load guard's unit (routing.imbalance_margin_tokens): the mean cost of recent
+        # tickets, the same tokens `in_flight_tokens` adds to a worker's load.
+        self._admitted_sizes = RequestSizeMeter()
         self._first_lane: collections.deque[_Waiter] = collections.deque()
         self._retry_lane: collections.deque[_Waiter] = collections.deque()
         self.retry_slots = math.floor(config.max_queue_len * config.retry_lane_fraction)
@@ -275,6 +300,13 @@ class AdmissionController:
             if self._stats.get(w.worker_id) is not w:
                 self._reported_at[w.worker_id] = taken_at
         self._stats = {w.worker_id: w for w in workers}
+        for worker_id in list(self._released):
+            reported_at = self._reported_at.get(worker_id, -math.inf) if worker_id in self._stats else math.inf
+            kept_released = [entry for entry in self._released[worker_id] if entry[0] >= reported_at]
+            if kept_released:
+                self._released[worker_id] = kept_released
+            else:
+                del self._released[worker_id]
         for worker_id in list(self._pending):
             if worker_id not in self._stats:
                 del self._pending[worker_id]
@@ -359,6 +391,11 @@ class AdmissionController:
         """Tokens admitted per worker since its stats were taken (add them to its load)."""
         return {w: sum(t.cost_tokens for t in ts) for w, ts in self._pending.items()}
 
+    def mean_admitted_tokens(self) -> float:
+        """Mean cost of the recent tickets (0.0 before any): what one admitted request adds to
+        its worker's load, cache hits at their uncached cost. The imbalance margin's unit."""
+        return self._admitted_sizes.mean_tokens()
+
     def snapshot(self) -> AdmissionSnapshot:
         healthy = self._healthy()
         return AdmissionSnapshot(
@@ -384,9 +421,11 @@ class AdmissionController:
             reported_at = self._reported_at.get(worker_id, -math.inf)
             tickets = [t for t in tickets if t.sent_at >= reported_at]
         stats = self._stats[worker_id]
+        released = self._released.get(worker_id, ())
         if shared_classes:
-            return stats.kv_tokens_reserved_shared + sum(t.cost_tokens for t in tickets if t.shared_class)
-        return stats.kv_tokens_reserved + sum(t.cost_tokens for t in tickets)
+            return (max(0, stats.kv_tokens_reserved_shared - sum(credit for _, t, credit in released if t.shared_class))
+                    + sum(t.cost_tokens for t in tickets if t.shared_class))
+        return max(0, stats.kv_tokens_reserved - sum(credit for _, _, credit in released)) + sum(t.cost_tokens for t in tickets)
 
     def _in_shared_class(self, priority_class: int) -> bool:
         return self._shared_class_fraction < 1.0 and priority_class >= self._reserved_below_class
@@ -447,6 +486,7 @@ class AdmissionController:
         ticket.shared_class = self._in_shared_class(priority_class)
         self._pending[worker_id].append(ticket)
         self._live.add(ticket)
+        self._admitted_sizes.observe(ticket.cost_tokens)
         if attempt > 1:
             self._retry_tokens_live += ticket.cost_tokens
         return ticket
@@ -460,6 +500,9 @@ class AdmissionController:
             pending.remove(ticket)
             if not pending:
                 del self._pending[ticket.worker_id]
+        elif ticket.worker_id in self._stats:  # forgotten: the worker's report surely counts it
+            freed = ticket.freed_on_release() if ticket.freed_on_release is not None else ticket.cost_tokens
+            self._released[ticket.worker_id].append((self._clock(), ticket, freed))
         self._pump()
 
     async def _wait(self, lane: collections.deque, cost_tokens: int, attempt: int, route: RouteFn | None,

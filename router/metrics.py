@@ -69,6 +69,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvmesh.core.seams import FinishReason, RequestTimings, Usage, WorkerStats
 from kvmesh.core.telemetry import EngineMetrics  # re-exported: the worker side of step time
 from kvmesh.router.degradation import STEPS as DEGRADATION_STEPS  # cap | fallback | reject, in order
+from kvmesh.router.routing import RoutingPath
 
 __all__ = ["CONTENT_TYPE", "EngineMetrics", "MetricsBoard", "RouterMetrics", "get_or_create_board",
            "render_merged", "start_publishing", "worker_families"]
@@ -84,6 +85,7 @@ REJECTION_REASONS = ("quota", "overload", "deadline", "evicted", "invalid", "una
 TIMEOUT_STAGES = ("admission", "stream")
 FINISH_TIMEOUT = "timeout"  # finish_reason label of a request whose deadline passed (not an error)
 SPILL_REASONS = ("preferred_full", "worker_refused")
+ROUTING_PATHS = tuple(path.value for path in RoutingPath)
 
 # Seconds. Latency buckets span 1 ms (CPU decode step) to 5 min (long generations in a queue).
 _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -168,6 +170,12 @@ class RouterMetrics:
             "Requests the degradation ladder handled, by its step (cap: max_tokens capped; fallback: "
             "sent to the fallback pool; reject: every step failed, refused with retry-after).",
             "step", DEGRADATION_STEPS)
+        self.routing_decisions = counter_by(
+            "routing_decisions",
+            "Routing decisions by the policy's path (prefix_match: longest cached prefix within the load "
+            "guard; prefix_spill / prefix_imbalanced: the guard moved it; no_prefix: nothing matched among the "
+            "workers with room; least_loaded / round_robin: those policies). A worker refusal's re-route counts again.",
+            "path", ROUTING_PATHS)
         self.quota_fallback = Gauge(PREFIX + "quota_store_fallback_active",
                                     "1 while Redis is unreachable and local per-replica limits apply.",
                                     ["replica"], registry=r)
@@ -232,6 +240,11 @@ class RouterMetrics:
         if reason not in SPILL_REASONS:
             raise ValueError(f"spill reason must be one of {SPILL_REASONS}, got {reason!r}")
         self.routing_spills.labels(reason).inc()
+
+    def observe_route(self, path: str) -> None:
+        if path not in ROUTING_PATHS:
+            raise ValueError(f"routing path must be one of {ROUTING_PATHS}, got {path!r}")
+        self.routing_decisions.labels(path).inc()
 
     def observe_degraded(self, step: str) -> None:
         if step not in DEGRADATION_STEPS:

@@ -116,6 +116,22 @@ class PrefixIndex:
         if entry is not None and entry.expires_at is None:
             entry.expires_at = self._clock() + self.linger_s
 
+    def shared_with_live_requests(self, token: int) -> int:
+        """Leading blocks of in-flight request `token`'s prefix that another request still
+        running on the same worker (its claim not ended) also claims: blocks that worker
+        keeps pinned when this one ends (admission credits the rest of its cost)."""
+        entry = self._in_flight.get(token)
+        if entry is None:
+            return 0
+        others = [e.block_hashes for t, e in self._in_flight.items()
+                  if t != token and e.worker_id == entry.worker_id and e.expires_at is None]
+        shared = 0
+        for i, block_hash in enumerate(entry.block_hashes):
+            if not any(i < len(other) and other[i] == block_hash for other in others):
+                break
+            shared += 1
+        return shared
+
     def remove_worker(self, worker_id: str) -> None:
         """Forget a dead or removed worker entirely; it is never reported as a match again."""
         self._drop_blocks(worker_id)

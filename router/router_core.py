@@ -53,7 +53,7 @@ from kvmesh.router.convert import InboundRequest
 from kvmesh.router.fairness import TenantBacklog, engine_priority
 from kvmesh.router.metrics import FINISH_TIMEOUT, RouterMetrics
 from kvmesh.router.quota import QuotaStore, Reservation, check_request_fits
-from kvmesh.router.routing import RequestSizeMeter, RoundRobinCursor, RoutingDecision, choose_worker, is_spill
+from kvmesh.router.routing import RoundRobinCursor, RoutingDecision, choose_worker, is_spill
 from kvmesh.router.tenants import Tenant
 from kvmesh.router.worker_pool import WorkerPool
 from kvmesh.worker.public_api import render_chat
@@ -103,7 +103,6 @@ class RouterCore:
         self._tracer = tracer or tracing.get_tracer()  # the global provider: a no-op until set up
         self._rng = random.Random()
         self._cursor = RoundRobinCursor()
-        self._request_sizes = RequestSizeMeter()  # the unit of the load guard's margin
         self._extra_keys: dict[str | None, tuple[str, ...]] = {}  # cache salt -> block extra keys
         self.in_flight = 0
         self.live_request_ids: set[str] = set()  # scoped ids of this replica's admitted requests
@@ -260,7 +259,6 @@ class RouterCore:
         """Wait for KV budget on some worker of the main pool (of the fallback pool when
         `fallback`); the routing policy picks among those with room. The third value is the
         request with the chosen worker's transfer hint set (`kv_source`, see transfer_source)."""
-        readmission = bool(exclude)  # the same request again, not another one
         other_pool = (frozenset(self.pool.worker_ids) - self.pool.fallback_ids) if fallback else self.pool.fallback_ids
         exclude = exclude | other_pool
         hashes = await self._prefix_hashes(request)
@@ -278,19 +276,20 @@ class RouterCore:
         output = None if self.output_estimate is None else self.output_estimate.estimate(
             request.tenant_id, sampling.max_tokens)
         whole_cost = request_cost_tokens(num_prompt, sampling, block_size=block_size, output_tokens=output)
-        if not readmission:
-            self._request_sizes.observe(whole_cost)
 
         def route(eligible: list[WorkerStats], in_flight) -> str:
             with self._tracer.start_as_current_span(tracing.SPAN_ROUTE, context=parent) as span:
+                # The margin's mean request in the load's unit: what admissions cost their
+                # workers (a cache hit its tail), not the request's whole KV size.
                 decision = choose_worker(matched, eligible, self.config.router, self._rng, self._cursor, in_flight,
-                                         self._request_sizes.mean_tokens(),
+                                         self.admission.mean_admitted_tokens(),
                                          index.num_blocks_known() if not matched else None)
                 tracing.set_route_attributes(span, decision.worker_id, decision.matched_blocks,
                                              self.config.router.policy)
                 tracing.set_route_candidates(span, decision, matched, eligible, in_flight)
             if is_spill(matched, eligible, decision.worker_id):
                 self.metrics.observe_spill("preferred_full")
+            self.metrics.observe_route(decision.path.value)
             decisions.append(decision)
             return decision.worker_id
 
@@ -302,6 +301,9 @@ class RouterCore:
             cost_for=lambda w: cost_with_cached_prefix(num_prompt, sampling, block_size, matched.get(w, 0), output))
         if hashes:  # the family's next request follows this one before the worker reports it
             token = index.add_in_flight(ticket.worker_id, hashes)
+            # Its worker frees its blocks less those other requests running there still hold.
+            ticket.freed_on_release = lambda: cost_with_cached_prefix(
+                num_prompt, sampling, block_size, index.shared_with_live_requests(token), output)
             ticket.on_release(lambda: index.end_in_flight(token))
         holder = transfer_source(resident, ticket.worker_id, set(self.pool.routable_ids()) - exclude)
         info = self.pool.info(holder) if holder is not None else None

@@ -10,8 +10,12 @@
 - extra_load_tokens: tokens the router sent a worker since its stats were taken
   (admission's in-flight accounting), so a burst between refreshes is not all sent to the
   one worker that looked idle;
-- mean_request_tokens: the mean KV tokens (prompt + max_tokens) of the router's recent
-  requests (`RequestSizeMeter`), which scales the absolute imbalance margin.
+- mean_request_tokens: the mean tokens the router's recent admissions added to their
+  workers' load (each one's uncached cost where it went: `AdmissionController.
+  mean_admitted_tokens`, a `RequestSizeMeter`), which scales the absolute imbalance margin.
+  It must be in the load's unit (below): a request's whole KV size (prompt + max_tokens)
+  counts a cached prefix the load leaves out, and made the margin ~12 cache hits wide on the
+  16-worker table (6k-token prefixes) instead of ~2 requests (docs/routing.md).
 
 The absolute margin is `max(imbalance_abs_tokens, imbalance_margin_requests x mean request)`
 (`imbalance_margin_tokens`). A fixed token count means different things for different
@@ -19,7 +23,9 @@ request mixes: 2,048 tokens is ~4 of the 2-worker campaign's 550-token requests 
 one 7.2k-token request of the 16-worker table, where one queued request on a hot worker then
 broke affinity and families spread over up to 15 workers (simulated: hit rate 0.34 against
 0.58 with a margin of ~2 requests at 8 QPS). In units of requests the guard says the same
-thing for every mix: "spill when the hot worker is more than ~2 requests ahead".
+thing for every mix: "spill when the hot worker is more than ~2 requests ahead", a request
+counted at what it cost the worker it went to (a cache hit its tail, a miss its whole prompt),
+as the load counts it.
 
 A worker's load is `tokens_to_compute (+ extra)`: the forward-pass tokens its running and
 waiting requests still need (prompt not yet computed, a cached prefix left out, plus output
@@ -102,18 +108,20 @@ class RoundRobinCursor:
 
 
 class RequestSizeMeter:
-    """Mean KV tokens of the last `window` requests the router routed: the unit of the
-    imbalance margin. One per router replica (no module state)."""
+    """Mean tokens of the last `window` admissions, each the cost its worker's load was
+    charged (`AdmissionTicket.cost_tokens`: the prompt blocks not cached there + output): the
+    unit of the imbalance margin, the same unit as the load it is compared with. One per
+    router replica (no module state)."""
 
     def __init__(self, window: int = 256) -> None:
         self._sizes: collections.deque[int] = collections.deque(maxlen=window)
         self._sum = 0
 
-    def observe(self, kv_tokens: int) -> None:
+    def observe(self, admitted_tokens: int) -> None:
         if len(self._sizes) == self._sizes.maxlen:
             self._sum -= self._sizes[0]
-        self._sizes.append(kv_tokens)
-        self._sum += kv_tokens
+        self._sizes.append(admitted_tokens)
+        self._sum += admitted_tokens
 
     def mean_tokens(self) -> float:
         """0.0 before any request."""

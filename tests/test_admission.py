@@ -85,14 +85,13 @@ def test_a_burst_between_refreshes_cannot_over_admit():
         assert admission.in_flight_tokens() == {}
         await settle()
         assert not fourth.done()
-        tickets[0].release()  # finishing frees nothing the router can see until the next refresh
-        await settle()
-        assert not fourth.done()
-        clock.now += 1
-        admission.update_stats([stats("w0", reserved=600)], taken_at=clock.now)
+        tickets[0].release()  # one the report counts ended: its room is free at once
         ticket = await asyncio.wait_for(fourth, 1)
         assert ticket.worker_id == "w0"
         assert admission.snapshot().num_in_flight == 3
+        clock.now += 1
+        admission.update_stats([stats("w0", reserved=900)], taken_at=clock.now)
+        assert admission.snapshot().committed_tokens == 900  # the next report has the fourth, not the first
     asyncio.run(main())
 
 
@@ -106,6 +105,71 @@ def test_releasing_before_the_next_refresh_returns_the_in_flight_tokens():
         async with await admission.acquire(1000):
             assert admission.snapshot().num_in_flight == 1
         assert admission.snapshot().num_in_flight == 0
+    asyncio.run(main())
+
+
+def test_a_request_ending_after_its_worker_reported_it_frees_its_room_at_once_not_at_the_next_report():
+    """The report that counts a running request stays the router's view until the next poll;
+    the request ending in between gives its reservation back at once (credited against that
+    report), so a family's next request is not turned away from its worker (a spill) for the
+    rest of the refresh period. A report requested after the end carries it, credit gone."""
+    async def main():
+        clock = FakeClock()
+        admission = controller([stats("w0", reserved=900, capacity=1000)], clock=clock)
+        ticket = await admission.acquire(100)
+        clock.now += 1.0  # a report requested well after the send surely counts it
+        admission.update_stats([stats("w0", reserved=1000, capacity=1000)], taken_at=clock.now)
+        assert admission.in_flight_tokens() == {} and admission.snapshot().committed_tokens == 1000
+        with pytest.raises(OverloadedError):
+            await admission.acquire(100, max_wait_s=0)
+        clock.now += 0.1
+        ticket.release()  # ended on the worker: its 100 tokens are free there now
+        assert admission.snapshot().committed_tokens == 900
+        follower = await admission.acquire(100, max_wait_s=0)
+        assert admission.snapshot().committed_tokens == 1000
+        # The next report (requested after the release) already lacks the ended request: no credit.
+        clock.now += 0.1
+        admission.update_stats([stats("w0", reserved=1000, capacity=1000)], taken_at=clock.now)
+        assert admission.snapshot().committed_tokens == 1000 + 100  # the follower, kept a refresh longer
+        follower.release()
+        assert admission.snapshot().committed_tokens == 1000
+    asyncio.run(main())
+
+
+def test_a_first_request_ending_while_its_follower_runs_is_credited_only_what_the_worker_frees():
+    """The family's first request computed the 33-block prefix (charged 560); its follower on
+    the same worker shares it (charged its tail). When the first one ends the worker keeps the
+    prefix pinned for the follower, so the router credits only the first one's own tail; when
+    the follower ends too, the worker frees its tail and the prefix (pinned, counted once, by
+    nobody now), and so does the credit: the router's wiring (router_core)."""
+    from kvmesh.kv.hashing import hash_full_blocks
+    from kvmesh.router.prefix_index import PrefixIndex
+
+    async def main():
+        clock, sampling = FakeClock(), SamplingParams(max_tokens=8)
+        prefix = list(range(1000, 1528))  # 33 blocks
+        first, follower = prefix + list(range(2000, 2024)), prefix + list(range(3000, 3024))
+        index = PrefixIndex(linger_s=1.0, clock=clock)
+        admission = controller([stats("w0", capacity=2048)], clock=clock)
+        tickets = []
+        for prompt in (first, follower):
+            hashes = hash_full_blocks(prompt, 16, ())
+            matched = index.longest_prefix(hashes)
+            ticket = await admission.acquire(request_cost_tokens(552, sampling, block_size=16), cost_for=lambda w: (
+                cost_with_cached_prefix(552, sampling, 16, matched.get(w, 0))))
+            token = index.add_in_flight("w0", hashes)
+            ticket.freed_on_release = lambda token=token: cost_with_cached_prefix(
+                552, sampling, 16, index.shared_with_live_requests(token))
+            ticket.on_release(lambda token=token: index.end_in_flight(token))
+            tickets.append(ticket)
+        assert [t.cost_tokens for t in tickets] == [560, 560 - 33 * 16]
+        clock.now += 1.0  # the worker's report counts both: the prefix once, two tails
+        admission.update_stats([stats("w0", reserved=560 + 32, capacity=2048)], taken_at=clock.now)
+        assert admission.snapshot().committed_tokens == 592
+        tickets[0].release()  # the follower still pins the prefix: only the first one's tail is free
+        assert admission.snapshot().committed_tokens == 592 - 32
+        tickets[1].release()
+        assert admission.snapshot().committed_tokens == 0
     asyncio.run(main())
 
 
@@ -348,6 +412,40 @@ def test_a_follower_of_a_family_in_flight_is_charged_only_its_tail_where_the_fir
             route=lambda eligible, in_flight: choose_worker(matched, eligible, RouterConfig(), random.Random(0),
                                                             None, in_flight).worker_id)
         assert ticket.worker_id == "w0" and ticket.cost_tokens == 560 - 34 * 16  # the tail block: 8 prompt + 8 output
+    asyncio.run(main())
+
+
+def test_the_load_guard_s_mean_request_is_what_admissions_cost_their_workers_as_the_load_counts_it():
+    """The 16-worker table's shape: a 6,000-token prefix cached on w0 + a 1,200-token question,
+    32 output tokens. A cache hit adds 1,232 tokens to w0's load (its tail), a miss 7,232. The
+    margin of the load guard is 2 mean requests; measured in the load's unit (the tickets'
+    costs) w0 may run two hits ahead and the fourth hit in a row spills. Measured in whole
+    KV sizes (7,232 each: the unit mix-up) the margin would be 14,464 tokens and all four
+    would stay on w0."""
+    from kvmesh.router.routing import RoutingPath
+
+    async def main():
+        sampling = SamplingParams(max_tokens=32)
+        whole = request_cost_tokens(7200, sampling, block_size=16)
+        hit = cost_with_cached_prefix(7200, sampling, 16, cached_blocks=375)
+        assert (whole, hit) == (7232, 1232)
+        admission = controller([stats("w0", capacity=10**6), stats("w1", capacity=10**6)])
+        assert admission.mean_admitted_tokens() == 0.0
+        matched, config, rng = {"w0": 375}, RouterConfig(policy="prefix_aware"), random.Random(0)
+        paths = []
+
+        def route(eligible, in_flight):
+            decision = choose_worker(matched, eligible, config, rng, None, in_flight,
+                                     admission.mean_admitted_tokens())
+            paths.append((decision.worker_id, decision.path))
+            return decision.worker_id
+
+        tickets = [await admission.acquire(whole, route=route, cost_for=lambda w: cost_with_cached_prefix(
+            7200, sampling, 16, matched.get(w, 0))) for _ in range(4)]
+        assert paths == [("w0", RoutingPath.PREFIX_MATCH)] * 3 + [("w1", RoutingPath.PREFIX_IMBALANCED)]
+        assert [t.cost_tokens for t in tickets] == [hit, hit, hit, whole]
+        # The unit is the load's own: the mean ticket is the in-flight tokens per ticket.
+        assert admission.mean_admitted_tokens() == sum(admission.in_flight_tokens().values()) / 4 == (3 * hit + whole) / 4
     asyncio.run(main())
 
 

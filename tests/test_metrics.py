@@ -110,6 +110,19 @@ def test_rejections_retries_and_quota_fallback():
     assert value(scrape(metrics.render()), "kvmesh_quota_store_fallback_active", replica="r0") == 0
 
 
+def test_routing_decisions_are_counted_by_path_every_path_present_from_the_start():
+    metrics = RouterMetrics(replica_id="r0")
+    assert value(scrape(metrics.render()), "kvmesh_routing_decisions_total", path="prefix_imbalanced") == 0
+    for path in ("prefix_match", "prefix_match", "no_prefix"):
+        metrics.observe_route(path)
+    with pytest.raises(ValueError):
+        metrics.observe_route("coin_toss")
+    s = scrape(metrics.render())
+    assert value(s, "kvmesh_routing_decisions_total", path="prefix_match") == 2
+    assert value(s, "kvmesh_routing_decisions_total", path="no_prefix") == 1
+    assert value(s, "kvmesh_routing_decisions_total", path="prefix_spill") == 0
+
+
 def test_worker_gauges_from_stats():
     metrics = RouterMetrics(replica_id="r0", max_num_seqs=4)
     metrics.update_worker_stats([worker_stats("w0", used=20, tokens_used=300),
