@@ -332,9 +332,9 @@ class Scheduler:
         plan = _StepPlan()
         for request in [r for r in self.running if r.owed_kv_tokens]:
             self._preempt(request, plan)  # its reservation was taken (add_request): it may not grow
-        num_reservations_taken = len(plan.preempted_ids)
+        num_owing_preempted = len(plan.preempted_ids)
         self._schedule_running(budget, plan)
-        if len(plan.preempted_ids) == num_reservations_taken:  # blocks freed for lack of blocks go
+        if len(plan.preempted_ids) == num_owing_preempted:  # blocks freed for lack of blocks go
             self._schedule_waiting(budget, plan, now)  # to the preempted first, not to newcomers
         self.kv.flush_events()
         tier = self.kv.take_tier_copies()
