@@ -266,14 +266,20 @@ def _steps_until_done(engine, first, later, after_steps):
     return {rid: tokens(deltas) for rid, deltas in out.items()}, first_token, finished
 
 
-@pytest.mark.parametrize("preemption", [True, False])
-def test_priority_preemption_serves_the_important_request_first_with_the_same_greedy_output(
-        tiny_model_dir, engine, preemption):
+def _low_and_vip(engine):
+    """Two greedy low-priority requests of 24 tokens, one important of 4, and the tokens
+    each produces on an unpressured engine (the reference a preempted request must match)."""
     greedy = dict(temperature=0.0, ignore_eos=True)
     low = [GenerateRequest(f"low{i}", prompt=f"Low priority story number {i}, told slowly",
                            sampling=SamplingParams(max_tokens=24, **greedy), priority=1) for i in range(2)]
     vip = GenerateRequest("vip", prompt="Urgent: the answer is", sampling=SamplingParams(max_tokens=4, **greedy))
-    reference = {rid: tokens(deltas) for rid, deltas in run(engine, [*low, vip]).items()}
+    return low, vip, {rid: tokens(deltas) for rid, deltas in run(engine, [*low, vip]).items()}
+
+
+@pytest.mark.parametrize("preemption", [True, False])
+def test_priority_preemption_serves_the_important_request_first_with_the_same_greedy_output(
+        tiny_model_dir, engine, preemption):
+    low, vip, reference = _low_and_vip(engine)
     # Two slots, both held by low-priority requests when the important one arrives.
     full = Engine.from_config(_config(tiny_model_dir, scheduler={"max_num_seqs": 2,
                                                                  "priority_preemption": preemption}))
@@ -292,11 +298,7 @@ def test_priority_preemption_serves_the_important_request_first_with_the_same_gr
 @pytest.mark.parametrize("take_reservations", [True, False])
 def test_an_important_request_takes_a_low_kv_reservation_and_the_low_one_resumes_with_the_same_greedy_tokens(
         tiny_model_dir, engine, take_reservations):
-    greedy = dict(temperature=0.0, ignore_eos=True)
-    low = [GenerateRequest(f"low{i}", prompt=f"Low priority story number {i}, told slowly",
-                           sampling=SamplingParams(max_tokens=24, **greedy), priority=1) for i in range(2)]
-    vip = GenerateRequest("vip", prompt="Urgent: the answer is", sampling=SamplingParams(max_tokens=4, **greedy))
-    reference = {rid: tokens(deltas) for rid, deltas in run(engine, [*low, vip]).items()}
+    low, vip, reference = _low_and_vip(engine)
     # Slots to spare, but a KV budget the two low requests fill exactly (8-token blocks).
     budget = sum(-(-(len(engine.tokenize(r)) + 24) // 8) * 8 for r in low)
     full = Engine.from_config(_config(tiny_model_dir, scheduler={
