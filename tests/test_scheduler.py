@@ -590,6 +590,26 @@ def test_reservations_are_taken_only_from_less_important_classes_as_many_as_need
     assert_pool_whole(scheduler)
 
 
+def test_a_taken_reservation_lets_its_pinned_prefix_go_and_is_owed_whole():
+    clock = FakeClock()
+    scheduler, model = build(num_blocks=16, clock=clock, priority_preemption=True)  # 64 tokens
+    prefix = list(range(1, 9))  # two full blocks the low requests share
+    first = submit(scheduler, "low0", prefix + [20, 21, 22, 23], max_tokens=4, priority=1)  # 16 reserved
+    for _ in range(2):
+        engine_step(scheduler, model)
+    clock.now += 1
+    sharing = [submit(scheduler, f"low{i}", prefix + [10 * i + j for j in range(4)], max_tokens=4, priority=1)
+               for i in (1, 2)]
+    assert [r.reserved_kv_tokens for r in sharing] == [8, 8]  # their prefix pinned, not reserved
+    vip = submit(scheduler, "vip", range(90, 94), max_tokens=40, priority=0)  # 32 + 44 -> 48: 16 over
+    for r in sharing:  # both taken (not started: newest first), pins released, owed whole
+        assert (r.owed_kv_tokens, r.request_id in scheduler.kv._pins) == (16, False)
+    run_until_idle(scheduler, model)
+    for r in (first, *sharing, vip):
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.sampling.max_tokens)
+    assert_pool_whole(scheduler)
+
+
 @pytest.mark.parametrize("switch", [dict(priority_preempts_kv_reservations=False), dict(priority_preemption=False)])
 def test_with_the_switch_off_no_reservation_is_taken(switch):
     clock = FakeClock()

@@ -186,9 +186,9 @@ class AdmissionController:
             f"{self._owed_note(request)} (the rest is kept for more important classes), request needs {needed}",
             self.retry_after_s(over_shared))
 
-    def fits_again(self, request: Request, shared_tokens: int = 0) -> bool:
-        """Whether a request that owes its reservation can reserve it again now."""
-        over, over_shared = self._shortfall(request, request.owed_kv_tokens, shared_tokens)
+    def fits_again(self, request: Request, needed: int, shared_tokens: int = 0) -> bool:
+        """Whether a request that owes its reservation can reserve `needed` again now."""
+        over, over_shared = self._shortfall(request, needed, shared_tokens)
         return over <= 0 and over_shared <= 0
 
     def _shortfall(self, request: Request, needed: int, shared_tokens: int) -> tuple[int, int]:
@@ -292,16 +292,18 @@ class AdmissionController:
             self.shared_class_reserved_tokens += num_tokens
 
     def take(self, request: Request) -> None:
-        """A more important request takes this one's reservation: it owes it from now on."""
+        """A more important request takes this one's reservation: it owes it from now on,
+        counted whole (the scheduler unpins its cached prefix, which may be evicted before
+        it comes back)."""
         self._unreserve(request)
-        request.owed_kv_tokens = request.reserved_kv_tokens
         request.reserved_kv_tokens = 0
+        request.owed_kv_tokens = self.reservation_for(request, 0, request.reserved_output_tokens)
         self._owing[request.request_id] = request
 
-    def reserve_again(self, request: Request) -> None:
-        """An owing request (see `fits_again`) holds its reservation again."""
+    def reserve_again(self, request: Request, num_tokens: int) -> None:
+        """An owing request (see `fits_again`) holds a reservation of `num_tokens` again."""
         del self._owing[request.request_id]
-        request.reserved_kv_tokens, request.owed_kv_tokens = request.owed_kv_tokens, 0
+        request.reserved_kv_tokens, request.owed_kv_tokens = num_tokens, 0
         self.reserved_tokens += request.reserved_kv_tokens
         self.num_reservations += 1
         if self.in_shared_class(request):

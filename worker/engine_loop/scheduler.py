@@ -247,9 +247,14 @@ class Scheduler:
 
     def _take_reservations(self, victims: list[Request], request: Request) -> None:
         """`request` takes the victims' reservations: each owes its own from now on; a
-        running one is preempted at the start of the next step (schedule), never mid-step."""
+        running one is preempted at the start of the next step (schedule), never mid-step.
+        Their pinned prefixes are let go too: pinned blocks no reservation covers count as
+        committed, and a waiting victim holding them kept important requests out (the
+        KV-bound priority campaign: a fourth important request waited 7 s behind them)."""
         for victim in victims:
             self.admission.take(victim)
+            self.kv.unpin(victim)
+            victim.num_pinned_tokens = victim.num_reserved_cached_tokens = 0
             victim.num_priority_preemptions += 1
             self.num_priority_preemptions += 1
             self.num_priority_preemptions_kv += 1
@@ -405,10 +410,8 @@ class Scheduler:
     def _schedule_waiting(self, budget: _StepBudget, plan: _StepPlan, now: float) -> None:
         candidates = self.policy.admission_candidates(sorted(self.waiting, key=_waiting_order), now)
         for request in candidates:
-            if request.owed_kv_tokens:
-                if not self.admission.fits_again(request, self._shared_tokens()):
-                    continue  # its reservation was taken: it waits for the budget, others may run
-                self.admission.reserve_again(request)
+            if request.owed_kv_tokens and not self._reserve_again(request):
+                continue  # its reservation was taken: it waits for the budget, others may run
             while True:
                 full = len(self.running) >= self.config.max_num_seqs or budget.tokens_left == 0
                 admission = _Admission.BLOCKED if full else self._try_admit(request, budget, plan, now)
@@ -480,6 +483,19 @@ class Scheduler:
         match = self.kv.allocate(request, num_tokens, match)
         self._note_cache_hit(request, match.num_tokens)
         return self._start_running(request, request.num_tokens - match.num_tokens, num_tokens, budget, plan, now)
+
+    def _reserve_again(self, request: Request) -> bool:
+        """A request whose reservation was taken reserves again before it resumes: its
+        resident prefix pinned again (as on admission) and the rest reserved, if the budget
+        has room for it (what is owed ahead of it counted); else nothing is held."""
+        pinned_tokens = self.kv.pin_prefix(request).num_tokens
+        needed = self.admission.reservation_for(request, pinned_tokens, request.reserved_output_tokens)
+        if not self.admission.fits_again(request, needed, self._shared_tokens()):
+            self.kv.unpin(request)
+            return False
+        self.admission.reserve_again(request, needed)
+        request.num_pinned_tokens = request.num_reserved_cached_tokens = pinned_tokens
+        return True
 
     def _prefix_in_progress(self, request: Request, num_matched_blocks: int) -> bool:
         """True when the block after the request's cached prefix is one a running request is
