@@ -610,6 +610,24 @@ def test_a_taken_reservation_lets_its_pinned_prefix_go_and_is_owed_whole():
     assert_pool_whole(scheduler)
 
 
+def test_taking_reservations_counts_the_pinned_prefix_only_the_victims_hold():
+    scheduler, model = build(num_blocks=16, priority_preemption=True)  # 64 tokens
+    prefix = list(range(1, 9))
+    first = submit(scheduler, "low0", prefix + [20, 21, 22, 23], max_tokens=4, priority=1)
+    run_until_idle(scheduler, model)  # its prefix stays cached; nobody's reservation pays for it now
+    lows = [submit(scheduler, f"low{i}", prefix + [10 * i + j for j in range(4)], max_tokens=4, priority=1)
+            for i in (1, 2)]
+    assert scheduler.stats().kv_tokens_reserved == 8 + 8 + 8  # two reservations + the pinned prefix once
+    assert worker_stats(scheduler, "w0").kv_tokens_reserved_shared == 24  # only low requests pin it
+    # 24 committed + 64 > 64: their reservations free 16, their pinned prefix the last 8.
+    vip = submit(scheduler, "vip", range(90, 94), max_tokens=60, priority=0)
+    assert [r.owed_kv_tokens for r in lows] == [16, 16] and scheduler.stats().kv_tokens_reserved == 64 + 32
+    run_until_idle(scheduler, model)
+    for r in (first, *lows, vip):
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.sampling.max_tokens)
+    assert_pool_whole(scheduler)
+
+
 @pytest.mark.parametrize("switch", [dict(priority_preempts_kv_reservations=False), dict(priority_preemption=False)])
 def test_with_the_switch_off_no_reservation_is_taken(switch):
     clock = FakeClock()

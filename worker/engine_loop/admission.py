@@ -159,20 +159,22 @@ class AdmissionController:
                 f"KV tokens in whole blocks of {self.block_size}; this worker can hold at most {limit}")
 
     def check_capacity(self, request: Request, num_waiting: int, cached_prompt_tokens: int = 0,
-                       shared_tokens: int = 0, preemptible: Sequence[Request] = ()) -> list[Request]:
+                       shared_tokens: int = 0, preemptible: Sequence[Request] = (),
+                       shared_tokens_without: Callable[[Sequence[Request]], int] | None = None) -> list[Request]:
         """Refusals that go away as running requests finish. `cached_prompt_tokens`: the
         request's resident prefix (pinned); `shared_tokens`: pinned blocks no reservation
         covers, this request's pins included. `preemptible`: requests whose reservations it
         may take (strictly less important classes, the first to take first; empty with
-        priority preemption of reservations off). Returns those it must take to fit ([] =
-        it fits as it is); the caller takes them (`take`) and reserves."""
+        priority preemption of reservations off); `shared_tokens_without(victims)`: the
+        shared tokens once those let their pins and blocks go. Returns those it must take
+        to fit ([] = it fits as it is); the caller takes them (`take`) and reserves."""
         needed = self.reservation_for(request, cached_prompt_tokens)
         if num_waiting >= self.config.max_queue_len:
             raise OverloadedError(f"queue full ({num_waiting} waiting)", self.retry_after_s(needed))
         over, over_shared = self._shortfall(request, needed, shared_tokens)
         if over <= 0 and over_shared <= 0:
             return []
-        victims = self._victims(over, over_shared, preemptible)
+        victims = self._victims(request, needed, preemptible, shared_tokens_without or (lambda _: shared_tokens))
         if victims is not None:
             return victims
         if over > 0:
@@ -191,14 +193,19 @@ class AdmissionController:
         over, over_shared = self._shortfall(request, needed, shared_tokens)
         return over <= 0 and over_shared <= 0
 
-    def _shortfall(self, request: Request, needed: int, shared_tokens: int) -> tuple[int, int]:
+    def _shortfall(self, request: Request, needed: int, shared_tokens: int,
+                   taken: Sequence[Request] = ()) -> tuple[int, int]:
         """Tokens past the budget and past the sharing classes' budget (0 or less = room)
-        if `request` reserved `needed` now, counting what is owed ahead of it."""
+        if `request` reserved `needed` now, counting what is owed ahead of it, and with the
+        reservations of `taken` given up (`shared_tokens` then as without them)."""
         owed, owed_shared = self._owed_ahead(request)
-        over = self.committed_tokens(shared_tokens) + owed + needed - self.budget_tokens
+        freed = sum(r.reserved_kv_tokens for r in taken)
+        freed_shared = sum(r.reserved_kv_tokens for r in taken if self.in_shared_class(r))
+        over = self.committed_tokens(shared_tokens) - freed + owed + needed - self.budget_tokens
         if not self.in_shared_class(request):
             return over, 0
-        return over, self.shared_class_reserved_tokens + owed_shared + needed - self.shared_class_budget_tokens
+        shared = self.shared_class_reserved_tokens - freed_shared + owed_shared
+        return over, shared + needed - self.shared_class_budget_tokens
 
     def _owed_ahead(self, request: Request) -> tuple[int, int]:
         """Reservations owed by requests ahead of `request` (a more important class, or its
@@ -215,18 +222,17 @@ class AdmissionController:
         owed = self._owed_ahead(request)[0]
         return f" and {owed} owed to preempted requests" if owed else ""
 
-    def _victims(self, over: int, over_shared: int, preemptible: Sequence[Request]) -> list[Request] | None:
-        """The first of `preemptible` whose reservations together cover both shortfalls; None
-        if all of them do not."""
+    def _victims(self, request: Request, needed: int, preemptible: Sequence[Request],
+                 shared_tokens_without: Callable[[Sequence[Request]], int]) -> list[Request] | None:
+        """The first of `preemptible` whose reservations (and pinned blocks nobody else pays
+        for) together make room for `needed`; None if all of them do not."""
         victims: list[Request] = []
-        freed = freed_shared = 0
         for victim in preemptible:
-            if freed >= over and freed_shared >= over_shared:
-                break
             victims.append(victim)
-            freed += victim.reserved_kv_tokens
-            freed_shared += victim.reserved_kv_tokens if self.in_shared_class(victim) else 0
-        return victims if freed >= over and freed_shared >= over_shared else None
+            over, over_shared = self._shortfall(request, needed, shared_tokens_without(victims), victims)
+            if over <= 0 and over_shared <= 0:
+                return victims
+        return None
 
     def in_shared_class(self, request: Request) -> bool:
         """Counted against the share the less important classes have (class-aware admission;

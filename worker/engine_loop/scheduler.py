@@ -206,7 +206,7 @@ class Scheduler:
         cached_tokens = pinned_tokens + self._claimed_blocks_after(request, pinned_tokens) * self.kv.block_size
         try:
             taken = self.admission.check_capacity(request, len(self.waiting), cached_tokens, self._shared_tokens(),
-                                                  self._reservations_to_take(request))
+                                                  self._reservations_to_take(request), self._shared_tokens_without)
         except BaseException:
             self.kv.unpin(request)
             raise
@@ -321,6 +321,10 @@ class Scheduler:
 
     def _shared_tokens(self) -> int:
         return self.kv.num_pinned_blocks_unowned() * self.kv.block_size
+
+    def _shared_tokens_without(self, requests: Iterable[Request]) -> int:
+        """_shared_tokens once `requests` let their pins and blocks go (their reservations taken)."""
+        return self.kv.num_pinned_blocks_unowned(without={r.request_id for r in requests}) * self.kv.block_size
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -624,8 +628,17 @@ class Scheduler:
             drain_tokens_per_s=self.admission.drain.rate(), num_steps=self._num_steps, kv=kv_stats,
             tokens_to_compute=sum(tokens_left_to_compute(r) for r in self.requests.values()),
             num_preemptions_priority_kv=self.num_priority_preemptions_kv,
-            kv_tokens_reserved_shared=(self.admission.shared_class_reserved_tokens
-                                       + self.admission.shared_class_owed_tokens))
+            kv_tokens_reserved_shared=self._shared_class_committed_tokens())
+
+    def _shared_class_committed_tokens(self) -> int:
+        """What the classes sharing the rest of a kept KV share commit: their reservations,
+        what they owe, and the pinned blocks only they hold (all a more important request
+        could free by taking their reservations)."""
+        sharing = [r for r in self.requests.values() if self.admission.in_shared_class(r)]
+        pinned_only_by_them = self._shared_tokens() - self._shared_tokens_without(sharing) if sharing else 0
+        # (negative when their tables hold blocks others pinned: taking them would add those)
+        return max(0, self.admission.shared_class_reserved_tokens + self.admission.shared_class_owed_tokens
+                   + pinned_only_by_them)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
