@@ -138,6 +138,13 @@ class SchedulerConfig:
     # together may commit at most the rest, so a flood of them cannot take all of it.
     kv_reserved_fraction: float = 0.0
     kv_reserved_below_class: int = 1
+    # With priority_preemption: a request the KV budget refuses may also take the KV
+    # reservations of requests of strictly less important classes (least important, most
+    # recently started first; each within max_priority_preemptions). They go back to waiting
+    # (recompute or swap, their tokens kept) and reserve again before they resume, so an
+    # important request never waits for a flood's reservations to drain. Off: only slots,
+    # step budget and blocks are preempted for priority (worker/engine_loop/admission.py).
+    priority_preempts_kv_reservations: bool = True
 
     def validate(self) -> None:
         _one_of("scheduler.policy", self.policy, ("continuous", "static", "dynamic"))

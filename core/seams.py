@@ -314,8 +314,11 @@ class WorkerStats:
     # computed (cached prefix left out) + output still to come; the router's load signal
     tokens_to_compute: int = 0
     # Of kv_tokens_reserved, what requests of the classes sharing (1 - kv_reserved_fraction)
-    # of the budget hold (scheduler.kv_reserved_below_class and less important); 0 with no kept share.
+    # of the budget hold (scheduler.kv_reserved_below_class and less important; the whole
+    # budget with no kept share): what a more important request may preempt.
     kv_tokens_reserved_shared: int = 0
+    # of num_preemptions_priority, KV reservations taken (scheduler.priority_preempts_kv_reservations)
+    num_preemptions_priority_kv: int = 0
 
 
 class PrefixEventKind(str, enum.Enum):

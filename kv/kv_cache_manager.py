@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -232,19 +233,21 @@ class KVCacheManager:
         for block_id in reversed(self._pins.pop(request.request_id, [])):
             self.pool.release(block_id)
 
-    def num_pinned_blocks_unowned(self) -> int:
+    def num_pinned_blocks_unowned(self, without: Collection[str] = ()) -> int:
         """Distinct pinned blocks that no request's own allocation covers: the shared prefix
         blocks no admission reservation pays for (each counted once, however many share it).
 
         A block in a request's table that it did not pin is one its reservation paid for
         (prompt + output less its pinned prefix); a pinned block outside every such table
-        (a reused cached block, or one whose allocating request has finished) is paid by nobody."""
-        pinned = {b for blocks in self._pins.values() for b in blocks}
+        (a reused cached block, or one whose allocating request has finished) is paid by nobody.
+        `without`: as if these requests held no pins and no blocks (preempted and unpinned)."""
+        pinned = {b for rid, blocks in self._pins.items() if rid not in without for b in blocks}
         if not pinned:
             return 0
         owned: set[int] = set()
         for rid, request in self._holders.items():
-            owned.update(set(request.block_ids).difference(self._pins.get(rid, ())))
+            if rid not in without:
+                owned.update(set(request.block_ids).difference(self._pins.get(rid, ())))
         return len(pinned - owned)
 
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:

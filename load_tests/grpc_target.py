@@ -41,6 +41,7 @@ def cluster_sample(stats) -> dict[str, float]:
         "num_waiting": float(stats.totals.num_waiting + stats.totals.router_queue_len),
         "num_preemptions": float(sum(w.num_preemptions_recompute + w.num_preemptions_swap for w in healthy)),
         "num_priority_preemptions": float(sum(w.num_preemptions_priority for w in healthy)),
+        "num_priority_preemptions_kv": float(sum(w.num_preemptions_priority_kv for w in healthy)),
         "num_outgrown_estimates": float(sum(w.num_outgrown_estimates for w in healthy)),
         "prefix_cache_hit_rate": (sum(w.prefix_cache_hit_rate for w in healthy) / len(healthy)) if healthy else 0.0,
         "num_healthy_workers": float(len(healthy)),

@@ -103,6 +103,7 @@ def engine_stats_sample(stats) -> dict[str, float]:
         "num_waiting": float(stats.num_waiting),
         "num_preemptions": float(stats.num_preemptions_recompute + stats.num_preemptions_swap),
         "num_priority_preemptions": float(stats.num_preemptions_priority),
+        "num_priority_preemptions_kv": float(stats.num_preemptions_priority_kv),
         "num_outgrown_estimates": float(stats.num_outgrown_estimates),
         "prefix_cache_hit_rate": float(stats.prefix_cache_hit_rate),
     }

@@ -213,7 +213,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "healthy", "block_size", "num_blocks_total", "num_blocks_used", "num_blocks_cached", "num_blocks_free", "kv_tokens_used", "kv_tokens_capacity", "kv_tokens_reserved", "num_running", "num_waiting", "queued_prompt_tokens", "prefix_cache_hit_rate", "output_tokens_per_s", "num_preemptions_recompute", "num_preemptions_swap", "prefix_event_seq", "stats_age_s", "num_preemptions_priority", "num_outgrown_estimates", "tokens_to_compute", "kv_tokens_reserved_shared")
+    __slots__ = ("worker_id", "healthy", "block_size", "num_blocks_total", "num_blocks_used", "num_blocks_cached", "num_blocks_free", "kv_tokens_used", "kv_tokens_capacity", "kv_tokens_reserved", "num_running", "num_waiting", "queued_prompt_tokens", "prefix_cache_hit_rate", "output_tokens_per_s", "num_preemptions_recompute", "num_preemptions_swap", "prefix_event_seq", "stats_age_s", "num_preemptions_priority", "num_outgrown_estimates", "tokens_to_compute", "kv_tokens_reserved_shared", "num_preemptions_priority_kv")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +237,7 @@ class WorkerStats(_message.Message):
     NUM_OUTGROWN_ESTIMATES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_TO_COMPUTE_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_RESERVED_SHARED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_PRIORITY_KV_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     healthy: bool
     block_size: int
@@ -260,7 +261,8 @@ class WorkerStats(_message.Message):
     num_outgrown_estimates: int
     tokens_to_compute: int
     kv_tokens_reserved_shared: int
-    def __init__(self, worker_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., block_size: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_capacity: _Optional[int] = ..., kv_tokens_reserved: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., output_tokens_per_s: _Optional[float] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., prefix_event_seq: _Optional[int] = ..., stats_age_s: _Optional[float] = ..., num_preemptions_priority: _Optional[int] = ..., num_outgrown_estimates: _Optional[int] = ..., tokens_to_compute: _Optional[int] = ..., kv_tokens_reserved_shared: _Optional[int] = ...) -> None: ...
+    num_preemptions_priority_kv: int
+    def __init__(self, worker_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., block_size: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_capacity: _Optional[int] = ..., kv_tokens_reserved: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., output_tokens_per_s: _Optional[float] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., prefix_event_seq: _Optional[int] = ..., stats_age_s: _Optional[float] = ..., num_preemptions_priority: _Optional[int] = ..., num_outgrown_estimates: _Optional[int] = ..., tokens_to_compute: _Optional[int] = ..., kv_tokens_reserved_shared: _Optional[int] = ..., num_preemptions_priority_kv: _Optional[int] = ...) -> None: ...
 
 class ClusterTotals(_message.Message):
     __slots__ = ("num_workers", "num_healthy_workers", "kv_tokens_used", "kv_tokens_capacity", "kv_tokens_reserved", "num_running", "num_waiting", "queued_prompt_tokens", "output_tokens_per_s", "router_queue_len", "router_in_flight")

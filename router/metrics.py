@@ -299,8 +299,9 @@ def worker_families(stats: Sequence[WorkerStats], max_num_seqs: int | None) -> l
     }
     families = {name: Metric(PREFIX + name, doc, "gauge") for name, doc in gauges.items()}
     preemptions = Metric(PREFIX + "preemptions", "Preemptions since the worker started, by mode.", "counter")
-    for_priority = Metric(PREFIX + "priority_preemptions", "Of the preemptions, those made for a more important "
-                          "waiting request (scheduler.priority_preemption).", "counter")
+    for_priority = Metric(PREFIX + "priority_preemptions", "Preemptions made for a more important waiting request "
+                          "(scheduler.priority_preemption), by what it lacked: a slot, step budget or blocks "
+                          "(reason=slot), or KV budget: a reservation taken (reason=kv_reservation).", "counter")
     outgrown = Metric(PREFIX + "outgrown_estimates", "Requests that outgrew their expected-output reservation "
                       "(scheduler.admission_reserve: expected).", "counter")
     for s in stats:
@@ -322,7 +323,9 @@ def worker_families(stats: Sequence[WorkerStats], max_num_seqs: int | None) -> l
             families[name].add_sample(PREFIX + name, labels, float(value))
         for mode, count in (("recompute", s.num_preemptions_recompute), ("swap", s.num_preemptions_swap)):
             preemptions.add_sample(PREFIX + "preemptions_total", {**labels, "mode": mode}, float(count))
-        for_priority.add_sample(PREFIX + "priority_preemptions_total", labels, float(s.num_preemptions_priority))
+        for reason, count in (("slot", s.num_preemptions_priority - s.num_preemptions_priority_kv),
+                              ("kv_reservation", s.num_preemptions_priority_kv)):
+            for_priority.add_sample(PREFIX + "priority_preemptions_total", {**labels, "reason": reason}, float(count))
         outgrown.add_sample(PREFIX + "outgrown_estimates_total", labels, float(s.num_outgrown_estimates))
     return [*families.values(), preemptions, for_priority, outgrown]
 

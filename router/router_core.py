@@ -97,7 +97,10 @@ class RouterCore:
         self.model_name = model_name
         self.metrics = metrics or RouterMetrics(max_num_seqs=config.scheduler.max_num_seqs)
         self.admission = AdmissionController(config.router, kv_reserved_fraction=config.scheduler.kv_reserved_fraction,
-                                             kv_reserved_below_class=config.scheduler.kv_reserved_below_class)
+                                             kv_reserved_below_class=config.scheduler.kv_reserved_below_class,
+                                             workers_preempt_kv_reservations=(
+                                                 config.scheduler.priority_preemption
+                                                 and config.scheduler.priority_preempts_kv_reservations))
         self._auth = authenticator
         self._quota = quota
         self._tracer = tracer or tracing.get_tracer()  # the global provider: a no-op until set up

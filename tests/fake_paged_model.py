@@ -110,7 +110,7 @@ def assert_pool_whole(scheduler: Scheduler) -> None:
     assert all(block.ref_count == 0 for block in kv.pool.blocks)
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
     assert kv.swap.num_used_blocks == 0
-    assert scheduler.admission.reserved_tokens == 0
+    assert scheduler.admission.reserved_tokens == 0 and scheduler.admission.owed_tokens == 0
     if kv.host_tier is not None:  # entries stay (a cache), but none is held by a load
         assert kv.host_tier.num_held_slots == 0
 

@@ -565,6 +565,34 @@ def test_the_kept_share_admits_an_important_request_at_once_despite_the_flood_s_
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("kept_share", [0.0, 0.25])
+def test_an_important_request_is_let_past_what_less_important_classes_hold_when_workers_take_reservations(
+        kept_share):
+    """Workers that take less important classes' KV reservations for an important request
+    (scheduler.priority_preempts_kv_reservations) can make room for it, so the router sends
+    it at once instead of queueing it until the flood drains; the flood stays held back."""
+    async def main():
+        def admission_for(preempting):
+            admission = AdmissionController(RouterConfig(max_queue_len=10, max_queue_wait_s=5.0), clock=FakeClock(),
+                                            kv_reserved_fraction=kept_share, kv_reserved_below_class=1,
+                                            workers_preempt_kv_reservations=preempting)
+            # Full: class 1 holds 700 (and owes any reservation taken: still counted), class 0 300.
+            admission.update_stats([shared_stats("w0", reserved=1000, shared=700)])
+            return admission
+
+        admission = admission_for(preempting=True)
+        assert (await admission.acquire(400, priority_class=0, max_wait_s=0.0)).worker_id == "w0"
+        assert (await admission.acquire(300, priority_class=0, max_wait_s=0.0)).worker_id == "w0"
+        with pytest.raises(OverloadedError):  # class 0 now holds 1000 itself: nothing to take
+            await admission.acquire(16, priority_class=0, max_wait_s=0.0)
+        with pytest.raises(OverloadedError):  # the flood is not let past anything
+            await admission.acquire(16, priority_class=1, max_wait_s=0.0)
+        with pytest.raises(OverloadedError):  # workers that do not take reservations: no room
+            await admission_for(preempting=False).acquire(400, priority_class=0, max_wait_s=0.0)
+
+    asyncio.run(main())
+
+
 async def _ladder(admission, cost, capped_cost, queue_wait_s, priority_class=0):
     """The degradation ladder's admission calls (router_core._admit_degrading): queue up to the
     rule's wait, then try the capped cost at once, keeping the request's place."""

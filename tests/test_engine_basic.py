@@ -266,14 +266,20 @@ def _steps_until_done(engine, first, later, after_steps):
     return {rid: tokens(deltas) for rid, deltas in out.items()}, first_token, finished
 
 
-@pytest.mark.parametrize("preemption", [True, False])
-def test_priority_preemption_serves_the_important_request_first_with_the_same_greedy_output(
-        tiny_model_dir, engine, preemption):
+def _low_and_vip(engine):
+    """Two greedy low-priority requests of 24 tokens, one important of 4, and the tokens
+    each produces on an unpressured engine (the reference a preempted request must match)."""
     greedy = dict(temperature=0.0, ignore_eos=True)
     low = [GenerateRequest(f"low{i}", prompt=f"Low priority story number {i}, told slowly",
                            sampling=SamplingParams(max_tokens=24, **greedy), priority=1) for i in range(2)]
     vip = GenerateRequest("vip", prompt="Urgent: the answer is", sampling=SamplingParams(max_tokens=4, **greedy))
-    reference = {rid: tokens(deltas) for rid, deltas in run(engine, [*low, vip]).items()}
+    return low, vip, {rid: tokens(deltas) for rid, deltas in run(engine, [*low, vip]).items()}
+
+
+@pytest.mark.parametrize("preemption", [True, False])
+def test_priority_preemption_serves_the_important_request_first_with_the_same_greedy_output(
+        tiny_model_dir, engine, preemption):
+    low, vip, reference = _low_and_vip(engine)
     # Two slots, both held by low-priority requests when the important one arrives.
     full = Engine.from_config(_config(tiny_model_dir, scheduler={"max_num_seqs": 2,
                                                                  "priority_preemption": preemption}))
@@ -287,3 +293,29 @@ def test_priority_preemption_serves_the_important_request_first_with_the_same_gr
     else:
         assert first_token["vip"] > min(low_done)  # waited for a slot
         assert stats.num_preemptions_priority == 0
+
+
+@pytest.mark.parametrize("take_reservations", [True, False])
+def test_an_important_request_takes_a_low_kv_reservation_and_the_low_one_resumes_with_the_same_greedy_tokens(
+        tiny_model_dir, engine, take_reservations):
+    low, vip, reference = _low_and_vip(engine)
+    # Slots to spare, but a KV budget the two low requests fill exactly (8-token blocks).
+    budget = sum(-(-(len(engine.tokenize(r)) + 24) // 8) * 8 for r in low)
+    full = Engine.from_config(_config(tiny_model_dir, scheduler={
+        "max_total_kv_tokens": budget, "priority_preemption": True,
+        "priority_preempts_kv_reservations": take_reservations}))
+    if not take_reservations:
+        for r in low:
+            full.add_request(r)
+        with pytest.raises(OverloadedError, match="KV budget"):  # nothing taken: refused (retryable)
+            full.add_request(vip)
+        outputs = {rid: tokens(deltas) for rid, deltas in run(full, []).items()}
+        assert outputs == {r.request_id: reference[r.request_id] for r in low}
+        assert (full.stats().num_preemptions_priority, full.stats().num_preemptions_recompute) == (0, 0)
+        return
+    outputs, first_token, finished = _steps_until_done(full, low, [vip], after_steps=3)
+    assert outputs == reference  # the preempted request recomputed and continued: same greedy tokens
+    assert finished["vip"] < min(finished[r.request_id] for r in low)
+    stats = full.stats()
+    assert (stats.num_preemptions_priority_kv, stats.num_preemptions_recompute) == (1, 1)
+    assert stats.kv_tokens_reserved == 0 and stats.num_blocks_used == 0

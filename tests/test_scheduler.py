@@ -504,6 +504,163 @@ def test_a_request_is_preempted_for_priority_at_most_the_limit_and_classes_not_r
     assert_pool_whole(scheduler)
 
 
+# ---- priority preemption of KV reservations (scheduler.priority_preempts_kv_reservations) --
+
+def _kv_bound(clock, num_started=5, **sched):
+    """16 blocks of 4 = a 64-token budget, five low requests of 4 prompt + 8 output (12
+    reserved each, 60 in all), the first `num_started` started one step apart (the rest
+    admitted, not scheduled yet). A 12-token important request does not fit without taking
+    one reservation."""
+    sched.setdefault("priority_preemption", True)
+    scheduler, model = build(num_blocks=16, clock=clock, **sched)
+    lows = []
+    for i in range(5):
+        lows.append(submit(scheduler, f"low{i}", range(10 * i, 10 * i + 4), max_tokens=8, priority=1))
+        clock.now += 1
+        if i < num_started:
+            engine_step(scheduler, model)
+    return scheduler, model, lows
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_an_important_request_takes_the_newest_low_reservation_and_everyone_finishes_exactly(mode):
+    clock = FakeClock()
+    scheduler, model, lows = _kv_bound(clock, preemption_mode=mode, num_cpu_blocks=16 if mode == "swap" else 0)
+    assert [r.status for r in lows] == [RequestStatus.DECODING] * 5
+    vip = submit(scheduler, "vip", range(90, 94), max_tokens=8, priority=0)  # 60 + 12 > 64: takes one
+    newest = lows[-1]
+    assert (newest.owed_kv_tokens, newest.reserved_kv_tokens) == (12, 0)
+    assert [r.owed_kv_tokens for r in lows[:-1]] == [0] * 4 and vip.reserved_kv_tokens == 12
+    # The router sees the owed reservation as committed (no room for low newcomers) and,
+    # of it, what the low classes hold (what a more important request may still take).
+    reported = worker_stats(scheduler, "w0")
+    assert (reported.kv_tokens_reserved, reported.kv_tokens_reserved_shared) == (72, 60)
+    with pytest.raises(OverloadedError, match="12 owed to preempted requests"):
+        submit(scheduler, "low5", range(60, 64), max_tokens=8, priority=1)  # cannot take its place
+    output = engine_step(scheduler, model)
+    assert output.preempted_ids == ("low4",) and "vip" in output.num_scheduled_tokens
+    first, finished = _run_collecting(scheduler, model)
+    assert finished["vip"] < finished["low4"]
+    stats = scheduler.stats()
+    assert (stats.num_preemptions_priority, stats.num_preemptions_priority_kv) == (1, 1)
+    assert stats.num_preemptions_recompute + stats.num_preemptions_swap == 1
+    assert (newest.num_preemptions, newest.num_priority_preemptions) == (1, 1)
+    for r in (*lows, vip):  # nothing lost: the preempted request kept its tokens and finished exactly
+        assert r.status is RequestStatus.FINISHED
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.sampling.max_tokens)
+    assert_pool_whole(scheduler)  # blocks, reservations and owed reservations back to zero
+
+
+def test_a_low_request_not_started_yet_loses_its_reservation_first_and_no_work():
+    clock = FakeClock()
+    scheduler, model, lows = _kv_bound(clock, num_started=4)  # low4 admitted, not scheduled yet
+    assert lows[-1].status is RequestStatus.QUEUED
+    vip = submit(scheduler, "vip", range(90, 94), max_tokens=8, priority=0)
+    assert lows[-1].owed_kv_tokens == 12 and lows[3].owed_kv_tokens == 0
+    output = engine_step(scheduler, model)
+    assert output.preempted_ids == () and "vip" in output.num_scheduled_tokens  # it held no blocks
+    assert "low4" not in output.num_scheduled_tokens  # nor room to reserve again yet
+    run_until_idle(scheduler, model)
+    stats = scheduler.stats()
+    assert (stats.num_preemptions_priority_kv, stats.num_preemptions_recompute) == (1, 0)
+    for r in (*lows, vip):
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.sampling.max_tokens)
+    assert_pool_whole(scheduler)
+
+
+def test_reservations_are_taken_only_from_less_important_classes_as_many_as_needed():
+    clock = FakeClock()
+    scheduler, model = build(num_blocks=16, clock=clock, priority_preemption=True)
+    lows = []
+    for i, priority in enumerate([2, 1, 2, 1, 1]):  # 60 of the 64 tokens reserved
+        lows.append(submit(scheduler, f"low{i}", range(10 * i, 10 * i + 4), max_tokens=8, priority=priority))
+        clock.now += 1
+        engine_step(scheduler, model)
+    # Class 1 may take only class 2's: the newest started of those (low2, not low0).
+    mid = submit(scheduler, "mid", range(80, 84), max_tokens=8, priority=1)
+    assert [r.request_id for r in lows if r.owed_kv_tokens] == ["low2"]
+    # Class 0 needs 24 (60 + 24 - 64 = 20 over): class 2's last one, then class 1's newest,
+    # mid, not started yet. What low2 owes does not count against it.
+    vip = submit(scheduler, "vip", range(90, 94), max_tokens=20, priority=0)
+    assert sorted(r.request_id for r in (*lows, mid) if r.owed_kv_tokens) == ["low0", "low2", "mid"]
+    assert scheduler.stats().num_preemptions_priority_kv == 3
+    run_until_idle(scheduler, model)
+    for r in (*lows, mid, vip):
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.sampling.max_tokens)
+    assert_pool_whole(scheduler)
+
+
+def test_a_taken_reservation_lets_its_pinned_prefix_go_and_is_owed_whole():
+    clock = FakeClock()
+    scheduler, model = build(num_blocks=16, clock=clock, priority_preemption=True)  # 64 tokens
+    prefix = list(range(1, 9))  # two full blocks the low requests share
+    first = submit(scheduler, "low0", prefix + [20, 21, 22, 23], max_tokens=4, priority=1)  # 16 reserved
+    for _ in range(2):
+        engine_step(scheduler, model)
+    clock.now += 1
+    sharing = [submit(scheduler, f"low{i}", prefix + [10 * i + j for j in range(4)], max_tokens=4, priority=1)
+               for i in (1, 2)]
+    assert [r.reserved_kv_tokens for r in sharing] == [8, 8]  # their prefix pinned, not reserved
+    vip = submit(scheduler, "vip", range(90, 94), max_tokens=40, priority=0)  # 32 + 44 -> 48: 16 over
+    for r in sharing:  # both taken (not started: newest first), pins released, owed whole
+        assert (r.owed_kv_tokens, r.request_id in scheduler.kv._pins) == (16, False)
+    run_until_idle(scheduler, model)
+    for r in (first, *sharing, vip):
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.sampling.max_tokens)
+    assert_pool_whole(scheduler)
+
+
+def test_taking_reservations_counts_the_pinned_prefix_only_the_victims_hold():
+    scheduler, model = build(num_blocks=16, priority_preemption=True)  # 64 tokens
+    prefix = list(range(1, 9))
+    first = submit(scheduler, "low0", prefix + [20, 21, 22, 23], max_tokens=4, priority=1)
+    run_until_idle(scheduler, model)  # its prefix stays cached; nobody's reservation pays for it now
+    lows = [submit(scheduler, f"low{i}", prefix + [10 * i + j for j in range(4)], max_tokens=4, priority=1)
+            for i in (1, 2)]
+    assert scheduler.stats().kv_tokens_reserved == 8 + 8 + 8  # two reservations + the pinned prefix once
+    assert worker_stats(scheduler, "w0").kv_tokens_reserved_shared == 24  # only low requests pin it
+    # 24 committed + 64 > 64: their reservations free 16, their pinned prefix the last 8.
+    vip = submit(scheduler, "vip", range(90, 94), max_tokens=60, priority=0)
+    assert [r.owed_kv_tokens for r in lows] == [16, 16] and scheduler.stats().kv_tokens_reserved == 64 + 32
+    run_until_idle(scheduler, model)
+    for r in (first, *lows, vip):
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.sampling.max_tokens)
+    assert_pool_whole(scheduler)
+
+
+@pytest.mark.parametrize("switch", [dict(priority_preempts_kv_reservations=False), dict(priority_preemption=False)])
+def test_with_the_switch_off_no_reservation_is_taken(switch):
+    clock = FakeClock()
+    scheduler, model, lows = _kv_bound(clock, **switch)
+    with pytest.raises(OverloadedError, match="KV budget"):
+        submit(scheduler, "vip", range(90, 94), max_tokens=8, priority=0)
+    assert not any(r.owed_kv_tokens for r in lows)
+    run_until_idle(scheduler, model)
+    stats = scheduler.stats()
+    assert (stats.num_preemptions_priority, stats.num_preemptions_recompute) == (0, 0)
+    assert_pool_whole(scheduler)
+
+
+def test_a_reservation_is_taken_at_most_the_limit_then_the_request_runs_to_its_end():
+    clock = FakeClock()
+    scheduler, model = build(num_blocks=16, clock=clock, priority_preemption=True, max_priority_preemptions=1)
+    low = submit(scheduler, "low", range(4), max_tokens=56, priority=1)  # reserves 60 of 64
+    engine_step(scheduler, model)
+    submit(scheduler, "vip1", range(90, 94), max_tokens=8, priority=0)
+    assert low.owed_kv_tokens == 60
+    steps = 0
+    while not low.reserved_kv_tokens:  # vip1 runs and ends; then low reserves again and resumes
+        engine_step(scheduler, model)
+        steps += 1
+        assert steps < 20
+    with pytest.raises(OverloadedError):  # its one preemption is spent
+        submit(scheduler, "vip2", range(90, 94), max_tokens=8, priority=0)
+    run_until_idle(scheduler, model)
+    assert low.output_token_ids == expected_output(low.prompt_token_ids, 56)
+    assert scheduler.stats().num_preemptions_priority_kv == 1
+    assert_pool_whole(scheduler)
+
+
 # ---- admission on expected output (scheduler.admission_reserve: expected) -----------------
 
 def _teach_short_outputs(scheduler, model, num_output_tokens=2):

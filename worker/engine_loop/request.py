@@ -61,6 +61,9 @@ class Request:
     is_swapped: bool = False  # its KV sits in CPU swap space (owned by the KV manager)
     reserved_kv_tokens: int = 0  # admission reservation: kv_cost.request_kv_tokens less its pinned prefix
     reserved_output_tokens: int = 0  # the output that reservation covers (max_tokens, or an estimate)
+    # Its reservation, taken by a more important request (priority preemption of KV
+    # reservations): reserved again before it resumes; 0 while it holds reserved_kv_tokens.
+    owed_kv_tokens: int = 0
     outgrew_estimate: bool = False  # produced more output than first reserved for it
     num_pinned_tokens: int = 0  # resident prefix held for it from admission (kv_cache_manager.pin_prefix)
     num_reserved_cached_tokens: int = 0  # prompt tokens its reservation left out (pinned + shared with others)

@@ -3,6 +3,8 @@
 One step (`schedule()`), composed of small pieces:
 
     reject_expired     waiting requests never scheduled within max_queue_time_s -> REJECTED
+    return taken       running requests whose KV reservation a more important request took
+                       (add_request, priority preemption of reservations) are preempted
     schedule_running   running requests, decodes before prefill chunks, each in (priority,
                        arrival) order: a decode token or the next prefill chunk each; a
                        request that cannot get a block preempts the newest lowest-priority
@@ -13,7 +15,9 @@ One step (`schedule()`), composed of small pieces:
                        not fit stops admission (no overtaking: priority order holds).
                        With scheduler.priority_preemption, a candidate that does not fit
                        (no slot, budget or blocks) may first preempt running requests of a
-                       strictly less important class (see _preempt_for_priority)
+                       strictly less important class (see _preempt_for_priority). A
+                       request that owes its reservation reserves it again first, or
+                       is passed over until the budget has room for it
 
 then the engine runs the SchedulerOutput and calls `update_from_output`, which advances
 num_computed_tokens, appends the sampled tokens and offers newly full blocks to the prefix
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -52,8 +57,8 @@ def _waiting_order(request: Request) -> tuple[int, int, float]:
 
 def _priority_victim_order(request: Request) -> tuple[int, float, float]:
     """Priority preemption takes the largest: least important class, then the one that
-    started most recently (it has the least work to lose)."""
-    started = request.first_scheduled_time if request.first_scheduled_time is not None else request.arrival_time
+    started most recently (it has the least work to lose; one not started yet, none)."""
+    started = request.first_scheduled_time if request.first_scheduled_time is not None else math.inf
     return (request.importance_class, started, request.arrival_time)
 
 
@@ -148,7 +153,7 @@ class SchedulerStats:
     batch_fill_rate: float  # mean of scheduled tokens / max_num_batched_tokens per step
     num_preemptions_recompute: int
     num_preemptions_swap: int
-    num_preemptions_priority: int  # of the two above, made for a more important waiting request
+    num_preemptions_priority: int  # made for a more important waiting request (running ones also above)
     num_outgrown_estimates: int  # admission_reserve=expected: requests that produced more than estimated
     prefix_cache_hit_rate: float
     output_tokens_per_s: float
@@ -156,6 +161,9 @@ class SchedulerStats:
     num_steps: int
     kv: KVCacheStats
     tokens_to_compute: int = 0  # prompt not yet computed + output still to come, running and waiting
+    # of num_preemptions_priority, KV reservations taken (of waiting requests too, which free no blocks)
+    num_preemptions_priority_kv: int = 0
+    kv_tokens_reserved_shared: int = 0  # of kv_tokens_reserved, what classes >= kv_reserved_below_class hold
 
 
 class Scheduler:
@@ -177,6 +185,7 @@ class Scheduler:
         self._newly_finished: list[FinishedRequest] = []
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self.num_priority_preemptions = 0
+        self.num_priority_preemptions_kv = 0  # of those, KV reservations taken
         self._num_steps = 0
         self._stats_window_s = stats_window_s
         self._output_tokens = RateMeter(stats_window_s, clock)
@@ -196,10 +205,12 @@ class Scheduler:
         pinned_tokens = self.kv.pin_prefix(request).num_tokens
         cached_tokens = pinned_tokens + self._claimed_blocks_after(request, pinned_tokens) * self.kv.block_size
         try:
-            self.admission.check_capacity(request, len(self.waiting), cached_tokens, self._shared_tokens())
+            taken = self.admission.check_capacity(request, len(self.waiting), cached_tokens, self._shared_tokens(),
+                                                  self._reservations_to_take(request), self._shared_tokens_without)
         except BaseException:
             self.kv.unpin(request)
             raise
+        self._take_reservations(taken, request)
         self.admission.reserve(request, cached_tokens)
         request.num_pinned_tokens = pinned_tokens
         request.num_reserved_cached_tokens = cached_tokens
@@ -221,6 +232,34 @@ class Scheduler:
                         status: RequestStatus = RequestStatus.FINISHED) -> list[Request]:
         """The engine saw a stop condition (FINISHED) or a failure (FAILED)."""
         return self._finish_many(request_ids, status)
+
+    def _reservations_to_take(self, request: Request) -> list[Request]:
+        """Requests whose KV reservation `request` may take when the budget refuses it, the
+        first to take first: of a strictly less important class, preempted for priority fewer
+        than max_priority_preemptions times, least important and most recently started first
+        (one still waiting to start first of all: it loses no work). Empty when off."""
+        if not (self.config.priority_preemption and self.config.priority_preempts_kv_reservations):
+            return []
+        victims = [r for r in self.requests.values() if r.reserved_kv_tokens
+                   and r.importance_class > request.importance_class
+                   and r.num_priority_preemptions < self.config.max_priority_preemptions]
+        return sorted(victims, key=_priority_victim_order, reverse=True)
+
+    def _take_reservations(self, victims: list[Request], request: Request) -> None:
+        """`request` takes the victims' reservations: each owes its own from now on; a
+        running one is preempted at the start of the next step (schedule), never mid-step.
+        Their pinned prefixes are let go too: pinned blocks no reservation covers count as
+        committed, and a waiting victim holding them kept important requests out (the
+        KV-bound priority campaign: a fourth important request waited 7 s behind them)."""
+        for victim in victims:
+            self.admission.take(victim)
+            self.kv.unpin(victim)
+            victim.num_pinned_tokens = victim.num_reserved_cached_tokens = 0
+            victim.num_priority_preemptions += 1
+            self.num_priority_preemptions += 1
+            self.num_priority_preemptions_kv += 1
+            logger.debug("%s (class %d) took the KV reservation of %s (class %d)", request.request_id,
+                         request.importance_class, victim.request_id, victim.importance_class)
 
     def _finish_many(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
         if not status.is_finished:
@@ -283,6 +322,10 @@ class Scheduler:
     def _shared_tokens(self) -> int:
         return self.kv.num_pinned_blocks_unowned() * self.kv.block_size
 
+    def _shared_tokens_without(self, requests: Iterable[Request]) -> int:
+        """_shared_tokens once `requests` let their pins and blocks go (their reservations taken)."""
+        return self.kv.num_pinned_blocks_unowned(without={r.request_id for r in requests}) * self.kv.block_size
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -296,9 +339,12 @@ class Scheduler:
             self._finish(request, RequestStatus.REJECTED)
         budget = _StepBudget(self.config.max_num_batched_tokens, self.config.max_prefill_tokens_per_step)
         plan = _StepPlan()
+        for request in [r for r in self.running if r.owed_kv_tokens]:
+            self._preempt(request, plan)  # its reservation was taken (add_request): it may not grow
+        num_owing_preempted = len(plan.preempted_ids)
         self._schedule_running(budget, plan)
-        if not plan.preempted_ids:  # freed blocks go to the preempted first, not newcomers
-            self._schedule_waiting(budget, plan, now)
+        if len(plan.preempted_ids) == num_owing_preempted:  # blocks freed for lack of blocks go
+            self._schedule_waiting(budget, plan, now)  # to the preempted first, not to newcomers
         self.kv.flush_events()
         tier = self.kv.take_tier_copies()
         output = SchedulerOutput(
@@ -368,6 +414,8 @@ class Scheduler:
     def _schedule_waiting(self, budget: _StepBudget, plan: _StepPlan, now: float) -> None:
         candidates = self.policy.admission_candidates(sorted(self.waiting, key=_waiting_order), now)
         for request in candidates:
+            if request.owed_kv_tokens and not self._reserve_again(request):
+                continue  # its reservation was taken: it waits for the budget, others may run
             while True:
                 full = len(self.running) >= self.config.max_num_seqs or budget.tokens_left == 0
                 admission = _Admission.BLOCKED if full else self._try_admit(request, budget, plan, now)
@@ -439,6 +487,19 @@ class Scheduler:
         match = self.kv.allocate(request, num_tokens, match)
         self._note_cache_hit(request, match.num_tokens)
         return self._start_running(request, request.num_tokens - match.num_tokens, num_tokens, budget, plan, now)
+
+    def _reserve_again(self, request: Request) -> bool:
+        """A request whose reservation was taken reserves again before it resumes: its
+        resident prefix pinned again (as on admission) and the rest reserved, if the budget
+        has room for it (what is owed ahead of it counted); else nothing is held."""
+        pinned_tokens = self.kv.pin_prefix(request).num_tokens
+        needed = self.admission.reservation_for(request, pinned_tokens, request.reserved_output_tokens)
+        if not self.admission.fits_again(request, needed, self._shared_tokens()):
+            self.kv.unpin(request)
+            return False
+        self.admission.reserve_again(request, needed)
+        request.num_pinned_tokens = request.num_reserved_cached_tokens = pinned_tokens
+        return True
 
     def _prefix_in_progress(self, request: Request, num_matched_blocks: int) -> bool:
         """True when the block after the request's cached prefix is one a running request is
@@ -553,7 +614,8 @@ class Scheduler:
             num_swapped=sum(r.is_swapped for r in self.waiting),
             queued_prompt_tokens=sum(_known_tokens_to_compute(r) for r in self.waiting),
             kv_tokens_used=kv_stats.kv_tokens_used,
-            kv_tokens_reserved=self.admission.committed_tokens(self._shared_tokens()),
+            # owed reservations included: the router must not offer their room to newcomers
+            kv_tokens_reserved=self.admission.committed_tokens(self._shared_tokens()) + self.admission.owed_tokens,
             kv_tokens_budget=self.admission.budget_tokens,
             peak_kv_tokens=max((s[1] for s in samples), default=0),
             mean_kv_tokens=sum(s[1] for s in samples) / len(samples) if samples else 0.0,
@@ -564,7 +626,19 @@ class Scheduler:
             num_outgrown_estimates=self.admission.num_outgrown_estimates,
             prefix_cache_hit_rate=kv_stats.prefix_hit_rate, output_tokens_per_s=self._output_tokens.rate(),
             drain_tokens_per_s=self.admission.drain.rate(), num_steps=self._num_steps, kv=kv_stats,
-            tokens_to_compute=sum(tokens_left_to_compute(r) for r in self.requests.values()))
+            tokens_to_compute=sum(tokens_left_to_compute(r) for r in self.requests.values()),
+            num_preemptions_priority_kv=self.num_priority_preemptions_kv,
+            kv_tokens_reserved_shared=self._shared_class_committed_tokens())
+
+    def _shared_class_committed_tokens(self) -> int:
+        """What the classes sharing the rest of a kept KV share commit: their reservations,
+        what they owe, and the pinned blocks only they hold (all a more important request
+        could free by taking their reservations)."""
+        sharing = [r for r in self.requests.values() if self.admission.in_shared_class(r)]
+        pinned_only_by_them = self._shared_tokens() - self._shared_tokens_without(sharing) if sharing else 0
+        # (negative when their tables hold blocks others pinned: taking them would add those)
+        return max(0, self.admission.shared_class_reserved_tokens + self.admission.shared_class_owed_tokens
+                   + pinned_only_by_them)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
@@ -583,7 +657,10 @@ class Scheduler:
             assert request.is_swapped == self.kv.is_swapped(request)
             assert request.is_swapped or request.num_computed_tokens == 0
         assert self.admission.reserved_tokens == sum(r.reserved_kv_tokens for r in self.requests.values())
-        assert self.admission.num_reservations == len(self.requests)
+        owing = [r for r in self.requests.values() if r.owed_kv_tokens]
+        assert not any(r.reserved_kv_tokens for r in owing), "a request both holding and owing a reservation"
+        assert self.admission.num_reservations == len(self.requests) - len(owing)
+        assert self.admission.owed_tokens == sum(r.owed_kv_tokens for r in owing)
         assert self.admission.shared_class_reserved_tokens == sum(
             r.reserved_kv_tokens for r in self.requests.values() if self.admission.in_shared_class(r))
         grouped = [m for members in self._groups.values() for m in members]
