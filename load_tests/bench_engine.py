@@ -53,10 +53,14 @@ FULL_MODES = [("fp32", "fp32", "none"), ("bf16", "bf16", "none"), ("bf16-unpacke
 # Config beyond dtype / quant for a mode: bf16-unpacked is bf16 with plain F.linear weights,
 # the in-run A/B of the oneDNN prepacking (worker/modeling/packed_weights.py).
 MODE_OVERRIDES = {"bf16-unpacked": {"model": {"cpu_prepack_weights": False}},
+                  "bf16-grouped": {"model": {"cpu_decode_kernel": False}},
                   "bf16-compiled": {"model": {"compile": "decode"}}, "bf16-int4-compiled": {"model": {"compile": "decode"}}}
 # Only on request (--modes): the inductor-compiled decoder (model.compile decode, compiled at
-# engine start: a minute or more on 2 cores), the in-run A/B against bf16 / bf16-int4.
-OPTIONAL_MODES = [("bf16-compiled", "bf16", "none"), ("bf16-int4-compiled", "bf16", "int4")]
+# engine start: a minute or more on 2 cores), the in-run A/B against bf16 / bf16-int4;
+# bf16-grouped: bf16 with decode attention on the gather + SDPA path instead of the paged C
+# kernel (worker/modeling/cpu_paged_attention.py), the in-run A/B of that kernel.
+OPTIONAL_MODES = [("bf16-compiled", "bf16", "none"), ("bf16-int4-compiled", "bf16", "int4"),
+                  ("bf16-grouped", "bf16", "none")]
 QUICK_MODES = [("fp32", "fp32", "none"), ("bf16-int8", "bf16", "int8")]
 AGREEMENT_PROMPTS = [  # fixed, mixed lengths and kinds; 32 greedy tokens each
     "The capital of France is",

@@ -1,0 +1,397 @@
+"""Decode attention read straight from the paged KV cache: a small C kernel for CPU.
+
+The grouped path of attention_cpu.py copies every decode row's K/V blocks into a padded
+tensor (index_select) and runs SDPA over it, once per layer per step. At batch 64 that copy
+and the SDPA call over it were the largest part of a bf16 decode step, larger than all the
+projections (a 6-layer SmolLM2 step, contexts 50-250: 2.1 ms gathering + 1.65 ms SDPA per layer,
+measured with thread CPU time, docs/benchmarks.md). Here each decode row reads its K/V where they
+lie, block by block through its block table, and nothing is copied:
+
+    for each decode row, for each KV head g (its G = Hq / Hkv query heads share the K/V loads):
+        s[j, t] = scale * q_j . k_t        t < context, fp32 accumulation
+        p[j, t] = exp(s[j, t] - max_t s)   one pass, the whole row's scores kept
+        out_j   = sum_t p[j, t] v_t / sum_t p[j, t]
+
+fp32 and bf16 caches (bf16 widened to fp32 on load, the output rounded to nearest-even as
+torch does); quantized caches, prefill chunks and anything the kernel does not take stay on
+the grouped path. The numerics are SDPA's up to the order of fp32 sums (and a polynomial
+exp good to ~2 ulp), so tests hold it to the torch reference with a dtype tolerance and the
+engine to HF's greedy tokens (tests/test_cpu_paged_attention.py).
+
+The kernel is plain C (no torch headers: builds in about a second) compiled with the
+system's C compiler on first use into ~/.cache/kvmesh/kernels, keyed by a hash of the source
+and flags, and called through ctypes, which releases the GIL for the call. Where there is no
+compiler, the build fails or the CPU has no AVX2, `load()` returns None and the caller keeps
+the grouped path (one log line says why). With more than one torch thread the rows are split
+over a small thread pool, one share per thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_C_SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef union { uint32_t u; float f; } bits32;
+
+static inline float load_elem(const void *p, int64_t i, const int bf16) {
+    if (bf16) { bits32 v; v.u = (uint32_t)((const uint16_t *)p)[i] << 16; return v.f; }
+    return ((const float *)p)[i];
+}
+
+static inline void store_elem(void *p, int64_t i, float x, const int bf16) {
+    if (bf16) {  /* round to nearest even, NaN -> 0x7fc0: c10::BFloat16's conversion */
+        bits32 v; v.f = x;
+        uint16_t h = (v.u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0
+                     : (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+        ((uint16_t *)p)[i] = h;
+    } else {
+        ((float *)p)[i] = x;
+    }
+}
+
+/* exp(x) for x <= 0 (scores minus their max): Cephes' expf polynomial, ~2 ulp; vectorisable
+   (the rounding is the float add of 1.5 * 2^23, no library call). */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = x * 1.44269504088896341f;
+    n = (n + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    bits32 s; s.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * s.f;
+}
+
+/* One decode row of q ([Hq, D] at q_row, head stride q_hs) against its cached context.
+   Always inlined into callers that pass a constant d (64, 128) and bf16 flag, so the inner
+   loops compile to fixed-length vector code. K/V rows are walked block by block (no division
+   per token) and each K/V row is widened to fp32 once for all G query heads of its KV head. */
+static inline __attribute__((always_inline)) void attend_row(
+        const void *q, int64_t q_hs, const void *kc, const void *vc, int64_t c_bs, int64_t c_ss, int64_t c_hs,
+        const int32_t *table, int64_t ctx, void *out, int64_t o_hs, int64_t hq, int64_t hkv, const int64_t d,
+        int64_t block_size, float scale, float *work, const int bf16) {
+    const int64_t g_per = hq / hkv;
+    float *restrict qf = work;                /* [G, D] */
+    float *restrict acc = qf + g_per * d;     /* [G, D] */
+    float *restrict row = acc + g_per * d;    /* [D]: one K or V row in fp32 */
+    float *restrict s = row + d;              /* [G, ctx + 1]: the scores, then the sum of their exps */
+    const int64_t s_stride = ctx + 1;
+    for (int64_t g = 0; g < hkv; g++) {
+        for (int64_t j = 0; j < g_per; j++)
+            for (int64_t e = 0; e < d; e++)
+                qf[j * d + e] = load_elem(q, (g * g_per + j) * q_hs + e, bf16) * scale;
+        for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += block_size, b++) {
+            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+            const int64_t base = (int64_t)table[b] * c_bs + g * c_hs;
+            for (int64_t i = 0; i < n; i++) {
+                for (int64_t e = 0; e < d; e++) row[e] = load_elem(kc, base + i * c_ss + e, bf16);
+                for (int64_t j = 0; j < g_per; j++) {
+                    const float *qj = qf + j * d;
+                    float dot = 0.0f;
+                    #pragma omp simd reduction(+:dot)
+                    for (int64_t e = 0; e < d; e++) dot += qj[e] * row[e];
+                    s[j * s_stride + t0 + i] = dot;
+                }
+            }
+        }
+        for (int64_t j = 0; j < g_per; j++) {
+            float *sj = s + j * s_stride;
+            float m = sj[0];
+            for (int64_t t = 1; t < ctx; t++) m = sj[t] > m ? sj[t] : m;
+            float total = 0.0f;
+            #pragma omp simd reduction(+:total)
+            for (int64_t t = 0; t < ctx; t++) { float e = exp_nonpositive(sj[t] - m); sj[t] = e; total += e; }
+            sj[ctx] = total;
+            for (int64_t e = 0; e < d; e++) acc[j * d + e] = 0.0f;
+        }
+        for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += block_size, b++) {
+            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+            const int64_t base = (int64_t)table[b] * c_bs + g * c_hs;
+            for (int64_t i = 0; i < n; i++) {
+                for (int64_t e = 0; e < d; e++) row[e] = load_elem(vc, base + i * c_ss + e, bf16);
+                for (int64_t j = 0; j < g_per; j++) {
+                    const float pj = s[j * s_stride + t0 + i];
+                    float *aj = acc + j * d;
+                    #pragma omp simd
+                    for (int64_t e = 0; e < d; e++) aj[e] += pj * row[e];
+                }
+            }
+        }
+        for (int64_t j = 0; j < g_per; j++) {
+            const float inv = 1.0f / s[j * s_stride + ctx];
+            for (int64_t e = 0; e < d; e++)
+                store_elem(out, (g * g_per + j) * o_hs + e, acc[j * d + e] * inv, bf16);
+        }
+    }
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* d == 64 with AVX-512: a K / V row is four zmm registers, widened from bf16 by a shift. */
+static inline __m512 load16(const void *p, int64_t i, const int bf16) {
+    if (bf16) {
+        __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+    }
+    return _mm512_loadu_ps((const float *)p + i);
+}
+
+#define MAX_G 16
+static inline __attribute__((always_inline)) void attend_row_d64(
+        const void *q, int64_t q_hs, const void *kc, const void *vc, int64_t c_bs, int64_t c_ss, int64_t c_hs,
+        const int32_t *table, int64_t ctx, void *out, int64_t o_hs, int64_t hq, int64_t hkv,
+        int64_t block_size, float scale, float *restrict s, const int bf16) {
+    const int64_t g_per = hq / hkv, s_stride = ctx + 1;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t g = 0; g < hkv; g++) {
+        __m512 qv[MAX_G][4];
+        for (int64_t j = 0; j < g_per; j++)
+            for (int c = 0; c < 4; c++)
+                qv[j][c] = _mm512_mul_ps(load16(q, (g * g_per + j) * q_hs + 16 * c, bf16), vscale);
+        for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += block_size, b++) {
+            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+            const int64_t base = (int64_t)table[b] * c_bs + g * c_hs;
+            for (int64_t i = 0; i < n; i++) {
+                const int64_t at = base + i * c_ss;
+                const __m512 k0 = load16(kc, at, bf16), k1 = load16(kc, at + 16, bf16);
+                const __m512 k2 = load16(kc, at + 32, bf16), k3 = load16(kc, at + 48, bf16);
+                for (int64_t j = 0; j < g_per; j++) {
+                    __m512 a = _mm512_mul_ps(qv[j][0], k0);
+                    __m512 b2 = _mm512_mul_ps(qv[j][1], k1);
+                    a = _mm512_fmadd_ps(qv[j][2], k2, a);
+                    b2 = _mm512_fmadd_ps(qv[j][3], k3, b2);
+                    s[j * s_stride + t0 + i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b2));
+                }
+            }
+        }
+        for (int64_t j = 0; j < g_per; j++) {
+            float *restrict sj = s + j * s_stride;
+            float m = sj[0];
+            for (int64_t t = 1; t < ctx; t++) m = sj[t] > m ? sj[t] : m;
+            float total = 0.0f;
+            #pragma omp simd reduction(+:total)
+            for (int64_t t = 0; t < ctx; t++) { float e = exp_nonpositive(sj[t] - m); sj[t] = e; total += e; }
+            sj[ctx] = total;
+        }
+        __m512 acc[MAX_G][4];
+        for (int64_t j = 0; j < g_per; j++)
+            for (int c = 0; c < 4; c++) acc[j][c] = _mm512_setzero_ps();
+        for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += block_size, b++) {
+            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+            const int64_t base = (int64_t)table[b] * c_bs + g * c_hs;
+            for (int64_t i = 0; i < n; i++) {
+                const int64_t at = base + i * c_ss;
+                const __m512 v0 = load16(vc, at, bf16), v1 = load16(vc, at + 16, bf16);
+                const __m512 v2 = load16(vc, at + 32, bf16), v3 = load16(vc, at + 48, bf16);
+                for (int64_t j = 0; j < g_per; j++) {
+                    const __m512 p = _mm512_set1_ps(s[j * s_stride + t0 + i]);
+                    acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
+                    acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
+                    acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
+                    acc[j][3] = _mm512_fmadd_ps(p, v3, acc[j][3]);
+                }
+            }
+        }
+        for (int64_t j = 0; j < g_per; j++) {
+            const float inv = 1.0f / s[j * s_stride + ctx];
+            float o[64];
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + 16 * c, acc[j][c]);
+            for (int e = 0; e < 64; e++) store_elem(out, (g * g_per + j) * o_hs + e, o[e] * inv, bf16);
+        }
+    }
+}
+#endif
+
+/* Rows [begin, end) of the decode list: row i reads q / writes out at q_rows[i] and uses
+   request reqs[i]'s block table and context length. Strides in elements. 0 = ok, 1 = no memory. */
+static inline __attribute__((always_inline)) int run(const void *q, int64_t q_rs, int64_t q_hs, const void *kc, const void *vc,
+               int64_t c_bs, int64_t c_ss, int64_t c_hs, const int32_t *tables, int64_t t_rs,
+               const int32_t *seq_lens, const int64_t *q_rows, const int64_t *reqs, int64_t begin, int64_t end,
+               void *out, int64_t o_rs, int64_t o_hs, int64_t hq, int64_t hkv, int64_t d,
+               int64_t block_size, float scale, const int bf16) {
+    int64_t max_ctx = 1;
+    for (int64_t i = begin; i < end; i++) max_ctx = seq_lens[reqs[i]] > max_ctx ? seq_lens[reqs[i]] : max_ctx;
+    const int64_t g_per = hq / hkv;
+    float *work = (float *)malloc(sizeof(float) * (size_t)((2 * g_per + 1) * d + g_per * (max_ctx + 1)));
+    if (!work) return 1;
+    const int64_t esz = bf16 ? 2 : 4;
+    for (int64_t i = begin; i < end; i++) {
+        const int64_t r = reqs[i], row = q_rows[i];
+        const void *qr = (const char *)q + row * q_rs * esz;
+        void *outr = (char *)out + row * o_rs * esz;
+        const int32_t *table = tables + r * t_rs;
+#ifdef __AVX512F__
+        if (d == 64 && hq / hkv <= MAX_G)
+            attend_row_d64(qr, q_hs, kc, vc, c_bs, c_ss, c_hs, table, seq_lens[r], outr, o_hs, hq, hkv,
+                           block_size, scale, work + (2 * g_per + 1) * d, bf16);
+        else
+#endif
+        if (d == 64)  /* constant head sizes get fixed-length vector loops */
+            attend_row(qr, q_hs, kc, vc, c_bs, c_ss, c_hs, table, seq_lens[r], outr, o_hs, hq, hkv, 64,
+                       block_size, scale, work, bf16);
+        else if (d == 128)
+            attend_row(qr, q_hs, kc, vc, c_bs, c_ss, c_hs, table, seq_lens[r], outr, o_hs, hq, hkv, 128,
+                       block_size, scale, work, bf16);
+        else
+            attend_row(qr, q_hs, kc, vc, c_bs, c_ss, c_hs, table, seq_lens[r], outr, o_hs, hq, hkv, d,
+                       block_size, scale, work, bf16);
+    }
+    free(work);
+    return 0;
+}
+
+#define ENTRY(name, bf16) \
+int name(const void *q, int64_t q_rs, int64_t q_hs, const void *kc, const void *vc, int64_t c_bs, \
+         int64_t c_ss, int64_t c_hs, const int32_t *tables, int64_t t_rs, const int32_t *seq_lens, \
+         const int64_t *q_rows, const int64_t *reqs, int64_t begin, int64_t end, void *out, int64_t o_rs, \
+         int64_t o_hs, int64_t hq, int64_t hkv, int64_t d, int64_t block_size, float scale) { \
+    return run(q, q_rs, q_hs, kc, vc, c_bs, c_ss, c_hs, tables, t_rs, seq_lens, q_rows, reqs, begin, end, \
+               out, o_rs, o_hs, hq, hkv, d, block_size, scale, bf16); }
+ENTRY(kvmesh_paged_decode_f32, 0)
+ENTRY(kvmesh_paged_decode_bf16, 1)
+"""
+
+# AVX2 + FMA everywhere the kernel is built; AVX-512 where torch itself runs AVX-512 code.
+# Never -march=native: VMs that advertise AMX have died with SIGILL on such builds.
+_BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp-simd", "-fno-math-errno", "-mavx2", "-mfma", "-mf16c")
+_AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512")
+
+_ARGTYPES = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+             + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+             + [ctypes.c_int64] * 6 + [ctypes.c_float])
+
+_lock = threading.Lock()
+_loaded: dict[str, "PagedDecodeKernel | None"] = {}
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("KVMESH_KERNEL_CACHE", Path.home() / ".cache" / "kvmesh" / "kernels"))
+
+
+def _flags() -> tuple[str, ...] | None:
+    capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
+    if capability.startswith("AVX512"):
+        return _BASE_FLAGS + _AVX512_FLAGS
+    if capability.startswith("AVX2"):
+        return _BASE_FLAGS
+    return None
+
+
+def _build(compiler: str, flags: tuple[str, ...]) -> Path:
+    key = hashlib.sha256((_C_SOURCE + compiler + " ".join(flags)).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"paged_decode_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src, lib = Path(tmp) / "paged_decode.c", Path(tmp) / "paged_decode.so"
+        src.write_text(_C_SOURCE)
+        subprocess.run([compiler, *flags, str(src), "-o", str(lib)], check=True, capture_output=True, timeout=120)
+        os.replace(lib, target)  # atomic: concurrent builders (engines, test workers) each land a whole file
+    return target
+
+
+class PagedDecodeKernel:
+    """The compiled kernel; `attend` runs it for the listed decode rows."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._fns = {torch.float32: lib.kvmesh_paged_decode_f32, torch.bfloat16: lib.kvmesh_paged_decode_bf16}
+        for fn in self._fns.values():
+            fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
+
+    @staticmethod
+    def takes(query: torch.Tensor, cache) -> bool:
+        """Whether the kernel handles this layer: unquantized fp32 / bf16 cache of the query's
+        dtype on CPU, head_dim contiguous, whole KV-head groups."""
+        k, v = cache.key_cache, cache.value_cache
+        return (query.device.type == "cpu" and not cache.quantized and query.dtype in (torch.float32, torch.bfloat16)
+                and k.dtype == query.dtype and v.dtype == query.dtype and k.stride() == v.stride()
+                and k.stride(-1) == 1 and query.stride(-1) == 1 and query.shape[1] % k.shape[2] == 0)
+
+    def attend(self, query: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+               q_rows: torch.Tensor, reqs: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        """Writes out[q_rows[i]] = attention of query[q_rows[i]] over request reqs[i]'s cached
+        context (seq_lens[reqs[i]] tokens through block_tables[reqs[i]]). Index tensors: int64
+        q_rows / reqs, int32 block_tables / seq_lens, contiguous, on CPU."""
+        fn = self._fns[query.dtype]
+        k, v = cache.key_cache, cache.value_cache
+        n = q_rows.shape[0]
+        args = (query.data_ptr(), query.stride(0), query.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0),
+                k.stride(1), k.stride(2), block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+                q_rows.data_ptr(), reqs.data_ptr())
+        tail = (out.data_ptr(), out.stride(0), out.stride(1), query.shape[1], k.shape[2], query.shape[2],
+                k.shape[1], float(scale))
+        threads = min(torch.get_num_threads(), n)
+        if threads <= 1:
+            failed = fn(*args, 0, n, *tail)
+        else:
+            bounds = [n * i // threads for i in range(threads + 1)]
+            futures = [self._executor(threads).submit(fn, *args, bounds[i], bounds[i + 1], *tail)
+                       for i in range(1, threads)]
+            failed = fn(*args, bounds[0], bounds[1], *tail) | sum(f.result() for f in futures)
+        if failed:
+            raise MemoryError("paged decode attention: no memory for its workspace")
+
+    def _executor(self, threads: int) -> ThreadPoolExecutor:
+        if self._pool is None or self._pool_size < threads - 1:
+            self._pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="kvmesh-attn")
+            self._pool_size = threads - 1
+        return self._pool
+
+
+def unavailable_reason() -> str | None:
+    if os.environ.get("KVMESH_PAGED_DECODE_KERNEL", "1") == "0":
+        return "disabled by KVMESH_PAGED_DECODE_KERNEL=0"
+    if _flags() is None:
+        return f"CPU capability {torch.backends.cpu.get_cpu_capability()} (the kernel is built for AVX2 or AVX-512)"
+    if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
+        return "no C compiler on PATH"
+    return None
+
+
+def load() -> PagedDecodeKernel | None:
+    """The kernel, built on first use; None (logged once) where it is unavailable."""
+    reason = unavailable_reason()
+    key = reason or "kernel"
+    with _lock:
+        if key in _loaded:
+            return _loaded[key]
+        kernel = None
+        if reason is None:
+            compiler = next(shutil.which(cc) for cc in ("cc", "gcc", "clang") if shutil.which(cc))
+            try:
+                kernel = PagedDecodeKernel(ctypes.CDLL(str(_build(compiler, _flags()))))
+            except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+                detail = getattr(exc, "stderr", b"") or b""
+                reason = f"build failed: {exc} {detail.decode(errors='replace')[-500:]}"
+        if kernel is None:
+            logger.info("CPU paged decode attention kernel unavailable (%s): grouped gather + SDPA path", reason)
+        else:
+            logger.info("CPU paged decode attention kernel loaded")
+        _loaded[key] = kernel
+        return kernel
