@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvmesh.quant import kv_quant
-from kvmesh.worker.modeling import cpu_paged_attention
+from kvmesh.worker.modeling import cpu_native, cpu_paged_attention
 from kvmesh.worker.modeling.attention import AttentionMetadata, LayerKVCache
 from kvmesh.worker.modeling.attention_cpu import CpuAttentionBackend, group_decode_rows
 from kvmesh.worker.modeling.attention_torch import TorchAttentionBackend
@@ -171,17 +171,17 @@ def test_no_kernel_keeps_the_grouped_path(monkeypatch, tmp_path):
     backend plans decode groups, with the reference's output."""
     query, cache, meta = _make_batch(MIXED_BATCH, 2, 3, 16, 8, "auto", poison=False)
     want = TorchAttentionBackend().attend(query, cache, meta, 0.25)
-    monkeypatch.setattr(cpu_paged_attention, "_loaded", {})
+    monkeypatch.setattr(cpu_native, "_built", {})
     monkeypatch.setenv("KVMESH_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("KVMESH_PAGED_DECODE_KERNEL", "0")
     assert "disabled" in cpu_paged_attention.unavailable_reason() and cpu_paged_attention.load() is None
     monkeypatch.delenv("KVMESH_PAGED_DECODE_KERNEL")
-    monkeypatch.setattr(cpu_paged_attention.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_native.shutil, "which", lambda name: None)
     assert cpu_paged_attention.unavailable_reason() == "no C compiler on PATH"
     assert cpu_paged_attention.load() is None
     monkeypatch.undo()
     if cpu_paged_attention.unavailable_reason() is None:  # a compiler that fails on this source
-        monkeypatch.setattr(cpu_paged_attention, "_loaded", {})
+        monkeypatch.setattr(cpu_native, "_built", {})
         monkeypatch.setenv("KVMESH_KERNEL_CACHE", str(tmp_path))
         monkeypatch.setattr(cpu_paged_attention, "_C_SOURCE", "this is not C;")
         assert cpu_paged_attention.load() is None

@@ -18,30 +18,22 @@ the grouped path. The numerics are SDPA's up to the order of fp32 sums (and a po
 exp good to ~2 ulp), so tests hold it to the torch reference with a dtype tolerance and the
 engine to HF's greedy tokens (tests/test_cpu_paged_attention.py).
 
-The kernel is plain C (no torch headers: builds in about a second) compiled with the
-system's C compiler on first use into ~/.cache/kvmesh/kernels, keyed by a hash of the source
-and flags, and called through ctypes, which releases the GIL for the call. Where there is no
-compiler, the build fails or the CPU has no AVX2, `load()` returns None and the caller keeps
-the grouped path (one log line says why). With more than one torch thread the rows are split
-over a small thread pool, one share per thread.
+The kernel is plain C built on first use and called through ctypes (worker/modeling/cpu_native.py).
+Where there is no compiler, the build fails, the CPU has no AVX2 or $KVMESH_PAGED_DECODE_KERNEL
+is 0, `load()` returns None and the caller keeps the grouped path (one log line says why).
+With more than one torch thread the rows are split over a small thread pool, one share per thread.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
+import functools
 import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from kvmesh.worker.modeling import cpu_native
 
 _C_SOURCE = r"""
 #include <stdint.h>
@@ -273,45 +265,10 @@ ENTRY(kvmesh_paged_decode_f32, 0)
 ENTRY(kvmesh_paged_decode_bf16, 1)
 """
 
-# AVX2 + FMA everywhere the kernel is built; AVX-512 where torch itself runs AVX-512 code.
-# Never -march=native: VMs that advertise AMX have died with SIGILL on such builds.
-_BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp-simd", "-fno-math-errno", "-mavx2", "-mfma", "-mf16c")
-_AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512")
-
 _ARGTYPES = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
              + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
              + [ctypes.c_int64] * 6 + [ctypes.c_float])
-
-_lock = threading.Lock()
-_loaded: dict[str, "PagedDecodeKernel | None"] = {}
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("KVMESH_KERNEL_CACHE", Path.home() / ".cache" / "kvmesh" / "kernels"))
-
-
-def _flags() -> tuple[str, ...] | None:
-    capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
-    if capability.startswith("AVX512"):
-        return _BASE_FLAGS + _AVX512_FLAGS
-    if capability.startswith("AVX2"):
-        return _BASE_FLAGS
-    return None
-
-
-def _build(compiler: str, flags: tuple[str, ...]) -> Path:
-    key = hashlib.sha256((_C_SOURCE + compiler + " ".join(flags)).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode_{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src, lib = Path(tmp) / "paged_decode.c", Path(tmp) / "paged_decode.so"
-        src.write_text(_C_SOURCE)
-        subprocess.run([compiler, *flags, str(src), "-o", str(lib)], check=True, capture_output=True, timeout=120)
-        os.replace(lib, target)  # atomic: concurrent builders (engines, test workers) each land a whole file
-    return target
 
 
 class PagedDecodeKernel:
@@ -367,31 +324,17 @@ class PagedDecodeKernel:
 def unavailable_reason() -> str | None:
     if os.environ.get("KVMESH_PAGED_DECODE_KERNEL", "1") == "0":
         return "disabled by KVMESH_PAGED_DECODE_KERNEL=0"
-    if _flags() is None:
-        return f"CPU capability {torch.backends.cpu.get_cpu_capability()} (the kernel is built for AVX2 or AVX-512)"
-    if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
-        return "no C compiler on PATH"
-    return None
+    return cpu_native.unavailable_reason()
 
 
 def load() -> PagedDecodeKernel | None:
     """The kernel, built on first use; None (logged once) where it is unavailable."""
-    reason = unavailable_reason()
-    key = reason or "kernel"
-    with _lock:
-        if key in _loaded:
-            return _loaded[key]
-        kernel = None
-        if reason is None:
-            compiler = next(shutil.which(cc) for cc in ("cc", "gcc", "clang") if shutil.which(cc))
-            try:
-                kernel = PagedDecodeKernel(ctypes.CDLL(str(_build(compiler, _flags()))))
-            except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-                detail = getattr(exc, "stderr", b"") or b""
-                reason = f"build failed: {exc} {detail.decode(errors='replace')[-500:]}"
-        if kernel is None:
-            logger.info("CPU paged decode attention kernel unavailable (%s): grouped gather + SDPA path", reason)
-        else:
-            logger.info("CPU paged decode attention kernel loaded")
-        _loaded[key] = kernel
-        return kernel
+    if unavailable_reason() is not None:
+        return None
+    lib = cpu_native.build("paged_decode", _C_SOURCE)
+    return None if lib is None else _kernel_for(lib)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_for(lib: ctypes.CDLL) -> PagedDecodeKernel:
+    return PagedDecodeKernel(lib)
