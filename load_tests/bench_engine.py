@@ -98,7 +98,8 @@ class ModeFigures:
     gemm_gflop_s: float  # this process's [64 x H] x [H x I] rate in the engine dtype
     batch64_gflop_s: float  # linear FLOPs of one batch-64 decode step / its time
     gemm_fraction: float
-    hf_agreement: dict | None = None
+    hf_agreement: dict | None = None  # vs HF bf16
+    hf_fp32_agreement: dict | None = None  # vs HF fp32
 
 
 @dataclass
@@ -240,8 +241,11 @@ def bench_mode(name: str, dtype: str, quant: str, model: str | None, threads: in
     seed = run_engine_workload(engine, requests)
     gemm = probe.rate_gflop_s()
     step_gflop_s = linear_flops_per_token(hf) * big_batch / (step_ms / 1e3) / 1e9
-    agree = hf_agreement(engine, model) if agreement and name == "bf16" else None
-    return ModeFigures(name, dtype, quant, seed, b1, b64, step_ms, gemm, step_gflop_s, step_gflop_s / gemm, agree)
+    agree = agree32 = None
+    if agreement and name.startswith("bf16") and quant == "none":
+        agree, agree32 = hf_agreement(engine, model), hf_agreement(engine, model, reference_dtype=torch.float32)
+    return ModeFigures(name, dtype, quant, seed, b1, b64, step_ms, gemm, step_gflop_s, step_gflop_s / gemm, agree,
+                       agree32)
 
 
 @dataclass
@@ -298,11 +302,15 @@ def format_ab(rounds: list[AbRound]) -> str:
     return "\n".join(lines)
 
 
-def hf_agreement(engine: Engine, model: str | None, new_tokens: int = 32) -> dict:
-    """Greedy tokens of this (bf16) engine vs HF transformers in bf16 on AGREEMENT_PROMPTS."""
+def hf_agreement(engine: Engine, model: str | None, new_tokens: int = 32,
+                 reference_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Greedy tokens of this (bf16) engine vs HF transformers in reference_dtype on
+    AGREEMENT_PROMPTS. Against HF bf16 it measures how alike the two roundings are (bf16
+    greedy decoding flips on near-ties, so kernels that round differently diverge); against
+    HF fp32, how close the engine stays to the unrounded model."""
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(_hf_dir(model), dtype=torch.bfloat16).eval()
+    ref = AutoModelForCausalLM.from_pretrained(_hf_dir(model), dtype=reference_dtype).eval()
     agreeing = total = identical = 0
     for i, prompt in enumerate(AGREEMENT_PROMPTS):
         ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
@@ -544,10 +552,10 @@ def format_table(report: BenchReport) -> str:
             lines.append(f"| {name} | {peer.output_tok_s:.1f} | {peer.e2e_p50_s:.1f} | {peer.e2e_p99_s:.1f} | - | - | - |")
     lines += [""] + ratio_lines(report)
     for m in report.modes:
-        if m.hf_agreement:
-            a = m.hf_agreement
-            lines.append(f"\nbf16 greedy agreement with HF bf16 ({m.mode}): {a['agreement']:.1%} of tokens before the "
-                         f"first divergence, {a['identical_prompts']}/{a['prompts']} prompts identical")
+        for ref, a in (("bf16", m.hf_agreement), ("fp32", m.hf_fp32_agreement)):
+            if a:
+                lines.append(f"\nbf16 greedy agreement with HF {ref} ({m.mode}): {a['agreement']:.1%} of tokens before "
+                             f"the first divergence, {a['identical_prompts']}/{a['prompts']} prompts identical")
     return "\n".join(lines)
 
 

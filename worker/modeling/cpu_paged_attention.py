@@ -8,15 +8,19 @@ measured with thread CPU time, docs/benchmarks.md). Here each decode row reads i
 lie, block by block through its block table, and nothing is copied:
 
     for each decode row, for each KV head g (its G = Hq / Hkv query heads share the K/V loads):
-        s[j, t] = scale * q_j . k_t        t < context, fp32 accumulation
+        s[j, t] = (q_j . k_t) * scale      t < context, fp32 accumulation
         p[j, t] = exp(s[j, t] - max_t s)   one pass, the whole row's scores kept
         out_j   = sum_t p[j, t] v_t / sum_t p[j, t]
 
 fp32 and bf16 caches (bf16 widened to fp32 on load, the output rounded to nearest-even as
-torch does); quantized caches, prefill chunks and anything the kernel does not take stay on
-the grouped path. The numerics are SDPA's up to the order of fp32 sums (and a polynomial
-exp good to ~2 ulp), so tests hold it to the torch reference with a dtype tolerance and the
-engine to HF's greedy tokens (tests/test_cpu_paged_attention.py).
+torch does; with bf16 the p that weight V are rounded to bf16, as torch's CPU flash attention
+does); quantized caches, prefill chunks and anything the kernel does not take stay on the
+grouped path. The numerics are SDPA's up to the order of fp32 sums (and a polynomial exp good
+to ~2 ulp): tests hold it to the torch reference within 1e-5 in fp32 and within one bf16
+rounding in bf16, and the engine to HF's greedy tokens in fp32 (tests/test_attention_cpu.py,
+tests/test_engine_exact.py). In bf16 greedy decoding it agrees with HF fp32 as often as the
+SDPA path does, but less often with HF bf16, which runs the same SDPA kernel as the grouped
+path and so shares its roundings (docs/benchmarks.md).
 
 The kernel is plain C built on first use and called through ctypes (worker/modeling/cpu_native.py).
 Where there is no compiler, the build fails, the CPU has no AVX2 or $KVMESH_PAGED_DECODE_KERNEL
@@ -76,14 +80,37 @@ static inline float exp_nonpositive(float x) {
     return p * s.f;
 }
 
+static inline float round_bf16(float x) {
+    bits32 v; v.f = x; v.u = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u; return v.f;
+}
+
+/* Row j of the [G, ctx + 1] scores: exp(s - max) in place, their sum in the spare slot. With a
+   bf16 cache the probabilities that weight V are rounded to bf16 (the sum is of the unrounded
+   ones), as torch's CPU flash attention does for bf16 inputs, so the result follows SDPA's. */
+static inline void softmax_rows(float *restrict s, int64_t g_per, int64_t s_stride, int64_t ctx, const int bf16) {
+    for (int64_t j = 0; j < g_per; j++) {
+        float *restrict sj = s + j * s_stride;
+        float m = sj[0];
+        for (int64_t t = 1; t < ctx; t++) m = sj[t] > m ? sj[t] : m;
+        float total = 0.0f;
+        #pragma omp simd reduction(+:total)
+        for (int64_t t = 0; t < ctx; t++) {
+            const float e = exp_nonpositive(sj[t] - m);
+            total += e;
+            sj[t] = bf16 ? round_bf16(e) : e;
+        }
+        sj[ctx] = total;
+    }
+}
+
 /* One decode row of q ([Hq, D] at q_row, head stride q_hs) against its cached context.
    Always inlined into callers that pass a constant d (64, 128) and bf16 flag, so the inner
    loops compile to fixed-length vector code. K/V rows are walked block by block (no division
    per token) and each K/V row is widened to fp32 once for all G query heads of its KV head. */
 static inline __attribute__((always_inline)) void attend_row(
-        const void *q, int64_t q_hs, const void *kc, const void *vc, int64_t c_bs, int64_t c_ss, int64_t c_hs,
-        const int32_t *table, int64_t ctx, void *out, int64_t o_hs, int64_t hq, int64_t hkv, const int64_t d,
-        int64_t block_size, float scale, float *work, const int bf16) {
+        const void *q, int64_t q_hs, const void *kc, const void *vc, int64_t c_hs, const int64_t *offs,
+        int64_t ctx, void *out, int64_t o_hs, int64_t hq, int64_t hkv, const int64_t d, float scale,
+        float *work, const int bf16) {
     const int64_t g_per = hq / hkv;
     float *restrict qf = work;                /* [G, D] */
     float *restrict acc = qf + g_per * d;     /* [G, D] */
@@ -93,42 +120,26 @@ static inline __attribute__((always_inline)) void attend_row(
     for (int64_t g = 0; g < hkv; g++) {
         for (int64_t j = 0; j < g_per; j++)
             for (int64_t e = 0; e < d; e++)
-                qf[j * d + e] = load_elem(q, (g * g_per + j) * q_hs + e, bf16) * scale;
-        for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += block_size, b++) {
-            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-            const int64_t base = (int64_t)table[b] * c_bs + g * c_hs;
-            for (int64_t i = 0; i < n; i++) {
-                for (int64_t e = 0; e < d; e++) row[e] = load_elem(kc, base + i * c_ss + e, bf16);
-                for (int64_t j = 0; j < g_per; j++) {
-                    const float *qj = qf + j * d;
-                    float dot = 0.0f;
-                    #pragma omp simd reduction(+:dot)
-                    for (int64_t e = 0; e < d; e++) dot += qj[e] * row[e];
-                    s[j * s_stride + t0 + i] = dot;
-                }
+                qf[j * d + e] = load_elem(q, (g * g_per + j) * q_hs + e, bf16);
+        for (int64_t t = 0; t < ctx; t++) {
+            for (int64_t e = 0; e < d; e++) row[e] = load_elem(kc, offs[t] + g * c_hs + e, bf16);
+            for (int64_t j = 0; j < g_per; j++) {
+                const float *qj = qf + j * d;
+                float dot = 0.0f;
+                #pragma omp simd reduction(+:dot)
+                for (int64_t e = 0; e < d; e++) dot += qj[e] * row[e];
+                s[j * s_stride + t] = dot * scale;
             }
         }
-        for (int64_t j = 0; j < g_per; j++) {
-            float *sj = s + j * s_stride;
-            float m = sj[0];
-            for (int64_t t = 1; t < ctx; t++) m = sj[t] > m ? sj[t] : m;
-            float total = 0.0f;
-            #pragma omp simd reduction(+:total)
-            for (int64_t t = 0; t < ctx; t++) { float e = exp_nonpositive(sj[t] - m); sj[t] = e; total += e; }
-            sj[ctx] = total;
-            for (int64_t e = 0; e < d; e++) acc[j * d + e] = 0.0f;
-        }
-        for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += block_size, b++) {
-            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-            const int64_t base = (int64_t)table[b] * c_bs + g * c_hs;
-            for (int64_t i = 0; i < n; i++) {
-                for (int64_t e = 0; e < d; e++) row[e] = load_elem(vc, base + i * c_ss + e, bf16);
-                for (int64_t j = 0; j < g_per; j++) {
-                    const float pj = s[j * s_stride + t0 + i];
-                    float *aj = acc + j * d;
-                    #pragma omp simd
-                    for (int64_t e = 0; e < d; e++) aj[e] += pj * row[e];
-                }
+        softmax_rows(s, g_per, s_stride, ctx, bf16);
+        for (int64_t e = 0; e < g_per * d; e++) acc[e] = 0.0f;
+        for (int64_t t = 0; t < ctx; t++) {
+            for (int64_t e = 0; e < d; e++) row[e] = load_elem(vc, offs[t] + g * c_hs + e, bf16);
+            for (int64_t j = 0; j < g_per; j++) {
+                const float pj = s[j * s_stride + t];
+                float *aj = acc + j * d;
+                #pragma omp simd
+                for (int64_t e = 0; e < d; e++) aj[e] += pj * row[e];
             }
         }
         for (int64_t j = 0; j < g_per; j++) {
@@ -152,58 +163,41 @@ static inline __m512 load16(const void *p, int64_t i, const int bf16) {
 
 #define MAX_G 16
 static inline __attribute__((always_inline)) void attend_row_d64(
-        const void *q, int64_t q_hs, const void *kc, const void *vc, int64_t c_bs, int64_t c_ss, int64_t c_hs,
-        const int32_t *table, int64_t ctx, void *out, int64_t o_hs, int64_t hq, int64_t hkv,
-        int64_t block_size, float scale, float *restrict s, const int bf16) {
+        const void *q, int64_t q_hs, const void *kc, const void *vc, int64_t c_hs, const int64_t *offs,
+        int64_t ctx, void *out, int64_t o_hs, int64_t hq, int64_t hkv, float scale, float *restrict s,
+        const int bf16) {
     const int64_t g_per = hq / hkv, s_stride = ctx + 1;
-    const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t g = 0; g < hkv; g++) {
         __m512 qv[MAX_G][4];
         for (int64_t j = 0; j < g_per; j++)
             for (int c = 0; c < 4; c++)
-                qv[j][c] = _mm512_mul_ps(load16(q, (g * g_per + j) * q_hs + 16 * c, bf16), vscale);
-        for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += block_size, b++) {
-            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-            const int64_t base = (int64_t)table[b] * c_bs + g * c_hs;
-            for (int64_t i = 0; i < n; i++) {
-                const int64_t at = base + i * c_ss;
-                const __m512 k0 = load16(kc, at, bf16), k1 = load16(kc, at + 16, bf16);
-                const __m512 k2 = load16(kc, at + 32, bf16), k3 = load16(kc, at + 48, bf16);
-                for (int64_t j = 0; j < g_per; j++) {
-                    __m512 a = _mm512_mul_ps(qv[j][0], k0);
-                    __m512 b2 = _mm512_mul_ps(qv[j][1], k1);
-                    a = _mm512_fmadd_ps(qv[j][2], k2, a);
-                    b2 = _mm512_fmadd_ps(qv[j][3], k3, b2);
-                    s[j * s_stride + t0 + i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b2));
-                }
+                qv[j][c] = load16(q, (g * g_per + j) * q_hs + 16 * c, bf16);
+        for (int64_t t = 0; t < ctx; t++) {
+            const int64_t at = offs[t] + g * c_hs;
+            const __m512 k0 = load16(kc, at, bf16), k1 = load16(kc, at + 16, bf16);
+            const __m512 k2 = load16(kc, at + 32, bf16), k3 = load16(kc, at + 48, bf16);
+            for (int64_t j = 0; j < g_per; j++) {
+                __m512 a = _mm512_mul_ps(qv[j][0], k0);
+                __m512 b2 = _mm512_mul_ps(qv[j][1], k1);
+                a = _mm512_fmadd_ps(qv[j][2], k2, a);
+                b2 = _mm512_fmadd_ps(qv[j][3], k3, b2);
+                s[j * s_stride + t] = _mm512_reduce_add_ps(_mm512_add_ps(a, b2)) * scale;
             }
         }
-        for (int64_t j = 0; j < g_per; j++) {
-            float *restrict sj = s + j * s_stride;
-            float m = sj[0];
-            for (int64_t t = 1; t < ctx; t++) m = sj[t] > m ? sj[t] : m;
-            float total = 0.0f;
-            #pragma omp simd reduction(+:total)
-            for (int64_t t = 0; t < ctx; t++) { float e = exp_nonpositive(sj[t] - m); sj[t] = e; total += e; }
-            sj[ctx] = total;
-        }
+        softmax_rows(s, g_per, s_stride, ctx, bf16);
         __m512 acc[MAX_G][4];
         for (int64_t j = 0; j < g_per; j++)
             for (int c = 0; c < 4; c++) acc[j][c] = _mm512_setzero_ps();
-        for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += block_size, b++) {
-            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-            const int64_t base = (int64_t)table[b] * c_bs + g * c_hs;
-            for (int64_t i = 0; i < n; i++) {
-                const int64_t at = base + i * c_ss;
-                const __m512 v0 = load16(vc, at, bf16), v1 = load16(vc, at + 16, bf16);
-                const __m512 v2 = load16(vc, at + 32, bf16), v3 = load16(vc, at + 48, bf16);
-                for (int64_t j = 0; j < g_per; j++) {
-                    const __m512 p = _mm512_set1_ps(s[j * s_stride + t0 + i]);
-                    acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
-                    acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
-                    acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
-                    acc[j][3] = _mm512_fmadd_ps(p, v3, acc[j][3]);
-                }
+        for (int64_t t = 0; t < ctx; t++) {
+            const int64_t at = offs[t] + g * c_hs;
+            const __m512 v0 = load16(vc, at, bf16), v1 = load16(vc, at + 16, bf16);
+            const __m512 v2 = load16(vc, at + 32, bf16), v3 = load16(vc, at + 48, bf16);
+            for (int64_t j = 0; j < g_per; j++) {
+                const __m512 p = _mm512_set1_ps(s[j * s_stride + t]);
+                acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
+                acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
+                acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
+                acc[j][3] = _mm512_fmadd_ps(p, v3, acc[j][3]);
             }
         }
         for (int64_t j = 0; j < g_per; j++) {
@@ -226,31 +220,31 @@ static inline __attribute__((always_inline)) int run(const void *q, int64_t q_rs
     int64_t max_ctx = 1;
     for (int64_t i = begin; i < end; i++) max_ctx = seq_lens[reqs[i]] > max_ctx ? seq_lens[reqs[i]] : max_ctx;
     const int64_t g_per = hq / hkv;
-    float *work = (float *)malloc(sizeof(float) * (size_t)((2 * g_per + 1) * d + g_per * (max_ctx + 1)));
-    if (!work) return 1;
+    /* the row's token offsets, then the kernel's fp32 scratch (q, accumulators, one K/V row, scores) */
+    int64_t *offs = (int64_t *)malloc(sizeof(int64_t) * (size_t)max_ctx
+                                      + sizeof(float) * (size_t)((2 * g_per + 1) * d + g_per * (max_ctx + 1)));
+    if (!offs) return 1;
+    float *work = (float *)(offs + max_ctx);
     const int64_t esz = bf16 ? 2 : 4;
     for (int64_t i = begin; i < end; i++) {
-        const int64_t r = reqs[i], row = q_rows[i];
+        const int64_t r = reqs[i], row = q_rows[i], ctx = seq_lens[r];
         const void *qr = (const char *)q + row * q_rs * esz;
         void *outr = (char *)out + row * o_rs * esz;
         const int32_t *table = tables + r * t_rs;
+        for (int64_t t = 0; t < ctx; t++) offs[t] = (int64_t)table[t / block_size] * c_bs + (t % block_size) * c_ss;
 #ifdef __AVX512F__
-        if (d == 64 && hq / hkv <= MAX_G)
-            attend_row_d64(qr, q_hs, kc, vc, c_bs, c_ss, c_hs, table, seq_lens[r], outr, o_hs, hq, hkv,
-                           block_size, scale, work + (2 * g_per + 1) * d, bf16);
+        if (d == 64 && g_per <= MAX_G)
+            attend_row_d64(qr, q_hs, kc, vc, c_hs, offs, ctx, outr, o_hs, hq, hkv, scale, work, bf16);
         else
 #endif
         if (d == 64)  /* constant head sizes get fixed-length vector loops */
-            attend_row(qr, q_hs, kc, vc, c_bs, c_ss, c_hs, table, seq_lens[r], outr, o_hs, hq, hkv, 64,
-                       block_size, scale, work, bf16);
+            attend_row(qr, q_hs, kc, vc, c_hs, offs, ctx, outr, o_hs, hq, hkv, 64, scale, work, bf16);
         else if (d == 128)
-            attend_row(qr, q_hs, kc, vc, c_bs, c_ss, c_hs, table, seq_lens[r], outr, o_hs, hq, hkv, 128,
-                       block_size, scale, work, bf16);
+            attend_row(qr, q_hs, kc, vc, c_hs, offs, ctx, outr, o_hs, hq, hkv, 128, scale, work, bf16);
         else
-            attend_row(qr, q_hs, kc, vc, c_bs, c_ss, c_hs, table, seq_lens[r], outr, o_hs, hq, hkv, d,
-                       block_size, scale, work, bf16);
+            attend_row(qr, q_hs, kc, vc, c_hs, offs, ctx, outr, o_hs, hq, hkv, d, scale, work, bf16);
     }
-    free(work);
+    free(offs);
     return 0;
 }
 
