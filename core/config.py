@@ -60,6 +60,11 @@ class ModelConfig:
     # steps of at most scheduler.max_num_seqs tokens, warmed at start; projections and
     # attention stay the eager kernels (worker/modeling/compiled_forward.py). off = eager.
     compile: str = "off"
+    # CPU attention backend: decode rows of an unquantized fp32 / bf16 cache attend through a
+    # small C kernel reading K/V in place via the block tables (built on first use with the
+    # system C compiler; worker/modeling/cpu_paged_attention.py), instead of gathering each
+    # row's blocks and running SDPA per group. false = always the gather + SDPA path.
+    cpu_decode_kernel: bool = True
 
     def validate(self) -> None:
         _one_of("model.dtype", self.dtype, ("auto", "fp32", "bf16", "fp16"))

@@ -4,6 +4,7 @@ HF transformers static batches of 8, and llama.cpp's `llama-server` when a binar
     python -m kvmesh.load_tests.bench_engine                       # the full comparison
     python -m kvmesh.load_tests.bench_engine --llama-server PATH   # + llama.cpp on the GGUF
     python -m kvmesh.load_tests.bench_engine --quick --model DIR   # seconds, tiny model (tests)
+    python -m kvmesh.load_tests.bench_engine --ab bf16-grouped,bf16 --rounds 3   # interleaved A/B
 
 Figures per kvmesh mode:
   * the seed-shaped run: 64 requests, the articles' length shape x0.25 (load_tests/workloads.py
@@ -17,6 +18,8 @@ Figures per kvmesh mode:
   * bf16 only: greedy agreement with HF transformers in bf16 over a fixed prompt set (tokens
     equal up to the first divergence, over all generated tokens).
 The machine is shared and noisy: compare figures within one run (ratios), not across runs.
+--ab A,B builds both modes' engines in one process and alternates them, round by round, on
+the batch-1 and batch-64 decode figures only (the fairest A/B such a machine allows).
 """
 
 from __future__ import annotations
@@ -53,10 +56,14 @@ FULL_MODES = [("fp32", "fp32", "none"), ("bf16", "bf16", "none"), ("bf16-unpacke
 # Config beyond dtype / quant for a mode: bf16-unpacked is bf16 with plain F.linear weights,
 # the in-run A/B of the oneDNN prepacking (worker/modeling/packed_weights.py).
 MODE_OVERRIDES = {"bf16-unpacked": {"model": {"cpu_prepack_weights": False}},
+                  "bf16-grouped": {"model": {"cpu_decode_kernel": False}},
                   "bf16-compiled": {"model": {"compile": "decode"}}, "bf16-int4-compiled": {"model": {"compile": "decode"}}}
 # Only on request (--modes): the inductor-compiled decoder (model.compile decode, compiled at
-# engine start: a minute or more on 2 cores), the in-run A/B against bf16 / bf16-int4.
-OPTIONAL_MODES = [("bf16-compiled", "bf16", "none"), ("bf16-int4-compiled", "bf16", "int4")]
+# engine start: a minute or more on 2 cores), the in-run A/B against bf16 / bf16-int4;
+# bf16-grouped: bf16 with decode attention on the gather + SDPA path instead of the paged C
+# kernel (worker/modeling/cpu_paged_attention.py), the in-run A/B of that kernel.
+OPTIONAL_MODES = [("bf16-compiled", "bf16", "none"), ("bf16-int4-compiled", "bf16", "int4"),
+                  ("bf16-grouped", "bf16", "none")]
 QUICK_MODES = [("fp32", "fp32", "none"), ("bf16-int8", "bf16", "int8")]
 AGREEMENT_PROMPTS = [  # fixed, mixed lengths and kinds; 32 greedy tokens each
     "The capital of France is",
@@ -91,7 +98,8 @@ class ModeFigures:
     gemm_gflop_s: float  # this process's [64 x H] x [H x I] rate in the engine dtype
     batch64_gflop_s: float  # linear FLOPs of one batch-64 decode step / its time
     gemm_fraction: float
-    hf_agreement: dict | None = None
+    hf_agreement: dict | None = None  # vs HF bf16
+    hf_fp32_agreement: dict | None = None  # vs HF fp32
 
 
 @dataclass
@@ -233,15 +241,76 @@ def bench_mode(name: str, dtype: str, quant: str, model: str | None, threads: in
     seed = run_engine_workload(engine, requests)
     gemm = probe.rate_gflop_s()
     step_gflop_s = linear_flops_per_token(hf) * big_batch / (step_ms / 1e3) / 1e9
-    agree = hf_agreement(engine, model) if agreement and name == "bf16" else None
-    return ModeFigures(name, dtype, quant, seed, b1, b64, step_ms, gemm, step_gflop_s, step_gflop_s / gemm, agree)
+    agree = agree32 = None
+    if agreement and name.startswith("bf16") and quant == "none":
+        agree, agree32 = hf_agreement(engine, model), hf_agreement(engine, model, reference_dtype=torch.float32)
+    return ModeFigures(name, dtype, quant, seed, b1, b64, step_ms, gemm, step_gflop_s, step_gflop_s / gemm, agree,
+                       agree32)
 
 
-def hf_agreement(engine: Engine, model: str | None, new_tokens: int = 32) -> dict:
-    """Greedy tokens of this (bf16) engine vs HF transformers in bf16 on AGREEMENT_PROMPTS."""
+@dataclass
+class AbRound:
+    mode: str
+    batch1_decode_tok_s: float
+    batch64_decode_tok_s: float
+    batch64_step_ms: float
+    gemm_fraction: float  # the batch-64 step's linear FLOP rate / the GEMM rate sampled between its steps
+
+
+def run_ab(modes: list[tuple[str, str, str]], model: str | None, threads: int, decode_prompt: tuple[int, ...],
+           decode_tokens: int, big_batch: int, rounds: int, gemm_seconds: float) -> list[AbRound]:
+    """The modes' engines side by side in this process, run alternately for `rounds` rounds:
+    each round measures every mode's batch-1 and batch-`big_batch` decode, so load drifts on a
+    shared machine hit both sides alike. KV pools sized to the decode runs (64 x 112 tokens of
+    SmolLM2 take ~0.17 GiB), so several engines stay within a few GB of memory."""
+    kv_gib = 0.3 if big_batch >= 64 else 0.05
+    engines = []
+    for name, dtype, quant in modes:
+        config = engine_config(model, dtype, quant, threads, max(64, big_batch), kv_gib)
+        engine = Engine.from_config(config.replace(**MODE_OVERRIDES.get(name, {})))
+        decode_rate(engine, decode_prompt, 1, 4)  # warm-up
+        engines.append((name, engine))
+    hf = engines[0][1].parts.hf_config
+    out = []
+    for _ in range(rounds):
+        for name, engine in engines:
+            probe = GemmProbe(hf.hidden_size, hf.intermediate_size, next(engine.runner.model.parameters()).dtype)
+            b1, _ = decode_rate(engine, decode_prompt, 1, decode_tokens)
+            b64, step_ms = decode_rate(engine, decode_prompt, big_batch, decode_tokens,
+                                       between_steps=lambda: probe.sample(gemm_seconds))
+            step_gflop_s = linear_flops_per_token(hf) * big_batch / (step_ms / 1e3) / 1e9
+            out.append(AbRound(name, b1, b64, step_ms, step_gflop_s / probe.rate_gflop_s()))
+            print(f"[ab] {json.dumps(asdict(out[-1]))}", file=sys.stderr, flush=True)
+    return out
+
+
+def format_ab(rounds: list[AbRound]) -> str:
+    """Medians per mode and each mode's ratio to the first."""
+    names = list(dict.fromkeys(r.mode for r in rounds))
+    med = {n: {f: statistics.median(getattr(r, f) for r in rounds if r.mode == n)
+               for f in ("batch1_decode_tok_s", "batch64_decode_tok_s", "batch64_step_ms", "gemm_fraction")}
+           for n in names}
+    base = med[names[0]]
+    lines = [f"interleaved A/B, median of {len(rounds) // len(names)} rounds",
+             "| mode | batch-1 decode tok/s | batch-64 decode tok/s | batch-64 step ms | step / GEMM rate |",
+             "|---|---|---|---|---|"]
+    for n in names:
+        m = med[n]
+        lines.append(f"| {n} | {m['batch1_decode_tok_s']:.1f} ({m['batch1_decode_tok_s'] / base['batch1_decode_tok_s']:.2f}x)"
+                     f" | {m['batch64_decode_tok_s']:.1f} ({m['batch64_decode_tok_s'] / base['batch64_decode_tok_s']:.2f}x)"
+                     f" | {m['batch64_step_ms']:.1f} | {m['gemm_fraction']:.0%} |")
+    return "\n".join(lines)
+
+
+def hf_agreement(engine: Engine, model: str | None, new_tokens: int = 32,
+                 reference_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Greedy tokens of this (bf16) engine vs HF transformers in reference_dtype on
+    AGREEMENT_PROMPTS. Against HF bf16 it measures how alike the two roundings are (bf16
+    greedy decoding flips on near-ties, so kernels that round differently diverge); against
+    HF fp32, how close the engine stays to the unrounded model."""
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(_hf_dir(model), dtype=torch.bfloat16).eval()
+    ref = AutoModelForCausalLM.from_pretrained(_hf_dir(model), dtype=reference_dtype).eval()
     agreeing = total = identical = 0
     for i, prompt in enumerate(AGREEMENT_PROMPTS):
         ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
@@ -418,6 +487,12 @@ def run(args) -> BenchReport:
         modes = [m for m in FULL_MODES + OPTIONAL_MODES + QUICK_MODES if m[0] in args.modes.split(",")]
     corpus = TokenCorpus(tokenizer)
     decode_prompt = corpus.window(0, 40)
+    if args.ab:
+        by_name = {m[0]: m for m in FULL_MODES + OPTIONAL_MODES + QUICK_MODES}
+        ab = run_ab([by_name[n] for n in args.ab.split(",")], args.model, args.threads, decode_prompt,
+                    decode_tokens, big_batch, args.rounds, gemm_seconds)
+        print(format_ab(ab))
+        return BenchReport(cpu_flags(), torch.get_num_threads(), torch.__version__, args.model or "embedded SmolLM2")
     report = BenchReport(cpu_flags(), torch.get_num_threads(), torch.__version__, args.model or "embedded SmolLM2")
     for name, dtype, quant in dict.fromkeys(modes):
         figures = bench_mode(name, dtype, quant, args.model, args.threads, requests, decode_prompt, decode_tokens,
@@ -477,10 +552,10 @@ def format_table(report: BenchReport) -> str:
             lines.append(f"| {name} | {peer.output_tok_s:.1f} | {peer.e2e_p50_s:.1f} | {peer.e2e_p99_s:.1f} | - | - | - |")
     lines += [""] + ratio_lines(report)
     for m in report.modes:
-        if m.hf_agreement:
-            a = m.hf_agreement
-            lines.append(f"\nbf16 greedy agreement with HF bf16 ({m.mode}): {a['agreement']:.1%} of tokens before the "
-                         f"first divergence, {a['identical_prompts']}/{a['prompts']} prompts identical")
+        for ref, a in (("bf16", m.hf_agreement), ("fp32", m.hf_fp32_agreement)):
+            if a:
+                lines.append(f"\nbf16 greedy agreement with HF {ref} ({m.mode}): {a['agreement']:.1%} of tokens before "
+                             f"the first divergence, {a['identical_prompts']}/{a['prompts']} prompts identical")
     return "\n".join(lines)
 
 
@@ -496,11 +571,17 @@ def main(argv: list[str] | None = None) -> BenchReport:
     p.add_argument("--llama-server", metavar="PATH", help="llama.cpp llama-server binary to compare against")
     p.add_argument("--gguf", help="GGUF for llama-server (default: the embedded model's)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    p.add_argument("--ab", metavar="A,B", help="only the interleaved decode A/B of these modes (see above)")
+    p.add_argument("--rounds", type=int, default=3, help="--ab rounds")
     args = p.parse_args(argv)
+    known = {m[0] for m in FULL_MODES + OPTIONAL_MODES + QUICK_MODES}
+    if args.ab and not set(args.ab.split(",")) <= known:
+        p.error(f"--ab {args.ab}: modes are {', '.join(sorted(known))}")
     if args.llama_server and not shutil.which(args.llama_server) and not os.path.exists(args.llama_server):
         p.error(f"--llama-server {args.llama_server}: no such binary")
     report = run(args)
-    print(format_table(report))
+    if not args.ab:  # --ab printed its own table
+        print(format_table(report))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(asdict(report), f, indent=1)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvmesh.quant import kv_quant
+from kvmesh.worker.modeling import cpu_native, cpu_paged_attention
 from kvmesh.worker.modeling.attention import AttentionMetadata, LayerKVCache
 from kvmesh.worker.modeling.attention_cpu import CpuAttentionBackend, group_decode_rows
 from kvmesh.worker.modeling.attention_torch import TorchAttentionBackend
@@ -73,19 +74,27 @@ def _make_batch(requests, num_kv_heads, queries_per_kv, head_dim, block_size, kv
 @pytest.mark.parametrize("kv", ["auto", "int8"])
 @pytest.mark.parametrize("block_size", [8, 16])
 @pytest.mark.parametrize("queries_per_kv", [1, 3])
-def test_fast_path_matches_reference(kv, block_size, queries_per_kv):
+@pytest.mark.parametrize("decode_kernel", [False, True], ids=["grouped", "kernel"])
+def test_fast_path_matches_reference(kv, block_size, queries_per_kv, decode_kernel):
+    if decode_kernel and cpu_paged_attention.load() is None:
+        pytest.skip(f"no paged decode kernel here: {cpu_paged_attention.unavailable_reason() or 'build failed'}")
     query, cache, meta = _make_batch(MIXED_BATCH, 2, queries_per_kv, 16, block_size, kv, poison=False)
     want = TorchAttentionBackend().attend(query, cache, meta, 0.25)
-    fast = CpuAttentionBackend()
+    fast = CpuAttentionBackend(use_kernel=decode_kernel)
     got = fast.attend(query, cache, meta, 0.25)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     plan = meta.backend_plans["cpu"]
-    assert len(plan.decode_groups) > 1, "the mixed lengths must split into several decode groups"
+    if decode_kernel and kv == "auto":  # every decode row in the kernel's one call
+        assert plan.kernel_rows is not None and not plan.decode_groups
+        assert plan.kernel_rows.query_rows.numel() == sum(q == 1 for _, q in MIXED_BATCH)
+    else:  # quantized KV stays on the grouped path
+        assert plan.kernel_rows is None
+        assert len(plan.decode_groups) > 1, "the mixed lengths must split into several decode groups"
     assert fast.attend(query, cache, meta, 0.25).equal(got), "the cached plan serves every later layer"
 
     # Blocks no request owns poisoned with NaN: the fast path never reads them.
     query_p, cache_p, meta_p = _make_batch(MIXED_BATCH, 2, queries_per_kv, 16, block_size, kv, poison=True)
-    assert CpuAttentionBackend().attend(query_p, cache_p, meta_p, 0.25).equal(got)
+    assert CpuAttentionBackend(use_kernel=decode_kernel).attend(query_p, cache_p, meta_p, 0.25).equal(got)
 
 
 def test_decode_groups_bound_the_padding():
@@ -97,3 +106,86 @@ def test_decode_groups_bound_the_padding():
         assert len(g) * longest <= 1.25 * sum(n for _, n in g)
     # far fewer padded tokens than batch x longest context
     assert sum(len(g) * max(n for _, n in g) for g in groups) <= 1.25 * sum(lens) < len(lens) * max(lens)
+
+
+def _kernel_or_skip():
+    kernel = cpu_paged_attention.load()
+    if kernel is None:
+        pytest.skip(f"no paged decode kernel here: {cpu_paged_attention.unavailable_reason() or 'build failed'}")
+    return kernel
+
+
+def _bf16(query, cache):
+    return query.bfloat16(), LayerKVCache(cache.key_cache.bfloat16(), cache.value_cache.bfloat16())
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 48])  # the AVX-512 path, the fixed-length loops, the generic loops
+def test_kernel_head_sizes_in_fp32(head_dim):
+    _kernel_or_skip()
+    query, cache, meta = _make_batch(MIXED_BATCH, 2, 3, head_dim, 16, "auto", poison=False)
+    want = TorchAttentionBackend().attend(query, cache, meta, head_dim ** -0.5)
+    got = CpuAttentionBackend(use_kernel=True).attend(query, cache, meta, head_dim ** -0.5)
+    assert meta.backend_plans["cpu"].kernel_rows is not None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("queries_per_kv", [1, 3])
+@pytest.mark.parametrize("head_dim", [64, 32])
+def test_kernel_in_bf16_is_the_reference_up_to_bf16_rounding(queries_per_kv, head_dim):
+    """bf16 cache and queries: the kernel widens to fp32, so against the fp32 reference on the
+    same (bf16-rounded) values it is off by the output's bf16 rounding only, and it is no
+    further from that than the bf16 SDPA path is."""
+    _kernel_or_skip()
+    query, cache, meta = _make_batch(MIXED_BATCH, 2, queries_per_kv, head_dim, 16, "auto", poison=False)
+    q16, c16 = _bf16(query, cache)
+    exact = TorchAttentionBackend().attend(q16.float(), LayerKVCache(c16.key_cache.float(), c16.value_cache.float()),
+                                           meta, 0.125)
+    got = CpuAttentionBackend(use_kernel=True).attend(q16, c16, meta, 0.125)
+    assert got.dtype == torch.bfloat16 and meta.backend_plans["cpu"].kernel_rows is not None
+    grouped = CpuAttentionBackend(use_kernel=False).attend(q16, c16, _make_batch(
+        MIXED_BATCH, 2, queries_per_kv, head_dim, 16, "auto", poison=False)[2], 0.125)
+    decode = torch.tensor([i for i, (_, q) in enumerate(MIXED_BATCH) if q == 1])
+    rows = meta.query_start_loc[:-1].long()[decode]
+    err = (got[rows].float() - exact[rows]).abs().max().item()
+    assert err <= 2 ** -8 * exact[rows].abs().max().item()  # one bf16 rounding of the largest output
+    assert err <= 2 * (grouped[rows].float() - exact[rows]).abs().max().item() + 1e-6
+
+
+def test_kernel_rows_split_over_threads_give_the_same_bits():
+    _kernel_or_skip()
+    query, cache, meta = _make_batch(MIXED_BATCH * 3, 2, 3, 32, 8, "auto", poison=False)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = CpuAttentionBackend().attend(query, cache, meta, 0.2)
+        torch.set_num_threads(3)
+        meta.backend_plans.clear()
+        three = CpuAttentionBackend().attend(query, cache, meta, 0.2)
+    finally:
+        torch.set_num_threads(threads)
+    assert three.equal(one)
+
+
+def test_no_kernel_keeps_the_grouped_path(monkeypatch, tmp_path):
+    """Switched off, without a compiler, or when the build fails: load() is None and the
+    backend plans decode groups, with the reference's output."""
+    query, cache, meta = _make_batch(MIXED_BATCH, 2, 3, 16, 8, "auto", poison=False)
+    want = TorchAttentionBackend().attend(query, cache, meta, 0.25)
+    monkeypatch.setattr(cpu_native, "_built", {})
+    monkeypatch.setenv("KVMESH_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("KVMESH_PAGED_DECODE_KERNEL", "0")
+    assert "disabled" in cpu_paged_attention.unavailable_reason() and cpu_paged_attention.load() is None
+    monkeypatch.delenv("KVMESH_PAGED_DECODE_KERNEL")
+    monkeypatch.setattr(cpu_native.shutil, "which", lambda name: None)
+    assert cpu_paged_attention.unavailable_reason() == "no C compiler on PATH"
+    assert cpu_paged_attention.load() is None
+    monkeypatch.undo()
+    if cpu_paged_attention.unavailable_reason() is None:  # a compiler that fails on this source
+        monkeypatch.setattr(cpu_native, "_built", {})
+        monkeypatch.setenv("KVMESH_KERNEL_CACHE", str(tmp_path))
+        monkeypatch.setattr(cpu_paged_attention, "_C_SOURCE", "this is not C;")
+        assert cpu_paged_attention.load() is None
+        backend = CpuAttentionBackend()
+        got = backend.attend(query, cache, meta, 0.25)
+        assert backend.kernel() is None and len(meta.backend_plans["cpu"].decode_groups) > 1
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -22,3 +22,12 @@ def test_quick_run_reports_every_figure(tiny_model_dir, tmp_path):
     assert data["llama_server"] is None
     table = bench_engine.format_table(report)
     assert "kvmesh fp32" in table and "HF static batches of 8" in table and "CPU flags" in table
+
+
+def test_ab_run_alternates_the_modes(tiny_model_dir, capsys):
+    bench_engine.main(["--quick", "--model", tiny_model_dir, "--threads", "1", "--ab", "bf16-grouped,bf16",
+                       "--rounds", "2"])
+    out = capsys.readouterr()
+    order = [json.loads(line[len("[ab] "):])["mode"] for line in out.err.splitlines() if line.startswith("[ab] ")]
+    assert order == ["bf16-grouped", "bf16"] * 2
+    assert "| bf16-grouped |" in out.out and "(1.00x)" in out.out and "| bf16 |" in out.out

@@ -66,3 +66,27 @@ def test_engine_output_is_the_same_with_and_without_prepacking(tiny_model_dir):
     plain_engine, plain = _greedy(tiny_model_dir, False)
     assert plain_engine.runner.model.lm_head.packed is None
     assert packed == plain
+
+
+def test_no_onednn_packing_falls_back_to_f_linear(monkeypatch):
+    """A torch without oneDNN (or whose reorder refuses the weight) packs nothing, and the fused
+    projection then runs plain F.linear: same output, no error."""
+    from torch import nn
+
+    from kvmesh.worker.modeling.model import FusedLinears
+
+    torch.manual_seed(0)
+    lins = [nn.Linear(16, n, bias=False).to(torch.bfloat16) for n in (8, 4)]
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    want = torch.cat([F.linear(x, lin.weight) for lin in lins], dim=-1)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    fused = FusedLinears(lins, prepack=True)
+    assert fused.packed is None and torch.equal(fused(x), want)
+    monkeypatch.undo()
+
+    def refuse(*args):
+        raise RuntimeError("no reorder for this weight")
+
+    monkeypatch.setattr(packed_weights, "can_pack", lambda w: True)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    assert PackedWeight.pack(lins[0].weight) is None

@@ -15,6 +15,11 @@ layers x batch x longest-context work. Here:
     and one scaled_dot_product_attention call.
   * A prefill chunk reads exactly its context's blocks; a chunk with no cached context uses
     SDPA's own causal path instead of an explicit mask.
+  * Where the compiled kernel of worker/modeling/cpu_paged_attention.py is available (a C
+    compiler, AVX2 / AVX-512) and the cache is unquantized fp32 / bf16, all decode rows of a
+    layer run in ONE kernel call that reads K/V in place through the block tables: no gather,
+    no padding, no SDPA call per group. The grouped path above remains for the rest (quantized
+    KV, no compiler) and is what the kernel is tested against, with the torch reference.
 
 Numerics are those of the reference: same dtype, same SDPA, padding masked out; the engine's
 exactness prompts give identical tokens with either backend (tests/test_attention_cpu.py).
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvmesh.worker.modeling import cpu_paged_attention
 from kvmesh.worker.modeling.attention import AttentionMetadata, LayerKVCache
 from kvmesh.quant.kv_quant import dequantize_kv
 from kvmesh.worker.modeling.attention_torch import TorchAttentionBackend
@@ -57,9 +63,20 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class KernelDecodeRows:
+    """All decode rows of the step, for one paged-kernel call per layer."""
+
+    query_rows: torch.Tensor  # [n] long, flat index of each row's query token
+    requests: torch.Tensor  # [n] long, the row's request (index into seq_lens / block_tables)
+    seq_lens: torch.Tensor  # [B] int32, contiguous
+    block_tables: torch.Tensor  # [B, W] int32, contiguous
+
+
+@dataclass(frozen=True)
 class CpuAttentionPlan:
     decode_groups: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillChunk, ...]
+    kernel_rows: KernelDecodeRows | None = None  # set instead of decode_groups when the kernel runs them
 
 
 def group_decode_rows(seq_lens: list[tuple[int, int]], pad_ratio: float = PAD_RATIO) -> list[list[tuple[int, int]]]:
@@ -77,10 +94,11 @@ def group_decode_rows(seq_lens: list[tuple[int, int]], pad_ratio: float = PAD_RA
     return groups
 
 
-def build_plan(meta: AttentionMetadata, block_size: int) -> CpuAttentionPlan:
+def build_plan(meta: AttentionMetadata, block_size: int, kernel_decode: bool = False) -> CpuAttentionPlan:
     """K/V are read whole blocks at a time (one contiguous block_size x Hkv x D copy per
     block, far cheaper than a per-token gather); the masks hide the tail of a row's last block
-    and the padding blocks, which re-read the row's own first block (always written)."""
+    and the padding blocks, which re-read the row's own first block (always written).
+    kernel_decode: the decode rows go to the paged kernel as one list instead of groups."""
     dev = meta.block_tables.device
     tables = meta.block_tables
     starts = [0]
@@ -88,6 +106,13 @@ def build_plan(meta: AttentionMetadata, block_size: int) -> CpuAttentionPlan:
         starts.append(starts[-1] + n)
     decode = [(i, ctx) for i, (q, ctx) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)) if q == 1]
     groups = []
+    kernel_rows = None
+    if kernel_decode and decode:
+        kernel_rows = KernelDecodeRows(torch.tensor([starts[i] for i, _ in decode], dtype=torch.long),
+                                       torch.tensor([i for i, _ in decode], dtype=torch.long),
+                                       meta.seq_lens.to(torch.int32).contiguous(),
+                                       tables.to(torch.int32).contiguous())
+        decode = []
     for members in group_decode_rows(decode):
         rows = torch.tensor([i for i, _ in members], dtype=torch.long, device=dev)
         lens = torch.tensor([n for _, n in members], dtype=torch.long, device=dev)
@@ -110,7 +135,7 @@ def build_plan(meta: AttentionMetadata, block_size: int) -> CpuAttentionPlan:
             q_pos = torch.arange(ctx - qlen, ctx, device=dev)[:, None]
             mask = torch.arange(ctx, device=dev)[None, :] <= q_pos
         prefills.append(PrefillChunk(starts[i], starts[i + 1], blocks, ctx, mask))
-    return CpuAttentionPlan(tuple(groups), tuple(prefills))
+    return CpuAttentionPlan(tuple(groups), tuple(prefills), kernel_rows)
 
 
 def read_blocks(cache: LayerKVCache, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,12 +158,29 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
 
+    def __init__(self, use_kernel: bool = True):
+        self.use_kernel = use_kernel
+        self._kernel: cpu_paged_attention.PagedDecodeKernel | None = None
+        self._kernel_loaded = False
+
+    def kernel(self) -> "cpu_paged_attention.PagedDecodeKernel | None":
+        """The paged decode kernel, loaded (built) on first use; None where unavailable or off."""
+        if self.use_kernel and not self._kernel_loaded:
+            self._kernel, self._kernel_loaded = cpu_paged_attention.load(), True
+        return self._kernel
+
     def attend(self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
         plan = meta.backend_plans.get(self.name)
-        if plan is None:  # the first layer of the step plans for all of them
-            plan = meta.backend_plans[self.name] = build_plan(meta, cache.block_size)
+        if plan is None:  # the first layer of the step plans for all of them (same cache kind in every layer)
+            kernel = self.kernel()
+            use = kernel is not None and kernel.takes(query, cache) and query.device == meta.block_tables.device
+            plan = meta.backend_plans[self.name] = build_plan(meta, cache.block_size, kernel_decode=use)
         out = torch.empty_like(query)
+        rows = plan.kernel_rows
+        if rows is not None:
+            self._kernel.attend(query, cache, rows.block_tables, rows.seq_lens, rows.query_rows, rows.requests,
+                                out, scale)
         for g in plan.decode_groups:
             k, v = read_blocks(cache, g.blocks, query.dtype)  # [n, nb * bs, Hkv, D]
             q = query[g.query_rows].unsqueeze(2)  # [n, Hq, 1, D]

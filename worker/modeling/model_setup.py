@@ -72,7 +72,7 @@ def pick_backend(config: KvmeshConfig, device: torch.device):
             return TritonAttentionBackend()
     if want == "torch":
         return TorchAttentionBackend()
-    return CpuAttentionBackend()
+    return CpuAttentionBackend(use_kernel=config.model.cpu_decode_kernel)
 
 
 @dataclass(frozen=True)
