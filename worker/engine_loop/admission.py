@@ -260,12 +260,7 @@ class AdmissionController:
 
     def reserve(self, request: Request, cached_prompt_tokens: int = 0) -> None:
         request.reserved_output_tokens = self.output_tokens_to_reserve(request)
-        request.reserved_kv_tokens = self.reservation_for(request, cached_prompt_tokens,
-                                                          request.reserved_output_tokens)
-        self.reserved_tokens += request.reserved_kv_tokens
-        self.num_reservations += 1
-        if self.in_shared_class(request):
-            self.shared_class_reserved_tokens += request.reserved_kv_tokens
+        self._hold(request, self.reservation_for(request, cached_prompt_tokens, request.reserved_output_tokens))
 
     def grow_for_output(self, request: Request) -> None:
         """A request past its reserved output: reserve one more block's worth of output
@@ -309,11 +304,16 @@ class AdmissionController:
     def reserve_again(self, request: Request, num_tokens: int) -> None:
         """An owing request (see `fits_again`) holds a reservation of `num_tokens` again."""
         del self._owing[request.request_id]
-        request.reserved_kv_tokens, request.owed_kv_tokens = num_tokens, 0
-        self.reserved_tokens += request.reserved_kv_tokens
+        request.owed_kv_tokens = 0
+        self._hold(request, num_tokens)
+
+    def _hold(self, request: Request, num_tokens: int) -> None:
+        """`request` holds a reservation of `num_tokens` (the twin of `_unreserve`)."""
+        request.reserved_kv_tokens = num_tokens
+        self.reserved_tokens += num_tokens
         self.num_reservations += 1
         if self.in_shared_class(request):
-            self.shared_class_reserved_tokens += request.reserved_kv_tokens
+            self.shared_class_reserved_tokens += num_tokens
 
     def _unreserve(self, request: Request) -> None:
         self.reserved_tokens -= request.reserved_kv_tokens

@@ -609,13 +609,14 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         kv_stats = self.kv.stats()
         samples = self._step_samples
+        shared_tokens = self._shared_tokens()  # walks every pin and block table: once per report
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting),
             num_swapped=sum(r.is_swapped for r in self.waiting),
             queued_prompt_tokens=sum(_known_tokens_to_compute(r) for r in self.waiting),
             kv_tokens_used=kv_stats.kv_tokens_used,
             # owed reservations included: the router must not offer their room to newcomers
-            kv_tokens_reserved=self.admission.committed_tokens(self._shared_tokens()) + self.admission.owed_tokens,
+            kv_tokens_reserved=self.admission.committed_tokens(shared_tokens) + self.admission.owed_tokens,
             kv_tokens_budget=self.admission.budget_tokens,
             peak_kv_tokens=max((s[1] for s in samples), default=0),
             mean_kv_tokens=sum(s[1] for s in samples) / len(samples) if samples else 0.0,
@@ -628,14 +629,14 @@ class Scheduler:
             drain_tokens_per_s=self.admission.drain.rate(), num_steps=self._num_steps, kv=kv_stats,
             tokens_to_compute=sum(tokens_left_to_compute(r) for r in self.requests.values()),
             num_preemptions_priority_kv=self.num_priority_preemptions_kv,
-            kv_tokens_reserved_shared=self._shared_class_committed_tokens())
+            kv_tokens_reserved_shared=self._shared_class_committed_tokens(shared_tokens))
 
-    def _shared_class_committed_tokens(self) -> int:
+    def _shared_class_committed_tokens(self, shared_tokens: int) -> int:
         """What the classes sharing the rest of a kept KV share commit: their reservations,
         what they owe, and the pinned blocks only they hold (all a more important request
-        could free by taking their reservations)."""
+        could free by taking their reservations). `shared_tokens`: `_shared_tokens()` now."""
         sharing = [r for r in self.requests.values() if self.admission.in_shared_class(r)]
-        pinned_only_by_them = self._shared_tokens() - self._shared_tokens_without(sharing) if sharing else 0
+        pinned_only_by_them = shared_tokens - self._shared_tokens_without(sharing) if sharing else 0
         # (negative when their tables hold blocks others pinned: taking them would add those)
         return max(0, self.admission.shared_class_reserved_tokens + self.admission.shared_class_owed_tokens
                    + pinned_only_by_them)
