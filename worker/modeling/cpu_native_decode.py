@@ -392,6 +392,34 @@ def _lm_head(head, dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor 
     return _float_kind(weight.dtype), weight, None
 
 
+def _layer_fields(layer, cache, dtype: torch.dtype, strides: tuple) -> tuple[list[int], list[torch.Tensor], int]:
+    """One layer's L_FIELDS pointers (norms, the four projections' weights and scales, its K/V
+    cache), the tensors behind them, and the projections' weight kind."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if cache.quantized or cache.key_cache.dtype != dtype or cache.value_cache.dtype != dtype:
+        raise NotTaken(f"KV cache in {cache.key_cache.dtype}{' (quantized)' if cache.quantized else ''}")
+    if cache.key_cache.stride() != strides or cache.value_cache.stride() != strides or strides[-1] != 1:
+        raise NotTaken("KV cache layers of different layouts")
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    if any(n.dtype != dtype or not n.is_contiguous() for n in norms):
+        raise NotTaken("norm weights in another dtype")
+    projections = (_projection(attn.qkv, (attn.q_proj, attn.k_proj, attn.v_proj), dtype),
+                   _projection(attn.o, (attn.o_proj,), dtype),
+                   _projection(mlp.gate_up, (mlp.gate_proj, mlp.up_proj), dtype),
+                   _projection(mlp.down, (mlp.down_proj,), dtype))
+    if len({kind for kind, _, _ in projections}) != 1:
+        raise NotTaken("projections of mixed kinds")
+    pointers = [_ptr(norms[0]), _ptr(norms[1])]
+    tensors = [*norms, cache.key_cache, cache.value_cache]
+    for _, weight, scales in projections:
+        if not weight.is_contiguous() or (scales is not None and not scales.is_contiguous()):
+            raise NotTaken("a non-contiguous projection weight")
+        pointers += [_ptr(weight), _ptr(scales)]
+        tensors += [weight] + ([scales] if scales is not None else [])
+    pointers += [_ptr(cache.key_cache), _ptr(cache.value_cache)]
+    return pointers, tensors, projections[0][0]
+
+
 class NativeDecoder:
     """The compiled step for one model and its KV caches. `run(inputs)` -> fp32 logits of the
     step's sampling rows for a step of at most `max_tokens` tokens, else None (run eagerly)."""
@@ -406,7 +434,7 @@ class NativeDecoder:
         self.vocab = vocab
         self.max_tokens = max_tokens
         self._rows = torch.arange(max_tokens, dtype=torch.long)
-        self.steps_run = 0  # decode steps this decoder served (tests and benchmarks read it)
+        self.steps_run = 0  # steps this decoder served (tests and benchmarks read it)
 
     @classmethod
     def build(cls, model, kv_caches: list, max_tokens: int) -> "NativeDecoder":
@@ -432,28 +460,10 @@ class NativeDecoder:
         layers: list[int] = []
         kinds = set()
         for layer, cache in zip(model.model.layers, kv_caches, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
-            if cache.quantized or cache.key_cache.dtype != dtype or cache.value_cache.dtype != dtype:
-                raise NotTaken(f"KV cache in {cache.key_cache.dtype}{' (quantized)' if cache.quantized else ''}")
-            if cache.key_cache.stride() != strides or cache.value_cache.stride() != strides or strides[-1] != 1:
-                raise NotTaken("KV cache layers of different layouts")
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(n.dtype != dtype or not n.is_contiguous() for n in norms):
-                raise NotTaken("norm weights in another dtype")
-            projections = (_projection(attn.qkv, (attn.q_proj, attn.k_proj, attn.v_proj), dtype),
-                           _projection(attn.o, (attn.o_proj,), dtype),
-                           _projection(mlp.gate_up, (mlp.gate_proj, mlp.up_proj), dtype),
-                           _projection(mlp.down, (mlp.down_proj,), dtype))
-            for kind, weight, scales in projections:
-                if not weight.is_contiguous() or (scales is not None and not scales.is_contiguous()):
-                    raise NotTaken("a non-contiguous projection weight")
-                kinds.add(kind)
-                keep += [weight] + ([scales] if scales is not None else [])
-            keep += [*norms, cache.key_cache, cache.value_cache]
-            layers += [_ptr(norms[0]), _ptr(norms[1])]
-            for _, weight, scales in projections:
-                layers += [_ptr(weight), _ptr(scales)]
-            layers += [_ptr(cache.key_cache), _ptr(cache.value_cache)]
+            pointers, tensors, kind = _layer_fields(layer, cache, dtype, strides)
+            layers += pointers
+            keep += tensors
+            kinds.add(kind)
         if len(kinds) != 1:
             raise NotTaken("projections of mixed kinds")
         lm_kind, lm, lm_scales = _lm_head(model.lm_head, dtype)

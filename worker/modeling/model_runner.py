@@ -246,7 +246,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model on one step's batch -> fp32 CPU logits [len(sample_at), V], or None when
-        no request samples this step (a mid-prompt chunk only)."""
+        no request samples this step (a mid-prompt chunk only). Small steps on CPU run as one
+        native call when the native decoder takes them; the rest eagerly (or as CUDA graphs)."""
         if self.native_decoder is not None:
             logits = self.native_decoder.run(inputs)
             if logits is not None:
