@@ -65,11 +65,20 @@ class ModelConfig:
     # system C compiler; worker/modeling/cpu_paged_attention.py), instead of gathering each
     # row's blocks and running SDPA per group. false = always the gather + SDPA path.
     cpu_decode_kernel: bool = True
+    # CPU, AVX-512: steps of at most this many tokens (small decode batches, short prefill
+    # chunks, speculative verify rows) run the whole layer stack and the LM head as one native
+    # call (worker/modeling/cpu_native_decode.py: GEMVs over the model's own fp32 / bf16 / int8
+    # weights, the same paged KV cache); larger steps and what it does not take run eagerly.
+    # None = auto: 16 for 16-bit models (where it measured faster up to 16-32 rows), 0 (off)
+    # for fp32, the token-exact reference path; 0 = off for any dtype.
+    cpu_native_max_tokens: int | None = None
 
     def validate(self) -> None:
         _one_of("model.dtype", self.dtype, ("auto", "fp32", "bf16", "fp16"))
         _one_of("model.compile", self.compile, ("off", "decode"))
         _check(self.max_model_len is None or self.max_model_len >= 1, "model.max_model_len must be >= 1")
+        _check(self.cpu_native_max_tokens is None or 0 <= self.cpu_native_max_tokens <= 64,
+               "model.cpu_native_max_tokens must be in 0..64 (or null: auto)")
 
 
 @dataclass(frozen=True)

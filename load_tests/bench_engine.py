@@ -5,6 +5,7 @@ HF transformers static batches of 8, and llama.cpp's `llama-server` when a binar
     python -m kvmesh.load_tests.bench_engine --llama-server PATH   # + llama.cpp on the GGUF
     python -m kvmesh.load_tests.bench_engine --quick --model DIR   # seconds, tiny model (tests)
     python -m kvmesh.load_tests.bench_engine --ab bf16-grouped,bf16 --rounds 3   # interleaved A/B
+    python -m kvmesh.load_tests.bench_engine --ab bf16-int8-eager,bf16-int8 --big-batch 8
 
 Figures per kvmesh mode:
   * the seed-shaped run: 64 requests, the articles' length shape x0.25 (load_tests/workloads.py
@@ -55,15 +56,24 @@ FULL_MODES = [("fp32", "fp32", "none"), ("bf16", "bf16", "none"), ("bf16-unpacke
               ("bf16-int8", "bf16", "int8"), ("bf16-int4", "bf16", "int4")]
 # Config beyond dtype / quant for a mode: bf16-unpacked is bf16 with plain F.linear weights,
 # the in-run A/B of the oneDNN prepacking (worker/modeling/packed_weights.py).
-MODE_OVERRIDES = {"bf16-unpacked": {"model": {"cpu_prepack_weights": False}},
-                  "bf16-grouped": {"model": {"cpu_decode_kernel": False}},
-                  "bf16-compiled": {"model": {"compile": "decode"}}, "bf16-int4-compiled": {"model": {"compile": "decode"}}}
+# The eager-path A/Bs (prepacking, the attention kernel, inductor) switch the native small steps
+# off, or batch 1 would not reach the path they compare.
+MODE_OVERRIDES = {"bf16-unpacked": {"model": {"cpu_prepack_weights": False, "cpu_native_max_tokens": 0}},
+                  "bf16-grouped": {"model": {"cpu_decode_kernel": False, "cpu_native_max_tokens": 0}},
+                  "bf16-compiled": {"model": {"compile": "decode", "cpu_native_max_tokens": 0}},
+                  "bf16-int4-compiled": {"model": {"compile": "decode", "cpu_native_max_tokens": 0}},
+                  "bf16-eager": {"model": {"cpu_native_max_tokens": 0}},
+                  "bf16-int8-eager": {"model": {"cpu_native_max_tokens": 0}},
+                  "fp32-native": {"model": {"cpu_native_max_tokens": 16}}}
 # Only on request (--modes): the inductor-compiled decoder (model.compile decode, compiled at
 # engine start: a minute or more on 2 cores), the in-run A/B against bf16 / bf16-int4;
 # bf16-grouped: bf16 with decode attention on the gather + SDPA path instead of the paged C
-# kernel (worker/modeling/cpu_paged_attention.py), the in-run A/B of that kernel.
+# kernel (worker/modeling/cpu_paged_attention.py), the in-run A/B of that kernel; *-eager: the
+# 16-bit modes without their default native small steps (worker/modeling/cpu_native_decode.py),
+# fp32-native: fp32 with them (steps of <= 16 tokens).
 OPTIONAL_MODES = [("bf16-compiled", "bf16", "none"), ("bf16-int4-compiled", "bf16", "int4"),
-                  ("bf16-grouped", "bf16", "none")]
+                  ("bf16-grouped", "bf16", "none"), ("bf16-eager", "bf16", "none"),
+                  ("bf16-int8-eager", "bf16", "int8"), ("fp32-native", "fp32", "none")]
 QUICK_MODES = [("fp32", "fp32", "none"), ("bf16-int8", "bf16", "int8")]
 AGREEMENT_PROMPTS = [  # fixed, mixed lengths and kinds; 32 greedy tokens each
     "The capital of France is",
@@ -252,9 +262,10 @@ def bench_mode(name: str, dtype: str, quant: str, model: str | None, threads: in
 class AbRound:
     mode: str
     batch1_decode_tok_s: float
-    batch64_decode_tok_s: float
-    batch64_step_ms: float
-    gemm_fraction: float  # the batch-64 step's linear FLOP rate / the GEMM rate sampled between its steps
+    big_batch: int  # 64 unless --big-batch
+    big_batch_decode_tok_s: float
+    big_batch_step_ms: float
+    gemm_fraction: float  # the big-batch step's linear FLOP rate / the GEMM rate sampled between its steps
 
 
 def run_ab(modes: list[tuple[str, str, str]], model: str | None, threads: int, decode_prompt: tuple[int, ...],
@@ -279,7 +290,7 @@ def run_ab(modes: list[tuple[str, str, str]], model: str | None, threads: int, d
             b64, step_ms = decode_rate(engine, decode_prompt, big_batch, decode_tokens,
                                        between_steps=lambda: probe.sample(gemm_seconds))
             step_gflop_s = linear_flops_per_token(hf) * big_batch / (step_ms / 1e3) / 1e9
-            out.append(AbRound(name, b1, b64, step_ms, step_gflop_s / probe.rate_gflop_s()))
+            out.append(AbRound(name, b1, big_batch, b64, step_ms, step_gflop_s / probe.rate_gflop_s()))
             print(f"[ab] {json.dumps(asdict(out[-1]))}", file=sys.stderr, flush=True)
     return out
 
@@ -288,17 +299,18 @@ def format_ab(rounds: list[AbRound]) -> str:
     """Medians per mode and each mode's ratio to the first."""
     names = list(dict.fromkeys(r.mode for r in rounds))
     med = {n: {f: statistics.median(getattr(r, f) for r in rounds if r.mode == n)
-               for f in ("batch1_decode_tok_s", "batch64_decode_tok_s", "batch64_step_ms", "gemm_fraction")}
+               for f in ("batch1_decode_tok_s", "big_batch_decode_tok_s", "big_batch_step_ms", "gemm_fraction")}
            for n in names}
     base = med[names[0]]
+    big = rounds[0].big_batch
     lines = [f"interleaved A/B, median of {len(rounds) // len(names)} rounds",
-             "| mode | batch-1 decode tok/s | batch-64 decode tok/s | batch-64 step ms | step / GEMM rate |",
+             f"| mode | batch-1 decode tok/s | batch-{big} decode tok/s | batch-{big} step ms | step / GEMM rate |",
              "|---|---|---|---|---|"]
     for n in names:
         m = med[n]
         lines.append(f"| {n} | {m['batch1_decode_tok_s']:.1f} ({m['batch1_decode_tok_s'] / base['batch1_decode_tok_s']:.2f}x)"
-                     f" | {m['batch64_decode_tok_s']:.1f} ({m['batch64_decode_tok_s'] / base['batch64_decode_tok_s']:.2f}x)"
-                     f" | {m['batch64_step_ms']:.1f} | {m['gemm_fraction']:.0%} |")
+                     f" | {m['big_batch_decode_tok_s']:.1f} ({m['big_batch_decode_tok_s'] / base['big_batch_decode_tok_s']:.2f}x)"
+                     f" | {m['big_batch_step_ms']:.1f} | {m['gemm_fraction']:.0%} |")
     return "\n".join(lines)
 
 
@@ -483,6 +495,7 @@ def run(args) -> BenchReport:
     else:
         requests = seed_shaped_requests(tokenizer, 64, 0.25)
         decode_tokens, big_batch, gemm_seconds, modes = 72, 64, 0.05, FULL_MODES
+    big_batch = args.big_batch or big_batch
     if args.modes:
         modes = [m for m in FULL_MODES + OPTIONAL_MODES + QUICK_MODES if m[0] in args.modes.split(",")]
     corpus = TokenCorpus(tokenizer)
@@ -573,6 +586,7 @@ def main(argv: list[str] | None = None) -> BenchReport:
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     p.add_argument("--ab", metavar="A,B", help="only the interleaved decode A/B of these modes (see above)")
     p.add_argument("--rounds", type=int, default=3, help="--ab rounds")
+    p.add_argument("--big-batch", type=int, help="--ab: the second decode batch size (default 64; 4 with --quick)")
     args = p.parse_args(argv)
     known = {m[0] for m in FULL_MODES + OPTIONAL_MODES + QUICK_MODES}
     if args.ab and not set(args.ab.split(",")) <= known:

@@ -183,7 +183,7 @@ def test_no_kernel_keeps_the_grouped_path(monkeypatch, tmp_path):
     if cpu_paged_attention.unavailable_reason() is None:  # a compiler that fails on this source
         monkeypatch.setattr(cpu_native, "_built", {})
         monkeypatch.setenv("KVMESH_KERNEL_CACHE", str(tmp_path))
-        monkeypatch.setattr(cpu_paged_attention, "_C_SOURCE", "this is not C;")
+        monkeypatch.setattr(cpu_paged_attention, "C_SOURCE", "this is not C;")
         assert cpu_paged_attention.load() is None
         backend = CpuAttentionBackend()
         got = backend.attend(query, cache, meta, 0.25)

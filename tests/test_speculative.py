@@ -10,6 +10,7 @@ from kvmesh.core.seams import FinishReason, GenerateRequest, SamplingParams
 from kvmesh.worker.engine_loop.draft_proposers import find_ngram_continuation
 from kvmesh.worker.engine_loop.engine import Engine
 from kvmesh.worker.engine_loop.speculator import StepCostCurve
+from kvmesh.worker.modeling import cpu_native_decode
 from kvmesh.worker.modeling.rejection_sampler import Verified, verify
 from kvmesh.worker.modeling.sampler import SamplingRow
 from kvmesh.worker.modeling.tokenizer import render_chat
@@ -213,6 +214,13 @@ def test_quantized_self_draft_is_token_identical_and_frees_its_pool(tiny_model_d
     assert counters.num_draft_tokens > 0 and counters.acceptance_rate > 0.5, counters
     assert engine.speculator.proposer.num_held_blocks == 0, "the draft pool is whole again"
     assert engine.scheduler.stats().num_preemptions_recompute > 0
+    # int8 drafts run their small steps as one native call (worker/modeling/cpu_native_decode.py);
+    # int4 is not taken there and stays eager
+    native = engine.speculator.proposer.runner.native_decoder
+    if draft_quant == "int4" or cpu_native_decode.unavailable_reason() is not None:
+        assert native is None
+    else:
+        assert native.steps_run > 0
 
 
 def test_speculation_reaches_the_worker_metrics_and_the_request_step_log(tiny_model_dir):

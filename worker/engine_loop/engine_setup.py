@@ -25,6 +25,7 @@ import torch
 from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.kv.kv_cache_manager import KVCacheManager
 from kvmesh.kv.capacity import kv_bytes_per_token, num_blocks_for_budget
+from kvmesh.worker.modeling import cpu_native_decode
 from kvmesh.worker.modeling.attention import AttentionMetadata
 from kvmesh.worker.modeling.model_runner import ModelRunner, allocate_kv_caches, kv_storage_dtype
 from kvmesh.worker.modeling.model_setup import (allocate_rank_caches, load_model, pick_backend, resolve_model,
@@ -141,6 +142,9 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
         if config.parallel.cuda_graphs and device.type == "cuda":
             runner.graph_runner = build_graph_runner(config, model, backend, kv_caches, device, max_model_len,
                                                      plan.block_size)
+        native_tokens = cpu_native_decode.max_tokens_for(config.model.cpu_native_max_tokens, dtype)
+        if native_tokens and device.type == "cpu":
+            cpu_native_decode.install(runner, model, kv_caches, native_tokens)
     else:
         runner = TensorParallelRunner(group, plan, model, backend, device, kv_caches, swap_caches, plan.block_size,
                                       seed=config.model.seed)

@@ -31,6 +31,7 @@ from kvmesh.kv.kv_cache_manager import KVCacheManager, PrefixMatch
 from kvmesh.quant.linear import Int8WeightOnlyLinear
 from kvmesh.worker.engine_loop.draft_proposers import DraftAsk
 from kvmesh.worker.engine_loop.scheduler_output import ScheduledRequest
+from kvmesh.worker.modeling import cpu_native_decode
 from kvmesh.worker.modeling.model_runner import ModelRunner, StepInputs, allocate_kv_caches
 from kvmesh.worker.modeling.model_setup import load_model, pick_backend, resolve_model, with_valid_group_size
 
@@ -103,6 +104,7 @@ class _Int8LMHead(nn.Module):
 
 
 _RESCORED_ROWS = 8  # vocabulary rows the draft head rescores exactly per token
+_NATIVE_DRAFT_TOKENS = 16  # draft steps of up to this many tokens run natively on CPU
 
 
 def _prepack_dynamic_int8(weight_int8: torch.Tensor, scales: torch.Tensor):
@@ -182,6 +184,11 @@ class SelfDraftProposer:
                                     model.num_kv_heads, model.head_dim, model_spec.dtype, model_spec.device)
         runner = ModelRunner(model, pick_backend(draft_config, model_spec.device), model_spec.device, caches, None,
                              block_size)
+        if model_spec.device.type == "cpu":
+            # The draft's steps are small (a token or a short catch-up per speculating request):
+            # on CPU they run as one native call where it applies (int8 draft weights and head),
+            # several times cheaper than the eager forward; only acceptance can change with it.
+            cpu_native_decode.install(runner, model, caches, _NATIVE_DRAFT_TOKENS, what="the self-draft")
         logger.info("self-draft: %s weights, %d KV blocks x %d tokens", spec_cfg.draft_quant, num_blocks, block_size)
         clock = time.process_time if model_spec.device.type == "cpu" else time.perf_counter
         return cls(runner, KVCacheManager(num_blocks, block_size, enable_prefix_caching=False), clock)

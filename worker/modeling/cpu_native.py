@@ -78,18 +78,19 @@ def _compile(name: str, source: str, cc: str, cflags: tuple[str, ...]) -> Path:
     return target
 
 
-def build(name: str, source: str) -> ctypes.CDLL | None:
-    """The library compiled from `source`, built once per process (and cached on disk); None
-    where unavailable (see the module doc), logged once per name."""
+def build(name: str, source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The library compiled from `source` (with `extra_flags` after the common ones), built once
+    per process (and cached on disk); None where unavailable (see the module doc), logged once
+    per name."""
     reason = unavailable_reason()
-    key = (name, reason or hashlib.sha256(source.encode()).hexdigest())
+    key = (name, reason or hashlib.sha256((source + " ".join(extra_flags)).encode()).hexdigest())
     with _lock:
         if key in _built:
             return _built[key]
         lib = None
         if reason is None:
             try:
-                lib = ctypes.CDLL(str(_compile(name, source, compiler(), flags())))
+                lib = ctypes.CDLL(str(_compile(name, source, compiler(), flags() + tuple(extra_flags))))
             except (OSError, subprocess.SubprocessError) as exc:
                 detail = getattr(exc, "stderr", b"") or b""
                 reason = f"build failed: {exc} {detail.decode(errors='replace')[-500:]}"

@@ -39,7 +39,7 @@ import torch
 
 from kvmesh.worker.modeling import cpu_native
 
-_C_SOURCE = r"""
+C_SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -325,7 +325,7 @@ def load() -> PagedDecodeKernel | None:
     """The kernel, built on first use; None (logged once) where it is unavailable."""
     if unavailable_reason() is not None:
         return None
-    lib = cpu_native.build("paged_decode", _C_SOURCE)
+    lib = cpu_native.build("paged_decode", C_SOURCE)
     return None if lib is None else _kernel_for(lib)
 
 

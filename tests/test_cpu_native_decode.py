@@ -1,0 +1,171 @@
+"""The native CPU step (worker/modeling/cpu_native_decode.py, model.cpu_native_max_tokens):
+every step it serves (decode rows, and prefill chunks with several tokens of one request)
+gives the eager forward's logits (fp32: to float rounding; bf16: to the
+eager bf16 path's own rounding), the engine's greedy tokens do not change in fp32 with
+chunked prefill and preemption, threads do not change a bit, and what it does not implement
+falls back to eager with the reason logged."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvmesh.core.config import ConfigError, KvmeshConfig
+from kvmesh.core.seams import GenerateRequest, SamplingParams
+from kvmesh.worker.engine_loop.engine import Engine
+from kvmesh.worker.modeling import cpu_native_decode
+
+pytestmark = pytest.mark.skipif(cpu_native_decode.unavailable_reason() is not None,
+                                reason=f"native decode unavailable: {cpu_native_decode.unavailable_reason()}")
+
+PROMPTS = [tuple(range(100, 100 + n)) for n in (5, 37, 12, 50, 1, 23)]
+NEW_TOKENS = 20
+
+
+def _engine(model_dir: str, dtype: str = "fp32", quant: str = "none", native: int = 4, kv: str = "auto",
+            preemption: str = "recompute") -> Engine:
+    return Engine.from_config(KvmeshConfig.from_dict({
+        "model": {"path": model_dir, "dtype": dtype, "max_model_len": 512, "cpu_native_max_tokens": native},
+        "quant": {"weight": quant},
+        "cache": {"num_blocks": 16, "block_size": 8, "kv_cache_dtype": kv},  # 128 slots for ~330 tokens: preemption
+        "scheduler": {"max_num_batched_tokens": 64, "max_prefill_tokens_per_step": 16, "preemption_mode": preemption,
+                      "max_total_kv_tokens": 1 << 20, "max_queue_time_s": 3600},
+        "parallel": {"device": "cpu"}}))
+
+
+def _generate(engine: Engine) -> dict[str, list[int]]:
+    for i, ids in enumerate(PROMPTS):
+        engine.add_request(GenerateRequest(f"r{i}", prompt_token_ids=ids, sampling=SamplingParams(
+            max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)))
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            tokens[delta.request_id].extend(delta.token_ids)
+        engine.check_integrity()
+    assert engine.stats().num_blocks_used == 0, "every finished request returns its blocks"
+    return tokens
+
+
+def _check_each_step_against_eager(engine: Engine, compare) -> list:
+    """Wraps the native step: the eager forward re-runs each step it served, on the same cache,
+    and compare(native logits, eager logits, inputs) records the difference. The eager forward
+    rewrites the step's K/V slots with its own values, so later steps start from eager's cache."""
+    runner = engine.runner
+    native = runner.native_decoder
+    real_run = native.run
+    records = []
+
+    def checked(inputs):
+        logits = real_run(inputs)
+        if logits is not None:
+            hidden = runner._eager_forward(inputs)[torch.tensor(inputs.sample_at)]
+            eager = runner.model.compute_logits(hidden).float()
+            records.append(compare(logits, eager, inputs))
+        return logits
+
+    native.run = checked
+    return records
+
+
+def _relative(native: torch.Tensor, eager: torch.Tensor, inputs) -> float:
+    return ((native - eager).abs().max() / eager.abs().max()).item()
+
+
+@pytest.mark.parametrize("native,preemption", [(4, "recompute"), (4, "swap"), (16, "recompute")])
+def test_fp32_tokens_equal_eager_with_chunked_prefill_and_preemption(tiny_model_dir, native, preemption):
+    """max_tokens 4: decode batches of up to 4 rows; 16: whole prefill chunks too (a 16-token
+    chunk over cached context, a request's tokens split over the step's threads)."""
+    eager = _generate(_engine(tiny_model_dir, native=0, preemption=preemption))
+    engine = _engine(tiny_model_dir, native=native, preemption=preemption)
+    records = _check_each_step_against_eager(engine, lambda n, e, inputs: (_relative(n, e, inputs),
+                                                                           max(inputs.query_lens)))
+    tokens = _generate(engine)
+    stats = engine.stats()
+    assert stats.num_preemptions_recompute + stats.num_preemptions_swap > 0, "the small pool must force preemption"
+    assert engine.runner.native_decoder.steps_run >= 20, "the native step served the decode steps"
+    worst = max(diff for diff, _ in records)
+    assert worst < 1e-5, f"fp32 logits differ from eager by {worst}"
+    if native == 16:
+        assert max(longest for _, longest in records) > 8, "prefill chunks ran natively"
+    assert tokens == eager
+
+
+@pytest.mark.parametrize("dtype,quant,tolerance", [("fp32", "int8", 1e-5), ("bf16", "none", 0.02),
+                                                   ("bf16", "int8", 0.02)])
+def test_other_weight_kinds_give_the_eager_logits(tiny_model_dir, dtype, quant, tolerance):
+    """int8 per-row weights (quant.weight: int8) and bf16 weights: the same logits as eager,
+    to float rounding where eager also computes in fp32, to bf16 rounding where eager rounds
+    every op's output to bf16 and the native step does not."""
+    engine = _engine(tiny_model_dir, dtype=dtype, quant=quant, native=8)
+    diffs = _check_each_step_against_eager(engine, _relative)
+    _generate(engine)
+    assert len(diffs) >= 20
+    assert max(diffs) < tolerance, f"{dtype}/{quant}: logits differ from eager by up to {max(diffs)}"
+
+
+def test_threads_do_not_change_a_bit(tiny_model_dir):
+    engine = _engine(tiny_model_dir, dtype="bf16", native=8)
+    runner = engine.runner
+    real_run = runner.native_decoder.run
+    checked = []
+    threads = torch.get_num_threads()
+
+    def run_with_one_and_three_threads(inputs):
+        try:
+            torch.set_num_threads(1)
+            one = real_run(inputs)
+            torch.set_num_threads(3)
+            three = real_run(inputs)  # rewrites the same K/V slots with the same bits
+        finally:
+            torch.set_num_threads(threads)
+        if one is not None:
+            checked.append(torch.equal(one, three))
+        return one
+
+    runner.native_decoder.run = run_with_one_and_three_threads
+    _generate(engine)
+    assert len(checked) >= 20 and all(checked)
+
+
+def test_steps_over_max_tokens_run_eagerly(tiny_model_dir):
+    """Steps of more than max_tokens tokens go to the eager forward; smaller ones, prefill
+    chunks included, run natively."""
+    engine = _engine(tiny_model_dir, native=2)
+    native = engine.runner.native_decoder
+    seen = []
+    real_run = native.run
+
+    def spy(inputs):
+        out = real_run(inputs)
+        seen.append((len(inputs.input_ids), max(inputs.query_lens), out is not None))
+        return out
+
+    native.run = spy
+    _generate(engine)
+    assert any(taken for *_, taken in seen) and any(not taken for *_, taken in seen)
+    for tokens, longest, taken in seen:
+        assert taken == (tokens <= 2), (tokens, longest, taken)
+
+
+@pytest.mark.parametrize("overrides,reason", [({"quant": "int4"}, "Int4WeightOnlyLinear"),
+                                              ({"kv": "int8"}, "quantized")])
+def test_what_it_does_not_implement_falls_back_with_the_reason(tiny_model_dir, caplog, overrides, reason):
+    with caplog.at_level(logging.WARNING, logger=cpu_native_decode.__name__):
+        engine = _engine(tiny_model_dir, native=4, **overrides)
+    assert engine.runner.native_decoder is None
+    assert reason in caplog.text and "eager forward" in caplog.text
+    assert all(len(t) == NEW_TOKENS for t in _generate(engine).values())
+
+
+def test_switched_off_by_the_environment(tiny_model_dir, monkeypatch, caplog):
+    monkeypatch.setenv("KVMESH_NATIVE_DECODE", "0")
+    with caplog.at_level(logging.WARNING, logger=cpu_native_decode.__name__):
+        engine = _engine(tiny_model_dir, native=4)
+    assert engine.runner.native_decoder is None and "KVMESH_NATIVE_DECODE=0" in caplog.text
+
+
+def test_max_batch_is_validated():
+    with pytest.raises(ConfigError, match="cpu_native_max_tokens"):
+        KvmeshConfig.from_dict({"model": {"cpu_native_max_tokens": 65}})

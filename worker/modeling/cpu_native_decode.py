@@ -1,0 +1,549 @@
+"""A small step on CPU as ONE native call: every layer, the attention and the LM head.
+
+At batch 1 a decode step of SmolLM2 reads ~107 MB of int8 (or ~214 MB of bf16) projection
+weights, which one core streams in ~9 ms (~17 ms); eager torch spends as long again on ~20
+small ops per layer (norms, residual adds, RoPE, SiLU-mul, views, the KV write), each a Python
+call and a dispatcher round trip, and oneDNN's bf16 GEMM reaches only 5-7 GB/s at one row
+(docs/benchmarks.md). llama.cpp's 80 tok/s at batch 1 on the same 2 cores is its whole graph in
+C. This module does the same for the steps it takes: the model's own weights (read in place,
+nothing copied) and the model's own paged KV cache (written and read through the block tables,
+so larger steps, preemption, prefix caching and swapping keep running in torch on the same
+cache), one C call per step:
+
+    per layer, SPMD over an OpenMP team (torch's own threads), a barrier between the phases:
+      RMSNorm -> QKV rows (this thread's share) | RoPE + K/V into the cache (this thread's
+      tokens) | paged attention of this thread's tokens (the C kernel of cpu_paged_attention.py)
+      | O rows | residual + RMSNorm -> gate/up rows + SiLU-mul | down rows
+    final residual + RMSNorm -> LM head rows (this thread's share of the vocabulary) for the
+    tokens that sample -> fp32 logits
+
+A step is up to `max_tokens` tokens of any shape: decode rows, a prefill chunk (each token
+attends causally to its request through its own position), speculative verify rows. The
+projections are GEMVs over those tokens: each weight row is read once and dotted with every
+token (fp32 FMA; int8 and bf16 widened in registers), memory-bound at a handful of tokens where
+the packed GEMMs are not yet efficient; larger steps run eagerly (oneDNN / AMX GEMMs). Weights
+it takes: plain fp32 / bf16 (the fused QKV and gate-up weights, o, down, the LM head) and
+weight-only int8 with one scale per row (quant.weight: int8, and the self-draft's int8 head).
+Not taken (eager runs every step, one log line says why): int4, AWQ input scales, biases,
+quantized KV, tensor parallelism, non-CPU devices, widths not a multiple of 16, CPUs without
+AVX-512, no C compiler.
+
+Numerics: activations stay fp32 through the whole step (eager rounds each op's output to the
+model dtype), K/V are rounded to the cache dtype as they are stored, and the attention reads
+the cache dtype as the eager kernel does. In fp32 the step is the eager one up to the order of
+fp32 sums (tests/test_cpu_native_decode.py: logits within 1e-5, greedy tokens identical with
+chunked prefill and preemption); in bf16 it is closer to the fp32 model than eager bf16 is.
+On by default for 16-bit models (`model.cpu_native_max_tokens`: auto = steps of up to 16
+tokens; fp32 stays eager unless asked, it is the token-exact reference path), and for the
+self-draft's small steps (worker/engine_loop/self_draft.py), where only acceptance can change.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+
+from kvmesh.worker.modeling import cpu_native, cpu_paged_attention
+
+logger = logging.getLogger(__name__)
+
+_DECODER_SOURCE = r"""
+#include <math.h>
+#include <string.h>
+#include <omp.h>
+
+enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
+
+/* The model descriptor, an int64 array built once in Python (see NativeDecoder._descriptor). */
+enum { M_LAYERS, M_HIDDEN, M_INTER, M_HQ, M_HKV, M_D, M_WKIND, M_BF16, M_BLOCK, M_CBS, M_CSS, M_CHS,
+       M_VOCAB, M_LMKIND, M_EMBED, M_FNORM, M_COS, M_SIN, M_LMW, M_LMS, M_HEADER };
+enum { L_INNORM, L_POSTNORM, L_QKVW, L_QKVS, L_OW, L_OS, L_GUW, L_GUS, L_DW, L_DS, L_KC, L_VC, L_FIELDS };
+
+#define PTR(x) ((const void *)(intptr_t)(x))
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+static inline __m512 load_w16(const void *w, int64_t i, const int kind) {
+    if (kind == W_I8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)w + i))));
+    if (kind == W_BF16) {
+        __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i)));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+    }
+    return _mm512_loadu_ps((const float *)w + i);
+}
+
+static inline int64_t w_elem_size(const int kind) { return kind == W_I8 ? 1 : kind == W_BF16 ? 2 : 4; }
+
+/* Four weight rows (from row n) dotted with C activation rows: res[i * C + j] = W[n + i] . x[j].
+   The weight rows are streamed once (prefetched PREFETCH_GROUPS groups ahead: the hardware
+   prefetcher alone reached ~half the core's read bandwidth on these short rows); C <= 3 keeps
+   the 4 x C accumulators and the four widened weight vectors in registers. */
+#define PREFETCH_GROUPS 2
+static inline __attribute__((always_inline)) void tile4(const char *w, int64_t n, int64_t K, const float *x,
+        int64_t ldx, const int C, const int kind, const int prefetch, float *res) {
+    const int64_t es = w_elem_size(kind), row = K * es;
+    const char *r0 = w + n * row;
+    __m512 acc[4][3];
+    #pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        #pragma GCC unroll 3
+        for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        if (prefetch && ((k * es) & 63) == 0)
+            #pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) _mm_prefetch(r0 + (PREFETCH_GROUPS * 4 + i) * row + k * es, _MM_HINT_T0);
+        __m512 wv[4];
+        #pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) wv[i] = load_w16(r0 + i * row, k, kind);
+        #pragma GCC unroll 3
+        for (int j = 0; j < C; j++) {
+            const __m512 xv = _mm512_loadu_ps(x + j * ldx + k);
+            #pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        #pragma GCC unroll 3
+        for (int j = 0; j < C; j++) res[i * C + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+/* y[b * ldy + n] = scale[n] * dot(W[n, :K], x[b * ldx, :K]) for n in [n0, n1), b < B (K % 16 == 0):
+   four weight rows at a time against the batch rows three at a time, so each weight row is
+   read from memory once per step whatever B is. */
+static inline __attribute__((always_inline)) void gemv_kind(
+        const void *w, const void *scale, const int sbf16, int64_t K, int64_t n0, int64_t n1,
+        const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy, const int kind) {
+    const int64_t es = w_elem_size(kind);
+    int64_t n = n0;
+    float res[12];
+    for (; n + 4 <= n1; n += 4)
+        for (int64_t b = 0; b < B; b += 3) {
+            const int64_t c = B - b < 3 ? B - b : 3;
+            const float *xb = x + b * ldx;
+            if (c == 3) tile4((const char *)w, n, K, xb, ldx, 3, kind, b == 0, res);
+            else if (c == 2) tile4((const char *)w, n, K, xb, ldx, 2, kind, b == 0, res);
+            else tile4((const char *)w, n, K, xb, ldx, 1, kind, b == 0, res);
+            for (int i = 0; i < 4; i++)
+                for (int64_t j = 0; j < c; j++) y[(b + j) * ldy + n + i] = res[i * c + j];
+        }
+    for (; n < n1; n++) {  /* the last rows of an uneven share */
+        const char *row = (const char *)w + n * K * es;
+        for (int64_t b = 0; b < B; b++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 16) a = _mm512_fmadd_ps(load_w16(row, k, kind), _mm512_loadu_ps(x + b * ldx + k), a);
+            y[b * ldy + n] = _mm512_reduce_add_ps(a);
+        }
+    }
+    if (kind == W_I8)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t m = n0; m < n1; m++) y[b * ldy + m] *= load_elem(scale, m, sbf16);
+}
+
+static void gemv(const void *w, const int kind, const void *scale, const int sbf16, int64_t K, int64_t n0,
+                 int64_t n1, const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy) {
+    if (n0 >= n1) return;
+    if (kind == W_I8) gemv_kind(w, scale, sbf16, K, n0, n1, x, ldx, B, y, ldy, W_I8);
+    else if (kind == W_BF16) gemv_kind(w, scale, sbf16, K, n0, n1, x, ldx, B, y, ldy, W_BF16);
+    else gemv_kind(w, scale, sbf16, K, n0, n1, x, ldx, B, y, ldy, W_F32);
+}
+
+/* out = weight * (x / sqrt(mean(x^2) + eps)), as HF's LlamaRMSNorm in fp32 */
+static void rms_norm_rows(const float *x, const void *weight, const int bf16, int64_t B, int64_t H, float eps,
+                          float *out) {
+    for (int64_t b = 0; b < B; b++) {
+        const float *xb = x + b * H;
+        float ss = 0.0f;
+        #pragma omp simd reduction(+:ss)
+        for (int64_t i = 0; i < H; i++) ss += xb[i] * xb[i];
+        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) out[b * H + i] = load_elem(weight, i, bf16) * (xb[i] * inv);
+    }
+}
+
+typedef struct {
+    const int64_t *m;
+    float eps;
+    int64_t B, threads;
+    const int64_t *tokens, *positions, *slots, *rows;
+    const int32_t *tables, *seq_lens;
+    int64_t t_rs;
+    const int64_t *sample_rows;
+    int64_t S;
+    float *logits;
+    /* shared buffers */
+    float *qkv, *o_out, *act, *down_out;
+    void *q_attn, *attn_out;
+    int failed;
+} Step;
+
+static inline int64_t share(int64_t n, int64_t tid, int64_t threads, int64_t align) {
+    /* the start of thread tid's share of n, on a multiple of align */
+    int64_t units = (n + align - 1) / align;
+    int64_t at = units * tid / threads * align;
+    return at < n ? at : n;
+}
+
+/* Thread tid of T inside the step's OpenMP team (torch's own pool: the library links the
+   libgomp torch has loaded, so no second set of threads spins against torch's). */
+static void step_thread(Step *s, const int64_t tid, const int64_t T) {
+    const int64_t B = s->B;
+    const int64_t *m = s->m;
+    const int64_t L = m[M_LAYERS], H = m[M_HIDDEN], I = m[M_INTER], hq = m[M_HQ], hkv = m[M_HKV], D = m[M_D];
+    const int wk = (int)m[M_WKIND], bf16 = (int)m[M_BF16];
+    const int64_t nqkv = (hq + 2 * hkv) * D, bs = m[M_BLOCK], cbs = m[M_CBS], css = m[M_CSS], chs = m[M_CHS];
+    const float *cos_t = (const float *)PTR(m[M_COS]), *sin_t = (const float *)PTR(m[M_SIN]);
+    const float scale = 1.0f / sqrtf((float)D);
+    const int64_t esz = bf16 ? 2 : 4;
+    /* private: the residual stream, the normed input of the next projection, the attention
+       output widened to fp32, one head's scratch, the rows that get logits (every thread keeps
+       identical copies of the first three: cheaper than a barrier) */
+    float *priv = (float *)malloc(sizeof(float) * (size_t)(B * (2 * H + hq * D) + 2 * D + s->S * H));
+    if (!priv) { __atomic_store_n(&s->failed, 1, __ATOMIC_RELAXED); }
+    float *res = priv, *h = res + B * H, *attn = h + B * H, *tmp = attn + B * hq * D;
+    float *picked = tmp + 2 * D;  /* [S, H]: the final hidden rows that get logits */
+    const int64_t r0 = B * tid / T, r1 = B * (tid + 1) / T;  /* this thread's decode rows */
+    const void *embed = PTR(m[M_EMBED]);
+    if (priv) for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < H; i++) res[b * H + i] = load_elem(embed, s->tokens[b] * H + i, bf16);
+    #pragma omp barrier  /* everyone has its workspace (or knows someone has none) */
+    if (__atomic_load_n(&s->failed, __ATOMIC_RELAXED)) { free(priv); return; }
+    for (int64_t l = 0; l < L; l++) {
+        const int64_t *lp = m + M_HEADER + l * L_FIELDS;
+        /* residual += previous layer's MLP output (the embedding itself at layer 0) */
+        if (l > 0) for (int64_t i = 0; i < B * H; i++) res[i] += s->down_out[i];
+        rms_norm_rows(res, PTR(lp[L_INNORM]), bf16, B, H, s->eps, h);
+        gemv(PTR(lp[L_QKVW]), wk, PTR(lp[L_QKVS]), bf16, H, share(nqkv, tid, T, 16), share(nqkv, tid + 1, T, 16),
+             h, H, B, s->qkv, nqkv);
+        #pragma omp barrier
+        /* RoPE on q and k heads, K/V into the cache, then attention: this thread's rows only */
+        for (int64_t b = r0; b < r1; b++) {
+            float *row = s->qkv + b * nqkv;
+            const float *c = cos_t + s->positions[b] * D, *sn = sin_t + s->positions[b] * D;
+            for (int64_t hd = 0; hd < hq + hkv; hd++) {
+                float *v = row + hd * D;
+                memcpy(tmp, v, sizeof(float) * (size_t)D);
+                for (int64_t e = 0; e < D; e++) v[e] = tmp[e] * c[e] + tmp[(e + D / 2) % D] * sn[e];
+            }
+            const int64_t slot = s->slots[b];
+            const int64_t at = (slot / bs) * cbs + (slot % bs) * css;
+            void *kc = (void *)PTR(lp[L_KC]), *vc = (void *)PTR(lp[L_VC]);
+            for (int64_t g = 0; g < hkv; g++)
+                for (int64_t e = 0; e < D; e++) {
+                    store_elem(kc, at + g * chs + e, row[(hq + g) * D + e], bf16);
+                    store_elem(vc, at + g * chs + e, row[(hq + hkv + g) * D + e], bf16);
+                }
+            for (int64_t e = 0; e < hq * D; e++) store_elem(s->q_attn, b * hq * D + e, row[e], bf16);
+        }
+        #pragma omp barrier  /* a request's tokens may sit on two threads: all K/V written first */
+        if (r1 > r0 && (bf16 ? kvmesh_paged_decode_bf16 : kvmesh_paged_decode_f32)(
+                s->q_attn, hq * D, D, PTR(lp[L_KC]), PTR(lp[L_VC]), cbs, css, chs, s->tables, s->t_rs, s->seq_lens,
+                s->rows, s->rows, r0, r1, s->attn_out, hq * D, D, hq, hkv, D, bs, scale))
+            __atomic_store_n(&s->failed, 1, __ATOMIC_RELAXED);
+        #pragma omp barrier
+        for (int64_t i = 0; i < B * hq * D; i++) attn[i] = load_elem(s->attn_out, i, bf16);
+        gemv(PTR(lp[L_OW]), wk, PTR(lp[L_OS]), bf16, hq * D, share(H, tid, T, 16), share(H, tid + 1, T, 16),
+             attn, hq * D, B, s->o_out, H);
+        #pragma omp barrier
+        for (int64_t i = 0; i < B * H; i++) res[i] += s->o_out[i];
+        rms_norm_rows(res, PTR(lp[L_POSTNORM]), bf16, B, H, s->eps, h);
+        {   /* gate rows i and up rows I + i of this thread's share of the intermediate width,
+               then act = silu(gate) * up for them; x holds this share's gate/up outputs */
+            const int64_t i0 = share(I, tid, T, 16), i1 = share(I, tid + 1, T, 16), w = i1 - i0;
+            const int64_t es = w_elem_size(wk);
+            float *gu = (float *)malloc(sizeof(float) * (size_t)(2 * B * (w > 0 ? w : 1)));
+            if (!gu) __atomic_store_n(&s->failed, 1, __ATOMIC_RELAXED);
+            else if (w > 0) {
+                const char *gw = (const char *)PTR(lp[L_GUW]);
+                const char *gs = (const char *)PTR(lp[L_GUS]), *us = gs;
+                if (gs) { gs += i0 * esz; us += (I + i0) * esz; }
+                gemv(gw + i0 * H * es, wk, gs, bf16, H, 0, w, h, H, B, gu, w);
+                gemv(gw + (I + i0) * H * es, wk, us, bf16, H, 0, w, h, H, B, gu + B * w, w);
+                for (int64_t b = 0; b < B; b++)
+                    for (int64_t i = 0; i < w; i++) {
+                        const float g = gu[b * w + i], u = gu[B * w + b * w + i];
+                        const float sig = g >= 0.0f ? 1.0f / (1.0f + exp_nonpositive(-g))
+                                                    : exp_nonpositive(g) / (1.0f + exp_nonpositive(g));
+                        s->act[b * I + i0 + i] = g * sig * u;
+                    }
+            }
+            free(gu);
+        }
+        #pragma omp barrier
+        gemv(PTR(lp[L_DW]), wk, PTR(lp[L_DS]), bf16, I, share(H, tid, T, 16), share(H, tid + 1, T, 16),
+             s->act, I, B, s->down_out, H);
+        #pragma omp barrier
+    }
+    for (int64_t i = 0; i < B * H; i++) res[i] += s->down_out[i];
+    rms_norm_rows(res, PTR(m[M_FNORM]), bf16, B, H, s->eps, h);
+    for (int64_t j = 0; j < s->S; j++)  /* the LM head's input rows, rounded to the model dtype as eager */
+        for (int64_t i = 0; i < H; i++)
+            picked[j * H + i] = bf16 ? round_bf16(h[s->sample_rows[j] * H + i]) : h[s->sample_rows[j] * H + i];
+    const int64_t V = m[M_VOCAB];
+    gemv(PTR(m[M_LMW]), (int)m[M_LMKIND], PTR(m[M_LMS]), bf16, H, share(V, tid, T, 16), share(V, tid + 1, T, 16),
+         picked, H, s->S, s->logits, V);
+    free(priv);
+}
+
+/* One step of B tokens: token b is fed at positions[b] into KV slot slots[b] and attends over
+   the first seq_lens[b] tokens of its request (itself included) through tables[b * t_rs ...];
+   logits [S, vocab] fp32 for the tokens sample_rows[0 .. S). rows = 0 .. B-1.
+   0 = ok, 1 = out of memory (no thread, no workspace), 2 = built without AVX-512. */
+int kvmesh_native_decode(const int64_t *m, float eps, int64_t B, const int64_t *tokens, const int64_t *positions,
+                         const int64_t *slots, const int32_t *tables, int64_t t_rs, const int32_t *seq_lens,
+                         const int64_t *rows, const int64_t *sample_rows, int64_t S, int64_t threads, float *logits) {
+    const int64_t nqkv = (m[M_HQ] + 2 * m[M_HKV]) * m[M_D], qw = m[M_HQ] * m[M_D];
+    const int64_t esz = m[M_BF16] ? 2 : 4;
+    float *shared = (float *)malloc(sizeof(float) * (size_t)(B * (nqkv + 2 * m[M_HIDDEN] + m[M_INTER]))
+                                    + (size_t)(2 * B * qw * esz));
+    if (!shared) return 1;
+    Step s = {m, eps, B, threads < 1 ? 1 : threads, tokens, positions, slots, rows, tables, seq_lens, t_rs,
+              sample_rows, S, logits};
+    s.qkv = shared;
+    s.o_out = s.qkv + B * nqkv;
+    s.down_out = s.o_out + B * m[M_HIDDEN];
+    s.act = s.down_out + B * m[M_HIDDEN];
+    s.q_attn = (void *)(s.act + B * m[M_INTER]);
+    s.attn_out = (char *)s.q_attn + B * qw * esz;
+    s.failed = 0;
+    #pragma omp parallel num_threads((int)s.threads)
+    step_thread(&s, omp_get_thread_num(), omp_get_num_threads());
+    free(shared);
+    return s.failed ? 1 : 0;
+}
+#else
+int kvmesh_native_decode(const int64_t *m, float eps, int64_t B, const int64_t *tokens, const int64_t *positions,
+                         const int64_t *slots, const int32_t *tables, int64_t t_rs, const int32_t *seq_lens,
+                         const int64_t *rows, const int64_t *sample_rows, int64_t S, int64_t threads,
+                         float *logits) { return 2; }
+#endif
+"""
+
+_W_F32, _W_BF16, _W_I8 = 0, 1, 2
+_LAYER_FIELDS = 12  # L_FIELDS in the C source
+_ENTRY_ARGTYPES = ([ctypes.c_void_p, ctypes.c_float, ctypes.c_int64] + [ctypes.c_void_p] * 4
+                   + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p])
+
+
+class NotTaken(Exception):
+    """The model or cache has something the native step does not implement (the message says
+    what); the eager forward serves every step then."""
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _float_kind(dtype: torch.dtype) -> int:
+    if dtype == torch.float32:
+        return _W_F32
+    if dtype == torch.bfloat16:
+        return _W_BF16
+    raise NotTaken(f"weights in {dtype}")
+
+
+def _projection(fused, members: tuple, dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+    """(kind, [N, K] weight, per-row scales or None) of one projection (a fused group, or one
+    linear), read in place; NotTaken for anything but plain float and per-row int8."""
+    from kvmesh.quant.linear import Int8WeightOnlyLinear
+
+    if fused is not None and fused.usable(members):
+        layer = getattr(fused, "merged", None)
+        if layer is None:  # FusedLinears: the concatenated float weight
+            if fused.bias is not None:
+                raise NotTaken("a projection with a bias")
+            return _float_kind(fused.weight.dtype), fused.weight, None
+    elif len(members) == 1:
+        layer = members[0]
+    else:
+        raise NotTaken("unfused q/k/v or gate/up projections")
+    if isinstance(layer, Int8WeightOnlyLinear):
+        if layer.bias is not None or layer.input_inv_scale is not None:
+            raise NotTaken("int8 projection with a bias or AWQ input scales")
+        if layer.scales.dtype != dtype:
+            raise NotTaken(f"int8 scales in {layer.scales.dtype}, model in {dtype}")
+        return _W_I8, layer.weight_int8, layer.scales
+    weight = getattr(layer, "weight", None)
+    if not isinstance(layer, torch.nn.Linear) or weight is None or layer.bias is not None:
+        raise NotTaken(f"projection {type(layer).__name__}")
+    if layer._forward_hooks or layer._forward_pre_hooks:
+        raise NotTaken("a hooked projection")
+    return _float_kind(weight.dtype), weight, None
+
+
+def _lm_head(head, dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+    """The LM head's rows: the model's float head, or an int8 head (the self-draft's,
+    worker/engine_loop/self_draft.py, keeps its weight-only int8 layer as `linear`)."""
+    from kvmesh.quant.linear import Int8WeightOnlyLinear
+
+    inner = getattr(head, "linear", None)
+    if isinstance(inner, Int8WeightOnlyLinear):
+        return _projection(None, (inner,), dtype)
+    weight = getattr(head, "weight", None)
+    if weight is None or getattr(head, "bias", None) is not None:
+        raise NotTaken(f"LM head {type(head).__name__}")
+    if weight.dtype != dtype:
+        raise NotTaken(f"LM head in {weight.dtype}, model in {dtype}")
+    return _float_kind(weight.dtype), weight, None
+
+
+def _layer_fields(layer, cache, dtype: torch.dtype, strides: tuple) -> tuple[list[int], list[torch.Tensor], int]:
+    """One layer's L_FIELDS pointers (norms, the four projections' weights and scales, its K/V
+    cache), the tensors behind them, and the projections' weight kind."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if cache.quantized or cache.key_cache.dtype != dtype or cache.value_cache.dtype != dtype:
+        raise NotTaken(f"KV cache in {cache.key_cache.dtype}{' (quantized)' if cache.quantized else ''}")
+    if cache.key_cache.stride() != strides or cache.value_cache.stride() != strides or strides[-1] != 1:
+        raise NotTaken("KV cache layers of different layouts")
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    if any(n.dtype != dtype or not n.is_contiguous() for n in norms):
+        raise NotTaken("norm weights in another dtype")
+    projections = (_projection(attn.qkv, (attn.q_proj, attn.k_proj, attn.v_proj), dtype),
+                   _projection(attn.o, (attn.o_proj,), dtype),
+                   _projection(mlp.gate_up, (mlp.gate_proj, mlp.up_proj), dtype),
+                   _projection(mlp.down, (mlp.down_proj,), dtype))
+    if len({kind for kind, _, _ in projections}) != 1:
+        raise NotTaken("projections of mixed kinds")
+    pointers = [_ptr(norms[0]), _ptr(norms[1])]
+    tensors = [*norms, cache.key_cache, cache.value_cache]
+    for _, weight, scales in projections:
+        if not weight.is_contiguous() or (scales is not None and not scales.is_contiguous()):
+            raise NotTaken("a non-contiguous projection weight")
+        pointers += [_ptr(weight), _ptr(scales)]
+        tensors += [weight] + ([scales] if scales is not None else [])
+    pointers += [_ptr(cache.key_cache), _ptr(cache.value_cache)]
+    return pointers, tensors, projections[0][0]
+
+
+class NativeDecoder:
+    """The compiled step for one model and its KV caches. `run(inputs)` -> fp32 logits of the
+    step's sampling rows for a step of at most `max_tokens` tokens, else None (run eagerly)."""
+
+    def __init__(self, fn, keep: list, descriptor: torch.Tensor, eps: float, vocab: int, max_tokens: int,
+                 gather_logits):
+        self._fn = fn
+        self._gather_logits = gather_logits  # the head's own trim of padded vocabulary rows
+        self._keep = keep  # every tensor the descriptor points into stays alive with it
+        self._descriptor = descriptor
+        self._eps = eps
+        self.vocab = vocab
+        self.max_tokens = max_tokens
+        self._rows = torch.arange(max_tokens, dtype=torch.long)
+        self.steps_run = 0  # steps this decoder served (tests and benchmarks read it)
+
+    @classmethod
+    def build(cls, model, kv_caches: list, max_tokens: int) -> "NativeDecoder":
+        """Raises NotTaken (the reason) where the native step does not apply."""
+        reason = unavailable_reason()
+        if reason is not None:
+            raise NotTaken(reason)
+        if model.coll.world_size != 1:
+            raise NotTaken("tensor parallelism")
+        cfg = model.config
+        embed = model.model.embed_tokens.weight
+        dtype = embed.dtype
+        if embed.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+            raise NotTaken(f"model on {embed.device.type} in {dtype}")
+        attn0 = model.model.layers[0].self_attn
+        hidden, hq, hkv, d = cfg.hidden_size, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        inter = model.model.layers[0].mlp.gate_proj.out_features
+        if any(n % 16 for n in (hidden, inter, hq * d, d)) or hq % hkv:
+            raise NotTaken(f"widths hidden {hidden}, intermediate {inter}, heads {hq}x{d} (multiples of 16 needed)")
+        k0 = kv_caches[0].key_cache
+        strides = k0.stride()
+        keep: list[torch.Tensor] = []
+        layers: list[int] = []
+        kinds = set()
+        for layer, cache in zip(model.model.layers, kv_caches, strict=True):
+            pointers, tensors, kind = _layer_fields(layer, cache, dtype, strides)
+            layers += pointers
+            keep += tensors
+            kinds.add(kind)
+        if len(kinds) != 1:
+            raise NotTaken("projections of mixed kinds")
+        lm_kind, lm, lm_scales = _lm_head(model.lm_head, dtype)
+        final_norm = model.model.norm.weight
+        cos, sin = model.rotary.cos, model.rotary.sin_signed
+        for t in (embed, lm, final_norm, cos, sin) + (() if lm_scales is None else (lm_scales,)):
+            if not t.is_contiguous():
+                raise NotTaken("a non-contiguous embedding, LM head or table")
+        if final_norm.dtype != dtype or cos.dtype != torch.float32 or lm.shape[1] != hidden:
+            raise NotTaken("final norm or RoPE tables in another dtype, or an LM head of another width")
+        keep += [embed, lm, final_norm, cos, sin] + ([] if lm_scales is None else [lm_scales])
+        header = [len(model.model.layers), hidden, inter, hq, hkv, d, kinds.pop(), int(dtype == torch.bfloat16),
+                  k0.shape[1], strides[0], strides[1], strides[2], lm.shape[0], lm_kind,
+                  _ptr(embed), _ptr(final_norm), _ptr(cos), _ptr(sin), _ptr(lm), _ptr(lm_scales)]
+        descriptor = torch.tensor(header + layers, dtype=torch.int64)
+        fn = _load()
+        if fn is None:
+            raise NotTaken(f"native build failed ({cpu_native.unavailable_reason() or 'see the log'})")
+        return cls(fn, keep, descriptor, float(cfg.rms_norm_eps), lm.shape[0], max_tokens, model.lm_head.gather_logits)
+
+    def run(self, inputs) -> torch.Tensor | None:
+        """inputs: the step's StepInputs (worker/modeling/model_runner.py) -> fp32 logits
+        [len(sample_at), vocab], or None when the step has more than max_tokens tokens."""
+        n = len(inputs.input_ids)
+        if n > self.max_tokens or not inputs.sample_at:
+            return None
+        positions = torch.tensor(inputs.positions, dtype=torch.long)
+        seq_lens = (positions + 1).to(torch.int32)  # each token attends to its request up to itself
+        width = max(len(b) for b in inputs.block_tables)
+        tables = torch.tensor([b + (0,) * (width - len(b)) for b in inputs.block_tables], dtype=torch.int32)
+        if n != len(inputs.query_lens):  # a request with several tokens: its table once per token
+            owner = torch.repeat_interleave(torch.arange(len(inputs.query_lens)), torch.tensor(inputs.query_lens))
+            tables = tables[owner]
+        tokens = torch.tensor(inputs.input_ids, dtype=torch.long)
+        slots = torch.tensor(inputs.slot_mapping, dtype=torch.long)
+        sample_rows = torch.tensor(inputs.sample_at, dtype=torch.long)
+        logits = torch.empty(len(inputs.sample_at), self.vocab, dtype=torch.float32)
+        failed = self._fn(self._descriptor.data_ptr(), self._eps, n, tokens.data_ptr(), positions.data_ptr(),
+                          slots.data_ptr(), tables.data_ptr(), width, seq_lens.data_ptr(), self._rows.data_ptr(),
+                          sample_rows.data_ptr(), len(inputs.sample_at), torch.get_num_threads(), logits.data_ptr())
+        if failed:
+            raise MemoryError("native step: no memory for its workspace or threads")
+        self.steps_run += 1
+        return self._gather_logits(logits)
+
+
+def unavailable_reason() -> str | None:
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return f"CPU capability {torch.backends.cpu.get_cpu_capability()} (the native step needs AVX-512)"
+    if os.environ.get("KVMESH_NATIVE_DECODE", "1") == "0":
+        return "disabled by KVMESH_NATIVE_DECODE=0"
+    return cpu_native.unavailable_reason()
+
+
+def _load():
+    # -fopenmp: the step's threads are an OpenMP team; libgomp.so.1 resolves to the one torch
+    # has already loaded (same soname), so the step runs on torch's own thread pool.
+    lib = cpu_native.build("native_decode", cpu_paged_attention.C_SOURCE + _DECODER_SOURCE, ("-fopenmp",))
+    if lib is None:
+        return None
+    fn = lib.kvmesh_native_decode
+    fn.argtypes, fn.restype = _ENTRY_ARGTYPES, ctypes.c_int
+    return fn
+
+
+AUTO_MAX_TOKENS = 16  # model.cpu_native_max_tokens auto, 16-bit models (docs/benchmarks.md: bf16 wins to ~16 rows)
+
+
+def max_tokens_for(configured: int | None, dtype: torch.dtype) -> int:
+    """model.cpu_native_max_tokens resolved: auto (None) is AUTO_MAX_TOKENS for 16-bit models
+    and 0 for fp32, which stays the eager, token-exact reference path unless asked."""
+    if configured is not None:
+        return configured
+    return 0 if dtype == torch.float32 else AUTO_MAX_TOKENS
+
+
+def install(runner, model, kv_caches: list, max_tokens: int, what: str = "the model") -> None:
+    """Sets runner.native_decoder, or logs once why the eager forward keeps every step."""
+    try:
+        runner.native_decoder = NativeDecoder.build(model, kv_caches, max_tokens)
+        logger.info("native step on for %s, steps of <= %d tokens", what, max_tokens)
+    except NotTaken as why:
+        logger.warning("native step not taken for %s (%s): eager forward", what, why)
