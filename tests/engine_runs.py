@@ -35,3 +35,18 @@ def generate_greedy(engine: Engine, request_id: str, prompt: str, salt: str | No
             final = delta if delta.finished else final
         engine.check_integrity()
     return GreedyRun(tokens, final.usage, engine.num_forward_tokens - before)
+
+
+def generate_all_greedy(engine: Engine, prompts: list[tuple[int, ...]], new_tokens: int) -> dict[str, list[int]]:
+    """Token-id prompts r0, r1, ... all added at once, each generating exactly new_tokens
+    greedy tokens; invariants checked after every step, every block returned at the end."""
+    for i, ids in enumerate(prompts):
+        engine.add_request(GenerateRequest(f"r{i}", prompt_token_ids=ids, sampling=SamplingParams(
+            max_tokens=new_tokens, temperature=0, ignore_eos=True)))
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            tokens[delta.request_id].extend(delta.token_ids)
+        engine.check_integrity()
+    assert engine.stats().num_blocks_used == 0, "every finished request returns its blocks"
+    return tokens

@@ -16,6 +16,8 @@ from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.worker.engine_loop.engine import Engine
 from kvmesh.worker.modeling import compiled_forward
 
+from engine_runs import generate_all_greedy
+
 # token-id prompts of mixed lengths: several 16-token prefill chunks, some over cached context
 PROMPTS = [tuple(range(100, 100 + n)) for n in (5, 37, 12, 50, 1, 23)]
 NEW_TOKENS = 20
@@ -28,16 +30,8 @@ def _run(model_dir: str, compile_mode: str, preemption: str) -> tuple[Engine, di
         "scheduler": {"max_num_batched_tokens": 64, "max_prefill_tokens_per_step": 16, "preemption_mode": preemption,
                       "max_total_kv_tokens": 1 << 20, "max_queue_time_s": 3600},
         "parallel": {"device": "cpu"}}))
-    for i, ids in enumerate(PROMPTS):
-        engine.add_request(GenerateRequest(f"r{i}", prompt_token_ids=ids, sampling=SamplingParams(
-            max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)))
-    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
-    while engine.has_unfinished():
-        for delta in engine.step():
-            tokens[delta.request_id].extend(delta.token_ids)
-        engine.check_integrity()
+    tokens = generate_all_greedy(engine, PROMPTS, NEW_TOKENS)
     stats = engine.stats()
-    assert stats.num_blocks_used == 0, "every finished request returns its blocks"
     return engine, tokens, {"preemptions": stats.num_preemptions_recompute + stats.num_preemptions_swap}
 
 

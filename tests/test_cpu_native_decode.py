@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from kvmesh.core.config import ConfigError, KvmeshConfig
-from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.worker.engine_loop.engine import Engine
 from kvmesh.worker.modeling import cpu_native_decode
+
+from engine_runs import generate_all_greedy
 
 pytestmark = pytest.mark.skipif(cpu_native_decode.unavailable_reason() is not None,
                                 reason=f"native decode unavailable: {cpu_native_decode.unavailable_reason()}")
@@ -36,16 +37,7 @@ def _engine(model_dir: str, dtype: str = "fp32", quant: str = "none", native: in
 
 
 def _generate(engine: Engine) -> dict[str, list[int]]:
-    for i, ids in enumerate(PROMPTS):
-        engine.add_request(GenerateRequest(f"r{i}", prompt_token_ids=ids, sampling=SamplingParams(
-            max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)))
-    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
-    while engine.has_unfinished():
-        for delta in engine.step():
-            tokens[delta.request_id].extend(delta.token_ids)
-        engine.check_integrity()
-    assert engine.stats().num_blocks_used == 0, "every finished request returns its blocks"
-    return tokens
+    return generate_all_greedy(engine, PROMPTS, NEW_TOKENS)
 
 
 def _check_each_step_against_eager(engine: Engine, compare) -> list:
