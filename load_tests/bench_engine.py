@@ -437,14 +437,17 @@ def run_llama_server(binary: str, gguf: str, requests: list[WorkloadRequest], th
 
 def run_served(model: str | None, requests: list[WorkloadRequest], warmup: int = 2) -> RunFigures:
     """The same requests through a private local `kvmesh serve` (Ray Serve router + worker
-    actor, the serving defaults but for the model path and loopback ports) over gRPC, every
-    request sent at t=0 with the client library; E2E = when its final delta arrives."""
+    actors, `kvmesh serve`'s own defaults but for the model path and loopback ports: the
+    workers and CPU share it starts without a config) over gRPC, every request sent at t=0
+    with the client library; E2E = when its final delta arrives."""
     import asyncio
 
+    from kvmesh.deploy.cmd_serve import EMBEDDED_NUM_WORKERS, EMBEDDED_WORKER_NUM_CPUS
     from kvmesh.load_tests.grpc_target import ClusterTarget
     from kvmesh.load_tests.targets import TargetRequest
 
-    config = {"router": {"host": "127.0.0.1"}, **({"model": {"path": model}} if model else {})}
+    config = {"router": {"host": "127.0.0.1"}, **({"model": {"path": model}} if model else {}),
+              "parallel": {"num_workers": EMBEDDED_NUM_WORKERS, "worker_num_cpus": EMBEDDED_WORKER_NUM_CPUS}}
 
     import os
 

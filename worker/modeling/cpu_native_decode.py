@@ -46,6 +46,7 @@ import os
 
 import torch
 
+from kvmesh.quant.linear import Int8WeightOnlyLinear
 from kvmesh.worker.modeling import cpu_native, cpu_paged_attention
 
 logger = logging.getLogger(__name__)
@@ -207,7 +208,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
     if (!priv) { __atomic_store_n(&s->failed, 1, __ATOMIC_RELAXED); }
     float *res = priv, *h = res + B * H, *attn = h + B * H, *tmp = attn + B * hq * D;
     float *picked = tmp + 2 * D;  /* [S, H]: the final hidden rows that get logits */
-    const int64_t r0 = B * tid / T, r1 = B * (tid + 1) / T;  /* this thread's decode rows */
+    const int64_t r0 = B * tid / T, r1 = B * (tid + 1) / T;  /* this thread's tokens */
     const void *embed = PTR(m[M_EMBED]);
     if (priv) for (int64_t b = 0; b < B; b++)
         for (int64_t i = 0; i < H; i++) res[b * H + i] = load_elem(embed, s->tokens[b] * H + i, bf16);
@@ -253,7 +254,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
         for (int64_t i = 0; i < B * H; i++) res[i] += s->o_out[i];
         rms_norm_rows(res, PTR(lp[L_POSTNORM]), bf16, B, H, s->eps, h);
         {   /* gate rows i and up rows I + i of this thread's share of the intermediate width,
-               then act = silu(gate) * up for them; x holds this share's gate/up outputs */
+               then act = silu(gate) * up for them */
             const int64_t i0 = share(I, tid, T, 16), i1 = share(I, tid + 1, T, 16), w = i1 - i0;
             const int64_t es = w_elem_size(wk);
             float *gu = (float *)malloc(sizeof(float) * (size_t)(2 * B * (w > 0 ? w : 1)));
@@ -293,7 +294,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
 /* One step of B tokens: token b is fed at positions[b] into KV slot slots[b] and attends over
    the first seq_lens[b] tokens of its request (itself included) through tables[b * t_rs ...];
    logits [S, vocab] fp32 for the tokens sample_rows[0 .. S). rows = 0 .. B-1.
-   0 = ok, 1 = out of memory (no thread, no workspace), 2 = built without AVX-512. */
+   0 = ok, 1 = out of memory (no workspace), 2 = built without AVX-512. */
 int kvmesh_native_decode(const int64_t *m, float eps, int64_t B, const int64_t *tokens, const int64_t *positions,
                          const int64_t *slots, const int32_t *tables, int64_t t_rs, const int32_t *seq_lens,
                          const int64_t *rows, const int64_t *sample_rows, int64_t S, int64_t threads, float *logits) {
@@ -325,7 +326,6 @@ int kvmesh_native_decode(const int64_t *m, float eps, int64_t B, const int64_t *
 """
 
 _W_F32, _W_BF16, _W_I8 = 0, 1, 2
-_LAYER_FIELDS = 12  # L_FIELDS in the C source
 _ENTRY_ARGTYPES = ([ctypes.c_void_p, ctypes.c_float, ctypes.c_int64] + [ctypes.c_void_p] * 4
                    + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p])
 
@@ -350,8 +350,6 @@ def _float_kind(dtype: torch.dtype) -> int:
 def _projection(fused, members: tuple, dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor | None]:
     """(kind, [N, K] weight, per-row scales or None) of one projection (a fused group, or one
     linear), read in place; NotTaken for anything but plain float and per-row int8."""
-    from kvmesh.quant.linear import Int8WeightOnlyLinear
-
     if fused is not None and fused.usable(members):
         layer = getattr(fused, "merged", None)
         if layer is None:  # FusedLinears: the concatenated float weight
@@ -379,8 +377,6 @@ def _projection(fused, members: tuple, dtype: torch.dtype) -> tuple[int, torch.T
 def _lm_head(head, dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor | None]:
     """The LM head's rows: the model's float head, or an int8 head (the self-draft's,
     worker/engine_loop/self_draft.py, keeps its weight-only int8 layer as `linear`)."""
-    from kvmesh.quant.linear import Int8WeightOnlyLinear
-
     inner = getattr(head, "linear", None)
     if isinstance(inner, Int8WeightOnlyLinear):
         return _projection(None, (inner,), dtype)
@@ -504,8 +500,10 @@ class NativeDecoder:
         failed = self._fn(self._descriptor.data_ptr(), self._eps, n, tokens.data_ptr(), positions.data_ptr(),
                           slots.data_ptr(), tables.data_ptr(), width, seq_lens.data_ptr(), self._rows.data_ptr(),
                           sample_rows.data_ptr(), len(inputs.sample_at), torch.get_num_threads(), logits.data_ptr())
+        if failed == 2:
+            raise RuntimeError("native step: the library was built without AVX-512")
         if failed:
-            raise MemoryError("native step: no memory for its workspace or threads")
+            raise MemoryError("native step: no memory for its workspace")
         self.steps_run += 1
         return self._gather_logits(logits)
 
