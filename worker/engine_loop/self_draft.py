@@ -104,7 +104,6 @@ class _Int8LMHead(nn.Module):
 
 
 _RESCORED_ROWS = 8  # vocabulary rows the draft head rescores exactly per token
-_NATIVE_DRAFT_TOKENS = 16  # draft steps of up to this many tokens run natively on CPU
 
 
 def _prepack_dynamic_int8(weight_int8: torch.Tensor, scales: torch.Tensor):
@@ -188,7 +187,7 @@ class SelfDraftProposer:
             # The draft's steps are small (a token or a short catch-up per speculating request):
             # on CPU they run as one native call where it applies (int8 draft weights and head),
             # several times cheaper than the eager forward; only acceptance can change with it.
-            cpu_native_decode.install(runner, model, caches, _NATIVE_DRAFT_TOKENS, what="the self-draft")
+            cpu_native_decode.install(runner, model, caches, cpu_native_decode.AUTO_MAX_TOKENS, what="the self-draft")
         logger.info("self-draft: %s weights, %d KV blocks x %d tokens", spec_cfg.draft_quant, num_blocks, block_size)
         clock = time.process_time if model_spec.device.type == "cpu" else time.perf_counter
         return cls(runner, KVCacheManager(num_blocks, block_size, enable_prefix_caching=False), clock)

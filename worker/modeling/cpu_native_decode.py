@@ -488,8 +488,8 @@ class NativeDecoder:
             return None
         positions = torch.tensor(inputs.positions, dtype=torch.long)
         seq_lens = (positions + 1).to(torch.int32)  # each token attends to its request up to itself
-        width = max(len(b) for b in inputs.block_tables)
-        tables = torch.tensor([b + (0,) * (width - len(b)) for b in inputs.block_tables], dtype=torch.int32)
+        tables = inputs.block_table_tensor()
+        width = tables.shape[1]
         if n != len(inputs.query_lens):  # a request with several tokens: its table once per token
             owner = torch.repeat_interleave(torch.arange(len(inputs.query_lens)), torch.tensor(inputs.query_lens))
             tables = tables[owner]

@@ -117,6 +117,12 @@ class StepInputs:
         return cls(tuple(input_ids), tuple(positions), tuple(slots), tuple(query_lens), tuple(seq_lens),
                    tuple(tuple(e.block_ids) for e in scheduled), tuple(sample_at))
 
+    def block_table_tensor(self) -> torch.Tensor:
+        """[B, longest table] int32 on the host, each request's row padded with block 0
+        (never read: a request attends only to its seq_len tokens). One tensor creation."""
+        width = max(len(b) for b in self.block_tables)
+        return torch.tensor([b + (0,) * (width - len(b)) for b in self.block_tables], dtype=torch.int32)
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -189,7 +195,7 @@ class ModelRunner:
         self.phase_clock = None  # the engine's StepPhaseClock: prepare / forward / sample laps
         # Decode steps replay captured CUDA graphs when set (worker/modeling/cuda_graphs.py; CUDA only).
         self.graph_runner = None
-        # Small CPU decode steps run as one native call when set (worker/modeling/cpu_native_decode.py).
+        # Small CPU steps run as one native call when set (worker/modeling/cpu_native_decode.py).
         self.native_decoder = None
 
     def apply_block_ops(self, sched_out) -> None:
@@ -262,8 +268,7 @@ class ModelRunner:
     def _eager_forward(self, inputs: StepInputs) -> torch.Tensor:
         dev = self.device
         # One tensor creation per field, not one per request: this runs every step.
-        width = max(len(b) for b in inputs.block_tables)
-        table = torch.tensor([b + (0,) * (width - len(b)) for b in inputs.block_tables], dtype=torch.int32)
+        table = inputs.block_table_tensor()
         qsl = torch.tensor((0, *itertools.accumulate(inputs.query_lens)), dtype=torch.int32)
         meta = AttentionMetadata(
             query_start_loc=qsl.to(dev), seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int32, device=dev),
