@@ -161,3 +161,19 @@ def test_switched_off_by_the_environment(tiny_model_dir, monkeypatch, caplog):
 def test_max_batch_is_validated():
     with pytest.raises(ConfigError, match="cpu_native_max_tokens"):
         KvmeshConfig.from_dict({"model": {"cpu_native_max_tokens": 65}})
+
+
+def test_bf16_projections_use_the_cpu_s_bf16_dot_product_where_it_has_one(tiny_model_dir):
+    """On a CPU with AVX512_BF16 the bf16 GEMVs are the VDPBF16PS path (the logits tests
+    above then check it against eager); elsewhere the widening FMA path, never a failure."""
+    engine = _engine(tiny_model_dir, dtype="bf16", native=8)
+    has = bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+    assert engine.runner.native_decoder.bf16_dot_product == has
+    assert not _engine(tiny_model_dir, dtype="fp32", native=8).runner.native_decoder.bf16_dot_product
+
+
+def test_auto_step_size_is_twelve_tokens_a_thread_up_to_twenty_four():
+    """The measured crossover with the eager AMX GEMMs (docs/benchmarks.md, sixth round)."""
+    assert [cpu_native_decode.max_tokens_for(None, torch.bfloat16, t) for t in (1, 2, 4)] == [12, 24, 24]
+    assert cpu_native_decode.max_tokens_for(None, torch.float32, 2) == 0
+    assert cpu_native_decode.max_tokens_for(5, torch.float32, 2) == 5

@@ -142,7 +142,8 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
         if config.parallel.cuda_graphs and device.type == "cuda":
             runner.graph_runner = build_graph_runner(config, model, backend, kv_caches, device, max_model_len,
                                                      plan.block_size)
-        native_tokens = cpu_native_decode.max_tokens_for(config.model.cpu_native_max_tokens, dtype)
+        native_tokens = cpu_native_decode.max_tokens_for(config.model.cpu_native_max_tokens, dtype,
+                                                         torch.get_num_threads())
         if native_tokens and device.type == "cpu":
             cpu_native_decode.install(runner, model, kv_caches, native_tokens)
     else:

@@ -20,7 +20,8 @@ cache), one C call per step:
 A step is up to `max_tokens` tokens of any shape: decode rows, a prefill chunk (each token
 attends causally to its request through its own position), speculative verify rows. The
 projections are GEMVs over those tokens: each weight row is read once and dotted with every
-token (fp32 FMA; int8 and bf16 widened in registers), memory-bound at a handful of tokens where
+token (fp32 FMA, int8 and bf16 widened in registers; bf16 pairs by VDPBF16PS where the CPU has
+it), memory-bound at a handful of tokens where
 the packed GEMMs are not yet efficient; larger steps run eagerly (oneDNN / AMX GEMMs). Weights
 it takes: plain fp32 / bf16 (the fused QKV and gate-up weights, o, down, the LM head) and
 weight-only int8 with one scale per row (quant.weight: int8, and the self-draft's int8 head).
@@ -30,11 +31,12 @@ AVX-512, no C compiler.
 
 Numerics: activations stay fp32 through the whole step (eager rounds each op's output to the
 model dtype), K/V are rounded to the cache dtype as they are stored, and the attention reads
-the cache dtype as the eager kernel does. In fp32 the step is the eager one up to the order of
+the cache dtype as the eager kernel does. bf16 weights on a CPU with AVX512_BF16 take each
+projection's input rounded to bf16 (VDPBF16PS, fp32 sums), as oneDNN's bf16 GEMMs do. In fp32 the step is the eager one up to the order of
 fp32 sums (tests/test_cpu_native_decode.py: logits within 1e-5, greedy tokens identical with
 chunked prefill and preemption); in bf16 it is closer to the fp32 model than eager bf16 is.
-On by default for 16-bit models (`model.cpu_native_max_tokens`: auto = steps of up to 16
-tokens; fp32 stays eager unless asked, it is the token-exact reference path), and for the
+On by default for 16-bit models (`model.cpu_native_max_tokens`: auto = steps of up to 12
+tokens per thread, at most 24; fp32 stays eager unless asked, it is the token-exact reference path), and for the
 self-draft's small steps (worker/engine_loop/self_draft.py), where only acceptance can change.
 """
 
@@ -82,17 +84,20 @@ static inline int64_t w_elem_size(const int kind) { return kind == W_I8 ? 1 : ki
 
 /* Four weight rows (from row n) dotted with C activation rows: res[i * C + j] = W[n + i] . x[j].
    The weight rows are streamed once (prefetched PREFETCH_GROUPS groups ahead: the hardware
-   prefetcher alone reached ~half the core's read bandwidth on these short rows); C <= 3 keeps
-   the 4 x C accumulators and the four widened weight vectors in registers. */
+   prefetcher alone reached ~half the core's read bandwidth on these short rows); C <= TILE_ROWS
+   keeps the 4 x C accumulators, the four widened weight vectors and one activation vector in
+   AVX-512's 32 registers (4 x 6 + 4 + 1 = 29), so a speculative verify of k + 1 <= 6 tokens
+   reads each weight row from memory once, as a single decode row does. */
 #define PREFETCH_GROUPS 2
+#define TILE_ROWS 6
 static inline __attribute__((always_inline)) void tile4(const char *w, int64_t n, int64_t K, const float *x,
         int64_t ldx, const int C, const int kind, const int prefetch, float *res) {
     const int64_t es = w_elem_size(kind), row = K * es;
     const char *r0 = w + n * row;
-    __m512 acc[4][3];
+    __m512 acc[4][TILE_ROWS];
     #pragma GCC unroll 4
     for (int i = 0; i < 4; i++)
-        #pragma GCC unroll 3
+        #pragma GCC unroll 6
         for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
         if (prefetch && ((k * es) & 63) == 0)
@@ -101,7 +106,7 @@ static inline __attribute__((always_inline)) void tile4(const char *w, int64_t n
         __m512 wv[4];
         #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) wv[i] = load_w16(r0 + i * row, k, kind);
-        #pragma GCC unroll 3
+        #pragma GCC unroll 6
         for (int j = 0; j < C; j++) {
             const __m512 xv = _mm512_loadu_ps(x + j * ldx + k);
             #pragma GCC unroll 4
@@ -110,26 +115,33 @@ static inline __attribute__((always_inline)) void tile4(const char *w, int64_t n
     }
     #pragma GCC unroll 4
     for (int i = 0; i < 4; i++)
-        #pragma GCC unroll 3
+        #pragma GCC unroll 6
         for (int j = 0; j < C; j++) res[i * C + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
 /* y[b * ldy + n] = scale[n] * dot(W[n, :K], x[b * ldx, :K]) for n in [n0, n1), b < B (K % 16 == 0):
-   four weight rows at a time against the batch rows three at a time, so each weight row is
-   read from memory once per step whatever B is. */
+   four weight rows at a time against the batch rows TILE_ROWS at a time (the four rows stay in
+   L1 across the row groups), so each weight row is read from memory once per step whatever B is. */
 static inline __attribute__((always_inline)) void gemv_kind(
         const void *w, const void *scale, const int sbf16, int64_t K, int64_t n0, int64_t n1,
         const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy, const int kind) {
     const int64_t es = w_elem_size(kind);
     int64_t n = n0;
-    float res[12];
+    float res[4 * TILE_ROWS];
     for (; n + 4 <= n1; n += 4)
-        for (int64_t b = 0; b < B; b += 3) {
-            const int64_t c = B - b < 3 ? B - b : 3;
+        for (int64_t b = 0; b < B; b += TILE_ROWS) {
+            const int64_t c = B - b < TILE_ROWS ? B - b : TILE_ROWS;
             const float *xb = x + b * ldx;
-            if (c == 3) tile4((const char *)w, n, K, xb, ldx, 3, kind, b == 0, res);
-            else if (c == 2) tile4((const char *)w, n, K, xb, ldx, 2, kind, b == 0, res);
-            else tile4((const char *)w, n, K, xb, ldx, 1, kind, b == 0, res);
+            const char *wc = (const char *)w;
+            const int pf = b == 0;
+            switch (c) {  /* a constant C each: the accumulators stay in registers */
+                case 6: tile4(wc, n, K, xb, ldx, 6, kind, pf, res); break;
+                case 5: tile4(wc, n, K, xb, ldx, 5, kind, pf, res); break;
+                case 4: tile4(wc, n, K, xb, ldx, 4, kind, pf, res); break;
+                case 3: tile4(wc, n, K, xb, ldx, 3, kind, pf, res); break;
+                case 2: tile4(wc, n, K, xb, ldx, 2, kind, pf, res); break;
+                default: tile4(wc, n, K, xb, ldx, 1, kind, pf, res);
+            }
             for (int i = 0; i < 4; i++)
                 for (int64_t j = 0; j < c; j++) y[(b + j) * ldy + n + i] = res[i * c + j];
         }
@@ -146,11 +158,104 @@ static inline __attribute__((always_inline)) void gemv_kind(
             for (int64_t m = n0; m < n1; m++) y[b * ldy + m] *= load_elem(scale, m, sbf16);
 }
 
+#ifdef __AVX512BF16__
+/* bf16 weights on a CPU with AVX512_BF16: the activation rows are rounded to bf16 once per
+   projection and each pair of products is one lane of VDPBF16PS (fp32 accumulation), half the
+   instructions of widening every weight to fp32 for an FMA. Past a few rows this GEMV is
+   compute-bound (1 thread, FMAs: 5 rows cost 1.3x one row), so this keeps verify rows and
+   mid-size batches near the cost of reading the weights once. The matmul inputs are then
+   rounded to bf16, as the eager forward's oneDNN GEMMs round them. */
+#define HAVE_DPBF16 1
+
+/* rows [B][ldx] fp32 -> out [B][K] bf16, round to nearest even (K % 32 == 0) */
+static void rows_to_bf16(const float *x, int64_t ldx, int64_t B, int64_t K, uint16_t *out) {
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t k = 0; k < K; k += 32)
+            _mm512_storeu_si512((void *)(out + b * K + k),
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + b * ldx + k + 16),
+                                                             _mm512_loadu_ps(x + b * ldx + k)));
+}
+
+/* tile4 for bf16 weights and bf16 activation rows x [C][K]: res[i * C + j] = W[n + i] . x[j] */
+static inline __attribute__((always_inline)) void tile4_dp(const char *w, int64_t n, int64_t K, const uint16_t *x,
+        const int C, const int prefetch, float *res) {
+    const int64_t row = K * 2;
+    const char *r0 = w + n * row;
+    __m512 acc[4][TILE_ROWS];
+    #pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        #pragma GCC unroll 6
+        for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        if (prefetch)
+            #pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) _mm_prefetch(r0 + (PREFETCH_GROUPS * 4 + i) * row + k * 2, _MM_HINT_T0);
+        __m512bh wv[4];
+        #pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) wv[i] = (__m512bh)_mm512_loadu_si512((const void *)(r0 + i * row + k * 2));
+        #pragma GCC unroll 6
+        for (int j = 0; j < C; j++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + j * K + k));
+            #pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[i], xv);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        #pragma GCC unroll 6
+        for (int j = 0; j < C; j++) res[i * C + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+static void gemv_bf16_dp(const void *w, int64_t K, int64_t n0, int64_t n1, const uint16_t *x, int64_t B,
+                         float *y, int64_t ldy) {
+    const char *wc = (const char *)w;
+    int64_t n = n0;
+    float res[4 * TILE_ROWS];
+    for (; n + 4 <= n1; n += 4)
+        for (int64_t b = 0; b < B; b += TILE_ROWS) {
+            const int64_t c = B - b < TILE_ROWS ? B - b : TILE_ROWS;
+            const uint16_t *xb = x + b * K;
+            const int pf = b == 0;
+            switch (c) {  /* a constant C each: the accumulators stay in registers */
+                case 6: tile4_dp(wc, n, K, xb, 6, pf, res); break;
+                case 5: tile4_dp(wc, n, K, xb, 5, pf, res); break;
+                case 4: tile4_dp(wc, n, K, xb, 4, pf, res); break;
+                case 3: tile4_dp(wc, n, K, xb, 3, pf, res); break;
+                case 2: tile4_dp(wc, n, K, xb, 2, pf, res); break;
+                default: tile4_dp(wc, n, K, xb, 1, pf, res);
+            }
+            for (int i = 0; i < 4; i++)
+                for (int64_t j = 0; j < c; j++) y[(b + j) * ldy + n + i] = res[i * c + j];
+        }
+    for (; n < n1; n++) {  /* the last rows of an uneven share: the same sums, one row at a time */
+        const char *r = wc + n * K * 2;
+        for (int64_t b = 0; b < B; b++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 32)
+                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512((const void *)(r + k * 2)),
+                                     (__m512bh)_mm512_loadu_si512((const void *)(x + b * K + k)));
+            y[b * ldy + n] = _mm512_reduce_add_ps(a);
+        }
+    }
+}
+#endif
+
+/* x16: the thread's scratch for a projection's input rows in bf16 (room for [B][K]), used
+   where the bf16 dot-product path applies */
 static void gemv(const void *w, const int kind, const void *scale, const int sbf16, int64_t K, int64_t n0,
-                 int64_t n1, const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy) {
+                 int64_t n1, const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy, uint16_t *x16) {
     if (n0 >= n1) return;
     if (kind == W_I8) gemv_kind(w, scale, sbf16, K, n0, n1, x, ldx, B, y, ldy, W_I8);
-    else if (kind == W_BF16) gemv_kind(w, scale, sbf16, K, n0, n1, x, ldx, B, y, ldy, W_BF16);
+    else if (kind == W_BF16) {
+#ifdef HAVE_DPBF16
+        if (K % 32 == 0) {
+            rows_to_bf16(x, ldx, B, K, x16);
+            gemv_bf16_dp(w, K, n0, n1, x16, B, y, ldy);
+            return;
+        }
+#endif
+        gemv_kind(w, scale, sbf16, K, n0, n1, x, ldx, B, y, ldy, W_BF16);
+    }
     else gemv_kind(w, scale, sbf16, K, n0, n1, x, ldx, B, y, ldy, W_F32);
 }
 
@@ -204,10 +309,13 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
     /* private: the residual stream, the normed input of the next projection, the attention
        output widened to fp32, one head's scratch, the rows that get logits (every thread keeps
        identical copies of the first three: cheaper than a barrier) */
-    float *priv = (float *)malloc(sizeof(float) * (size_t)(B * (2 * H + hq * D) + 2 * D + s->S * H));
+    const int64_t widest = I > H ? (I > hq * D ? I : hq * D) : (H > hq * D ? H : hq * D);
+    float *priv = (float *)malloc(sizeof(float) * (size_t)(B * (2 * H + hq * D) + 2 * D + s->S * H)
+                                  + sizeof(uint16_t) * (size_t)((B > s->S ? B : s->S) * widest));
     if (!priv) { __atomic_store_n(&s->failed, 1, __ATOMIC_RELAXED); }
     float *res = priv, *h = res + B * H, *attn = h + B * H, *tmp = attn + B * hq * D;
     float *picked = tmp + 2 * D;  /* [S, H]: the final hidden rows that get logits */
+    uint16_t *x16 = (uint16_t *)(picked + s->S * H);  /* a projection's input rows in bf16 */
     const int64_t r0 = B * tid / T, r1 = B * (tid + 1) / T;  /* this thread's tokens */
     const void *embed = PTR(m[M_EMBED]);
     if (priv) for (int64_t b = 0; b < B; b++)
@@ -220,7 +328,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
         if (l > 0) for (int64_t i = 0; i < B * H; i++) res[i] += s->down_out[i];
         rms_norm_rows(res, PTR(lp[L_INNORM]), bf16, B, H, s->eps, h);
         gemv(PTR(lp[L_QKVW]), wk, PTR(lp[L_QKVS]), bf16, H, share(nqkv, tid, T, 16), share(nqkv, tid + 1, T, 16),
-             h, H, B, s->qkv, nqkv);
+             h, H, B, s->qkv, nqkv, x16);
         #pragma omp barrier
         /* RoPE on q and k heads, K/V into the cache, then attention: this thread's rows only */
         for (int64_t b = r0; b < r1; b++) {
@@ -249,7 +357,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
         #pragma omp barrier
         for (int64_t i = 0; i < B * hq * D; i++) attn[i] = load_elem(s->attn_out, i, bf16);
         gemv(PTR(lp[L_OW]), wk, PTR(lp[L_OS]), bf16, hq * D, share(H, tid, T, 16), share(H, tid + 1, T, 16),
-             attn, hq * D, B, s->o_out, H);
+             attn, hq * D, B, s->o_out, H, x16);
         #pragma omp barrier
         for (int64_t i = 0; i < B * H; i++) res[i] += s->o_out[i];
         rms_norm_rows(res, PTR(lp[L_POSTNORM]), bf16, B, H, s->eps, h);
@@ -263,8 +371,8 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
                 const char *gw = (const char *)PTR(lp[L_GUW]);
                 const char *gs = (const char *)PTR(lp[L_GUS]), *us = gs;
                 if (gs) { gs += i0 * esz; us += (I + i0) * esz; }
-                gemv(gw + i0 * H * es, wk, gs, bf16, H, 0, w, h, H, B, gu, w);
-                gemv(gw + (I + i0) * H * es, wk, us, bf16, H, 0, w, h, H, B, gu + B * w, w);
+                gemv(gw + i0 * H * es, wk, gs, bf16, H, 0, w, h, H, B, gu, w, x16);
+                gemv(gw + (I + i0) * H * es, wk, us, bf16, H, 0, w, h, H, B, gu + B * w, w, x16);
                 for (int64_t b = 0; b < B; b++)
                     for (int64_t i = 0; i < w; i++) {
                         const float g = gu[b * w + i], u = gu[B * w + b * w + i];
@@ -277,7 +385,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
         }
         #pragma omp barrier
         gemv(PTR(lp[L_DW]), wk, PTR(lp[L_DS]), bf16, I, share(H, tid, T, 16), share(H, tid + 1, T, 16),
-             s->act, I, B, s->down_out, H);
+             s->act, I, B, s->down_out, H, x16);
         #pragma omp barrier
     }
     for (int64_t i = 0; i < B * H; i++) res[i] += s->down_out[i];
@@ -287,7 +395,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
             picked[j * H + i] = bf16 ? round_bf16(h[s->sample_rows[j] * H + i]) : h[s->sample_rows[j] * H + i];
     const int64_t V = m[M_VOCAB];
     gemv(PTR(m[M_LMW]), (int)m[M_LMKIND], PTR(m[M_LMS]), bf16, H, share(V, tid, T, 16), share(V, tid + 1, T, 16),
-         picked, H, s->S, s->logits, V);
+         picked, H, s->S, s->logits, V, x16);
     free(priv);
 }
 
@@ -323,9 +431,19 @@ int kvmesh_native_decode(const int64_t *m, float eps, int64_t B, const int64_t *
                          const int64_t *rows, const int64_t *sample_rows, int64_t S, int64_t threads,
                          float *logits) { return 2; }
 #endif
+
+/* What this build does: 1 = bf16 projections by VDPBF16PS (tests and logs read it). */
+int kvmesh_native_decode_features(void) {
+#ifdef HAVE_DPBF16
+    return 1;
+#else
+    return 0;
+#endif
+}
 """
 
 _W_F32, _W_BF16, _W_I8 = 0, 1, 2
+_FEATURE_DPBF16 = 1  # kvmesh_native_decode_features(): built with the VDPBF16PS path
 _ENTRY_ARGTYPES = ([ctypes.c_void_p, ctypes.c_float, ctypes.c_int64] + [ctypes.c_void_p] * 4
                    + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p])
 
@@ -431,6 +549,7 @@ class NativeDecoder:
         self.max_tokens = max_tokens
         self._rows = torch.arange(max_tokens, dtype=torch.long)
         self.steps_run = 0  # steps this decoder served (tests and benchmarks read it)
+        self.bf16_dot_product = False  # bf16 projections by VDPBF16PS (set by build)
 
     @classmethod
     def build(cls, model, kv_caches: list, max_tokens: int) -> "NativeDecoder":
@@ -475,10 +594,14 @@ class NativeDecoder:
                   k0.shape[1], strides[0], strides[1], strides[2], lm.shape[0], lm_kind,
                   _ptr(embed), _ptr(final_norm), _ptr(cos), _ptr(sin), _ptr(lm), _ptr(lm_scales)]
         descriptor = torch.tensor(header + layers, dtype=torch.int64)
-        fn = _load()
-        if fn is None:
+        loaded = _load()
+        if loaded is None:
             raise NotTaken(f"native build failed ({cpu_native.unavailable_reason() or 'see the log'})")
-        return cls(fn, keep, descriptor, float(cfg.rms_norm_eps), lm.shape[0], max_tokens, model.lm_head.gather_logits)
+        fn, features = loaded
+        decoder = cls(fn, keep, descriptor, float(cfg.rms_norm_eps), lm.shape[0], max_tokens,
+                      model.lm_head.gather_logits)
+        decoder.bf16_dot_product = dtype == torch.bfloat16 and bool(features & _FEATURE_DPBF16)
+        return decoder
 
     def run(self, inputs) -> torch.Tensor | None:
         """inputs: the step's StepInputs (worker/modeling/model_runner.py) -> fp32 logits
@@ -516,32 +639,51 @@ def unavailable_reason() -> str | None:
     return cpu_native.unavailable_reason()
 
 
+def _has_avx512_bf16() -> bool:
+    """The CPU has VDPBF16PS (torch's own probe): the bf16 projections then use it."""
+    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+
+
 def _load():
     # -fopenmp: the step's threads are an OpenMP team; libgomp.so.1 resolves to the one torch
     # has already loaded (same soname), so the step runs on torch's own thread pool.
-    lib = cpu_native.build("native_decode", cpu_paged_attention.C_SOURCE + _DECODER_SOURCE, ("-fopenmp",))
+    lib = cpu_native.build("native_decode", cpu_paged_attention.C_SOURCE + _DECODER_SOURCE,
+                           ("-fopenmp",) + (("-mavx512bf16",) if _has_avx512_bf16() else ()))
     if lib is None:
         return None
     fn = lib.kvmesh_native_decode
     fn.argtypes, fn.restype = _ENTRY_ARGTYPES, ctypes.c_int
-    return fn
+    lib.kvmesh_native_decode_features.restype = ctypes.c_int
+    return fn, lib.kvmesh_native_decode_features()
 
 
-AUTO_MAX_TOKENS = 16  # model.cpu_native_max_tokens auto, 16-bit models (docs/benchmarks.md: bf16 wins to ~16 rows)
+# model.cpu_native_max_tokens auto for 16-bit models: native steps up to where the eager
+# forward's AMX GEMMs catch up, which is about 12 rows per thread (bf16, SmolLM2, sixth round
+# of docs/benchmarks.md: 1 thread native/eager 1.36x at 8 rows, 1.07x at 12, 0.87x at 16;
+# 2 threads 1.35x at 16, 1.10x at 24, 0.92x at 32), measured to 2 threads, so no more than
+# AUTO_MAX_TOKENS_CAP past them.
+AUTO_TOKENS_PER_THREAD = 12
+AUTO_MAX_TOKENS_CAP = 24
 
 
-def max_tokens_for(configured: int | None, dtype: torch.dtype) -> int:
-    """model.cpu_native_max_tokens resolved: auto (None) is AUTO_MAX_TOKENS for 16-bit models
-    and 0 for fp32, which stays the eager, token-exact reference path unless asked."""
+def auto_max_tokens(threads: int) -> int:
+    return min(AUTO_MAX_TOKENS_CAP, AUTO_TOKENS_PER_THREAD * max(1, threads))
+
+
+def max_tokens_for(configured: int | None, dtype: torch.dtype, threads: int) -> int:
+    """model.cpu_native_max_tokens resolved: auto (None) is auto_max_tokens(threads) for
+    16-bit models and 0 for fp32, which stays the eager, token-exact reference path unless
+    asked."""
     if configured is not None:
         return configured
-    return 0 if dtype == torch.float32 else AUTO_MAX_TOKENS
+    return 0 if dtype == torch.float32 else auto_max_tokens(threads)
 
 
 def install(runner, model, kv_caches: list, max_tokens: int, what: str = "the model") -> None:
     """Sets runner.native_decoder, or logs once why the eager forward keeps every step."""
     try:
-        runner.native_decoder = NativeDecoder.build(model, kv_caches, max_tokens)
-        logger.info("native step on for %s, steps of <= %d tokens", what, max_tokens)
+        runner.native_decoder = decoder = NativeDecoder.build(model, kv_caches, max_tokens)
+        logger.info("native step on for %s, steps of <= %d tokens%s", what, max_tokens,
+                    ", bf16 projections by VDPBF16PS" if decoder.bf16_dot_product else "")
     except NotTaken as why:
         logger.warning("native step not taken for %s (%s): eager forward", what, why)
