@@ -6,8 +6,8 @@ import asyncio
 import pytest
 
 from kvmesh.core.config import KvmeshConfig
-from kvmesh.core.seams import FinishReason, GenerateRequest, SamplingParams
-from kvmesh.worker.runtime.async_engine import AsyncEngine
+from kvmesh.core.seams import FinishReason, GenerateRequest, RequestDelta, SamplingParams
+from kvmesh.worker.runtime.async_engine import AsyncEngine, merge_deltas
 from kvmesh.worker.engine_loop.engine import Engine
 from kvmesh.core.errors import InvalidRequestError, OverloadedError
 
@@ -241,9 +241,27 @@ def test_async_batches_and_the_step_hook(tiny_model_dir):
     batches = asyncio.run(scenario())
     deltas = [d for batch in batches for d in batch]
     assert len(batches) == 2 and all(batches)
+    assert len(batches[1]) == 1, "what waited is one merged delta: one message to the router, not one a token"
     assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
     assert sum(len(d.token_ids) for d in deltas) == 12
     assert len(step_times_s) >= 12 and all(t > 0 for t in step_times_s)
+def test_merge_deltas_joins_a_sample_s_consecutive_deltas_only():
+    a = RequestDelta("r", text="a", token_ids=(1,), logprobs=(-0.1,))
+    b = RequestDelta("r", text="b", token_ids=(2,), logprobs=(-0.2,))
+    other_sample = RequestDelta("r", text="x", token_ids=(9,), logprobs=(-0.9,), sample_index=1)
+    final = RequestDelta("r", text="c", token_ids=(3,), logprobs=(-0.3,), finished=True,
+                         finish_reason=FinishReason.LENGTH)
+    after_final = RequestDelta("r", text="z", token_ids=(4,), logprobs=(-0.4,))
+    error = RequestDelta("r", finished=True, finish_reason=FinishReason.ERROR, error="boom", error_type="WorkerFailedError")
+    merged = merge_deltas([a, b, final, after_final])
+    assert merged[0] == RequestDelta("r", text="abc", token_ids=(1, 2, 3), logprobs=(-0.1, -0.2, -0.3), finished=True,
+                                     finish_reason=FinishReason.LENGTH)
+    assert merged[1] == after_final  # nothing joins a finished delta
+    assert merge_deltas([a, other_sample, b]) == [a, other_sample, b]
+    assert merge_deltas([a, error]) == [a, error]
+    assert merge_deltas([a, RequestDelta("r", text="b", token_ids=(2,))]) == [a, RequestDelta("r", text="b", token_ids=(2,))]
+
+
 def _steps_until_done(engine, first, later, after_steps):
     """Add `first`, step `after_steps` times, add `later`, run to the end. Returns (tokens by
     id, step of each id's first token, step each id finished), checking invariants."""

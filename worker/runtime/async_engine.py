@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -89,7 +90,9 @@ class AsyncEngine:
 
     async def generate_batches(self, request: GenerateRequest) -> AsyncIterator[list[RequestDelta]]:
         """Like `generate`, but each item is every delta that arrived since the previous item
-        (at least one): a slow consumer takes fewer, larger batches instead of falling behind."""
+        (at least one), consecutive deltas of a sample merged into one: a slow consumer takes
+        fewer, larger batches instead of falling behind, and every hop after the actor (router,
+        Serve's proxy, the client) handles one message for them, not one per token."""
         if request.request_id in self._streams:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
         prompt_ids = self.engine.validate(request)  # pure checks + tokenization, no engine state
@@ -107,7 +110,7 @@ class AsyncEngine:
                 while not stream.empty():
                     batch.append(stream.get_nowait())
                 remaining -= sum(delta.finished for delta in batch)
-                yield batch
+                yield merge_deltas(batch)
         finally:
             self._streams.pop(request.request_id, None)
             refused = accepted.done() and not accepted.cancelled() and accepted.exception() is not None
@@ -222,3 +225,19 @@ def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(exc)
+
+
+def merge_deltas(batch: list[RequestDelta]) -> list[RequestDelta]:
+    """Consecutive deltas of one sample as one delta (text, token ids and logprobs joined, the
+    later delta's other fields); an error delta is never merged into."""
+    merged: list[RequestDelta] = []
+    for delta in batch:
+        last = merged[-1] if merged else None
+        if (last is None or last.finished or last.sample_index != delta.sample_index or delta.error_type
+                or (last.logprobs is None) != (delta.logprobs is None)):
+            merged.append(delta)
+            continue
+        logprobs = None if delta.logprobs is None else last.logprobs + delta.logprobs
+        merged[-1] = dataclasses.replace(delta, text=last.text + delta.text, token_ids=last.token_ids + delta.token_ids,
+                                         logprobs=logprobs)
+    return merged
