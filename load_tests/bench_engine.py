@@ -121,6 +121,7 @@ class BenchReport:
     modes: list[ModeFigures] = field(default_factory=list)
     hf_static: RunFigures | None = None
     llama_server: RunFigures | None = None
+    llama_server_batch1_tok_s: float | None = None  # its own decode rate, one request alone
     served: RunFigures | None = None  # --serve: the same requests through a local `kvmesh serve`
 
 
@@ -386,10 +387,13 @@ def run_hf_static(model: str | None, requests: list[WorkloadRequest], dtype: tor
     return _run_figures(finish, sum(r.output_tokens for r in requests), time.perf_counter() - t0)
 
 
-def run_llama_server(binary: str, gguf: str, requests: list[WorkloadRequest], threads: int, slots: int = 8,
-                     port: int = 18089, timeout_s: float = 3600) -> RunFigures:
+def run_llama_server(binary: str, gguf: str, requests: list[WorkloadRequest], threads: int,
+                     decode_prompt: list[int], decode_tokens: int, slots: int = 8, port: int = 18089,
+                     timeout_s: float = 3600) -> tuple[RunFigures, float]:
     """llama.cpp's llama-server on loopback with `slots` parallel slots; every request sent
-    at t=0 (one client thread each) to /completion with its token ids, greedy, ignore_eos."""
+    at t=0 (one client thread each) to /completion with its token ids, greedy, ignore_eos.
+    First, its batch-1 decode rate: the decode prompt alone for decode_tokens tokens, the
+    server's own `predicted_per_second` (decode only, as kvmesh's batch-1 figure)."""
     ctx = slots * (max(r.prompt_tokens + r.output_tokens for r in requests) + 16)
     proc = subprocess.Popen([binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
                              "-c", str(ctx), "-t", str(threads), "--cont-batching"],
@@ -407,17 +411,23 @@ def run_llama_server(binary: str, gguf: str, requests: list[WorkloadRequest], th
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"llama-server did not become healthy (exit code {proc.poll()})")
             time.sleep(0.5)
+        def complete(prompt: list[int], n: int) -> dict:
+            body = json.dumps({"prompt": prompt, "n_predict": n, "temperature": 0, "ignore_eos": True,
+                               "cache_prompt": False}).encode()
+            req = urllib.request.Request(f"{base}/completion", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                return json.load(resp)
+
+        complete(list(decode_prompt), 4)  # warm-up
+        batch1 = statistics.median(complete(list(decode_prompt), decode_tokens)["timings"]["predicted_per_second"]
+                                   for _ in range(3))
         finish: list[float] = []
         errors: list[str] = []
         t0 = time.perf_counter()
 
         def one(r: WorkloadRequest) -> None:
-            body = json.dumps({"prompt": list(r.prompt_token_ids), "n_predict": r.output_tokens, "temperature": 0,
-                               "ignore_eos": True, "cache_prompt": False}).encode()
-            req = urllib.request.Request(f"{base}/completion", body, {"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-                    json.load(resp)
+                complete(list(r.prompt_token_ids), r.output_tokens)
                 finish.append(time.perf_counter() - t0)
             except OSError as exc:
                 errors.append(str(exc))
@@ -429,7 +439,7 @@ def run_llama_server(binary: str, gguf: str, requests: list[WorkloadRequest], th
             w.join()
         if errors:
             raise RuntimeError(f"{len(errors)} llama-server requests failed: {errors[0]}")
-        return _run_figures(finish, sum(r.output_tokens for r in requests), time.perf_counter() - t0)
+        return _run_figures(finish, sum(r.output_tokens for r in requests), time.perf_counter() - t0), batch1
     finally:
         proc.terminate()
         proc.wait(30)
@@ -521,7 +531,8 @@ def run(args) -> BenchReport:
         report.served = run_served(args.model, requests[:2] if args.quick else requests)
     if args.llama_server:
         gguf = args.gguf or str(_gguf_path(args.model))
-        report.llama_server = run_llama_server(args.llama_server, gguf, requests, args.threads)
+        report.llama_server, report.llama_server_batch1_tok_s = run_llama_server(
+            args.llama_server, gguf, requests, args.threads, decode_prompt, decode_tokens)
     return report
 
 
@@ -543,6 +554,14 @@ def ratio_lines(report: BenchReport) -> list[str]:
         best = max(report.modes, key=lambda m: m.seed_run.output_tok_s)
         lines.append(f"seed-shaped run: kvmesh {best.mode} / HF static = "
                      f"{best.seed_run.output_tok_s / report.hf_static.output_tok_s:.2f}x")
+    if report.modes and report.llama_server is not None:
+        fastest = max(report.modes, key=lambda m: m.batch1_decode_tok_s)
+        best = max(report.modes, key=lambda m: m.seed_run.output_tok_s)
+        lines.append(f"batch-1 decode: kvmesh {fastest.mode} / llama.cpp = "
+                     f"{fastest.batch1_decode_tok_s / report.llama_server_batch1_tok_s:.2f}x")
+        lines.append(f"seed-shaped run: kvmesh {best.mode} / llama.cpp 8 slots = "
+                     f"{best.seed_run.output_tok_s / report.llama_server.output_tok_s:.2f}x throughput, "
+                     f"E2E P99 {best.seed_run.e2e_p99_s / report.llama_server.e2e_p99_s:.2f}x")
     default = "bf16" if cpu_has_native_bf16() else "fp32"
     in_process = next((m for m in report.modes if m.mode == default), None)
     if report.served is not None and in_process is not None:
@@ -565,7 +584,9 @@ def format_table(report: BenchReport) -> str:
     for name, peer in (("HF static batches of 8", report.hf_static), ("llama-server, 8 slots", report.llama_server),
                        ("kvmesh serve (gRPC, defaults)", report.served)):
         if peer is not None:
-            lines.append(f"| {name} | {peer.output_tok_s:.1f} | {peer.e2e_p50_s:.1f} | {peer.e2e_p99_s:.1f} | - | - | - |")
+            batch1 = report.llama_server_batch1_tok_s if peer is report.llama_server else None
+            lines.append(f"| {name} | {peer.output_tok_s:.1f} | {peer.e2e_p50_s:.1f} | {peer.e2e_p99_s:.1f} | "
+                         f"{'-' if batch1 is None else f'{batch1:.1f}'} | - | - |")
     lines += [""] + ratio_lines(report)
     for m in report.modes:
         for ref, a in (("bf16", m.hf_agreement), ("fp32", m.hf_fp32_agreement)):
