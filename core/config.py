@@ -69,9 +69,9 @@ class ModelConfig:
     # chunks, speculative verify rows) run the whole layer stack and the LM head as one native
     # call (worker/modeling/cpu_native_decode.py: GEMVs over the model's own fp32 / bf16 / int8
     # weights, the same paged KV cache); larger steps and what it does not take run eagerly.
-    # None = auto: for 16-bit models 12 tokens per torch thread, at most 24 (where it measured
-    # faster than the eager AMX GEMMs), 0 (off) for fp32, the token-exact reference path;
-    # 0 = off for any dtype.
+    # None = auto: for 16-bit models 64 on CPUs with AMX (its projections are AMX tiles too),
+    # else 12 tokens per torch thread, at most 24 (where it measured faster than eager's GEMMs);
+    # 0 (off) for fp32, the token-exact reference path; 0 = off for any dtype.
     cpu_native_max_tokens: int | None = None
 
     def validate(self) -> None:

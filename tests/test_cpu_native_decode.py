@@ -26,12 +26,14 @@ NEW_TOKENS = 20
 
 
 def _engine(model_dir: str, dtype: str = "fp32", quant: str = "none", native: int = 4, kv: str = "auto",
-            preemption: str = "recompute") -> Engine:
+            preemption: str = "recompute", prefill_chunk: int = 16, num_blocks: int = 16) -> Engine:
     return Engine.from_config(KvmeshConfig.from_dict({
         "model": {"path": model_dir, "dtype": dtype, "max_model_len": 512, "cpu_native_max_tokens": native},
         "quant": {"weight": quant},
-        "cache": {"num_blocks": 16, "block_size": 8, "kv_cache_dtype": kv},  # 128 slots for ~330 tokens: preemption
-        "scheduler": {"max_num_batched_tokens": 64, "max_prefill_tokens_per_step": 16, "preemption_mode": preemption,
+        # 16 blocks: 128 slots for ~330 tokens, so requests are preempted
+        "cache": {"num_blocks": num_blocks, "block_size": 8, "kv_cache_dtype": kv},
+        "scheduler": {"max_num_batched_tokens": 64, "max_prefill_tokens_per_step": prefill_chunk,
+                      "preemption_mode": preemption,
                       "max_total_kv_tokens": 1 << 20, "max_queue_time_s": 3600},
         "parallel": {"device": "cpu"}}))
 
@@ -51,7 +53,7 @@ def _check_each_step_against_eager(engine: Engine, compare) -> list:
 
     def checked(inputs):
         logits = real_run(inputs)
-        if logits is not None:
+        if logits is not None and inputs.sample_at:
             hidden = runner._eager_forward(inputs)[torch.tensor(inputs.sample_at)]
             eager = runner.model.compute_logits(hidden).float()
             records.append(compare(logits, eager, inputs))
@@ -95,6 +97,61 @@ def test_other_weight_kinds_give_the_eager_logits(tiny_model_dir, dtype, quant, 
     _generate(engine)
     assert len(diffs) >= 20
     assert max(diffs) < tolerance, f"{dtype}/{quant}: logits differ from eager by up to {max(diffs)}"
+
+
+def test_bf16_steps_of_up_to_64_tokens_give_the_eager_logits(tiny_model_dir):
+    """Steps of 17-64 tokens (up to 58 prompt tokens, decode rows beside them): on an AMX CPU
+    two to four 16-token tiles per weight block, else the GEMV row groups."""
+    engine = _engine(tiny_model_dir, dtype="bf16", native=64, prefill_chunk=58, num_blocks=64)
+    diffs = _check_each_step_against_eager(engine, lambda n, e, inputs: (_relative(n, e, inputs),
+                                                                         len(inputs.input_ids)))
+    sizes = []
+    checked = engine.runner.native_decoder.run
+
+    kv_diffs = []
+
+    def sized(inputs):
+        out = checked(inputs)
+        if out is not None:
+            sizes.append(len(inputs.input_ids))
+            if len(inputs.input_ids) > 48:  # the K/V it wrote: eager rewrites the same slots
+                slots = torch.tensor(inputs.slot_mapping)
+                cache = engine.runner.kv_caches[-1].key_cache
+                native_k = cache.view(-1, *cache.shape[2:])[slots].float()
+                engine.runner._eager_forward(inputs)
+                eager_k = cache.view(-1, *cache.shape[2:])[slots].float()
+                kv_diffs.append(((native_k - eager_k).abs().max() / eager_k.abs().max()).item())
+        return out
+
+    engine.runner.native_decoder.run = sized
+    prompts = [tuple(range(200, 260)), tuple(range(300, 303)), tuple(range(400, 445)), (7,)]
+    tokens = generate_all_greedy(engine, prompts, NEW_TOKENS)
+    assert max(sizes) > 48, f"steps of more than three 16-token groups ran natively ({sorted(set(sizes))})"
+    assert max(size for _, size in diffs) > 32, "and sampled (logits compared) with three groups"
+    worst = max(diff for diff, _ in diffs)
+    assert worst < 0.02, f"bf16 logits differ from eager by up to {worst}"
+    assert kv_diffs and max(kv_diffs) < 0.02, f"last layer's K of the 49+-token steps vs eager: {kv_diffs}"
+    assert len(tokens) == len(prompts) and all(len(t) == NEW_TOKENS for t in tokens.values())
+
+
+def test_mid_prompt_chunks_run_natively_and_return_no_logits(tiny_model_dir):
+    """A step where no request samples (a prompt's middle chunk) runs natively too (its K/V
+    into the cache, no LM head); the runner returns None for it, as the eager forward does."""
+    engine = _engine(tiny_model_dir, native=16, prefill_chunk=8)
+    seen = []
+    real_run = engine.runner.native_decoder.run
+
+    def spy(inputs):
+        out = real_run(inputs)
+        if not inputs.sample_at:
+            seen.append(None if out is None else tuple(out.shape))
+        return out
+
+    engine.runner.native_decoder.run = spy
+    prompts = [tuple(range(100, 150))]  # alone: 8-token chunks, only the last one samples
+    eager = generate_all_greedy(_engine(tiny_model_dir, native=0, prefill_chunk=8), prompts, NEW_TOKENS)
+    assert generate_all_greedy(engine, prompts, NEW_TOKENS) == eager
+    assert seen and all(shape == (0, engine.runner.native_decoder.vocab) for shape in seen)
 
 
 def test_threads_do_not_change_a_bit(tiny_model_dir):
@@ -163,17 +220,24 @@ def test_max_batch_is_validated():
         KvmeshConfig.from_dict({"model": {"cpu_native_max_tokens": 65}})
 
 
-def test_bf16_projections_use_the_cpu_s_bf16_dot_product_where_it_has_one(tiny_model_dir):
-    """On a CPU with AVX512_BF16 the bf16 GEMVs are the VDPBF16PS path (the logits tests
-    above then check it against eager); elsewhere the widening FMA path, never a failure."""
+def test_bf16_projections_take_the_cpu_s_fastest_bf16_instructions(tiny_model_dir):
+    """AMX tiles where the CPU has them (and Linux grants the tile state), else VDPBF16PS
+    with AVX512_BF16, else widening FMAs; the logits tests above check whichever runs here
+    against eager. fp32 models have no bf16 path."""
     engine = _engine(tiny_model_dir, dtype="bf16", native=8)
-    has = bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
-    assert engine.runner.native_decoder.bf16_dot_product == has
-    assert not _engine(tiny_model_dir, dtype="fp32", native=8).runner.native_decoder.bf16_dot_product
+    probe = lambda name: bool(getattr(torch.cpu, name, lambda: False)())  # noqa: E731
+    expected = ("amx" if cpu_native_decode.amx_available() else
+                "vdpbf16ps" if probe("_is_avx512_bf16_supported") else "fma")
+    assert engine.runner.native_decoder.bf16_path == expected
+    if probe("_is_amx_tile_supported") and probe("_is_avx512_bf16_supported"):
+        assert expected == "amx", "this CPU has AMX: the native step must use it"
+    assert _engine(tiny_model_dir, dtype="fp32", native=8).runner.native_decoder.bf16_path is None
 
 
-def test_auto_step_size_is_twelve_tokens_a_thread_up_to_twenty_four():
-    """The measured crossover with the eager AMX GEMMs (docs/benchmarks.md, sixth round)."""
-    assert [cpu_native_decode.max_tokens_for(None, torch.bfloat16, t) for t in (1, 2, 4)] == [12, 24, 24]
+def test_auto_step_size_follows_the_measured_crossover_with_eager():
+    """docs/benchmarks.md, sixth round: every step it takes with AMX, else 12 tokens a thread
+    up to 24."""
+    expected = [64, 64, 64] if cpu_native_decode.amx_available() else [12, 24, 24]
+    assert [cpu_native_decode.max_tokens_for(None, torch.bfloat16, t) for t in (1, 2, 4)] == expected
     assert cpu_native_decode.max_tokens_for(None, torch.float32, 2) == 0
     assert cpu_native_decode.max_tokens_for(5, torch.float32, 2) == 5

@@ -19,10 +19,12 @@ cache), one C call per step:
 
 A step is up to `max_tokens` tokens of any shape: decode rows, a prefill chunk (each token
 attends causally to its request through its own position), speculative verify rows. The
-projections are GEMVs over those tokens: each weight row is read once and dotted with every
-token (fp32 FMA, int8 and bf16 widened in registers; bf16 pairs by VDPBF16PS where the CPU has
-it), memory-bound at a handful of tokens where
-the packed GEMMs are not yet efficient; larger steps run eagerly (oneDNN / AMX GEMMs). Weights
+projections read each weight row once per step, in place, for all its tokens: on a CPU with
+AMX, bf16 weights go through AMX tiles (a 16-row weight block times 16 tokens per instruction,
+so up to 64 tokens cost about what reading the weights costs); otherwise GEMVs (fp32 FMA, int8
+and bf16 widened in registers, bf16 pairs by VDPBF16PS where the CPU has it), memory-bound at a
+handful of tokens, where the packed GEMMs are not yet efficient. Larger steps run eagerly
+(oneDNN / AMX GEMMs). Weights
 it takes: plain fp32 / bf16 (the fused QKV and gate-up weights, o, down, the LM head) and
 weight-only int8 with one scale per row (quant.weight: int8, and the self-draft's int8 head).
 Not taken (eager runs every step, one log line says why): int4, AWQ input scales, biases,
@@ -35,8 +37,9 @@ the cache dtype as the eager kernel does. bf16 weights on a CPU with AVX512_BF16
 projection's input rounded to bf16 (VDPBF16PS, fp32 sums), as oneDNN's bf16 GEMMs do. In fp32 the step is the eager one up to the order of
 fp32 sums (tests/test_cpu_native_decode.py: logits within 1e-5, greedy tokens identical with
 chunked prefill and preemption); in bf16 it is closer to the fp32 model than eager bf16 is.
-On by default for 16-bit models (`model.cpu_native_max_tokens`: auto = steps of up to 12
-tokens per thread, at most 24; fp32 stays eager unless asked, it is the token-exact reference path), and for the
+On by default for 16-bit models (`model.cpu_native_max_tokens`: auto = steps of up to 64
+tokens with AMX, else 12 tokens per thread up to 24; fp32 stays eager unless asked, it is the
+token-exact reference path), and for the
 self-draft's small steps (worker/engine_loop/self_draft.py), where only acceptance can change.
 """
 
@@ -240,13 +243,105 @@ static void gemv_bf16_dp(const void *w, int64_t K, int64_t n0, int64_t n1, const
 }
 #endif
 
-/* x16: the thread's scratch for a projection's input rows in bf16 (room for [B][K]), used
-   where the bf16 dot-product path applies */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(HAVE_DPBF16)
+/* bf16 weights on a CPU with AMX: a weight row block is the A operand of TDPBF16PS as it lies
+   in memory (16 rows x 32 bf16, row stride K), the step's activation rows the B operand
+   (re-laid per projection into AMX's pair layout, [K/2][16 rows][2], zero-padded to 16 rows),
+   so nothing of the model is copied or re-packed. One instruction is a 16 x 16 x 32 product,
+   so a step of up to 64 tokens costs about what reading the weights costs; the FMA / VDPBF16PS
+   GEMVs above are compute-bound past a few tokens. Tiles: 0-3 accumulate groups of 16 tokens,
+   4 holds the weight block, 5 the tokens' block. Linux grants AMX state per process on request
+   (kvmesh_native_decode_init); without the grant the VDPBF16PS path runs. */
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static int amx_granted = 0;
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static void amx_configure(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 6; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+}
+
+/* rows [B][ldx] fp32 -> out: ceil(B/16) groups of [K/2][16][2] bf16 (missing rows zero);
+   tmp: [B][K] bf16 scratch */
+static void rows_to_amx_pairs(const float *x, int64_t ldx, int64_t B, int64_t K, uint16_t *tmp, uint16_t *out) {
+    rows_to_bf16(x, ldx, B, K, tmp);
+    const int64_t groups = (B + 15) / 16, half = K / 2;
+    for (int64_t g = 0; g < groups; g++) {
+        uint32_t *dst = (uint32_t *)(out + g * K * 16);
+        for (int64_t c = 0; c < 16; c++) {
+            const int64_t b = g * 16 + c;
+            if (b < B) {
+                const uint32_t *src = (const uint32_t *)(tmp + b * K);
+                for (int64_t p = 0; p < half; p++) dst[p * 16 + c] = src[p];
+            } else {
+                for (int64_t p = 0; p < half; p++) dst[p * 16 + c] = 0;
+            }
+        }
+    }
+}
+
+#define AMX_STORE(t, g) do { \
+        _tile_stored(t, ctile, 64); \
+        const int64_t cols = B - (g) * 16 < 16 ? B - (g) * 16 : 16; \
+        for (int i = 0; i < 16; i++) \
+            for (int64_t c = 0; c < cols; c++) y[((g) * 16 + c) * ldy + n + i] = ctile[i * 16 + c]; \
+    } while (0)
+
+/* y[b * ldy + n] = W[n] . x[b] for n in [n0, n1) (16-row blocks; the rest by VDPBF16PS), B <= 64 */
+static void gemv_bf16_amx(const void *w, int64_t K, int64_t n0, int64_t n1, const float *x, int64_t ldx, int64_t B,
+                          float *y, int64_t ldy, uint16_t *tmp, uint16_t *pairs) {
+    rows_to_amx_pairs(x, ldx, B, K, tmp, pairs);
+    const int64_t groups = (B + 15) / 16, gstride = K * 16;
+    float ctile[256];
+    int64_t n = n0;
+    for (; n + 16 <= n1; n += 16) {
+        const char *a = (const char *)w + n * K * 2;
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t k = 0; k < K; k += 32) {
+            _tile_loadd(4, a + k * 2, K * 2);
+            const uint16_t *bk = pairs + (k / 2) * 32;
+            _tile_loadd(5, bk, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            if (groups > 1) { _tile_loadd(5, bk + gstride, 64); _tile_dpbf16ps(1, 4, 5); }
+            if (groups > 2) { _tile_loadd(5, bk + 2 * gstride, 64); _tile_dpbf16ps(2, 4, 5); }
+            if (groups > 3) { _tile_loadd(5, bk + 3 * gstride, 64); _tile_dpbf16ps(3, 4, 5); }
+        }
+        AMX_STORE(0, 0);
+        if (groups > 1) AMX_STORE(1, 1);
+        if (groups > 2) AMX_STORE(2, 2);
+        if (groups > 3) AMX_STORE(3, 3);
+    }
+    if (n < n1) {  /* a share's last rows that are not a whole block */
+        rows_to_bf16(x, ldx, B, K, tmp);
+        gemv_bf16_dp(w, K, n, n1, tmp, B, y, ldy);
+    }
+}
+#endif
+
+/* x16: the thread's scratch for a projection's input rows in bf16 (room for 2 x [B rounded up
+   to 16][K]), used where the bf16 dot-product or AMX path applies */
 static void gemv(const void *w, const int kind, const void *scale, const int sbf16, int64_t K, int64_t n0,
                  int64_t n1, const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy, uint16_t *x16) {
-    if (n0 >= n1) return;
+    if (n0 >= n1 || B == 0) return;  /* B = 0: a step with no token to sample reads no LM head */
     if (kind == W_I8) gemv_kind(w, scale, sbf16, K, n0, n1, x, ldx, B, y, ldy, W_I8);
     else if (kind == W_BF16) {
+#ifdef HAVE_AMX
+        if (amx_granted && K % 32 == 0 && B <= 64) {
+            gemv_bf16_amx(w, K, n0, n1, x, ldx, B, y, ldy, x16, x16 + ((B + 15) / 16) * 16 * K);
+            return;
+        }
+#endif
 #ifdef HAVE_DPBF16
         if (K % 32 == 0) {
             rows_to_bf16(x, ldx, B, K, x16);
@@ -311,7 +406,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
        identical copies of the first three: cheaper than a barrier) */
     const int64_t widest = I > H ? (I > hq * D ? I : hq * D) : (H > hq * D ? H : hq * D);
     float *priv = (float *)malloc(sizeof(float) * (size_t)(B * (2 * H + hq * D) + 2 * D + s->S * H)
-                                  + sizeof(uint16_t) * (size_t)((B > s->S ? B : s->S) * widest));
+                                  + sizeof(uint16_t) * (size_t)(2 * (((B > s->S ? B : s->S) + 15) / 16 * 16) * widest));
     if (!priv) { __atomic_store_n(&s->failed, 1, __ATOMIC_RELAXED); }
     float *res = priv, *h = res + B * H, *attn = h + B * H, *tmp = attn + B * hq * D;
     float *picked = tmp + 2 * D;  /* [S, H]: the final hidden rows that get logits */
@@ -322,6 +417,9 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
         for (int64_t i = 0; i < H; i++) res[b * H + i] = load_elem(embed, s->tokens[b] * H + i, bf16);
     #pragma omp barrier  /* everyone has its workspace (or knows someone has none) */
     if (__atomic_load_n(&s->failed, __ATOMIC_RELAXED)) { free(priv); return; }
+#ifdef HAVE_AMX
+    if (amx_granted) amx_configure();  /* tile state is per thread; oneDNN loads its own before use */
+#endif
     for (int64_t l = 0; l < L; l++) {
         const int64_t *lp = m + M_HEADER + l * L_FIELDS;
         /* residual += previous layer's MLP output (the embedding itself at layer 0) */
@@ -396,6 +494,9 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
     const int64_t V = m[M_VOCAB];
     gemv(PTR(m[M_LMW]), (int)m[M_LMKIND], PTR(m[M_LMS]), bf16, H, share(V, tid, T, 16), share(V, tid + 1, T, 16),
          picked, H, s->S, s->logits, V, x16);
+#ifdef HAVE_AMX
+    if (amx_granted) _tile_release();
+#endif
     free(priv);
 }
 
@@ -434,8 +535,22 @@ int kvmesh_native_decode(const int64_t *m, float eps, int64_t B, const int64_t *
 
 /* What this build does: 1 = bf16 projections by VDPBF16PS (tests and logs read it). */
 int kvmesh_native_decode_features(void) {
+    int features = 0;
 #ifdef HAVE_DPBF16
-    return 1;
+    features |= 1;
+#endif
+#ifdef HAVE_AMX
+    if (amx_granted) features |= 2;
+#endif
+    return features;
+}
+
+/* Asks Linux for AMX tile state in this process (ARCH_REQ_XCOMP_PERM = 0x1023 for
+   XFEATURE_XTILEDATA = 18); 1 = the AMX path runs. Called once after loading. */
+int kvmesh_native_decode_init(void) {
+#ifdef HAVE_AMX
+    amx_granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_granted;
 #else
     return 0;
 #endif
@@ -444,6 +559,7 @@ int kvmesh_native_decode_features(void) {
 
 _W_F32, _W_BF16, _W_I8 = 0, 1, 2
 _FEATURE_DPBF16 = 1  # kvmesh_native_decode_features(): built with the VDPBF16PS path
+_FEATURE_AMX = 2  # ... and the AMX path, with the tile state granted
 _ENTRY_ARGTYPES = ([ctypes.c_void_p, ctypes.c_float, ctypes.c_int64] + [ctypes.c_void_p] * 4
                    + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p])
 
@@ -549,7 +665,7 @@ class NativeDecoder:
         self.max_tokens = max_tokens
         self._rows = torch.arange(max_tokens, dtype=torch.long)
         self.steps_run = 0  # steps this decoder served (tests and benchmarks read it)
-        self.bf16_dot_product = False  # bf16 projections by VDPBF16PS (set by build)
+        self.bf16_path: str | None = None  # bf16 models: 'amx' | 'vdpbf16ps' | 'fma' (set by build)
 
     @classmethod
     def build(cls, model, kv_caches: list, max_tokens: int) -> "NativeDecoder":
@@ -600,14 +716,17 @@ class NativeDecoder:
         fn, features = loaded
         decoder = cls(fn, keep, descriptor, float(cfg.rms_norm_eps), lm.shape[0], max_tokens,
                       model.lm_head.gather_logits)
-        decoder.bf16_dot_product = dtype == torch.bfloat16 and bool(features & _FEATURE_DPBF16)
+        if dtype == torch.bfloat16:
+            decoder.bf16_path = ('amx' if features & _FEATURE_AMX else
+                                 'vdpbf16ps' if features & _FEATURE_DPBF16 else 'fma')
         return decoder
 
     def run(self, inputs) -> torch.Tensor | None:
         """inputs: the step's StepInputs (worker/modeling/model_runner.py) -> fp32 logits
-        [len(sample_at), vocab], or None when the step has more than max_tokens tokens."""
+        [len(sample_at), vocab] (no rows for a mid-prompt chunk), or None when the step has
+        more than max_tokens tokens."""
         n = len(inputs.input_ids)
-        if n > self.max_tokens or not inputs.sample_at:
+        if n > self.max_tokens:
             return None
         positions = torch.tensor(inputs.positions, dtype=torch.long)
         seq_lens = (positions + 1).to(torch.int32)  # each token attends to its request up to itself
@@ -639,35 +758,52 @@ def unavailable_reason() -> str | None:
     return cpu_native.unavailable_reason()
 
 
-def _has_avx512_bf16() -> bool:
-    """The CPU has VDPBF16PS (torch's own probe): the bf16 projections then use it."""
-    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+def _bf16_flags() -> tuple[str, ...]:
+    """Compiler flags for the bf16 projection paths this CPU has (torch's own probes):
+    VDPBF16PS with AVX512_BF16, and AMX tiles on top where it has them too."""
+    if not getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
+        return ()
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        return ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")
+    return ("-mavx512bf16",)
 
 
 def _load():
     # -fopenmp: the step's threads are an OpenMP team; libgomp.so.1 resolves to the one torch
     # has already loaded (same soname), so the step runs on torch's own thread pool.
     lib = cpu_native.build("native_decode", cpu_paged_attention.C_SOURCE + _DECODER_SOURCE,
-                           ("-fopenmp",) + (("-mavx512bf16",) if _has_avx512_bf16() else ()))
+                           ("-fopenmp",) + _bf16_flags())
     if lib is None:
         return None
     fn = lib.kvmesh_native_decode
     fn.argtypes, fn.restype = _ENTRY_ARGTYPES, ctypes.c_int
-    lib.kvmesh_native_decode_features.restype = ctypes.c_int
+    lib.kvmesh_native_decode_init.restype = lib.kvmesh_native_decode_features.restype = ctypes.c_int
+    lib.kvmesh_native_decode_init()
     return fn, lib.kvmesh_native_decode_features()
 
 
 # model.cpu_native_max_tokens auto for 16-bit models: native steps up to where the eager
-# forward's AMX GEMMs catch up, which is about 12 rows per thread (bf16, SmolLM2, sixth round
-# of docs/benchmarks.md: 1 thread native/eager 1.36x at 8 rows, 1.07x at 12, 0.87x at 16;
-# 2 threads 1.35x at 16, 1.10x at 24, 0.92x at 32), measured to 2 threads, so no more than
-# AUTO_MAX_TOKENS_CAP past them.
-AUTO_TOKENS_PER_THREAD = 12
-AUTO_MAX_TOKENS_CAP = 24
+# forward's GEMMs catch up (bf16, SmolLM2, docs/benchmarks.md, sixth round). With AMX the
+# native projections are AMX tiles too and win at every size it takes (2 threads: 2.3x at 16
+# tokens, 1.6x at 64; 1 thread 1.3x at 64): the largest step, 64. Without AMX they are
+# VDPBF16PS / FMA GEMVs, ahead to about 12 tokens per thread (1 thread: 1.36x at 8, 1.07x at
+# 12, 0.87x at 16; 2 threads: 1.35x at 16, 1.10x at 24, 0.92x at 32), measured to 2 threads,
+# so no more than GEMV_MAX_TOKENS_CAP past them.
+GEMV_TOKENS_PER_THREAD = 12
+GEMV_MAX_TOKENS_CAP = 24
+MAX_TOKENS = 64  # model.cpu_native_max_tokens' upper bound (the AMX path's four 16-token tiles)
+
+
+def amx_available() -> bool:
+    """The native library built with its AMX path and Linux granted the tile state."""
+    loaded = _load() if unavailable_reason() is None else None
+    return loaded is not None and bool(loaded[1] & _FEATURE_AMX)
 
 
 def auto_max_tokens(threads: int) -> int:
-    return min(AUTO_MAX_TOKENS_CAP, AUTO_TOKENS_PER_THREAD * max(1, threads))
+    if amx_available():
+        return MAX_TOKENS
+    return min(GEMV_MAX_TOKENS_CAP, GEMV_TOKENS_PER_THREAD * max(1, threads))
 
 
 def max_tokens_for(configured: int | None, dtype: torch.dtype, threads: int) -> int:
@@ -684,6 +820,6 @@ def install(runner, model, kv_caches: list, max_tokens: int, what: str = "the mo
     try:
         runner.native_decoder = decoder = NativeDecoder.build(model, kv_caches, max_tokens)
         logger.info("native step on for %s, steps of <= %d tokens%s", what, max_tokens,
-                    ", bf16 projections by VDPBF16PS" if decoder.bf16_dot_product else "")
+                    f", bf16 projections by {decoder.bf16_path}" if decoder.bf16_path else "")
     except NotTaken as why:
         logger.warning("native step not taken for %s (%s): eager forward", what, why)

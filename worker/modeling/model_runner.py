@@ -257,7 +257,7 @@ class ModelRunner:
         if self.native_decoder is not None:
             logits = self.native_decoder.run(inputs)
             if logits is not None:
-                return logits
+                return logits if inputs.sample_at else None
         hidden = None if self.graph_runner is None else self.graph_runner.run(inputs)
         if hidden is None:
             hidden = self._eager_forward(inputs)
