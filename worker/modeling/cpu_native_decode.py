@@ -250,7 +250,7 @@ static void gemv_bf16_dp(const void *w, int64_t K, int64_t n0, int64_t n1, const
    so nothing of the model is copied or re-packed. One instruction is a 16 x 16 x 32 product,
    so a step of up to 64 tokens costs about what reading the weights costs; the FMA / VDPBF16PS
    GEMVs above are compute-bound past a few tokens. Tiles: 0-3 accumulate groups of 16 tokens,
-   4 holds the weight block, 5 the tokens' block. Linux grants AMX state per process on request
+   4 and 6 hold weight blocks, 5 and 7 the tokens' blocks. Linux grants AMX state per process on request
    (kvmesh_native_decode_init); without the grant the VDPBF16PS path runs. */
 #define HAVE_AMX 1
 #include <sys/syscall.h>
@@ -268,7 +268,7 @@ static void amx_configure(void) {
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
-    for (int t = 0; t < 6; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
     _tile_loadconfig(&cfg);
 }
 
@@ -277,74 +277,93 @@ static void amx_configure(void) {
 static void rows_to_amx_pairs(const float *x, int64_t ldx, int64_t B, int64_t K, uint16_t *tmp, uint16_t *out) {
     rows_to_bf16(x, ldx, B, K, tmp);
     const int64_t groups = (B + 15) / 16, half = K / 2;
+    /* pair p of the group's 16 rows is one 16-lane gather (rows beyond B masked to zero) */
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)half));
     for (int64_t g = 0; g < groups; g++) {
+        const int64_t valid = B - g * 16 < 16 ? B - g * 16 : 16;
+        const __mmask16 live = (__mmask16)((1u << valid) - 1u);
+        const uint32_t *src = (const uint32_t *)(tmp + g * 16 * K);
         uint32_t *dst = (uint32_t *)(out + g * K * 16);
-        for (int64_t c = 0; c < 16; c++) {
-            const int64_t b = g * 16 + c;
-            if (b < B) {
-                const uint32_t *src = (const uint32_t *)(tmp + b * K);
-                for (int64_t p = 0; p < half; p++) dst[p * 16 + c] = src[p];
-            } else {
-                for (int64_t p = 0; p < half; p++) dst[p * 16 + c] = 0;
-            }
-        }
+        for (int64_t p = 0; p < half; p++)
+            _mm512_storeu_si512((void *)(dst + p * 16),
+                                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, src + p, 4));
     }
 }
 
+/* C tile t (16 weight rows x 16 tokens of group g) -> y: each token's 16 outputs gathered
+   from the tile's column and stored as one vector */
 #define AMX_STORE(t, g) do { \
         _tile_stored(t, ctile, 64); \
         const int64_t cols = B - (g) * 16 < 16 ? B - (g) * 16 : 16; \
-        for (int i = 0; i < 16; i++) \
-            for (int64_t c = 0; c < cols; c++) y[((g) * 16 + c) * ldy + n + i] = ctile[i * 16 + c]; \
+        for (int64_t c = 0; c < cols; c++) \
+            _mm512_storeu_ps(y + ((g) * 16 + c) * ldy + n, _mm512_i32gather_ps(column, ctile + c, 4)); \
     } while (0)
 
 /* y[b * ldy + n] = W[n] . x[b] for n in [n0, n1) (16-row blocks; the rest by VDPBF16PS), B <= 64 */
 static void gemv_bf16_amx(const void *w, int64_t K, int64_t n0, int64_t n1, const float *x, int64_t ldx, int64_t B,
-                          float *y, int64_t ldy, uint16_t *tmp, uint16_t *pairs) {
-    rows_to_amx_pairs(x, ldx, B, K, tmp, pairs);
+                          float *y, int64_t ldy, uint16_t *tmp, uint16_t *pairs, const int x_ready) {
+    if (!x_ready) rows_to_amx_pairs(x, ldx, B, K, tmp, pairs);
     const int64_t groups = (B + 15) / 16, gstride = K * 16;
     float ctile[256];
+    const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
     int64_t n = n0;
     for (; n + 16 <= n1; n += 16) {
         const char *a = (const char *)w + n * K * 2;
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        /* Two tile registers each for the weight block (4, 6) and the tokens' block (5, 7), used
+           in turn: a tile load must wait for every product still reading its register, so with
+           one of each the next weight block's DRAM read queued behind the products (B = 64:
+           a third of the B = 1 read rate). */
         for (int64_t k = 0; k < K; k += 32) {
-            _tile_loadd(4, a + k * 2, K * 2);
+            if (n + 32 <= n1)  /* the next block's 16 rows, as the hardware streams would not */
+                for (int i = 0; i < 16; i++) _mm_prefetch(a + (16 + i) * K * 2 + k * 2, _MM_HINT_T0);
             const uint16_t *bk = pairs + (k / 2) * 32;
-            _tile_loadd(5, bk, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            if (groups > 1) { _tile_loadd(5, bk + gstride, 64); _tile_dpbf16ps(1, 4, 5); }
-            if (groups > 2) { _tile_loadd(5, bk + 2 * gstride, 64); _tile_dpbf16ps(2, 4, 5); }
-            if (groups > 3) { _tile_loadd(5, bk + 3 * gstride, 64); _tile_dpbf16ps(3, 4, 5); }
+            if ((k / 32) % 2 == 0) {
+                _tile_loadd(4, a + k * 2, K * 2);
+                _tile_loadd(5, bk, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                if (groups > 1) { _tile_loadd(7, bk + gstride, 64); _tile_dpbf16ps(1, 4, 7); }
+                if (groups > 2) { _tile_loadd(5, bk + 2 * gstride, 64); _tile_dpbf16ps(2, 4, 5); }
+                if (groups > 3) { _tile_loadd(7, bk + 3 * gstride, 64); _tile_dpbf16ps(3, 4, 7); }
+            } else {
+                _tile_loadd(6, a + k * 2, K * 2);
+                _tile_loadd(7, bk, 64);
+                _tile_dpbf16ps(0, 6, 7);
+                if (groups > 1) { _tile_loadd(5, bk + gstride, 64); _tile_dpbf16ps(1, 6, 5); }
+                if (groups > 2) { _tile_loadd(7, bk + 2 * gstride, 64); _tile_dpbf16ps(2, 6, 7); }
+                if (groups > 3) { _tile_loadd(5, bk + 3 * gstride, 64); _tile_dpbf16ps(3, 6, 5); }
+            }
         }
         AMX_STORE(0, 0);
         if (groups > 1) AMX_STORE(1, 1);
         if (groups > 2) AMX_STORE(2, 2);
         if (groups > 3) AMX_STORE(3, 3);
     }
-    if (n < n1) {  /* a share's last rows that are not a whole block */
-        rows_to_bf16(x, ldx, B, K, tmp);
+    if (n < n1) {  /* a share's last rows that are not a whole block (tmp holds x in bf16) */
         gemv_bf16_dp(w, K, n, n1, tmp, B, y, ldy);
     }
 }
 #endif
 
 /* x16: the thread's scratch for a projection's input rows in bf16 (room for 2 x [B rounded up
-   to 16][K]), used where the bf16 dot-product or AMX path applies */
+   to 16][K]), used where the bf16 dot-product or AMX path applies; x_ready: it already holds
+   this x (the previous call had the same input: gate then up) */
 static void gemv(const void *w, const int kind, const void *scale, const int sbf16, int64_t K, int64_t n0,
-                 int64_t n1, const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy, uint16_t *x16) {
+                 int64_t n1, const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy, uint16_t *x16,
+                 const int x_ready) {
     if (n0 >= n1 || B == 0) return;  /* B = 0: a step with no token to sample reads no LM head */
     if (kind == W_I8) gemv_kind(w, scale, sbf16, K, n0, n1, x, ldx, B, y, ldy, W_I8);
     else if (kind == W_BF16) {
 #ifdef HAVE_AMX
         if (amx_granted && K % 32 == 0 && B <= 64) {
-            gemv_bf16_amx(w, K, n0, n1, x, ldx, B, y, ldy, x16, x16 + ((B + 15) / 16) * 16 * K);
+            gemv_bf16_amx(w, K, n0, n1, x, ldx, B, y, ldy, x16, x16 + ((B + 15) / 16) * 16 * K, x_ready);
             return;
         }
 #endif
 #ifdef HAVE_DPBF16
         if (K % 32 == 0) {
-            rows_to_bf16(x, ldx, B, K, x16);
+            if (!x_ready) rows_to_bf16(x, ldx, B, K, x16);
             gemv_bf16_dp(w, K, n0, n1, x16, B, y, ldy);
             return;
         }
@@ -363,8 +382,23 @@ static void rms_norm_rows(const float *x, const void *weight, const int bf16, in
         #pragma omp simd reduction(+:ss)
         for (int64_t i = 0; i < H; i++) ss += xb[i] * xb[i];
         const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        #pragma omp simd
         for (int64_t i = 0; i < H; i++) out[b * H + i] = load_elem(weight, i, bf16) * (xb[i] * inv);
     }
+}
+
+/* Scratch kept per thread across steps (the OpenMP team is torch's pool: the same threads every
+   step). A fresh malloc of these sizes (up to ~1 MB at 64 tokens) is a fresh mmap, and every
+   page of it faults on first touch, every step. */
+static void *scratch(int slot, size_t bytes) {
+    static __thread void *buf[3];
+    static __thread size_t cap[3];
+    if (cap[slot] < bytes) {
+        free(buf[slot]);
+        buf[slot] = malloc(bytes);
+        cap[slot] = buf[slot] ? bytes : 0;
+    }
+    return buf[slot];
 }
 
 typedef struct {
@@ -405,7 +439,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
        output widened to fp32, one head's scratch, the rows that get logits (every thread keeps
        identical copies of the first three: cheaper than a barrier) */
     const int64_t widest = I > H ? (I > hq * D ? I : hq * D) : (H > hq * D ? H : hq * D);
-    float *priv = (float *)malloc(sizeof(float) * (size_t)(B * (2 * H + hq * D) + 2 * D + s->S * H)
+    float *priv = (float *)scratch(0, sizeof(float) * (size_t)(B * (2 * H + hq * D) + 2 * D + s->S * H)
                                   + sizeof(uint16_t) * (size_t)(2 * (((B > s->S ? B : s->S) + 15) / 16 * 16) * widest));
     if (!priv) { __atomic_store_n(&s->failed, 1, __ATOMIC_RELAXED); }
     float *res = priv, *h = res + B * H, *attn = h + B * H, *tmp = attn + B * hq * D;
@@ -416,17 +450,20 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
     if (priv) for (int64_t b = 0; b < B; b++)
         for (int64_t i = 0; i < H; i++) res[b * H + i] = load_elem(embed, s->tokens[b] * H + i, bf16);
     #pragma omp barrier  /* everyone has its workspace (or knows someone has none) */
-    if (__atomic_load_n(&s->failed, __ATOMIC_RELAXED)) { free(priv); return; }
+    if (__atomic_load_n(&s->failed, __ATOMIC_RELAXED)) return;
 #ifdef HAVE_AMX
     if (amx_granted) amx_configure();  /* tile state is per thread; oneDNN loads its own before use */
 #endif
     for (int64_t l = 0; l < L; l++) {
         const int64_t *lp = m + M_HEADER + l * L_FIELDS;
         /* residual += previous layer's MLP output (the embedding itself at layer 0) */
-        if (l > 0) for (int64_t i = 0; i < B * H; i++) res[i] += s->down_out[i];
+        if (l > 0) {
+            #pragma omp simd
+            for (int64_t i = 0; i < B * H; i++) res[i] += s->down_out[i];
+        }
         rms_norm_rows(res, PTR(lp[L_INNORM]), bf16, B, H, s->eps, h);
         gemv(PTR(lp[L_QKVW]), wk, PTR(lp[L_QKVS]), bf16, H, share(nqkv, tid, T, 16), share(nqkv, tid + 1, T, 16),
-             h, H, B, s->qkv, nqkv, x16);
+             h, H, B, s->qkv, nqkv, x16, 0);
         #pragma omp barrier
         /* RoPE on q and k heads, K/V into the cache, then attention: this thread's rows only */
         for (int64_t b = r0; b < r1; b++) {
@@ -435,16 +472,23 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
             for (int64_t hd = 0; hd < hq + hkv; hd++) {
                 float *v = row + hd * D;
                 memcpy(tmp, v, sizeof(float) * (size_t)D);
-                for (int64_t e = 0; e < D; e++) v[e] = tmp[e] * c[e] + tmp[(e + D / 2) % D] * sn[e];
+                /* rotate_half in two vectorisable halves (no index wrap-around) */
+                #pragma omp simd
+                for (int64_t e = 0; e < D / 2; e++) v[e] = tmp[e] * c[e] + tmp[e + D / 2] * sn[e];
+                #pragma omp simd
+                for (int64_t e = D / 2; e < D; e++) v[e] = tmp[e] * c[e] + tmp[e - D / 2] * sn[e];
             }
             const int64_t slot = s->slots[b];
             const int64_t at = (slot / bs) * cbs + (slot % bs) * css;
             void *kc = (void *)PTR(lp[L_KC]), *vc = (void *)PTR(lp[L_VC]);
-            for (int64_t g = 0; g < hkv; g++)
+            for (int64_t g = 0; g < hkv; g++) {
+                #pragma omp simd
                 for (int64_t e = 0; e < D; e++) {
                     store_elem(kc, at + g * chs + e, row[(hq + g) * D + e], bf16);
                     store_elem(vc, at + g * chs + e, row[(hq + hkv + g) * D + e], bf16);
                 }
+            }
+            #pragma omp simd
             for (int64_t e = 0; e < hq * D; e++) store_elem(s->q_attn, b * hq * D + e, row[e], bf16);
         }
         #pragma omp barrier  /* a request's tokens may sit on two threads: all K/V written first */
@@ -453,37 +497,42 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
                 s->rows, s->rows, r0, r1, s->attn_out, hq * D, D, hq, hkv, D, bs, scale))
             __atomic_store_n(&s->failed, 1, __ATOMIC_RELAXED);
         #pragma omp barrier
+        #pragma omp simd
         for (int64_t i = 0; i < B * hq * D; i++) attn[i] = load_elem(s->attn_out, i, bf16);
         gemv(PTR(lp[L_OW]), wk, PTR(lp[L_OS]), bf16, hq * D, share(H, tid, T, 16), share(H, tid + 1, T, 16),
-             attn, hq * D, B, s->o_out, H, x16);
+             attn, hq * D, B, s->o_out, H, x16, 0);
         #pragma omp barrier
+        #pragma omp simd
         for (int64_t i = 0; i < B * H; i++) res[i] += s->o_out[i];
         rms_norm_rows(res, PTR(lp[L_POSTNORM]), bf16, B, H, s->eps, h);
         {   /* gate rows i and up rows I + i of this thread's share of the intermediate width,
                then act = silu(gate) * up for them */
             const int64_t i0 = share(I, tid, T, 16), i1 = share(I, tid + 1, T, 16), w = i1 - i0;
             const int64_t es = w_elem_size(wk);
-            float *gu = (float *)malloc(sizeof(float) * (size_t)(2 * B * (w > 0 ? w : 1)));
+            float *gu = (float *)scratch(1, sizeof(float) * (size_t)(2 * B * (w > 0 ? w : 1)));
             if (!gu) __atomic_store_n(&s->failed, 1, __ATOMIC_RELAXED);
             else if (w > 0) {
                 const char *gw = (const char *)PTR(lp[L_GUW]);
                 const char *gs = (const char *)PTR(lp[L_GUS]), *us = gs;
                 if (gs) { gs += i0 * esz; us += (I + i0) * esz; }
-                gemv(gw + i0 * H * es, wk, gs, bf16, H, 0, w, h, H, B, gu, w, x16);
-                gemv(gw + (I + i0) * H * es, wk, us, bf16, H, 0, w, h, H, B, gu + B * w, w, x16);
-                for (int64_t b = 0; b < B; b++)
+                gemv(gw + i0 * H * es, wk, gs, bf16, H, 0, w, h, H, B, gu, w, x16, 0);
+                gemv(gw + (I + i0) * H * es, wk, us, bf16, H, 0, w, h, H, B, gu + B * w, w, x16, 1);
+                for (int64_t b = 0; b < B; b++) {
+                    const float *gb = gu + b * w, *ub = gu + B * w + b * w;
+                    float *ab = s->act + b * I + i0;
+                    /* sigmoid(g) = 1 / (1 + e^-g) for g >= 0, e^g / (1 + e^g) below: both from
+                       t = e^-|g| and a select, so the loop vectorises (as many exps as rows) */
+                    #pragma omp simd
                     for (int64_t i = 0; i < w; i++) {
-                        const float g = gu[b * w + i], u = gu[B * w + b * w + i];
-                        const float sig = g >= 0.0f ? 1.0f / (1.0f + exp_nonpositive(-g))
-                                                    : exp_nonpositive(g) / (1.0f + exp_nonpositive(g));
-                        s->act[b * I + i0 + i] = g * sig * u;
+                        const float g = gb[i], t = exp_nonpositive(-fabsf(g));
+                        ab[i] = g * ((g >= 0.0f ? 1.0f : t) / (1.0f + t)) * ub[i];
                     }
+                }
             }
-            free(gu);
         }
         #pragma omp barrier
         gemv(PTR(lp[L_DW]), wk, PTR(lp[L_DS]), bf16, I, share(H, tid, T, 16), share(H, tid + 1, T, 16),
-             s->act, I, B, s->down_out, H, x16);
+             s->act, I, B, s->down_out, H, x16, 0);
         #pragma omp barrier
     }
     for (int64_t i = 0; i < B * H; i++) res[i] += s->down_out[i];
@@ -493,11 +542,10 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
             picked[j * H + i] = bf16 ? round_bf16(h[s->sample_rows[j] * H + i]) : h[s->sample_rows[j] * H + i];
     const int64_t V = m[M_VOCAB];
     gemv(PTR(m[M_LMW]), (int)m[M_LMKIND], PTR(m[M_LMS]), bf16, H, share(V, tid, T, 16), share(V, tid + 1, T, 16),
-         picked, H, s->S, s->logits, V, x16);
+         picked, H, s->S, s->logits, V, x16, 0);
 #ifdef HAVE_AMX
     if (amx_granted) _tile_release();
 #endif
-    free(priv);
 }
 
 /* One step of B tokens: token b is fed at positions[b] into KV slot slots[b] and attends over
@@ -509,7 +557,7 @@ int kvmesh_native_decode(const int64_t *m, float eps, int64_t B, const int64_t *
                          const int64_t *rows, const int64_t *sample_rows, int64_t S, int64_t threads, float *logits) {
     const int64_t nqkv = (m[M_HQ] + 2 * m[M_HKV]) * m[M_D], qw = m[M_HQ] * m[M_D];
     const int64_t esz = m[M_BF16] ? 2 : 4;
-    float *shared = (float *)malloc(sizeof(float) * (size_t)(B * (nqkv + 2 * m[M_HIDDEN] + m[M_INTER]))
+    float *shared = (float *)scratch(2, sizeof(float) * (size_t)(B * (nqkv + 2 * m[M_HIDDEN] + m[M_INTER]))
                                     + (size_t)(2 * B * qw * esz));
     if (!shared) return 1;
     Step s = {m, eps, B, threads < 1 ? 1 : threads, tokens, positions, slots, rows, tables, seq_lens, t_rs,
@@ -523,7 +571,6 @@ int kvmesh_native_decode(const int64_t *m, float eps, int64_t B, const int64_t *
     s.failed = 0;
     #pragma omp parallel num_threads((int)s.threads)
     step_thread(&s, omp_get_thread_num(), omp_get_num_threads());
-    free(shared);
     return s.failed ? 1 : 0;
 }
 #else
@@ -665,6 +712,10 @@ class NativeDecoder:
         self.max_tokens = max_tokens
         self._rows = torch.arange(max_tokens, dtype=torch.long)
         self.steps_run = 0  # steps this decoder served (tests and benchmarks read it)
+        # The logits are written into this buffer, rows [0, S), and returned as a view valid
+        # until the next step (as CUDA graphs' static outputs are): a fresh [64, 49152] fp32
+        # tensor a step cost ~6 ms of first-touch page faults (a third of the LM head's time).
+        self._logits = torch.empty(0, vocab, dtype=torch.float32)
         self.bf16_path: str | None = None  # bf16 models: 'amx' | 'vdpbf16ps' | 'fma' (set by build)
 
     @classmethod
@@ -723,8 +774,9 @@ class NativeDecoder:
 
     def run(self, inputs) -> torch.Tensor | None:
         """inputs: the step's StepInputs (worker/modeling/model_runner.py) -> fp32 logits
-        [len(sample_at), vocab] (no rows for a mid-prompt chunk), or None when the step has
-        more than max_tokens tokens."""
+        [len(sample_at), vocab] (no rows for a mid-prompt chunk; a view of the decoder's own
+        buffer, overwritten by its next step), or None when the step has more than max_tokens
+        tokens."""
         n = len(inputs.input_ids)
         if n > self.max_tokens:
             return None
@@ -738,7 +790,9 @@ class NativeDecoder:
         tokens = torch.tensor(inputs.input_ids, dtype=torch.long)
         slots = torch.tensor(inputs.slot_mapping, dtype=torch.long)
         sample_rows = torch.tensor(inputs.sample_at, dtype=torch.long)
-        logits = torch.empty(len(inputs.sample_at), self.vocab, dtype=torch.float32)
+        if self._logits.shape[0] < len(inputs.sample_at):
+            self._logits = torch.empty(self.max_tokens, self.vocab, dtype=torch.float32)
+        logits = self._logits[:len(inputs.sample_at)]
         failed = self._fn(self._descriptor.data_ptr(), self._eps, n, tokens.data_ptr(), positions.data_ptr(),
                           slots.data_ptr(), tables.data_ptr(), width, seq_lens.data_ptr(), self._rows.data_ptr(),
                           sample_rows.data_ptr(), len(inputs.sample_at), torch.get_num_threads(), logits.data_ptr())
