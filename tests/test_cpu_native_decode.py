@@ -154,6 +154,25 @@ def test_mid_prompt_chunks_run_natively_and_return_no_logits(tiny_model_dir):
     assert seen and all(shape == (0, engine.runner.native_decoder.vocab) for shape in seen)
 
 
+def test_int8_activations_for_the_self_draft_stay_near_the_eager_int8_logits(tiny_model_dir):
+    """int8_activations (what the self-draft asks for): on an AMX CPU the int8 layers run as
+    int8 x int8 AMX products over per-row quantized activations, so their logits differ from
+    weight-only int8 by the activations' rounding, not more; elsewhere the same FMA GEMV."""
+    engine = _engine(tiny_model_dir, dtype="bf16", quant="int8", native=0)
+    runner = engine.runner
+    runner.native_decoder = cpu_native_decode.NativeDecoder.build(runner.model, runner.kv_caches, 8,
+                                                                  int8_activations=True)
+    amx_int8 = cpu_native_decode.amx_available() and bool(cpu_native_decode._load()[1]
+                                                           & cpu_native_decode._FEATURE_AMX_INT8)
+    assert runner.native_decoder.int8_amx == amx_int8
+    diffs = _check_each_step_against_eager(engine, _relative)
+    _generate(engine)
+    assert len(diffs) >= 20
+    assert max(diffs) < 0.1, f"int8 x int8 logits differ from weight-only int8 by up to {max(diffs)}"
+    if amx_int8:
+        assert max(diffs) > 1e-4, "the activations were quantized (else this would be the FMA path)"
+
+
 def test_threads_do_not_change_a_bit(tiny_model_dir):
     engine = _engine(tiny_model_dir, dtype="bf16", native=8)
     runner = engine.runner

@@ -221,6 +221,10 @@ def test_quantized_self_draft_is_token_identical_and_frees_its_pool(tiny_model_d
         assert native is None
     else:
         assert native.steps_run > 0
+        # with int8 x int8 AMX products where the CPU has them (the outputs above are still the
+        # target's own: only acceptance can change)
+        assert native.int8_amx == (cpu_native_decode.amx_available()
+                                   and bool(cpu_native_decode._load()[1] & cpu_native_decode._FEATURE_AMX_INT8))
 
 
 def test_speculation_reaches_the_worker_metrics_and_the_request_step_log(tiny_model_dir):

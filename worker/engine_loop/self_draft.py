@@ -189,7 +189,7 @@ class SelfDraftProposer:
             # several times cheaper than the eager forward; only acceptance can change with it.
             cpu_native_decode.install(runner, model, caches,
                                       cpu_native_decode.auto_max_tokens(torch.get_num_threads()),
-                                      what="the self-draft")
+                                      what="the self-draft", int8_activations=True)
         logger.info("self-draft: %s weights, %d KV blocks x %d tokens", spec_cfg.draft_quant, num_blocks, block_size)
         clock = time.process_time if model_spec.device.type == "cpu" else time.perf_counter
         return cls(runner, KVCacheManager(num_blocks, block_size, enable_prefix_caching=False), clock)

@@ -65,7 +65,7 @@ enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
 
 /* The model descriptor, an int64 array built once in Python (see NativeDecoder._descriptor). */
 enum { M_LAYERS, M_HIDDEN, M_INTER, M_HQ, M_HKV, M_D, M_WKIND, M_BF16, M_BLOCK, M_CBS, M_CSS, M_CHS,
-       M_VOCAB, M_LMKIND, M_EMBED, M_FNORM, M_COS, M_SIN, M_LMW, M_LMS, M_HEADER };
+       M_VOCAB, M_LMKIND, M_EMBED, M_FNORM, M_COS, M_SIN, M_LMW, M_LMS, M_A8, M_HEADER };
 enum { L_INNORM, L_POSTNORM, L_QKVW, L_QKVS, L_OW, L_OS, L_GUW, L_GUS, L_DW, L_DS, L_KC, L_VC, L_FIELDS };
 
 #define PTR(x) ((const void *)(intptr_t)(x))
@@ -346,14 +346,121 @@ static void gemv_bf16_amx(const void *w, int64_t K, int64_t n0, int64_t n1, cons
 }
 #endif
 
-/* x16: the thread's scratch for a projection's input rows in bf16 (room for 2 x [B rounded up
-   to 16][K]), used where the bf16 dot-product or AMX path applies; x_ready: it already holds
-   this x (the previous call had the same input: gate then up) */
+#if defined(HAVE_AMX) && defined(__AMX_INT8__)
+/* int8 weights with int8 activations (the self-draft only: only its acceptance can change):
+   each token's row is quantized symmetrically (one scale a row) and laid out in AMX's quad
+   layout [K/4][16 rows][4], the weight block is TDPBSSD's A operand in place (16 rows x 64
+   int8), int32 sums scaled by the weight row's and the token's scales. The FMA GEMV widens
+   every int8 weight to fp32 first and reached ~9 GB/s of the core's ~12 at one token; this
+   reads the weights at the bf16 AMX path's rate. */
+#define HAVE_AMX_I8 1
+
+/* rows [B][ldx] fp32 -> q [B][K] int8, scales [B]; then ceil(B/16) groups of [K/4][16][4] */
+static void rows_to_amx_quads(const float *x, int64_t ldx, int64_t B, int64_t K, int8_t *q, float *scales,
+                              int8_t *out) {
+    for (int64_t b = 0; b < B; b++) {
+        const float *xb = x + b * ldx;
+        __m512 amax = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xb + k)));
+        const float m = _mm512_reduce_max_ps(amax);
+        const float scale = m > 0.0f ? m / 127.0f : 1.0f;
+        scales[b] = scale;
+        const __m512 inv = _mm512_set1_ps(1.0f / scale);
+        for (int64_t k = 0; k < K; k += 16) {
+            const __m512i v = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(xb + k), inv),
+                                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            _mm_storeu_si128((__m128i *)(q + b * K + k), _mm512_cvtsepi32_epi8(v));
+        }
+    }
+    const int64_t groups = (B + 15) / 16, quads = K / 4;
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)quads));
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t valid = B - g * 16 < 16 ? B - g * 16 : 16;
+        const __mmask16 live = (__mmask16)((1u << valid) - 1u);
+        const int32_t *src = (const int32_t *)(q + g * 16 * K);
+        int32_t *dst = (int32_t *)(out + g * K * 16);
+        for (int64_t r = 0; r < quads; r++)
+            _mm512_storeu_si512((void *)(dst + r * 16),
+                                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, src + r, 4));
+    }
+}
+
+#define AMX_STORE_I8(t, g) do { \
+        _tile_stored(t, itile, 64); \
+        const int64_t cols = B - (g) * 16 < 16 ? B - (g) * 16 : 16; \
+        const __m512 ws = load16(scale, n, sbf16); \
+        for (int64_t c = 0; c < cols; c++) { \
+            const __m512 v = _mm512_cvtepi32_ps(_mm512_i32gather_epi32(column, itile + c, 4)); \
+            _mm512_storeu_ps(y + ((g) * 16 + c) * ldy + n, _mm512_mul_ps(_mm512_mul_ps(v, ws), \
+                                                                          _mm512_set1_ps(xs[(g) * 16 + c]))); \
+        } \
+    } while (0)
+
+static __thread float amx_i8_scales[64];
+
+/* y[b * ldy + n] = scale[n] * (W[n] . x[b]) for n in [n0, n1) (16-row blocks; the rest by the
+   FMA GEMV on the fp32 rows), B <= 64, K % 64 == 0 */
+static void gemv_i8_amx(const void *w, const void *scale, const int sbf16, int64_t K, int64_t n0, int64_t n1,
+                        const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy, int8_t *q, int8_t *quads,
+                        const int x_ready) {
+    float *xs = amx_i8_scales;
+    if (!x_ready) rows_to_amx_quads(x, ldx, B, K, q, xs, quads);
+    const int64_t groups = (B + 15) / 16, gstride = K * 16;
+    int32_t itile[256];
+    const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+    int64_t n = n0;
+    for (; n + 16 <= n1; n += 16) {
+        const char *a = (const char *)w + n * K;
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t k = 0; k < K; k += 64) {
+            if (n + 32 <= n1)
+                for (int i = 0; i < 16; i++) _mm_prefetch(a + (16 + i) * K + k, _MM_HINT_T0);
+            const int8_t *bk = quads + (k / 4) * 64;
+            if ((k / 64) % 2 == 0) {
+                _tile_loadd(4, a + k, K);
+                _tile_loadd(5, bk, 64);
+                _tile_dpbssd(0, 4, 5);
+                if (groups > 1) { _tile_loadd(7, bk + gstride, 64); _tile_dpbssd(1, 4, 7); }
+                if (groups > 2) { _tile_loadd(5, bk + 2 * gstride, 64); _tile_dpbssd(2, 4, 5); }
+                if (groups > 3) { _tile_loadd(7, bk + 3 * gstride, 64); _tile_dpbssd(3, 4, 7); }
+            } else {
+                _tile_loadd(6, a + k, K);
+                _tile_loadd(7, bk, 64);
+                _tile_dpbssd(0, 6, 7);
+                if (groups > 1) { _tile_loadd(5, bk + gstride, 64); _tile_dpbssd(1, 6, 5); }
+                if (groups > 2) { _tile_loadd(7, bk + 2 * gstride, 64); _tile_dpbssd(2, 6, 7); }
+                if (groups > 3) { _tile_loadd(5, bk + 3 * gstride, 64); _tile_dpbssd(3, 6, 5); }
+            }
+        }
+        AMX_STORE_I8(0, 0);
+        if (groups > 1) AMX_STORE_I8(1, 1);
+        if (groups > 2) AMX_STORE_I8(2, 2);
+        if (groups > 3) AMX_STORE_I8(3, 3);
+    }
+    if (n < n1) gemv_kind(w, scale, sbf16, K, n, n1, x, ldx, B, y, ldy, W_I8);
+}
+#endif
+
+/* x16: the thread's scratch for a projection's input rows in bf16 or int8 (room for 2 x [B
+   rounded up to 16][K] bf16), used where the bf16 dot-product or an AMX path applies; x_ready:
+   it already holds this x (the previous call had the same input: gate then up); a8: int8
+   weights may take int8 activations (the self-draft) */
 static void gemv(const void *w, const int kind, const void *scale, const int sbf16, int64_t K, int64_t n0,
                  int64_t n1, const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy, uint16_t *x16,
-                 const int x_ready) {
+                 const int x_ready, const int a8) {
     if (n0 >= n1 || B == 0) return;  /* B = 0: a step with no token to sample reads no LM head */
-    if (kind == W_I8) gemv_kind(w, scale, sbf16, K, n0, n1, x, ldx, B, y, ldy, W_I8);
+    if (kind == W_I8) {
+#ifdef HAVE_AMX_I8
+        if (a8 && amx_granted && K % 64 == 0 && B <= 64) {
+            gemv_i8_amx(w, scale, sbf16, K, n0, n1, x, ldx, B, y, ldy, (int8_t *)x16,
+                        (int8_t *)x16 + ((B + 15) / 16) * 16 * K, x_ready);
+            return;
+        }
+#endif
+        (void)a8;
+        gemv_kind(w, scale, sbf16, K, n0, n1, x, ldx, B, y, ldy, W_I8);
+    }
     else if (kind == W_BF16) {
 #ifdef HAVE_AMX
         if (amx_granted && K % 32 == 0 && B <= 64) {
@@ -430,7 +537,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
     const int64_t B = s->B;
     const int64_t *m = s->m;
     const int64_t L = m[M_LAYERS], H = m[M_HIDDEN], I = m[M_INTER], hq = m[M_HQ], hkv = m[M_HKV], D = m[M_D];
-    const int wk = (int)m[M_WKIND], bf16 = (int)m[M_BF16];
+    const int wk = (int)m[M_WKIND], bf16 = (int)m[M_BF16], a8 = (int)m[M_A8];
     const int64_t nqkv = (hq + 2 * hkv) * D, bs = m[M_BLOCK], cbs = m[M_CBS], css = m[M_CSS], chs = m[M_CHS];
     const float *cos_t = (const float *)PTR(m[M_COS]), *sin_t = (const float *)PTR(m[M_SIN]);
     const float scale = 1.0f / sqrtf((float)D);
@@ -463,7 +570,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
         }
         rms_norm_rows(res, PTR(lp[L_INNORM]), bf16, B, H, s->eps, h);
         gemv(PTR(lp[L_QKVW]), wk, PTR(lp[L_QKVS]), bf16, H, share(nqkv, tid, T, 16), share(nqkv, tid + 1, T, 16),
-             h, H, B, s->qkv, nqkv, x16, 0);
+             h, H, B, s->qkv, nqkv, x16, 0, a8);
         #pragma omp barrier
         /* RoPE on q and k heads, K/V into the cache, then attention: this thread's rows only */
         for (int64_t b = r0; b < r1; b++) {
@@ -500,7 +607,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
         #pragma omp simd
         for (int64_t i = 0; i < B * hq * D; i++) attn[i] = load_elem(s->attn_out, i, bf16);
         gemv(PTR(lp[L_OW]), wk, PTR(lp[L_OS]), bf16, hq * D, share(H, tid, T, 16), share(H, tid + 1, T, 16),
-             attn, hq * D, B, s->o_out, H, x16, 0);
+             attn, hq * D, B, s->o_out, H, x16, 0, a8);
         #pragma omp barrier
         #pragma omp simd
         for (int64_t i = 0; i < B * H; i++) res[i] += s->o_out[i];
@@ -515,8 +622,8 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
                 const char *gw = (const char *)PTR(lp[L_GUW]);
                 const char *gs = (const char *)PTR(lp[L_GUS]), *us = gs;
                 if (gs) { gs += i0 * esz; us += (I + i0) * esz; }
-                gemv(gw + i0 * H * es, wk, gs, bf16, H, 0, w, h, H, B, gu, w, x16, 0);
-                gemv(gw + (I + i0) * H * es, wk, us, bf16, H, 0, w, h, H, B, gu + B * w, w, x16, 1);
+                gemv(gw + i0 * H * es, wk, gs, bf16, H, 0, w, h, H, B, gu, w, x16, 0, a8);
+                gemv(gw + (I + i0) * H * es, wk, us, bf16, H, 0, w, h, H, B, gu + B * w, w, x16, 1, a8);
                 for (int64_t b = 0; b < B; b++) {
                     const float *gb = gu + b * w, *ub = gu + B * w + b * w;
                     float *ab = s->act + b * I + i0;
@@ -532,7 +639,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
         }
         #pragma omp barrier
         gemv(PTR(lp[L_DW]), wk, PTR(lp[L_DS]), bf16, I, share(H, tid, T, 16), share(H, tid + 1, T, 16),
-             s->act, I, B, s->down_out, H, x16, 0);
+             s->act, I, B, s->down_out, H, x16, 0, a8);
         #pragma omp barrier
     }
     for (int64_t i = 0; i < B * H; i++) res[i] += s->down_out[i];
@@ -541,8 +648,11 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
         for (int64_t i = 0; i < H; i++)
             picked[j * H + i] = bf16 ? round_bf16(h[s->sample_rows[j] * H + i]) : h[s->sample_rows[j] * H + i];
     const int64_t V = m[M_VOCAB];
+    /* The LM head keeps fp32 activations: quantizing the final hidden state per row flipped
+       the self-draft's argmax often enough to cut its acceptance from 0.90 to 0.85 (bundled
+       chat prompts, docs/benchmarks.md, sixth round). */
     gemv(PTR(m[M_LMW]), (int)m[M_LMKIND], PTR(m[M_LMS]), bf16, H, share(V, tid, T, 16), share(V, tid + 1, T, 16),
-         picked, H, s->S, s->logits, V, x16, 0);
+         picked, H, s->S, s->logits, V, x16, 0, 0);
 #ifdef HAVE_AMX
     if (amx_granted) _tile_release();
 #endif
@@ -589,6 +699,9 @@ int kvmesh_native_decode_features(void) {
 #ifdef HAVE_AMX
     if (amx_granted) features |= 2;
 #endif
+#ifdef HAVE_AMX_I8
+    if (amx_granted) features |= 4;
+#endif
     return features;
 }
 
@@ -607,6 +720,7 @@ int kvmesh_native_decode_init(void) {
 _W_F32, _W_BF16, _W_I8 = 0, 1, 2
 _FEATURE_DPBF16 = 1  # kvmesh_native_decode_features(): built with the VDPBF16PS path
 _FEATURE_AMX = 2  # ... and the AMX path, with the tile state granted
+_FEATURE_AMX_INT8 = 4  # ... and the int8-activation AMX path (the self-draft's)
 _ENTRY_ARGTYPES = ([ctypes.c_void_p, ctypes.c_float, ctypes.c_int64] + [ctypes.c_void_p] * 4
                    + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p])
 
@@ -717,10 +831,14 @@ class NativeDecoder:
         # tensor a step cost ~6 ms of first-touch page faults (a third of the LM head's time).
         self._logits = torch.empty(0, vocab, dtype=torch.float32)
         self.bf16_path: str | None = None  # bf16 models: 'amx' | 'vdpbf16ps' | 'fma' (set by build)
+        self.int8_amx = False  # int8 weights as int8 x int8 AMX products (set by build)
 
     @classmethod
-    def build(cls, model, kv_caches: list, max_tokens: int) -> "NativeDecoder":
-        """Raises NotTaken (the reason) where the native step does not apply."""
+    def build(cls, model, kv_caches: list, max_tokens: int, int8_activations: bool = False) -> "NativeDecoder":
+        """Raises NotTaken (the reason) where the native step does not apply. int8_activations:
+        int8 layer weights may run as int8 x int8 AMX products, each token's activations
+        quantized per row (the self-draft: a draft only has to guess right, and it then reads
+        its weights at the bf16 path's rate; the LM head keeps fp32 activations)."""
         reason = unavailable_reason()
         if reason is not None:
             raise NotTaken(reason)
@@ -740,7 +858,7 @@ class NativeDecoder:
         strides = k0.stride()
         keep: list[torch.Tensor] = []
         layers: list[int] = []
-        kinds = set()
+        kinds: set[int] = set()
         for layer, cache in zip(model.model.layers, kv_caches, strict=True):
             pointers, tensors, kind = _layer_fields(layer, cache, dtype, strides)
             layers += pointers
@@ -759,7 +877,8 @@ class NativeDecoder:
         keep += [embed, lm, final_norm, cos, sin] + ([] if lm_scales is None else [lm_scales])
         header = [len(model.model.layers), hidden, inter, hq, hkv, d, kinds.pop(), int(dtype == torch.bfloat16),
                   k0.shape[1], strides[0], strides[1], strides[2], lm.shape[0], lm_kind,
-                  _ptr(embed), _ptr(final_norm), _ptr(cos), _ptr(sin), _ptr(lm), _ptr(lm_scales)]
+                  _ptr(embed), _ptr(final_norm), _ptr(cos), _ptr(sin), _ptr(lm), _ptr(lm_scales),
+                  int(int8_activations)]
         descriptor = torch.tensor(header + layers, dtype=torch.int64)
         loaded = _load()
         if loaded is None:
@@ -770,6 +889,7 @@ class NativeDecoder:
         if dtype == torch.bfloat16:
             decoder.bf16_path = ('amx' if features & _FEATURE_AMX else
                                  'vdpbf16ps' if features & _FEATURE_DPBF16 else 'fma')
+        decoder.int8_amx = int8_activations and bool(features & _FEATURE_AMX_INT8) and header[6] == _W_I8
         return decoder
 
     def run(self, inputs) -> torch.Tensor | None:
@@ -818,7 +938,7 @@ def _bf16_flags() -> tuple[str, ...]:
     if not getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
         return ()
     if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
-        return ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")
+        return ("-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8")  # every AMX CPU has both
     return ("-mavx512bf16",)
 
 
@@ -869,11 +989,13 @@ def max_tokens_for(configured: int | None, dtype: torch.dtype, threads: int) -> 
     return 0 if dtype == torch.float32 else auto_max_tokens(threads)
 
 
-def install(runner, model, kv_caches: list, max_tokens: int, what: str = "the model") -> None:
+def install(runner, model, kv_caches: list, max_tokens: int, what: str = "the model",
+            int8_activations: bool = False) -> None:
     """Sets runner.native_decoder, or logs once why the eager forward keeps every step."""
     try:
-        runner.native_decoder = decoder = NativeDecoder.build(model, kv_caches, max_tokens)
-        logger.info("native step on for %s, steps of <= %d tokens%s", what, max_tokens,
-                    f", bf16 projections by {decoder.bf16_path}" if decoder.bf16_path else "")
+        runner.native_decoder = decoder = NativeDecoder.build(model, kv_caches, max_tokens, int8_activations)
+        logger.info("native step on for %s, steps of <= %d tokens%s%s", what, max_tokens,
+                    f", bf16 projections by {decoder.bf16_path}" if decoder.bf16_path else "",
+                    ", int8 projections as int8 x int8 AMX products" if decoder.int8_amx else "")
     except NotTaken as why:
         logger.warning("native step not taken for %s (%s): eager forward", what, why)
