@@ -227,6 +227,31 @@ def test_quantized_self_draft_is_token_identical_and_frees_its_pool(tiny_model_d
                                    and bool(cpu_native_decode._load()[1] & cpu_native_decode._FEATURE_AMX_INT8))
 
 
+def test_a_long_draft_catch_up_is_read_in_native_sized_steps(tiny_model_dir):
+    """The tokens a draft's KV lacks (a whole prompt at a request's first proposal) are read
+    in steps no larger than the draft's native step, so no draft forward falls to the eager
+    int8 path the speculator's cost calibration never measured; outputs stay the target's."""
+    requests = [("long", PROMPTS[0], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))]
+    plain, _ = _run(_engine(tiny_model_dir), requests)
+    engine = _engine(tiny_model_dir, "self_draft", speculative={"draft_quant": "int8"})
+    runner = engine.speculator.proposer.runner
+    if runner.native_decoder is None:
+        pytest.skip(f"no native step here ({cpu_native_decode.unavailable_reason()})")
+    runner.native_decoder.max_tokens = 4
+    sizes = []
+    real_forward = runner.forward
+
+    def spy(inputs):
+        sizes.append(len(inputs.input_ids))
+        return real_forward(inputs)
+
+    runner.forward = spy
+    spec, _ = _run(engine, requests)
+    assert spec == plain
+    assert engine.speculator.counters.num_draft_tokens > 0
+    assert max(sizes) <= 4 and sizes.count(4) >= 2, sizes  # the prompt went in 4-token steps
+
+
 def test_speculation_reaches_the_worker_metrics_and_the_request_step_log(tiny_model_dir):
     from prometheus_client.parser import text_string_to_metric_families
 
