@@ -272,24 +272,49 @@ static void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* B rows of `words` 4-byte words each (bf16 pairs, int8 quads) -> ceil(B/16) groups of
+   [words][16 rows]: AMX's B-operand layout, rows beyond B zero. Word w of a group's 16 rows
+   is one masked 16-lane gather. */
+static void rows_to_amx_words(const void *rows_in, int64_t words, int64_t B, void *out) {
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)words));
+    for (int64_t g = 0; g < (B + 15) / 16; g++) {
+        const int64_t valid = B - g * 16 < 16 ? B - g * 16 : 16;
+        const __mmask16 live = (__mmask16)((1u << valid) - 1u);
+        const int32_t *src = (const int32_t *)rows_in + g * 16 * words;
+        int32_t *dst = (int32_t *)out + g * 16 * words;
+        for (int64_t w = 0; w < words; w++)
+            _mm512_storeu_si512((void *)(dst + w * 16),
+                                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, src + w, 4));
+    }
+}
+
 /* rows [B][ldx] fp32 -> out: ceil(B/16) groups of [K/2][16][2] bf16 (missing rows zero);
    tmp: [B][K] bf16 scratch */
 static void rows_to_amx_pairs(const float *x, int64_t ldx, int64_t B, int64_t K, uint16_t *tmp, uint16_t *out) {
     rows_to_bf16(x, ldx, B, K, tmp);
-    const int64_t groups = (B + 15) / 16, half = K / 2;
-    /* pair p of the group's 16 rows is one 16-lane gather (rows beyond B masked to zero) */
-    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32((int)half));
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t valid = B - g * 16 < 16 ? B - g * 16 : 16;
-        const __mmask16 live = (__mmask16)((1u << valid) - 1u);
-        const uint32_t *src = (const uint32_t *)(tmp + g * 16 * K);
-        uint32_t *dst = (uint32_t *)(out + g * K * 16);
-        for (int64_t p = 0; p < half; p++)
-            _mm512_storeu_si512((void *)(dst + p * 16),
-                                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, src + p, 4));
-    }
+    rows_to_amx_words(tmp, K / 2, B, out);
 }
+
+/* One k-step of a 16-row weight block (at wk, row stride lda bytes) against up to four
+   16-token groups (their blocks at bk + g * gstride, 64-byte rows), accumulating into tiles
+   0-3 with DP (_tile_dpbf16ps or _tile_dpbssd). Two tile registers each for the weight block
+   (4, 6) and the tokens' block (5, 7), taken in turn by the step's parity: a tile load must
+   wait for every product still reading its register, so with one of each the next weight
+   block's read queued behind the products. */
+#define AMX_BLOCK_STEP(DP, parity, wk, lda, bk, gstride, groups) do { \
+        if ((parity) == 0) { \
+            _tile_loadd(4, wk, lda); _tile_loadd(5, bk, 64); DP(0, 4, 5); \
+            if ((groups) > 1) { _tile_loadd(7, (bk) + (gstride), 64); DP(1, 4, 7); } \
+            if ((groups) > 2) { _tile_loadd(5, (bk) + 2 * (gstride), 64); DP(2, 4, 5); } \
+            if ((groups) > 3) { _tile_loadd(7, (bk) + 3 * (gstride), 64); DP(3, 4, 7); } \
+        } else { \
+            _tile_loadd(6, wk, lda); _tile_loadd(7, bk, 64); DP(0, 6, 7); \
+            if ((groups) > 1) { _tile_loadd(5, (bk) + (gstride), 64); DP(1, 6, 5); } \
+            if ((groups) > 2) { _tile_loadd(7, (bk) + 2 * (gstride), 64); DP(2, 6, 7); } \
+            if ((groups) > 3) { _tile_loadd(5, (bk) + 3 * (gstride), 64); DP(3, 6, 5); } \
+        } \
+    } while (0)
 
 /* C tile t (16 weight rows x 16 tokens of group g) -> y: each token's 16 outputs gathered
    from the tile's column and stored as one vector */
@@ -311,29 +336,11 @@ static void gemv_bf16_amx(const void *w, int64_t K, int64_t n0, int64_t n1, cons
     for (; n + 16 <= n1; n += 16) {
         const char *a = (const char *)w + n * K * 2;
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        /* Two tile registers each for the weight block (4, 6) and the tokens' block (5, 7), used
-           in turn: a tile load must wait for every product still reading its register, so with
-           one of each the next weight block's DRAM read queued behind the products (B = 64:
-           a third of the B = 1 read rate). */
         for (int64_t k = 0; k < K; k += 32) {
             if (n + 32 <= n1)  /* the next block's 16 rows, as the hardware streams would not */
                 for (int i = 0; i < 16; i++) _mm_prefetch(a + (16 + i) * K * 2 + k * 2, _MM_HINT_T0);
             const uint16_t *bk = pairs + (k / 2) * 32;
-            if ((k / 32) % 2 == 0) {
-                _tile_loadd(4, a + k * 2, K * 2);
-                _tile_loadd(5, bk, 64);
-                _tile_dpbf16ps(0, 4, 5);
-                if (groups > 1) { _tile_loadd(7, bk + gstride, 64); _tile_dpbf16ps(1, 4, 7); }
-                if (groups > 2) { _tile_loadd(5, bk + 2 * gstride, 64); _tile_dpbf16ps(2, 4, 5); }
-                if (groups > 3) { _tile_loadd(7, bk + 3 * gstride, 64); _tile_dpbf16ps(3, 4, 7); }
-            } else {
-                _tile_loadd(6, a + k * 2, K * 2);
-                _tile_loadd(7, bk, 64);
-                _tile_dpbf16ps(0, 6, 7);
-                if (groups > 1) { _tile_loadd(5, bk + gstride, 64); _tile_dpbf16ps(1, 6, 5); }
-                if (groups > 2) { _tile_loadd(7, bk + 2 * gstride, 64); _tile_dpbf16ps(2, 6, 7); }
-                if (groups > 3) { _tile_loadd(5, bk + 3 * gstride, 64); _tile_dpbf16ps(3, 6, 5); }
-            }
+            AMX_BLOCK_STEP(_tile_dpbf16ps, (k / 32) % 2, a + k * 2, K * 2, bk, gstride, groups);
         }
         AMX_STORE(0, 0);
         if (groups > 1) AMX_STORE(1, 1);
@@ -372,18 +379,7 @@ static void rows_to_amx_quads(const float *x, int64_t ldx, int64_t B, int64_t K,
             _mm_storeu_si128((__m128i *)(q + b * K + k), _mm512_cvtsepi32_epi8(v));
         }
     }
-    const int64_t groups = (B + 15) / 16, quads = K / 4;
-    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32((int)quads));
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t valid = B - g * 16 < 16 ? B - g * 16 : 16;
-        const __mmask16 live = (__mmask16)((1u << valid) - 1u);
-        const int32_t *src = (const int32_t *)(q + g * 16 * K);
-        int32_t *dst = (int32_t *)(out + g * K * 16);
-        for (int64_t r = 0; r < quads; r++)
-            _mm512_storeu_si512((void *)(dst + r * 16),
-                                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, src + r, 4));
-    }
+    rows_to_amx_words(q, K / 4, B, out);
 }
 
 #define AMX_STORE_I8(t, g) do { \
@@ -417,21 +413,7 @@ static void gemv_i8_amx(const void *w, const void *scale, const int sbf16, int64
             if (n + 32 <= n1)
                 for (int i = 0; i < 16; i++) _mm_prefetch(a + (16 + i) * K + k, _MM_HINT_T0);
             const int8_t *bk = quads + (k / 4) * 64;
-            if ((k / 64) % 2 == 0) {
-                _tile_loadd(4, a + k, K);
-                _tile_loadd(5, bk, 64);
-                _tile_dpbssd(0, 4, 5);
-                if (groups > 1) { _tile_loadd(7, bk + gstride, 64); _tile_dpbssd(1, 4, 7); }
-                if (groups > 2) { _tile_loadd(5, bk + 2 * gstride, 64); _tile_dpbssd(2, 4, 5); }
-                if (groups > 3) { _tile_loadd(7, bk + 3 * gstride, 64); _tile_dpbssd(3, 4, 7); }
-            } else {
-                _tile_loadd(6, a + k, K);
-                _tile_loadd(7, bk, 64);
-                _tile_dpbssd(0, 6, 7);
-                if (groups > 1) { _tile_loadd(5, bk + gstride, 64); _tile_dpbssd(1, 6, 5); }
-                if (groups > 2) { _tile_loadd(7, bk + 2 * gstride, 64); _tile_dpbssd(2, 6, 7); }
-                if (groups > 3) { _tile_loadd(5, bk + 3 * gstride, 64); _tile_dpbssd(3, 6, 5); }
-            }
+            AMX_BLOCK_STEP(_tile_dpbssd, (k / 64) % 2, a + k, K, bk, gstride, groups);
         }
         AMX_STORE_I8(0, 0);
         if (groups > 1) AMX_STORE_I8(1, 1);
