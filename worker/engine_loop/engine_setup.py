@@ -142,10 +142,11 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
         if config.parallel.cuda_graphs and device.type == "cuda":
             runner.graph_runner = build_graph_runner(config, model, backend, kv_caches, device, max_model_len,
                                                      plan.block_size)
-        native_tokens = cpu_native_decode.max_tokens_for(config.model.cpu_native_max_tokens, dtype,
-                                                         torch.get_num_threads())
-        if native_tokens and device.type == "cpu":
-            cpu_native_decode.install(runner, model, kv_caches, native_tokens)
+        if device.type == "cpu":  # auto asks the native library what it has: only CPUs build it
+            native_tokens = cpu_native_decode.max_tokens_for(config.model.cpu_native_max_tokens, dtype,
+                                                             torch.get_num_threads())
+            if native_tokens:
+                cpu_native_decode.install(runner, model, kv_caches, native_tokens)
     else:
         runner = TensorParallelRunner(group, plan, model, backend, device, kv_caches, swap_caches, plan.block_size,
                                       seed=config.model.seed)
