@@ -41,6 +41,12 @@ def _one_of(name: str, value: Any, allowed: tuple) -> None:
     _check(value in allowed, f"{name} must be one of {list(allowed)}, got {value!r}")
 
 
+# The largest step model.cpu_native_max_tokens may ask for, and its auto value on AMX CPUs:
+# the native step's AMX path holds a step's tokens in four 16-token tiles
+# (worker/modeling/cpu_native_decode.py).
+CPU_NATIVE_MAX_TOKENS = 64
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     # HF folder (config.json + safetensors) or a .gguf file; None = embedded SmolLM2.
@@ -78,8 +84,8 @@ class ModelConfig:
         _one_of("model.dtype", self.dtype, ("auto", "fp32", "bf16", "fp16"))
         _one_of("model.compile", self.compile, ("off", "decode"))
         _check(self.max_model_len is None or self.max_model_len >= 1, "model.max_model_len must be >= 1")
-        _check(self.cpu_native_max_tokens is None or 0 <= self.cpu_native_max_tokens <= 64,
-               "model.cpu_native_max_tokens must be in 0..64 (or null: auto)")
+        _check(self.cpu_native_max_tokens is None or 0 <= self.cpu_native_max_tokens <= CPU_NATIVE_MAX_TOKENS,
+               f"model.cpu_native_max_tokens must be in 0..{CPU_NATIVE_MAX_TOKENS} (or null: auto)")
 
 
 @dataclass(frozen=True)

@@ -550,13 +550,12 @@ def ratio_lines(report: BenchReport) -> list[str]:
     from kvmesh.worker.modeling.model_setup import cpu_has_native_bf16
 
     lines = []
-    if report.modes and report.hf_static is not None:
-        best = max(report.modes, key=lambda m: m.seed_run.output_tok_s)
+    best = max(report.modes, key=lambda m: m.seed_run.output_tok_s) if report.modes else None
+    if best is not None and report.hf_static is not None:
         lines.append(f"seed-shaped run: kvmesh {best.mode} / HF static = "
                      f"{best.seed_run.output_tok_s / report.hf_static.output_tok_s:.2f}x")
-    if report.modes and report.llama_server is not None:
+    if best is not None and report.llama_server is not None:
         fastest = max(report.modes, key=lambda m: m.batch1_decode_tok_s)
-        best = max(report.modes, key=lambda m: m.seed_run.output_tok_s)
         lines.append(f"batch-1 decode: kvmesh {fastest.mode} / llama.cpp = "
                      f"{fastest.batch1_decode_tok_s / report.llama_server_batch1_tok_s:.2f}x")
         lines.append(f"seed-shaped run: kvmesh {best.mode} / llama.cpp 8 slots = "

@@ -24,8 +24,7 @@ AMX, bf16 weights go through AMX tiles (a 16-row weight block times 16 tokens pe
 so up to 64 tokens cost about what reading the weights costs); otherwise GEMVs (fp32 FMA, int8
 and bf16 widened in registers, bf16 pairs by VDPBF16PS where the CPU has it), memory-bound at a
 handful of tokens, where the packed GEMMs are not yet efficient. Larger steps run eagerly
-(oneDNN / AMX GEMMs). Weights
-it takes: plain fp32 / bf16 (the fused QKV and gate-up weights, o, down, the LM head) and
+(oneDNN / AMX GEMMs). Weights it takes: plain fp32 / bf16 (the fused QKV and gate-up weights, o, down, the LM head) and
 weight-only int8 with one scale per row (quant.weight: int8, and the self-draft's int8 head).
 Not taken (eager runs every step, one log line says why): int4, AWQ input scales, biases,
 quantized KV, tensor parallelism, non-CPU devices, widths not a multiple of 16, CPUs without
@@ -34,8 +33,8 @@ AVX-512, no C compiler.
 Numerics: activations stay fp32 through the whole step (eager rounds each op's output to the
 model dtype), K/V are rounded to the cache dtype as they are stored, and the attention reads
 the cache dtype as the eager kernel does. bf16 weights on a CPU with AVX512_BF16 take each
-projection's input rounded to bf16 (VDPBF16PS, fp32 sums), as oneDNN's bf16 GEMMs do. In fp32 the step is the eager one up to the order of
-fp32 sums (tests/test_cpu_native_decode.py: logits within 1e-5, greedy tokens identical with
+projection's input rounded to bf16 (VDPBF16PS or AMX, fp32 sums), as oneDNN's bf16 GEMMs do.
+In fp32 the step is the eager one up to the order of fp32 sums (tests/test_cpu_native_decode.py: logits within 1e-5, greedy tokens identical with
 chunked prefill and preemption); in bf16 it is closer to the fp32 model than eager bf16 is.
 On by default for 16-bit models (`model.cpu_native_max_tokens`: auto = steps of up to 64
 tokens with AMX, else 12 tokens per thread up to 24; fp32 stays eager unless asked, it is the
@@ -51,6 +50,7 @@ import os
 
 import torch
 
+from kvmesh.core.config import CPU_NATIVE_MAX_TOKENS
 from kvmesh.quant.linear import Int8WeightOnlyLinear
 from kvmesh.worker.modeling import cpu_native, cpu_paged_attention
 
@@ -122,6 +122,27 @@ static inline __attribute__((always_inline)) void tile4(const char *w, int64_t n
         for (int j = 0; j < C; j++) res[i * C + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
+/* The row-group walk both GEMVs share: weight rows from n four at a time (n is left at the first
+   row of an uneven share's tail), the B tokens TILE_ROWS at a time, TILE(C) the GEMV's tile
+   function for the tokens from b with a constant C (so its accumulators stay in registers)
+   writing res, scattered into y[token * ldy + row]. */
+#define FOR_EACH_ROW_TILE(TILE) \
+    for (; n + 4 <= n1; n += 4) \
+        for (int64_t b = 0; b < B; b += TILE_ROWS) { \
+            const int64_t c = B - b < TILE_ROWS ? B - b : TILE_ROWS; \
+            const int pf = b == 0; \
+            switch (c) { \
+                case 6: TILE(6); break; \
+                case 5: TILE(5); break; \
+                case 4: TILE(4); break; \
+                case 3: TILE(3); break; \
+                case 2: TILE(2); break; \
+                default: TILE(1); \
+            } \
+            for (int i = 0; i < 4; i++) \
+                for (int64_t j = 0; j < c; j++) y[(b + j) * ldy + n + i] = res[i * c + j]; \
+        }
+
 /* y[b * ldy + n] = scale[n] * dot(W[n, :K], x[b * ldx, :K]) for n in [n0, n1), b < B (K % 16 == 0):
    four weight rows at a time against the batch rows TILE_ROWS at a time (the four rows stay in
    L1 across the row groups), so each weight row is read from memory once per step whatever B is. */
@@ -131,23 +152,9 @@ static inline __attribute__((always_inline)) void gemv_kind(
     const int64_t es = w_elem_size(kind);
     int64_t n = n0;
     float res[4 * TILE_ROWS];
-    for (; n + 4 <= n1; n += 4)
-        for (int64_t b = 0; b < B; b += TILE_ROWS) {
-            const int64_t c = B - b < TILE_ROWS ? B - b : TILE_ROWS;
-            const float *xb = x + b * ldx;
-            const char *wc = (const char *)w;
-            const int pf = b == 0;
-            switch (c) {  /* a constant C each: the accumulators stay in registers */
-                case 6: tile4(wc, n, K, xb, ldx, 6, kind, pf, res); break;
-                case 5: tile4(wc, n, K, xb, ldx, 5, kind, pf, res); break;
-                case 4: tile4(wc, n, K, xb, ldx, 4, kind, pf, res); break;
-                case 3: tile4(wc, n, K, xb, ldx, 3, kind, pf, res); break;
-                case 2: tile4(wc, n, K, xb, ldx, 2, kind, pf, res); break;
-                default: tile4(wc, n, K, xb, ldx, 1, kind, pf, res);
-            }
-            for (int i = 0; i < 4; i++)
-                for (int64_t j = 0; j < c; j++) y[(b + j) * ldy + n + i] = res[i * c + j];
-        }
+#define FMA_TILE(C) tile4((const char *)w, n, K, x + b * ldx, ldx, C, kind, pf, res)
+    FOR_EACH_ROW_TILE(FMA_TILE)
+#undef FMA_TILE
     for (; n < n1; n++) {  /* the last rows of an uneven share */
         const char *row = (const char *)w + n * K * es;
         for (int64_t b = 0; b < B; b++) {
@@ -214,22 +221,9 @@ static void gemv_bf16_dp(const void *w, int64_t K, int64_t n0, int64_t n1, const
     const char *wc = (const char *)w;
     int64_t n = n0;
     float res[4 * TILE_ROWS];
-    for (; n + 4 <= n1; n += 4)
-        for (int64_t b = 0; b < B; b += TILE_ROWS) {
-            const int64_t c = B - b < TILE_ROWS ? B - b : TILE_ROWS;
-            const uint16_t *xb = x + b * K;
-            const int pf = b == 0;
-            switch (c) {  /* a constant C each: the accumulators stay in registers */
-                case 6: tile4_dp(wc, n, K, xb, 6, pf, res); break;
-                case 5: tile4_dp(wc, n, K, xb, 5, pf, res); break;
-                case 4: tile4_dp(wc, n, K, xb, 4, pf, res); break;
-                case 3: tile4_dp(wc, n, K, xb, 3, pf, res); break;
-                case 2: tile4_dp(wc, n, K, xb, 2, pf, res); break;
-                default: tile4_dp(wc, n, K, xb, 1, pf, res);
-            }
-            for (int i = 0; i < 4; i++)
-                for (int64_t j = 0; j < c; j++) y[(b + j) * ldy + n + i] = res[i * c + j];
-        }
+#define DP_TILE(C) tile4_dp(wc, n, K, x + b * K, C, pf, res)
+    FOR_EACH_ROW_TILE(DP_TILE)
+#undef DP_TILE
     for (; n < n1; n++) {  /* the last rows of an uneven share: the same sums, one row at a time */
         const char *r = wc + n * K * 2;
         for (int64_t b = 0; b < B; b++) {
@@ -253,6 +247,7 @@ static void gemv_bf16_dp(const void *w, int64_t K, int64_t n0, int64_t n1, const
    4 and 6 hold weight blocks, 5 and 7 the tokens' blocks. Linux grants AMX state per process on request
    (kvmesh_native_decode_init); without the grant the VDPBF16PS path runs. */
 #define HAVE_AMX 1
+#define AMX_MAX_TOKENS 64  /* four accumulator tiles of 16 tokens (more: the GEMV paths) */
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -434,7 +429,7 @@ static void gemv(const void *w, const int kind, const void *scale, const int sbf
     if (n0 >= n1 || B == 0) return;  /* B = 0: a step with no token to sample reads no LM head */
     if (kind == W_I8) {
 #ifdef HAVE_AMX_I8
-        if (a8 && amx_granted && K % 64 == 0 && B <= 64) {
+        if (a8 && amx_granted && K % 64 == 0 && B <= AMX_MAX_TOKENS) {
             gemv_i8_amx(w, scale, sbf16, K, n0, n1, x, ldx, B, y, ldy, (int8_t *)x16,
                         (int8_t *)x16 + ((B + 15) / 16) * 16 * K, x_ready);
             return;
@@ -445,7 +440,7 @@ static void gemv(const void *w, const int kind, const void *scale, const int sbf
     }
     else if (kind == W_BF16) {
 #ifdef HAVE_AMX
-        if (amx_granted && K % 32 == 0 && B <= 64) {
+        if (amx_granted && K % 32 == 0 && B <= AMX_MAX_TOKENS) {
             gemv_bf16_amx(w, K, n0, n1, x, ldx, B, y, ldy, x16, x16 + ((B + 15) / 16) * 16 * K, x_ready);
             return;
         }
@@ -672,7 +667,8 @@ int kvmesh_native_decode(const int64_t *m, float eps, int64_t B, const int64_t *
                          float *logits) { return 2; }
 #endif
 
-/* What this build does: 1 = bf16 projections by VDPBF16PS (tests and logs read it). */
+/* What this build does (tests and logs read it): 1 = bf16 projections by VDPBF16PS, 2 = by AMX
+   tiles (tile state granted), 4 = the self-draft's int8 x int8 AMX path. */
 int kvmesh_native_decode_features(void) {
     int features = 0;
 #ifdef HAVE_DPBF16
@@ -857,7 +853,8 @@ class NativeDecoder:
         if final_norm.dtype != dtype or cos.dtype != torch.float32 or lm.shape[1] != hidden:
             raise NotTaken("final norm or RoPE tables in another dtype, or an LM head of another width")
         keep += [embed, lm, final_norm, cos, sin] + ([] if lm_scales is None else [lm_scales])
-        header = [len(model.model.layers), hidden, inter, hq, hkv, d, kinds.pop(), int(dtype == torch.bfloat16),
+        weight_kind = kinds.pop()
+        header = [len(model.model.layers), hidden, inter, hq, hkv, d, weight_kind, int(dtype == torch.bfloat16),
                   k0.shape[1], strides[0], strides[1], strides[2], lm.shape[0], lm_kind,
                   _ptr(embed), _ptr(final_norm), _ptr(cos), _ptr(sin), _ptr(lm), _ptr(lm_scales),
                   int(int8_activations)]
@@ -871,7 +868,7 @@ class NativeDecoder:
         if dtype == torch.bfloat16:
             decoder.bf16_path = ('amx' if features & _FEATURE_AMX else
                                  'vdpbf16ps' if features & _FEATURE_DPBF16 else 'fma')
-        decoder.int8_amx = int8_activations and bool(features & _FEATURE_AMX_INT8) and header[6] == _W_I8
+        decoder.int8_amx = int8_activations and bool(features & _FEATURE_AMX_INT8) and weight_kind == _W_I8
         return decoder
 
     def run(self, inputs) -> torch.Tensor | None:
@@ -947,7 +944,6 @@ def _load():
 # so no more than GEMV_MAX_TOKENS_CAP past them.
 GEMV_TOKENS_PER_THREAD = 12
 GEMV_MAX_TOKENS_CAP = 24
-MAX_TOKENS = 64  # model.cpu_native_max_tokens' upper bound (the AMX path's four 16-token tiles)
 
 
 def amx_available() -> bool:
@@ -958,7 +954,7 @@ def amx_available() -> bool:
 
 def auto_max_tokens(threads: int) -> int:
     if amx_available():
-        return MAX_TOKENS
+        return CPU_NATIVE_MAX_TOKENS
     return min(GEMV_MAX_TOKENS_CAP, GEMV_TOKENS_PER_THREAD * max(1, threads))
 
 

@@ -229,7 +229,7 @@ def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
 
 def merge_deltas(batch: list[RequestDelta]) -> list[RequestDelta]:
     """Consecutive deltas of one sample as one delta (text, token ids and logprobs joined, the
-    later delta's other fields); an error delta is never merged into."""
+    later delta's other fields); an error delta stays apart and nothing joins a final one."""
     merged: list[RequestDelta] = []
     for delta in batch:
         last = merged[-1] if merged else None
