@@ -260,6 +260,10 @@ class RouterConfig:
     # token count below one request lets a single queued request break affinity (long
     # prompts), one far above it never does (short ones). 0 = imbalance_abs_tokens alone.
     imbalance_margin_requests: float = 2.0
+    # Affinity wait: a request whose cached prefix lives on a worker with no KV budget left
+    # (and that the load guard would still pick) waits up to this long for room there before
+    # it spills to another worker as a whole-prompt miss (router/affinity_wait.py). 0 = spill at once.
+    affinity_wait_s: float = 1.0
 
     def validate(self) -> None:
         _one_of("router.policy", self.policy, ("prefix_aware", "least_loaded", "round_robin"))
@@ -274,6 +278,7 @@ class RouterConfig:
         _check(self.max_queue_wait_s > 0, "router.max_queue_wait_s must be > 0")
         _check(self.max_stream_resumptions >= 0, "router.max_stream_resumptions must be >= 0")
         _check(self.imbalance_margin_requests >= 0, "router.imbalance_margin_requests must be >= 0")
+        _check(self.affinity_wait_s >= 0, "router.affinity_wait_s must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -134,13 +134,15 @@ def figures(policy: str, concurrency: int, served: list[Served], num_failed: int
         router_counters=router_counters or {})
 
 
-# The router's counters a run reports: metric name -> its one label.
-ROUTER_COUNTERS = {"kvmesh_routing_spills_total": "reason", "kvmesh_routing_decisions_total": "path"}
+# The router's counters a run reports: metric name -> (key prefix, its one label).
+ROUTER_COUNTERS = {"kvmesh_routing_spills_total": ("spills", "reason"),
+                   "kvmesh_routing_decisions_total": ("paths", "path"),
+                   "kvmesh_routing_affinity_waits_total": ("affinity_waits", "outcome")}
 
 
 def router_counters(http_base: str, settle_timeout_s: float = 90.0) -> dict[str, float]:
     """What the router saw over a run: its spill and routing-path counters from /metrics, as
-    {"spills:preferred_full": n, "paths:no_prefix": n, ...}. Each run deploys a fresh router
+    {"spills:preferred_full": n, "paths:no_prefix": n, "affinity_waits:room": n, ...}. Each run deploys a fresh router
     replica (counters from 0), but /metrics also sums the previous replicas' last snapshots
     until they go stale (60 s, router/metrics.py MetricsBoard), so this waits until the view
     holds one replica (each replica's `kvmesh_quota_store_fallback_active` carries its id);
@@ -156,9 +158,9 @@ def router_counters(http_base: str, settle_timeout_s: float = 90.0) -> dict[str,
             for sample in family.samples:
                 if sample.name == "kvmesh_quota_store_fallback_active":
                     replicas.add(sample.labels.get("replica"))
-                label = ROUTER_COUNTERS.get(sample.name)
-                if label is not None and sample.value:
-                    key = f"{'spills' if 'spills' in sample.name else 'paths'}:{sample.labels[label]}"
+                counted = ROUTER_COUNTERS.get(sample.name)
+                if counted is not None and sample.value:
+                    key = f"{counted[0]}:{sample.labels[counted[1]]}"
                     counters[key] = counters.get(key, 0.0) + sample.value
         if len(replicas) <= 1 or time.monotonic() > deadline:
             counters["replicas_in_view"] = len(replicas)
@@ -220,7 +222,8 @@ def run_campaign(spec: dict, out_dir: Path) -> list[RunFigures]:
         "scheduler": {"max_num_seqs": spec["max_num_seqs"], "max_queue_time_s": 300},
         "parallel": {"num_workers": spec["num_workers"], "device": "cpu"},
         "router": {"host": "127.0.0.1", "grpc_port": free_port(), "http_port": free_port(),
-                   "stats_refresh_s": spec["stats_refresh_s"], "max_queue_wait_s": 60.0},
+                   "stats_refresh_s": spec["stats_refresh_s"], "max_queue_wait_s": 60.0,
+                   **spec.get("router", {})},  # e.g. {affinity_wait_s: 0} for an A/B
     })
     target = f"127.0.0.1:{config.router.grpc_port}"
     ray.init(address="local", num_cpus=spec["cluster_cpus"], include_dashboard=False, log_to_driver=False)
@@ -265,8 +268,8 @@ def markdown_table(results: list[RunFigures], num_families: int) -> str:
     by_key = {(r.concurrency, r.policy): r for r in results}
     lines = ["| in flight | hit rate PA / RR (oracle) | ratio (oracle / RR) | TTFT P50 PA / RR (ms) | ratio "
              "| computed max/min PA (RR) | families on both workers PA (RR) | families per worker PA "
-             "| PA spills full / refused |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| PA spills full / refused | PA affinity waits room / timed out |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for concurrency in sorted({r.concurrency for r in results}):
         pa, rr = by_key.get((concurrency, "prefix_aware")), by_key.get((concurrency, "round_robin"))
         if pa is None or rr is None or not pa.num_served or not rr.num_served:
@@ -279,7 +282,9 @@ def markdown_table(results: list[RunFigures], num_families: int) -> str:
             f"| {pa.families_on_both} ({rr.families_on_both}) of {num_families} "
             f"| {dict(sorted(pa.families_per_worker.items()))} "
             f"| {pa.router_counters.get('spills:preferred_full', 0):.0f} / "
-            f"{pa.router_counters.get('spills:worker_refused', 0):.0f} |")
+            f"{pa.router_counters.get('spills:worker_refused', 0):.0f} "
+            f"| {pa.router_counters.get('affinity_waits:room', 0):.0f} / "
+            f"{pa.router_counters.get('affinity_waits:timed_out', 0):.0f} |")
     return "\n".join(lines)
 
 

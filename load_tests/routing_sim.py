@@ -54,6 +54,7 @@ from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.kv.kv_cache_manager import KVCacheManager
 from kvmesh.load_tests.routing_campaign import family_workload, oracle_hit_rate
 from kvmesh.router.admission import cost_with_cached_prefix
+from kvmesh.router.affinity_wait import AffinityHold, AffinityWaitOutcome
 from kvmesh.router.prefix_index import PrefixIndex
 from kvmesh.router.routing import RequestSizeMeter, RoundRobinCursor, choose_worker, is_spill
 from kvmesh.core.seams import SamplingParams
@@ -135,6 +136,8 @@ class SimResult:
     wall_s: float
     oracle_hit_rate: float = 0.0  # the best any router could do on these requests (routing_campaign.oracle_hit_rate)
     routing_paths: dict[str, int] = field(default_factory=dict)  # choose_worker's decisions by RoutingPath
+    affinity_waits: int = 0  # requests that waited for room on their prefix's worker (router/affinity_wait.py)
+    affinity_timeouts: int = 0  # of those, the ones whose wait ran out (then spilled)
 
 
 class _Clock:
@@ -158,6 +161,7 @@ class _SimRequest:
     in_flight_token: int | None = None
     sent_at: float = 0.0  # when it was dispatched, and what its worker was charged (the ticket)
     cost_tokens: int = 0
+    affinity_hold: AffinityHold | None = None  # its affinity wait, from its first try on
 
 
 class _SimWorker:
@@ -252,7 +256,9 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
         if duration is not None:
             push(clock.now + duration, "step_done", worker_id)
 
-    def try_dispatch(sim_request: _SimRequest, exclude: frozenset[str] = frozenset()) -> bool:
+    def try_dispatch(sim_request: _SimRequest, exclude: frozenset[str] = frozenset()) -> bool | None:
+        """True: dispatched; False: no worker has room (it queues); None: it holds out for room
+        on its prefix's worker (router/affinity_wait.py; it keeps its place in the queue)."""
         prompt_len = len(sim_request.prompt)
         sampling = SamplingParams(max_tokens=workload.max_tokens, ignore_eos=True)
         # As router_core: only prefix_aware hashes prompts; its cost counts the matched prefix
@@ -267,11 +273,20 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
                 eligible.append((s, cost))
         if not eligible:
             return False
+        if sim_request.affinity_hold is None:  # as router_core: one per admission, from its first try
+            sim_request.affinity_hold = AffinityHold(matched, router, exclude, clock=clock)
+        if sim_request.affinity_hold.holds([s for s, _ in eligible], list(stats.values()), rng,
+                                           dict(sent_since_poll), sizes.mean_tokens()):
+            return None
         costs = {s.worker_id: cost for s, cost in eligible}
         decision = choose_worker(matched, [s for s, _ in eligible], router, rng, cursor, dict(sent_since_poll),
                                  sizes.mean_tokens())
         if is_spill(matched, [s for s, _ in eligible], decision.worker_id):
             spills["preferred_full"] += 1
+        waited = sim_request.affinity_hold.outcome(decision.worker_id)
+        if waited is not None:
+            spills["affinity_waits"] += 1
+            spills["affinity_timeouts"] += waited is AffinityWaitOutcome.TIMED_OUT
         paths[decision.path.value] += 1
         worker_id = decision.worker_id
         request = Request(f"r{sim_request.index}", sim_request.prompt, sampling, arrival_time=clock.now,
@@ -280,6 +295,7 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
             workers[worker_id].scheduler.add_request(request)
         except OverloadedError:
             spills["worker_refused"] += 1
+            sim_request.affinity_hold = None  # re-admitted without the refuser: a fresh hold, as router_core
             return try_dispatch(sim_request, exclude | {worker_id})
         sent_since_poll[worker_id] += costs[worker_id]
         sim_request.sent_at, sim_request.cost_tokens = clock.now, costs[worker_id]
@@ -293,8 +309,17 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
         return True
 
     def pump() -> None:
-        while queue and try_dispatch(queue[0]):
-            queue.popleft()
+        """In order, as the router's queue: a request holding out is stepped over, the first that
+        fits nowhere stops it."""
+        index = 0
+        while index < len(queue):
+            outcome = try_dispatch(queue[index])
+            if outcome is False:
+                break
+            if outcome is None:
+                index += 1
+                continue
+            del queue[index]
 
     def arrive(sim_request: _SimRequest) -> None:
         sim_request.arrival_s = clock.now
@@ -382,7 +407,8 @@ def _result(policy, cluster, workload, workers, finished, spills, sim_s, wall_s,
         sim_duration_s=sim_s, wall_s=wall_s,
         oracle_hit_rate=oracle_hit_rate([r.prompt for r in sorted(finished, key=lambda r: r.arrival_s)],
                                         cluster.block_size),
-        routing_paths=dict(paths))
+        routing_paths=dict(paths), affinity_waits=spills["affinity_waits"],
+        affinity_timeouts=spills["affinity_timeouts"])
 
 
 def measure_cost_model(model: dict | None = None, prefill_tokens: int = 512, decode_batch: int = 8,
@@ -454,13 +480,15 @@ def replay_campaign(spec_path: str, cost: CostModel, router: RouterConfig,
 
 def markdown_table(results: Sequence[SimResult]) -> str:
     lines = ["| workers | load | policy | hit rate (oracle) | TTFT P50 (ms) | TTFT P90 (ms) | computed max/min "
-             "| spills (router / worker) | families on >1 worker | max workers per family |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| spills (router / worker) | affinity waits (timed out) | families on >1 worker "
+             "| max workers per family |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r.num_workers} | {r.load} | {r.policy} | {r.hit_rate:.3f} ({r.oracle_hit_rate:.3f}) "
                      f"| {r.ttft_p50_ms:.0f} "
                      f"| {r.ttft_p90_ms:.0f} | {r.computed_max_over_min:.2f} | {r.spills_router} / "
-                     f"{r.spills_worker_refused} | {r.families_on_more_than_one} | {r.max_workers_per_family} |")
+                     f"{r.spills_worker_refused} | {r.affinity_waits} ({r.affinity_timeouts}) "
+                     f"| {r.families_on_more_than_one} | {r.max_workers_per_family} |")
     return "\n".join(lines)
 
 
@@ -490,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--imbalance-abs-tokens", type=int, default=RouterConfig.imbalance_abs_tokens)
     parser.add_argument("--imbalance-margin-requests", type=float, default=RouterConfig.imbalance_margin_requests,
                         help="the margin is at least this many mean requests (0: abs tokens only)")
+    parser.add_argument("--affinity-wait-s", type=float, default=RouterConfig.affinity_wait_s,
+                        help="router.affinity_wait_s (0: spill at once)")
     parser.add_argument("--measure", action="store_true",
                         help="measure the cost model on the real engine (embedded SmolLM2) first and use it")
     parser.add_argument("--seed", type=int, default=0)
@@ -504,7 +534,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"measured cost model: {cost}", flush=True)
     loads = [dict(qps=q) for q in args.qps] if args.qps else [dict(concurrency=c) for c in (args.concurrency or [4])]
     router = RouterConfig(imbalance_abs_tokens=args.imbalance_abs_tokens,
-                          imbalance_margin_requests=args.imbalance_margin_requests)
+                          imbalance_margin_requests=args.imbalance_margin_requests,
+                          affinity_wait_s=args.affinity_wait_s)
     results = replay_campaign(args.replay_campaign, cost, router, args.concurrency, args.num_requests) \
         if args.replay_campaign else []
     for num_workers in ([] if args.replay_campaign else args.workers):

@@ -151,8 +151,10 @@ from kvmesh.core.errors import (
 
 logger = logging.getLogger(__name__)
 
-# route(eligible workers, in-flight tokens per worker) -> chosen worker id (one of eligible)
-RouteFn = Callable[[list[WorkerStats], Mapping[str, int]], str]
+# route(eligible workers, in-flight tokens per worker) -> chosen worker id (one of eligible),
+# or None to hold out: none of them suits the request yet (router/affinity_wait.py), so it
+# waits in the queue without holding up the waiters behind it (see _pump)
+RouteFn = Callable[[list[WorkerStats], Mapping[str, int]], str | None]
 # cost_for(worker id) -> KV tokens the request would newly reserve there (its cached prefix off)
 CostFn = Callable[[str], int]
 
@@ -241,6 +243,14 @@ class _Waiter:
     # A ladder step that fits but for admissions the workers' reports may already count: it
     # waits for those to settle, and is refused as soon as it would not fit even without them.
     until_settled: bool = False
+    holding: bool = False  # its route held out at the last try: it does not hold up those behind it
+
+
+class _Held:
+    """What _try_admit returns when the request fits somewhere but its route held out."""
+
+
+HELD = _Held()
 
 
 def _enqueue(lane: collections.deque, waiter: _Waiter) -> None:
@@ -289,6 +299,9 @@ class AdmissionController:
         self._stats: dict[str, WorkerStats] = {}
         self._last_place = -math.inf  # see now()
         self._reported_at: dict[str, float] = {}  # worker id -> when its current stats were requested
+        # Workers whose own admission just refused a request this router thought fitted: their
+        # figures are known wrong, so nothing goes there until a report requested after that.
+        self._refused_at: dict[str, float] = {}
         self._pending: dict[str, list[AdmissionTicket]] = collections.defaultdict(list)  # sent since refresh
         # Tickets released after the worker's report surely counted them (see "Released
         # requests"): credited against that report until a report requested after the release.
@@ -313,6 +326,8 @@ class AdmissionController:
             if self._stats.get(w.worker_id) is not w:
                 self._reported_at[w.worker_id] = taken_at
         self._stats = {w.worker_id: w for w in workers}
+        for worker_id in [w for w, at in self._refused_at.items() if at <= taken_at]:
+            del self._refused_at[worker_id]
         for worker_id in list(self._released):
             reported_at = self._reported_at.get(worker_id, -math.inf) if worker_id in self._stats else math.inf
             kept_released = [entry for entry in self._released[worker_id] if entry[0] >= reported_at]
@@ -377,12 +392,14 @@ class AdmissionController:
         place = self.now() if queued_since is None else queued_since
         slots = self.retry_slots if attempt > 1 else self.first_slots
         ahead = self._waiters_ahead(lane, priority_class, place, exclude)
-        retry_held = attempt > 1 and bool(self._first_lane)
+        retry_held = attempt > 1 and any(not w.holding for w in self._first_lane)
+        held = False
         if not ahead and not retry_held:  # admit at once if it fits
             ticket = self._try_admit(cost_tokens, attempt, route, queued_since=queued_since, cost_for=cost_for,
                                      priority_class=priority_class)
-            if ticket is not None:
+            if isinstance(ticket, AdmissionTicket):
                 return ticket
+            held = ticket is HELD
         if max_wait_s == 0:
             # Behind other try-nows waiting for the same reports (requests stepping down
             # together) it waits with them, in order; behind a real queue it is refused.
@@ -396,13 +413,23 @@ class AdmissionController:
         if deadline_s is not None and self._config.deadline_shedding:
             self._shed_if_deadline_unmeetable(cost_tokens, lane, deadline_s, priority_class)
         return await self._wait(lane, cost_tokens, attempt, route, deadline_s, cost_for, priority_class, max_wait_s,
-                                place, exclude)
+                                place, exclude, holding=held)
 
     # ---- queries --------------------------------------------------------------------------
 
     def in_flight_tokens(self) -> dict[str, int]:
         """Tokens admitted per worker since its stats were taken (add them to its load)."""
         return {w: sum(t.cost_tokens for t in ts) for w, ts in self._pending.items()}
+
+    def note_refusal(self, worker_id: str) -> None:
+        """The worker's own admission refused a request this router sent it: its figures here
+        are behind (a full budget, or a prefix it has evicted), so no request goes there until
+        its next report (requested after now) shows what it really holds."""
+        self._refused_at[worker_id] = self._clock()
+
+    def healthy_stats(self) -> list[WorkerStats]:
+        """The healthy workers' latest reports."""
+        return self._healthy()
 
     def mean_admitted_tokens(self) -> float:
         """Mean cost of the recent tickets (0.0 before any): what one admitted request adds to
@@ -467,14 +494,16 @@ class AdmissionController:
                   as_reported: bool = False) -> tuple[list[WorkerStats], dict[str, int]]:
         """The healthy workers the request fits on (within its class's share), and its cost on each."""
         costs = {w.worker_id: cost_for(w.worker_id) if cost_for else cost_tokens for w in self._healthy()}
-        eligible = [w for w in self._healthy() if self._fits(w, costs[w.worker_id], priority_class, as_reported)]
+        eligible = [w for w in self._healthy() if w.worker_id not in self._refused_at
+                    and self._fits(w, costs[w.worker_id], priority_class, as_reported)]
         return eligible, costs
 
     def _waiters_ahead(self, lane: collections.deque, priority_class: int, place: float,
                        exclude: frozenset[str]) -> list[_Waiter]:
         """The waiters ahead of `place` in `lane` that could take a worker this request could."""
         usable = {w.worker_id for w in self._healthy()} - exclude
-        return [w for w in lane if (w.priority_class, w.enqueued_at) <= (priority_class, place) and usable - w.exclude]
+        return [w for w in lane if (w.priority_class, w.enqueued_at) <= (priority_class, place) and usable - w.exclude
+                and not w.holding]
 
     def _retry_budget_allows(self, cost_tokens: int) -> bool:
         if self._retry_tokens_live == 0:
@@ -484,7 +513,8 @@ class AdmissionController:
 
     def _try_admit(self, cost_tokens: int, attempt: int, route: RouteFn | None,
                    queued_since: float | None, cost_for: CostFn | None = None,
-                   priority_class: int = 0) -> AdmissionTicket | None:
+                   priority_class: int = 0) -> AdmissionTicket | _Held | None:
+        """A ticket, None (it fits nowhere now), or HELD (its route held out)."""
         if attempt > 1 and not self._retry_budget_allows(cost_tokens):
             return None
         eligible, costs = self._eligible(cost_tokens, cost_for, priority_class)
@@ -495,6 +525,8 @@ class AdmissionController:
             worker_id = max(eligible, key=lambda w: w.kv_tokens_capacity - self._committed(w.worker_id)).worker_id
         else:
             worker_id = route(eligible, self.in_flight_tokens())
+            if worker_id is None:
+                return HELD
             if worker_id not in {w.worker_id for w in eligible}:
                 raise ValueError(f"route chose {worker_id!r}, not one of the workers with room")
         now = self._clock()
@@ -525,9 +557,11 @@ class AdmissionController:
     async def _wait(self, lane: collections.deque, cost_tokens: int, attempt: int, route: RouteFn | None,
                     deadline_s: float | None, cost_for: CostFn | None = None,
                     priority_class: int = 0, max_wait_s: float | None = None, place: float | None = None,
-                    exclude: frozenset[str] = frozenset(), until_settled: bool = False) -> AdmissionTicket:
+                    exclude: frozenset[str] = frozenset(), until_settled: bool = False,
+                    holding: bool = False) -> AdmissionTicket:
         waiter = _Waiter(cost_tokens, attempt, route, self._clock() if place is None else place,
-                         asyncio.get_running_loop().create_future(), cost_for, priority_class, exclude, until_settled)
+                         asyncio.get_running_loop().create_future(), cost_for, priority_class, exclude, until_settled,
+                         holding)
         _enqueue(lane, waiter)
         if lane[0] is waiter:
             self._pump()  # ahead of everyone waiting: it may fit where the old head did not
@@ -575,25 +609,34 @@ class AdmissionController:
         first attempt is waiting: under overload the retry lane is the one that times out."""
         healthy = bool(self._healthy())
         for lane in (self._first_lane, self._retry_lane):
-            while lane and not (lane is self._retry_lane and self._first_lane):
-                head = lane[0]
+            if lane is self._retry_lane and any(not w.holding for w in self._first_lane):
+                continue
+            # In order; a waiter whose route holds out is stepped over (it waits for its own
+            # workers, which the ones behind it need not), the first that fits nowhere stops it.
+            index = 0
+            while index < len(lane):
+                head = lane[index]
                 if head.future.done():
-                    lane.popleft()
+                    del lane[index]
                     continue
                 if not healthy:
-                    lane.popleft()
+                    del lane[index]
                     head.future.set_exception(WorkerFailedError("no healthy worker left while queued"))
                     continue
                 try:
                     ticket = self._try_admit(head.cost_tokens, head.attempt, head.route, head.enqueued_at,
                                              head.cost_for, head.priority_class)
                 except Exception as exc:  # a failing route callback fails its own request only
-                    lane.popleft()
+                    del lane[index]
                     head.future.set_exception(exc)
+                    continue
+                head.holding = ticket is HELD
+                if head.holding:
+                    index += 1
                     continue
                 if ticket is None:
                     break
-                lane.popleft()
+                del lane[index]
                 head.future.set_result(ticket)
         self._settle_try_now_waiters()
 

@@ -85,6 +85,7 @@ REJECTION_REASONS = ("quota", "overload", "deadline", "evicted", "invalid", "una
 TIMEOUT_STAGES = ("admission", "stream")
 FINISH_TIMEOUT = "timeout"  # finish_reason label of a request whose deadline passed (not an error)
 SPILL_REASONS = ("preferred_full", "worker_refused")
+AFFINITY_WAIT_OUTCOMES = ("room", "timed_out")  # router/affinity_wait.py
 ROUTING_PATHS = tuple(path.value for path in RoutingPath)
 
 # Seconds. Latency buckets span 1 ms (CPU decode step) to 5 min (long generations in a queue).
@@ -160,6 +161,13 @@ class RouterMetrics:
             "Requests sent to another worker than their cached prefix's because that one was full "
             "(preferred_full: no budget in the router's view; worker_refused: its own admission said no).",
             "reason", SPILL_REASONS)
+        self.affinity_waits = counter_by(
+            "routing_affinity_waits",
+            "Requests that waited for room on the worker holding their cached prefix instead of spilling "
+            "(router.affinity_wait_s), by outcome (room: it came in time; timed_out: spilled after the wait).",
+            "outcome", AFFINITY_WAIT_OUTCOMES)
+        self.affinity_wait_seconds = Counter(PREFIX + "routing_affinity_wait_seconds",
+                                             "Seconds requests spent in the affinity wait.", registry=r)
         self.stream_resumptions = counter_by(
             "stream_resumptions",
             "Streams whose worker failed after output had reached the client, continued on another worker "
@@ -240,6 +248,12 @@ class RouterMetrics:
         if reason not in SPILL_REASONS:
             raise ValueError(f"spill reason must be one of {SPILL_REASONS}, got {reason!r}")
         self.routing_spills.labels(reason).inc()
+
+    def observe_affinity_wait(self, outcome: str, seconds: float) -> None:
+        if outcome not in AFFINITY_WAIT_OUTCOMES:
+            raise ValueError(f"affinity wait outcome must be one of {AFFINITY_WAIT_OUTCOMES}, got {outcome!r}")
+        self.affinity_waits.labels(outcome).inc()
+        self.affinity_wait_seconds.inc(seconds)
 
     def observe_route(self, path: str) -> None:
         if path not in ROUTING_PATHS:

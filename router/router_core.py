@@ -46,7 +46,7 @@ from kvmesh.core import telemetry
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.kv.output_estimate import OutputLengthEstimator
-from kvmesh.router import degradation, request_rules, tracing
+from kvmesh.router import affinity_wait, degradation, request_rules, tracing
 from kvmesh.router.admission import AdmissionController, AdmissionTicket, cost_with_cached_prefix, request_cost_tokens
 from kvmesh.router.auth import Authenticator
 from kvmesh.router.convert import InboundRequest
@@ -280,7 +280,13 @@ class RouterCore:
             request.tenant_id, sampling.max_tokens)
         whole_cost = request_cost_tokens(num_prompt, sampling, block_size=block_size, output_tokens=output)
 
-        def route(eligible: list[WorkerStats], in_flight) -> str:
+        # A try-now step of the degradation ladder does not wait for its prefix's worker.
+        hold = affinity_wait.AffinityHold(matched, self.config.router, exclude) if max_wait_s != 0 else None
+
+        def route(eligible: list[WorkerStats], in_flight) -> str | None:
+            if hold is not None and hold.holds(eligible, self.admission.healthy_stats(), self._rng, in_flight,
+                                               self.admission.mean_admitted_tokens()):
+                return None  # wait in the queue for room on the prefix's worker
             with self._tracer.start_as_current_span(tracing.SPAN_ROUTE, context=parent) as span:
                 # The margin's mean request in the load's unit: what admissions cost their
                 # workers (a cache hit its tail), not the request's whole KV size.
@@ -292,16 +298,22 @@ class RouterCore:
                 tracing.set_route_candidates(span, decision, matched, eligible, in_flight)
             if is_spill(matched, eligible, decision.worker_id):
                 self.metrics.observe_spill("preferred_full")
+            waited = hold.outcome(decision.worker_id) if hold is not None else None
+            if waited is not None:
+                self.metrics.observe_affinity_wait(waited.value, time.monotonic() - hold.started_at)
             self.metrics.observe_route(decision.path.value)
             decisions.append(decision)
             return decision.worker_id
 
+        priority_class = request.priority if request.priority_class is None else request.priority_class
+
+        def cost_for(worker_id: str) -> int:
+            return cost_with_cached_prefix(num_prompt, sampling, block_size, matched.get(worker_id, 0), output)
+
         ticket = await self.admission.acquire(
             whole_cost, attempt=request.attempt,
-            route=route, deadline_s=request.deadline_s, exclude=exclude,
-            priority_class=request.priority if request.priority_class is None else request.priority_class,
-            max_wait_s=max_wait_s, queued_since=queued_since,
-            cost_for=lambda w: cost_with_cached_prefix(num_prompt, sampling, block_size, matched.get(w, 0), output))
+            route=route, deadline_s=request.deadline_s, exclude=exclude, priority_class=priority_class,
+            max_wait_s=max_wait_s, queued_since=queued_since, cost_for=cost_for)
         if hashes:  # the family's next request follows this one before the worker reports it
             token = index.add_in_flight(ticket.worker_id, hashes)
             # Its worker frees its blocks less those other requests running there still hold.
@@ -405,6 +417,10 @@ class RouterCore:
             logger.exception("settling reservation %s failed", reservation.reservation_id)
 
 
+# Re-admissions of one request after workers' own admission refused it (each refusal makes
+# the router's view of that worker fresh before it is tried again, see note_refusal).
+WORKER_REFUSAL_REROUTES = 2
+
 _REJECTION_REASON = {UnauthenticatedError: "unauthenticated", InvalidRequestError: "invalid",
                      QuotaExceededError: "quota"}
 
@@ -464,6 +480,7 @@ class RequestStream:
         streamed_ids: list[int] = []  # n = 1: the output so far, what a resumption starts from
         streamed_chars = 0
         reroutes_left, resumptions_left = 1, core.config.router.max_stream_resumptions
+        refusals_left = WORKER_REFUSAL_REROUTES
         final: RequestDelta | None = None
         try:
             while True:
@@ -479,6 +496,7 @@ class RequestStream:
                     return
                 except (WorkerFailedError, OverloadedError) as exc:
                     others = core._others_routable(self.worker_id, self._on_fallback)
+                    refused = isinstance(exc, OverloadedError) and not streamed_tokens
                     if streamed_tokens:
                         resumable = (isinstance(exc, WorkerFailedError) and resumptions_left > 0
                                      and self._request.sampling.n == 1 and others
@@ -498,19 +516,27 @@ class RequestStream:
                     else:
                         # With no other routable worker of its pool a re-route would only queue
                         # for the worker that just refused or failed: the error goes back now.
-                        if reroutes_left == 0 or not others:
+                        if (refusals_left if refused else reroutes_left) == 0 or not others:
                             raise
-                        reroutes_left -= 1
-                        # Nothing reached the client: re-route once rather than fail it. A worker
-                        # whose own admission refused (its budget filled before the router's view
-                        # caught up) spills the request to another worker with room.
-                        logger.warning("worker %s %s before request %s produced output; re-routing", self.worker_id,
-                                       "refused" if isinstance(exc, OverloadedError) else "failed", self.request_id)
-                        if isinstance(exc, OverloadedError):
+                        # Nothing reached the client: re-route rather than fail it. A failed
+                        # worker is left out. A worker whose own admission refused (the router's
+                        # view of it was behind: its budget filled, or a prefix the router counted
+                        # as cached there was evicted) is left out only until its next report:
+                        # the request goes to another worker with room, or waits at the router
+                        # for one (that worker included, once its report shows room), instead of
+                        # bouncing to the client when the other worker is full too.
+                        if refused:
+                            refusals_left -= 1
+                            core.admission.note_refusal(self.worker_id)
                             core.metrics.observe_spill("worker_refused")
+                        else:
+                            reroutes_left -= 1
+                        logger.warning("worker %s %s before request %s produced output; re-routing", self.worker_id,
+                                       "refused" if refused else "failed", self.request_id)
                     self._ticket.release()
                     self.decision, self._ticket, self._request = await core._admit(
-                        self._request, frozenset({self.worker_id}), fallback=self._on_fallback)
+                        self._request, frozenset() if refused else frozenset({self.worker_id}),
+                        fallback=self._on_fallback)
         finally:
             # Everything synchronous first: a client that goes away cancels this task, and a
             # second cancel arriving during the await below must not skip the metrics or spans.

@@ -361,3 +361,81 @@ def test_a_worker_that_refuses_spills_the_request_to_one_with_room_and_the_clien
     assert len(recorder.calls["refused-once"]) == 1  # one client attempt: the spill happened inside the router
     assert served.worker_id == "worker-1" and served.completion_tokens == MAX_TOKENS
     assert refusals - refusals_before == 1
+
+
+
+def _start_streams(client: KvmeshClient, prompts: list[list[int]], max_tokens: int, tag: str) -> list:
+    """Send the requests through the router and return once each has streamed its first
+    token, leaving them running (the threads finish their streams)."""
+    import threading
+
+    started = [threading.Event() for _ in prompts]
+
+    def run(slot: int) -> None:
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        for _ in client.generate(prompt_token_ids=prompts[slot], sampling=sampling, request_id=f"{tag}-{slot}",
+                                 timeout_s=120):
+            started[slot].set()
+
+    threads = [threading.Thread(target=run, args=(slot,), daemon=True) for slot in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for event in started:
+        assert event.wait(60), "a long request never started"
+    return threads
+
+
+@pytest.mark.parametrize("affinity_wait_s", [30.0, 0.0])
+def test_a_request_waits_for_room_on_its_prefix_worker_instead_of_spilling(cluster, affinity_wait_s):
+    """The family's worker has no KV budget left for a moment: two of the family's own long
+    requests run there (the prefix's 12 blocks, pinned once, and 8 output blocks each: 28 of
+    28). A third request of the family would cost 1 block there and its whole prompt (13)
+    on the other worker, which has room. With the affinity wait (router.affinity_wait_s) it
+    waits for one of them to end and hits its prefix at home; without it (0, the control)
+    it spills at once and computes the whole prompt on the other worker. All three go
+    through the router, so it knows the home worker's budget from its own tickets and the
+    worker's reports."""
+    seed = 47 if affinity_wait_s else 48
+    config = _deploy(cluster, policy="prefix_aware", stats_refresh_s=0.02, affinity_wait_s=affinity_wait_s)
+    metrics_url = f"http://127.0.0.1:{config.router.http_port}"
+    before = settled_scrape(metrics_url)
+    prefix = _families(seed)[0]
+    recorder = _WorkerRecorder()
+    with _client(config, recorder) as client:  # the family's first request places its prefix
+        _wait_for(lambda: _router_sees(client, cached_families=0), what="the router to see both workers idle")
+        seen = _event_seq(client)
+        home = _send(client, recorder, f"first-{seed}", 0, prefix + list(range(2100, 2100 + SUFFIX_TOKENS))).worker_id
+        _wait_for(lambda: _event_seq(client) > seen, what="the router to see the prefix's blocks")
+    other = "worker-1" if home == "worker-0" else "worker-0"
+    long_max_tokens = 20 * BLOCK_SIZE - len(prefix) - SUFFIX_TOKENS  # 320 tokens = 20 blocks each
+    recorder = _WorkerRecorder()
+    with _client(config, recorder) as client:
+        # One after the other, so the router's view of the first is its worker's report, not
+        # also its own ticket: the ticket is counted until a report one refresh (20 ms) later
+        # ("In-flight accounting", router/admission.py), and the second would spill on that.
+        long_ones = _start_streams(client, [prefix + [3000] * SUFFIX_TOKENS], long_max_tokens, f"long-{seed}-0")
+        time.sleep(0.1)
+        long_ones += _start_streams(client, [prefix + [3001] * SUFFIX_TOKENS], long_max_tokens, f"long-{seed}-1")
+        served = _send(client, recorder, f"affinity-{seed}", 0, prefix + list(range(2000, 2000 + SUFFIX_TOKENS)))
+        for thread in long_ones:
+            thread.join(120)
+    long_workers = {recorder.worker_of(f"long-{seed}-{i}-0") for i in range(2)}
+    assert long_workers == {home}, f"the family's long requests ran on {long_workers}, its home is {home}"
+    after = settled_scrape(metrics_url)
+
+    def delta(name: str, **labels) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    measured = (f"served on {served.worker_id} (home {home}), cached {served.cached_tokens}, waits "
+                f"{[delta('kvmesh_routing_affinity_waits_total', outcome=o) for o in ('room', 'timed_out')]} "
+                f"({delta('kvmesh_routing_affinity_wait_seconds_total'):.3f} s), spills "
+                f"{delta('kvmesh_routing_spills_total', reason='preferred_full')}")
+    print(f"\nMEASURED affinity_wait_s={affinity_wait_s}: {measured}")
+    assert served.completion_tokens == MAX_TOKENS, measured
+    if affinity_wait_s:
+        assert served.worker_id == home and served.cached_tokens >= PREFIX_TOKENS, measured
+        assert delta("kvmesh_routing_affinity_waits_total", outcome="room") >= 1, measured
+        assert delta("kvmesh_routing_spills_total", reason="preferred_full") == 0, measured
+    else:
+        assert served.worker_id == other and served.cached_tokens < PREFIX_TOKENS, measured
+        assert delta("kvmesh_routing_spills_total", reason="preferred_full") == 1, measured

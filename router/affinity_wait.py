@@ -1,0 +1,92 @@
+"""The affinity wait: a request whose cached prefix lives on a worker with no KV budget left
+waits a little for room there, instead of spilling at once to a worker that must compute the
+whole prompt.
+
+Why: under load a family's worker is often full for a moment (its running requests end
+within a step or two), and admission used to send the family's next request to whichever
+worker had room first (a `preferred_full` spill), on arrival or from the queue. The request
+then computed its whole prefix there, and the family lived on both workers from then on,
+each caching a copy: the 2-worker routing campaign at 16 in flight split 4-5 of its 6
+families that way, all by full budgets, none by the load guard (docs/routing.md, "Third #16
+round").
+
+The rule, applied by the request's route callback each time admission offers it workers
+with room (router_core._admit, on arrival and at every pump of the queue):
+
+- its longest cached prefix is on workers that are not among those offered (no room for it
+  now): taking one offered would be a spill;
+- the routing policy, shown every healthy worker regardless of budget, would still pick one
+  of those preferred workers by prefix match: the load guard (router/routing.py) would not
+  move the request anyway. A worker that is really overloaded is left as before;
+- then the route holds out (returns None): the request waits in the admission queue at its
+  place, stepped over by the waiters behind it (they may take the other workers), until a
+  preferred worker has room (taken at once), or `router.affinity_wait_s` has passed since
+  it first held out, after which it is routed as before (a spill). Its own queue limits
+  (max_queue_wait_s, its deadline) still apply.
+
+So a hold costs at most `affinity_wait_s` (plus one stats refresh, the next pump) of TTFT and
+saves the other worker a whole-prompt prefill and a second copy of the prefix. 0 turns it off.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from kvmesh.core.config import RouterConfig
+from kvmesh.core.seams import WorkerStats
+from kvmesh.router.routing import RoutingPath, choose_worker
+
+
+class AffinityWaitOutcome(str, enum.Enum):
+    ROOM = "room"  # a preferred worker had room within the wait: the request went there
+    TIMED_OUT = "timed_out"  # the wait ran out: the request spilled
+
+
+def preferred_workers(matched_blocks: Mapping[str, int], exclude: frozenset[str] = frozenset()) -> set[str]:
+    """The workers holding the request's longest cached prefix (none when nothing matched)."""
+    matching = {w: n for w, n in matched_blocks.items() if n > 0 and w not in exclude}
+    if not matching:
+        return set()
+    top = max(matching.values())
+    return {w for w, n in matching.items() if n == top}
+
+
+class AffinityHold:
+    """One request's affinity wait, asked by its route callback at every offer of workers."""
+
+    def __init__(self, matched_blocks: Mapping[str, int], config: RouterConfig, exclude: frozenset[str] = frozenset(),
+                 clock: Callable[[], float] = time.monotonic):
+        self._matched = matched_blocks
+        self._config = config
+        self._exclude = exclude
+        self._clock = clock
+        self._preferred = preferred_workers(matched_blocks, exclude) if config.affinity_wait_s > 0 else set()
+        self._until: float | None = None  # when the hold runs out; -inf once it never applies
+        self.started_at: float | None = None  # when it first held out (None: it never did)
+
+    def holds(self, offered: Sequence[WorkerStats], healthy: Sequence[WorkerStats], rng: random.Random,
+              in_flight_tokens: Mapping[str, int], mean_request_tokens: float) -> bool:
+        """True: hold out rather than take one of `offered` (the workers with room now).
+        `healthy`: every healthy worker, for the load guard's verdict without the budgets."""
+        if not self._preferred or self._preferred & {w.worker_id for w in offered}:
+            return False
+        now = self._clock()
+        if self._until is None:  # first time it would spill: only for budget's sake
+            candidates = [w for w in healthy if w.worker_id not in self._exclude]
+            decision = choose_worker(self._matched, candidates, self._config, rng, None, in_flight_tokens,
+                                     mean_request_tokens)
+            if decision.path is RoutingPath.PREFIX_MATCH and decision.worker_id in self._preferred:
+                self._until, self.started_at = now + self._config.affinity_wait_s, now
+            else:
+                self._until = -math.inf  # the load guard moves it anyway: waiting only delays the spill
+        return now < self._until
+
+    def outcome(self, chosen: str) -> AffinityWaitOutcome | None:
+        """How the wait ended for a request routed to `chosen` (None: it never waited)."""
+        if self.started_at is None:
+            return None
+        return AffinityWaitOutcome.ROOM if chosen in self._preferred else AffinityWaitOutcome.TIMED_OUT

@@ -1,0 +1,121 @@
+"""router/affinity_wait.py and the admission queue's holds: a request whose prefix worker is
+full waits for room there instead of spilling, only when budget is the one obstacle, never
+past its bound, and without holding up the requests behind it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from kvmesh.core.config import RouterConfig
+from kvmesh.router.admission import AdmissionController
+from kvmesh.router.affinity_wait import AffinityHold, AffinityWaitOutcome, preferred_workers
+from kvmesh.core.seams import WorkerStats
+
+
+def stats(worker_id, reserved=0, capacity=1000, to_compute=0):
+    return WorkerStats(worker_id=worker_id, healthy=True, block_size=16, num_blocks_total=capacity // 16,
+                       num_blocks_used=0, num_blocks_cached=0, num_blocks_free=capacity // 16,
+                       kv_tokens_used=reserved, kv_tokens_capacity=capacity, kv_tokens_reserved=reserved,
+                       num_running=0, num_waiting=0, queued_prompt_tokens=0, prefix_cache_hit_rate=0.0,
+                       output_tokens_per_s=50.0, tokens_to_compute=to_compute)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+# w0 holds 30 blocks of the prompt: there the request costs 100 tokens, elsewhere 580.
+MATCHED = {"w0": 30}
+
+
+def cost_for(worker_id):
+    return 100 if worker_id == "w0" else 580
+
+
+def test_preferred_workers_are_the_longest_matches_left_after_exclusion():
+    assert preferred_workers({"w0": 30, "w1": 30, "w2": 4}) == {"w0", "w1"}
+    assert preferred_workers({"w0": 30, "w1": 4}, exclude=frozenset({"w0"})) == {"w1"}
+    assert preferred_workers({"w0": 0}) == set()
+
+
+def test_holds_only_when_budget_alone_would_spill_and_only_for_affinity_wait_s():
+    rng, clock, config = random.Random(0), FakeClock(), RouterConfig(affinity_wait_s=1.0)
+    w0, w1 = stats("w0", reserved=950), stats("w1")
+    hold = AffinityHold(MATCHED, config, clock=clock)
+    assert not hold.holds([w0, w1], [w0, w1], rng, {}, 0.0)  # its worker is offered: no wait
+    assert hold.holds([w1], [w0, w1], rng, {}, 0.0)  # only the other one: wait
+    assert hold.outcome("w1") is AffinityWaitOutcome.TIMED_OUT and hold.outcome("w0") is AffinityWaitOutcome.ROOM
+    clock.now += 0.9
+    assert hold.holds([w1], [w0, w1], rng, {}, 0.0)
+    clock.now += 0.2  # the wait ran out: it spills
+    assert not hold.holds([w1], [w0, w1], rng, {}, 0.0)
+
+    # the load guard would move it anyway (w0 has far more work to compute): no wait at all
+    busy = stats("w0", reserved=950, to_compute=20_000)
+    hold = AffinityHold(MATCHED, config, clock=clock)
+    assert not hold.holds([w1], [busy, w1], rng, {}, 0.0) and hold.outcome("w1") is None
+    # switched off; nothing cached; the prefix's worker excluded (it refused this request)
+    assert not AffinityHold(MATCHED, RouterConfig(affinity_wait_s=0.0), clock=clock).holds([w1], [w0, w1], rng, {}, 0)
+    assert not AffinityHold({}, config, clock=clock).holds([w1], [w0, w1], rng, {}, 0.0)
+    assert not AffinityHold(MATCHED, config, frozenset({"w0"}), clock=clock).holds([w1], [w0, w1], rng, {}, 0.0)
+
+
+def _route_with_hold(admission, hold, rng, chosen):
+    def route(eligible, in_flight):
+        if hold.holds(eligible, admission.healthy_stats(), rng, in_flight, admission.mean_admitted_tokens()):
+            return None
+        picked = "w0" if "w0" in {w.worker_id for w in eligible} else eligible[0].worker_id
+        chosen.append(picked)
+        return picked
+    return route
+
+
+def test_a_held_request_waits_for_its_worker_without_holding_up_the_queue_behind_it():
+    async def main():
+        clock, rng = FakeClock(), random.Random(0)
+        config = RouterConfig(max_queue_wait_s=5.0, affinity_wait_s=1.0)
+        admission = AdmissionController(config, clock=clock)
+        admission.update_stats([stats("w0", reserved=850), stats("w1")])
+        filler = await admission.acquire(100, route=lambda eligible, _: "w0")  # w0 is now full for the family
+        chosen = []
+        family = asyncio.create_task(admission.acquire(
+            580, cost_for=cost_for, route=_route_with_hold(admission, AffinityHold(MATCHED, config, clock=clock),
+                                                           rng, chosen)))
+        await asyncio.sleep(0.01)
+        assert not family.done() and chosen == []  # held, though w1 had room
+        # a request behind it that w1 can take is not held up by it
+        other = await asyncio.wait_for(admission.acquire(580, route=lambda eligible, _: "w1"), 1.0)
+        assert other.worker_id == "w1"
+        filler.release()  # room on w0: the held request takes it at once
+        ticket = await asyncio.wait_for(family, 1.0)
+        assert ticket.worker_id == "w0" and ticket.cost_tokens == 100 and chosen == ["w0"]
+
+    asyncio.run(main())
+
+
+def test_a_held_request_spills_once_its_wait_runs_out():
+    async def main():
+        clock, rng = FakeClock(), random.Random(0)
+        config = RouterConfig(max_queue_wait_s=5.0, affinity_wait_s=1.0)
+        admission = AdmissionController(config, clock=clock)
+        full = [stats("w0", reserved=950), stats("w1")]
+        admission.update_stats(full)
+        hold = AffinityHold(MATCHED, config, clock=clock)
+        chosen = []
+        family = asyncio.create_task(admission.acquire(580, cost_for=cost_for,
+                                                       route=_route_with_hold(admission, hold, rng, chosen)))
+        await asyncio.sleep(0.01)
+        admission.update_stats(full)  # a report with w0 still full, within the wait: still held
+        await asyncio.sleep(0.01)
+        assert not family.done()
+        clock.now += 1.5
+        admission.update_stats(full)  # the next report after the wait ran out: it spills to w1
+        ticket = await asyncio.wait_for(family, 1.0)
+        assert ticket.worker_id == "w1" and chosen == ["w1"] and hold.outcome("w1") is AffinityWaitOutcome.TIMED_OUT
+
+    asyncio.run(main())
