@@ -21,8 +21,10 @@ What is real and what is simulated:
                the router's own CPU time are zero
 
 A worker that refuses a request (its exact admission disagrees with the router's stale view)
-makes the router spill it to another worker with room, as router_core does; a request no
-worker can take waits in the router's FIFO queue. Time is simulated (a heap of events), so a
+is left out until the next poll and the request is admitted afresh, as router_core does
+(admission.note_refusal; the router gives up after two such refusals, the simulator never
+does); a request no worker can take waits in the router's queue, in order, stepping over
+requests that hold out for their prefix's worker (the affinity wait, router/affinity_wait.py). Time is simulated (a heap of events), so a
 run of thousands of requests on 64 workers takes seconds to minutes of CPU, not hours.
 
 Figures per run (SimResult): prefix hit rate (cached prompt tokens / prompt tokens, as the
@@ -238,6 +240,7 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
     stats = {w: worker_stats(sim.scheduler, w) for w, sim in workers.items()}
     sent_since_poll: dict[str, int] = collections.Counter()  # the router's pending tickets per worker
     released_since_poll: dict[str, int] = collections.Counter()  # credited tickets (admission's "Released requests")
+    refused_since_poll: set[str] = set()  # workers whose own admission refused since the last poll
     last_poll_s = -math.inf
     requests = make_requests(workload, cluster.block_size)
     by_id: dict[str, _SimRequest] = {}
@@ -256,7 +259,7 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
         if duration is not None:
             push(clock.now + duration, "step_done", worker_id)
 
-    def try_dispatch(sim_request: _SimRequest, exclude: frozenset[str] = frozenset()) -> bool | None:
+    def try_dispatch(sim_request: _SimRequest) -> bool | None:
         """True: dispatched; False: no worker has room (it queues); None: it holds out for room
         on its prefix's worker (router/affinity_wait.py; it keeps its place in the queue)."""
         prompt_len = len(sim_request.prompt)
@@ -269,12 +272,12 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
         for worker_id, s in stats.items():
             cost = cost_with_cached_prefix(prompt_len, sampling, cluster.block_size, matched.get(worker_id, 0))
             committed = max(0, s.kv_tokens_reserved - released_since_poll[worker_id]) + sent_since_poll[worker_id]
-            if worker_id not in exclude and committed + cost <= s.kv_tokens_capacity:
+            if worker_id not in refused_since_poll and committed + cost <= s.kv_tokens_capacity:
                 eligible.append((s, cost))
         if not eligible:
             return False
         if sim_request.affinity_hold is None:  # as router_core: one per admission, from its first try
-            sim_request.affinity_hold = AffinityHold(matched, router, exclude, clock=clock)
+            sim_request.affinity_hold = AffinityHold(matched, router, clock=clock)
         if sim_request.affinity_hold.holds([s for s, _ in eligible], list(stats.values()), rng,
                                            dict(sent_since_poll), sizes.mean_tokens()):
             return None
@@ -295,8 +298,11 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
             workers[worker_id].scheduler.add_request(request)
         except OverloadedError:
             spills["worker_refused"] += 1
-            sim_request.affinity_hold = None  # re-admitted without the refuser: a fresh hold, as router_core
-            return try_dispatch(sim_request, exclude | {worker_id})
+            # As router_core: the refuser is left out until its next report (admission.note_refusal)
+            # and the request is admitted afresh (a fresh hold; it may wait for the refuser).
+            refused_since_poll.add(worker_id)
+            sim_request.affinity_hold = None
+            return try_dispatch(sim_request)
         sent_since_poll[worker_id] += costs[worker_id]
         sim_request.sent_at, sim_request.cost_tokens = clock.now, costs[worker_id]
         sizes.observe(costs[worker_id])  # as admission: the margin's unit is what each dispatch cost its worker
@@ -350,6 +356,7 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
                 stats[worker_id] = worker_stats(sim.scheduler, worker_id)
             sent_since_poll.clear()
             released_since_poll.clear()
+            refused_since_poll.clear()
             last_poll_s = at
             pump()
             push(at + cluster.stats_refresh_s, "poll")
