@@ -278,8 +278,9 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
             return False
         if sim_request.affinity_hold is None:  # as router_core: one per admission, from its first try
             sim_request.affinity_hold = AffinityHold(matched, router, clock=clock)
-        if sim_request.affinity_hold.holds([s for s, _ in eligible], list(stats.values()), rng,
-                                           dict(sent_since_poll), sizes.mean_tokens()):
+        if sim_request.affinity_hold.holds([s for s, _ in eligible],
+                                           lambda: (list(stats.values()), dict(sent_since_poll), sizes.mean_tokens()),
+                                           rng):
             return None
         costs = {s.worker_id: cost for s, cost in eligible}
         decision = choose_worker(matched, [s for s, _ in eligible], router, rng, cursor, dict(sent_since_poll),

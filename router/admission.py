@@ -151,10 +151,11 @@ from kvmesh.core.errors import (
 
 logger = logging.getLogger(__name__)
 
-# route(eligible workers, in-flight tokens per worker) -> chosen worker id (one of eligible),
-# or None to hold out: none of them suits the request yet (router/affinity_wait.py), so it
-# waits in the queue without holding up the waiters behind it (see _pump)
-RouteFn = Callable[[list[WorkerStats], Mapping[str, int]], str | None]
+# route(eligible workers, in-flight tokens per worker) -> chosen worker id (one of eligible)
+RouteFn = Callable[[list[WorkerStats], Mapping[str, int]], str]
+# hold(eligible workers) -> True to hold out: none of them suits the request yet
+# (router/affinity_wait.py), so it waits in the queue without holding up those behind it
+HoldFn = Callable[[list[WorkerStats]], bool]
 # cost_for(worker id) -> KV tokens the request would newly reserve there (its cached prefix off)
 CostFn = Callable[[str], int]
 
@@ -243,11 +244,12 @@ class _Waiter:
     # A ladder step that fits but for admissions the workers' reports may already count: it
     # waits for those to settle, and is refused as soon as it would not fit even without them.
     until_settled: bool = False
-    holding: bool = False  # its route held out at the last try: it does not hold up those behind it
+    hold: HoldFn | None = None
+    holding: bool = False  # it held out at the last try: it does not hold up those behind it
 
 
 class _Held:
-    """What _try_admit returns when the request fits somewhere but its route held out."""
+    """What _try_admit returns when the request fits somewhere but held out."""
 
 
 HELD = _Held()
@@ -357,7 +359,8 @@ class AdmissionController:
     async def acquire(self, cost_tokens: int, *, attempt: int = 1, route: RouteFn | None = None,
                       deadline_s: float | None = None, cost_for: CostFn | None = None,
                       exclude: frozenset[str] = frozenset(), priority_class: int = 0,
-                      max_wait_s: float | None = None, queued_since: float | None = None) -> AdmissionTicket:
+                      max_wait_s: float | None = None, queued_since: float | None = None,
+                      hold: HoldFn | None = None) -> AdmissionTicket:
         """Admit now, wait for room, or raise (OverloadedError, WorkerFailedError,
         InvalidRequestError, DeadlineExceededError). `deadline_s` is absolute time.time().
         `cost_tokens` is the whole cost (nothing cached); `cost_for(worker_id)`, when given,
@@ -378,7 +381,12 @@ class AdmissionController:
         refresh, see "In-flight accounting") does not get a refusal that is only an artefact of
         that double count: it waits at its place for the next reports and is admitted, or
         refused once it would not fit even without them. So does one that finds only such
-        waiters ahead of it; any other waiter ahead means a real queue: refused."""
+        waiters ahead of it; any other waiter ahead means a real queue: refused.
+
+        `hold(eligible)`: True while the request would rather wait than take any of the
+        workers with room (the affinity wait); it then queues at its place, stepped over by
+        the waiters behind it. A try-now never holds, nor does a request the queue has no slot
+        for (it takes what there is instead of being refused)."""
         healthy = self._healthy()
         if not healthy:
             raise WorkerFailedError("no healthy worker to admit the request to")
@@ -393,13 +401,21 @@ class AdmissionController:
         slots = self.retry_slots if attempt > 1 else self.first_slots
         ahead = self._waiters_ahead(lane, priority_class, place, exclude)
         retry_held = attempt > 1 and any(not w.holding for w in self._first_lane)
+        if max_wait_s == 0:
+            hold = None
         held = False
         if not ahead and not retry_held:  # admit at once if it fits
             ticket = self._try_admit(cost_tokens, attempt, route, queued_since=queued_since, cost_for=cost_for,
-                                     priority_class=priority_class)
+                                     priority_class=priority_class, hold=hold)
             if isinstance(ticket, AdmissionTicket):
                 return ticket
             held = ticket is HELD
+            if held and len(lane) >= slots:  # no slot to hold out in: take what has room now
+                ticket = self._try_admit(cost_tokens, attempt, route, queued_since=queued_since,
+                                         cost_for=cost_for, priority_class=priority_class)
+                if isinstance(ticket, AdmissionTicket):
+                    return ticket
+                held = False
         if max_wait_s == 0:
             # Behind other try-nows waiting for the same reports (requests stepping down
             # together) it waits with them, in order; behind a real queue it is refused.
@@ -413,7 +429,7 @@ class AdmissionController:
         if deadline_s is not None and self._config.deadline_shedding:
             self._shed_if_deadline_unmeetable(cost_tokens, lane, deadline_s, priority_class)
         return await self._wait(lane, cost_tokens, attempt, route, deadline_s, cost_for, priority_class, max_wait_s,
-                                place, exclude, holding=held)
+                                place, exclude, hold=hold, holding=held)
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -427,9 +443,10 @@ class AdmissionController:
         its next report (requested after now) shows what it really holds."""
         self._refused_at[worker_id] = self._clock()
 
-    def healthy_stats(self) -> list[WorkerStats]:
-        """The healthy workers' latest reports."""
-        return self._healthy()
+    def cluster_load(self) -> tuple[list[WorkerStats], dict[str, int], float]:
+        """The healthy workers' latest reports, the tokens admitted to each since, and the
+        mean admitted request: what the load guard weighs (router/affinity_wait.py)."""
+        return self._healthy(), self.in_flight_tokens(), self.mean_admitted_tokens()
 
     def mean_admitted_tokens(self) -> float:
         """Mean cost of the recent tickets (0.0 before any): what one admitted request adds to
@@ -513,20 +530,20 @@ class AdmissionController:
 
     def _try_admit(self, cost_tokens: int, attempt: int, route: RouteFn | None,
                    queued_since: float | None, cost_for: CostFn | None = None,
-                   priority_class: int = 0) -> AdmissionTicket | _Held | None:
-        """A ticket, None (it fits nowhere now), or HELD (its route held out)."""
+                   priority_class: int = 0, hold: HoldFn | None = None) -> AdmissionTicket | _Held | None:
+        """A ticket, None (it fits nowhere now), or HELD (`hold` said to wait)."""
         if attempt > 1 and not self._retry_budget_allows(cost_tokens):
             return None
         eligible, costs = self._eligible(cost_tokens, cost_for, priority_class)
         if not eligible:
             return None
         eligible.sort(key=lambda w: w.worker_id)
+        if hold is not None and hold(eligible):
+            return HELD
         if route is None:
             worker_id = max(eligible, key=lambda w: w.kv_tokens_capacity - self._committed(w.worker_id)).worker_id
         else:
             worker_id = route(eligible, self.in_flight_tokens())
-            if worker_id is None:
-                return HELD
             if worker_id not in {w.worker_id for w in eligible}:
                 raise ValueError(f"route chose {worker_id!r}, not one of the workers with room")
         now = self._clock()
@@ -558,10 +575,10 @@ class AdmissionController:
                     deadline_s: float | None, cost_for: CostFn | None = None,
                     priority_class: int = 0, max_wait_s: float | None = None, place: float | None = None,
                     exclude: frozenset[str] = frozenset(), until_settled: bool = False,
-                    holding: bool = False) -> AdmissionTicket:
+                    hold: HoldFn | None = None, holding: bool = False) -> AdmissionTicket:
         waiter = _Waiter(cost_tokens, attempt, route, self._clock() if place is None else place,
                          asyncio.get_running_loop().create_future(), cost_for, priority_class, exclude, until_settled,
-                         holding)
+                         hold, holding)
         _enqueue(lane, waiter)
         if lane[0] is waiter:
             self._pump()  # ahead of everyone waiting: it may fit where the old head did not
@@ -611,8 +628,8 @@ class AdmissionController:
         for lane in (self._first_lane, self._retry_lane):
             if lane is self._retry_lane and any(not w.holding for w in self._first_lane):
                 continue
-            # In order; a waiter whose route holds out is stepped over (it waits for its own
-            # workers, which the ones behind it need not), the first that fits nowhere stops it.
+            # In order; a waiter that holds out is stepped over (it waits for its own workers,
+            # which the ones behind it need not), the first that fits nowhere stops it.
             index = 0
             while index < len(lane):
                 head = lane[index]
@@ -625,7 +642,7 @@ class AdmissionController:
                     continue
                 try:
                     ticket = self._try_admit(head.cost_tokens, head.attempt, head.route, head.enqueued_at,
-                                             head.cost_for, head.priority_class)
+                                             head.cost_for, head.priority_class, head.hold)
                 except Exception as exc:  # a failing route callback fails its own request only
                     del lane[index]
                     head.future.set_exception(exc)

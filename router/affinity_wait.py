@@ -10,19 +10,20 @@ each caching a copy: the 2-worker routing campaign at 16 in flight split 4-5 of 
 families that way, all by full budgets, none by the load guard (docs/routing.md, "Third #16
 round").
 
-The rule, applied by the request's route callback each time admission offers it workers
-with room (router_core._admit, on arrival and at every pump of the queue):
+The rule, asked by admission (`acquire(hold=...)`) each time it would route the request to
+one of the workers with room (router_core._admit, on arrival and at every pump of the queue):
 
 - its longest cached prefix is on workers that are not among those offered (no room for it
   now): taking one offered would be a spill;
 - the routing policy, shown every healthy worker regardless of budget, would still pick one
   of those preferred workers by prefix match: the load guard (router/routing.py) would not
   move the request anyway. A worker that is really overloaded is left as before;
-- then the route holds out (returns None): the request waits in the admission queue at its
-  place, stepped over by the waiters behind it (they may take the other workers), until a
-  preferred worker has room (taken at once), or `router.affinity_wait_s` has passed since
-  it first held out, after which it is routed as before (a spill). Its own queue limits
-  (max_queue_wait_s, its deadline) still apply.
+- then it holds out: the request waits in the admission queue at its place, stepped over by
+  the waiters behind it (they may take the other workers), until a preferred worker has
+  room (taken at once), or `router.affinity_wait_s` has passed since it first held out
+  (never more than half the time left before its deadline), after which it is routed as
+  before (a spill). A degradation ladder's try-now step never holds, nor does a request the
+  queue has no slot for.
 
 So a hold costs at most `affinity_wait_s` (plus one stats refresh, the next pump) of TTFT and
 saves the other worker a whole-prompt prefill and a second copy of the prefix. 0 turns it off.
@@ -46,6 +47,10 @@ class AffinityWaitOutcome(str, enum.Enum):
     TIMED_OUT = "timed_out"  # the wait ran out: the request spilled
 
 
+# (healthy workers, the router's in-flight tokens per worker, its mean admitted request)
+ClusterLoad = tuple[Sequence[WorkerStats], Mapping[str, int], float]
+
+
 def preferred_workers(matched_blocks: Mapping[str, int], exclude: frozenset[str] = frozenset()) -> set[str]:
     """The workers holding the request's longest cached prefix (none when nothing matched)."""
     matching = {w: n for w, n in matched_blocks.items() if n > 0 and w not in exclude}
@@ -56,31 +61,40 @@ def preferred_workers(matched_blocks: Mapping[str, int], exclude: frozenset[str]
 
 
 class AffinityHold:
-    """One request's affinity wait, asked by its route callback at every offer of workers."""
+    """One request's affinity wait, asked by admission whenever it would route the request."""
 
     def __init__(self, matched_blocks: Mapping[str, int], config: RouterConfig, exclude: frozenset[str] = frozenset(),
-                 clock: Callable[[], float] = time.monotonic):
+                 deadline_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time):
         self._matched = matched_blocks
         self._config = config
         self._exclude = exclude
+        self._deadline_s = deadline_s  # the request's, absolute wall clock
         self._clock = clock
+        self._wall_clock = wall_clock
         self._preferred = preferred_workers(matched_blocks, exclude) if config.affinity_wait_s > 0 else set()
         self._until: float | None = None  # when the hold runs out; -inf once it never applies
         self.started_at: float | None = None  # when it first held out (None: it never did)
 
-    def holds(self, offered: Sequence[WorkerStats], healthy: Sequence[WorkerStats], rng: random.Random,
-              in_flight_tokens: Mapping[str, int], mean_request_tokens: float) -> bool:
+    def holds(self, offered: Sequence[WorkerStats], view: Callable[[], ClusterLoad], rng: random.Random) -> bool:
         """True: hold out rather than take one of `offered` (the workers with room now).
-        `healthy`: every healthy worker, for the load guard's verdict without the budgets."""
+        `view()`: every healthy worker with the router's in-flight tokens and mean admitted
+        request, for the load guard's verdict without the budgets (asked only the first time
+        the request would spill: the common case, its worker has room, costs a set lookup)."""
         if not self._preferred or self._preferred & {w.worker_id for w in offered}:
             return False
         now = self._clock()
         if self._until is None:  # first time it would spill: only for budget's sake
+            healthy, in_flight_tokens, mean_request_tokens = view()
             candidates = [w for w in healthy if w.worker_id not in self._exclude]
             decision = choose_worker(self._matched, candidates, self._config, rng, None, in_flight_tokens,
                                      mean_request_tokens)
             if decision.path is RoutingPath.PREFIX_MATCH and decision.worker_id in self._preferred:
-                self._until, self.started_at = now + self._config.affinity_wait_s, now
+                wait_s = self._config.affinity_wait_s
+                if self._deadline_s is not None:  # half the time left at most: a spill must still make it
+                    wait_s = min(wait_s, (self._deadline_s - self._wall_clock()) / 2)
+                self._until = now + wait_s if wait_s > 0 else -math.inf
+                self.started_at = now if wait_s > 0 else None
             else:
                 self._until = -math.inf  # the load guard moves it anyway: waiting only delays the spill
         return now < self._until

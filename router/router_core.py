@@ -280,13 +280,12 @@ class RouterCore:
             request.tenant_id, sampling.max_tokens)
         whole_cost = request_cost_tokens(num_prompt, sampling, block_size=block_size, output_tokens=output)
 
-        # A try-now step of the degradation ladder does not wait for its prefix's worker.
-        hold = affinity_wait.AffinityHold(matched, self.config.router, exclude) if max_wait_s != 0 else None
+        affinity = affinity_wait.AffinityHold(matched, self.config.router, exclude, deadline_s=request.deadline_s)
 
-        def route(eligible: list[WorkerStats], in_flight) -> str | None:
-            if hold is not None and hold.holds(eligible, self.admission.healthy_stats(), self._rng, in_flight,
-                                               self.admission.mean_admitted_tokens()):
-                return None  # wait in the queue for room on the prefix's worker
+        def hold(eligible: list[WorkerStats]) -> bool:  # wait in the queue for room on the prefix's worker
+            return affinity.holds(eligible, self.admission.cluster_load, self._rng)
+
+        def route(eligible: list[WorkerStats], in_flight) -> str:
             with self._tracer.start_as_current_span(tracing.SPAN_ROUTE, context=parent) as span:
                 # The margin's mean request in the load's unit: what admissions cost their
                 # workers (a cache hit its tail), not the request's whole KV size.
@@ -298,9 +297,9 @@ class RouterCore:
                 tracing.set_route_candidates(span, decision, matched, eligible, in_flight)
             if is_spill(matched, eligible, decision.worker_id):
                 self.metrics.observe_spill("preferred_full")
-            waited = hold.outcome(decision.worker_id) if hold is not None else None
+            waited = affinity.outcome(decision.worker_id)
             if waited is not None:
-                self.metrics.observe_affinity_wait(waited.value, time.monotonic() - hold.started_at)
+                self.metrics.observe_affinity_wait(waited.value, time.monotonic() - affinity.started_at)
             self.metrics.observe_route(decision.path.value)
             decisions.append(decision)
             return decision.worker_id
@@ -313,7 +312,7 @@ class RouterCore:
         ticket = await self.admission.acquire(
             whole_cost, attempt=request.attempt,
             route=route, deadline_s=request.deadline_s, exclude=exclude, priority_class=priority_class,
-            max_wait_s=max_wait_s, queued_since=queued_since, cost_for=cost_for)
+            max_wait_s=max_wait_s, queued_since=queued_since, cost_for=cost_for, hold=hold)
         if hashes:  # the family's next request follows this one before the worker reports it
             token = index.add_in_flight(ticket.worker_id, hashes)
             # Its worker frees its blocks less those other requests running there still hold.

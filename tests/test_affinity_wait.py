@@ -47,45 +47,50 @@ def test_holds_only_when_budget_alone_would_spill_and_only_for_affinity_wait_s()
     rng, clock, config = random.Random(0), FakeClock(), RouterConfig(affinity_wait_s=1.0)
     w0, w1 = stats("w0", reserved=950), stats("w1")
     hold = AffinityHold(MATCHED, config, clock=clock)
-    assert not hold.holds([w0, w1], [w0, w1], rng, {}, 0.0)  # its worker is offered: no wait
-    assert hold.holds([w1], [w0, w1], rng, {}, 0.0)  # only the other one: wait
+    view = lambda: ([w0, w1], {}, 0.0)  # noqa: E731 - the cluster as the load guard sees it
+    assert not hold.holds([w0, w1], view, rng)  # its worker is offered: no wait
+    assert hold.holds([w1], view, rng)  # only the other one: wait
     assert hold.outcome("w1") is AffinityWaitOutcome.TIMED_OUT and hold.outcome("w0") is AffinityWaitOutcome.ROOM
     clock.now += 0.9
-    assert hold.holds([w1], [w0, w1], rng, {}, 0.0)
+    assert hold.holds([w1], view, rng)
     clock.now += 0.2  # the wait ran out: it spills
-    assert not hold.holds([w1], [w0, w1], rng, {}, 0.0)
+    assert not hold.holds([w1], view, rng)
 
     # the load guard would move it anyway (w0 has far more work to compute): no wait at all
     busy = stats("w0", reserved=950, to_compute=20_000)
     hold = AffinityHold(MATCHED, config, clock=clock)
-    assert not hold.holds([w1], [busy, w1], rng, {}, 0.0) and hold.outcome("w1") is None
+    assert not hold.holds([w1], lambda: ([busy, w1], {}, 0.0), rng) and hold.outcome("w1") is None
     # switched off; nothing cached; the prefix's worker excluded (it refused this request)
-    assert not AffinityHold(MATCHED, RouterConfig(affinity_wait_s=0.0), clock=clock).holds([w1], [w0, w1], rng, {}, 0)
-    assert not AffinityHold({}, config, clock=clock).holds([w1], [w0, w1], rng, {}, 0.0)
-    assert not AffinityHold(MATCHED, config, frozenset({"w0"}), clock=clock).holds([w1], [w0, w1], rng, {}, 0.0)
+    assert not AffinityHold(MATCHED, RouterConfig(affinity_wait_s=0.0), clock=clock).holds([w1], view, rng)
+    assert not AffinityHold({}, config, clock=clock).holds([w1], view, rng)
+    assert not AffinityHold(MATCHED, config, frozenset({"w0"}), clock=clock).holds([w1], view, rng)
 
 
-def _route_with_hold(admission, hold, rng, chosen):
-    def route(eligible, in_flight):
-        if hold.holds(eligible, admission.healthy_stats(), rng, in_flight, admission.mean_admitted_tokens()):
-            return None
+def _family(admission, clock, config, chosen, **hold_args):
+    """acquire() for a request of the family cached on w0, with its affinity hold."""
+    affinity = AffinityHold(MATCHED, config, clock=clock, **hold_args)
+    rng = random.Random(0)
+
+    def route(eligible, _):
         picked = "w0" if "w0" in {w.worker_id for w in eligible} else eligible[0].worker_id
         chosen.append(picked)
         return picked
-    return route
+
+    def hold(eligible):
+        return affinity.holds(eligible, admission.cluster_load, rng)
+    return affinity, route, hold
 
 
 def test_a_held_request_waits_for_its_worker_without_holding_up_the_queue_behind_it():
     async def main():
-        clock, rng = FakeClock(), random.Random(0)
+        clock = FakeClock()
         config = RouterConfig(max_queue_wait_s=5.0, affinity_wait_s=1.0)
         admission = AdmissionController(config, clock=clock)
         admission.update_stats([stats("w0", reserved=850), stats("w1")])
         filler = await admission.acquire(100, route=lambda eligible, _: "w0")  # w0 is now full for the family
         chosen = []
-        family = asyncio.create_task(admission.acquire(
-            580, cost_for=cost_for, route=_route_with_hold(admission, AffinityHold(MATCHED, config, clock=clock),
-                                                           rng, chosen)))
+        _, route, hold = _family(admission, clock, config, chosen)
+        family = asyncio.create_task(admission.acquire(580, cost_for=cost_for, route=route, hold=hold))
         await asyncio.sleep(0.01)
         assert not family.done() and chosen == []  # held, though w1 had room
         # a request behind it that w1 can take is not held up by it
@@ -100,15 +105,14 @@ def test_a_held_request_waits_for_its_worker_without_holding_up_the_queue_behind
 
 def test_a_held_request_spills_once_its_wait_runs_out():
     async def main():
-        clock, rng = FakeClock(), random.Random(0)
+        clock = FakeClock()
         config = RouterConfig(max_queue_wait_s=5.0, affinity_wait_s=1.0)
         admission = AdmissionController(config, clock=clock)
         full = [stats("w0", reserved=950), stats("w1")]
         admission.update_stats(full)
-        hold = AffinityHold(MATCHED, config, clock=clock)
         chosen = []
-        family = asyncio.create_task(admission.acquire(580, cost_for=cost_for,
-                                                       route=_route_with_hold(admission, hold, rng, chosen)))
+        affinity, route, hold = _family(admission, clock, config, chosen)
+        family = asyncio.create_task(admission.acquire(580, cost_for=cost_for, route=route, hold=hold))
         await asyncio.sleep(0.01)
         admission.update_stats(full)  # a report with w0 still full, within the wait: still held
         await asyncio.sleep(0.01)
@@ -116,6 +120,36 @@ def test_a_held_request_spills_once_its_wait_runs_out():
         clock.now += 1.5
         admission.update_stats(full)  # the next report after the wait ran out: it spills to w1
         ticket = await asyncio.wait_for(family, 1.0)
-        assert ticket.worker_id == "w1" and chosen == ["w1"] and hold.outcome("w1") is AffinityWaitOutcome.TIMED_OUT
+        assert ticket.worker_id == "w1" and chosen == ["w1"]
+        assert affinity.outcome("w1") is AffinityWaitOutcome.TIMED_OUT
+
+    asyncio.run(main())
+
+
+def test_no_hold_for_a_try_now_a_full_queue_or_a_near_deadline():
+    async def main():
+        clock = FakeClock()
+        full = [stats("w0", reserved=950), stats("w1")]
+        config = RouterConfig(max_queue_wait_s=5.0, affinity_wait_s=1.0)
+        admission = AdmissionController(config, clock=clock)
+        admission.update_stats(full)
+        chosen = []
+        _, route, hold = _family(admission, clock, config, chosen)
+        # a degradation ladder's try-now step takes what has room now
+        ticket = await admission.acquire(580, cost_for=cost_for, route=route, hold=hold, max_wait_s=0)
+        assert ticket.worker_id == "w1"
+        ticket.release()
+        # no queue slot to hold out in: it takes w1 instead of being refused
+        no_slots = AdmissionController(RouterConfig(max_queue_len=0, affinity_wait_s=1.0), clock=clock)
+        no_slots.update_stats(full)
+        _, route, hold = _family(no_slots, clock, config, [])
+        assert (await no_slots.acquire(580, cost_for=cost_for, route=route, hold=hold)).worker_id == "w1"
+        # a deadline 1 s away caps the hold at half of it; one already past never holds
+        affinity = AffinityHold(MATCHED, config, clock=clock, deadline_s=1000.0, wall_clock=lambda: 999.0)
+        assert affinity.holds([full[1]], lambda: (full, {}, 0.0), random.Random(0))
+        clock.now += 0.6
+        assert not affinity.holds([full[1]], lambda: (full, {}, 0.0), random.Random(0))
+        late = AffinityHold(MATCHED, config, clock=clock, deadline_s=1000.0, wall_clock=lambda: 1001.0)
+        assert not late.holds([full[1]], lambda: (full, {}, 0.0), random.Random(0)) and late.outcome("w1") is None
 
     asyncio.run(main())
