@@ -426,7 +426,8 @@ class AdmissionController:
                                     None, place, exclude, until_settled=True)
         if len(lane) >= slots and not self._evict_less_important(lane, priority_class):
             raise self._overloaded(cost_tokens, attempt, "admission queue full")
-        if deadline_s is not None and self._config.deadline_shedding:
+        # A request holding out could run now elsewhere: its wait is its own choice, never shed.
+        if deadline_s is not None and self._config.deadline_shedding and not held:
             self._shed_if_deadline_unmeetable(cost_tokens, lane, deadline_s, priority_class)
         return await self._wait(lane, cost_tokens, attempt, route, deadline_s, cost_for, priority_class, max_wait_s,
                                 place, exclude, hold=hold, holding=held)

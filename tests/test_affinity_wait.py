@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 from kvmesh.core.config import RouterConfig
 from kvmesh.router.admission import AdmissionController
@@ -151,5 +152,33 @@ def test_no_hold_for_a_try_now_a_full_queue_or_a_near_deadline():
         assert not affinity.holds([full[1]], lambda: (full, {}, 0.0), random.Random(0))
         late = AffinityHold(MATCHED, config, clock=clock, deadline_s=1000.0, wall_clock=lambda: 1001.0)
         assert not late.holds([full[1]], lambda: (full, {}, 0.0), random.Random(0)) and late.outcome("w1") is None
+
+    asyncio.run(main())
+
+
+def test_a_held_request_is_not_shed_for_the_queue_it_chose_to_wait_in():
+    async def main():
+        clock = FakeClock()
+        config = RouterConfig(max_queue_wait_s=30.0, affinity_wait_s=1.0)
+        admission = AdmissionController(config, clock=clock)
+        roomy = stats("w1", capacity=10_000)  # room for all four
+        admission.update_stats([stats("w0", reserved=950), roomy])  # drain 2 x 50 tokens/s
+        held = []
+        for _ in range(3):  # 1,740 tokens queued ahead, all holding out for w0: 17 s at the drain rate
+            _, route, hold = _family(admission, clock, config, [])
+            held.append(asyncio.create_task(admission.acquire(580, cost_for=cost_for, route=route, hold=hold)))
+            await asyncio.sleep(0.01)
+        chosen = []
+        _, route, hold = _family(admission, clock, config, chosen)
+        # deadline-aware shedding would refuse a request that must queue 17 s with 5 s left;
+        # this one could run on w1 now, so it holds out instead, and spills when the wait ends
+        late = asyncio.create_task(admission.acquire(580, cost_for=cost_for, route=route, hold=hold,
+                                                     deadline_s=time.time() + 5.0))
+        await asyncio.sleep(0.01)
+        assert not late.done()
+        clock.now += 1.5
+        admission.update_stats([stats("w0", reserved=950), roomy])
+        tickets = await asyncio.wait_for(asyncio.gather(*held, late), 1.0)
+        assert [t.worker_id for t in tickets] == ["w1"] * 4
 
     asyncio.run(main())
