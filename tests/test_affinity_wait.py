@@ -67,6 +67,14 @@ def test_holds_only_when_budget_alone_would_spill_and_only_for_affinity_wait_s()
     assert not AffinityHold(MATCHED, config, frozenset({"w0"}), clock=clock).holds([w1], view, rng)
 
 
+def _controller(workers, **router):
+    clock = FakeClock()
+    config = RouterConfig(**{"max_queue_wait_s": 5.0, "affinity_wait_s": 1.0, **router})
+    admission = AdmissionController(config, clock=clock)
+    admission.update_stats(workers)
+    return admission, clock, config
+
+
 def _family(admission, clock, config, chosen, **hold_args):
     """acquire() for a request of the family cached on w0, with its affinity hold."""
     affinity = AffinityHold(MATCHED, config, clock=clock, **hold_args)
@@ -84,10 +92,7 @@ def _family(admission, clock, config, chosen, **hold_args):
 
 def test_a_held_request_waits_for_its_worker_without_holding_up_the_queue_behind_it():
     async def main():
-        clock = FakeClock()
-        config = RouterConfig(max_queue_wait_s=5.0, affinity_wait_s=1.0)
-        admission = AdmissionController(config, clock=clock)
-        admission.update_stats([stats("w0", reserved=850), stats("w1")])
+        admission, clock, config = _controller([stats("w0", reserved=850), stats("w1")])
         filler = await admission.acquire(100, route=lambda eligible, _: "w0")  # w0 is now full for the family
         chosen = []
         _, route, hold = _family(admission, clock, config, chosen)
@@ -106,11 +111,8 @@ def test_a_held_request_waits_for_its_worker_without_holding_up_the_queue_behind
 
 def test_a_held_request_spills_once_its_wait_runs_out():
     async def main():
-        clock = FakeClock()
-        config = RouterConfig(max_queue_wait_s=5.0, affinity_wait_s=1.0)
-        admission = AdmissionController(config, clock=clock)
         full = [stats("w0", reserved=950), stats("w1")]
-        admission.update_stats(full)
+        admission, clock, config = _controller(full)
         chosen = []
         affinity, route, hold = _family(admission, clock, config, chosen)
         family = asyncio.create_task(admission.acquire(580, cost_for=cost_for, route=route, hold=hold))
@@ -129,11 +131,8 @@ def test_a_held_request_spills_once_its_wait_runs_out():
 
 def test_no_hold_for_a_try_now_a_full_queue_or_a_near_deadline():
     async def main():
-        clock = FakeClock()
         full = [stats("w0", reserved=950), stats("w1")]
-        config = RouterConfig(max_queue_wait_s=5.0, affinity_wait_s=1.0)
-        admission = AdmissionController(config, clock=clock)
-        admission.update_stats(full)
+        admission, clock, config = _controller(full)
         chosen = []
         _, route, hold = _family(admission, clock, config, chosen)
         # a degradation ladder's try-now step takes what has room now
@@ -141,9 +140,8 @@ def test_no_hold_for_a_try_now_a_full_queue_or_a_near_deadline():
         assert ticket.worker_id == "w1"
         ticket.release()
         # no queue slot to hold out in: it takes w1 instead of being refused
-        no_slots = AdmissionController(RouterConfig(max_queue_len=0, affinity_wait_s=1.0), clock=clock)
-        no_slots.update_stats(full)
-        _, route, hold = _family(no_slots, clock, config, [])
+        no_slots, slots_clock, _ = _controller(full, max_queue_len=0)
+        _, route, hold = _family(no_slots, slots_clock, config, [])
         assert (await no_slots.acquire(580, cost_for=cost_for, route=route, hold=hold)).worker_id == "w1"
         # a deadline 1 s away caps the hold at half of it; one already past never holds
         affinity = AffinityHold(MATCHED, config, clock=clock, deadline_s=1000.0, wall_clock=lambda: 999.0)
@@ -158,11 +156,9 @@ def test_no_hold_for_a_try_now_a_full_queue_or_a_near_deadline():
 
 def test_a_held_request_is_not_shed_for_the_queue_it_chose_to_wait_in():
     async def main():
-        clock = FakeClock()
-        config = RouterConfig(max_queue_wait_s=30.0, affinity_wait_s=1.0)
-        admission = AdmissionController(config, clock=clock)
         roomy = stats("w1", capacity=10_000)  # room for all four
-        admission.update_stats([stats("w0", reserved=950), roomy])  # drain 2 x 50 tokens/s
+        admission, clock, config = _controller([stats("w0", reserved=950), roomy],  # drain 2 x 50 tokens/s
+                                               max_queue_wait_s=30.0)
         held = []
         for _ in range(3):  # 1,740 tokens queued ahead, all holding out for w0: 17 s at the drain rate
             _, route, hold = _family(admission, clock, config, [])
