@@ -406,16 +406,11 @@ class AdmissionController:
         held = False
         if not ahead and not retry_held:  # admit at once if it fits
             ticket = self._try_admit(cost_tokens, attempt, route, queued_since=queued_since, cost_for=cost_for,
-                                     priority_class=priority_class, hold=hold)
+                                     priority_class=priority_class,
+                                     hold=hold if len(lane) < slots else None)  # no slot to hold out in
             if isinstance(ticket, AdmissionTicket):
                 return ticket
             held = ticket is HELD
-            if held and len(lane) >= slots:  # no slot to hold out in: take what has room now
-                ticket = self._try_admit(cost_tokens, attempt, route, queued_since=queued_since,
-                                         cost_for=cost_for, priority_class=priority_class)
-                if isinstance(ticket, AdmissionTicket):
-                    return ticket
-                held = False
         if max_wait_s == 0:
             # Behind other try-nows waiting for the same reports (requests stepping down
             # together) it waits with them, in order; behind a real queue it is refused.

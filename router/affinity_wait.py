@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from kvmesh.core.config import RouterConfig
 from kvmesh.core.seams import WorkerStats
-from kvmesh.router.routing import RoutingPath, choose_worker
+from kvmesh.router.routing import RoutingPath, choose_worker, preferred_workers
 
 
 class AffinityWaitOutcome(str, enum.Enum):
@@ -49,15 +49,6 @@ class AffinityWaitOutcome(str, enum.Enum):
 
 # (healthy workers, the router's in-flight tokens per worker, its mean admitted request)
 ClusterLoad = tuple[Sequence[WorkerStats], Mapping[str, int], float]
-
-
-def preferred_workers(matched_blocks: Mapping[str, int], exclude: frozenset[str] = frozenset()) -> set[str]:
-    """The workers holding the request's longest cached prefix (none when nothing matched)."""
-    matching = {w: n for w, n in matched_blocks.items() if n > 0 and w not in exclude}
-    if not matching:
-        return set()
-    top = max(matching.values())
-    return {w for w, n in matching.items() if n == top}
 
 
 class AffinityHold:

@@ -214,15 +214,22 @@ def _prefix_aware(ids: list[str], loads: dict[str, int], footprints: dict[str, i
     return decide(_power_of_two(ids, loads, rng), RoutingPath.PREFIX_IMBALANCED)
 
 
+def preferred_workers(matched_blocks: Mapping[str, int], exclude: frozenset[str] = frozenset()) -> set[str]:
+    """The workers holding the request's longest cached prefix (none when nothing matched)."""
+    matching = {w: n for w, n in matched_blocks.items() if n > 0 and w not in exclude}
+    if not matching:
+        return set()
+    top = max(matching.values())
+    return {w for w, n in matching.items() if n == top}
+
+
 def is_spill(matched_blocks: Mapping[str, int], eligible: Sequence[WorkerStats], chosen: str) -> bool:
     """The request went elsewhere because the worker with its longest cached prefix had no
     budget left (it was not among the workers with room)."""
-    if not matched_blocks:
+    preferred = preferred_workers(matched_blocks)
+    if not preferred:
         return False
-    eligible_ids = {w.worker_id for w in eligible}
-    top = max(matched_blocks.values())
-    preferred = {w for w, n in matched_blocks.items() if n == top}
-    return chosen not in preferred and not (preferred & eligible_ids)
+    return chosen not in preferred and not (preferred & {w.worker_id for w in eligible})
 
 
 def _least_loaded(ids: list[str], loads: dict[str, int], rng: random.Random) -> str:

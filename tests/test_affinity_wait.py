@@ -10,7 +10,8 @@ import time
 
 from kvmesh.core.config import RouterConfig
 from kvmesh.router.admission import AdmissionController
-from kvmesh.router.affinity_wait import AffinityHold, AffinityWaitOutcome, preferred_workers
+from kvmesh.router.affinity_wait import AffinityHold, AffinityWaitOutcome
+from kvmesh.router.routing import preferred_workers
 from kvmesh.core.seams import WorkerStats
 
 
