@@ -166,6 +166,12 @@ class SchedulerConfig:
     # important request never waits for a flood's reservations to drain. Off: only slots,
     # step budget and blocks are preempted for priority (worker/engine_loop/admission.py).
     priority_preempts_kv_reservations: bool = True
+    # The worker's output streams: at most this many messages a second over all of them
+    # (each waits streams / budget seconds, at most 1 s, after a message; what arrives
+    # meanwhile goes out merged). First and final deltas never wait. Every message costs CPU in
+    # the actor, the router, Serve's proxy and the client, on the cores the engine runs on;
+    # 0 = one message per step per stream (worker/runtime/async_engine.py, docs/benchmarks.md).
+    stream_messages_per_s: float = 100.0
 
     def validate(self) -> None:
         _one_of("scheduler.policy", self.policy, ("continuous", "static", "dynamic"))
@@ -182,6 +188,7 @@ class SchedulerConfig:
         _check(self.expected_output_floor_tokens >= 1, "scheduler.expected_output_floor_tokens must be >= 1")
         _check(0 < self.expected_output_quantile <= 1, "scheduler.expected_output_quantile must be in (0, 1]")
         _check(0 <= self.kv_reserved_fraction < 1, "scheduler.kv_reserved_fraction must be in [0, 1)")
+        _check(self.stream_messages_per_s >= 0, "scheduler.stream_messages_per_s must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -592,8 +592,9 @@ class RequestStream:
         stream = handle.generate.options(num_returns="streaming").remote(request)
         finished = False
         try:
-            async for ref in _with_deadline(stream, request.deadline_s):
-                for delta in await _await_before(ref, request.deadline_s):
+            batches = stream.__aiter__()
+            while (batch := await _next_batch(batches, request.deadline_s)) is not None:
+                for delta in batch:
                     if delta.finish_reason is FinishReason.ERROR and delta.error_type:
                         finished = True  # the worker ended it (refused or failed); surface the typed error
                         raise ErrorReport.from_delta(delta).to_exception()
@@ -628,26 +629,16 @@ def _abort_on_worker(stream, handle, worker_request_id: str) -> None:
         logger.debug("abort of %s: %s", worker_request_id, exc)
 
 
-async def _with_deadline(stream, deadline_s: float | None):
-    """Iterate a Ray ObjectRefGenerator, raising DeadlineExceededError at `deadline_s`."""
-    iterator = stream.__aiter__()
-    while True:
-        try:
-            ref = await _await_before(iterator.__anext__(), deadline_s)
-        except StopAsyncIteration:
-            return
-        yield ref
-
-
-async def _await_before(awaitable, deadline_s: float | None):
-    if deadline_s is None:
-        return await awaitable
-    remaining = deadline_s - time.time()
+async def _next_batch(batches, deadline_s: float | None) -> list[RequestDelta] | None:
+    """The worker stream's next batch of deltas (None at its end), DeadlineExceededError at
+    `deadline_s`. One timer around both awaits (the next ref, then its value): this runs once
+    per message, and asyncio.wait_for's task per await cost the router measurable CPU."""
     try:
-        return await asyncio.wait_for(_as_coroutine(awaitable), timeout=max(0.0, remaining))
-    except asyncio.TimeoutError:
+        if deadline_s is None:
+            return await (await batches.__anext__())
+        async with asyncio.timeout(max(0.0, deadline_s - time.time())):
+            return await (await batches.__anext__())
+    except StopAsyncIteration:
+        return None
+    except TimeoutError:
         raise DeadlineExceededError("the request's deadline passed") from None
-
-
-async def _as_coroutine(awaitable):
-    return await awaitable

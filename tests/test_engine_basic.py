@@ -2,6 +2,7 @@
 conditions, forward failures, n > 1, cancellation through the async front."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -337,3 +338,53 @@ def test_an_important_request_takes_a_low_kv_reservation_and_the_low_one_resumes
     stats = full.stats()
     assert (stats.num_preemptions_priority_kv, stats.num_preemptions_recompute) == (1, 1)
     assert stats.kv_tokens_reserved == 0 and stats.num_blocks_used == 0
+
+
+def test_paced_streams_merge_under_the_message_budget_and_never_hold_the_first_or_final_delta(tiny_model_dir,
+                                                                                              monkeypatch):
+    """The actor's streams (paced=True) send at most scheduler.stream_messages_per_s messages
+    a second in all: after the first message a stream waits its share of the budget, and the
+    tokens made meanwhile come as one merged delta. The first delta goes out at once (TTFT),
+    and the final delta ends the wait (E2E): with a 30 s pace the request still ends in a
+    fraction of it."""
+    from kvmesh.worker.runtime import async_engine
+
+    monkeypatch.setattr(async_engine, "_MAX_PACE_S", 30.0)
+
+    async def scenario(budget_per_s: float, paced: bool):
+        aengine = AsyncEngine.from_config(_config(tiny_model_dir, scheduler={"stream_messages_per_s": budget_per_s}))
+        try:
+            t0 = time.perf_counter()
+            batches = [batch async for batch in aengine.generate_batches(
+                req("p1", max_tokens=16, ignore_eos=True), paced=paced)]
+            return batches, time.perf_counter() - t0, aengine.pace_s()
+        finally:
+            await aengine.shutdown()
+
+    batches, elapsed_s, idle_pace_s = asyncio.run(scenario(1 / 30, paced=True))
+    deltas = [d for batch in batches for d in batch]
+    assert sum(len(d.token_ids) for d in deltas) == 16 and deltas[-1].finished
+    assert len(deltas[0].token_ids) == 1, "the first token is not held back"
+    assert len(batches) == 2, "the rest waited out the pace and came merged, ended early by the final delta"
+    assert elapsed_s < 10, f"the final delta waited for the 30 s pace ({elapsed_s:.1f} s)"
+    assert idle_pace_s == 0.0, "no open stream, no wait"
+
+    unpaced, _, _ = asyncio.run(scenario(1 / 30, paced=False))
+    assert len(unpaced) > 2, "in-process consumers (generate) are never paced"
+
+
+def test_pace_is_the_stream_s_share_of_the_budget(tiny_model_dir):
+    """streams / budget seconds, capped; a budget of 0 turns pacing off."""
+    from kvmesh.worker.runtime import async_engine
+
+    aengine = AsyncEngine.from_config(_config(tiny_model_dir, scheduler={"stream_messages_per_s": 100.0}))
+    try:
+        aengine._streams.update({f"r{i}": None for i in range(32)})
+        assert aengine.pace_s() == pytest.approx(0.32)
+        aengine._streams.update({f"s{i}": None for i in range(200)})
+        assert aengine.pace_s() == async_engine._MAX_PACE_S
+        aengine._stream_budget_per_s = 0.0
+        assert aengine.pace_s() == 0.0
+    finally:
+        aengine._streams.clear()
+        asyncio.run(aengine.shutdown())

@@ -147,7 +147,7 @@ class WorkerActor:
         try:
             if request.kv_source and request.kv_source != self._info.actor_name:
                 await self._puller.pull(request, self._engine.engine.tokenize(request))
-            async with contextlib.aclosing(self._engine.generate_batches(request)) as batches:
+            async with contextlib.aclosing(self._engine.generate_batches(request, paced=True)) as batches:
                 async for batch in batches:
                     for delta in batch:
                         if delta.finished and delta.sample_index >= request.sampling.n - 1:

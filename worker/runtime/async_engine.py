@@ -13,7 +13,20 @@ the request in the engine and frees its KV blocks.
 
 Each request has one queue, filled by the step thread; `generate_batches` hands out
 everything that queue holds at once (the actor ships such batches over Ray), `generate` the
-same deltas one by one. Step timing is the engine's own (Engine.phase_clock: its observers get
+same deltas one by one.
+
+Paced streams (`generate_batches(request, paced=True)`, what the actor streams): every message
+a worker sends costs CPU in four processes (this actor's event loop and Ray, the router, Serve's
+proxy, the client), ~2.5 ms in all per message on the 2-core machines, where the same cores run
+the engine. One message per running request per step is 64 messages a step at batch 64, and
+the stack then took ~0.8 of the 2 cores from the engine (docs/benchmarks.md, eighth round). So
+a worker sends at most `scheduler.stream_messages_per_s` messages a second over all its
+streams: after a message, a stream waits `streams / budget` seconds (never more than
+_MAX_PACE_S) before its next one, and what arrived meanwhile goes out as one merged delta.
+At a few streams the wait is under one step and nothing changes; under load a stream's
+tokens come in chunks of a few (as vLLM's and SGLang's `--stream-interval` do, sized by load
+instead of fixed). The first delta (TTFT) and a request's final delta never wait. 0 = a
+message per step per stream. Step timing is the engine's own (Engine.phase_clock: its observers get
 one StepReport per step that did work, from the step thread; the actor's metrics and spans
 are such observers).
 
@@ -43,6 +56,16 @@ logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # how long the idle step thread sleeps between inbox checks
 _BLOCKED_WAIT_S = 0.002  # pause when requests exist but the scheduler ran nothing
+_MAX_PACE_S = 1.0  # a paced stream still gets a message at least this often
+
+
+@dataclass
+class _Stream:
+    """One request's deltas, filled by the step thread through its event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    deltas: asyncio.Queue
+    final_ready: asyncio.Event  # a finished or error delta is queued: a paced wait ends now
 
 
 @dataclass
@@ -67,7 +90,8 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._lock = threading.Lock()  # held by the step thread while it touches the engine
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._stream_budget_per_s = engine.config.scheduler.stream_messages_per_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvmesh-engine-step", daemon=True)
         self._thread.start()
@@ -88,17 +112,18 @@ class AsyncEngine:
                 for delta in batch:
                     yield delta
 
-    async def generate_batches(self, request: GenerateRequest) -> AsyncIterator[list[RequestDelta]]:
+    async def generate_batches(self, request: GenerateRequest, paced: bool = False) -> AsyncIterator[list[RequestDelta]]:
         """Like `generate`, but each item is every delta that arrived since the previous item
         (at least one), consecutive deltas of a sample merged into one: a slow consumer takes
         fewer, larger batches instead of falling behind, and every hop after the actor (router,
-        Serve's proxy, the client) handles one message for them, not one per token."""
+        Serve's proxy, the client) handles one message for them, not one per token. `paced`:
+        the worker's message budget applies (module doc)."""
         if request.request_id in self._streams:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
         prompt_ids = self.engine.validate(request)  # pure checks + tokenization, no engine state
         loop = asyncio.get_running_loop()
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request.request_id] = (loop, stream)
+        stream = _Stream(loop, asyncio.Queue(), asyncio.Event())
+        self._streams[request.request_id] = stream
         accepted = loop.create_future()
         self._inbox.put(_Add(request, prompt_ids, loop, accepted))
         self._wakeup.set()
@@ -106,11 +131,13 @@ class AsyncEngine:
         try:
             await accepted  # raises OverloadedError / InvalidRequestError from the scheduler
             while remaining:
-                batch = [await stream.get()]
-                while not stream.empty():
-                    batch.append(stream.get_nowait())
+                batch = [await stream.deltas.get()]
+                while not stream.deltas.empty():
+                    batch.append(stream.deltas.get_nowait())
                 remaining -= sum(delta.finished for delta in batch)
                 yield merge_deltas(batch)
+                if remaining and paced:
+                    await self._pace(stream)
         finally:
             self._streams.pop(request.request_id, None)
             refused = accepted.done() and not accepted.cancelled() and accepted.exception() is not None
@@ -119,6 +146,21 @@ class AsyncEngine:
                 # abort queues behind the add, so it lands even if the add is still pending.
                 self._inbox.put(_Abort(request.request_id))
                 self._wakeup.set()
+
+    def pace_s(self) -> float:
+        """How long a paced stream waits after a message: its share of the worker's budget."""
+        if self._stream_budget_per_s <= 0:
+            return 0.0
+        return min(_MAX_PACE_S, len(self._streams) / self._stream_budget_per_s)
+
+    async def _pace(self, stream: _Stream) -> None:
+        wait_s = self.pace_s()
+        if wait_s <= 0 or stream.final_ready.is_set():
+            return
+        try:
+            await asyncio.wait_for(stream.final_ready.wait(), wait_s)
+        except asyncio.TimeoutError:
+            pass
 
     async def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -203,19 +245,20 @@ class AsyncEngine:
         # One cross-thread call per event loop per step, not one per delta: each
         # call_soon_threadsafe wakes the loop and takes the GIL from this step thread, which
         # at 64 running requests was 64 wake-ups between two steps of the served engine.
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestDelta]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestDelta]]] = {}
         for delta in deltas:
             target = self._streams.get(delta.request_id)
             if target is not None:
-                loop, stream = target
-                by_loop.setdefault(loop, []).append((stream, delta))
+                by_loop.setdefault(target.loop, []).append((target, delta))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestDelta]]) -> None:
+def _put_all(items: list[tuple[_Stream, RequestDelta]]) -> None:
     for stream, delta in items:
-        stream.put_nowait(delta)
+        stream.deltas.put_nowait(delta)
+        if delta.finished or delta.error_type:
+            stream.final_ready.set()
 
 
 def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
