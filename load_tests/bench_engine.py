@@ -448,11 +448,13 @@ def run_llama_server(binary: str, gguf: str, requests: list[WorkloadRequest], th
         proc.wait(30)
 
 
-def run_served(model: str | None, requests: list[WorkloadRequest], warmup: int = 2) -> RunFigures:
+def run_served(model: str | None, requests: list[WorkloadRequest], warmup: int = 2,
+               overrides: tuple[str, ...] = ()) -> RunFigures:
     """The same requests through a private local `kvmesh serve` (Ray Serve router + worker
     actors, `kvmesh serve`'s own defaults but for the model path and loopback ports: the
-    workers and CPU share it starts without a config) over gRPC, every request sent at t=0
-    with the client library; E2E = when its final delta arrives."""
+    workers and CPU share it starts without a config; `overrides` as `kvmesh serve --set`)
+    over gRPC, every request sent at t=0 with the client library; E2E = when its final
+    delta arrives. Prints how many messages carried the tokens (streams merge under load)."""
     import asyncio
 
     from kvmesh.deploy.cmd_serve import EMBEDDED_NUM_WORKERS, EMBEDDED_WORKER_NUM_CPUS
@@ -461,6 +463,11 @@ def run_served(model: str | None, requests: list[WorkloadRequest], warmup: int =
 
     config = {"router": {"host": "127.0.0.1"}, **({"model": {"path": model}} if model else {}),
               "parallel": {"num_workers": EMBEDDED_NUM_WORKERS, "worker_num_cpus": EMBEDDED_WORKER_NUM_CPUS}}
+    if overrides:
+        from kvmesh.core.config import KvmeshConfig
+        from kvmesh.deploy.serve_config import apply_overrides
+
+        config = apply_overrides(KvmeshConfig.from_dict(config), overrides).to_dict()
 
     import os
 
@@ -474,17 +481,25 @@ def run_served(model: str | None, requests: list[WorkloadRequest], warmup: int =
         target = ClusterTarget(config, app_name="kvmesh-bench")
         await target.start()
         try:
+            messages = 0
+
             async def one(r: WorkloadRequest, tag: str, t0: float, finish: list[float]) -> None:
+                nonlocal messages
                 req = TargetRequest(f"{tag}{r.index}", r.prompt_token_ids, "", r.output_tokens)
                 async for chunk in target.stream(req):
+                    messages += 1
                     if chunk.finished:
                         finish.append(time.perf_counter() - t0)
 
             await asyncio.gather(*(one(r, "warm", 0.0, []) for r in requests[:warmup]))
             finish: list[float] = []
+            messages, tokens = 0, sum(r.output_tokens for r in requests)
             t0 = time.perf_counter()
             await asyncio.gather(*(one(r, "w", t0, finish) for r in requests))
-            return _run_figures(finish, sum(r.output_tokens for r in requests), time.perf_counter() - t0)
+            figures = _run_figures(finish, tokens, time.perf_counter() - t0)
+            print(f"[served] {tokens} tokens in {messages} messages ({tokens / max(1, messages):.2f} a message)",
+                  file=sys.stderr, flush=True)
+            return figures
         finally:
             await target.close()
 
@@ -531,7 +546,8 @@ def run(args) -> BenchReport:
     if not args.no_hf:
         report.hf_static = run_hf_static(args.model, requests, torch.float32 if args.quick else torch.bfloat16)
     if args.serve:
-        report.served = run_served(args.model, requests[:2] if args.quick else requests)
+        report.served = run_served(args.model, requests[:2] if args.quick else requests,
+                                   overrides=tuple(args.serve_set))
     if args.llama_server:
         gguf = args.gguf or str(_gguf_path(args.model))
         report.llama_server, report.llama_server_batch1_tok_s = run_llama_server(
@@ -610,6 +626,9 @@ def main(argv: list[str] | None = None) -> BenchReport:
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers static batches")
     p.add_argument("--serve", action="store_true",
                    help="also send the seed-shaped run through a local `kvmesh serve` (Ray, gRPC, defaults)")
+    p.add_argument("--serve-set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="--serve: a config override for the served cluster, as `kvmesh serve --set` "
+                        "(e.g. scheduler.stream_messages_per_s=25; repeatable)")
     p.add_argument("--llama-server", metavar="PATH", help="llama.cpp llama-server binary to compare against")
     p.add_argument("--gguf", help="GGUF for llama-server (default: the embedded model's)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
