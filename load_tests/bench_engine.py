@@ -16,6 +16,8 @@ Figures per kvmesh mode:
   * the fraction of this process's measured GEMM rate ([64 x H] x [H x I], in the engine's
     dtype, the better of F.linear and a prepacked bf16 weight, sampled between the batch-64
     steps) that the batch-64 step reaches: linear FLOPs of a step / step time / GEMM rate;
+  * the same step against its memory floor: the bytes it must read (every weight, and the K/V
+    its rows attend over) at this process's measured read bandwidth, as a share of the step;
   * bf16 only: greedy agreement with HF transformers in bf16 over a fixed prompt set (tokens
     equal up to the first divergence, over all generated tokens).
 The machine is shared and noisy: compare figures within one run (ratios), not across runs.
@@ -111,6 +113,12 @@ class ModeFigures:
     gemm_gflop_s: float  # this process's [64 x H] x [H x I] rate in the engine dtype
     batch64_gflop_s: float  # linear FLOPs of one batch-64 decode step / its time
     gemm_fraction: float
+    # The batch-64 step against the memory it must read: weights + the KV it attends over,
+    # at this process's measured read bandwidth (MemoryProbe). The GEMM rate above is a
+    # cache-resident [64 x H] x [H x I]; a whole step streams every weight from memory.
+    batch64_read_mb: float = 0.0
+    read_gb_s: float = 0.0
+    bandwidth_fraction: float = 0.0  # (read_mb / read_gb_s) / step time: 1.0 = at the memory floor
     hf_agreement: dict | None = None  # vs HF bf16
     hf_fp32_agreement: dict | None = None  # vs HF fp32
 
@@ -230,6 +238,35 @@ class GemmProbe:
         return statistics.median(self.samples) if self.samples else self.sample(1.0)
 
 
+class MemoryProbe:
+    """This process's read bandwidth at the engine's thread count: the best of a few
+    `sum()`s over a bf16 buffer far larger than the caches (what a decode step does to its
+    weights: read once, nothing reused)."""
+
+    def __init__(self, mib: int = 512):
+        self.buffer = torch.ones(mib * 2**20 // 2, dtype=torch.bfloat16)
+        self.buffer.sum()  # touch every page before timing
+
+    def read_gb_s(self, rounds: int = 5) -> float:
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            self.buffer.sum()
+            best = min(best, time.perf_counter() - t0)
+        return self.buffer.nbytes / best / 1e9
+
+
+def step_read_bytes(engine: Engine, batch: int, mean_context: float) -> float:
+    """What one decode step of `batch` rows reads at least: every parameter once (the tied
+    embedding counts once, as the LM head that reads it whole) and the K/V of each row's
+    context in every layer."""
+    weights = sum(t.nbytes for t in engine.runner.model.parameters())
+    weights += sum(t.nbytes for t in engine.runner.model.buffers() if t.dtype in (torch.int8, torch.uint8))
+    slots = sum(c.key_cache.shape[0] * c.key_cache.shape[1] for c in engine.runner.kv_caches[:1])
+    kv_per_token = sum(c.key_cache.nbytes + c.value_cache.nbytes for c in engine.runner.kv_caches) / max(1, slots)
+    return weights + batch * mean_context * kv_per_token
+
+
 def linear_flops_per_token(hf_config) -> int:
     """2 x the multiply-adds of every projection and the LM head for one token."""
     h, i = hf_config.hidden_size, hf_config.intermediate_size
@@ -255,11 +292,15 @@ def bench_mode(name: str, dtype: str, quant: str, model: str | None, threads: in
     seed = run_engine_workload(engine, requests)
     gemm = probe.rate_gflop_s()
     step_gflop_s = linear_flops_per_token(hf) * big_batch / (step_ms / 1e3) / 1e9
+    # the measured steps run from the prompt's end to its end + decode_tokens: mean context
+    read_bytes = step_read_bytes(engine, big_batch, len(decode_prompt) + decode_tokens / 2)
+    read_gb_s = MemoryProbe(64 if big_batch < 64 else 512).read_gb_s()
+    floor_ms = read_bytes / (read_gb_s * 1e9) * 1e3
     agree = agree32 = None
     if agreement and name.startswith("bf16") and quant == "none":
         agree, agree32 = hf_agreement(engine, model), hf_agreement(engine, model, reference_dtype=torch.float32)
-    return ModeFigures(name, dtype, quant, seed, b1, b64, step_ms, gemm, step_gflop_s, step_gflop_s / gemm, agree,
-                       agree32)
+    return ModeFigures(name, dtype, quant, seed, b1, b64, step_ms, gemm, step_gflop_s, step_gflop_s / gemm,
+                       read_bytes / 1e6, read_gb_s, floor_ms / step_ms, agree, agree32)
 
 
 @dataclass
@@ -609,6 +650,12 @@ def format_table(report: BenchReport) -> str:
             lines.append(f"| {name} | {peer.output_tok_s:.1f} | {peer.e2e_p50_s:.1f} | {peer.e2e_p99_s:.1f} | "
                          f"{'-' if batch1 is None else f'{batch1:.1f}'} | - | - |")
     lines += [""] + ratio_lines(report)
+    for m in report.modes:
+        if m.read_gb_s:
+            lines.append(f"\nbatch-64 step at the memory floor ({m.mode}): it reads >= {m.batch64_read_mb:.0f} MB "
+                         f"(weights + attended K/V) in {m.batch64_step_ms:.1f} ms; at this process's "
+                         f"{m.read_gb_s:.1f} GB/s read bandwidth that takes "
+                         f"{m.batch64_read_mb / m.read_gb_s:.1f} ms = {m.bandwidth_fraction:.0%} of the step")
     for m in report.modes:
         for ref, a in (("bf16", m.hf_agreement), ("fp32", m.hf_fp32_agreement)):
             if a:

@@ -10,20 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
 
 from kvmesh.core.config import KvmeshConfig
+from kvmesh.load_tests.grpc_target import free_port
 
 # Keys of test tenants are made with a cheap PBKDF2 count: the cost is per distinct key and
 # process, and the tests measure nothing about it.
 TEST_HASH_ITERATIONS = 1_000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_cluster_config(model_dir: str, *, num_workers: int = 1, max_num_seqs: int = 8, num_blocks: int = 256,

@@ -21,17 +21,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvmesh.load_tests.grpc_target import free_port  # noqa: F401 (test_quota_redis imports it from here)
+
 _START_TIMEOUT_S = 10.0
 
 
 def redis_server_binary() -> str | None:
     return shutil.which("redis-server")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _answers_ping(port: int) -> bool:
