@@ -91,6 +91,7 @@ static inline void softmax_rows(float *restrict s, int64_t g_per, int64_t s_stri
     for (int64_t j = 0; j < g_per; j++) {
         float *restrict sj = s + j * s_stride;
         float m = sj[0];
+        #pragma omp simd reduction(max:m)
         for (int64_t t = 1; t < ctx; t++) m = sj[t] > m ? sj[t] : m;
         float total = 0.0f;
         #pragma omp simd reduction(+:total)
@@ -162,6 +163,22 @@ static inline __m512 load16(const void *p, int64_t i, const int bf16) {
 }
 
 #define MAX_G 16
+
+/* r[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: pairs interleaved and added
+   within 128-bit lanes (16 -> 8 -> 4 vectors, each lane then holds one lane-sum of four
+   inputs), then the 128-bit lanes added across (4 -> 2 -> 1). 45 shuffles and adds. */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 u[8], w[4];
+    for (int i = 0; i < 8; i++)  /* per lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        u[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  /* per lane: the lane sums of inputs 4i .. 4i + 3 */
+        const __m512d c = _mm512_castps_pd(u[2 * i]), d = _mm512_castps_pd(u[2 * i + 1]);
+        w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)), _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+    }
+    const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+    const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
+}
 static inline __attribute__((always_inline)) void attend_row_d64(
         const void *q, int64_t q_hs, const void *kc, const void *vc, int64_t c_hs, const int64_t *offs,
         int64_t ctx, void *out, int64_t o_hs, int64_t hq, int64_t hkv, float scale, float *restrict s,
@@ -172,17 +189,37 @@ static inline __attribute__((always_inline)) void attend_row_d64(
         for (int64_t j = 0; j < g_per; j++)
             for (int c = 0; c < 4; c++)
                 qv[j][c] = load16(q, (g * g_per + j) * q_hs + 16 * c, bf16);
-        for (int64_t t = 0; t < ctx; t++) {
-            const int64_t at = offs[t] + g * c_hs;
-            const __m512 k0 = load16(kc, at, bf16), k1 = load16(kc, at + 16, bf16);
-            const __m512 k2 = load16(kc, at + 32, bf16), k3 = load16(kc, at + 48, bf16);
-            for (int64_t j = 0; j < g_per; j++) {
-                __m512 a = _mm512_mul_ps(qv[j][0], k0);
-                __m512 b2 = _mm512_mul_ps(qv[j][1], k1);
-                a = _mm512_fmadd_ps(qv[j][2], k2, a);
-                b2 = _mm512_fmadd_ps(qv[j][3], k3, b2);
-                s[j * s_stride + t] = _mm512_reduce_add_ps(_mm512_add_ps(a, b2)) * scale;
+        /* Scores 16 tokens at a time: each token's 16 lane-wise partial products per query
+           head are kept, then one transposing reduction (sum16) turns 16 of them into 16
+           scores: ~3 shuffles and adds a score instead of a full horizontal reduction each. */
+        for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+            const int64_t n = ctx - t0 < 16 ? ctx - t0 : 16;
+            __m512 part[MAX_G][16];
+            for (int64_t i = 0; i < 16; i++) {
+                if (i >= n) {
+                    for (int64_t j = 0; j < g_per; j++) part[j][i] = _mm512_setzero_ps();
+                    continue;
+                }
+                const int64_t at = offs[t0 + i] + g * c_hs;
+                if (t0 + i + 16 < ctx) {  /* the next group's K row: the cache streams from memory */
+                    const char *ahead = (const char *)kc + (offs[t0 + i + 16] + g * c_hs) * (bf16 ? 2 : 4);
+                    _mm_prefetch(ahead, _MM_HINT_T0);
+                    _mm_prefetch(ahead + 64, _MM_HINT_T0);
+                    if (!bf16) { _mm_prefetch(ahead + 128, _MM_HINT_T0); _mm_prefetch(ahead + 192, _MM_HINT_T0); }
+                }
+                const __m512 k0 = load16(kc, at, bf16), k1 = load16(kc, at + 16, bf16);
+                const __m512 k2 = load16(kc, at + 32, bf16), k3 = load16(kc, at + 48, bf16);
+                for (int64_t j = 0; j < g_per; j++) {
+                    __m512 a = _mm512_mul_ps(qv[j][0], k0);
+                    __m512 b2 = _mm512_mul_ps(qv[j][1], k1);
+                    a = _mm512_fmadd_ps(qv[j][2], k2, a);
+                    b2 = _mm512_fmadd_ps(qv[j][3], k3, b2);
+                    part[j][i] = _mm512_add_ps(a, b2);
+                }
             }
+            const __mmask16 live = (__mmask16)((1u << n) - 1u);
+            for (int64_t j = 0; j < g_per; j++)
+                _mm512_mask_storeu_ps(s + j * s_stride + t0, live, _mm512_mul_ps(sum16(part[j]), _mm512_set1_ps(scale)));
         }
         softmax_rows(s, g_per, s_stride, ctx, bf16);
         __m512 acc[MAX_G][4];
@@ -190,6 +227,12 @@ static inline __attribute__((always_inline)) void attend_row_d64(
             for (int c = 0; c < 4; c++) acc[j][c] = _mm512_setzero_ps();
         for (int64_t t = 0; t < ctx; t++) {
             const int64_t at = offs[t] + g * c_hs;
+            if (t + 16 < ctx) {
+                const char *ahead = (const char *)vc + (offs[t + 16] + g * c_hs) * (bf16 ? 2 : 4);
+                _mm_prefetch(ahead, _MM_HINT_T0);
+                _mm_prefetch(ahead + 64, _MM_HINT_T0);
+                if (!bf16) { _mm_prefetch(ahead + 128, _MM_HINT_T0); _mm_prefetch(ahead + 192, _MM_HINT_T0); }
+            }
             const __m512 v0 = load16(vc, at, bf16), v1 = load16(vc, at + 16, bf16);
             const __m512 v2 = load16(vc, at + 32, bf16), v3 = load16(vc, at + 48, bf16);
             for (int64_t j = 0; j < g_per; j++) {
