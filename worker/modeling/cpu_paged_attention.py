@@ -164,10 +164,18 @@ static inline __m512 load16(const void *p, int64_t i, const int bf16) {
 
 #define MAX_G 16
 
+/* A 64-element K or V row at element `at`, 16 tokens before it is read: the cache streams
+   from memory (a batch-64 step reads ~110 MB of it), and without this each row's loads
+   waited on memory (QK 44, PV 35 cycles a token and KV head; 30% and 12% fewer with it). */
+static inline __attribute__((always_inline)) void prefetch_row64(const void *cache, int64_t at, const int bf16) {
+    const char *row = (const char *)cache + at * (bf16 ? 2 : 4);
+    for (int line = 0; line < (bf16 ? 2 : 4); line++) _mm_prefetch(row + 64 * line, _MM_HINT_T0);
+}
+
 /* r[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: pairs interleaved and added
    within 128-bit lanes (16 -> 8 -> 4 vectors, each lane then holds one lane-sum of four
    inputs), then the 128-bit lanes added across (4 -> 2 -> 1). 45 shuffles and adds. */
-static inline __m512 sum16(const __m512 *v) {
+static inline __attribute__((always_inline)) __m512 sum16(const __m512 *v) {
     __m512 u[8], w[4];
     for (int i = 0; i < 8; i++)  /* per lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
         u[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
@@ -201,12 +209,7 @@ static inline __attribute__((always_inline)) void attend_row_d64(
                     continue;
                 }
                 const int64_t at = offs[t0 + i] + g * c_hs;
-                if (t0 + i + 16 < ctx) {  /* the next group's K row: the cache streams from memory */
-                    const char *ahead = (const char *)kc + (offs[t0 + i + 16] + g * c_hs) * (bf16 ? 2 : 4);
-                    _mm_prefetch(ahead, _MM_HINT_T0);
-                    _mm_prefetch(ahead + 64, _MM_HINT_T0);
-                    if (!bf16) { _mm_prefetch(ahead + 128, _MM_HINT_T0); _mm_prefetch(ahead + 192, _MM_HINT_T0); }
-                }
+                if (t0 + i + 16 < ctx) prefetch_row64(kc, offs[t0 + i + 16] + g * c_hs, bf16);
                 const __m512 k0 = load16(kc, at, bf16), k1 = load16(kc, at + 16, bf16);
                 const __m512 k2 = load16(kc, at + 32, bf16), k3 = load16(kc, at + 48, bf16);
                 for (int64_t j = 0; j < g_per; j++) {
@@ -227,12 +230,7 @@ static inline __attribute__((always_inline)) void attend_row_d64(
             for (int c = 0; c < 4; c++) acc[j][c] = _mm512_setzero_ps();
         for (int64_t t = 0; t < ctx; t++) {
             const int64_t at = offs[t] + g * c_hs;
-            if (t + 16 < ctx) {
-                const char *ahead = (const char *)vc + (offs[t + 16] + g * c_hs) * (bf16 ? 2 : 4);
-                _mm_prefetch(ahead, _MM_HINT_T0);
-                _mm_prefetch(ahead + 64, _MM_HINT_T0);
-                if (!bf16) { _mm_prefetch(ahead + 128, _MM_HINT_T0); _mm_prefetch(ahead + 192, _MM_HINT_T0); }
-            }
+            if (t + 16 < ctx) prefetch_row64(vc, offs[t + 16] + g * c_hs, bf16);
             const __m512 v0 = load16(vc, at, bf16), v1 = load16(vc, at + 16, bf16);
             const __m512 v2 = load16(vc, at + 32, bf16), v3 = load16(vc, at + 48, bf16);
             for (int64_t j = 0; j < g_per; j++) {
