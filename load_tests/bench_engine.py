@@ -259,12 +259,10 @@ class MemoryProbe:
 def step_read_bytes(engine: Engine, batch: int, mean_context: float) -> float:
     """What one decode step of `batch` rows reads at least: every parameter once (the tied
     embedding counts once, as the LM head that reads it whole) and the K/V of each row's
-    context in every layer."""
+    context in every layer (the engine's own KV bytes a token, kv/capacity.py)."""
     weights = sum(t.nbytes for t in engine.runner.model.parameters())
     weights += sum(t.nbytes for t in engine.runner.model.buffers() if t.dtype in (torch.int8, torch.uint8))
-    slots = sum(c.key_cache.shape[0] * c.key_cache.shape[1] for c in engine.runner.kv_caches[:1])
-    kv_per_token = sum(c.key_cache.nbytes + c.value_cache.nbytes for c in engine.runner.kv_caches) / max(1, slots)
-    return weights + batch * mean_context * kv_per_token
+    return weights + batch * mean_context * engine.parts.plan.kv_bytes_per_token
 
 
 def linear_flops_per_token(hf_config) -> int:

@@ -26,7 +26,9 @@ _MAX_PACE_S) before its next one, and what arrived meanwhile goes out as one mer
 At a few streams the wait is under one step and nothing changes; under load a stream's
 tokens come in chunks of a few (as vLLM's and SGLang's `--stream-interval` do, sized by load
 instead of fixed). The first delta (TTFT) and a request's final delta never wait. 0 = a
-message per step per stream. Step timing is the engine's own (Engine.phase_clock: its observers get
+message per step per stream.
+
+Step timing is the engine's own (Engine.phase_clock: its observers get
 one StepReport per step that did work, from the step thread; the actor's metrics and spans
 are such observers).
 
@@ -157,9 +159,10 @@ class AsyncEngine:
         wait_s = self.pace_s()
         if wait_s <= 0 or stream.final_ready.is_set():
             return
-        try:
-            await asyncio.wait_for(stream.final_ready.wait(), wait_s)
-        except asyncio.TimeoutError:
+        try:  # a timer, not wait_for's task: this runs once per message (router_core._next_batch)
+            async with asyncio.timeout(wait_s):
+                await stream.final_ready.wait()
+        except TimeoutError:
             pass
 
     async def abort(self, request_id: str) -> None:
