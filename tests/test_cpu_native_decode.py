@@ -248,9 +248,15 @@ def test_bf16_projections_take_the_cpu_s_fastest_bf16_instructions(tiny_model_di
     probe = lambda name: bool(getattr(torch.cpu, name, lambda: False)())  # noqa: E731
     expected = ("amx" if cpu_native_decode.amx_available() else
                 "vdpbf16ps" if probe("_is_avx512_bf16_supported") else "fma")
-    assert engine.runner.native_decoder.bf16_path == expected
+    decoder = engine.runner.native_decoder
+    assert decoder.bf16_path == expected
     if probe("_is_amx_tile_supported") and probe("_is_avx512_bf16_supported"):
         assert expected == "amx", "this CPU has AMX: the native step must use it"
+    # With AMX every projection and the LM head run from a copy laid out for its tiles.
+    model = engine.runner.model
+    weights = [model.lm_head.weight] + [w for layer in model.model.layers for w in (
+        layer.self_attn.qkv.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up.weight, layer.mlp.down_proj.weight)]
+    assert decoder.amx_packed_bytes == (sum(w.nbytes for w in weights) if expected == "amx" else 0)
     assert _engine(tiny_model_dir, dtype="fp32", native=8).runner.native_decoder.bf16_path is None
 
 
@@ -261,3 +267,17 @@ def test_auto_step_size_follows_the_measured_crossover_with_eager():
     assert [cpu_native_decode.max_tokens_for(None, torch.bfloat16, t) for t in (1, 2, 4)] == expected
     assert cpu_native_decode.max_tokens_for(None, torch.float32, 2) == 0
     assert cpu_native_decode.max_tokens_for(5, torch.float32, 2) == 5
+
+
+def test_amx_packed_layout_is_tdpbf16ps_b_operand():
+    """[N/16][K/32][16 pairs][16 rows][2]: element (nb, kb, p, r, e) is weight row nb*16 + r,
+    column kb*32 + 2p + e; whole 16-row blocks only (the kernel reads the rest in place), and
+    no copy where the packed kernel does not apply."""
+    weight = torch.randn(40, 96).to(torch.bfloat16)
+    packed = cpu_native_decode.amx_packed(weight)
+    assert packed.shape == (2, 3, 16, 16, 2)
+    nb, kb, p, r, e = torch.meshgrid(*(torch.arange(n) for n in packed.shape), indexing="ij")
+    assert torch.equal(packed, weight[nb * 16 + r, kb * 32 + 2 * p + e])
+    assert cpu_native_decode.amx_packed(torch.randn(32, 48).to(torch.bfloat16)) is None  # K not a multiple of 32
+    assert cpu_native_decode.amx_packed(torch.randn(32, 64)) is None  # fp32
+    assert cpu_native_decode.amx_packed(torch.randn(8, 64).to(torch.bfloat16)) is None  # not one whole block

@@ -65,8 +65,9 @@ enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
 
 /* The model descriptor, an int64 array built once in Python (see NativeDecoder._descriptor). */
 enum { M_LAYERS, M_HIDDEN, M_INTER, M_HQ, M_HKV, M_D, M_WKIND, M_BF16, M_BLOCK, M_CBS, M_CSS, M_CHS,
-       M_VOCAB, M_LMKIND, M_EMBED, M_FNORM, M_COS, M_SIN, M_LMW, M_LMS, M_A8, M_HEADER };
-enum { L_INNORM, L_POSTNORM, L_QKVW, L_QKVS, L_OW, L_OS, L_GUW, L_GUS, L_DW, L_DS, L_KC, L_VC, L_FIELDS };
+       M_VOCAB, M_LMKIND, M_EMBED, M_FNORM, M_COS, M_SIN, M_LMW, M_LMS, M_A8, M_LMP, M_HEADER };
+enum { L_INNORM, L_POSTNORM, L_QKVW, L_QKVS, L_OW, L_OS, L_GUW, L_GUS, L_DW, L_DS, L_KC, L_VC,
+       L_QKVP, L_OP, L_GUP, L_DP, L_FIELDS };  /* ..P: the weight in AMX_PACKED layout, or 0 */
 
 #define PTR(x) ((const void *)(intptr_t)(x))
 
@@ -346,6 +347,71 @@ static void gemv_bf16_amx(const void *w, int64_t K, int64_t n0, int64_t n1, cons
         gemv_bf16_dp(w, K, n, n1, tmp, B, y, ldy);
     }
 }
+
+/* The same product from a copy of the weight laid out for AMX once, at load (amx_pack in
+   Python): 16-row blocks, each K/32 tiles of [16 pairs][16 rows][2] bf16, a contiguous KB,
+   TDPBF16PS's B operand as it lies. The tokens are the A operand straight from their bf16
+   rows (16 tokens x 32 values, row stride K), and a product tile (16 tokens x 16 outputs) is
+   y's layout, stored as it lies: no per-projection re-layout of the activations, no column
+   gathers. A pass takes two weight blocks x two token groups (tiles 0-3 accumulate, 4-5 hold
+   tokens, 6-7 weights): four products per four tile loads (gemv_bf16_amx: five), and the
+   weights stream as whole kilobytes the prefetchers keep up with. Measured alone on the
+   2-core Sapphire Rapids machine, 64 tokens, both threads: 18-22 GB/s of weights at K = 576
+   against 12-13 for gemv_bf16_amx, and 18-19 against 20-22 at K = 1536 (yet in the engine's
+   step, packing SmolLM2's down projection too measured no slower).
+   The second token pair re-reads the two blocks from L1/L2 (36 KB at K = 576). */
+#define PACKED_PREFETCH 4  /* k-steps ahead (2, 4, 8 and 16 measured: 4 best) */
+#define PACKED_STORE(t, g, col) do { \
+        const int64_t valid = B - (g) * 16 < 16 ? B - (g) * 16 : 16; \
+        if (valid == 16) _tile_stored(t, y + (g) * 16 * ldy + (col), ldy * 4); \
+        else { \
+            _tile_stored(t, ctile, 64); \
+            for (int64_t r = 0; r < valid; r++) memcpy(y + ((g) * 16 + r) * ldy + (col), ctile + r * 16, 64); \
+        } \
+    } while (0)
+static void gemm_bf16_amx_packed(const uint16_t *wp, const void *w, int64_t K, int64_t n0, int64_t n1,
+                                 const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy, uint16_t *xb,
+                                 const int x_ready) {
+    if (!x_ready) rows_to_bf16(x, ldx, B, K, xb);  /* rows past B are never stored: any value */
+    const int64_t ks = K / 32, groups = (B + 15) / 16, lda = K * 2;
+    float ctile[256];
+    int64_t n = n0;
+    while (n + 16 <= n1) {
+        const int two = n + 32 <= n1;
+        const char *b0 = (const char *)(wp + n * K), *b1 = b0 + ks * 1024;
+        for (int64_t g = 0; g < groups; g += 2) {
+            const int pair = g + 1 < groups;
+            const char *xa = (const char *)xb + g * 16 * lda;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            if (two && pair) {
+                for (int64_t kb = 0; kb < ks; kb++) {
+                    if (g == 0)
+                        for (int i = 0; i < 16; i++) {
+                            _mm_prefetch(b0 + (kb + PACKED_PREFETCH) * 1024 + i * 64, _MM_HINT_T0);
+                            _mm_prefetch(b1 + (kb + PACKED_PREFETCH) * 1024 + i * 64, _MM_HINT_T0);
+                        }
+                    _tile_loadd(6, b0 + kb * 1024, 64); _tile_loadd(7, b1 + kb * 1024, 64);
+                    _tile_loadd(4, xa + kb * 64, lda); _tile_loadd(5, xa + 16 * lda + kb * 64, lda);
+                    _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+                }
+            } else {
+                for (int64_t kb = 0; kb < ks; kb++) {
+                    _tile_loadd(6, b0 + kb * 1024, 64); _tile_loadd(4, xa + kb * 64, lda); _tile_dpbf16ps(0, 4, 6);
+                    if (two) { _tile_loadd(7, b1 + kb * 1024, 64); _tile_dpbf16ps(1, 4, 7); }
+                    if (pair) {
+                        _tile_loadd(5, xa + 16 * lda + kb * 64, lda); _tile_dpbf16ps(2, 5, 6);
+                        if (two) _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+            }
+            PACKED_STORE(0, g, n);
+            if (two) PACKED_STORE(1, g, n + 16);
+            if (pair) { PACKED_STORE(2, g + 1, n); if (two) PACKED_STORE(3, g + 1, n + 16); }
+        }
+        n += two ? 32 : 16;
+    }
+    if (n < n1) gemv_bf16_dp(w, K, n, n1, xb, B, y, ldy);  /* a share's last rows short of a block */
+}
 #endif
 
 #if defined(HAVE_AMX) && defined(__AMX_INT8__)
@@ -423,9 +489,10 @@ static void gemv_i8_amx(const void *w, const void *scale, const int sbf16, int64
    rounded up to 16][K] bf16), used where the bf16 dot-product or an AMX path applies; x_ready:
    it already holds this x (the previous call had the same input: gate then up); a8: int8
    weights may take int8 activations (the self-draft) */
-static void gemv(const void *w, const int kind, const void *scale, const int sbf16, int64_t K, int64_t n0,
-                 int64_t n1, const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy, uint16_t *x16,
+static void gemv(const void *w, const void *wp, const int kind, const void *scale, const int sbf16, int64_t K,
+                 int64_t n0, int64_t n1, const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy, uint16_t *x16,
                  const int x_ready, const int a8) {
+    (void)wp;  /* only the AMX build reads packed weights */
     if (n0 >= n1 || B == 0) return;  /* B = 0: a step with no token to sample reads no LM head */
     if (kind == W_I8) {
 #ifdef HAVE_AMX_I8
@@ -440,6 +507,10 @@ static void gemv(const void *w, const int kind, const void *scale, const int sbf
     }
     else if (kind == W_BF16) {
 #ifdef HAVE_AMX
+        if (wp && amx_granted && K % 32 == 0 && B <= AMX_MAX_TOKENS) {
+            gemm_bf16_amx_packed((const uint16_t *)wp, w, K, n0, n1, x, ldx, B, y, ldy, x16, x_ready);
+            return;
+        }
         if (amx_granted && K % 32 == 0 && B <= AMX_MAX_TOKENS) {
             gemv_bf16_amx(w, K, n0, n1, x, ldx, B, y, ldy, x16, x16 + ((B + 15) / 16) * 16 * K, x_ready);
             return;
@@ -546,7 +617,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
             for (int64_t i = 0; i < B * H; i++) res[i] += s->down_out[i];
         }
         rms_norm_rows(res, PTR(lp[L_INNORM]), bf16, B, H, s->eps, h);
-        gemv(PTR(lp[L_QKVW]), wk, PTR(lp[L_QKVS]), bf16, H, share(nqkv, tid, T, 16), share(nqkv, tid + 1, T, 16),
+        gemv(PTR(lp[L_QKVW]), PTR(lp[L_QKVP]), wk, PTR(lp[L_QKVS]), bf16, H, share(nqkv, tid, T, 16), share(nqkv, tid + 1, T, 16),
              h, H, B, s->qkv, nqkv, x16, 0, a8);
         #pragma omp barrier
         /* RoPE on q and k heads, K/V into the cache, then attention: this thread's rows only */
@@ -583,7 +654,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
         #pragma omp barrier
         #pragma omp simd
         for (int64_t i = 0; i < B * hq * D; i++) attn[i] = load_elem(s->attn_out, i, bf16);
-        gemv(PTR(lp[L_OW]), wk, PTR(lp[L_OS]), bf16, hq * D, share(H, tid, T, 16), share(H, tid + 1, T, 16),
+        gemv(PTR(lp[L_OW]), PTR(lp[L_OP]), wk, PTR(lp[L_OS]), bf16, hq * D, share(H, tid, T, 16), share(H, tid + 1, T, 16),
              attn, hq * D, B, s->o_out, H, x16, 0, a8);
         #pragma omp barrier
         #pragma omp simd
@@ -599,8 +670,10 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
                 const char *gw = (const char *)PTR(lp[L_GUW]);
                 const char *gs = (const char *)PTR(lp[L_GUS]), *us = gs;
                 if (gs) { gs += i0 * esz; us += (I + i0) * esz; }
-                gemv(gw + i0 * H * es, wk, gs, bf16, H, 0, w, h, H, B, gu, w, x16, 0, a8);
-                gemv(gw + (I + i0) * H * es, wk, us, bf16, H, 0, w, h, H, B, gu + B * w, w, x16, 1, a8);
+                const char *gp = (const char *)PTR(lp[L_GUP]);  /* packed: same element offsets */
+                gemv(gw + i0 * H * es, gp ? gp + i0 * H * es : 0, wk, gs, bf16, H, 0, w, h, H, B, gu, w, x16, 0, a8);
+                gemv(gw + (I + i0) * H * es, gp ? gp + (I + i0) * H * es : 0, wk, us, bf16, H, 0, w, h, H, B,
+                     gu + B * w, w, x16, 1, a8);
                 for (int64_t b = 0; b < B; b++) {
                     const float *gb = gu + b * w, *ub = gu + B * w + b * w;
                     float *ab = s->act + b * I + i0;
@@ -615,7 +688,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
             }
         }
         #pragma omp barrier
-        gemv(PTR(lp[L_DW]), wk, PTR(lp[L_DS]), bf16, I, share(H, tid, T, 16), share(H, tid + 1, T, 16),
+        gemv(PTR(lp[L_DW]), PTR(lp[L_DP]), wk, PTR(lp[L_DS]), bf16, I, share(H, tid, T, 16), share(H, tid + 1, T, 16),
              s->act, I, B, s->down_out, H, x16, 0, a8);
         #pragma omp barrier
     }
@@ -628,7 +701,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
     /* The LM head keeps fp32 activations: quantizing the final hidden state per row flipped
        the self-draft's argmax often enough to cut its acceptance from 0.90 to 0.85 (bundled
        chat prompts, docs/benchmarks.md, sixth round). */
-    gemv(PTR(m[M_LMW]), (int)m[M_LMKIND], PTR(m[M_LMS]), bf16, H, share(V, tid, T, 16), share(V, tid + 1, T, 16),
+    gemv(PTR(m[M_LMW]), PTR(m[M_LMP]), (int)m[M_LMKIND], PTR(m[M_LMS]), bf16, H, share(V, tid, T, 16), share(V, tid + 1, T, 16),
          picked, H, s->S, s->logits, V, x16, 0, 0);
 #ifdef HAVE_AMX
     if (amx_granted) _tile_release();
@@ -761,9 +834,23 @@ def _lm_head(head, dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor 
     return _float_kind(weight.dtype), weight, None
 
 
-def _layer_fields(layer, cache, dtype: torch.dtype, strides: tuple) -> tuple[list[int], list[torch.Tensor], int]:
+def amx_packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """A [N, K] bf16 weight's whole 16-row blocks in gemm_bf16_amx_packed's layout, [N/16]
+    [K/32][16 pairs][16 rows][2] (a second copy: the model keeps its own for eager steps),
+    or None where that kernel does not apply."""
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16 or k % 32 or n < 16:
+        return None
+    blocks = n // 16
+    with torch.no_grad():
+        return weight[:blocks * 16].view(blocks, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def _layer_fields(layer, cache, dtype: torch.dtype, strides: tuple,
+                  pack: bool) -> tuple[list[int], list[torch.Tensor], int, list[torch.Tensor]]:
     """One layer's L_FIELDS pointers (norms, the four projections' weights and scales, its K/V
-    cache), the tensors behind them, and the projections' weight kind."""
+    cache, the AMX-packed copies where `pack`), the model's tensors behind them, the
+    projections' weight kind, and the packed copies."""
     attn, mlp = layer.self_attn, layer.mlp
     if cache.quantized or cache.key_cache.dtype != dtype or cache.value_cache.dtype != dtype:
         raise NotTaken(f"KV cache in {cache.key_cache.dtype}{' (quantized)' if cache.quantized else ''}")
@@ -786,7 +873,9 @@ def _layer_fields(layer, cache, dtype: torch.dtype, strides: tuple) -> tuple[lis
         pointers += [_ptr(weight), _ptr(scales)]
         tensors += [weight] + ([scales] if scales is not None else [])
     pointers += [_ptr(cache.key_cache), _ptr(cache.value_cache)]
-    return pointers, tensors, projections[0][0]
+    copies = [amx_packed(weight) if pack and kind == _W_BF16 else None for kind, weight, _ in projections]
+    pointers += [_ptr(copy) for copy in copies]
+    return pointers, tensors, projections[0][0], [copy for copy in copies if copy is not None]
 
 
 class NativeDecoder:
@@ -810,6 +899,7 @@ class NativeDecoder:
         self._logits = torch.empty(0, vocab, dtype=torch.float32)
         self.bf16_path: str | None = None  # bf16 models: 'amx' | 'vdpbf16ps' | 'fma' (set by build)
         self.int8_amx = False  # int8 weights as int8 x int8 AMX products (set by build)
+        self.amx_packed_bytes = 0  # the copies of bf16 weights laid out for AMX tiles (set by build)
 
     @classmethod
     def build(cls, model, kv_caches: list, max_tokens: int, int8_activations: bool = False) -> "NativeDecoder":
@@ -832,15 +922,22 @@ class NativeDecoder:
         inter = model.model.layers[0].mlp.gate_proj.out_features
         if any(n % 16 for n in (hidden, inter, hq * d, d)) or hq % hkv:
             raise NotTaken(f"widths hidden {hidden}, intermediate {inter}, heads {hq}x{d} (multiples of 16 needed)")
+        loaded = _load()
+        if loaded is None:
+            raise NotTaken(f"native build failed ({cpu_native.unavailable_reason() or 'see the log'})")
+        fn, features = loaded
+        pack = bool(features & _FEATURE_AMX)
         k0 = kv_caches[0].key_cache
         strides = k0.stride()
         keep: list[torch.Tensor] = []
+        packed: list[torch.Tensor] = []
         layers: list[int] = []
         kinds: set[int] = set()
         for layer, cache in zip(model.model.layers, kv_caches, strict=True):
-            pointers, tensors, kind = _layer_fields(layer, cache, dtype, strides)
+            pointers, tensors, kind, copies = _layer_fields(layer, cache, dtype, strides, pack)
             layers += pointers
             keep += tensors
+            packed += copies
             kinds.add(kind)
         if len(kinds) != 1:
             raise NotTaken("projections of mixed kinds")
@@ -853,22 +950,22 @@ class NativeDecoder:
         if final_norm.dtype != dtype or cos.dtype != torch.float32 or lm.shape[1] != hidden:
             raise NotTaken("final norm or RoPE tables in another dtype, or an LM head of another width")
         keep += [embed, lm, final_norm, cos, sin] + ([] if lm_scales is None else [lm_scales])
+        lm_packed = amx_packed(lm) if pack and lm_kind == _W_BF16 else None
+        packed += [] if lm_packed is None else [lm_packed]
+        keep += packed
         weight_kind = kinds.pop()
         header = [len(model.model.layers), hidden, inter, hq, hkv, d, weight_kind, int(dtype == torch.bfloat16),
                   k0.shape[1], strides[0], strides[1], strides[2], lm.shape[0], lm_kind,
                   _ptr(embed), _ptr(final_norm), _ptr(cos), _ptr(sin), _ptr(lm), _ptr(lm_scales),
-                  int(int8_activations)]
+                  int(int8_activations), _ptr(lm_packed)]
         descriptor = torch.tensor(header + layers, dtype=torch.int64)
-        loaded = _load()
-        if loaded is None:
-            raise NotTaken(f"native build failed ({cpu_native.unavailable_reason() or 'see the log'})")
-        fn, features = loaded
         decoder = cls(fn, keep, descriptor, float(cfg.rms_norm_eps), lm.shape[0], max_tokens,
                       model.lm_head.gather_logits)
         if dtype == torch.bfloat16:
             decoder.bf16_path = ('amx' if features & _FEATURE_AMX else
                                  'vdpbf16ps' if features & _FEATURE_DPBF16 else 'fma')
         decoder.int8_amx = int8_activations and bool(features & _FEATURE_AMX_INT8) and weight_kind == _W_I8
+        decoder.amx_packed_bytes = sum(t.nbytes for t in packed)
         return decoder
 
     def run(self, inputs) -> torch.Tensor | None:
@@ -972,8 +1069,10 @@ def install(runner, model, kv_caches: list, max_tokens: int, what: str = "the mo
     """Sets runner.native_decoder, or logs once why the eager forward keeps every step."""
     try:
         runner.native_decoder = decoder = NativeDecoder.build(model, kv_caches, max_tokens, int8_activations)
-        logger.info("native step on for %s, steps of <= %d tokens%s%s", what, max_tokens,
+        logger.info("native step on for %s, steps of <= %d tokens%s%s%s", what, max_tokens,
                     f", bf16 projections by {decoder.bf16_path}" if decoder.bf16_path else "",
+                    f" ({decoder.amx_packed_bytes / 2**20:.0f} MiB of weights re-laid for its tiles)"
+                    if decoder.amx_packed_bytes else "",
                     ", int8 projections as int8 x int8 AMX products" if decoder.int8_amx else "")
     except NotTaken as why:
         logger.warning("native step not taken for %s (%s): eager forward", what, why)
