@@ -5,8 +5,9 @@ weights, which one core streams in ~9 ms (~17 ms); eager torch spends as long ag
 small ops per layer (norms, residual adds, RoPE, SiLU-mul, views, the KV write), each a Python
 call and a dispatcher round trip, and oneDNN's bf16 GEMM reaches only 5-7 GB/s at one row
 (docs/benchmarks.md). llama.cpp's 80 tok/s at batch 1 on the same 2 cores is its whole graph in
-C. This module does the same for the steps it takes: the model's own weights (read in place,
-nothing copied) and the model's own paged KV cache (written and read through the block tables,
+C. This module does the same for the steps it takes: the model's own weights (read in place;
+on a CPU with AMX, bf16 weights from one copy laid out for its tiles at load) and the model's
+own paged KV cache (written and read through the block tables,
 so larger steps, preemption, prefix caching and swapping keep running in torch on the same
 cache), one C call per step:
 
@@ -20,7 +21,7 @@ cache), one C call per step:
 A step is up to `max_tokens` tokens of any shape: decode rows, a prefill chunk (each token
 attends causally to its request through its own position), speculative verify rows. The
 projections read each weight row once per step, in place, for all its tokens: on a CPU with
-AMX, bf16 weights go through AMX tiles (a 16-row weight block times 16 tokens per instruction,
+AMX, bf16 weights go through AMX tiles (16 tokens times a 16-row weight block per instruction,
 so up to 64 tokens cost about what reading the weights costs); otherwise GEMVs (fp32 FMA, int8
 and bf16 widened in registers, bf16 pairs by VDPBF16PS where the CPU has it), memory-bound at a
 handful of tokens, where the packed GEMMs are not yet efficient. Larger steps run eagerly
@@ -239,14 +240,11 @@ static void gemv_bf16_dp(const void *w, int64_t K, int64_t n0, int64_t n1, const
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(HAVE_DPBF16)
-/* bf16 weights on a CPU with AMX: a weight row block is the A operand of TDPBF16PS as it lies
-   in memory (16 rows x 32 bf16, row stride K), the step's activation rows the B operand
-   (re-laid per projection into AMX's pair layout, [K/2][16 rows][2], zero-padded to 16 rows),
-   so nothing of the model is copied or re-packed. One instruction is a 16 x 16 x 32 product,
-   so a step of up to 64 tokens costs about what reading the weights costs; the FMA / VDPBF16PS
-   GEMVs above are compute-bound past a few tokens. Tiles: 0-3 accumulate groups of 16 tokens,
-   4 and 6 hold weight blocks, 5 and 7 the tokens' blocks. Linux grants AMX state per process on request
-   (kvmesh_native_decode_init); without the grant the VDPBF16PS path runs. */
+/* bf16 weights on a CPU with AMX: TDPBF16PS, one instruction a 16 x 16 x 32 product, so a step
+   of up to 64 tokens costs about what reading the weights costs (the FMA / VDPBF16PS GEMVs
+   above are compute-bound past a few tokens): gemm_bf16_amx_packed below. Linux grants AMX
+   state per process on request (kvmesh_native_decode_init); without the grant the VDPBF16PS
+   path runs. */
 #define HAVE_AMX 1
 #define AMX_MAX_TOKENS 64  /* four accumulator tiles of 16 tokens (more: the GEMV paths) */
 #include <sys/syscall.h>
@@ -285,13 +283,6 @@ static void rows_to_amx_words(const void *rows_in, int64_t words, int64_t B, voi
     }
 }
 
-/* rows [B][ldx] fp32 -> out: ceil(B/16) groups of [K/2][16][2] bf16 (missing rows zero);
-   tmp: [B][K] bf16 scratch */
-static void rows_to_amx_pairs(const float *x, int64_t ldx, int64_t B, int64_t K, uint16_t *tmp, uint16_t *out) {
-    rows_to_bf16(x, ldx, B, K, tmp);
-    rows_to_amx_words(tmp, K / 2, B, out);
-}
-
 /* One k-step of a 16-row weight block (at wk, row stride lda bytes) against up to four
    16-token groups (their blocks at bk + g * gstride, 64-byte rows), accumulating into tiles
    0-3 with DP (_tile_dpbf16ps or _tile_dpbssd). Two tile registers each for the weight block
@@ -312,52 +303,17 @@ static void rows_to_amx_pairs(const float *x, int64_t ldx, int64_t B, int64_t K,
         } \
     } while (0)
 
-/* C tile t (16 weight rows x 16 tokens of group g) -> y: each token's 16 outputs gathered
-   from the tile's column and stored as one vector */
-#define AMX_STORE(t, g) do { \
-        _tile_stored(t, ctile, 64); \
-        const int64_t cols = B - (g) * 16 < 16 ? B - (g) * 16 : 16; \
-        for (int64_t c = 0; c < cols; c++) \
-            _mm512_storeu_ps(y + ((g) * 16 + c) * ldy + n, _mm512_i32gather_ps(column, ctile + c, 4)); \
-    } while (0)
-
-/* y[b * ldy + n] = W[n] . x[b] for n in [n0, n1) (16-row blocks; the rest by VDPBF16PS), B <= 64 */
-static void gemv_bf16_amx(const void *w, int64_t K, int64_t n0, int64_t n1, const float *x, int64_t ldx, int64_t B,
-                          float *y, int64_t ldy, uint16_t *tmp, uint16_t *pairs, const int x_ready) {
-    if (!x_ready) rows_to_amx_pairs(x, ldx, B, K, tmp, pairs);
-    const int64_t groups = (B + 15) / 16, gstride = K * 16;
-    float ctile[256];
-    const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
-    int64_t n = n0;
-    for (; n + 16 <= n1; n += 16) {
-        const char *a = (const char *)w + n * K * 2;
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        for (int64_t k = 0; k < K; k += 32) {
-            if (n + 32 <= n1)  /* the next block's 16 rows, as the hardware streams would not */
-                for (int i = 0; i < 16; i++) _mm_prefetch(a + (16 + i) * K * 2 + k * 2, _MM_HINT_T0);
-            const uint16_t *bk = pairs + (k / 2) * 32;
-            AMX_BLOCK_STEP(_tile_dpbf16ps, (k / 32) % 2, a + k * 2, K * 2, bk, gstride, groups);
-        }
-        AMX_STORE(0, 0);
-        if (groups > 1) AMX_STORE(1, 1);
-        if (groups > 2) AMX_STORE(2, 2);
-        if (groups > 3) AMX_STORE(3, 3);
-    }
-    if (n < n1) {  /* a share's last rows that are not a whole block (tmp holds x in bf16) */
-        gemv_bf16_dp(w, K, n, n1, tmp, B, y, ldy);
-    }
-}
-
-/* The same product from a copy of the weight laid out for AMX once, at load (amx_pack in
-   Python): 16-row blocks, each K/32 tiles of [16 pairs][16 rows][2] bf16, a contiguous KB,
+/* y[b * ldy + n] = W[n] . x[b] for n in [n0, n1), B <= 64, from a copy of the weight laid out
+   for AMX once, at load (amx_packed in Python): 16-row blocks, each K/32 tiles of [16 pairs][16 rows][2] bf16, a contiguous KB,
    TDPBF16PS's B operand as it lies. The tokens are the A operand straight from their bf16
    rows (16 tokens x 32 values, row stride K), and a product tile (16 tokens x 16 outputs) is
    y's layout, stored as it lies: no per-projection re-layout of the activations, no column
    gathers. A pass takes two weight blocks x two token groups (tiles 0-3 accumulate, 4-5 hold
-   tokens, 6-7 weights): four products per four tile loads (gemv_bf16_amx: five), and the
+   tokens, 6-7 weights): four products per four tile loads (five when the weight was the A operand, read in place
+   with its rows' stride, and the tokens re-laid per projection), and the
    weights stream as whole kilobytes the prefetchers keep up with. Measured alone on the
    2-core Sapphire Rapids machine, 64 tokens, both threads: 18-22 GB/s of weights at K = 576
-   against 12-13 for gemv_bf16_amx, and 18-19 against 20-22 at K = 1536 (yet in the engine's
+   against 12-13 for that in-place kernel, and 18-19 against 20-22 at K = 1536 (yet in the engine's
    step, packing SmolLM2's down projection too measured no slower).
    The second token pair re-reads the two blocks from L1/L2 (36 KB at K = 576). */
 #define PACKED_PREFETCH 4  /* k-steps ahead (2, 4, 8 and 16 measured: 4 best) */
@@ -509,10 +465,6 @@ static void gemv(const void *w, const void *wp, const int kind, const void *scal
 #ifdef HAVE_AMX
         if (wp && amx_granted && K % 32 == 0 && B <= AMX_MAX_TOKENS) {
             gemm_bf16_amx_packed((const uint16_t *)wp, w, K, n0, n1, x, ldx, B, y, ldy, x16, x_ready);
-            return;
-        }
-        if (amx_granted && K % 32 == 0 && B <= AMX_MAX_TOKENS) {
-            gemv_bf16_amx(w, K, n0, n1, x, ldx, B, y, ldy, x16, x16 + ((B + 15) / 16) * 16 * K, x_ready);
             return;
         }
 #endif
