@@ -255,7 +255,8 @@ def test_bf16_projections_take_the_cpu_s_fastest_bf16_instructions(tiny_model_di
     # With AMX every projection and the LM head run from a copy laid out for its tiles.
     model = engine.runner.model
     weights = [model.lm_head.weight] + [w for layer in model.model.layers for w in (
-        layer.self_attn.qkv.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up.weight, layer.mlp.down_proj.weight)]
+        layer.self_attn.qkv.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up.weight,
+        layer.mlp.down_proj.weight)]
     assert decoder.amx_packed_bytes == (sum(w.nbytes for w in weights) if expected == "amx" else 0)
     assert _engine(tiny_model_dir, dtype="fp32", native=8).runner.native_decoder.bf16_path is None
 

@@ -303,20 +303,23 @@ static void rows_to_amx_words(const void *rows_in, int64_t words, int64_t B, voi
         } \
     } while (0)
 
-/* y[b * ldy + n] = W[n] . x[b] for n in [n0, n1), B <= 64, from a copy of the weight laid out
-   for AMX once, at load (amx_packed in Python): 16-row blocks, each K/32 tiles of [16 pairs][16 rows][2] bf16, a contiguous KB,
-   TDPBF16PS's B operand as it lies. The tokens are the A operand straight from their bf16
-   rows (16 tokens x 32 values, row stride K), and a product tile (16 tokens x 16 outputs) is
-   y's layout, stored as it lies: no per-projection re-layout of the activations, no column
-   gathers. A pass takes two weight blocks x two token groups (tiles 0-3 accumulate, 4-5 hold
-   tokens, 6-7 weights): four products per four tile loads (five when the weight was the A operand, read in place
-   with its rows' stride, and the tokens re-laid per projection), and the
-   weights stream as whole kilobytes the prefetchers keep up with. Measured alone on the
-   2-core Sapphire Rapids machine, 64 tokens, both threads: 18-22 GB/s of weights at K = 576
-   against 12-13 for that in-place kernel, and 18-19 against 20-22 at K = 1536 (yet in the engine's
-   step, packing SmolLM2's down projection too measured no slower).
-   The second token pair re-reads the two blocks from L1/L2 (36 KB at K = 576). */
-#define PACKED_PREFETCH 4  /* k-steps ahead (2, 4, 8 and 16 measured: 4 best) */
+/* y[b * ldy + n] = W[n] . x[b] for n in [n0, n1), B <= 64, from a copy of the weight laid
+   out for AMX once, at load (amx_packed in Python): 16-row blocks, each K/32 tiles of
+   [16 pairs][16 rows][2] bf16, one contiguous KB each, TDPBF16PS's B operand as it lies. The
+   tokens are the A operand straight from their bf16 rows (16 tokens x 32 values, row stride
+   K), and a product tile (16 tokens x 16 outputs) is y's layout, stored as it lies. A pass
+   takes two weight blocks x two token groups (tiles 0-3 accumulate, 4-5 hold tokens, 6-7
+   weights): four products per four tile loads; the second token pair re-reads the two
+   blocks from L1/L2 (36 KB at K = 576).
+   The kernel it replaced read the model's own weight as the A operand (16 rows at the row
+   stride), re-laid the tokens into pair layout per projection and gathered each product
+   tile's columns into y: five tile loads per four products, 16 strided weight streams.
+   Measured on the 2-core Sapphire Rapids machine (docs/benchmarks.md, ninth round): alone,
+   64 tokens, 2 threads, 18-22 GB/s of weights at K = 576 against 12-13; in the engine,
+   batch-64 step 36-40 -> 28-30 ms, batch 1 ~10% faster too. At 64 tokens it is bound by
+   the tile loads' L2 traffic (~1 TFLOP/s a core with the weights L2-resident, ~3 with
+   everything in L1), not by the prefetch distance (2-16 k-steps, T0 or T1: all within noise). */
+#define PACKED_PREFETCH 4  /* k-steps ahead */
 #define PACKED_STORE(t, g, col) do { \
         const int64_t valid = B - (g) * 16 < 16 ? B - (g) * 16 : 16; \
         if (valid == 16) _tile_stored(t, y + (g) * 16 * ldy + (col), ldy * 4); \
@@ -569,7 +572,8 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
             for (int64_t i = 0; i < B * H; i++) res[i] += s->down_out[i];
         }
         rms_norm_rows(res, PTR(lp[L_INNORM]), bf16, B, H, s->eps, h);
-        gemv(PTR(lp[L_QKVW]), PTR(lp[L_QKVP]), wk, PTR(lp[L_QKVS]), bf16, H, share(nqkv, tid, T, 16), share(nqkv, tid + 1, T, 16),
+        gemv(PTR(lp[L_QKVW]), PTR(lp[L_QKVP]), wk, PTR(lp[L_QKVS]), bf16, H, share(nqkv, tid, T, 16),
+             share(nqkv, tid + 1, T, 16),
              h, H, B, s->qkv, nqkv, x16, 0, a8);
         #pragma omp barrier
         /* RoPE on q and k heads, K/V into the cache, then attention: this thread's rows only */
@@ -606,7 +610,8 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
         #pragma omp barrier
         #pragma omp simd
         for (int64_t i = 0; i < B * hq * D; i++) attn[i] = load_elem(s->attn_out, i, bf16);
-        gemv(PTR(lp[L_OW]), PTR(lp[L_OP]), wk, PTR(lp[L_OS]), bf16, hq * D, share(H, tid, T, 16), share(H, tid + 1, T, 16),
+        gemv(PTR(lp[L_OW]), PTR(lp[L_OP]), wk, PTR(lp[L_OS]), bf16, hq * D, share(H, tid, T, 16),
+             share(H, tid + 1, T, 16),
              attn, hq * D, B, s->o_out, H, x16, 0, a8);
         #pragma omp barrier
         #pragma omp simd
@@ -640,7 +645,8 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
             }
         }
         #pragma omp barrier
-        gemv(PTR(lp[L_DW]), PTR(lp[L_DP]), wk, PTR(lp[L_DS]), bf16, I, share(H, tid, T, 16), share(H, tid + 1, T, 16),
+        gemv(PTR(lp[L_DW]), PTR(lp[L_DP]), wk, PTR(lp[L_DS]), bf16, I, share(H, tid, T, 16),
+             share(H, tid + 1, T, 16),
              s->act, I, B, s->down_out, H, x16, 0, a8);
         #pragma omp barrier
     }
@@ -653,7 +659,8 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
     /* The LM head keeps fp32 activations: quantizing the final hidden state per row flipped
        the self-draft's argmax often enough to cut its acceptance from 0.90 to 0.85 (bundled
        chat prompts, docs/benchmarks.md, sixth round). */
-    gemv(PTR(m[M_LMW]), PTR(m[M_LMP]), (int)m[M_LMKIND], PTR(m[M_LMS]), bf16, H, share(V, tid, T, 16), share(V, tid + 1, T, 16),
+    gemv(PTR(m[M_LMW]), PTR(m[M_LMP]), (int)m[M_LMKIND], PTR(m[M_LMS]), bf16, H, share(V, tid, T, 16),
+         share(V, tid + 1, T, 16),
          picked, H, s->S, s->logits, V, x16, 0, 0);
 #ifdef HAVE_AMX
     if (amx_granted) _tile_release();
