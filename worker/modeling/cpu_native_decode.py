@@ -68,7 +68,7 @@ enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
 enum { M_LAYERS, M_HIDDEN, M_INTER, M_HQ, M_HKV, M_D, M_WKIND, M_BF16, M_BLOCK, M_CBS, M_CSS, M_CHS,
        M_VOCAB, M_LMKIND, M_EMBED, M_FNORM, M_COS, M_SIN, M_LMW, M_LMS, M_A8, M_LMP, M_HEADER };
 enum { L_INNORM, L_POSTNORM, L_QKVW, L_QKVS, L_OW, L_OS, L_GUW, L_GUS, L_DW, L_DS, L_KC, L_VC,
-       L_QKVP, L_OP, L_GUP, L_DP, L_FIELDS };  /* ..P: the weight in AMX_PACKED layout, or 0 */
+       L_QKVP, L_OP, L_GUP, L_DP, L_FIELDS };  /* ..P: the weight in amx_packed layout, or 0 */
 
 #define PTR(x) ((const void *)(intptr_t)(x))
 
