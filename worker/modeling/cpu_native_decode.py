@@ -805,11 +805,11 @@ def amx_packed(weight: torch.Tensor) -> torch.Tensor | None:
         return weight[:blocks * 16].view(blocks, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
-def _layer_fields(layer, cache, dtype: torch.dtype, strides: tuple,
-                  pack: bool) -> tuple[list[int], list[torch.Tensor], int, list[torch.Tensor]]:
-    """One layer's L_FIELDS pointers (norms, the four projections' weights and scales, its K/V
-    cache, the AMX-packed copies where `pack`), the model's tensors behind them, the
-    projections' weight kind, and the packed copies."""
+def _layer_fields(layer, cache, dtype: torch.dtype,
+                  strides: tuple) -> tuple[list[int], list[torch.Tensor], int, list[torch.Tensor | None]]:
+    """One layer's L_FIELDS pointers up to L_QKVP (norms, the four projections' weights and
+    scales, its K/V cache), the tensors behind them, the projections' weight kind, and the
+    four projection weights the AMX kernel could take packed (None where not bf16)."""
     attn, mlp = layer.self_attn, layer.mlp
     if cache.quantized or cache.key_cache.dtype != dtype or cache.value_cache.dtype != dtype:
         raise NotTaken(f"KV cache in {cache.key_cache.dtype}{' (quantized)' if cache.quantized else ''}")
@@ -832,9 +832,7 @@ def _layer_fields(layer, cache, dtype: torch.dtype, strides: tuple,
         pointers += [_ptr(weight), _ptr(scales)]
         tensors += [weight] + ([scales] if scales is not None else [])
     pointers += [_ptr(cache.key_cache), _ptr(cache.value_cache)]
-    copies = [amx_packed(weight) if pack and kind == _W_BF16 else None for kind, weight, _ in projections]
-    pointers += [_ptr(copy) for copy in copies]
-    return pointers, tensors, projections[0][0], [copy for copy in copies if copy is not None]
+    return pointers, tensors, projections[0][0], [w if kind == _W_BF16 else None for kind, w, _ in projections]
 
 
 class NativeDecoder:
@@ -885,18 +883,17 @@ class NativeDecoder:
         if loaded is None:
             raise NotTaken(f"native build failed ({cpu_native.unavailable_reason() or 'see the log'})")
         fn, features = loaded
-        pack = bool(features & _FEATURE_AMX)
         k0 = kv_caches[0].key_cache
         strides = k0.stride()
         keep: list[torch.Tensor] = []
-        packed: list[torch.Tensor] = []
-        layers: list[int] = []
+        layers: list[list[int]] = []
+        to_pack: list[torch.Tensor | None] = []  # four a layer, then the LM head
         kinds: set[int] = set()
         for layer, cache in zip(model.model.layers, kv_caches, strict=True):
-            pointers, tensors, kind, copies = _layer_fields(layer, cache, dtype, strides, pack)
-            layers += pointers
+            pointers, tensors, kind, bf16_weights = _layer_fields(layer, cache, dtype, strides)
+            layers.append(pointers)
             keep += tensors
-            packed += copies
+            to_pack += bf16_weights
             kinds.add(kind)
         if len(kinds) != 1:
             raise NotTaken("projections of mixed kinds")
@@ -909,22 +906,24 @@ class NativeDecoder:
         if final_norm.dtype != dtype or cos.dtype != torch.float32 or lm.shape[1] != hidden:
             raise NotTaken("final norm or RoPE tables in another dtype, or an LM head of another width")
         keep += [embed, lm, final_norm, cos, sin] + ([] if lm_scales is None else [lm_scales])
-        lm_packed = amx_packed(lm) if pack and lm_kind == _W_BF16 else None
-        packed += [] if lm_packed is None else [lm_packed]
-        keep += packed
+        # every check passed: only now copy the weights (packing is ~0.1 s and a weights' worth of memory)
+        to_pack.append(lm if lm_kind == _W_BF16 else None)
+        packed = [amx_packed(w) if w is not None and features & _FEATURE_AMX else None for w in to_pack]
+        keep += [t for t in packed if t is not None]
         weight_kind = kinds.pop()
         header = [len(model.model.layers), hidden, inter, hq, hkv, d, weight_kind, int(dtype == torch.bfloat16),
                   k0.shape[1], strides[0], strides[1], strides[2], lm.shape[0], lm_kind,
                   _ptr(embed), _ptr(final_norm), _ptr(cos), _ptr(sin), _ptr(lm), _ptr(lm_scales),
-                  int(int8_activations), _ptr(lm_packed)]
-        descriptor = torch.tensor(header + layers, dtype=torch.int64)
+                  int(int8_activations), _ptr(packed[-1])]
+        fields = [p for i, pointers in enumerate(layers) for p in pointers + [_ptr(t) for t in packed[4 * i:4 * i + 4]]]
+        descriptor = torch.tensor(header + fields, dtype=torch.int64)
         decoder = cls(fn, keep, descriptor, float(cfg.rms_norm_eps), lm.shape[0], max_tokens,
                       model.lm_head.gather_logits)
         if dtype == torch.bfloat16:
             decoder.bf16_path = ('amx' if features & _FEATURE_AMX else
                                  'vdpbf16ps' if features & _FEATURE_DPBF16 else 'fma')
         decoder.int8_amx = int8_activations and bool(features & _FEATURE_AMX_INT8) and weight_kind == _W_I8
-        decoder.amx_packed_bytes = sum(t.nbytes for t in packed)
+        decoder.amx_packed_bytes = sum(t.nbytes for t in packed if t is not None)
         return decoder
 
     def run(self, inputs) -> torch.Tensor | None:
