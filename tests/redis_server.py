@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvmesh.load_tests.grpc_target import free_port  # noqa: F401 (test_quota_redis imports it from here)
+from kvmesh.load_tests.grpc_target import free_port
 
 _START_TIMEOUT_S = 10.0
 

@@ -11,9 +11,10 @@ import logging
 import uuid
 
 import pytest
-from redis_server import RedisServer, free_port
+from redis_server import RedisServer
 
 from kvmesh.core.config import TenantsConfig
+from kvmesh.load_tests.grpc_target import free_port
 from kvmesh.router.quota import FallbackQuotaStore, RedisQuotaStore, make_quota_store, tenant_keys
 from kvmesh.router.tenants import Tenant, TenantLimits
 from kvmesh.core.errors import QuotaExceededError
