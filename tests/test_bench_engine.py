@@ -17,6 +17,7 @@ def test_quick_run_reports_every_figure(tiny_model_dir, tmp_path):
         assert 0 < run["e2e_p50_s"] <= run["e2e_p99_s"] <= run["wall_s"]
         assert m["batch1_decode_tok_s"] > 0 and m["batch64_decode_tok_s"] > 0
         assert m["gemm_gflop_s"] > 0 and m["gemm_fraction"] > 0
+        assert 0 < m["plain_gemm_gflop_s"] <= m["gemm_gflop_s"]  # each sample: F.linear or better
         assert m["batch64_read_mb"] > 0 and m["read_gb_s"] > 0 and m["bandwidth_fraction"] > 0
     hf = data["hf_static"]
     assert hf["output_tokens"] == data["modes"][0]["seed_run"]["output_tokens"]
@@ -24,6 +25,7 @@ def test_quick_run_reports_every_figure(tiny_model_dir, tmp_path):
     table = bench_engine.format_table(report)
     assert "kvmesh fp32" in table and "HF static batches of 8" in table and "CPU flags" in table
     assert "at the memory floor (fp32)" in table
+    assert "batch-64 step / plain F.linear (fp32)" in table
 
 
 def test_ab_run_alternates_the_modes(tiny_model_dir, capsys):
