@@ -21,6 +21,10 @@ Figures per kvmesh mode:
     its rows attend over) at this process's measured read bandwidth, as a share of the step;
   * bf16 only: greedy agreement with HF transformers in bf16 over a fixed prompt set (tokens
     equal up to the first divergence, over all generated tokens).
+With --serve, the same seed-shaped run through a local `kvmesh serve` over gRPC, its ratio to
+the in-process engine, and the cores each part of the cluster used meanwhile (worker actors,
+router replica, Serve's proxy, Ray's own processes, the client; load_tests/process_cpu.py)
+and the cores left idle: on a small machine that account bounds the served ratio.
 The machine is shared and noisy: compare figures within one run (ratios), not across runs.
 --ab A,B builds both modes' engines in one process and alternates them, round by round, on
 the batch-1 and batch-64 decode figures only (the fairest A/B such a machine allows).
@@ -50,6 +54,8 @@ import torch.nn.functional as F
 
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.load_tests.corpus import TokenCorpus
+from kvmesh.load_tests import process_cpu
+from kvmesh.load_tests.process_cpu import CpuAccount
 from kvmesh.load_tests.workloads import WorkloadRequest, WorkloadSpec, generate_workload
 from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.worker.engine_loop.engine import Engine
@@ -138,6 +144,7 @@ class BenchReport:
     llama_server: RunFigures | None = None
     llama_server_batch1_tok_s: float | None = None  # its own decode rate, one request alone
     served: RunFigures | None = None  # --serve: the same requests through a local `kvmesh serve`
+    served_cpu: CpuAccount | None = None  # --serve: the cores each part of the cluster used meanwhile
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -500,12 +507,13 @@ def run_llama_server(binary: str, gguf: str, requests: list[WorkloadRequest], th
 
 
 def run_served(model: str | None, requests: list[WorkloadRequest], warmup: int = 2,
-               overrides: tuple[str, ...] = ()) -> RunFigures:
+               overrides: tuple[str, ...] = ()) -> tuple[RunFigures, CpuAccount]:
     """The same requests through a private local `kvmesh serve` (Ray Serve router + worker
     actors, `kvmesh serve`'s own defaults but for the model path and loopback ports: the
     workers and CPU share it starts without a config; `overrides` as `kvmesh serve --set`)
     over gRPC, every request sent at t=0 with the client library; E2E = when its final
-    delta arrives. Prints how many messages carried the tokens (streams merge under load)."""
+    delta arrives. Prints how many messages carried the tokens (streams merge under load);
+    returns the figures and the cores each process role used over the timed window."""
     import asyncio
 
     from kvmesh.deploy.cmd_serve import EMBEDDED_NUM_WORKERS, EMBEDDED_WORKER_NUM_CPUS
@@ -528,7 +536,7 @@ def run_served(model: str | None, requests: list[WorkloadRequest], warmup: int =
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
 
-    async def go() -> RunFigures:
+    async def go() -> tuple[RunFigures, CpuAccount]:
         target = ClusterTarget(config, app_name="kvmesh-bench")
         await target.start()
         try:
@@ -545,12 +553,14 @@ def run_served(model: str | None, requests: list[WorkloadRequest], warmup: int =
             await asyncio.gather(*(one(r, "warm", 0.0, []) for r in requests[:warmup]))
             finish: list[float] = []
             messages, tokens = 0, sum(r.output_tokens for r in requests)
+            cpu_before = process_cpu.snapshot()
             t0 = time.perf_counter()
             await asyncio.gather(*(one(r, "w", t0, finish) for r in requests))
             figures = _run_figures(finish, tokens, time.perf_counter() - t0)
+            cpu = process_cpu.account(cpu_before, process_cpu.snapshot())
             print(f"[served] {tokens} tokens in {messages} messages ({tokens / max(1, messages):.2f} a message)",
                   file=sys.stderr, flush=True)
-            return figures
+            return figures, cpu
         finally:
             await target.close()
 
@@ -597,7 +607,7 @@ def run(args) -> BenchReport:
     if not args.no_hf:
         report.hf_static = run_hf_static(args.model, requests, torch.float32 if args.quick else torch.bfloat16)
     if args.serve:
-        report.served = run_served(args.model, requests[:2] if args.quick else requests,
+        report.served, report.served_cpu = run_served(args.model, requests[:2] if args.quick else requests,
                                    overrides=tuple(args.serve_set))
     if args.llama_server:
         gguf = args.gguf or str(_gguf_path(args.model))
@@ -639,6 +649,8 @@ def ratio_lines(report: BenchReport) -> list[str]:
     if report.served is not None and in_process is not None:
         lines.append(f"kvmesh serve / in-process {default} (the served default here) = "
                      f"{report.served.output_tok_s / in_process.seed_run.output_tok_s:.2f}x")
+    if report.served_cpu is not None:
+        lines += ["kvmesh serve's run: " + line for line in report.served_cpu.lines()]
     return lines
 
 

@@ -1,0 +1,94 @@
+"""Where a machine's CPU went during a run, per process role: the served benchmark's account.
+
+A served run shares the machine's cores between the engine and everything that carries its
+tokens (Serve's proxy, the router replica, Ray's GCS / raylet / log monitor, the client). On a
+small machine that share decides how close served throughput can come to the in-process
+engine's, so `bench_engine --serve` prints it next to the figures: cores used per role over
+the timed window, and the cores nobody used.
+
+Processes are grouped by their Ray process title (`ray::WorkerActor`, `ray::ProxyActor`,
+`ray::ServeReplica:...`) or executable (raylet, gcs_server), read with psutil (a Ray
+dependency). A process that starts or ends inside the window counts what it used while both
+snapshots saw it; one that lives only between them is missed (none do in a benchmark run).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import psutil
+
+_EXECUTABLES = {"gcs_server": "Ray GCS", "raylet": "raylet"}  # basename of argv[0] -> role
+_TITLES = (  # (start of a Ray process title, role), first match wins
+    ("ray::WorkerActor", "worker actors"),
+    ("ray::ServeReplica", "router replica"),
+    ("ray::ProxyActor", "Serve proxy"),
+    ("ray::ServeController", "Serve controller"),
+    ("ray::MetricsBoard", "metrics board"),
+    ("ray::", "other Ray processes"),
+)
+_SCRIPTS = {"log_monitor.py": "Ray log monitor", "dashboard.py": "other Ray processes",
+            "monitor.py": "other Ray processes"}  # Ray's helper scripts, by file name
+
+
+def role_of(argv: list[str]) -> str | None:
+    """The role of a process with this command line, or None when it is not Ray's."""
+    if not argv:
+        return None
+    if os.path.basename(argv[0]) in _EXECUTABLES:
+        return _EXECUTABLES[os.path.basename(argv[0])]
+    for prefix, role in _TITLES:
+        if argv[0].startswith(prefix):
+            return role
+    for arg in argv[1:3]:  # python <script> ...
+        if os.path.basename(arg) in _SCRIPTS:
+            return _SCRIPTS[os.path.basename(arg)]
+    return None
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    at_s: float
+    per_pid: dict[int, tuple[str, float]]  # pid -> (role, user + system seconds so far)
+    idle_s: float  # the whole machine's idle seconds so far (all CPUs)
+
+
+@dataclass(frozen=True)
+class CpuAccount:
+    window_s: float
+    cores_by_role: dict[str, float]  # mean cores each role used over the window
+    idle_cores: float
+    cpus: int
+
+    def lines(self) -> list[str]:
+        roles = sorted(self.cores_by_role.items(), key=lambda kv: -kv[1])
+        parts = ", ".join(f"{role} {cores:.2f}" for role, cores in roles if cores >= 0.005)
+        return [f"CPU over the {self.window_s:.1f} s window, in cores of {self.cpus}: {parts}; idle {self.idle_cores:.2f}"]
+
+
+def snapshot(client_pid: int | None = None) -> CpuSnapshot:
+    """Every Ray process's CPU so far, and this process's (or `client_pid`'s) as "client"."""
+    client_pid = os.getpid() if client_pid is None else client_pid
+    per_pid: dict[int, tuple[str, float]] = {}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            role = "client" if proc.info["pid"] == client_pid else role_of(list(proc.info["cmdline"] or ()))
+            if role is None:
+                continue
+            times = proc.cpu_times()
+            per_pid[proc.info["pid"]] = (role, times.user + times.system)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return CpuSnapshot(time.monotonic(), per_pid, psutil.cpu_times().idle)
+
+
+def account(before: CpuSnapshot, after: CpuSnapshot) -> CpuAccount:
+    window_s = max(1e-9, after.at_s - before.at_s)
+    used: dict[str, float] = {}
+    for pid, (role, cpu_s) in after.per_pid.items():
+        if pid in before.per_pid:
+            used[role] = used.get(role, 0.0) + (cpu_s - before.per_pid[pid][1])
+    return CpuAccount(window_s, {role: s / window_s for role, s in used.items()},
+                      (after.idle_s - before.idle_s) / window_s, psutil.cpu_count() or 1)
