@@ -55,7 +55,6 @@ import torch.nn.functional as F
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.load_tests.corpus import TokenCorpus
 from kvmesh.load_tests import process_cpu
-from kvmesh.load_tests.process_cpu import CpuAccount
 from kvmesh.load_tests.workloads import WorkloadRequest, WorkloadSpec, generate_workload
 from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.worker.engine_loop.engine import Engine
@@ -144,7 +143,7 @@ class BenchReport:
     llama_server: RunFigures | None = None
     llama_server_batch1_tok_s: float | None = None  # its own decode rate, one request alone
     served: RunFigures | None = None  # --serve: the same requests through a local `kvmesh serve`
-    served_cpu: CpuAccount | None = None  # --serve: the cores each part of the cluster used meanwhile
+    served_cpu: process_cpu.CpuAccount | None = None  # --serve: the cores each part of the cluster used meanwhile
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -507,7 +506,7 @@ def run_llama_server(binary: str, gguf: str, requests: list[WorkloadRequest], th
 
 
 def run_served(model: str | None, requests: list[WorkloadRequest], warmup: int = 2,
-               overrides: tuple[str, ...] = ()) -> tuple[RunFigures, CpuAccount]:
+               overrides: tuple[str, ...] = ()) -> tuple[RunFigures, process_cpu.CpuAccount]:
     """The same requests through a private local `kvmesh serve` (Ray Serve router + worker
     actors, `kvmesh serve`'s own defaults but for the model path and loopback ports: the
     workers and CPU share it starts without a config; `overrides` as `kvmesh serve --set`)
@@ -536,7 +535,7 @@ def run_served(model: str | None, requests: list[WorkloadRequest], warmup: int =
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
 
-    async def go() -> tuple[RunFigures, CpuAccount]:
+    async def go() -> tuple[RunFigures, process_cpu.CpuAccount]:
         target = ClusterTarget(config, app_name="kvmesh-bench")
         await target.start()
         try:
@@ -608,7 +607,7 @@ def run(args) -> BenchReport:
         report.hf_static = run_hf_static(args.model, requests, torch.float32 if args.quick else torch.bfloat16)
     if args.serve:
         report.served, report.served_cpu = run_served(args.model, requests[:2] if args.quick else requests,
-                                   overrides=tuple(args.serve_set))
+                                                      overrides=tuple(args.serve_set))
     if args.llama_server:
         gguf = args.gguf or str(_gguf_path(args.model))
         report.llama_server, report.llama_server_batch1_tok_s = run_llama_server(
@@ -650,7 +649,7 @@ def ratio_lines(report: BenchReport) -> list[str]:
         lines.append(f"kvmesh serve / in-process {default} (the served default here) = "
                      f"{report.served.output_tok_s / in_process.seed_run.output_tok_s:.2f}x")
     if report.served_cpu is not None:
-        lines += ["kvmesh serve's run: " + line for line in report.served_cpu.lines()]
+        lines.append("kvmesh serve's run: " + report.served_cpu.summary())
     return lines
 
 

@@ -62,15 +62,15 @@ class CpuAccount:
     idle_cores: float
     cpus: int
 
-    def lines(self) -> list[str]:
+    def summary(self) -> str:
         roles = sorted(self.cores_by_role.items(), key=lambda kv: -kv[1])
         parts = ", ".join(f"{role} {cores:.2f}" for role, cores in roles if cores >= 0.005)
-        return [f"CPU over the {self.window_s:.1f} s window, in cores of {self.cpus}: {parts}; idle {self.idle_cores:.2f}"]
+        return f"CPU over the {self.window_s:.1f} s window, in cores of {self.cpus}: {parts}; idle {self.idle_cores:.2f}"
 
 
-def snapshot(client_pid: int | None = None) -> CpuSnapshot:
-    """Every Ray process's CPU so far, and this process's (or `client_pid`'s) as "client"."""
-    client_pid = os.getpid() if client_pid is None else client_pid
+def snapshot() -> CpuSnapshot:
+    """Every Ray process's CPU so far, and this process's (the bench's client) as "client"."""
+    client_pid = os.getpid()
     per_pid: dict[int, tuple[str, float]] = {}
     for proc in psutil.process_iter(["pid", "cmdline"]):
         try:

@@ -39,5 +39,5 @@ def test_a_busy_process_is_counted_under_its_role():
     assert account.cores_by_role["worker actors"] > 0.1
     assert account.cores_by_role["client"] > 0.1
     assert 0.0 <= account.idle_cores <= account.cpus
-    line = account.lines()[0]
+    line = account.summary()
     assert "worker actors" in line and "client" in line and f"in cores of {account.cpus}" in line
