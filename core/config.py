@@ -43,7 +43,7 @@ def _one_of(name: str, value: Any, allowed: tuple) -> None:
 
 # The largest step model.cpu_native_max_tokens may ask for, and its auto value on AMX CPUs:
 # the native step's AMX path holds a step's tokens in four 16-token tiles
-# (worker/modeling/cpu_native_decode.py).
+# (worker/kernels/cpu_native_step.py).
 CPU_NATIVE_MAX_TOKENS = 64
 
 
@@ -59,21 +59,21 @@ class ModelConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0
     # bf16 on CPU: keep projection and LM-head weights in oneDNN's blocked layout, reordered
-    # once at load instead of on every matmul (worker/modeling/packed_weights.py). Costs a
+    # once at load instead of on every matmul (worker/kernels/packed_weights.py). Costs a
     # second copy of those weights; false = plain F.linear.
     cpu_prepack_weights: bool = True
     # decode = compile the decoder stack with torch.compile / inductor (CPU, one rank) for
     # steps of at most scheduler.max_num_seqs tokens, warmed at start; projections and
-    # attention stay the eager kernels (worker/modeling/compiled_forward.py). off = eager.
+    # attention stay the eager kernels (worker/runner/compiled_forward.py). off = eager.
     compile: str = "off"
     # CPU attention backend: decode rows of an unquantized fp32 / bf16 cache attend through a
     # small C kernel reading K/V in place via the block tables (built on first use with the
-    # system C compiler; worker/modeling/cpu_paged_attention.py), instead of gathering each
+    # system C compiler; worker/kernels/cpu_paged_attention.py), instead of gathering each
     # row's blocks and running SDPA per group. false = always the gather + SDPA path.
     cpu_decode_kernel: bool = True
     # CPU, AVX-512: steps of at most this many tokens (small decode batches, short prefill
     # chunks, speculative verify rows) run the whole layer stack and the LM head as one native
-    # call (worker/modeling/cpu_native_decode.py: GEMVs over the model's own fp32 / bf16 / int8
+    # call (worker/kernels/cpu_native_step.py: GEMVs over the model's own fp32 / bf16 / int8
     # weights, the same paged KV cache); larger steps and what it does not take run eagerly.
     # None = auto: for 16-bit models 64 on CPUs with AMX (its projections are AMX tiles too),
     # else 12 tokens per torch thread, at most 24 (where it measured faster than eager's GEMMs);

@@ -51,7 +51,7 @@ def run(args) -> int:
     from kvmesh.core.seams import FinishReason, GenerateRequest
     from kvmesh.worker.engine_loop.engine import Engine
     from kvmesh.core.errors import KvmeshError
-    from kvmesh.worker.modeling.tokenizer import render_chat
+    from kvmesh.worker.model.tokenizer import render_chat
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if getattr(args, "server", None):

@@ -6,7 +6,7 @@ memory (weights and KV bytes per token, separately).
     kvmesh quant-report --modes baseline w8 kv-int8 --dtype bf16 --json
 
 Every mode runs on a fresh kvmesh Engine (the real paged KV cache and attention backend).
-int4_awq is the engine's own start-up path (worker/modeling/awq_calibration.py): calibrated on the
+int4_awq is the engine's own start-up path (worker/runner/awq_calibration.py): calibrated on the
 calibration text through the engine's model, scales searched (and cached), then quantized.
 Perplexity is teacher-forced over the held-out text (bundled: quant/data/heldout.txt),
 one sequence per forward, reading K/V back from the (possibly quantized) paged cache.
@@ -151,7 +151,7 @@ def build_engine(base, mode: str, group_size: int, calibration_path: str | None,
 def teacher_forced_logits(engine, ids):
     """One sequence through the engine's model and (possibly quantized) paged cache as a
     single prefill: ids [T] -> logits [T, V] fp32. The engine must be idle."""
-    from kvmesh.worker.modeling.model_runner import prefill_logits
+    from kvmesh.worker.runner.model_runner import prefill_logits
 
     runner = engine.runner
     return prefill_logits(runner.model, ids, runner.kv_caches, runner.backend)

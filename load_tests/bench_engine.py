@@ -63,7 +63,7 @@ from kvmesh.worker.engine_loop.engine import Engine
 FULL_MODES = [("fp32", "fp32", "none"), ("bf16", "bf16", "none"), ("bf16-unpacked", "bf16", "none"),
               ("bf16-int8", "bf16", "int8"), ("bf16-int4", "bf16", "int4"), ("bf16-ngram", "bf16", "none")]
 # Config beyond dtype / quant for a mode: bf16-unpacked is bf16 with plain F.linear weights,
-# the in-run A/B of the oneDNN prepacking (worker/modeling/packed_weights.py).
+# the in-run A/B of the oneDNN prepacking (worker/kernels/packed_weights.py).
 # The eager-path A/Bs (prepacking, the attention kernel, inductor) switch the native small steps
 # off, or batch 1 would not reach the path they compare.
 MODE_OVERRIDES = {"bf16-unpacked": {"model": {"cpu_prepack_weights": False, "cpu_native_max_tokens": 0}},
@@ -79,8 +79,8 @@ MODE_OVERRIDES = {"bf16-unpacked": {"model": {"cpu_prepack_weights": False, "cpu
 # Only on request (--modes): the inductor-compiled decoder (model.compile decode, compiled at
 # engine start: a minute or more on 2 cores), the in-run A/B against bf16 / bf16-int4;
 # bf16-grouped: bf16 with decode attention on the gather + SDPA path instead of the paged C
-# kernel (worker/modeling/cpu_paged_attention.py), the in-run A/B of that kernel; *-eager: the
-# 16-bit modes without their default native small steps (worker/modeling/cpu_native_decode.py),
+# kernel (worker/kernels/cpu_paged_attention.py), the in-run A/B of that kernel; *-eager: the
+# 16-bit modes without their default native small steps (worker/kernels/cpu_native_step.py),
 # fp32-native: fp32 with them (steps of <= 16 tokens).
 OPTIONAL_MODES = [("bf16-compiled", "bf16", "none"), ("bf16-int4-compiled", "bf16", "int4"),
                   ("bf16-grouped", "bf16", "none"), ("bf16-eager", "bf16", "none"),
@@ -222,7 +222,7 @@ class GemmProbe:
     load on a shared machine (measured minutes apart they differed by up to 3x)."""
 
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, rows: int = 64):
-        from kvmesh.worker.modeling.packed_weights import PackedWeight
+        from kvmesh.worker.kernels.packed_weights import PackedWeight
 
         self.flops = 2 * rows * hidden * inter
         x = torch.randn(rows, hidden).to(dtype)
@@ -407,7 +407,7 @@ def hf_agreement(engine: Engine, model: str | None, new_tokens: int = 32,
 
 def _hf_dir(model: str | None) -> str:
     from kvmesh.core.config import ModelConfig
-    from kvmesh.worker.modeling.model_loader import ensure_hf_dir
+    from kvmesh.worker.model.loader import ensure_hf_dir
 
     return str(ensure_hf_dir(ModelConfig(path=model) if model else ModelConfig()).hf_dir)
 
@@ -576,7 +576,7 @@ def seed_shaped_requests(tokenizer, num_requests: int, scale: float) -> list[Wor
 
 def run(args) -> BenchReport:
     torch.set_num_threads(args.threads)
-    from kvmesh.worker.modeling.tokenizer import load_tokenizer
+    from kvmesh.worker.model.tokenizer import load_tokenizer
     from kvmesh.core.config import ModelConfig
 
     tokenizer = load_tokenizer(ModelConfig(path=args.model) if args.model else ModelConfig())
@@ -616,7 +616,7 @@ def run(args) -> BenchReport:
 
 
 def _gguf_path(model: str | None):
-    from kvmesh.worker.modeling.model_loader import embedded_gguf_path
+    from kvmesh.worker.model.loader import embedded_gguf_path
 
     if model and model.endswith(".gguf"):
         return model
@@ -626,7 +626,7 @@ def _gguf_path(model: str | None):
 def ratio_lines(report: BenchReport) -> list[str]:
     """The issue's in-run ratios: best mode vs HF static, served vs the in-process engine in
     the dtype the server picks (model.dtype auto)."""
-    from kvmesh.worker.modeling.model_setup import cpu_has_native_bf16
+    from kvmesh.worker.runner.model_setup import cpu_has_native_bf16
 
     lines = []
     best = max(report.modes, key=lambda m: m.seed_run.output_tok_s) if report.modes else None

@@ -150,7 +150,7 @@ def run(model: str | None, spec: TransferBenchSpec) -> TransferBenchReport:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
-    from kvmesh.worker.modeling.model_setup import resolve_model
+    from kvmesh.worker.runner.model_setup import resolve_model
     from kvmesh.worker.runtime.actor import kill_workers, start_workers
 
     config = _config(model, spec)

@@ -31,8 +31,8 @@ from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.load_tests.bench_engine import cpu_flags, seed_shaped_requests
 from kvmesh.worker.engine_loop.engine import Engine
-from kvmesh.worker.modeling.model_runner import StepInputs
-from kvmesh.worker.modeling.tokenizer import render_chat
+from kvmesh.worker.runner.model_runner import StepInputs
+from kvmesh.worker.model.tokenizer import render_chat
 
 EDIT_PARAGRAPHS = [
     "Teh quick brown fox jumpd over the lazzy dog while the farmer wachted from the porch. He "

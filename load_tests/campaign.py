@@ -52,7 +52,7 @@ from kvmesh.load_tests.workloads import LengthDistribution, WorkloadSpec, genera
 from kvmesh.core.errors import InvalidRequestError
 from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.core.config import ModelConfig
-from kvmesh.worker.modeling.tokenizer import load_tokenizer
+from kvmesh.worker.model.tokenizer import load_tokenizer
 from kvmesh.load_tests.report import write_reports
 
 logger = logging.getLogger(__name__)

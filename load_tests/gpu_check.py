@@ -76,7 +76,7 @@ def ensure_kvmesh_importable() -> dict[str, str]:
     """Make `import kvmesh.<folder>` work without pip: a temporary `kvmesh` package whose
     subpackages are symlinks to this checkout. Returns env additions for subprocesses."""
     try:
-        import kvmesh.worker.modeling.attention  # noqa: F401
+        import kvmesh.worker.attention.backend  # noqa: F401
 
         return {}
     except ImportError:
@@ -255,7 +255,7 @@ def _decode_case(batch: int, context: int, num_kv_heads: int, queries_per_kv: in
     import torch
 
     from kvmesh.quant.kv_quant import KV_SCALE_DTYPE
-    from kvmesh.worker.modeling.attention import AttentionMetadata, LayerKVCache
+    from kvmesh.worker.attention.backend import AttentionMetadata, LayerKVCache
 
     dev = torch.device("cuda")
     blocks_per_seq = -(-context // block_size)
@@ -299,7 +299,7 @@ def _measure_decode(backend, num_kv_heads: int, qpk: int, head_dim: int, kv: str
 
 
 def decode_attention(peak_gbps: float | None) -> dict:
-    from kvmesh.worker.modeling.attention_triton import TritonAttentionBackend
+    from kvmesh.worker.attention.triton_backend import TritonAttentionBackend
 
     backend = TritonAttentionBackend()
     # (kv heads, queries per kv head, head_dim), and the KV dtypes measured for each
@@ -376,7 +376,7 @@ def _gemm_row(case: dict, dev, peak_gbps, peak_tflops) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from kvmesh.worker.modeling import torch_ops, triton_ops
+    from kvmesh.worker.kernels import torch_ops, triton_ops
 
     x, ops, w_bf16 = _gemm_operands(case, dev)
     if case["kernel"] == "w4a16":
@@ -429,7 +429,7 @@ def fused_ops(dry_run: bool = False) -> dict:
     torch's silu then mul (Llama-3-8B widths: hidden 4096, intermediate 14336)."""
     import torch
 
-    from kvmesh.worker.modeling import torch_ops, triton_ops
+    from kvmesh.worker.kernels import torch_ops, triton_ops
 
     dev = torch.device("cpu" if dry_run else "cuda")
     hidden, inter = (64, 96) if dry_run else (4096, 14336)
@@ -453,7 +453,7 @@ def fused_ops(dry_run: bool = False) -> dict:
 def torch_baseline() -> dict:
     """The torch reference backend on one mid-size case, for scale (its own errors stay here)."""
     try:
-        from kvmesh.worker.modeling.attention_torch import TorchAttentionBackend
+        from kvmesh.worker.attention.torch_backend import TorchAttentionBackend
 
         query, cache, meta, kv_bytes = _decode_case(32, 2048, 8, 4, 128, "auto")
         ms = _time_cuda_ms(lambda: TorchAttentionBackend().attend(query, cache, meta, 128 ** -0.5), iters=5)
@@ -490,7 +490,7 @@ def engine_decode(model_path: str | None, batch_sizes=ENGINE_BATCHES, prompt_tok
                   fused: bool = True, num_blocks: int | None = None) -> dict:
     """Decode tokens/s of Engine.step() once every request is past its prefill. (device="cpu"
     with small batches is a dry run of this code path on a machine without a GPU.)"""
-    from kvmesh.worker.modeling import kernel_dispatch
+    from kvmesh.worker.kernels import dispatch
     from kvmesh.core.seams import GenerateRequest, SamplingParams
     from kvmesh.worker.engine_loop.engine import Engine
 
@@ -498,7 +498,7 @@ def engine_decode(model_path: str | None, batch_sizes=ENGINE_BATCHES, prompt_tok
     graphs = engine.runner.graph_runner
     rows = []
     # fused=False: every fused op and quantized matmul takes the torch path (kernel_dispatch)
-    with kernel_dispatch.force_triton(False) if not fused else contextlib.nullcontext():
+    with dispatch.force_triton(False) if not fused else contextlib.nullcontext():
         for batch in batch_sizes:
             sampling = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
             for i in range(batch):
@@ -621,7 +621,7 @@ def random_smollm2_folder() -> str:
 
 def engine_decode_any_model(model_path: str | None) -> dict:
     if model_path is None:
-        from kvmesh.worker.modeling.model_loader import embedded_gguf_path
+        from kvmesh.worker.model.loader import embedded_gguf_path
 
         try:
             embedded_gguf_path()

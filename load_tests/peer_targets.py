@@ -7,7 +7,7 @@
   llama_cpp      llama-cpp-python on the GGUF file, one request at a time (only if importable)
 
 Model source: `options.model_path` (HF folder), else the run config's model.path, else
-the embedded SmolLM2 (the GGUF, converted to an HF folder by kvmesh.worker.modeling.model_loader).
+the embedded SmolLM2 (the GGUF, converted to an HF folder by kvmesh.worker.model.loader).
 Per-token timing for hf_static comes from a logits processor, called once per decoding
 step after the step's forward pass: step k's call is when every request of the batch has
 its k-th token (a request whose max_tokens < k is done; its extra tokens are discarded).
@@ -25,7 +25,7 @@ from typing import AsyncIterator
 from kvmesh.load_tests.targets import StreamChunk, Target, TargetRequest
 from kvmesh.core.errors import InvalidRequestError, WorkerFailedError
 from kvmesh.core.config import ModelConfig
-from kvmesh.worker.modeling.model_loader import ensure_hf_dir
+from kvmesh.worker.model.loader import ensure_hf_dir
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """A small byte-level BPE tokenizer trained on the bundled corpus in about a second.
 
 For tests and offline smoke runs of the toolkit when no model tokenizer is at hand; real
-campaigns use the served model's tokenizer (kvmesh.worker.modeling.tokenizer.load_tokenizer).
+campaigns use the served model's tokenizer (kvmesh.worker.model.tokenizer.load_tokenizer).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""KV-cache quantization (int8, fp8 e4m3, int4), matching the cache layout of worker/modeling/attention.py.
+"""KV-cache quantization (int8, fp8 e4m3, int4), matching the cache layout of worker/attention/backend.py.
 
 int8 / fp8: one fp16 scale per token per KV head, stored beside the blocks:
 

@@ -30,8 +30,8 @@ on this project's 2-core CPU (N = K = 2048, group 128, ms per matmul, M = 1 / 16
 so CPU + bf16 activations use torch.ops.aten._weight_int8pack_mm and
 _weight_int4pack_mm_for_cpu; other CPU cases (fp32, fp16, shapes the int4 kernel rejects:
 N % 16 != 0) dequantize and call F.linear. On CUDA the weights are never dequantized: the
-Triton W8A16 / W4A16 kernels (worker/modeling/triton_ops.py) read the int8 / packed int4 codes and
-their scales straight from these buffers; worker/modeling/kernel_dispatch.py decides, and its
+Triton W8A16 / W4A16 kernels (worker/kernels/triton_ops.py) read the int8 / packed int4 codes and
+their scales straight from these buffers; worker/kernels/dispatch.py decides, and its
 force_triton() lets the interpreter tests take the same path on CPU. `dequantized_weight`
 stays as the test oracle.
 
@@ -61,7 +61,7 @@ from kvmesh.quant.calibration import projection_linears
 log = logging.getLogger(__name__)
 
 # Device kernels for the quantized matmuls (Triton on CUDA). quant/ sits below worker/, which
-# owns the kernels and the device policy (worker/modeling/kernel_dispatch.py): the worker installs
+# owns the kernels and the device policy (worker/kernels/dispatch.py): the worker installs
 # that dispatch here when it loads, so quant never imports worker. Its w8a16_matmul /
 # w4a16_matmul return None where the device takes the torch paths below; uninstalled (quant
 # used on its own), the torch paths always run.
@@ -69,7 +69,7 @@ _device_kernels = None
 
 
 def install_device_kernels(kernels) -> None:
-    """Called once by worker/modeling/kernel_dispatch.py with itself."""
+    """Called once by worker/kernels/dispatch.py with itself."""
     global _device_kernels
     _device_kernels = kernels
 

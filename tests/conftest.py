@@ -26,7 +26,7 @@ def redis_server(tmp_path_factory):
 def smollm2_dir():
     """The embedded SmolLM2-135M-Instruct as a cached HF folder (GGUF converted once)."""
     from kvmesh.core.config import ModelConfig
-    from kvmesh.worker.modeling.model_loader import ensure_hf_dir
+    from kvmesh.worker.model.loader import ensure_hf_dir
 
     return str(ensure_hf_dir(ModelConfig()).hf_dir)
 

@@ -1,4 +1,4 @@
-"""The CPU attention fast path (worker/modeling/attention_cpu.py) against the torch reference backend.
+"""The CPU attention fast path (worker/attention/cpu_backend.py) against the torch reference backend.
 
 Batches mix decodes of very different context lengths (several decode groups), prefill
 chunks over cached context and from scratch, GQA, block sizes 8 and 16, permuted block ids,
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from kvmesh.quant import kv_quant
-from kvmesh.worker.modeling import cpu_native, cpu_paged_attention
-from kvmesh.worker.modeling.attention import AttentionMetadata, LayerKVCache
-from kvmesh.worker.modeling.attention_cpu import CpuAttentionBackend, group_decode_rows
-from kvmesh.worker.modeling.attention_torch import TorchAttentionBackend
+from kvmesh.worker.kernels import cpu_build, cpu_paged_attention
+from kvmesh.worker.attention.backend import AttentionMetadata, LayerKVCache
+from kvmesh.worker.attention.cpu_backend import CpuAttentionBackend, group_decode_rows
+from kvmesh.worker.attention.torch_backend import TorchAttentionBackend
 
 # (context tokens already cached, new tokens this step)
 MIXED_BATCH = [(0, 7), (13, 1), (20, 9), (31, 1), (0, 1), (16, 1), (5, 17), (90, 1), (91, 1), (47, 1), (2, 1)]
@@ -171,17 +171,17 @@ def test_no_kernel_keeps_the_grouped_path(monkeypatch, tmp_path):
     backend plans decode groups, with the reference's output."""
     query, cache, meta = _make_batch(MIXED_BATCH, 2, 3, 16, 8, "auto", poison=False)
     want = TorchAttentionBackend().attend(query, cache, meta, 0.25)
-    monkeypatch.setattr(cpu_native, "_built", {})
+    monkeypatch.setattr(cpu_build, "_built", {})
     monkeypatch.setenv("KVMESH_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("KVMESH_PAGED_DECODE_KERNEL", "0")
     assert "disabled" in cpu_paged_attention.unavailable_reason() and cpu_paged_attention.load() is None
     monkeypatch.delenv("KVMESH_PAGED_DECODE_KERNEL")
-    monkeypatch.setattr(cpu_native.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_build.shutil, "which", lambda name: None)
     assert cpu_paged_attention.unavailable_reason() == "no C compiler on PATH"
     assert cpu_paged_attention.load() is None
     monkeypatch.undo()
     if cpu_paged_attention.unavailable_reason() is None:  # a compiler that fails on this source
-        monkeypatch.setattr(cpu_native, "_built", {})
+        monkeypatch.setattr(cpu_build, "_built", {})
         monkeypatch.setenv("KVMESH_KERNEL_CACHE", str(tmp_path))
         monkeypatch.setattr(cpu_paged_attention, "C_SOURCE", "this is not C;")
         assert cpu_paged_attention.load() is None

@@ -12,10 +12,10 @@ from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.quant.awq import load_awq_results
 from kvmesh.quant.calibration import HELDOUT_TEXT, load_text, projection_linears, token_sequences
 from kvmesh.quant.linear import Int4WeightOnlyLinear
-from kvmesh.worker.modeling import awq_calibration
+from kvmesh.worker.runner import awq_calibration
 from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.worker.engine_loop.engine import Engine
-from kvmesh.worker.modeling.model_runner import prefill_logits
+from kvmesh.worker.runner.model_runner import prefill_logits
 
 
 @pytest.fixture
@@ -117,7 +117,7 @@ def test_an_unreadable_cache_file_is_recomputed(tiny_model_dir, cache_dir, searc
     Engine.from_config(_config(tiny_model_dir))
     (path,) = cache_dir.glob("*.safetensors")
     path.write_bytes(b"not a safetensors file")
-    with caplog.at_level(logging.WARNING, logger="kvmesh.worker.modeling.awq_calibration"):
+    with caplog.at_level(logging.WARNING, logger="kvmesh.worker.runner.awq_calibration"):
         Engine.from_config(_config(tiny_model_dir))
     assert len(searches) == 2 and "ignoring unreadable AWQ cache" in caplog.text
     assert len(load_awq_results(path)) == 2 * 7  # rewritten whole

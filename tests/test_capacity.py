@@ -1,5 +1,5 @@
 """The capacity model reproduces the articles' worked numbers exactly, and its bytes per token
-equal the bytes of a real paged cache layout (worker/modeling/attention.py) allocated with torch."""
+equal the bytes of a real paged cache layout (worker/attention/backend.py) allocated with torch."""
 
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def test_bad_input_is_a_config_error(bad):
     ("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32", torch.float32),
     ("int8", torch.int8), ("fp8", torch.float8_e4m3fn), ("int4", torch.uint8)])
 def test_bytes_per_token_matches_allocated_cache(kv_dtype, torch_dtype):
-    from kvmesh.worker.modeling.model_runner import allocate_kv_caches
+    from kvmesh.worker.runner.model_runner import allocate_kv_caches
 
     layers, kv_heads, head_dim, block_size, num_blocks = 3, 2, 16, 8, 5
     caches = allocate_kv_caches(layers, num_blocks, block_size, kv_heads, head_dim, torch_dtype, torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""`model.compile: decode` (worker/modeling/compiled_forward.py): the inductor-compiled decoder
+"""`model.compile: decode` (worker/runner/compiled_forward.py): the inductor-compiled decoder
 stack gives the eager model's greedy tokens, and falls back to eager where it cannot compile.
 
 The token test is the one place the suite pays an inductor compile (tens of seconds on 2
@@ -14,7 +14,7 @@ import pytest
 from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.worker.engine_loop.engine import Engine
-from kvmesh.worker.modeling import compiled_forward
+from kvmesh.worker.runner import compiled_forward
 
 from engine_runs import generate_all_greedy
 

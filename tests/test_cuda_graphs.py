@@ -19,11 +19,11 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kvmesh.core.config import KvmeshConfig  # noqa: E402
-from kvmesh.worker.modeling import cuda_graphs  # noqa: E402
-from kvmesh.worker.modeling.attention import AttentionMetadata, LayerKVCache  # noqa: E402
-from kvmesh.worker.modeling.attention_triton import TritonAttentionBackend  # noqa: E402
-from kvmesh.worker.modeling.cuda_graphs import PAD_SLOT, CudaGraphRunner, pad_decode, select_bucket  # noqa: E402
-from kvmesh.worker.modeling.model_runner import StepInputs  # noqa: E402
+from kvmesh.worker.runner import cuda_graphs  # noqa: E402
+from kvmesh.worker.attention.backend import AttentionMetadata, LayerKVCache  # noqa: E402
+from kvmesh.worker.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from kvmesh.worker.runner.cuda_graphs import PAD_SLOT, CudaGraphRunner, pad_decode, select_bucket  # noqa: E402
+from kvmesh.worker.runner.model_runner import StepInputs  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: Triton's interpreter
 
@@ -88,7 +88,7 @@ def test_padding_rows_leave_the_cache_alone_and_real_rows_unchanged(kv):
     """Triton write_kv + attend on a padded batch: padding rows (slot -1, length 0) write
     nothing and read nothing; the real rows' outputs equal the unpadded batch's."""
     from kvmesh.quant.kv_quant import kv_storage_dtype
-    from kvmesh.worker.modeling.model_runner import allocate_kv_caches
+    from kvmesh.worker.runner.model_runner import allocate_kv_caches
 
     block_size, hkv, hq, d = 4, 2, 4, 16
     storage = torch.float32 if kv == "auto" else kv_storage_dtype(kv)

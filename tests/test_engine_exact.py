@@ -4,7 +4,7 @@ Eight prompts of mixed lengths are served together in one continuous batch, with
 prefill forced small (16 tokens per step) and a block pool small enough that decodes must
 preempt (the KV budget is over-committed on purpose so admission lets them all in). Every
 request must still produce exactly HF `generate`'s greedy tokens, with the torch reference
-attention backend and with the CPU fast path (worker/modeling/attention_cpu.py), which are therefore
+attention backend and with the CPU fast path (worker/attention/cpu_backend.py), which are therefore
 token-identical to each other.
 """
 

@@ -1,4 +1,4 @@
-"""worker/modeling/kernel_dispatch.py: the model's fused ops and the quantized linears take the
+"""worker/kernels/dispatch.py: the model's fused ops and the quantized linears take the
 Triton kernels on CUDA and the torch definitions elsewhere; force_triton() sends them through
 Triton on CPU (the interpreter), where they must give the torch path's results.
 
@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 from kvmesh.core.config import KvmeshConfig  # noqa: E402
 from kvmesh.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear  # noqa: E402
-from kvmesh.worker.modeling import kernel_dispatch  # noqa: E402
+from kvmesh.worker.kernels import dispatch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter
 TOLERANCE = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.bfloat16: {"atol": 2e-2, "rtol": 2 ** -6}}
@@ -38,19 +38,19 @@ def _linear(out_features, in_features, seed):
 
 def test_dispatch_follows_the_device_and_the_switch():
     x = torch.zeros(2)
-    assert not kernel_dispatch.use_triton(x)  # CPU: torch
-    with kernel_dispatch.force_triton():
-        assert kernel_dispatch.use_triton(x)
+    assert not dispatch.use_triton(x)  # CPU: torch
+    with dispatch.force_triton():
+        assert dispatch.use_triton(x)
         seen = []
-        thread = threading.Thread(target=lambda: seen.append(kernel_dispatch.use_triton(x)))
+        thread = threading.Thread(target=lambda: seen.append(dispatch.use_triton(x)))
         thread.start()
         thread.join()
         assert seen == [False]  # the switch is this thread's only
-        with kernel_dispatch.force_triton(False):
-            assert not kernel_dispatch.use_triton(x)
-        assert kernel_dispatch.use_triton(x)
-    assert not kernel_dispatch.use_triton(x)
-    assert kernel_dispatch.w8a16_matmul(x[None], torch.zeros(1, 2, dtype=torch.int8), torch.ones(1)) is None
+        with dispatch.force_triton(False):
+            assert not dispatch.use_triton(x)
+        assert dispatch.use_triton(x)
+    assert not dispatch.use_triton(x)
+    assert dispatch.w8a16_matmul(x[None], torch.zeros(1, 2, dtype=torch.int8), torch.ones(1)) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -61,7 +61,7 @@ def test_dispatch_follows_the_device_and_the_switch():
 def test_quantized_linear_on_the_triton_path_equals_its_dequantized_oracle(dtype, make):
     layer = make(_linear(48, 96, seed=1)).to(dtype).to(DEVICE)
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
-    with kernel_dispatch.force_triton():
+    with dispatch.force_triton():
         got = layer(x)
     # the oracle: the stored weight dequantized, applied to the (AWQ-scaled) input, plus the bias
     xs = x if layer.input_inv_scale is None else x * layer.input_inv_scale.to(dtype)
@@ -83,7 +83,7 @@ def _greedy(tiny_model_dir, weight: str, triton: bool) -> dict[str, list[int]]:
     for i, prompt in enumerate(["The capital of France is", "1, 2, 3, 4,"]):
         engine.add_request(GenerateRequest(f"r{i}", prompt=prompt, sampling=sampling))
     out: dict[str, list[int]] = {}
-    with kernel_dispatch.force_triton(triton):
+    with dispatch.force_triton(triton):
         while engine.has_unfinished():
             for delta in engine.step():
                 assert delta.error is None, delta.error
@@ -96,18 +96,18 @@ def test_tiny_model_greedy_tokens_equal_on_the_triton_path(tiny_model_dir, weigh
     """The whole decoder through the Triton path in the interpreter (fused add+RMSNorm,
     RMSNorm, SiLU-mul, W8A16 / W4A16 matmuls) gives the torch path's greedy tokens."""
     calls = []
-    real = kernel_dispatch._triton
+    real = dispatch._triton
 
     def counting():
         calls.append(1)
         return real()
 
     torch_tokens = _greedy(tiny_model_dir, weight, triton=False)
-    kernel_dispatch._triton = counting
+    dispatch._triton = counting
     try:
         triton_tokens = _greedy(tiny_model_dir, weight, triton=True)
     finally:
-        kernel_dispatch._triton = real
+        dispatch._triton = real
     assert calls, "the Triton path was never taken"
     assert all(len(ids) == 5 for ids in triton_tokens.values())
     assert triton_tokens == torch_tokens

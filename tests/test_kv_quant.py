@@ -1,4 +1,4 @@
-"""KV-cache quantization: per token-head scales in the paged layout of worker/modeling/attention.py,
+"""KV-cache quantization: per token-head scales in the paged layout of worker/attention/backend.py,
 attention over int8 / fp8 K and V within tolerance of fp32 attention, static calibration."""
 
 from __future__ import annotations

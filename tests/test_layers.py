@@ -29,15 +29,21 @@ MAY_IMPORT: dict[str, set[str] | str] = {
     "proto": set(),
     "kv": {"core"},
     "quant": {"core"},
-    "worker.modeling": _BELOW_WORKER,
-    "worker.engine_loop": _BELOW_WORKER | {"worker.modeling"},
-    "worker.runtime": _BELOW_WORKER | {"worker.modeling", "worker.engine_loop"},
-    "worker.public_api": {"core", "worker.modeling", "worker.runtime"},
+    "worker.kernels": _BELOW_WORKER,
+    "worker.attention": _BELOW_WORKER | {"worker.kernels"},
+    "worker.parallel": _BELOW_WORKER | {"worker.kernels"},
+    "worker.model": _BELOW_WORKER | {"worker.kernels", "worker.attention", "worker.parallel"},
+    "worker.runner": _BELOW_WORKER | {"worker.kernels", "worker.attention", "worker.parallel", "worker.model"},
+    "worker.engine_loop": _BELOW_WORKER | {"worker.kernels", "worker.attention", "worker.parallel", "worker.model",
+                                           "worker.runner"},
+    "worker.runtime": _BELOW_WORKER | {"worker.kernels", "worker.attention", "worker.parallel", "worker.model",
+                                       "worker.runner", "worker.engine_loop"},
+    "worker.public_api": {"core", "worker.model", "worker.runtime"},
     "router": {"core", "proto", "kv", "worker.public_api"},
     "load_tests": EVERYTHING,  # the composition roots: they assemble everything below
     "deploy": EVERYTHING,
 }
-WORKER_UNITS = ("modeling", "engine_loop", "runtime", "public_api")
+WORKER_UNITS = ("kernels", "attention", "parallel", "model", "runner", "engine_loop", "runtime", "public_api")
 # A module whose function-level imports all share one reason (each CLI command loads only what
 # it needs) states it once, in a top-level comment line starting with this.
 FILE_WIDE_REASON = "# Function-level imports:"
@@ -118,7 +124,7 @@ def import_lines(modules: dict[str, Path]) -> list[ImportLine]:
 
 
 def unit_of(module: str) -> str:
-    """kvmesh.worker.modeling.model -> worker.modeling; kvmesh.router.app -> router."""
+    """kvmesh.worker.model.llama -> worker.model; kvmesh.router.app -> router."""
     parts = module.split(".")[1:]
     if parts[0] == "worker" and len(parts) > 1:
         return "worker." + parts[1]
@@ -229,10 +235,10 @@ SYNTHETIC = {
     "kv/__init__.py": "",
     "kv/pool.py": "from kvmesh.core.errors import KvmeshError\n",
     "worker/__init__.py": "",
-    "worker/modeling/__init__.py": "",
-    "worker/modeling/model.py": "from kvmesh.kv import pool\n",
+    "worker/model/__init__.py": "",
+    "worker/model/llama.py": "from kvmesh.kv import pool\n",
     "worker/engine_loop/__init__.py": "",
-    "worker/engine_loop/engine.py": "from kvmesh.worker.modeling.model import *\n",
+    "worker/engine_loop/engine.py": "from kvmesh.worker.model.llama import *\n",
     "router/__init__.py": "",
     "router/core.py": "import kvmesh.core.errors\n",
 }
@@ -249,12 +255,12 @@ def test_checker_passes_a_clean_tree(tmp_path):
 
 
 @pytest.mark.parametrize("rel,text,expected", [
-    ("kv/pool.py", "from kvmesh.worker.modeling import model\n", "kv may not import worker.modeling"),
+    ("kv/pool.py", "from kvmesh.worker.model import llama\n", "kv may not import worker.model"),
     ("core/errors.py", "import kvmesh.kv.pool\n", "core may not import kv"),
     ("router/core.py", "from kvmesh.worker.engine_loop.engine import Engine\n",
      "router may not import worker.engine_loop"),
-    ("worker/modeling/model.py", "def f():\n    # lazy\n    from kvmesh.worker.engine_loop import engine\n",
-     "worker.modeling may not import worker.engine_loop"),
+    ("worker/model/llama.py", "def f():\n    # lazy\n    from kvmesh.worker.engine_loop import engine\n",
+     "worker.model may not import worker.engine_loop"),
     ("worker/stray.py", "from kvmesh.core import errors\n", "is in no layer (worker.stray)"),
 ])
 def test_checker_fails_on_an_upward_import(tmp_path, rel, text, expected):

@@ -1,4 +1,4 @@
-"""oneDNN-prepacked bf16 weights (worker/modeling/packed_weights.py): bit-identical to F.linear,
+"""oneDNN-prepacked bf16 weights (worker/kernels/packed_weights.py): bit-identical to F.linear,
 never applied to a weight they were not built from, and the engine's bf16 output unchanged."""
 
 import pytest
@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.worker.engine_loop.engine import Engine
-from kvmesh.worker.modeling import packed_weights
-from kvmesh.worker.modeling.packed_weights import PackedWeight
+from kvmesh.worker.kernels import packed_weights
+from kvmesh.worker.kernels.packed_weights import PackedWeight
 
 needs_packing = pytest.mark.skipif(not packed_weights.can_pack(torch.zeros(2, 2, dtype=torch.bfloat16)),
                                    reason="no oneDNN bf16 on this CPU / torch build")
@@ -73,7 +73,7 @@ def test_no_onednn_packing_falls_back_to_f_linear(monkeypatch):
     projection then runs plain F.linear: same output, no error."""
     from torch import nn
 
-    from kvmesh.worker.modeling.model import FusedLinears
+    from kvmesh.worker.model.llama import FusedLinears
 
     torch.manual_seed(0)
     lins = [nn.Linear(16, n, bias=False).to(torch.bfloat16) for n in (8, 4)]

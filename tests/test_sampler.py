@@ -1,4 +1,4 @@
-"""The batched sampler (worker/modeling/sampler.py): one argmax for all greedy rows, batched filters
+"""The batched sampler (worker/runner/sampler.py): one argmax for all greedy rows, batched filters
 for the sampled ones, per-request generators kept."""
 
 import torch
@@ -6,7 +6,7 @@ import torch
 from kvmesh.core.seams import SamplingParams
 import pytest
 
-from kvmesh.worker.modeling.sampler import SamplingRow, first_argmax, sample
+from kvmesh.worker.runner.sampler import SamplingRow, first_argmax, sample
 
 VOCAB = 50
 

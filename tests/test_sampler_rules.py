@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvmesh.core.seams import SamplingParams
-from kvmesh.worker.modeling.sampler import SamplingRow, sample
+from kvmesh.worker.runner.sampler import SamplingRow, sample
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 

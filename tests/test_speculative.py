@@ -10,10 +10,10 @@ from kvmesh.core.seams import FinishReason, GenerateRequest, SamplingParams
 from kvmesh.worker.engine_loop.draft_proposers import find_ngram_continuation
 from kvmesh.worker.engine_loop.engine import Engine
 from kvmesh.worker.engine_loop.speculator import StepCostCurve
-from kvmesh.worker.modeling import cpu_native_decode
-from kvmesh.worker.modeling.rejection_sampler import Verified, verify
-from kvmesh.worker.modeling.sampler import SamplingRow
-from kvmesh.worker.modeling.tokenizer import render_chat
+from kvmesh.worker.kernels import cpu_native_step
+from kvmesh.worker.runner.rejection_sampler import Verified, verify
+from kvmesh.worker.runner.sampler import SamplingRow
+from kvmesh.worker.model.tokenizer import render_chat
 
 SHARED = "Fix the typos in this paragraph: the quick brown fox jumps over the lazy dog. " * 3
 PROMPTS = [SHARED + "Again: the quick brown", SHARED + "Once more, the lazy", "1, 2, 3, 4, 5, 6, 7,",
@@ -214,17 +214,17 @@ def test_quantized_self_draft_is_token_identical_and_frees_its_pool(tiny_model_d
     assert counters.num_draft_tokens > 0 and counters.acceptance_rate > 0.5, counters
     assert engine.speculator.proposer.num_held_blocks == 0, "the draft pool is whole again"
     assert engine.scheduler.stats().num_preemptions_recompute > 0
-    # int8 drafts run their small steps as one native call (worker/modeling/cpu_native_decode.py);
+    # int8 drafts run their small steps as one native call (worker/kernels/cpu_native_step.py);
     # int4 is not taken there and stays eager
     native = engine.speculator.proposer.runner.native_decoder
-    if draft_quant == "int4" or cpu_native_decode.unavailable_reason() is not None:
+    if draft_quant == "int4" or cpu_native_step.unavailable_reason() is not None:
         assert native is None
     else:
         assert native.steps_run > 0
         # with int8 x int8 AMX products where the CPU has them (the outputs above are still the
         # target's own: only acceptance can change)
-        assert native.int8_amx == (cpu_native_decode.amx_available()
-                                   and bool(cpu_native_decode._load()[1] & cpu_native_decode._FEATURE_AMX_INT8))
+        assert native.int8_amx == (cpu_native_step.amx_available()
+                                   and bool(cpu_native_step._load()[1] & cpu_native_step._FEATURE_AMX_INT8))
 
 
 def test_a_long_draft_catch_up_is_read_in_native_sized_steps(tiny_model_dir):
@@ -236,7 +236,7 @@ def test_a_long_draft_catch_up_is_read_in_native_sized_steps(tiny_model_dir):
     engine = _engine(tiny_model_dir, "self_draft", speculative={"draft_quant": "int8"})
     runner = engine.speculator.proposer.runner
     if runner.native_decoder is None:
-        pytest.skip(f"no native step here ({cpu_native_decode.unavailable_reason()})")
+        pytest.skip(f"no native step here ({cpu_native_step.unavailable_reason()})")
     runner.native_decoder.max_tokens = 4
     sizes = []
     real_forward = runner.forward

@@ -16,9 +16,9 @@ import torch
 
 from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.core.seams import FinishReason, GenerateRequest, SamplingParams
-from kvmesh.worker.modeling.distributed import single_rank
+from kvmesh.worker.parallel.distributed import single_rank
 from kvmesh.worker.engine_loop.engine import Engine
-from kvmesh.worker.modeling.parallel_layers import ShardSpec, head_shard
+from kvmesh.worker.parallel.layers import ShardSpec, head_shard
 
 PROMPTS = [
     "The capital of France is",
@@ -134,7 +134,7 @@ def test_int4_awq_tp2_matches_tp1_from_one_calibration(ray_cluster, tiny_model_d
     """TP=1 calibrates and caches the AWQ scales; TP=2 finds them in the cache, and each rank
     cuts its shard from the same full-model quantization: the same greedy tokens."""
     from kvmesh.quant.linear import Int4WeightOnlyLinear
-    from kvmesh.worker.modeling import awq_calibration
+    from kvmesh.worker.runner import awq_calibration
 
     monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path))
     searches = []
@@ -168,7 +168,7 @@ def test_swap_preemption_under_tp_matches_tp1(ray_cluster, tiny_model_dir, tiny_
 
 
 def test_head_sharding_rules():
-    from kvmesh.worker.modeling.distributed import Collectives
+    from kvmesh.worker.parallel.distributed import Collectives
 
     def spec(heads, rank, n):
         return head_shard(heads, Collectives(rank, n), "KV")
@@ -228,7 +228,7 @@ def test_quantized_shards_recompose_the_single_rank_layer(weight):
 
     from torch import nn
 
-    from kvmesh.worker.modeling.parallel_layers import quantize_sharded
+    from kvmesh.worker.parallel.layers import quantize_sharded
 
     torch.manual_seed(0)
     full = nn.Linear(128, 64, bias=True)
@@ -247,8 +247,8 @@ def test_vocab_parallel_embedding_and_head_with_padded_vocab():
     # padded to 12 (4 per rank) and the padding must never show up in outputs.
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvmesh.worker.modeling.distributed import GroupAddress, join_group, start_store
-    from kvmesh.worker.modeling.parallel_layers import ParallelLMHead, VocabParallelEmbedding
+    from kvmesh.worker.parallel.distributed import GroupAddress, join_group, start_store
+    from kvmesh.worker.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 
     torch.manual_seed(0)
     table = torch.randn(10, 8)

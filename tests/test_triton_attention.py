@@ -19,8 +19,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kvmesh.quant import kv_quant  # noqa: E402
-from kvmesh.worker.modeling.attention import AttentionMetadata, LayerKVCache  # noqa: E402
-from kvmesh.worker.modeling.attention_triton import TritonAttentionBackend  # noqa: E402
+from kvmesh.worker.attention.backend import AttentionMetadata, LayerKVCache  # noqa: E402
+from kvmesh.worker.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from kvmesh.core.errors import InvalidRequestError  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -265,7 +265,7 @@ def test_write_then_attend_through_the_backend():
 
 
 def test_matches_torch_backend_when_present():
-    torch_backend = pytest.importorskip("kvmesh.worker.modeling.attention_torch").TorchAttentionBackend()
+    torch_backend = pytest.importorskip("kvmesh.worker.attention.torch_backend").TorchAttentionBackend()
     # Zeroed unused slots, as allocate_kv_caches leaves them: the torch backend attends over
     # whole blocks and masks after the matmul, so NaN there would reach its output.
     query, cache, meta = _to_device(*_make_batch(MIXED_BATCH, 2, 3, 32, 16, torch.float32, "auto", seed=7,

@@ -1,4 +1,4 @@
-"""The fused Triton ops (worker/modeling/triton_ops.py) against their torch definitions (worker/modeling/torch_ops.py).
+"""The fused Triton ops (worker/kernels/triton_ops.py) against their torch definitions (worker/kernels/torch_ops.py).
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 (set before triton is imported); with
 CUDA the same tests run on the GPU.
@@ -17,9 +17,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 pytest.importorskip("triton")
 
-from kvmesh.worker.modeling import torch_ops, triton_ops  # noqa: E402
+from kvmesh.worker.kernels import torch_ops, triton_ops  # noqa: E402
 from kvmesh.core.errors import InvalidRequestError  # noqa: E402
-from kvmesh.worker.modeling.triton_ops import round_to, tl, triton  # noqa: E402
+from kvmesh.worker.kernels.triton_ops import round_to, tl, triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -258,7 +258,7 @@ def test_import_never_sets_the_interpreter():
     script = (
         "import os\n"
         "try:\n"
-        "    import kvmesh.worker.modeling.triton_ops\n"
+        "    import kvmesh.worker.kernels.triton_ops\n"
         "except ImportError as exc:\n"
         "    print('refused', 'TRITON_INTERPRET' in os.environ, 'CUDA' in str(exc))\n")
     proc = _fresh_python_without_interpreter(script)

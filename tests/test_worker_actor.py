@@ -201,7 +201,7 @@ def test_smollm2_actor_greedy_equals_engine(worker, smollm2_dir, actor_config):
     import concurrent.futures
 
     from kvmesh.worker.engine_loop.engine import Engine
-    from kvmesh.worker.modeling.tokenizer import render_chat
+    from kvmesh.worker.model.tokenizer import render_chat
 
     smol = actor_config.replace(model={"path": smollm2_dir})
     prompts = {"plain": "The capital of France is"}

@@ -6,7 +6,7 @@ Everything else the router shares with the worker (requests, deltas, stats, erro
 the bottom layer, kvmesh.core. tests/test_layers.py enforces the rule.
 """
 
-from kvmesh.worker.modeling.tokenizer import load_tokenizer, render_chat
+from kvmesh.worker.model.tokenizer import load_tokenizer, render_chat
 from kvmesh.worker.runtime.actor import WorkerInfo, WorkerPoll, kill_workers, start_workers
 
 __all__ = ["WorkerInfo", "WorkerPoll", "kill_workers", "load_tokenizer", "render_chat", "start_workers"]

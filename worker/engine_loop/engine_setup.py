@@ -9,7 +9,7 @@ scales for quantized KV); the number of blocks comes from a memory budget, never
                     - memory in use after loading weights - profiled peak activation
     num_blocks = budget // (bytes_per_token x block_size)      (cache.num_blocks overrides)
 
-With parallel.tensor_parallel_size = N > 1 (worker/modeling/tp_group.py) this process is rank 0: it
+With parallel.tensor_parallel_size = N > 1 (worker/runner/tp_group.py) this process is rank 0: it
 loads its shard while ranks 1..N-1 load theirs in Ray actors, and bytes_per_token counts
 this rank's KV heads (max(1, Hkv / N)); every rank gets the same num_blocks, so one block
 table addresses all the shards.
@@ -25,14 +25,14 @@ import torch
 from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.kv.kv_cache_manager import KVCacheManager
 from kvmesh.kv.capacity import kv_bytes_per_token, num_blocks_for_budget
-from kvmesh.worker.modeling import cpu_native_decode
-from kvmesh.worker.modeling.attention import AttentionMetadata
-from kvmesh.worker.modeling.model_runner import ModelRunner, allocate_kv_caches, kv_storage_dtype
-from kvmesh.worker.modeling.model_setup import (allocate_rank_caches, load_model, pick_backend, resolve_model,
+from kvmesh.worker.kernels import cpu_native_step
+from kvmesh.worker.attention.backend import AttentionMetadata
+from kvmesh.worker.runner.model_runner import ModelRunner, allocate_kv_caches, kv_storage_dtype
+from kvmesh.worker.runner.model_setup import (allocate_rank_caches, load_model, pick_backend, resolve_model,
                                                 with_valid_group_size)
-from kvmesh.worker.modeling.tokenizer import load_tokenizer
-from kvmesh.worker.modeling.tp_group import TensorParallelGroup, TensorParallelRunner
-from kvmesh.worker.modeling.host_tier_store import HostTierStore
+from kvmesh.worker.model.tokenizer import load_tokenizer
+from kvmesh.worker.runner.tp_group import TensorParallelGroup, TensorParallelRunner
+from kvmesh.worker.runner.host_tier_store import HostTierStore
 
 logger = logging.getLogger(__name__)
 
@@ -143,10 +143,10 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
             runner.graph_runner = build_graph_runner(config, model, backend, kv_caches, device, max_model_len,
                                                      plan.block_size)
         if device.type == "cpu":  # auto asks the native library what it has: only CPUs build it
-            native_tokens = cpu_native_decode.max_tokens_for(config.model.cpu_native_max_tokens, dtype,
+            native_tokens = cpu_native_step.max_tokens_for(config.model.cpu_native_max_tokens, dtype,
                                                              torch.get_num_threads())
             if native_tokens:
-                cpu_native_decode.install(runner, model, kv_caches, native_tokens)
+                cpu_native_step.install(runner, model, kv_caches, native_tokens)
     else:
         runner = TensorParallelRunner(group, plan, model, backend, device, kv_caches, swap_caches, plan.block_size,
                                       seed=config.model.seed)
@@ -176,7 +176,7 @@ def build_graph_runner(config: KvmeshConfig, model, backend, kv_caches, device, 
     """The decode CUDA-graph runner, captured now for the buckets up to the one holding
     scheduler.max_num_seqs (it falls back to eager by itself when it cannot capture)."""
     # CUDA only: the CPU path never loads the graph runner
-    from kvmesh.worker.modeling.cuda_graphs import DEFAULT_BUCKETS, CudaGraphRunner, select_bucket
+    from kvmesh.worker.runner.cuda_graphs import DEFAULT_BUCKETS, CudaGraphRunner, select_bucket
 
     top = select_bucket(config.scheduler.max_num_seqs, DEFAULT_BUCKETS) or max(DEFAULT_BUCKETS)
     graphs = CudaGraphRunner(model, backend, kv_caches, device, max_model_len, block_size,

@@ -24,7 +24,7 @@ import torch
 
 from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.kv.prefix_cache import CachedBlockKey
-from kvmesh.worker.modeling.host_tier_store import cache_tensors, rows_checksum
+from kvmesh.worker.runner.host_tier_store import cache_tensors, rows_checksum
 
 
 @dataclass(frozen=True)

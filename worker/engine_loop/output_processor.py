@@ -20,7 +20,7 @@ import torch
 from kvmesh.core.seams import FinishReason, RequestDelta, RequestTimings, Usage
 from kvmesh.worker.engine_loop.detokenizer import IncrementalDetokenizer
 from kvmesh.worker.engine_loop.request import Request
-from kvmesh.worker.modeling.sampler import SamplingRow
+from kvmesh.worker.runner.sampler import SamplingRow
 
 
 @dataclass

@@ -4,7 +4,7 @@ quant/linear.py), guess the next k tokens for the full-precision model.
 No second checkpoint to download: the draft is loaded from the same folder at start. Its KV
 lives in its own small paged pool (a KVCacheManager of its own, no prefix caching), one
 `DraftSequence` per request. The draft proposes its argmax at each position (one-hot
-drafts, see worker/modeling/rejection_sampler.py).
+drafts, see worker/runner/rejection_sampler.py).
 
 What the draft's KV holds is decided by tokens, not by bookkeeping of accept/reject: at each
 proposal its cached tokens are compared with the request's current tokens and cut back to
@@ -31,9 +31,9 @@ from kvmesh.kv.kv_cache_manager import KVCacheManager, PrefixMatch
 from kvmesh.quant.linear import Int8WeightOnlyLinear
 from kvmesh.worker.engine_loop.draft_proposers import DraftAsk
 from kvmesh.worker.engine_loop.scheduler_output import ScheduledRequest
-from kvmesh.worker.modeling import cpu_native_decode
-from kvmesh.worker.modeling.model_runner import ModelRunner, StepInputs, allocate_kv_caches
-from kvmesh.worker.modeling.model_setup import load_model, pick_backend, resolve_model, with_valid_group_size
+from kvmesh.worker.kernels import cpu_native_step
+from kvmesh.worker.runner.model_runner import ModelRunner, StepInputs, allocate_kv_caches
+from kvmesh.worker.runner.model_setup import load_model, pick_backend, resolve_model, with_valid_group_size
 
 logger = logging.getLogger(__name__)
 
@@ -187,8 +187,8 @@ class SelfDraftProposer:
             # The draft's steps are small (a token or a short catch-up per speculating request):
             # on CPU they run as one native call where it applies (int8 draft weights and head),
             # several times cheaper than the eager forward; only acceptance can change with it.
-            cpu_native_decode.install(runner, model, caches,
-                                      cpu_native_decode.auto_max_tokens(torch.get_num_threads()),
+            cpu_native_step.install(runner, model, caches,
+                                      cpu_native_step.auto_max_tokens(torch.get_num_threads()),
                                       what="the self-draft", int8_activations=True)
         logger.info("self-draft: %s weights, %d KV blocks x %d tokens", spec_cfg.draft_quant, num_blocks, block_size)
         clock = time.process_time if model_spec.device.type == "cpu" else time.perf_counter

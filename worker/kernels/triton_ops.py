@@ -1,6 +1,6 @@
 """Fused Triton kernels for the Llama decoder: RMSNorm (+ residual add), SiLU-and-mul, W4A16, W8A16.
 
-Each kernel has a plain torch definition in worker/modeling/torch_ops.py, and the tests hold them to
+Each kernel has a plain torch definition in worker/kernels/torch_ops.py, and the tests hold them to
 it. Kernels compute in fp32 and round where the unfused torch code rounds, so fp32 results
 match the reference to fp32 rounding and bf16/fp16 results to one unit in the last place.
 
@@ -19,7 +19,7 @@ codes are exact in fp16 / bf16, so the kernel feeds them to tl.dot unscaled and 
 per-row scale once to the accumulator, as the torch path scales after its matmul.
 
 Which of these run (Triton on CUDA, torch elsewhere) is decided in one place:
-worker/modeling/kernel_dispatch.py.
+worker/kernels/dispatch.py.
 """
 
 from __future__ import annotations

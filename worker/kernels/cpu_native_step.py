@@ -53,7 +53,7 @@ import torch
 
 from kvmesh.core.config import CPU_NATIVE_MAX_TOKENS
 from kvmesh.quant.linear import Int8WeightOnlyLinear
-from kvmesh.worker.modeling import cpu_native, cpu_paged_attention
+from kvmesh.worker.kernels import cpu_build, cpu_paged_attention
 
 logger = logging.getLogger(__name__)
 
@@ -881,7 +881,7 @@ class NativeDecoder:
             raise NotTaken(f"widths hidden {hidden}, intermediate {inter}, heads {hq}x{d} (multiples of 16 needed)")
         loaded = _load()
         if loaded is None:
-            raise NotTaken(f"native build failed ({cpu_native.unavailable_reason() or 'see the log'})")
+            raise NotTaken(f"native build failed ({cpu_build.unavailable_reason() or 'see the log'})")
         fn, features = loaded
         k0 = kv_caches[0].key_cache
         strides = k0.stride()
@@ -927,7 +927,7 @@ class NativeDecoder:
         return decoder
 
     def run(self, inputs) -> torch.Tensor | None:
-        """inputs: the step's StepInputs (worker/modeling/model_runner.py) -> fp32 logits
+        """inputs: the step's StepInputs (worker/runner/model_runner.py) -> fp32 logits
         [len(sample_at), vocab] (no rows for a mid-prompt chunk; a view of the decoder's own
         buffer, overwritten by its next step), or None when the step has more than max_tokens
         tokens."""
@@ -963,7 +963,7 @@ def unavailable_reason() -> str | None:
         return f"CPU capability {torch.backends.cpu.get_cpu_capability()} (the native step needs AVX-512)"
     if os.environ.get("KVMESH_NATIVE_DECODE", "1") == "0":
         return "disabled by KVMESH_NATIVE_DECODE=0"
-    return cpu_native.unavailable_reason()
+    return cpu_build.unavailable_reason()
 
 
 def _bf16_flags() -> tuple[str, ...]:
@@ -979,7 +979,7 @@ def _bf16_flags() -> tuple[str, ...]:
 def _load():
     # -fopenmp: the step's threads are an OpenMP team; libgomp.so.1 resolves to the one torch
     # has already loaded (same soname), so the step runs on torch's own thread pool.
-    lib = cpu_native.build("native_decode", cpu_paged_attention.C_SOURCE + _DECODER_SOURCE,
+    lib = cpu_build.build("native_decode", cpu_paged_attention.C_SOURCE + _DECODER_SOURCE,
                            ("-fopenmp",) + _bf16_flags())
     if lib is None:
         return None

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.worker.modeling.sampler import SamplingRow, _apply_penalties, _filter
+from kvmesh.worker.runner.sampler import SamplingRow, _apply_penalties, _filter
 
 
 @dataclass(frozen=True)

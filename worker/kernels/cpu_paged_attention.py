@@ -22,7 +22,7 @@ tests/test_engine_exact.py). In bf16 greedy decoding it agrees with HF fp32 as o
 SDPA path does, but less often with HF bf16, which runs the same SDPA kernel as the grouped
 path and so shares its roundings (docs/benchmarks.md).
 
-The kernel is plain C built on first use and called through ctypes (worker/modeling/cpu_native.py).
+The kernel is plain C built on first use and called through ctypes (worker/kernels/cpu_build.py).
 Where there is no compiler, the build fails, the CPU has no AVX2 or $KVMESH_PAGED_DECODE_KERNEL
 is 0, `load()` returns None and the caller keeps the grouped path (one log line says why).
 With more than one torch thread the rows are split over a small thread pool, one share per thread.
@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kvmesh.worker.modeling import cpu_native
+from kvmesh.worker.kernels import cpu_build
 
 C_SOURCE = r"""
 #include <stdint.h>
@@ -359,14 +359,14 @@ class PagedDecodeKernel:
 def unavailable_reason() -> str | None:
     if os.environ.get("KVMESH_PAGED_DECODE_KERNEL", "1") == "0":
         return "disabled by KVMESH_PAGED_DECODE_KERNEL=0"
-    return cpu_native.unavailable_reason()
+    return cpu_build.unavailable_reason()
 
 
 def load() -> PagedDecodeKernel | None:
     """The kernel, built on first use; None (logged once) where it is unavailable."""
     if unavailable_reason() is not None:
         return None
-    lib = cpu_native.build("paged_decode", C_SOURCE)
+    lib = cpu_build.build("paged_decode", C_SOURCE)
     return None if lib is None else _kernel_for(lib)
 
 

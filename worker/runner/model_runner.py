@@ -6,7 +6,7 @@ positions, writes their K/V into the request's blocks, and samples a token only 
 whose scheduled tokens reach the end of what is known (a finished prefill or a decode).
 Mid-prompt chunks produce no token.
 
-KV cache memory (per layer, see worker/modeling/attention.py for the block layout):
+KV cache memory (per layer, see worker/attention/backend.py for the block layout):
 
     device:  key/value [num_blocks, block_size, Hkv, D]  (+ fp16 scales when quantized)
     swap:    same shape with num_swap_blocks, pinned CPU memory on CUDA
@@ -25,9 +25,9 @@ import torch
 from kvmesh.core.config import ConfigError
 from kvmesh.quant.kv_quant import KV_QUANT_DTYPES, KV_SCALE_DTYPE, kv_cache_layout
 from kvmesh.quant.kv_quant import kv_storage_dtype as quantized_kv_storage_dtype
-from kvmesh.worker.modeling.attention import AttentionBackend, AttentionMetadata, LayerKVCache
-from kvmesh.worker.modeling.rejection_sampler import verify
-from kvmesh.worker.modeling.sampler import SampleResult, SamplingRow, sample
+from kvmesh.worker.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
+from kvmesh.worker.runner.rejection_sampler import verify
+from kvmesh.worker.runner.sampler import SampleResult, SamplingRow, sample
 
 logger = logging.getLogger(__name__)
 
@@ -193,9 +193,9 @@ class ModelRunner:
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.fault_hook: Callable[[], None] | None = None  # tests inject forward failures here
         self.phase_clock = None  # the engine's StepPhaseClock: prepare / forward / sample laps
-        # Decode steps replay captured CUDA graphs when set (worker/modeling/cuda_graphs.py; CUDA only).
+        # Decode steps replay captured CUDA graphs when set (worker/runner/cuda_graphs.py; CUDA only).
         self.graph_runner = None
-        # Small CPU steps run as one native call when set (worker/modeling/cpu_native_decode.py).
+        # Small CPU steps run as one native call when set (worker/kernels/cpu_native_step.py).
         self.native_decoder = None
 
     def apply_block_ops(self, sched_out) -> None:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 # The eager definitions, traced as they are: the compiled layer rounds exactly as eager does.
-from kvmesh.worker.modeling.torch_ops import fused_add_rms_norm, rms_norm, silu_and_mul
+from kvmesh.worker.kernels.torch_ops import fused_add_rms_norm, rms_norm, silu_and_mul
 
 logger = logging.getLogger(__name__)
 

@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.core.config import ConfigError
-from kvmesh.worker.modeling import packed_weights
-from kvmesh.worker.modeling.distributed import Collectives
-from kvmesh.worker.modeling.packed_weights import PackedWeight
+from kvmesh.worker.kernels import packed_weights
+from kvmesh.worker.parallel.distributed import Collectives
+from kvmesh.worker.kernels.packed_weights import PackedWeight
 from kvmesh.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def head_shard(num_heads: int, coll: Collectives, what: str) -> ShardSpec:
 class QKVParallelLinear(_ShardedLinear):
     """Column-parallel by whole heads: one of q_proj / k_proj / v_proj (kept apart so Hugging
     Face names load as is; after loading, the model runs the three as one GEMM over shared
-    storage, worker/modeling/model.py FusedLinears). `num_local_heads` is what this rank's attention runs."""
+    storage, worker/model/llama.py FusedLinears). `num_local_heads` is what this rank's attention runs."""
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, bias: bool, coll: Collectives, what: str):
         self.shard = head_shard(num_heads, coll, what)
@@ -201,7 +201,7 @@ def quantize_sharded(full: nn.Linear, shard: ShardSpec, quant_cfg, awq=None) -> 
     elif quant_cfg.weight == "int4_awq":
         if awq is None:
             raise ConfigError("quant.weight=int4_awq under tensor parallelism needs the AWQ scales of the full "
-                              "model (worker/modeling/awq_calibration.py) for every projection")
+                              "model (worker/runner/awq_calibration.py) for every projection")
         q = Int4WeightOnlyLinear.from_linear(full, quant_cfg.group_size, input_scale=awq.input_scale)
     else:
         raise ConfigError(f"quant.weight={quant_cfg.weight} is not supported with tensor parallelism")

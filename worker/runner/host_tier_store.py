@@ -17,8 +17,8 @@ import zlib
 
 import torch
 
-from kvmesh.worker.modeling.attention import LayerKVCache
-from kvmesh.worker.modeling.model_runner import _copy_blocks, allocate_kv_caches
+from kvmesh.worker.attention.backend import LayerKVCache
+from kvmesh.worker.runner.model_runner import _copy_blocks, allocate_kv_caches
 
 
 def cache_tensors(caches: list[LayerKVCache]) -> list[torch.Tensor]:

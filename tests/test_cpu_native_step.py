@@ -1,4 +1,4 @@
-"""The native CPU step (worker/modeling/cpu_native_decode.py, model.cpu_native_max_tokens):
+"""The native CPU step (worker/kernels/cpu_native_step.py, model.cpu_native_max_tokens):
 every step it serves (decode rows, and prefill chunks with several tokens of one request)
 gives the eager forward's logits (fp32: to float rounding; bf16: to the
 eager bf16 path's own rounding), the engine's greedy tokens do not change in fp32 with
@@ -14,12 +14,12 @@ import torch
 
 from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.worker.engine_loop.engine import Engine
-from kvmesh.worker.modeling import cpu_native_decode
+from kvmesh.worker.kernels import cpu_native_step
 
 from engine_runs import generate_all_greedy
 
-pytestmark = pytest.mark.skipif(cpu_native_decode.unavailable_reason() is not None,
-                                reason=f"native decode unavailable: {cpu_native_decode.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(cpu_native_step.unavailable_reason() is not None,
+                                reason=f"native decode unavailable: {cpu_native_step.unavailable_reason()}")
 
 PROMPTS = [tuple(range(100, 100 + n)) for n in (5, 37, 12, 50, 1, 23)]
 NEW_TOKENS = 20
@@ -160,10 +160,10 @@ def test_int8_activations_for_the_self_draft_stay_near_the_eager_int8_logits(tin
     weight-only int8 by the activations' rounding, not more; elsewhere the same FMA GEMV."""
     engine = _engine(tiny_model_dir, dtype="bf16", quant="int8", native=0)
     runner = engine.runner
-    runner.native_decoder = cpu_native_decode.NativeDecoder.build(runner.model, runner.kv_caches, 8,
+    runner.native_decoder = cpu_native_step.NativeDecoder.build(runner.model, runner.kv_caches, 8,
                                                                   int8_activations=True)
-    amx_int8 = cpu_native_decode.amx_available() and bool(cpu_native_decode._load()[1]
-                                                           & cpu_native_decode._FEATURE_AMX_INT8)
+    amx_int8 = cpu_native_step.amx_available() and bool(cpu_native_step._load()[1]
+                                                           & cpu_native_step._FEATURE_AMX_INT8)
     assert runner.native_decoder.int8_amx == amx_int8
     diffs = _check_each_step_against_eager(engine, _relative)
     _generate(engine)
@@ -221,7 +221,7 @@ def test_steps_over_max_tokens_run_eagerly(tiny_model_dir):
 @pytest.mark.parametrize("overrides,reason", [({"quant": "int4"}, "Int4WeightOnlyLinear"),
                                               ({"kv": "int8"}, "quantized")])
 def test_what_it_does_not_implement_falls_back_with_the_reason(tiny_model_dir, caplog, overrides, reason):
-    with caplog.at_level(logging.WARNING, logger=cpu_native_decode.__name__):
+    with caplog.at_level(logging.WARNING, logger=cpu_native_step.__name__):
         engine = _engine(tiny_model_dir, native=4, **overrides)
     assert engine.runner.native_decoder is None
     assert reason in caplog.text and "eager forward" in caplog.text
@@ -230,7 +230,7 @@ def test_what_it_does_not_implement_falls_back_with_the_reason(tiny_model_dir, c
 
 def test_switched_off_by_the_environment(tiny_model_dir, monkeypatch, caplog):
     monkeypatch.setenv("KVMESH_NATIVE_DECODE", "0")
-    with caplog.at_level(logging.WARNING, logger=cpu_native_decode.__name__):
+    with caplog.at_level(logging.WARNING, logger=cpu_native_step.__name__):
         engine = _engine(tiny_model_dir, native=4)
     assert engine.runner.native_decoder is None and "KVMESH_NATIVE_DECODE=0" in caplog.text
 
@@ -246,7 +246,7 @@ def test_bf16_projections_take_the_cpu_s_fastest_bf16_instructions(tiny_model_di
     against eager. fp32 models have no bf16 path."""
     engine = _engine(tiny_model_dir, dtype="bf16", native=8)
     probe = lambda name: bool(getattr(torch.cpu, name, lambda: False)())  # noqa: E731
-    expected = ("amx" if cpu_native_decode.amx_available() else
+    expected = ("amx" if cpu_native_step.amx_available() else
                 "vdpbf16ps" if probe("_is_avx512_bf16_supported") else "fma")
     decoder = engine.runner.native_decoder
     assert decoder.bf16_path == expected
@@ -264,10 +264,10 @@ def test_bf16_projections_take_the_cpu_s_fastest_bf16_instructions(tiny_model_di
 def test_auto_step_size_follows_the_measured_crossover_with_eager():
     """docs/benchmarks.md, sixth round: every step it takes with AMX, else 12 tokens a thread
     up to 24."""
-    expected = [64, 64, 64] if cpu_native_decode.amx_available() else [12, 24, 24]
-    assert [cpu_native_decode.max_tokens_for(None, torch.bfloat16, t) for t in (1, 2, 4)] == expected
-    assert cpu_native_decode.max_tokens_for(None, torch.float32, 2) == 0
-    assert cpu_native_decode.max_tokens_for(5, torch.float32, 2) == 5
+    expected = [64, 64, 64] if cpu_native_step.amx_available() else [12, 24, 24]
+    assert [cpu_native_step.max_tokens_for(None, torch.bfloat16, t) for t in (1, 2, 4)] == expected
+    assert cpu_native_step.max_tokens_for(None, torch.float32, 2) == 0
+    assert cpu_native_step.max_tokens_for(5, torch.float32, 2) == 5
 
 
 def test_amx_packed_layout_is_tdpbf16ps_b_operand():
@@ -275,10 +275,10 @@ def test_amx_packed_layout_is_tdpbf16ps_b_operand():
     column kb*32 + 2p + e; whole 16-row blocks only (the kernel reads the rest in place), and
     no copy where the packed kernel does not apply."""
     weight = torch.randn(40, 96).to(torch.bfloat16)
-    packed = cpu_native_decode.amx_packed(weight)
+    packed = cpu_native_step.amx_packed(weight)
     assert packed.shape == (2, 3, 16, 16, 2)
     nb, kb, p, r, e = torch.meshgrid(*(torch.arange(n) for n in packed.shape), indexing="ij")
     assert torch.equal(packed, weight[nb * 16 + r, kb * 32 + 2 * p + e])
-    assert cpu_native_decode.amx_packed(torch.randn(32, 48).to(torch.bfloat16)) is None  # K not a multiple of 32
-    assert cpu_native_decode.amx_packed(torch.randn(32, 64)) is None  # fp32
-    assert cpu_native_decode.amx_packed(torch.randn(8, 64).to(torch.bfloat16)) is None  # not one whole block
+    assert cpu_native_step.amx_packed(torch.randn(32, 48).to(torch.bfloat16)) is None  # K not a multiple of 32
+    assert cpu_native_step.amx_packed(torch.randn(32, 64)) is None  # fp32
+    assert cpu_native_step.amx_packed(torch.randn(8, 64).to(torch.bfloat16)) is None  # not one whole block

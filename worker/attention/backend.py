@@ -18,9 +18,9 @@ query[query_start_loc[i]:query_start_loc[i+1]] at positions
 seq_lens[i] - query_len_i ... seq_lens[i] - 1; each attends causally to every earlier
 token of its own request (cached context plus the chunk itself).
 
-Implementations: `TorchAttentionBackend` (worker/modeling/attention_torch.py, the reference and
-the oracle of the others), `CpuAttentionBackend` (worker/modeling/attention_cpu.py, the CPU
-default) and `TritonAttentionBackend` (worker/modeling/attention_triton.py, the CUDA default).
+Implementations: `TorchAttentionBackend` (worker/attention/torch_backend.py, the reference and
+the oracle of the others), `CpuAttentionBackend` (worker/attention/cpu_backend.py, the CPU
+default) and `TritonAttentionBackend` (worker/attention/triton_backend.py, the CUDA default).
 """
 
 from __future__ import annotations

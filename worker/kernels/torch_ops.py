@@ -1,7 +1,7 @@
 """Plain torch references for the fused worker ops (and the Triton kernels' test oracles).
 
-Each function here is the definition of what the matching kernel in worker/modeling/triton_ops.py or
-worker/modeling/attention_triton.py computes, written for clarity, not speed. None of them modify
+Each function here is the definition of what the matching kernel in worker/kernels/triton_ops.py or
+worker/attention/triton_backend.py computes, written for clarity, not speed. None of them modify
 their inputs.
 
 Rounding follows Hugging Face's Llama modules so the fused kernels can be token-exact in

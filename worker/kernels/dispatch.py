@@ -1,8 +1,8 @@
 """The one place that picks a kernel for the decoder's fused ops and quantized matmuls.
 
-On CUDA the Triton kernels of worker/modeling/triton_ops.py run; everywhere else the torch
-definitions of worker/modeling/torch_ops.py (the CPU path, which keeps its own packed int8 / int4
-kernels inside quant/linear.py). worker/modeling/model.py and quant/linear.py call only these
+On CUDA the Triton kernels of worker/kernels/triton_ops.py run; everywhere else the torch
+definitions of worker/kernels/torch_ops.py (the CPU path, which keeps its own packed int8 / int4
+kernels inside quant/linear.py). worker/model/llama.py and quant/linear.py call only these
 functions, so a device decision is never repeated in a layer.
 
 `force_triton()` makes every call take the Triton path whatever the device: on a machine
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 
 from kvmesh.quant import linear as quant_linear
-from kvmesh.worker.modeling import torch_ops
+from kvmesh.worker.kernels import torch_ops
 
 _forced = threading.local()  # per thread, so a test forcing Triton leaves other threads alone
 
@@ -45,7 +45,7 @@ def use_triton(x: torch.Tensor) -> bool:
 
 def _triton():
     # triton is optional: imported on first use of a Triton path, never on the CPU path
-    from kvmesh.worker.modeling import triton_ops
+    from kvmesh.worker.kernels import triton_ops
 
     return triton_ops
 

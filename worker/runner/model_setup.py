@@ -16,14 +16,14 @@ import torch
 from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.quant.linear import quantize_model
 from kvmesh.quant.primitives import largest_valid_group_size
-from kvmesh.worker.modeling.awq_calibration import awq_results_for
-from kvmesh.worker.modeling.attention import LayerKVCache
-from kvmesh.worker.modeling.attention_cpu import CpuAttentionBackend
-from kvmesh.worker.modeling.attention_torch import TorchAttentionBackend
-from kvmesh.worker.modeling import compiled_forward
-from kvmesh.worker.modeling.model import LlamaForCausalLM
-from kvmesh.worker.modeling.model_loader import ensure_hf_dir, load_hf_config, load_state_dict
-from kvmesh.worker.modeling.model_runner import TORCH_DTYPES, allocate_kv_caches, kv_storage_dtype
+from kvmesh.worker.runner.awq_calibration import awq_results_for
+from kvmesh.worker.attention.backend import LayerKVCache
+from kvmesh.worker.attention.cpu_backend import CpuAttentionBackend
+from kvmesh.worker.attention.torch_backend import TorchAttentionBackend
+from kvmesh.worker.runner import compiled_forward
+from kvmesh.worker.model.llama import LlamaForCausalLM
+from kvmesh.worker.model.loader import ensure_hf_dir, load_hf_config, load_state_dict
+from kvmesh.worker.runner.model_runner import TORCH_DTYPES, allocate_kv_caches, kv_storage_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def pick_backend(config: KvmeshConfig, device: torch.device):
     want = config.parallel.attention_backend
     if want == "triton" or (want == "auto" and device.type == "cuda"):
         try:
-            from kvmesh.worker.modeling.attention_triton import TritonAttentionBackend  # triton is optional
+            from kvmesh.worker.attention.triton_backend import TritonAttentionBackend  # triton is optional
         except ImportError as exc:
             if want == "triton":
                 raise ConfigError(f"attention_backend=triton but Triton is unavailable: {exc}") from exc
@@ -106,9 +106,9 @@ def resolve_model(config: KvmeshConfig) -> ModelSpec:
 
 def load_model(config: KvmeshConfig, spec: ModelSpec, coll=None, awq=None) -> LlamaForCausalLM:
     """This rank's model: the whole model at world size 1, its shard under tensor parallelism
-    (`coll` from worker/modeling/distributed.py). Quantized projections are quantized whole, then cut.
+    (`coll` from worker/parallel/distributed.py). Quantized projections are quantized whole, then cut.
 
-    awq: int4_awq search results (worker/modeling/awq_calibration.py); None at world size 1 means
+    awq: int4_awq search results (worker/runner/awq_calibration.py); None at world size 1 means
     calibrate this model here (or take the cached results)."""
     model = LlamaForCausalLM(spec.hf_config, spec.max_model_len, coll, config.parallel.vocab_parallel)
     state = load_state_dict(spec.hf_dir)

@@ -1,6 +1,6 @@
 """The CPU attention fast path: varlen attention over the paged cache, planned once per step.
 
-The reference backend (worker/modeling/attention_torch.py, the oracle this one is tested against)
+The reference backend (worker/attention/torch_backend.py, the oracle this one is tested against)
 gathers every decode row's blocks up to the longest context of the batch, in every layer,
 and rebuilds its index and mask tensors each time: per step it does
 layers x batch x longest-context work. Here:
@@ -15,7 +15,7 @@ layers x batch x longest-context work. Here:
     and one scaled_dot_product_attention call.
   * A prefill chunk reads exactly its context's blocks; a chunk with no cached context uses
     SDPA's own causal path instead of an explicit mask.
-  * Where the compiled kernel of worker/modeling/cpu_paged_attention.py is available (a C
+  * Where the compiled kernel of worker/kernels/cpu_paged_attention.py is available (a C
     compiler, AVX2 / AVX-512) and the cache is unquantized fp32 / bf16, all decode rows of a
     layer run in ONE kernel call that reads K/V in place through the block tables: no gather,
     no padding, no SDPA call per group. The grouped path above remains for the rest (quantized
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvmesh.worker.modeling import cpu_paged_attention
-from kvmesh.worker.modeling.attention import AttentionMetadata, LayerKVCache
+from kvmesh.worker.kernels import cpu_paged_attention
+from kvmesh.worker.attention.backend import AttentionMetadata, LayerKVCache
 from kvmesh.quant.kv_quant import dequantize_kv
-from kvmesh.worker.modeling.attention_torch import TorchAttentionBackend
+from kvmesh.worker.attention.torch_backend import TorchAttentionBackend
 
 # A decode group may pad up to this factor over the tokens its rows attend. Lower means less
 # wasted work but more groups (one gather + one SDPA call per group per layer).

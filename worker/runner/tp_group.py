@@ -38,12 +38,12 @@ import os
 import torch
 
 from kvmesh.core.config import ConfigError, KvmeshConfig
-from kvmesh.worker.modeling.distributed import Collectives, GroupAddress, join_group, start_store
+from kvmesh.worker.parallel.distributed import Collectives, GroupAddress, join_group, start_store
 from kvmesh.core.errors import WorkerFailedError
-from kvmesh.worker.modeling.awq_calibration import awq_results_for
-from kvmesh.worker.modeling.model_runner import BlockOps, ModelRunner, StepInputs
-from kvmesh.worker.modeling.model_setup import allocate_rank_caches, load_model, pick_backend, resolve_model
-from kvmesh.worker.modeling.parallel_layers import check_splittable
+from kvmesh.worker.runner.awq_calibration import awq_results_for
+from kvmesh.worker.runner.model_runner import BlockOps, ModelRunner, StepInputs
+from kvmesh.worker.runner.model_setup import allocate_rank_caches, load_model, pick_backend, resolve_model
+from kvmesh.worker.parallel.layers import check_splittable
 
 logger = logging.getLogger(__name__)
 

@@ -48,10 +48,10 @@ import torch
 # write_kv must match quant/kv_quant.py bit for bit: the same scale bounds and dtype.
 from kvmesh.quant.kv_quant import (FP8_E4M3_MAX, INT4_MAX, INT4_ZERO, INT8_MAX, KV_SCALE_DTYPE, MAX_KV_SCALE,
                                    MIN_KV_SCALE, kv_int4_group_size)
-from kvmesh.worker.modeling.attention import AttentionMetadata, LayerKVCache
+from kvmesh.worker.attention.backend import AttentionMetadata, LayerKVCache
 from kvmesh.core.errors import InvalidRequestError
 # triton_ops turns on the interpreter when there is no CUDA, before the kernels below exist.
-from kvmesh.worker.modeling.triton_ops import compute_dtype, dot_precision, round_half_even, round_to, tl, triton
+from kvmesh.worker.kernels.triton_ops import compute_dtype, dot_precision, round_half_even, round_to, tl, triton
 
 logger = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ def _write_kv_kernel(
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
-    if slot < 0:  # a padding row of a captured decode batch (worker/modeling/cuda_graphs.py): no slot
+    if slot < 0:  # a padding row of a captured decode batch (worker/runner/cuda_graphs.py): no slot
         return
     block_id = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
@@ -409,7 +409,7 @@ def _default_min_programs(device: torch.device) -> int:
 
 
 class TritonAttentionBackend:
-    """AttentionBackend on Triton kernels (worker/modeling/attention.py); the CUDA default.
+    """AttentionBackend on Triton kernels (worker/attention/backend.py); the CUDA default.
 
     tile_tokens: keys per inner-loop step (>= 16 for tl.dot, independent of block size).
     min_programs: when a batch yields fewer (q-block, kv-head) programs than this (small

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.quant.kv_quant import dequantize_kv, quantize_kv
-from kvmesh.worker.modeling.attention import AttentionMetadata, LayerKVCache
+from kvmesh.worker.attention.backend import AttentionMetadata, LayerKVCache
 
 _KV_QUANT_KIND = {torch.int8: "int8", torch.uint8: "int4"}  # any other quantized storage is fp8
 

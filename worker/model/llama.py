@@ -6,7 +6,7 @@ state dict loads as is and weight-only quantization (quant/) finds the projectio
 RoPE tables come from transformers' own rotary embedding for the config (rope_theta and any
 rope scaling), so positions encode exactly as in the reference implementation.
 
-Tensor parallelism (worker/modeling/parallel_layers.py): given a `Collectives` of world size N, each
+Tensor parallelism (worker/parallel/layers.py): given a `Collectives` of world size N, each
 rank builds the shard-shaped layers, attention runs on its local heads (Hq / N query heads,
 max(1, Hkv / N) KV heads) and the block output is all-reduced after o_proj and down_proj.
 At world size 1 every layer is the full nn.Linear / nn.Embedding and the all-reduce is a
@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvmesh.worker.modeling import kernel_dispatch as ops  # Triton on CUDA, torch elsewhere: decided there
-from kvmesh.worker.modeling.attention import AttentionBackend, AttentionMetadata, LayerKVCache
-from kvmesh.worker.modeling.distributed import Collectives, single_rank
+from kvmesh.worker.kernels import dispatch as ops  # Triton on CUDA, torch elsewhere: decided there
+from kvmesh.worker.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
+from kvmesh.worker.parallel.distributed import Collectives, single_rank
 from kvmesh.quant.linear import merge_output_rows
-from kvmesh.worker.modeling import packed_weights
-from kvmesh.worker.modeling.parallel_layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+from kvmesh.worker.kernels import packed_weights
+from kvmesh.worker.parallel.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                            RowParallelLinear, VocabParallelEmbedding, _ShardedLinear,
                                            quantize_sharded)
 
@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As HF: normalise in fp32, cast back, then scale (worker/modeling/torch_ops.py).
+        # As HF: normalise in fp32, cast back, then scale (worker/kernels/torch_ops.py).
         return ops.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryTables(cfg, max_positions)
         # model.compile decode: the layer stack as one inductor-compiled function for steps it
-        # applies to (worker/modeling/compiled_forward.py, installed by model_setup); None = eager
+        # applies to (worker/runner/compiled_forward.py, installed by model_setup); None = eager
         self.compiled = None
 
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvmesh.core.config import ModelConfig
 from kvmesh.core.errors import InvalidRequestError
-from kvmesh.worker.modeling.model_loader import resolve_model
+from kvmesh.worker.model.loader import resolve_model
 
 
 def load_tokenizer(cfg: ModelConfig):

@@ -37,9 +37,9 @@ import torch
 from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.quant.awq import ALPHA_GRID, AwqSearchResult, load_awq_results, save_awq_results, search_model_awq
 from kvmesh.quant.calibration import collect_activation_stats, load_text, projection_linears, token_sequences
-from kvmesh.worker.modeling.model_loader import cache_root
-from kvmesh.worker.modeling.model_runner import allocate_kv_caches, prefill_logits
-from kvmesh.worker.modeling.tokenizer import load_tokenizer
+from kvmesh.worker.model.loader import cache_root
+from kvmesh.worker.runner.model_runner import allocate_kv_caches, prefill_logits
+from kvmesh.worker.model.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

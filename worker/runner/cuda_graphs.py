@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.worker.modeling.attention import AttentionMetadata
+from kvmesh.worker.attention.backend import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

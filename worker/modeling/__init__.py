@@ -1,1 +1,0 @@
-"""The model and what runs it: layers, attention, kernels, loader, runner, sampler."""
