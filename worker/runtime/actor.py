@@ -116,7 +116,7 @@ class WorkerActor:
         plan = engine.parts.plan
         swap_bytes = plan.num_swap_blocks * plan.block_size * plan.kv_bytes_per_token
         self._metrics = telemetry.EngineMetrics(
-            worker_id, telemetry.ModelInfo.of_engine(engine, self._config), device=engine.parts.device,
+            worker_id, telemetry.ModelInfoLabels.of_engine(engine, self._config), device=engine.parts.device,
             tensor_bytes=plan.weight_bytes + plan.kv_cache_bytes + swap_bytes, kv_pool_bytes=plan.kv_cache_bytes)
         self._step_log = telemetry.RequestStepLog()
         cache = self._config.cache
