@@ -337,7 +337,7 @@ FILL_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0
 
 
 @dataclass(frozen=True)
-class ModelInfo:
+class ModelInfoLabels:
     """The labels of kvmesh_model_info: what this worker actually serves (dtypes resolved)."""
 
     model: str
@@ -348,7 +348,7 @@ class ModelInfo:
     version: str  # the kvmesh package version
 
     @classmethod
-    def of_engine(cls, engine, config: KvmeshConfig) -> "ModelInfo":
+    def of_engine(cls, engine, config: KvmeshConfig) -> "ModelInfoLabels":
         from importlib.metadata import PackageNotFoundError, version
 
         try:
@@ -423,7 +423,7 @@ class EngineMetrics:
     `observe_step_report` is a StepPhaseClock observer (engine step thread); `snapshot` reads
     the memory probes (actor event loop). prometheus_client is thread-safe."""
 
-    def __init__(self, worker_id: str = "", model_info: ModelInfo | None = None, device=None,
+    def __init__(self, worker_id: str = "", model_info: ModelInfoLabels | None = None, device=None,
                  tensor_bytes: int = 0, kv_pool_bytes: int = 0, planned_bytes: dict[str, int] | None = None):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 

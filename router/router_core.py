@@ -47,7 +47,7 @@ from kvmesh.core.config import KvmeshConfig
 from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.kv.output_estimate import OutputLengthEstimator
 from kvmesh.router import affinity_wait, degradation, request_rules, tracing
-from kvmesh.router.admission import AdmissionController, AdmissionTicket, cost_with_cached_prefix, request_cost_tokens
+from kvmesh.router.admission import RouterAdmission, AdmissionTicket, cost_with_cached_prefix, request_cost_tokens
 from kvmesh.router.auth import Authenticator
 from kvmesh.router.convert import InboundRequest
 from kvmesh.router.fairness import TenantBacklog, engine_priority
@@ -96,7 +96,7 @@ class RouterCore:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics or RouterMetrics(max_num_seqs=config.scheduler.max_num_seqs)
-        self.admission = AdmissionController(config.router, kv_reserved_fraction=config.scheduler.kv_reserved_fraction,
+        self.admission = RouterAdmission(config.router, kv_reserved_fraction=config.scheduler.kv_reserved_fraction,
                                              kv_reserved_below_class=config.scheduler.kv_reserved_below_class,
                                              workers_preempt_kv_reservations=(
                                                  config.scheduler.priority_preemption

@@ -238,7 +238,7 @@ def test_prometheus_rule_validates_and_has_the_six_alerts(chart):
     alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
     assert set(alerts) == {"KvmeshKvCacheUsageHigh", "KvmeshQueueTimeP99OverSlo", "KvmeshShedRateHigh",
                            "KvmeshWorkerRestarted", "KvmeshRedisFallbackActive", "KvmeshPreemptionStorm",
-                           "KvmeshOutOfMemory"}
+                           "KvmeshOutOfMemory", "KvmeshTenantRegistryRestored", "KvmeshTenantRegistryStale"}
     kv = alerts["KvmeshKvCacheUsageHigh"]
     assert kv["expr"].endswith("> 0.8") and kv["for"] == "15m"  # the values reach the rule
     assert alerts["KvmeshShedRateHigh"]["expr"].rstrip().endswith("> 0.1")
@@ -547,6 +547,16 @@ def test_redis_modes(rendered):
         labels = statefulset["spec"]["template"]["metadata"]["labels"].items()
         assert rendered.one("Service", "-redis")["spec"]["selector"].items() <= labels
         assert statefulset["spec"]["selector"]["matchLabels"].items() <= labels
+
+
+def test_bundled_redis_keeps_its_data_by_default(chart):
+    """The tenant registry lives in it: an append-only file on a PVC unless turned off."""
+    statefulset = _render(chart, {"redis": {"mode": "bundled"}}).one("StatefulSet")
+    args = statefulset["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    assert [c["metadata"]["name"] for c in statefulset["spec"]["volumeClaimTemplates"]] == ["data"]
+    off = _render(chart, {"redis": {"mode": "bundled", "bundled": {"persistence": {"enabled": False}}}})
+    assert "volumeClaimTemplates" not in off.one("StatefulSet")["spec"]
 
 
 def test_existing_secrets_are_referenced_not_created(chart, tmp_path):

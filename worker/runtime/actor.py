@@ -119,7 +119,7 @@ class WorkerActor:
         swap_bytes = plan.num_swap_blocks * plan.block_size * plan.kv_bytes_per_token
         split = plan.device.split()
         self._metrics = telemetry.EngineMetrics(
-            worker_id, telemetry.ModelInfo.of_engine(engine, self._config), device=engine.parts.device,
+            worker_id, telemetry.ModelInfoLabels.of_engine(engine, self._config), device=engine.parts.device,
             tensor_bytes=split["weights"] + split["draft_weights"] + split["kv_pool"] + split["draft_kv_pool"]
             + swap_bytes, kv_pool_bytes=plan.kv_cache_bytes, planned_bytes=split)
         self._step_log = telemetry.RequestStepLog()
