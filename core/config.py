@@ -214,9 +214,14 @@ class ParallelConfig:
     # at start for batch buckets up to the one holding scheduler.max_num_seqs (worker/
     # cuda_graphs.py); false, or a capture failure, runs decode eagerly. No effect on CPU.
     cuda_graphs: bool = True
+    # How long an engine's start waits for its placement group (one bundle per TP rank on one
+    # node, worker/parallel/placement.py) before failing with the missing resource named;
+    # raise it where an autoscaler adds nodes on demand.
+    placement_timeout_s: float = 15.0
 
     def validate(self) -> None:
         _check(self.num_workers >= 1, "parallel.num_workers must be >= 1")
+        _check(self.placement_timeout_s > 0, "parallel.placement_timeout_s must be > 0")
         _check(self.tensor_parallel_size >= 1, "parallel.tensor_parallel_size must be >= 1")
         _one_of("parallel.device", self.device, ("auto", "cpu", "cuda"))
         _one_of("parallel.attention_backend", self.attention_backend, ("auto", "torch", "cpu", "triton"))

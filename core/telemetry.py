@@ -424,7 +424,7 @@ class EngineMetrics:
     the memory probes (actor event loop). prometheus_client is thread-safe."""
 
     def __init__(self, worker_id: str = "", model_info: ModelInfoLabels | None = None, device=None,
-                 tensor_bytes: int = 0, kv_pool_bytes: int = 0):
+                 tensor_bytes: int = 0, kv_pool_bytes: int = 0, planned_bytes: dict[str, int] | None = None):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         r = self._registry = CollectorRegistry(auto_describe=True)
@@ -459,6 +459,13 @@ class EngineMetrics:
         self.kv_pool_bytes = Gauge(METRICS_PREFIX + "kv_pool_bytes", "Bytes of the KV block pool (all layers).",
                                    w, registry=r)
         self.kv_pool_bytes.labels(worker_id).set(kv_pool_bytes)
+        self.planned_bytes = Gauge(METRICS_PREFIX + "memory_planned_bytes",
+                                   "The engine's memory plan by part (weights, draft weights, activations, CUDA "
+                                   "graphs, sampler, runtime, KV pool, draft KV pool): every device allocation "
+                                   "counted before the KV pool was sized (kv/device_plan.py).",
+                                   [*w, "part"], registry=r)
+        for part, nbytes in (planned_bytes or {}).items():
+            self.planned_bytes.labels(worker_id, part).set(nbytes)
         self.kv_tokens_peak = Gauge(METRICS_PREFIX + "kv_tokens_peak",
                                     "Most KV tokens held at once over the scheduler's stats window.", w, registry=r)
         self.kv_tokens_mean = Gauge(METRICS_PREFIX + "kv_tokens_mean",

@@ -27,6 +27,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from kvmesh.core import config as config_module  # noqa: E402
 from kvmesh.core.config import KvmeshConfig  # noqa: E402
+from kvmesh.worker.parallel.placement import engine_total  # noqa: E402
 from kvmesh.deploy.serve_config import (API_KEY_HASHES_FILE_ENV, REDIS_URL_ENV,  # noqa: E402
                                         SERVE_APP_IMPORT_PATH, config_field_paths,
                                         config_from_serve_args, kvmesh_config_from_serve_config)
@@ -480,24 +481,28 @@ def _groups(rendered: Rendered) -> tuple[dict, dict]:
 
 
 def test_one_engine_per_worker_pod(rendered):
+    """A worker pod holds exactly what one engine's placement asks of Ray (one bundle per TP
+    rank, worker/parallel/placement.py): its GPUs, or its custom-resource units."""
     values = rendered.values
-    parallel = values["kvmesh"]["parallel"]
-    tp = parallel["tensor_parallel_size"]
+    parallel = kvmesh_config_from_serve_config(rendered.serve_config()).parallel
+    need = engine_total(parallel)
+    tp = parallel.tensor_parallel_size
     head, workers = _groups(rendered)
     limits = workers["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert head["rayStartParams"]["num-gpus"] == "0"
     # one pod per engine: the main ones and the degradation ladder's fallback pool
-    assert workers["replicas"] == parallel["num_workers"] + values["kvmesh"]["degradation"]["fallback_pool"]["num_workers"]
-    if parallel["worker_resource"] == "GPU":
+    assert workers["replicas"] == parallel.num_workers + values["kvmesh"]["degradation"]["fallback_pool"]["num_workers"]
+    if parallel.worker_resource == "GPU":
         gpu = values["workers"]["gpuResourceName"]
-        assert workers["rayStartParams"]["num-gpus"] == str(tp)
-        assert limits[gpu] == str(tp)
-        assert workers["template"]["spec"]["containers"][0]["resources"]["requests"][gpu] == str(tp)
+        assert need["GPU"] == tp
+        assert workers["rayStartParams"]["num-gpus"] == f"{need['GPU']:g}"
+        assert limits[gpu] == f"{need['GPU']:g}"
+        assert workers["template"]["spec"]["containers"][0]["resources"]["requests"][gpu] == f"{need['GPU']:g}"
     else:
-        assert "num-gpus" not in workers["rayStartParams"]
+        assert "num-gpus" not in workers["rayStartParams"] and "GPU" not in need
         assert not any(k.endswith("/gpu") for k in limits)
         custom = json.loads(json.loads(workers["rayStartParams"]["resources"]))
-        assert custom == {parallel["worker_resource"]: tp}
+        assert custom == {parallel.worker_resource: need[parallel.worker_resource]} == {parallel.worker_resource: tp}
 
 
 def test_autoscaling_bounds(rendered):
