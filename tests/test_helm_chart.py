@@ -463,6 +463,10 @@ CROSS_FIELD_BAD = [
       "kvmesh": {"tenants": {"tenants": [{"id": "a", "api_key_hashes": ["sha256$s$ab"]}]}}},
      "api_key_hashes must be empty"),
     ({"modelVolume": {"enabled": True}}, "existingClaim"),
+    ({"tls": {"secretName": "router-tls"}}, "plaintext only"),  # Serve's gRPC proxy still on
+    ({"tls": {"secretName": "router-tls"}, "serve": {"grpcServicerFunctions": []},
+      "kvmesh": {"router": {"tls": {"cert_file": "/c", "key_file": "/k"}}}}, "must be null when tls.secretName"),
+    ({"gcsFaultTolerance": {"enabled": True}}, "redisAddress"),
 ]
 
 
@@ -473,6 +477,34 @@ def test_cross_field_mistakes_fail_the_render(chart, bad, message):
 
 
 # ---- what the manifests say: Ray resources, Services, Secrets, Redis, PDB ------------
+
+
+def test_ray_token_auth_is_on_and_tls_comes_from_a_secret(chart):
+    assert _render(chart, {}).one("RayService")["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token"}
+    out = _render(chart, {"tls": {"secretName": "router-tls"}, "serve": {"grpcServicerFunctions": []},
+                          "rayAuth": {"secretName": "ray-token"},
+                          "gcsFaultTolerance": {"enabled": True, "redisAddress": "redis-ha:6379",
+                                                "redisPasswordSecret": {"name": "redis-ha", "key": "pw"}}})
+    rayservice = out.one("RayService")
+    errors = list(_rayservice_validator().iter_errors(rayservice))
+    assert not errors, [f"{list(e.path)}: {e.message}" for e in errors[:5]]
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token", "secretName": "ray-token"}
+    assert cluster["gcsFaultToleranceOptions"]["redisAddress"] == "redis-ha:6379"
+    assert cluster["gcsFaultToleranceOptions"]["redisPassword"]["valueFrom"]["secretKeyRef"] == {
+        "name": "redis-ha", "key": "pw"}
+    for group in (cluster["headGroupSpec"], cluster["workerGroupSpecs"][0]):
+        pod = group["template"]["spec"]
+        volume = next(v for v in pod["volumes"] if v["name"] == "tls")
+        assert volume["secret"]["secretName"] == "router-tls"
+        mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "tls")
+        assert mount == {"name": "tls", "mountPath": "/etc/kvmesh/tls", "readOnly": True}
+    serve = out.serve_config()
+    assert serve["http_options"]["ssl_certfile"] == "/etc/kvmesh/tls/tls.crt"
+    assert serve["http_options"]["ssl_keyfile"] == "/etc/kvmesh/tls/tls.key"
+    router_tls = serve["applications"][0]["args"]["router"]["tls"]
+    assert (router_tls["cert_file"], router_tls["key_file"]) == ("/etc/kvmesh/tls/tls.crt", "/etc/kvmesh/tls/tls.key")
+    assert "grpc_options" not in serve
 
 
 def _groups(rendered: Rendered) -> tuple[dict, dict]:
