@@ -542,7 +542,7 @@ def memory_plan(model_path: str | None, device: str = "cuda", env_extra: dict | 
     import torch
 
     from kvmesh.core.seams import GenerateRequest, SamplingParams
-    from kvmesh.worker.engine_loop.engine import Engine
+    from kvmesh.worker.engine_api import Engine
 
     if model_path is None and device == "cpu":
         model_path = tiny_llama_folder()
