@@ -39,7 +39,13 @@ RETRYABLE = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir, redis_server):
+def spans_file(tmp_path_factory):
+    """Every process of the cluster writes its spans here (OTLP/JSON lines, core/otlp_file.py)."""
+    return tmp_path_factory.mktemp("spans") / "spans.jsonl"
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, redis_server, spans_file):
     tenants = {"auth_required": True, "redis_url": redis_server.url, "quota_probe_interval_s": 0.2,
                "tenant_refresh_s": 0.5, "tenants": [
         {"id": "conc", "api_key_hashes": [hash_api_key(KEYS["conc"], TEST_HASH_ITERATIONS)],
@@ -54,7 +60,8 @@ def cluster(tiny_model_dir, redis_server):
          "max_concurrent_requests": 4},
     ]}
     config = tiny_cluster_config(tiny_model_dir, num_workers=1, max_num_seqs=16,
-                                 router={"num_replicas": 2, "policy": "least_loaded"}, tenants=tenants)
+                                 router={"num_replicas": 2, "policy": "least_loaded"}, tenants=tenants,
+                                 observability={"tracing_exporter": "otlp", "otlp_endpoint": f"file://{spans_file}"})
     with serving(config, APP_NAME):
         yield config
 
@@ -359,9 +366,10 @@ def test_redis_restarted_empty_mid_load_locks_nobody_out(cluster, channel, http_
     assert set(outcomes) <= {"ok"} | RETRYABLE, set(outcomes)
 
 
-def test_keys_never_appear_in_logs(cluster, channel):
-    """Every Ray log of the session (router replicas, worker, proxies, Serve controller)
-    after valid and invalid keys went through both protocols: no key, not even its secret."""
+def test_keys_never_appear_in_logs_spans_or_metrics(cluster, channel, http_base, spans_file):
+    """After valid and invalid keys went through both protocols: no key, not even its secret
+    part, in any Ray log of the session (router replicas, worker, proxies, Serve controller),
+    in any span any process exported, or in the /metrics text (labels included)."""
     import pathlib
 
     import ray
@@ -370,11 +378,21 @@ def test_keys_never_appear_in_logs(cluster, channel):
     list(_generate(stub, KEYS["load"], 2))
     with pytest.raises(grpc.RpcError):
         list(_generate(stub, KEYS["load"] + "x", 2))
+    headers = {"Authorization": f"Bearer {KEYS['load']}"}
+    assert httpx.post(f"{http_base}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=headers,
+                      timeout=60).status_code == 200
+    assert httpx.post(f"{http_base}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                      headers={"Authorization": f"Bearer {KEYS['load']}x"}, timeout=60).status_code == 401
     logs_dir = pathlib.Path(ray._private.worker._global_node.get_logs_dir_path())
     files = [p for p in logs_dir.rglob("*") if p.is_file()]
     assert files
+    # Spans are batched per process: wait until this test's requests have been exported.
+    wait_for(lambda: spans_file.exists() and spans_file.read_text().count('"kvmesh.request"') >= 4,
+             what="the requests' spans exported")
+    texts = {str(path): path.read_bytes().decode(errors="replace") for path in files + [spans_file]}
+    texts["/metrics"] = httpx.get(f"{http_base}/metrics", timeout=10).text
     secrets = [key.rsplit(".", 1)[1] for key in KEYS.values()]
-    for path in files:
-        text = path.read_bytes().decode(errors="replace")
+    for where, text in texts.items():
         for secret in secrets:
-            assert secret not in text, f"an API key secret appears in {path}"
+            assert secret not in text, f"an API key secret appears in {where}"
+    assert "tenant=\"load\"" in texts["/metrics"]  # the labels name the tenant, never its key
