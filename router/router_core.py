@@ -49,7 +49,8 @@ from kvmesh.kv.output_estimate import OutputLengthEstimator
 from kvmesh.router import affinity_wait, degradation, request_rules, tracing
 from kvmesh.router.admission import AdmissionController, AdmissionTicket, cost_with_cached_prefix, request_cost_tokens
 from kvmesh.router.auth import Authenticator
-from kvmesh.router.convert import InboundRequest
+from kvmesh.router.adapters import AdapterRegistry
+from kvmesh.router.convert import InboundRequest, ModelInfo
 from kvmesh.router.fairness import TenantBacklog, engine_priority
 from kvmesh.router.metrics import FINISH_TIMEOUT, RouterMetrics
 from kvmesh.router.quota import QuotaStore, Reservation, check_request_fits
@@ -57,13 +58,15 @@ from kvmesh.router.routing import RoundRobinCursor, RoutingDecision, choose_work
 from kvmesh.router.tenants import Tenant
 from kvmesh.router.worker_pool import WorkerPool
 from kvmesh.worker.public_api import render_chat
-from kvmesh.core.seams import (ErrorReport, FinishReason, GenerateRequest, RequestDelta, SamplingParams, WorkerStats,
+from kvmesh.core.seams import (AdapterRef, ErrorReport, FinishReason, GenerateRequest, RequestDelta, SamplingParams, WorkerStats,
                                check_fits_context)
 from kvmesh.core.errors import (
+    AdapterNotFoundError,
     DeadlineExceededError,
     DeadlineUnmeetableError,
     InvalidRequestError,
     OverloadedError,
+    PermissionDeniedError,
     QueueSlotTakenError,
     QuotaExceededError,
     UnauthenticatedError,
@@ -106,7 +109,8 @@ class RouterCore:
         self._tracer = tracer or tracing.get_tracer()  # the global provider: a no-op until set up
         self._rng = random.Random()
         self._cursor = RoundRobinCursor()
-        self._extra_keys: dict[str | None, tuple[str, ...]] = {}  # cache salt -> block extra keys
+        self._extra_keys: dict[tuple, tuple[str, ...]] = {}  # (cache salt, adapter) -> block extra keys
+        self.adapters = AdapterRegistry(config.lora, config.tenants.tenant_refresh_s)
         self.in_flight = 0
         self.live_request_ids: set[str] = set()  # scoped ids of this replica's admitted requests
         self._backlog = TenantBacklog()  # per-tenant in-flight: the fair rank (router/fairness.py)
@@ -148,7 +152,7 @@ class RouterCore:
             root.set_attributes({tracing.ATTR_TENANT: tenant.id, tracing.ATTR_ATTEMPT: inbound.attempt})
             stream = await self._start_as(tenant, inbound, root, parent, arrived_s)
         except BaseException as exc:
-            if isinstance(exc, (UnauthenticatedError, InvalidRequestError, QuotaExceededError)):
+            if isinstance(exc, tuple(_REJECTION_REASON)):
                 self.metrics.observe_rejection(_REJECTION_REASON[type(exc)])
             elif isinstance(exc, OverloadedError):
                 self.metrics.observe_rejection(_overload_reason(exc))
@@ -209,9 +213,8 @@ class RouterCore:
     def _worker_request(self, inbound: InboundRequest, tenant: Tenant) -> GenerateRequest:
         request_rules.check_request_id(inbound.request_id)
         request_rules.check_model_name(inbound.model)
-        if inbound.model and inbound.model != self.model_name:
-            raise InvalidRequestError(f"model {inbound.model!r} is not served here; this server serves "
-                                      f"{self.model_name!r}")
+        request_rules.check_model_name(inbound.adapter)
+        adapter = self.adapters.resolve(inbound.model, inbound.adapter, self.model_name, tenant.id)
         if inbound.deadline_s is not None and inbound.deadline_s <= time.time():
             raise DeadlineExceededError("the request's deadline passed before it was started")
         inbound.sampling.validate(self.config.scheduler.max_new_tokens, self.config.scheduler.max_n)
@@ -220,7 +223,8 @@ class RouterCore:
             request_id=scoped_request_id(tenant.id, inbound.request_id or uuid.uuid4().hex),
             prompt_token_ids=self._prompt_token_ids(inbound), sampling=inbound.sampling,
             priority=tenant.priority + inbound.priority, tenant_id=tenant.id, cache_salt=tenant.cache_salt,
-            deadline_s=inbound.deadline_s, attempt=inbound.attempt, trace_context=dict(inbound.trace_context))
+            deadline_s=inbound.deadline_s, attempt=inbound.attempt, trace_context=dict(inbound.trace_context),
+            adapter=adapter)
 
     async def _admit_degrading(self, request: GenerateRequest,
                                parent) -> tuple[RoutingDecision, AdmissionTicket, GenerateRequest, str | None]:
@@ -330,7 +334,7 @@ class RouterCore:
         info = self.pool.any_info()
         if self.config.router.policy != "prefix_aware" or info is None:
             return []
-        extra_keys = await self._block_extra_keys(request.cache_salt)
+        extra_keys = await self._block_extra_keys(request.cache_salt, request.adapter)
         # A resumed request's KV covers its streamed tokens too (GenerateRequest.resume_token_ids).
         return hash_full_blocks(request.prompt_token_ids + request.resume_token_ids, info.block_size, extra_keys)
 
@@ -356,14 +360,32 @@ class RouterCore:
             check_fits_context(len(ids), inbound.sampling.max_tokens, max_model_len)
         return ids
 
-    async def _block_extra_keys(self, cache_salt: str | None) -> tuple[str, ...]:
-        """The workers' hashing keys for this salt, asked once (they are fixed per deployment)."""
-        if cache_salt not in self._extra_keys:
+    async def _block_extra_keys(self, cache_salt: str | None, adapter: AdapterRef | None) -> tuple[str, ...]:
+        """The workers' hashing keys for this salt and adapter, asked once (they are fixed per
+        deployment)."""
+        key = (cache_salt, adapter)
+        if key not in self._extra_keys:
             worker_id = next(iter(self.pool.routable_ids()), None)
             if worker_id is None:
                 return ()
-            self._extra_keys[cache_salt] = tuple(await self.pool.handle(worker_id).block_extra_keys.remote(cache_salt))
-        return self._extra_keys[cache_salt]
+            self._extra_keys[key] = tuple(await self.pool.handle(worker_id).block_extra_keys.remote(cache_salt,
+                                                                                                     adapter))
+        return self._extra_keys[key]
+
+    def list_models(self, api_key: str | None) -> list[ModelInfo]:
+        """The base model and the adapters the caller may use (an adapter's id is
+        "<base>:<name>", its parent the base). Without a valid key: the unbound adapters."""
+        try:
+            tenant_id = self._auth.authenticate(api_key).id
+        except UnauthenticatedError:
+            tenant_id = None
+        info = self.pool.any_info()
+        common = dict(max_model_len=self.max_model_len() or 0,
+                      block_size=info.block_size if info else self.config.cache.block_size)
+        base = ModelInfo(id=self.model_name, **common)
+        adapters = [a for a in self.adapters.visible_to(tenant_id or "") if tenant_id or a.tenant is None]
+        return [base] + [ModelInfo(id=f"{self.model_name}:{a.name}", parent=self.model_name, **common)
+                         for a in adapters]
 
     # ---- cancel and views ---------------------------------------------------------------
 
@@ -421,7 +443,8 @@ class RouterCore:
 WORKER_REFUSAL_REROUTES = 2
 
 _REJECTION_REASON = {UnauthenticatedError: "unauthenticated", InvalidRequestError: "invalid",
-                     QuotaExceededError: "quota"}
+                     QuotaExceededError: "quota", AdapterNotFoundError: "adapter_not_found",
+                     PermissionDeniedError: "permission_denied"}
 
 
 def transfer_source(resident_blocks: dict[str, int], chosen: str, candidates: set[str]) -> str | None:
@@ -462,6 +485,7 @@ class RequestStream:
         self._arrived_s = arrived_s  # time.time() at the router: the start of TTFT
         self._spans = spans  # (kvmesh.stream, kvmesh.request): ended, in that order, at the end
         self._request = request
+        self.adapter = request.adapter  # the LoRA adapter it runs with (None = base model)
         self.request_id = request_id
         self.decision = decision
         self._ticket = ticket

@@ -336,7 +336,13 @@ class Engine:
     # ---- what the router sees ----------------------------------------------------------
 
     def stats(self) -> WorkerStats:
-        return worker_stats(self.scheduler, self.worker_id)
+        stats = worker_stats(self.scheduler, self.worker_id)
+        if self.adapters is None:
+            return stats
+        slots = self.adapters.slots.stats()
+        return dataclasses.replace(stats, lora_slots_total=slots.num_slots, resident_adapters=slots.resident,
+                                   num_adapter_loads=slots.num_loads, num_adapter_evictions=slots.num_evictions,
+                                   num_waiting_for_adapter=self.adapters.num_waiting)
 
     def kv_tier_figures(self) -> KVTierFigures | None:
         tier, store = self.scheduler.kv.host_tier, self.parts.host_tier_store
