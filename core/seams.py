@@ -333,7 +333,7 @@ class WorkerStats:
     # of num_preemptions_priority, KV reservations taken (scheduler.priority_preempts_kv_reservations)
     num_preemptions_priority_kv: int = 0
     # LoRA (worker/runner/lora_slots.py): slots, the adapters in them (names), loads and
-    # evictions since start, requests waiting for their adapter's load (not in num_waiting)
+    # evictions since start, requests waiting for their adapter's load (also in num_waiting)
     lora_slots_total: int = 0
     resident_adapters: tuple[str, ...] = ()
     num_adapter_loads: int = 0

@@ -54,7 +54,8 @@ from kvmesh.router.convert import InboundRequest, ModelInfo
 from kvmesh.router.fairness import TenantBacklog, engine_priority
 from kvmesh.router.metrics import FINISH_TIMEOUT, RouterMetrics
 from kvmesh.router.quota import QuotaStore, Reservation, check_request_fits
-from kvmesh.router.routing import RoundRobinCursor, RoutingDecision, choose_worker, is_spill
+from kvmesh.router.adapter_affinity import AdapterPlacement
+from kvmesh.router.routing import AdapterRouting, RoundRobinCursor, RoutingDecision, choose_worker, is_spill
 from kvmesh.router.tenants import Tenant
 from kvmesh.router.worker_pool import WorkerPool
 from kvmesh.worker.public_api import render_chat
@@ -111,6 +112,7 @@ class RouterCore:
         self._cursor = RoundRobinCursor()
         self._extra_keys: dict[tuple, tuple[str, ...]] = {}  # (cache salt, adapter) -> block extra keys
         self.adapters = AdapterRegistry(config.lora, config.tenants.tenant_refresh_s)
+        self.adapter_placement = AdapterPlacement()  # which workers hold which adapters (affinity)
         self.in_flight = 0
         self.live_request_ids: set[str] = set()  # scoped ids of this replica's admitted requests
         self._backlog = TenantBacklog()  # per-tenant in-flight: the fair rank (router/fairness.py)
@@ -128,6 +130,7 @@ class RouterCore:
 
     def _on_worker_stats(self, stats: list[WorkerStats], taken_at: float | None) -> None:
         self.admission.update_stats(stats, taken_at)
+        self.adapter_placement.update(stats)
         self.metrics.update_worker_stats(stats)
         self.metrics.update_engine_snapshots(self.pool.engine_snapshots())
 
@@ -295,10 +298,16 @@ class RouterCore:
                 # workers (a cache hit its tail), not the request's whole KV size.
                 decision = choose_worker(matched, eligible, self.config.router, self._rng, self._cursor, in_flight,
                                          self.admission.mean_admitted_tokens(),
-                                         index.num_blocks_known() if not matched else None)
+                                         index.num_blocks_known() if not matched else None,
+                                         self._adapter_routing(request, eligible))
                 tracing.set_route_attributes(span, decision.worker_id, decision.matched_blocks,
                                              self.config.router.policy)
                 tracing.set_route_candidates(span, decision, matched, eligible, in_flight)
+            if request.adapter is not None:
+                placement = self.adapter_placement
+                held = request.adapter.name in placement.adapters_on(decision.worker_id)
+                self.metrics.observe_adapter_routed(request.adapter.name, held)
+                placement.note_routed(decision.worker_id, request.adapter.name)
             if is_spill(matched, eligible, decision.worker_id):
                 self.metrics.observe_spill("preferred_full")
             waited = affinity.outcome(decision.worker_id)
@@ -327,6 +336,17 @@ class RouterCore:
         info = self.pool.info(holder) if holder is not None else None
         kv_source = (info.actor_name or None) if info is not None else None
         return decisions[-1], ticket, dataclasses.replace(request, kv_source=kv_source)
+
+    def _adapter_routing(self, request: GenerateRequest, eligible: list[WorkerStats]) -> AdapterRouting | None:
+        """A LoRA request's affinity inputs (router/adapter_affinity.py); a load is worth
+        lora.load_cost_requests mean admitted requests of load."""
+        if request.adapter is None:
+            return None
+        placement = self.adapter_placement
+        ids = [w.worker_id for w in eligible]
+        cost = int(self.config.lora.load_cost_requests * self.admission.mean_admitted_tokens())
+        return AdapterRouting(frozenset(placement.holders(request.adapter.name, ids)),
+                              {w: len(placement.adapters_on(w)) for w in ids}, cost)
 
     async def _prefix_hashes(self, request: GenerateRequest) -> list:
         """The prompt's full-block chain hashes as the workers compute them ([] when routing
@@ -576,6 +596,8 @@ class RequestStream:
                 core.metrics.observe_timeout(self._request.tenant_id, "stream")
             core.metrics.observe_request_end(self._request.tenant_id, final.timings if final else None, usage,
                                              FINISH_TIMEOUT if timed_out else reason, self._arrived_s)
+            if self.adapter is not None:
+                core.metrics.observe_adapter_request(self.adapter.name, usage)
             self._record_route_truth(usage)
             self._learn_output_length(reason, usage)
             for span in self._spans:

@@ -43,8 +43,8 @@ class AdapterGate:
     def num_waiting(self) -> int:
         return sum(len(group) for group in self._waiting.values())
 
-    def waiting_ids(self) -> set[str]:
-        return {r.request_id for group in self._waiting.values() for r in group}
+    def waiting_requests(self) -> list[Request]:
+        return [r for group in self._waiting.values() for r in group]
 
     def admit(self, members: list[Request]) -> bool:
         """True: the members' adapter is resident and now pinned for each (add them to the

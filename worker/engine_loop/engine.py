@@ -340,9 +340,16 @@ class Engine:
         if self.adapters is None:
             return stats
         slots = self.adapters.slots.stats()
-        return dataclasses.replace(stats, lora_slots_total=slots.num_slots, resident_adapters=slots.resident,
-                                   num_adapter_loads=slots.num_loads, num_adapter_evictions=slots.num_evictions,
-                                   num_waiting_for_adapter=self.adapters.num_waiting)
+        # Requests waiting for their adapter's load are queued work the scheduler has not seen
+        # yet: the router's load and queue figures must count them (and the load they wait on).
+        waiting = self.adapters.waiting_requests()
+        prompt_tokens = sum(r.num_prompt_tokens for r in waiting)
+        return dataclasses.replace(
+            stats, lora_slots_total=slots.num_slots, resident_adapters=slots.resident,
+            num_adapter_loads=slots.num_loads, num_adapter_evictions=slots.num_evictions,
+            num_waiting_for_adapter=len(waiting), num_waiting=stats.num_waiting + len(waiting),
+            queued_prompt_tokens=stats.queued_prompt_tokens + prompt_tokens,
+            tokens_to_compute=stats.tokens_to_compute + prompt_tokens + sum(r.sampling.max_tokens for r in waiting))
 
     def kv_tier_figures(self) -> KVTierFigures | None:
         tier, store = self.scheduler.kv.host_tier, self.parts.host_tier_store
