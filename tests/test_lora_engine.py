@@ -12,7 +12,8 @@ import torch
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import AdapterRef, FinishReason, GenerateRequest, SamplingParams
 from kvmesh.worker.engine_loop.engine import Engine
-from kvmesh.worker.kernels.lora_ops import RowGroups, add_lora_reference, add_lora_segmented
+from kvmesh.worker.kernels.lora_ops import LoraStep, add_lora_reference
+from lora_adapters import hf_peft_greedy, make_adapter
 
 NEW_TOKENS = 12
 # name -> (rank, target modules, alpha, rslora): different ranks and projections on purpose
@@ -22,21 +23,6 @@ ADAPTERS = {
     "all64": (64, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 32, False),
 }
 PROMPTS = [[(7 * i + 13 * j) % 4000 + 5 for j in range(n)] for i, n in enumerate((40, 9, 23, 17))]
-
-
-def make_adapter(base_dir: str, out_dir: str, rank: int, targets: list[str], alpha: int, rslora: bool, seed: int):
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
-                                                  use_rslora=rslora, init_lora_weights=False))
-    with torch.no_grad():  # B non-zero and large enough that every adapter changes the greedy tokens
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.5)
-    peft_model.save_pretrained(out_dir)
 
 
 @pytest.fixture(scope="module")
@@ -49,26 +35,11 @@ def adapter_dirs(tiny_model_dir, tmp_path_factory):
     return dirs
 
 
-def _hf_greedy(model, prompt: list[int]) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-                         pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.fixture(scope="module")
 def hf_reference(tiny_model_dir, adapter_dirs):
-    from peft import PeftModel
-    from transformers import LlamaForCausalLM
-
-    want = {}
-    with torch.no_grad():
-        base = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-        want[None] = [_hf_greedy(base, p) for p in PROMPTS]
-        for name, path in adapter_dirs.items():
-            base = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-            merged = PeftModel.from_pretrained(base, path).merge_and_unload().eval()
-            want[name] = [_hf_greedy(merged, p) for p in PROMPTS]
+    want = {None: hf_peft_greedy(tiny_model_dir, None, PROMPTS, NEW_TOKENS)}
+    for name, path in adapter_dirs.items():
+        want[name] = hf_peft_greedy(tiny_model_dir, path, PROMPTS, NEW_TOKENS)
     return want
 
 
@@ -205,23 +176,49 @@ def test_bad_adapter_is_refused_with_the_reason(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_segmented_lora_matches_the_per_row_reference(dtype):
+def test_stacked_lora_matches_the_per_row_reference(dtype):
+    """The engine's two-GEMM update over slots packed by AdapterSlots (ranks 8, 16, 4 and one
+    adapter not targeting the projection) against the per-row definition."""
+    from types import SimpleNamespace
+
+    from kvmesh.worker.model.lora_weights import LoraWeights
+    from kvmesh.worker.runner.lora_slots import AdapterSlots
+
     gen = torch.Generator().manual_seed(0)
-    slots, max_rank, d_in, d_out = 4, 16, 24, 40
-    a = torch.randn(slots, max_rank, d_in, generator=gen).to(dtype)
-    b = torch.randn(slots, d_out, max_rank, generator=gen).to(dtype)
-    ranks = [8, 16, 0, 4]  # slot 2's adapter does not target this projection
-    # base rows, one request's contiguous prefill chunk, interleaved decode rows of several slots
-    row_slots = [None, 1, 1, 1, 0, None, 3, 0, 2, 1, None, 3]
+    hf = SimpleNamespace(hidden_size=24, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1)
+    d_in, d_out = 24, 40  # gate_proj: [inter, hidden]
+    ranks = {"r8": 8, "r16": 16, "none": 0, "r4": 4}
+
+    def read(ref):
+        r = ranks[ref.name]
+        modules = {} if r == 0 else {(0, "gate_proj"): (torch.randn(r, d_in, generator=gen).to(dtype),
+                                                        torch.randn(d_out, r, generator=gen).to(dtype))}
+        modules[(0, "q_proj")] = (torch.randn(2, 24, generator=gen).to(dtype), torch.randn(24, 2, generator=gen).to(dtype))
+        return LoraWeights(ref.name, ref.path, max(r, 2), modules)
+
+    slots = AdapterSlots(hf, 4, 16, dtype, torch.device("cpu"), reader=read)
+    refs = [AdapterRef(name, "/x") for name in ranks]
+    for ref in refs:
+        slots.start_load(ref)
+        slots.wait_loads(10)
+        slots.poll()
+    slot = {ref.name: slots.slot_of(ref) for ref in refs}
+    # base rows, one request's prefill chunk, interleaved decode rows of several adapters
+    names = [None, "r16", "r16", "r16", "r8", None, "r4", "r8", "none", "r16", None, "r4"]
+    row_slots = [None if n is None else slot[n] for n in names]
     x = torch.randn(len(row_slots), d_in, generator=gen).to(dtype)
     base = torch.randn(len(row_slots), d_out, generator=gen).to(dtype)
     x_before, base_before = x.clone(), base.clone()
-    want = add_lora_reference(base, x, a, b, ranks, row_slots)
+    key = (0, "gate_proj")
+    want = add_lora_reference(base, x, slots.a[key], slots.b[key], slots.ranks[key], row_slots)
     assert torch.equal(x, x_before) and torch.equal(base, base_before), "the reference modifies nothing"
+    assert slots.packed[key][2] == 16, "packed at the largest resident rank"
     got = base.clone()
-    add_lora_segmented(got, x, a, b, ranks, RowGroups.build(row_slots))
+    LoraStep(slots.packed, row_slots, 4, dtype, torch.device("cpu")).add(0, "gate_proj", x, got)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * 10)
-    for i, slot in enumerate(row_slots):  # base rows and rank-0 rows are untouched, bit for bit
-        if slot is None or ranks[slot] == 0:
+    for i, name in enumerate(names):  # base rows and rows whose adapter skips it are untouched, bit for bit
+        if name in (None, "none"):
             assert torch.equal(got[i], base[i])
+    assert not torch.equal(got, base)

@@ -61,6 +61,10 @@ class AdapterSlots:
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
         self.ranks: dict[tuple[int, str], list[int]] = {}
+        # All slots side by side per projection, for the two-GEMM update (lora_ops.add_lora_stacked):
+        # (a_cat [S * R, in], b_cat [out, S * R], R) with R the largest rank resident there;
+        # rebuilt when an install changes that projection.
+        self.packed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._slot_of: dict[AdapterRef, int] = {}
         self._ref_in: list[AdapterRef | None] = [None] * num_slots
         self._pins = [0] * num_slots
@@ -150,9 +154,13 @@ class AdapterSlots:
         return slot
 
     def _install(self, slot: int, ref: AdapterRef, weights: LoraWeights) -> None:
-        for key, ranks in self.ranks.items():  # clear what the slot's previous adapter left
-            if ranks[slot]:
+        changed = set(weights.modules)
+        for key, ranks in self.ranks.items():  # clear what the slot's previous adapter left:
+            if ranks[slot]:  # the packed update reads every slot up to the largest rank
                 ranks[slot] = 0
+                self.a[key][slot].zero_()
+                self.b[key][slot].zero_()
+                changed.add(key)
         for key, (a, b) in weights.modules.items():
             a_stack, b_stack = self._stacks(key)
             r = a.shape[0]
@@ -161,10 +169,22 @@ class AdapterSlots:
             a_stack[slot, :r].copy_(a)
             b_stack[slot, :, :r].copy_(b)
             self.ranks[key][slot] = r
+        for key in changed:
+            self._pack(key)
         self._ref_in[slot] = ref
         self._slot_of[ref] = slot
         self._lru[slot] = None
         self.num_loads += 1
+
+    def _pack(self, key: tuple[int, str]) -> None:
+        rank = max(self.ranks[key])
+        if rank == 0:
+            self.packed.pop(key, None)
+            return
+        a, b = self.a[key], self.b[key]  # [S, R_max, in], [S, out, R_max]
+        a_cat = a[:, :rank].reshape(-1, a.shape[-1]).contiguous()
+        b_cat = b[:, :, :rank].permute(1, 0, 2).reshape(b.shape[1], -1).contiguous()
+        self.packed[key] = (a_cat, b_cat, rank)
 
     def _stacks(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor]:
         if key not in self.a:

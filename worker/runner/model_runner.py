@@ -27,7 +27,7 @@ from kvmesh.core.config import ConfigError
 from kvmesh.quant.kv_quant import KV_QUANT_DTYPES, KV_SCALE_DTYPE, kv_cache_layout
 from kvmesh.quant.kv_quant import kv_storage_dtype as quantized_kv_storage_dtype
 from kvmesh.worker.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
-from kvmesh.worker.kernels.lora_ops import LoraStep, RowGroups
+from kvmesh.worker.kernels.lora_ops import LoraStep
 from kvmesh.worker.runner.rejection_sampler import verify
 from kvmesh.worker.runner.sampler import SampleResult, SamplingRow, sample
 
@@ -286,7 +286,7 @@ class ModelRunner:
 
     def _lora_step(self, inputs: StepInputs) -> LoraStep:
         pool = self.lora_slots
-        return LoraStep(pool.a, pool.b, pool.ranks, RowGroups.build(inputs.lora_row_slots()))
+        return LoraStep(pool.packed, inputs.lora_row_slots(), pool.num_slots, pool.dtype, self.device)
 
     def _eager_forward(self, inputs: StepInputs, lora: LoraStep | None = None) -> torch.Tensor:
         dev = self.device
