@@ -32,7 +32,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from kvmesh.core.config import KvmeshConfig
+# Function-level imports: the engine part needs no Ray, the routing part no in-process engine;
+# each loads only what it runs.
+
+from kvmesh.core.config import KvmeshConfig, ModelConfig
 from kvmesh.core.seams import AdapterRef, FinishReason, GenerateRequest, SamplingParams
 from kvmesh.load_tests.lora_campaign import write_random_adapters, zipf_adapter_choices
 
@@ -145,7 +148,6 @@ def bench_routing(model: str | None, quick: bool) -> RoutingFigures:
 
     from kvmesh.load_tests.grpc_target import free_port
     from kvmesh.worker.model.loader import ensure_hf_dir
-    from kvmesh.core.config import ModelConfig
 
     hf_dir = model or str(ensure_hf_dir(ModelConfig()).hf_dir)
     hf_config = AutoConfig.from_pretrained(hf_dir)
