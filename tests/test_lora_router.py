@@ -132,3 +132,44 @@ def test_lora_config_is_validated():
     with pytest.raises(ValueError):
         KvmeshConfig.from_dict({"lora": {"max_rank": 0}})
     assert LoraConfig().max_loras == 4
+
+
+def _simulated_loads(policy: str, choices: list[int], num_workers: int = 2, num_slots: int = 4) -> int:
+    """Requests one after another (each ends before the next, so no slot stays pinned) through
+    the real routing decision and AdapterPlacement, against per-worker LRU slot pools; the
+    adapter loads the workers make."""
+    import collections
+
+    from kvmesh.router.routing import RoundRobinCursor
+
+    slots = {f"w{i}": collections.OrderedDict() for i in range(num_workers)}
+    placement = AdapterPlacement(memory_s=1e9, clock=lambda: 0.0)
+    config = RouterConfig(policy=policy)
+    cursor, rng, loads = RoundRobinCursor(), random.Random(0), 0
+    for choice in choices:
+        name = f"adapter-{choice}"
+        workers = [_stats(w, 0, list(lru)) for w, lru in slots.items()]
+        placement.update(workers)
+        ids = [w.worker_id for w in workers]
+        adapter = AdapterRouting(frozenset(placement.holders(name, ids)),
+                                 {w: len(placement.adapters_on(w)) for w in ids}, load_cost_tokens=400)
+        worker = choose_worker({}, workers, config, rng, cursor, adapter=adapter).worker_id
+        placement.note_routed(worker, name)
+        lru = slots[worker]
+        if name in lru:
+            lru.move_to_end(name)
+        else:
+            loads += 1
+            if len(lru) == num_slots:
+                lru.popitem(last=False)
+            lru[name] = None
+    return loads
+
+
+def test_adapter_affinity_needs_at_most_half_the_loads_of_round_robin_on_zipf_traffic():
+    from kvmesh.load_tests.lora_campaign import zipf_adapter_choices
+
+    choices = zipf_adapter_choices(400, 8, s=1.1, seed=0)
+    aware, round_robin = _simulated_loads("prefix_aware", choices), _simulated_loads("round_robin", choices)
+    assert aware <= 8, "each adapter loaded once: 8 adapters fit 2 workers x 4 slots"
+    assert aware <= 0.5 * round_robin, (aware, round_robin)
