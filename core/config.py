@@ -590,3 +590,37 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         _check(isinstance(value, str), f"{where}: expected a string, got {value!r}")
         return value
     return value
+
+
+# ---- `--set section.field=value` onto the same fields ---------------------------------
+
+
+def apply_overrides(config: KvmeshConfig, overrides: typing.Sequence[str]) -> KvmeshConfig:
+    """Apply ``section.field=value`` overrides (value parsed as YAML: 8, 0.5, true, null, [..]).
+
+    The flag names are the config's own dotted field names, so the CLI cannot drift from the
+    config file or the Helm values: ``--set scheduler.max_num_seqs=32``.
+    """
+    data = config.to_dict()
+    for item in overrides:
+        path, value = _parse_override(item)
+        section, name = path
+        if section not in data:
+            raise ConfigError(f"--set {item!r}: unknown section {section!r}; known: {sorted(data)}")
+        if name not in data[section]:
+            raise ConfigError(f"--set {item!r}: unknown field {name!r} in {section}; "
+                              f"known: {sorted(data[section])}")
+        data[section][name] = value
+    return KvmeshConfig.from_dict(data)
+
+
+def _parse_override(item: str) -> tuple[tuple[str, str], Any]:
+    key, sep, raw = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set expects section.field=value, got {item!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {item!r}: value is not valid YAML: {exc}") from None
+    return (parts[0], parts[1]), value

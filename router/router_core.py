@@ -227,7 +227,22 @@ class RouterCore:
             prompt_token_ids=self._prompt_token_ids(inbound), sampling=inbound.sampling,
             priority=tenant.priority + inbound.priority, tenant_id=tenant.id, cache_salt=tenant.cache_salt,
             deadline_s=inbound.deadline_s, attempt=inbound.attempt, trace_context=dict(inbound.trace_context),
+            resume_token_ids=self._resume_token_ids(inbound), resume_text_chars=inbound.resume_text_chars,
             adapter=adapter)
+
+    @staticmethod
+    def _resume_token_ids(inbound: InboundRequest) -> tuple[int, ...]:
+        """A client's resumption, checked where the router can (the engine checks the ids
+        against its vocabulary): one sample, something left to generate."""
+        ids = inbound.resume_token_ids
+        if ids and inbound.sampling.n != 1:
+            raise InvalidRequestError("only a single-sample request (n = 1) can be resumed")
+        if ids and len(ids) >= inbound.sampling.max_tokens:
+            raise InvalidRequestError(f"{len(ids)} resume_token_ids leave nothing of max_tokens "
+                                      f"({inbound.sampling.max_tokens})")
+        if inbound.resume_text_chars and not ids:
+            raise InvalidRequestError("resume_text_chars without resume_token_ids")
+        return ids
 
     async def _admit_degrading(self, request: GenerateRequest,
                                parent) -> tuple[RoutingDecision, AdmissionTicket, GenerateRequest, str | None]:
@@ -519,9 +534,11 @@ class RequestStream:
     async def __aiter__(self) -> AsyncIterator[RequestDelta]:
         core = self._core
         core.in_flight += 1
-        streamed_tokens = 0
-        streamed_ids: list[int] = []  # n = 1: the output so far, what a resumption starts from
-        streamed_chars = 0
+        streamed_tokens = 0  # by this router, in this request
+        # n = 1: the output so far (a client's resumption included), what a resumption starts from
+        streamed_ids: list[int] = list(self._request.resume_token_ids)
+        streamed_chars = self._request.resume_text_chars
+        client_resumed_tokens = len(streamed_ids)  # received before this request: not charged again
         reroutes_left, resumptions_left = 1, core.config.router.max_stream_resumptions
         refusals_left = WORKER_REFUSAL_REROUTES
         final: RequestDelta | None = None
@@ -593,7 +610,7 @@ class RequestStream:
             self._ticket.release()
             usage = request_usage(list(sample_usages.values()))
             # A sample that failed after streaming has no final usage: what reached the client counts.
-            used = max(usage.completion_tokens if usage is not None else 0, streamed_tokens)
+            used = max((usage.completion_tokens if usage is not None else 0) - client_resumed_tokens, streamed_tokens)
             reason = final.finish_reason if final else FinishReason.ERROR
             timed_out = isinstance(failure, DeadlineExceededError)
             if timed_out:
