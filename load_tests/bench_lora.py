@@ -87,7 +87,7 @@ def _drain(engine, requests: list[GenerateRequest]) -> tuple[float, int, int]:
 
 
 def bench_throughput(model: str | None, quick: bool, rounds: int) -> ThroughputFigures:
-    from kvmesh.worker.engine_loop.engine import Engine
+    from kvmesh.worker.engine_api import Engine
 
     engine = Engine.from_config(_engine_config(model, 4, quick))
     num, prompt_len, new_tokens = (16, 16, 8) if quick else (64, 64, 64)
@@ -115,7 +115,7 @@ def _cluster_loads(config: KvmeshConfig, app_name: str, requests: list[tuple[tup
     """Serve `requests` (prompt, adapter) on a fresh app; (adapter loads over the workers, failures)."""
     import grpc
 
-    from kvmesh.deploy.cmd_serve import start_serving, stop_serving
+    from kvmesh.router.launch import start_serving, stop_serving
     from kvmesh.proto import kvmesh_pb2 as pb
     from kvmesh.proto import kvmesh_pb2_grpc
 
@@ -147,7 +147,7 @@ def bench_routing(model: str | None, quick: bool) -> RoutingFigures:
     from transformers import AutoConfig
 
     from kvmesh.load_tests.grpc_target import free_port
-    from kvmesh.worker.model.loader import ensure_hf_dir
+    from kvmesh.worker.engine_api import ensure_hf_dir
 
     hf_dir = model or str(ensure_hf_dir(ModelConfig()).hf_dir)
     hf_config = AutoConfig.from_pretrained(hf_dir)
