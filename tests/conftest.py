@@ -51,6 +51,30 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir):
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory, smollm2_dir):
+    """A random-initialised tiny Qwen2 (the Llama fixture's sizes, plus the q/k/v biases every
+    Qwen2 / 2.5 checkpoint carries) with SmolLM2's tokenizer: a non-Llama family for the
+    end-to-end modules."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    config = Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # logits of std ~1: greedy ties are unlikely; biases that matter
+        model.lm_head.weight.normal_(0.0, 0.125)
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
+    return str(path)
+
+
 # Fixtures that start Ray (a Serve app, worker actors or a multi-node cluster). A test that
 # uses one must carry the `e2e` marker, or `pytest -m "not e2e"` would quietly start clusters.
 RAY_FIXTURES = frozenset({"cluster", "ray_cluster", "worker"})
