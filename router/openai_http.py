@@ -32,7 +32,7 @@ from kvmesh.router import degradation, status_map
 from kvmesh.router.auth import bearer_token
 from kvmesh.router.convert import ChatMessage, InboundRequest
 from kvmesh.router.router_core import RequestStream, RouterCore
-from kvmesh.core.seams import RequestDelta, SamplingParams, Usage
+from kvmesh.core.seams import RequestDelta, SamplingParams, Usage, request_usage
 from kvmesh.core.errors import InvalidRequestError
 from kvmesh.router.metrics import CONTENT_TYPE
 
@@ -59,11 +59,23 @@ def build_openai_app() -> FastAPI:
     return FastAPI(title="kvmesh", docs_url=None, redoc_url=None)
 
 
-def models_body(core: RouterCore) -> dict:
+def models_body(core: RouterCore, api_key: str | None = None) -> dict:
     # max_model_len is a kvmesh extension (vLLM reports it too): the context length requests
-    # are validated against.
-    return {"object": "list", "data": [{"id": core.model_name, "object": "model", "created": 0,
-                                        "owned_by": "kvmesh", "max_model_len": core.max_model_len() or 0}]}
+    # are validated against. LoRA adapters the caller may use follow the base model, with
+    # `parent` (and `root`) naming it, as vLLM lists them.
+    data = []
+    for m in core.list_models(api_key):
+        entry = {"id": m.id, "object": "model", "created": 0, "owned_by": m.owned_by, "max_model_len": m.max_model_len}
+        if m.parent:
+            entry.update(parent=m.parent, root=m.parent)
+        data.append(entry)
+    return {"object": "list", "data": data}
+
+
+def _model_name(core: RouterCore, stream: RequestStream) -> str:
+    """The `model` a response reports: "<base>:<adapter>" for a request run with an adapter."""
+    adapter = stream.adapter
+    return core.model_name if adapter is None else f"{core.model_name}:{adapter.name}"
 
 
 def health_response(core: RouterCore) -> JSONResponse:
@@ -109,11 +121,11 @@ async def generate_response(core: RouterCore, request: Request, chat: bool) -> R
             first = []
         except Exception as exc:
             return error_response(exc)
-        events = _sse_events(_chain(first, deltas), stream.request_id, core.model_name, created, chat,
+        events = _sse_events(_chain(first, deltas), stream.request_id, _model_name(core, stream), created, chat,
                              include_usage, stream.degraded)
         return StreamingResponse(events, media_type="text/event-stream", headers=_stream_headers(stream))
     try:
-        result = await _collect(stream, core.model_name, created, chat)
+        result = await _collect(stream, _model_name(core, stream), created, chat)
     except Exception as exc:
         return error_response(exc)
     # Read after the stream: a worker that failed before the first token was replaced.
@@ -255,14 +267,6 @@ def _choice(delta: RequestDelta, chat: bool, first: bool) -> dict:
     return {"index": delta.sample_index, "text": delta.text, "logprobs": logprobs, "finish_reason": finish}
 
 
-def _merge_usage(usages: list[Usage]) -> Usage | None:
-    """n samples each report the shared prompt once and their own completion tokens."""
-    if not usages:
-        return None
-    return Usage(prompt_tokens=usages[0].prompt_tokens, cached_tokens=usages[0].cached_tokens,
-                 completion_tokens=sum(u.completion_tokens for u in usages))
-
-
 async def _chain(first: list[RequestDelta], rest: AsyncIterator[RequestDelta]) -> AsyncIterator[RequestDelta]:
     for delta in first:
         yield delta
@@ -291,7 +295,7 @@ async def _sse_events(stream: AsyncIterator[RequestDelta], request_id: str, mode
             yield f"data: {json.dumps(chunk)}\n\n"
         if include_usage:
             chunk = {"id": response_id, "object": object_name, "created": created, "model": model,
-                     "choices": [], "usage": usage_json(_merge_usage(usages))}
+                     "choices": [], "usage": usage_json(request_usage(usages))}
             if degraded:
                 chunk["usage"] = {**(chunk["usage"] or {}), "kvmesh_degraded": degraded}
             yield f"data: {json.dumps(chunk)}\n\n"
@@ -325,4 +329,4 @@ async def _collect(stream: RequestStream, model: str, created: int, chat: bool) 
             choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": finish.get(index)})
     return {"id": ("chatcmpl-" if chat else "cmpl-") + stream.request_id,
             "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_json(_merge_usage(usages))}
+            "choices": choices, "usage": usage_json(request_usage(usages))}
