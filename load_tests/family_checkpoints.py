@@ -21,10 +21,7 @@ import torch
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.load_tests.tiny_tokenizer import train_corpus_tokenizer
-from kvmesh.worker.attention.backend import AttentionMetadata
-from kvmesh.worker.engine_loop.engine import Engine
-from kvmesh.worker.runner.model_runner import allocate_kv_caches
-from kvmesh.worker.runner.model_setup import load_model, pick_backend, resolve_model
+from kvmesh.worker.engine_api import Engine
 
 # Function-level imports: transformers, only where a checkpoint is built or HF is run.
 
@@ -128,23 +125,6 @@ def kvmesh_greedy(folder: Path, prompts: list[list[int]], new_tokens: int, dtype
             tokens[delta.request_id].extend(delta.token_ids)
         engine.check_integrity()
     return [tokens[f"r{i}"] for i in range(len(prompts))], engine.stats()
-
-
-def prompt_logits(folder: Path, ids: list[int], backend: str = "torch", dtype: str = "fp32") -> torch.Tensor:
-    """kvmesh's logits [T, V] (fp32) at every position of one prompt, prefilled in one step."""
-
-    config = KvmeshConfig.from_dict({"model": {"path": str(folder), "dtype": dtype},
-                                     "parallel": {"attention_backend": backend, "device": "cpu"}})
-    spec = resolve_model(config)
-    model = load_model(config, spec)
-    t, block_size = len(ids), 16
-    caches = allocate_kv_caches(spec.hf_config.num_hidden_layers, -(-t // block_size), block_size, model.num_kv_heads,
-                                model.head_dim, spec.dtype, torch.device("cpu"))
-    with torch.inference_mode():
-        hidden = model(torch.tensor(ids), torch.arange(t), caches,
-                       AttentionMetadata.single_prefill(t, block_size, torch.device("cpu")),
-                       pick_backend(config, torch.device("cpu")))
-        return model.compute_logits(hidden)
 
 
 def hf_prompt_logits(folder: Path, ids: list[int]) -> torch.Tensor:
