@@ -346,6 +346,10 @@ class ModelInfo:
     weight_quant: str  # none | int8 | int4 | int4_awq
     kv_cache_dtype: str  # the effective KV storage dtype
     version: str  # the kvmesh package version
+    # CPU workers: what serves the small steps, amx | avx512_bf16 | fma (the native step's
+    # projections) | torch, and why torch (worker/runner/cpu_model_runner.py); empty on GPUs
+    cpu_step: str = ""
+    cpu_step_reason: str = ""
 
     @classmethod
     def of_engine(cls, engine, config: KvmeshConfig) -> "ModelInfo":
@@ -359,8 +363,9 @@ class ModelInfo:
         # weight quantization, so its dtype is the model's resolved dtype.
         weights = next(engine.runner.model.parameters(), None) if hasattr(engine.runner, "model") else None
         dtype = str(weights.dtype).removeprefix("torch.") if weights is not None else config.model.dtype
+        step = engine.parts.cpu_step
         return cls(engine.model_name, config.model.revision, dtype, config.quant.weight,
-                   engine.parts.kv_cache_dtype, kvmesh_version)
+                   engine.parts.kv_cache_dtype, kvmesh_version, step.path if step else "", step.reason if step else "")
 
 
 @dataclass(frozen=True)
@@ -471,11 +476,12 @@ class EngineMetrics:
                                 "When this worker process started (unix seconds).", w, registry=r)
         self.start_time.labels(worker_id).set(time.time())
         self.model_info = Gauge(METRICS_PREFIX + "model_info", "What the worker serves (value always 1).",
-                                [*w, "model", "revision", "dtype", "weight_quant", "kv_cache_dtype", "version"],
-                                registry=r)
+                                [*w, "model", "revision", "dtype", "weight_quant", "kv_cache_dtype", "version",
+                                 "cpu_step", "cpu_step_reason"], registry=r)
         if model_info is not None:
             self.model_info.labels(worker_id, model_info.model, model_info.revision, model_info.dtype,
-                                   model_info.weight_quant, model_info.kv_cache_dtype, model_info.version).set(1)
+                                   model_info.weight_quant, model_info.kv_cache_dtype, model_info.version,
+                                   model_info.cpu_step, model_info.cpu_step_reason).set(1)
 
         spec = [*w, "method"]
         self.spec_draft_tokens = Counter(METRICS_PREFIX + "spec_draft_tokens",

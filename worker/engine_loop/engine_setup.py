@@ -25,8 +25,8 @@ import torch
 from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.kv.kv_cache_manager import KVCacheManager
 from kvmesh.kv.capacity import kv_bytes_per_token, num_blocks_for_budget
-from kvmesh.worker.kernels import cpu_native_step
 from kvmesh.worker.attention.backend import AttentionMetadata
+from kvmesh.worker.runner.cpu_model_runner import CpuModelRunner, CpuStepPath
 from kvmesh.worker.runner.model_runner import ModelRunner, allocate_kv_caches, kv_storage_dtype
 from kvmesh.worker.runner.model_setup import (allocate_rank_caches, load_model, pick_backend, resolve_model,
                                                 with_valid_group_size)
@@ -68,6 +68,7 @@ class EngineParts:
     plan: MemoryPlan
     device: torch.device
     host_tier_store: HostTierStore | None = None  # the host tier's bytes (kv_manager.host_tier: its books)
+    cpu_step: CpuStepPath | None = None  # what serves small CPU steps (worker/runner/cpu_model_runner.py); None on GPUs
 
 
 def _effective_kv_dtype_name(config: KvmeshConfig, dtype: torch.dtype) -> str:
@@ -138,15 +139,15 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
                         profile_peak=lambda: _profile_peak(model, config, device))
     kv_caches, swap_caches = allocate_rank_caches(config, spec, model, plan.num_blocks, plan.num_swap_blocks)
     if group is None:
-        runner = ModelRunner(model, backend, device, kv_caches, swap_caches, plan.block_size, seed=config.model.seed)
+        if device.type == "cpu":
+            runner = CpuModelRunner(model, backend, kv_caches, swap_caches, plan.block_size, seed=config.model.seed,
+                                    native_max_tokens=config.model.cpu_native_max_tokens)
+        else:
+            runner = ModelRunner(model, backend, device, kv_caches, swap_caches, plan.block_size,
+                                 seed=config.model.seed)
         if config.parallel.cuda_graphs and device.type == "cuda":
             runner.graph_runner = build_graph_runner(config, model, backend, kv_caches, device, max_model_len,
                                                      plan.block_size)
-        if device.type == "cpu":  # auto asks the native library what it has: only CPUs build it
-            native_tokens = cpu_native_step.max_tokens_for(config.model.cpu_native_max_tokens, dtype,
-                                                             torch.get_num_threads())
-            if native_tokens:
-                cpu_native_step.install(runner, model, kv_caches, native_tokens)
     else:
         runner = TensorParallelRunner(group, plan, model, backend, device, kv_caches, swap_caches, plan.block_size,
                                       seed=config.model.seed)
@@ -167,8 +168,11 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
         plan.weight_bytes / 2**20, plan.kv_bytes_per_token, storage, plan.num_blocks, plan.block_size,
         plan.kv_capacity_tokens, plan.kv_cache_bytes / 2**20, plan.num_swap_blocks,
         plan.peak_activation_bytes / 2**20, device, dtype, backend.name)
+    cpu_step = None
+    if device.type == "cpu":
+        cpu_step = runner.cpu_step if isinstance(runner, CpuModelRunner) else CpuStepPath("torch", "tensor parallelism")
     return EngineParts(runner, kv_manager, tokenizer, hf_config, spec.name, kv_dtype_name, max_model_len,
-                       _eos_ids(hf_config, tokenizer), plan, device, tier_store)
+                       _eos_ids(hf_config, tokenizer), plan, device, tier_store, cpu_step)
 
 
 def build_graph_runner(config: KvmeshConfig, model, backend, kv_caches, device, max_model_len: int,

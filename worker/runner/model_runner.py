@@ -195,8 +195,11 @@ class ModelRunner:
         self.phase_clock = None  # the engine's StepPhaseClock: prepare / forward / sample laps
         # Decode steps replay captured CUDA graphs when set (worker/runner/cuda_graphs.py; CUDA only).
         self.graph_runner = None
-        # Small CPU steps run as one native call when set (worker/kernels/cpu_native_step.py).
-        self.native_decoder = None
+
+    @property
+    def native_max_tokens(self) -> int:
+        """The largest step served as one native call (CpuModelRunner); 0: none is."""
+        return 0
 
     def apply_block_ops(self, sched_out) -> None:
         """Swap-out, swap-in and copy-on-write copies, before the forward that needs them."""
@@ -252,12 +255,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model on one step's batch -> fp32 CPU logits [len(sample_at), V], or None when
-        no request samples this step (a mid-prompt chunk only). Small steps on CPU run as one
-        native call when the native decoder takes them; the rest eagerly (or as CUDA graphs)."""
-        if self.native_decoder is not None:
-            logits = self.native_decoder.run(inputs)
-            if logits is not None:
-                return logits if inputs.sample_at else None
+        no request samples this step (a mid-prompt chunk only): eagerly, or as CUDA graphs
+        (CpuModelRunner runs small CPU steps as one native call first)."""
         hidden = None if self.graph_runner is None else self.graph_runner.run(inputs)
         if hidden is None:
             hidden = self._eager_forward(inputs)

@@ -125,8 +125,9 @@ class WorkerActor:
         engine.phase_clock.observers.append(self._puller.observe_step_report)
         self._metrics.register(KVTierCollector(worker_id, self._kv_tier_figures))
         engine.phase_clock.observers += [self._metrics.observe_step_report, self._step_log.observe_step_report]
-        logger.info("worker %s up (incarnation %s, model %s)", worker_id, self._info.incarnation,
-                    self._info.model_name)
+        step = engine.parts.cpu_step
+        logger.info("worker %s up (incarnation %s, model %s, %s)", worker_id, self._info.incarnation,
+                    self._info.model_name, f"CPU step {step.describe()}" if step else f"device {engine.parts.device}")
 
     async def info(self) -> WorkerInfo:
         return self._info
