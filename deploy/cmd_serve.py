@@ -83,6 +83,7 @@ def start_serving(config: KvmeshConfig, app_name: str = "kvmesh", address: str |
 
     from kvmesh.core.resources import resolve_worker_num_cpus
     from kvmesh.router.app import GRPC_SERVICER_FUNCTION, build_router_app, router_num_cpus
+    from kvmesh.router.tls import check_serve_grpc_proxy, serve_http_ssl_options
 
     if not ray.is_initialized():
         if address is None:
@@ -91,7 +92,9 @@ def start_serving(config: KvmeshConfig, app_name: str = "kvmesh", address: str |
     # Every worker must be placeable, or it waits for CPUs forever with the cluster half up.
     config = resolve_worker_num_cpus(config, ray.cluster_resources().get("CPU", 0.0), router_num_cpus(config))
     router = config.router
-    serve.start(http_options=HTTPOptions(host=router.host, port=router.http_port),
+    check_serve_grpc_proxy(router.tls)  # its proxy speaks plaintext only
+    serve.start(http_options=HTTPOptions(host=router.host, port=router.http_port,
+                                         **serve_http_ssl_options(router.tls)),
                 grpc_options=gRPCOptions(port=router.grpc_port, grpc_servicer_functions=[GRPC_SERVICER_FUNCTION]))
     serve.run(build_router_app(config), name=app_name, route_prefix="/")
 

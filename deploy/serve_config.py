@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from kvmesh.core.config import ConfigError, KvmeshConfig
+from kvmesh.router import tls
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +77,12 @@ def build_serve_config(config: KvmeshConfig, options: ServeOptions = ServeOption
     options.validate()
     serve_config: dict[str, Any] = {
         "proxy_location": options.proxy_location,
-        "http_options": {"host": config.router.host, "port": config.router.http_port},
+        "http_options": {"host": config.router.host, "port": config.router.http_port,
+                         **_tls_field(tls.serve_http_ssl_options, config)},
     }
     servicers = options.servicers()
     if servicers:
+        _tls_field(tls.check_serve_grpc_proxy, config)
         serve_config["grpc_options"] = {"port": config.router.grpc_port, "grpc_servicer_functions": list(servicers)}
     serve_config["applications"] = [{
         "name": options.app_name,
@@ -89,6 +92,14 @@ def build_serve_config(config: KvmeshConfig, options: ServeOptions = ServeOption
     }]
     validate_with_ray_schema(serve_config)
     return serve_config
+
+
+def _tls_field(check, config: KvmeshConfig):
+    """router/tls.py's answer for Serve's proxies, its refusals as ConfigError."""
+    try:
+        return check(config.router.tls)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 class _IndentedListDumper(yaml.SafeDumper):

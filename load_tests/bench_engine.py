@@ -99,7 +99,7 @@ AGREEMENT_PROMPTS = [  # fixed, mixed lengths and kinds; 32 greedy tokens each
 
 
 @dataclass
-class RunFigures:
+class EngineRunFigures:
     output_tok_s: float
     e2e_p50_s: float
     e2e_p99_s: float
@@ -112,7 +112,7 @@ class ModeFigures:
     mode: str
     dtype: str
     quant: str
-    seed_run: RunFigures
+    seed_run: EngineRunFigures
     batch1_decode_tok_s: float
     batch64_decode_tok_s: float
     batch64_step_ms: float
@@ -139,10 +139,10 @@ class BenchReport:
     torch_version: str
     model: str
     modes: list[ModeFigures] = field(default_factory=list)
-    hf_static: RunFigures | None = None
-    llama_server: RunFigures | None = None
+    hf_static: EngineRunFigures | None = None
+    llama_server: EngineRunFigures | None = None
     llama_server_batch1_tok_s: float | None = None  # its own decode rate, one request alone
-    served: RunFigures | None = None  # --serve: the same requests through a local `kvmesh serve`
+    served: EngineRunFigures | None = None  # --serve: the same requests through a local `kvmesh serve`
     served_cpu: process_cpu.CpuAccount | None = None  # --serve: the cores each part of the cluster used meanwhile
 
 
@@ -152,8 +152,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[k]
 
 
-def _run_figures(finish_s: list[float], output_tokens: int, wall_s: float) -> RunFigures:
-    return RunFigures(output_tokens / wall_s, percentile(finish_s, 50), percentile(finish_s, 99), wall_s,
+def _run_figures(finish_s: list[float], output_tokens: int, wall_s: float) -> EngineRunFigures:
+    return EngineRunFigures(output_tokens / wall_s, percentile(finish_s, 50), percentile(finish_s, 99), wall_s,
                       output_tokens)
 
 
@@ -181,7 +181,7 @@ def engine_config(model: str | None, dtype: str, quant: str, threads: int, max_n
     })
 
 
-def run_engine_workload(engine: Engine, requests: list[WorkloadRequest]) -> RunFigures:
+def run_engine_workload(engine: Engine, requests: list[WorkloadRequest]) -> EngineRunFigures:
     """Every request added at t=0; E2E of a request = when its final delta comes out."""
     t0 = time.perf_counter()
     for r in requests:
@@ -416,7 +416,7 @@ def _hf_dir(model: str | None) -> str:
 
 
 def run_hf_static(model: str | None, requests: list[WorkloadRequest], dtype: torch.dtype, batch_size: int = 8
-                  ) -> RunFigures:
+                  ) -> EngineRunFigures:
     """HF generate in static batches of `batch_size` in request order, left-padded; a request
     finishes at the step where its own output length is reached."""
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
@@ -435,7 +435,7 @@ def run_hf_static(model: str | None, requests: list[WorkloadRequest], dtype: tor
         longest = max(r.output_tokens for r in batch)
         step = [0]
 
-        class _Clock(LogitsProcessor):
+        class _FinishTimer(LogitsProcessor):
             def __call__(self, input_ids, scores):
                 step[0] += 1
                 finish.extend(time.perf_counter() - t0 for r in batch if r.output_tokens == step[0])
@@ -443,13 +443,13 @@ def run_hf_static(model: str | None, requests: list[WorkloadRequest], dtype: tor
 
         with torch.inference_mode():
             ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                         do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([_Clock()]))
+                         do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([_FinishTimer()]))
     return _run_figures(finish, sum(r.output_tokens for r in requests), time.perf_counter() - t0)
 
 
 def run_llama_server(binary: str, gguf: str, requests: list[WorkloadRequest], threads: int,
                      decode_prompt: list[int], decode_tokens: int, slots: int = 8, port: int = 18089,
-                     timeout_s: float = 3600) -> tuple[RunFigures, float]:
+                     timeout_s: float = 3600) -> tuple[EngineRunFigures, float]:
     """llama.cpp's llama-server on loopback with `slots` parallel slots; every request sent
     at t=0 (one client thread each) to /completion with its token ids, greedy, ignore_eos.
     First, its batch-1 decode rate: the decode prompt alone for decode_tokens tokens, the
@@ -506,7 +506,7 @@ def run_llama_server(binary: str, gguf: str, requests: list[WorkloadRequest], th
 
 
 def run_served(model: str | None, requests: list[WorkloadRequest], warmup: int = 2,
-               overrides: tuple[str, ...] = ()) -> tuple[RunFigures, process_cpu.CpuAccount]:
+               overrides: tuple[str, ...] = ()) -> tuple[EngineRunFigures, process_cpu.CpuAccount]:
     """The same requests through a private local `kvmesh serve` (Ray Serve router + worker
     actors, `kvmesh serve`'s own defaults but for the model path and loopback ports: the
     workers and CPU share it starts without a config; `overrides` as `kvmesh serve --set`)
@@ -535,7 +535,7 @@ def run_served(model: str | None, requests: list[WorkloadRequest], warmup: int =
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
 
-    async def go() -> tuple[RunFigures, process_cpu.CpuAccount]:
+    async def go() -> tuple[EngineRunFigures, process_cpu.CpuAccount]:
         target = ClusterTarget(config, app_name="kvmesh-bench")
         await target.start()
         try:

@@ -6,7 +6,7 @@
            policies on 2 workers -- then load-tested over gRPC and torn down
 
 Retries: by default the client library's own retries are off (max_attempts=1) so that the
-driver's RetryPolicy (none | naive | backoff) is the only one in play and every retry is
+driver's DriverRetryPolicy (none | naive | backoff) is the only one in play and every retry is
 counted. `client_retries: true` turns the library's backoff + jitter + retry budget on
 instead; its retries are then invisible to the driver (not counted as attempts).
 Server samples come from the router's GetStats (cluster totals over healthy workers).

@@ -8,6 +8,10 @@ Both yield plain `kvmesh.core.seams.RequestDelta`s (the last one has finished=Tr
 finish reason and usage) and raise the typed errors of `kvmesh.core.errors`, rebuilt from
 the gRPC status by `router/status_map.py`.
 
+TLS: `KvmeshClient(target, api_key=..., credentials=grpc_channel_credentials(ca_file))`
+(router/tls.py; add cert_file/key_file for mutual TLS). An API key is a bearer secret: send
+it over TLS whenever the network between client and router is not yours.
+
 Retries (router/retry.py): RESOURCE_EXHAUSTED and UNAVAILABLE only, exponential backoff
 with full jitter on top of the server's `retry-after-ms`, a shared retry budget (gRPC retry
 throttling), attempt numbers sent as `x-kvmesh-attempt` so the router puts retries in its
@@ -47,6 +51,14 @@ from kvmesh.core.seams import RequestDelta, SamplingParams
 from kvmesh.core.errors import DeadlineExceededError, KvmeshError
 
 logger = logging.getLogger(__name__)
+
+
+def _open_channel(module, target: str, credentials: grpc.ChannelCredentials | None):
+    """`module` is grpc or grpc.aio. With credentials (router/tls.py grpc_channel_credentials:
+    the CA to trust, and a client certificate for mutual TLS) the channel speaks TLS."""
+    if credentials is None:
+        return module.insecure_channel(target)
+    return module.secure_channel(target, credentials)
 
 
 @dataclass(frozen=True)
@@ -129,10 +141,11 @@ class KvmeshClient(_ClientBase):
 
     def __init__(self, target: str, *, api_key: str | None = None, retry_policy: RetryPolicy | None = None,
                  rng: random.Random | None = None, restart_mid_stream: bool = False,
-                 channel: grpc.Channel | None = None, sleep: Callable[[float], None] = time.sleep):
+                 channel: grpc.Channel | None = None, sleep: Callable[[float], None] = time.sleep,
+                 credentials: grpc.ChannelCredentials | None = None):
         super().__init__(api_key, retry_policy, rng, restart_mid_stream)
         self._sleep = sleep  # the wait between attempts (tests inject one to see the delays)
-        self._channel = channel or grpc.insecure_channel(target)
+        self._channel = channel or _open_channel(grpc, target, credentials)
         self._stub = pb_grpc.KvmeshStub(self._channel)
 
     def generate(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
@@ -197,9 +210,9 @@ class AsyncKvmeshClient(_ClientBase):
 
     def __init__(self, target: str, *, api_key: str | None = None, retry_policy: RetryPolicy | None = None,
                  rng: random.Random | None = None, restart_mid_stream: bool = False,
-                 channel: grpc.aio.Channel | None = None):
+                 channel: grpc.aio.Channel | None = None, credentials: grpc.ChannelCredentials | None = None):
         super().__init__(api_key, retry_policy, rng, restart_mid_stream)
-        self._channel = channel or grpc.aio.insecure_channel(target)
+        self._channel = channel or _open_channel(grpc.aio, target, credentials)
         self._stub = pb_grpc.KvmeshStub(self._channel)
 
     async def generate(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,

@@ -47,7 +47,7 @@ from kvmesh.core.config import KvmeshConfig
 from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.kv.output_estimate import OutputLengthEstimator
 from kvmesh.router import affinity_wait, degradation, request_rules, tracing
-from kvmesh.router.admission import AdmissionController, AdmissionTicket, cost_with_cached_prefix, request_cost_tokens
+from kvmesh.router.admission import RouterAdmission, AdmissionTicket, cost_with_cached_prefix, request_cost_tokens
 from kvmesh.router.auth import Authenticator
 from kvmesh.router.convert import InboundRequest
 from kvmesh.router.fairness import TenantBacklog, engine_priority
@@ -57,8 +57,8 @@ from kvmesh.router.routing import RoundRobinCursor, RoutingDecision, choose_work
 from kvmesh.router.tenants import Tenant
 from kvmesh.router.worker_pool import WorkerPool
 from kvmesh.worker.public_api import render_chat
-from kvmesh.core.seams import (ErrorReport, FinishReason, GenerateRequest, RequestDelta, SamplingParams, WorkerStats,
-                               check_fits_context)
+from kvmesh.core.seams import (ErrorReport, FinishReason, GenerateRequest, RequestDelta, SamplingParams, Usage,
+                               WorkerStats, check_fits_context, request_usage)
 from kvmesh.core.errors import (
     DeadlineExceededError,
     DeadlineUnmeetableError,
@@ -96,7 +96,7 @@ class RouterCore:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics or RouterMetrics(max_num_seqs=config.scheduler.max_num_seqs)
-        self.admission = AdmissionController(config.router, kv_reserved_fraction=config.scheduler.kv_reserved_fraction,
+        self.admission = RouterAdmission(config.router, kv_reserved_fraction=config.scheduler.kv_reserved_fraction,
                                              kv_reserved_below_class=config.scheduler.kv_reserved_below_class,
                                              workers_preempt_kv_reservations=(
                                                  config.scheduler.priority_preemption
@@ -481,6 +481,7 @@ class RequestStream:
         reroutes_left, resumptions_left = 1, core.config.router.max_stream_resumptions
         refusals_left = WORKER_REFUSAL_REROUTES
         final: RequestDelta | None = None
+        sample_usages: dict[int, Usage] = {}  # n > 1: each sample's final reports its own
         try:
             while True:
                 try:
@@ -490,6 +491,8 @@ class RequestStream:
                         streamed_chars += len(delta.text)
                         if delta.finished:
                             final = delta
+                            if delta.usage is not None:
+                                sample_usages[delta.sample_index] = delta.usage
                         yield dataclasses.replace(delta, request_id=self.request_id,
                                                   degraded=self.degraded if delta.finished else None)
                     return
@@ -544,8 +547,9 @@ class RequestStream:
             core.live_request_ids.discard(self._request.request_id)
             core._backlog.leave(self._request.tenant_id)
             self._ticket.release()
-            usage = final.usage if final is not None else None
-            used = usage.completion_tokens if usage is not None else streamed_tokens
+            usage = request_usage(list(sample_usages.values()))
+            # A sample that failed after streaming has no final usage: what reached the client counts.
+            used = max(usage.completion_tokens if usage is not None else 0, streamed_tokens)
             reason = final.finish_reason if final else FinishReason.ERROR
             timed_out = isinstance(failure, DeadlineExceededError)
             if timed_out:

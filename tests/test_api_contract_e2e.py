@@ -137,6 +137,25 @@ def test_list_models_reports_the_validated_context_length(cluster, stub, http_ba
     assert code == grpc.StatusCode.INVALID_ARGUMENT and str(MODEL_LEN) in details
 
 
+def test_usage_with_n_2_is_per_sample_over_grpc_and_per_request_over_http(stub, http_base):
+    """proto Usage / docs/api.md: each sample's final message carries that sample's tokens;
+    the OpenAI response reports the request once, the samples' completions summed."""
+    sampling = pb.SamplingParams(max_tokens=5, n=2, temperature=1.0, seed=7, ignore_eos=True)
+    replies = list(stub.Generate(pb.GenerateRequest(prompt="Count with me", sampling=sampling), timeout=60))
+    for i in (0, 1):
+        [final] = [r for r in replies if r.finished and r.sample_index == i]
+        streamed = sum(len(r.token_ids) for r in replies if r.sample_index == i)
+        assert final.usage.completion_tokens == streamed == 5
+    body = {"prompt": "Count with me", "max_tokens": 5, "n": 2, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    whole = httpx.post(f"{http_base}/v1/completions", json=body, timeout=60).json()
+    assert len(whole["choices"]) == 2 and whole["usage"]["completion_tokens"] == 10
+    assert whole["usage"]["prompt_tokens"] == final.usage.prompt_tokens
+    chunks = [json.loads(line[len("data: "):]) for line in httpx.post(
+        f"{http_base}/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        timeout=60).text.splitlines() if line.startswith("data: {")]
+    assert [c["usage"]["completion_tokens"] for c in chunks if c.get("usage")] == [10]
+
+
 # ---- 4. non-finite / out-of-range sampling values; the n ceiling -----------------------------
 
 @pytest.mark.parametrize("sampling", [

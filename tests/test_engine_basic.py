@@ -7,7 +7,7 @@ import time
 import pytest
 
 from kvmesh.core.config import KvmeshConfig
-from kvmesh.core.seams import FinishReason, GenerateRequest, RequestDelta, SamplingParams
+from kvmesh.core.seams import FinishReason, GenerateRequest, RequestDelta, SamplingParams, Usage, request_usage
 from kvmesh.worker.runtime.async_engine import AsyncEngine, merge_deltas
 from kvmesh.worker.engine_loop.engine import Engine
 from kvmesh.core.errors import InvalidRequestError, OverloadedError
@@ -144,6 +144,18 @@ def test_n_samples_share_prompt_blocks(engine):
     assert sorted(d.sample_index for d in finals) == [0, 1, 2]
     assert len({tuple(tokens(out["multi"], i)) for i in range(3)}) > 1, "samples differ"
     assert all(d.usage.cached_tokens > 0 for d in finals if d.sample_index > 0), "later samples reuse the prompt"
+
+
+def test_each_of_n_samples_runs_to_max_tokens_and_reports_its_own_usage(engine):
+    """Siblings never share their output list: each reaches max_tokens on its own tokens, and
+    its final usage counts those (per sample; request_usage sums them for the request)."""
+    out = run(engine, [req("pair", prompt="Tell me", max_tokens=7, temperature=1.0, seed=5, n=2, ignore_eos=True)])
+    finals = sorted((d for d in out["pair"] if d.finished), key=lambda d: d.sample_index)
+    for final in finals:
+        assert len(tokens(out["pair"], final.sample_index)) == final.usage.completion_tokens == 7
+    total = request_usage([d.usage for d in finals])
+    assert total == Usage(finals[0].usage.prompt_tokens, 14, min(d.usage.cached_tokens for d in finals))
+    assert request_usage([]) is None
 
 
 def test_forward_failure_fails_only_that_step(engine):

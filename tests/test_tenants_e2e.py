@@ -26,7 +26,8 @@ from kvmesh.router.tenants import generate_api_key, hash_api_key
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 APP_NAME = "kvmesh-tenants"
-KEYS = {tenant: generate_api_key() for tenant in ("conc", "bucket", "refund", "load", "outage")}
+# "stored" is added at run time through the tenant store, as `kvmesh tenants add` does.
+KEYS = {tenant: generate_api_key() for tenant in ("conc", "bucket", "refund", "load", "outage", "stored")}
 # Long enough (decode steps) that every admitted request is still running when the whole
 # burst has been answered: admissions can then only come from the limit, not from a slot
 # that freed up.
@@ -39,7 +40,8 @@ RETRYABLE = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, redis_server):
-    tenants = {"auth_required": True, "redis_url": redis_server.url, "quota_probe_interval_s": 0.2, "tenants": [
+    tenants = {"auth_required": True, "redis_url": redis_server.url, "quota_probe_interval_s": 0.2,
+               "tenant_refresh_s": 0.5, "tenants": [
         {"id": "conc", "api_key_hashes": [hash_api_key(KEYS["conc"], TEST_HASH_ITERATIONS)],
          "max_concurrent_requests": CONCURRENCY_LIMIT},
         {"id": "bucket", "api_key_hashes": [hash_api_key(KEYS["bucket"], TEST_HASH_ITERATIONS)],
@@ -250,10 +252,10 @@ def test_bad_and_missing_keys_are_rejected_before_any_work(cluster, channel, htt
     assert total(after, "kvmesh_prompt_tokens_total") == total(before, "kvmesh_prompt_tokens_total")
 
 
-def _load(stub, stop: threading.Event, outcomes: list) -> None:
+def _load(stub, stop: threading.Event, outcomes: list, key: str = KEYS["load"]) -> None:
     while not stop.is_set():
         try:
-            final = list(_generate(stub, KEYS["load"], 8))[-1]
+            final = list(_generate(stub, key, 8))[-1]
             outcomes.append("ok" if final.usage.completion_tokens == 8 else "short")
         except grpc.RpcError as exc:
             outcomes.append(exc.code())
@@ -297,6 +299,63 @@ def test_redis_killed_and_restarted_mid_load(cluster, channel, http_base, redis_
         if not redis_server.running:
             redis_server.restart()
     assert outcomes.count("ok") >= 6
+    assert set(outcomes) <= {"ok"} | RETRYABLE, set(outcomes)
+
+
+def _stored_tenant_ids(redis_url: str) -> set[str]:
+    import asyncio
+
+    from kvmesh.router.tenants import RedisTenantStore
+
+    async def read():
+        store = RedisTenantStore(redis_url)
+        try:
+            return {t.id for t in await store.list()}
+        finally:
+            await store.aclose()
+
+    return asyncio.run(read())
+
+
+def test_redis_restarted_empty_mid_load_locks_nobody_out(cluster, channel, http_base, redis_server):
+    """A tenant that exists only in the store (added as `kvmesh tenants add` does) keeps
+    working while Redis is killed and comes back with no data: no request is refused as
+    unauthenticated, the routers write the registry back, and the restore is counted."""
+    import asyncio
+
+    from kvmesh.router.tenants import RedisTenantStore, Tenant
+
+    async def add():
+        store = RedisTenantStore(redis_server.url)
+        await store.put(Tenant(id="stored", api_key_hashes=(hash_api_key(KEYS["stored"], TEST_HASH_ITERATIONS),)))
+        await store.aclose()
+
+    asyncio.run(add())
+    stub = kvmesh_pb2_grpc.KvmeshStub(channel)
+    # Both replicas know the tenant: Serve spreads these over both (each refresh is 0.5 s).
+    wait_for(lambda: all(_first_delta_or_error(stub, KEYS["stored"], 1)[0] == "ok" for _ in range(6)),
+             what="the stored tenant authenticated on every replica")
+    restores_before = total(scrape(http_base), "kvmesh_tenant_registry_restores_total")
+    stop, outcomes = threading.Event(), []
+    threads = [threading.Thread(target=_load, args=(stub, stop, outcomes, KEYS["stored"])) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: len(outcomes) >= 4, what="load running")
+        redis_server.restart(empty=True)
+        wait_for(lambda: "stored" in _stored_tenant_ids(redis_server.url), what="registry written back")
+        during = len(outcomes)
+        wait_for(lambda: len(outcomes) >= during + 4, what="load served after the empty restart")
+        wait_for(lambda: total(scrape(http_base), "kvmesh_tenant_registry_restores_total") > restores_before,
+                 what="the restore counted in /metrics")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+        if not redis_server.running:
+            redis_server.restart()
+    assert grpc.StatusCode.UNAUTHENTICATED not in outcomes
+    assert outcomes.count("ok") >= 8
     assert set(outcomes) <= {"ok"} | RETRYABLE, set(outcomes)
 
 
