@@ -144,7 +144,7 @@ def test_the_cpu_runner_reports_what_serves_its_small_steps(tiny_model_dir, dtyp
     """worker/runner/cpu_model_runner.py owns the choice: the native step's projections
     (amx / avx512_bf16 / fma) where it takes the model, else torch with the reason; the same
     reaches kvmesh_model_info through EngineParts."""
-    from kvmesh.core.telemetry import ModelInfo
+    from kvmesh.core.telemetry import ModelInfoLabels
 
     config = KvmeshConfig.from_dict({"model": {"path": tiny_model_dir, "dtype": dtype, "max_model_len": 256},
                                      "cache": {"num_blocks": 8, "block_size": 8}, "parallel": {"device": "cpu"}})
@@ -161,5 +161,5 @@ def test_the_cpu_runner_reports_what_serves_its_small_steps(tiny_model_dir, dtyp
         assert step.path == decoder.path in ("amx", "avx512_bf16", "fma") and step.reason == ""
         assert step.variant == cpu_build.load().variant.name and step.max_tokens == decoder.max_tokens
     assert step.path in step.describe() and (step.reason in step.describe())
-    info = ModelInfo.of_engine(engine, config)
+    info = ModelInfoLabels.of_engine(engine, config)
     assert (info.cpu_step, info.cpu_step_reason) == (step.path, step.reason)
