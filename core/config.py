@@ -457,6 +457,44 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class AdapterConfig:
+    """One registered LoRA adapter: requested as model "<base>:<name>" (or "<name>")."""
+
+    name: str
+    path: str  # a PEFT folder (adapter_config.json + adapter_model.safetensors) every worker can read
+    tenant: str | None = None  # set = only this tenant may use it
+
+    def validate(self) -> None:
+        _check(bool(self.name) and ":" not in self.name and "/" not in self.name,
+               f"lora.adapters[].name must be non-empty without ':' or '/', got {self.name!r}")
+        _check(bool(self.path), f"lora adapter {self.name}: path must be non-empty")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    # Adapter slots per worker: how many adapters one step can mix (vLLM's max_loras). A request
+    # of a further adapter waits for a slot whose requests all ended (LRU eviction). 0 = off.
+    max_loras: int = 4
+    max_rank: int = 64  # slot stacks are padded to this rank; a larger adapter is refused
+    adapters: tuple[AdapterConfig, ...] = ()
+    # Records written by `kvmesh adapters ...` (YAML), overlaying `adapters`; reloaded every
+    # tenants.tenant_refresh_s by the router.
+    adapters_file: str | None = None
+    # Adapter-aware routing: the time one adapter load is worth, in queued requests' time
+    # (router/routing.py weighs it against the load a worker already has).
+    load_cost_requests: float = 4.0
+
+    def validate(self) -> None:
+        _check(self.max_loras >= 0, "lora.max_loras must be >= 0")
+        _check(1 <= self.max_rank <= 256, "lora.max_rank must be in 1..256")
+        _check(self.load_cost_requests >= 0, "lora.load_cost_requests must be >= 0")
+        names = [a.name for a in self.adapters]
+        _check(len(names) == len(set(names)), f"lora.adapters: duplicate names in {names}")
+        for a in self.adapters:
+            a.validate()
+
+
+@dataclass(frozen=True)
 class KvmeshConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -468,6 +506,7 @@ class KvmeshConfig:
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     degradation: DegradationConfig = field(default_factory=DegradationConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> "KvmeshConfig":
         for f in dataclasses.fields(self):
@@ -551,3 +590,37 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         _check(isinstance(value, str), f"{where}: expected a string, got {value!r}")
         return value
     return value
+
+
+# ---- `--set section.field=value` onto the same fields ---------------------------------
+
+
+def apply_overrides(config: KvmeshConfig, overrides: typing.Sequence[str]) -> KvmeshConfig:
+    """Apply ``section.field=value`` overrides (value parsed as YAML: 8, 0.5, true, null, [..]).
+
+    The flag names are the config's own dotted field names, so the CLI cannot drift from the
+    config file or the Helm values: ``--set scheduler.max_num_seqs=32``.
+    """
+    data = config.to_dict()
+    for item in overrides:
+        path, value = _parse_override(item)
+        section, name = path
+        if section not in data:
+            raise ConfigError(f"--set {item!r}: unknown section {section!r}; known: {sorted(data)}")
+        if name not in data[section]:
+            raise ConfigError(f"--set {item!r}: unknown field {name!r} in {section}; "
+                              f"known: {sorted(data[section])}")
+        data[section][name] = value
+    return KvmeshConfig.from_dict(data)
+
+
+def _parse_override(item: str) -> tuple[tuple[str, str], Any]:
+    key, sep, raw = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set expects section.field=value, got {item!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {item!r}: value is not valid YAML: {exc}") from None
+    return (parts[0], parts[1]), value

@@ -57,7 +57,7 @@ from kvmesh.load_tests.corpus import TokenCorpus
 from kvmesh.load_tests import process_cpu
 from kvmesh.load_tests.workloads import WorkloadRequest, WorkloadSpec, generate_workload
 from kvmesh.core.seams import GenerateRequest, SamplingParams
-from kvmesh.worker.engine_loop.engine import Engine
+from kvmesh.worker.engine_api import Engine
 
 # (name, model.dtype, quant.weight); int8/int4 run their packed CPU kernels on bf16 activations
 FULL_MODES = [("fp32", "fp32", "none"), ("bf16", "bf16", "none"), ("bf16-unpacked", "bf16", "none"),
@@ -407,7 +407,7 @@ def hf_agreement(engine: Engine, model: str | None, new_tokens: int = 32,
 
 def _hf_dir(model: str | None) -> str:
     from kvmesh.core.config import ModelConfig
-    from kvmesh.worker.model.loader import ensure_hf_dir
+    from kvmesh.worker.engine_api import ensure_hf_dir
 
     return str(ensure_hf_dir(ModelConfig(path=model) if model else ModelConfig()).hf_dir)
 
@@ -515,15 +515,14 @@ def run_served(model: str | None, requests: list[WorkloadRequest], warmup: int =
     returns the figures and the cores each process role used over the timed window."""
     import asyncio
 
-    from kvmesh.deploy.cmd_serve import EMBEDDED_NUM_WORKERS, EMBEDDED_WORKER_NUM_CPUS
+    from kvmesh.router.launch import LOCAL_NUM_WORKERS, LOCAL_WORKER_NUM_CPUS
     from kvmesh.load_tests.grpc_target import ClusterTarget
     from kvmesh.load_tests.targets import TargetRequest
 
     config = {"router": {"host": "127.0.0.1"}, **({"model": {"path": model}} if model else {}),
-              "parallel": {"num_workers": EMBEDDED_NUM_WORKERS, "worker_num_cpus": EMBEDDED_WORKER_NUM_CPUS}}
+              "parallel": {"num_workers": LOCAL_NUM_WORKERS, "worker_num_cpus": LOCAL_WORKER_NUM_CPUS}}
     if overrides:
-        from kvmesh.core.config import KvmeshConfig
-        from kvmesh.deploy.serve_config import apply_overrides
+        from kvmesh.core.config import KvmeshConfig, apply_overrides
 
         config = apply_overrides(KvmeshConfig.from_dict(config), overrides).to_dict()
 
@@ -576,7 +575,7 @@ def seed_shaped_requests(tokenizer, num_requests: int, scale: float) -> list[Wor
 
 def run(args) -> BenchReport:
     torch.set_num_threads(args.threads)
-    from kvmesh.worker.model.tokenizer import load_tokenizer
+    from kvmesh.worker.engine_api import load_tokenizer
     from kvmesh.core.config import ModelConfig
 
     tokenizer = load_tokenizer(ModelConfig(path=args.model) if args.model else ModelConfig())
@@ -616,7 +615,7 @@ def run(args) -> BenchReport:
 
 
 def _gguf_path(model: str | None):
-    from kvmesh.worker.model.loader import embedded_gguf_path
+    from kvmesh.worker.engine_api import embedded_gguf_path
 
     if model and model.endswith(".gguf"):
         return model
@@ -626,7 +625,7 @@ def _gguf_path(model: str | None):
 def ratio_lines(report: BenchReport) -> list[str]:
     """The issue's in-run ratios: best mode vs HF static, served vs the in-process engine in
     the dtype the server picks (model.dtype auto)."""
-    from kvmesh.worker.runner.model_setup import cpu_has_native_bf16
+    from kvmesh.worker.engine_api import cpu_has_native_bf16
 
     lines = []
     best = max(report.modes, key=lambda m: m.seed_run.output_tok_s) if report.modes else None

@@ -52,7 +52,6 @@ from kvmesh.load_tests.workloads import LengthDistribution, WorkloadSpec, genera
 from kvmesh.core.errors import InvalidRequestError
 from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.core.config import ModelConfig
-from kvmesh.worker.model.tokenizer import load_tokenizer
 from kvmesh.load_tests.report import write_reports
 
 logger = logging.getLogger(__name__)
@@ -215,6 +214,8 @@ def load_campaign(path: str | Path) -> Campaign:
 
 
 def load_workload_tokenizer(model_fields: dict):
+    from kvmesh.worker.engine_api import load_tokenizer  # torch: the engine API loads the engine
+
     return load_tokenizer(_dataclass_from(ModelConfig, model_fields, "tokenizer"))
 
 

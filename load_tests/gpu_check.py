@@ -496,7 +496,7 @@ def engine_decode(model_path: str | None, batch_sizes=ENGINE_BATCHES, prompt_tok
     with small batches is a dry run of this code path on a machine without a GPU.)"""
     from kvmesh.worker.kernels import dispatch
     from kvmesh.core.seams import GenerateRequest, SamplingParams
-    from kvmesh.worker.engine_loop.engine import Engine
+    from kvmesh.worker.engine_api import Engine
 
     engine = Engine.from_config(_engine_config(model_path, device, weight, cuda_graphs, max(batch_sizes), num_blocks))
     graphs = engine.runner.graph_runner
@@ -542,7 +542,7 @@ def memory_plan(model_path: str | None, device: str = "cuda", env_extra: dict | 
     import torch
 
     from kvmesh.core.seams import GenerateRequest, SamplingParams
-    from kvmesh.worker.engine_loop.engine import Engine
+    from kvmesh.worker.engine_api import Engine
 
     if model_path is None and device == "cpu":
         model_path = tiny_llama_folder()
@@ -665,7 +665,7 @@ def random_smollm2_folder() -> str:
 
 def engine_decode_any_model(model_path: str | None) -> dict:
     if model_path is None:
-        from kvmesh.worker.model.loader import embedded_gguf_path
+        from kvmesh.worker.engine_api import embedded_gguf_path
 
         try:
             embedded_gguf_path()

@@ -151,14 +151,14 @@ class ClusterTarget(GrpcTarget):
         super().__init__(f"127.0.0.1:{self.config.router.grpc_port}", **grpc_options)
 
     async def start(self) -> None:
-        from kvmesh.deploy.cmd_serve import start_serving  # Ray Serve: only for a cluster target
+        from kvmesh.router.launch import start_serving  # Ray Serve: only for a cluster target
 
         _init_ray_on_this_thread()
         await asyncio.to_thread(start_serving, self.config, self.app_name)
         await super().start()
 
     async def close(self) -> None:
-        from kvmesh.deploy.cmd_serve import stop_serving  # Ray Serve: only for a cluster target
+        from kvmesh.router.launch import stop_serving  # Ray Serve: only for a cluster target
 
         await super().close()
         await asyncio.to_thread(stop_serving, self.config, self.app_name)

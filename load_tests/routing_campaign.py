@@ -207,12 +207,10 @@ def run_campaign(spec: dict, out_dir: Path) -> list[RoutingRunFigures]:
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import grpc
     import ray
-    from ray import serve
 
-    from kvmesh.deploy.cmd_serve import start_serving, stop_serving
     from kvmesh.core.config import KvmeshConfig
-    from kvmesh.router.app import build_router_app
     from kvmesh.router.client import KvmeshClient
+    from kvmesh.router.launch import redeploy_router, start_serving, stop_serving
     from kvmesh.router.retry import RetryPolicy
     from kvmesh.load_tests.grpc_target import free_port
 
@@ -234,8 +232,7 @@ def run_campaign(spec: dict, out_dir: Path) -> list[RoutingRunFigures]:
         for concurrency in spec["concurrency"]:
             for policy in spec["policies"]:
                 seed += 1
-                serve.run(build_router_app(config.replace(router={"policy": policy})), name=APP_NAME,
-                          route_prefix="/")
+                redeploy_router(config.replace(router={"policy": policy}), APP_NAME)
                 workload = family_workload(spec, seed)
                 served, failed = [], 0
                 recorder = _CallRecorder()

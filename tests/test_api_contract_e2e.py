@@ -156,6 +156,33 @@ def test_usage_with_n_2_is_per_sample_over_grpc_and_per_request_over_http(stub, 
     assert [c["usage"]["completion_tokens"] for c in chunks if c.get("usage")] == [10]
 
 
+def test_a_resumed_request_streams_exactly_the_missing_rest(stub):
+    """proto GenerateRequest 9-10: what a client whose stream broke off sends again. Greedy:
+    the rest is the reference's rest, token for token and character for character."""
+    reference = list(stub.Generate(_request("Resume me", max_tokens=12), timeout=60))
+    ref_ids = [t for r in reference for t in r.token_ids]
+    ref_text = "".join(r.text for r in reference)
+    assert len(ref_ids) == 12
+    # Break off after whole messages (a message may carry several tokens when paced).
+    cuts = [(sum(len(r.token_ids) for r in reference[:m]), "".join(r.text for r in reference[:m]))
+            for m in range(1, len(reference))]
+    cuts = [cut for cut in cuts if 0 < cut[0] < 12]
+    assert cuts
+    for k, first_text in {cuts[0][0]: cuts[0], cuts[-1][0]: cuts[-1], cuts[len(cuts) // 2][0]: cuts[len(cuts) // 2]}.values():
+        request = _request("Resume me", max_tokens=12)
+        request.resume_token_ids.extend(ref_ids[:k])
+        request.resume_text_chars = len(first_text)
+        rest = list(stub.Generate(request, timeout=60))
+        assert [t for r in rest for t in r.token_ids] == ref_ids[k:]
+        assert first_text + "".join(r.text for r in rest) == ref_text
+        assert rest[-1].usage.completion_tokens == 12
+    for bad, why in (({"n": 2}, "n = 1"), ({}, "leave nothing")):
+        request = _request("Resume me", max_tokens=3, **bad)
+        request.resume_token_ids.extend(ref_ids[:3])
+        code, details, _ = _status(lambda: stub.Generate(request, timeout=30))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and why in details, details
+
+
 # ---- 4. non-finite / out-of-range sampling values; the n ceiling -----------------------------
 
 @pytest.mark.parametrize("sampling", [

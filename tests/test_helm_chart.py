@@ -14,6 +14,7 @@ import dataclasses
 import json
 import shutil
 import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -199,7 +200,7 @@ def test_service_monitor_scrapes_the_metrics_service(chart):
 
 
 def test_grafana_dashboard_configmap_carries_the_generated_dashboard(chart):
-    """The ConfigMap holds exactly the generated dashboard (which equals the deploy/ copy),
+    """The ConfigMap holds exactly the generated dashboard (the chart's copy, the only one),
     with the sidecar's label, and the dashboard passes the dashboard JSON schema: a row per
     layer plus tenants and routing, no overlapping panels, unique ids."""
     from kvmesh.deploy import grafana_dashboard
@@ -209,8 +210,7 @@ def test_grafana_dashboard_configmap_carries_the_generated_dashboard(chart):
     kubernetes_validate.validate(configmap, K8S_VERSION, strict=True)
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
     text = grafana_dashboard.dashboard_json()
-    assert [path.read_text() for path in grafana_dashboard.OUTPUTS] == [text, text], \
-        "run python -m kvmesh.deploy.grafana_dashboard"
+    assert grafana_dashboard.CHART_COPY.read_text() == text, "run python -m kvmesh.deploy.grafana_dashboard"
     dashboard = json.loads(configmap["data"]["kvmesh.json"])
     assert dashboard == grafana_dashboard.build_dashboard()
     jsonschema.Draft7Validator(json.loads(DASHBOARD_SCHEMA.read_text())).validate(dashboard)
@@ -222,6 +222,19 @@ def test_grafana_dashboard_configmap_carries_the_generated_dashboard(chart):
              for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])]
     assert len(cells) == len(set(cells)), "panels overlap"
     assert "ConfigMap" not in {d["kind"] for d in _render(chart, {}).docs()}  # off by default
+
+
+def test_one_committed_dashboard_and_the_hand_import_prints_the_same_bytes():
+    """The chart holds the one committed copy (Helm reads only inside the chart); an import by
+    hand takes `python -m kvmesh.deploy.grafana_dashboard --stdout`, byte for byte that copy."""
+    from kvmesh.deploy import grafana_dashboard
+
+    committed = sorted(str(p.relative_to(REPO)) for p in REPO.rglob("*.json")
+                       if ".venv" not in p.parts and '"uid": "kvmesh-overview"' in p.read_text())
+    assert committed == ["helm/kvmesh/dashboards/kvmesh.json"]
+    printed = subprocess.run([sys.executable, "-P", "-m", "kvmesh.deploy.grafana_dashboard", "--stdout"],
+                             capture_output=True, text=True, check=True, timeout=60).stdout
+    assert printed == grafana_dashboard.CHART_COPY.read_text()
 
 
 def _prometheus_rule(chart, values: dict | None = None) -> dict:
@@ -492,6 +505,11 @@ def test_ray_token_auth_is_on_and_tls_comes_from_a_secret(chart):
     router_tls = serve["applications"][0]["args"]["router"]["tls"]
     assert (router_tls["cert_file"], router_tls["key_file"]) == ("/etc/kvmesh/tls/tls.crt", "/etc/kvmesh/tls/tls.key")
     assert "grpc_options" not in serve
+    monitored = _render(chart, {"tls": {"secretName": "router-tls"}, "serve": {"grpcServicerFunctions": []},
+                                "metrics": {"serviceMonitor": {"enabled": True}}})
+    [endpoint] = monitored.one("ServiceMonitor", "-router")["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"]["ca"]["secret"] == {"name": "router-tls", "key": "ca.crt"}
 
 
 def _groups(rendered: Rendered) -> tuple[dict, dict]:

@@ -199,7 +199,7 @@ def test_kvmesh_stats_scrapes_a_live_metrics_endpoint(capsys):
         assert summary.requests_by_reason == {"stop": 2, "length": 1, "abort": 1}
         assert summary.prompt_tokens == 169 and summary.generation_tokens == 31
         assert summary.rejections == {"quota": 1, "overload": 0, "deadline": 0, "evicted": 0, "invalid": 0,
-                                      "unauthenticated": 0}
+                                      "unauthenticated": 0, "adapter_not_found": 0, "permission_denied": 0}
         assert summary.prefix_cache_hit_ratio == pytest.approx(32 / 169)
         assert summary.workers["w0"]["kv_cache_usage_ratio"] == pytest.approx(0.2)
         # TTFT p50 lies in the (0.25, 0.5] bucket: 3 observations, the 2nd is 0.3.

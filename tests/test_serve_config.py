@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from kvmesh.deploy import cli
-from kvmesh.core.config import ConfigError, KvmeshConfig
+from kvmesh.core.config import ConfigError, KvmeshConfig, apply_overrides
 from kvmesh.deploy.serve_config import (API_KEY_HASHES_FILE_ENV, REDIS_URL_ENV, SERVE_APP_IMPORT_PATH,
-                                        ServeOptions, apply_overrides, build_serve_config,
+                                        ServeOptions, build_serve_config,
                                         config_field_paths, config_from_serve_args,
                                         kvmesh_config_from_serve_config, serve_config_yaml,
                                         validate_with_ray_schema)

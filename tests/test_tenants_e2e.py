@@ -9,6 +9,7 @@ exactly what a crashed Redis looks like to the routers.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +40,13 @@ RETRYABLE = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir, redis_server):
+def spans_file(tmp_path_factory):
+    """Every process of the cluster writes its spans here (OTLP/JSON lines, core/otlp_file.py)."""
+    return tmp_path_factory.mktemp("spans") / "spans.jsonl"
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, redis_server, spans_file):
     tenants = {"auth_required": True, "redis_url": redis_server.url, "quota_probe_interval_s": 0.2,
                "tenant_refresh_s": 0.5, "tenants": [
         {"id": "conc", "api_key_hashes": [hash_api_key(KEYS["conc"], TEST_HASH_ITERATIONS)],
@@ -54,7 +61,8 @@ def cluster(tiny_model_dir, redis_server):
          "max_concurrent_requests": 4},
     ]}
     config = tiny_cluster_config(tiny_model_dir, num_workers=1, max_num_seqs=16,
-                                 router={"num_replicas": 2, "policy": "least_loaded"}, tenants=tenants)
+                                 router={"num_replicas": 2, "policy": "least_loaded"}, tenants=tenants,
+                                 observability={"tracing_exporter": "otlp", "otlp_endpoint": f"file://{spans_file}"})
     with serving(config, APP_NAME):
         yield config
 
@@ -261,6 +269,25 @@ def _load(stub, stop: threading.Event, outcomes: list, key: str = KEYS["load"]) 
             outcomes.append(exc.code())
 
 
+@contextlib.contextmanager
+def _load_during(stub, redis_server, num_clients: int, key: str = KEYS["load"]):
+    """`num_clients` threads streaming in a loop while the block runs; yields their outcomes
+    ("ok" or a status code). Redis is running again afterwards whatever the block did."""
+    stop, outcomes = threading.Event(), []
+    threads = [threading.Thread(target=_load, args=(stub, stop, outcomes, key)) for _ in range(num_clients)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: len(outcomes) >= num_clients, what="load running")
+        yield outcomes
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+        if not redis_server.running:
+            redis_server.restart()
+
+
 def _fallback_flags(http_base: str) -> list[float]:
     samples = scrape(http_base)
     return sorted(v for (n, _), v in samples.items() if n == "kvmesh_quota_store_fallback_active")
@@ -271,12 +298,7 @@ def test_redis_killed_and_restarted_mid_load(cluster, channel, http_base, redis_
     gets a retryable code), both replicas flip to local limits (the metric says 1), the
     concurrency limit still holds locally (limit / replicas each), and both reconnect."""
     stub = kvmesh_pb2_grpc.KvmeshStub(channel)
-    stop, outcomes = threading.Event(), []
-    threads = [threading.Thread(target=_load, args=(stub, stop, outcomes)) for _ in range(3)]
-    for t in threads:
-        t.start()
-    try:
-        wait_for(lambda: len(outcomes) >= 3, what="load running")
+    with _load_during(stub, redis_server, 3) as outcomes:
         redis_server.kill()
         # A replica notices on its next quota call; Serve spreads the load over both.
         wait_for(lambda: _fallback_flags(http_base) == [1.0, 1.0], timeout_s=30, what="both replicas on fallback")
@@ -292,12 +314,6 @@ def test_redis_killed_and_restarted_mid_load(cluster, channel, http_base, redis_
         redis_server.restart()
         wait_for(lambda: _fallback_flags(http_base) == [0.0, 0.0], timeout_s=30, what="both replicas back on Redis")
         wait_for(lambda: len(outcomes) >= during + 3, what="load served after the restart")
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=120)
-        if not redis_server.running:
-            redis_server.restart()
     assert outcomes.count("ok") >= 6
     assert set(outcomes) <= {"ok"} | RETRYABLE, set(outcomes)
 
@@ -336,32 +352,22 @@ def test_redis_restarted_empty_mid_load_locks_nobody_out(cluster, channel, http_
     wait_for(lambda: all(_first_delta_or_error(stub, KEYS["stored"], 1)[0] == "ok" for _ in range(6)),
              what="the stored tenant authenticated on every replica")
     restores_before = total(scrape(http_base), "kvmesh_tenant_registry_restores_total")
-    stop, outcomes = threading.Event(), []
-    threads = [threading.Thread(target=_load, args=(stub, stop, outcomes, KEYS["stored"])) for _ in range(4)]
-    for t in threads:
-        t.start()
-    try:
-        wait_for(lambda: len(outcomes) >= 4, what="load running")
+    with _load_during(stub, redis_server, 4, KEYS["stored"]) as outcomes:
         redis_server.restart(empty=True)
         wait_for(lambda: "stored" in _stored_tenant_ids(redis_server.url), what="registry written back")
         during = len(outcomes)
         wait_for(lambda: len(outcomes) >= during + 4, what="load served after the empty restart")
         wait_for(lambda: total(scrape(http_base), "kvmesh_tenant_registry_restores_total") > restores_before,
                  what="the restore counted in /metrics")
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=120)
-        if not redis_server.running:
-            redis_server.restart()
     assert grpc.StatusCode.UNAUTHENTICATED not in outcomes
     assert outcomes.count("ok") >= 8
     assert set(outcomes) <= {"ok"} | RETRYABLE, set(outcomes)
 
 
-def test_keys_never_appear_in_logs(cluster, channel):
-    """Every Ray log of the session (router replicas, worker, proxies, Serve controller)
-    after valid and invalid keys went through both protocols: no key, not even its secret."""
+def test_keys_never_appear_in_logs_spans_or_metrics(cluster, channel, http_base, spans_file):
+    """After valid and invalid keys went through both protocols: no key, not even its secret
+    part, in any Ray log of the session (router replicas, worker, proxies, Serve controller),
+    in any span any process exported, or in the /metrics text (labels included)."""
     import pathlib
 
     import ray
@@ -370,11 +376,21 @@ def test_keys_never_appear_in_logs(cluster, channel):
     list(_generate(stub, KEYS["load"], 2))
     with pytest.raises(grpc.RpcError):
         list(_generate(stub, KEYS["load"] + "x", 2))
+    headers = {"Authorization": f"Bearer {KEYS['load']}"}
+    assert httpx.post(f"{http_base}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=headers,
+                      timeout=60).status_code == 200
+    assert httpx.post(f"{http_base}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                      headers={"Authorization": f"Bearer {KEYS['load']}x"}, timeout=60).status_code == 401
     logs_dir = pathlib.Path(ray._private.worker._global_node.get_logs_dir_path())
     files = [p for p in logs_dir.rglob("*") if p.is_file()]
     assert files
+    # Spans are batched per process: wait until this test's requests have been exported.
+    wait_for(lambda: spans_file.exists() and spans_file.read_text().count('"kvmesh.request"') >= 4,
+             what="the requests' spans exported")
+    texts = {str(path): path.read_bytes().decode(errors="replace") for path in files + [spans_file]}
+    texts["/metrics"] = httpx.get(f"{http_base}/metrics", timeout=10).text
     secrets = [key.rsplit(".", 1)[1] for key in KEYS.values()]
-    for path in files:
-        text = path.read_bytes().decode(errors="replace")
+    for where, text in texts.items():
         for secret in secrets:
-            assert secret not in text, f"an API key secret appears in {path}"
+            assert secret not in text, f"an API key secret appears in {where}"
+    assert "tenant=\"load\"" in texts["/metrics"]  # the labels name the tenant, never its key

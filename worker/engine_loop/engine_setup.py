@@ -36,6 +36,7 @@ from kvmesh.worker.model.tokenizer import load_tokenizer
 from kvmesh.worker.runner.tp_group import TensorParallelGroup, TensorParallelRunner
 from kvmesh.worker.engine_loop.self_draft import DraftModel, load_draft
 from kvmesh.worker.runner.host_tier_store import HostTierStore
+from kvmesh.worker.runner.lora_slots import AdapterSlots
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +213,9 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
     else:
         runner = TensorParallelRunner(group, plan, model, backend, device, kv_caches, swap_caches, plan.block_size,
                                       seed=config.model.seed)
+    if group is None and config.lora.max_loras:
+        # Slot stacks are allocated per projection on the first adapter that targets it.
+        runner.lora_slots = AdapterSlots(hf_config, config.lora.max_loras, config.lora.max_rank, dtype, device)
     if group is not None and plan.num_host_tier_blocks:
         raise ConfigError("cache.host_tier_* needs parallel.tensor_parallel_size = 1 (the tier copies rank 0's KV only)")
     kv_manager = KVCacheManager(plan.num_blocks, plan.block_size,

@@ -27,6 +27,7 @@ from kvmesh.worker.attention.backend import AttentionBackend, AttentionMetadata,
 from kvmesh.worker.parallel.distributed import Collectives, single_rank
 from kvmesh.quant.linear import merge_output_rows
 from kvmesh.worker.kernels import packed_weights
+from kvmesh.worker.kernels.lora_ops import LoraStep
 from kvmesh.worker.parallel.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                            RowParallelLinear, VocabParallelEmbedding, _ShardedLinear,
                                            quantize_sharded)
@@ -171,25 +172,32 @@ class LlamaAttention(nn.Module):
         self.o: FusedLinears | None = None  # o_proj alone, prepacked (fuse_projections)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], cache: LayerKVCache,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                meta: AttentionMetadata, backend: AttentionBackend, lora: LoraStep | None = None) -> torch.Tensor:
         t, nq, nkv = x.shape[0], self.num_heads, self.num_kv_heads
         projections = (self.q_proj, self.k_proj, self.v_proj)
         if self.qkv is not None and self.qkv.usable(projections):
             qkv = self.qkv(x)
         else:  # unfused (hooked, replaced): one concatenation, so the rest is the same
             qkv = torch.cat([lin(x) for lin in projections], dim=-1)
+        if lora is not None:  # the base GEMM ran once for every row; each adapter row adds its update
+            lora.add_fused(self.layer_idx, ("q_proj", "k_proj", "v_proj"),
+                           [nq * self.head_dim, nkv * self.head_dim, nkv * self.head_dim], x, qkv)
         qkv = qkv.view(t, nq + 2 * nkv, self.head_dim)  # q | k | v heads
         qk = RotaryTables.rotate(qkv[:, :nq + nkv], cos_sin)  # q and k heads in one pass
         q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
         backend.write_kv(cache, k, v, meta.slot_mapping)
-        out = backend.attend(q, cache, meta, self.scale)  # [T, Hq, D]
-        return self.coll.all_reduce(_run_projection(self.o, self.o_proj, out.reshape(t, -1)))
+        out = backend.attend(q, cache, meta, self.scale).reshape(t, -1)  # [T, Hq * D]
+        y = _run_projection(self.o, self.o_proj, out)
+        if lora is not None:
+            lora.add(self.layer_idx, "o_proj", out, y)
+        return self.coll.all_reduce(y)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg, coll: Collectives):
+    def __init__(self, cfg, coll: Collectives, layer_idx: int = 0):
         super().__init__()
         self.coll = coll
+        self.layer_idx = layer_idx
         bias = bool(getattr(cfg, "mlp_bias", False))
         self.gate_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias, coll)
         self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias, coll)
@@ -197,33 +205,44 @@ class LlamaMLP(nn.Module):
         self.gate_up: FusedLinears | FusedQuantLinears | None = None  # set by fuse_projections
         self.down: FusedLinears | None = None  # down_proj alone, prepacked (fuse_projections)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraStep | None = None) -> torch.Tensor:
         pair = (self.gate_proj, self.up_proj)
         if self.gate_up is not None and self.gate_up.usable(pair):
-            act = ops.silu_and_mul(self.gate_up(x))
+            gate_up = self.gate_up(x)
+            if lora is not None:
+                half = gate_up.shape[-1] // 2
+                lora.add_fused(self.layer_idx, ("gate_proj", "up_proj"), [half, half], x, gate_up)
+            act = ops.silu_and_mul(gate_up)
         else:
-            act = ops.silu_mul(self.gate_proj(x), self.up_proj(x))
-        return self.coll.all_reduce(_run_projection(self.down, self.down_proj, act))
+            gate, up = self.gate_proj(x), self.up_proj(x)
+            if lora is not None:
+                lora.add(self.layer_idx, "gate_proj", x, gate)
+                lora.add(self.layer_idx, "up_proj", x, up)
+            act = ops.silu_mul(gate, up)
+        y = _run_projection(self.down, self.down_proj, act)
+        if lora is not None:
+            lora.add(self.layer_idx, "down_proj", act, y)
+        return self.coll.all_reduce(y)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg, layer_idx: int, coll: Collectives):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, coll)
-        self.mlp = LlamaMLP(cfg, coll)
+        self.mlp = LlamaMLP(cfg, coll, layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, residual, cos_sin, cache, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x, residual, cos_sin, cache, meta, backend, lora=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (this layer's MLP output, the residual stream before it); the
         residual add is fused into the next RMSNorm, rounding as HF's x = x + f(norm(x))."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, cos_sin, cache, meta, backend)
+        h = self.self_attn(h, cos_sin, cache, meta, backend, lora)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, lora), residual
 
 
 class LlamaModel(nn.Module):
@@ -259,15 +278,16 @@ class LlamaForCausalLM(nn.Module):
         return self.model.layers[0].self_attn.head_dim
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, H] (pre lm_head)."""
+                meta: AttentionMetadata, backend: AttentionBackend, lora: LoraStep | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, H] (pre lm_head). `lora`: the
+        step's adapter rows (worker/kernels/lora_ops.py); such a step always runs eagerly."""
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.for_positions(positions, x.dtype)
-        if self.compiled is not None and self.compiled.applies(x.shape[0]):
+        if lora is None and self.compiled is not None and self.compiled.applies(x.shape[0]):
             return self.compiled.run(x, cos_sin, kv_caches, meta, backend)
         residual = None
         for layer, cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, cos_sin, cache, meta, backend)
+            x, residual = layer(x, residual, cos_sin, cache, meta, backend, lora)
         return self.model.norm.add_forward(x, residual)[0]
 
     def fuse_projections(self, prepack: bool = True) -> int:

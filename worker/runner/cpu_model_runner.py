@@ -90,9 +90,9 @@ class CpuModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Steps the native decoder takes (<= max_tokens tokens) as one native call; the rest
-        eagerly (ModelRunner.forward)."""
-        if self.native_decoder is not None:
+        """Steps the native decoder takes (<= max_tokens tokens, no LoRA adapter rows) as one
+        native call; the rest eagerly (ModelRunner.forward)."""
+        if self.native_decoder is not None and not inputs.lora_slots:
             logits = self.native_decoder.run(inputs)
             if logits is not None:
                 return logits if inputs.sample_at else None
