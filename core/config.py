@@ -287,6 +287,9 @@ class RouterConfig:
     spread_family_blocks: int = 16
     # A spread family gives back its newest worker after this long without needing it.
     spread_cooldown_s: float = 10.0
+    # A family also spreads when its worker's recent work exceeds the mean by this ratio (and
+    # the imbalance margin) while nobody queues yet: the computed-tokens balance it keeps.
+    spread_work_ratio: float = 1.25
 
     def validate(self) -> None:
         _one_of("router.policy", self.policy, ("prefix_aware", "predicted_latency", "least_loaded", "round_robin"))
@@ -306,6 +309,7 @@ class RouterConfig:
                      "spread_cooldown_s"):
             _check(getattr(self, name) >= 0, f"router.{name} must be >= 0")
         _check(self.work_half_life_s > 0, "router.work_half_life_s must be > 0")
+        _check(self.spread_work_ratio >= 1.0, "router.spread_work_ratio must be >= 1")
         _check(self.spread_family_blocks >= 1, "router.spread_family_blocks must be >= 1")
 
 

@@ -193,7 +193,8 @@ class RouterMetrics:
         self.routing_decisions = counter_by(
             "routing_decisions",
             "Routing decisions by the policy's path (prefix_match: longest cached prefix within the load "
-            "guard; prefix_spill / prefix_imbalanced: the guard moved it; no_prefix: nothing matched among the "
+            "guard; prefix_spill / prefix_imbalanced: the guard moved it; prefix_spread: predicted_latency gave its "
+            "hot family one more worker; no_prefix: nothing matched among the "
             "workers with room; least_loaded / round_robin: those policies). A worker refusal's re-route counts again.",
             "path", ROUTING_PATHS)
         self.quota_fallback = Gauge(PREFIX + "quota_store_fallback_active",

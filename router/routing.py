@@ -64,7 +64,8 @@ Policies (RouterConfig.policy):
                    spread family, its members (router/hot_spread.py). When the best of them
                    runs ahead of the least loaded worker by the load guard's thresholds, the
                    family grows by the first worker of its rendezvous order within the same
-                   bound, if that one would serve the request sooner (path prefix_spread);
+                   bound, if that one would serve the request sooner (path prefix_spread),
+                   or when its recent work runs spread_work_ratio ahead of the mean;
                    it gives the newest member back after router.spread_cooldown_s without
                    need. A prompt with no cached prefix goes to the worker with the lowest
                    prediction; workers within latency_tie_ratio of it are equal, and of those
@@ -361,7 +362,8 @@ def _predicted_latency(by_id: dict[str, WorkerStats], loads: dict[str, int], foo
     min_load = min(loads.values())
     mean_work = sum(work.values()) / len(ids)
     if key is not None:
-        grown = _grow(key, family, members, best, ids, loads, min_load, work, mean_work, predicted, config, margin)
+        grown = _grow(key, family, members, best, ids, loads, min_load, work, mean_work, predicted, config, margin,
+                      state.spread.grew_recently(key))
         if grown is not None:
             return decide(grown.members[-1], RoutingPath.PREFIX_SPREAD, grown)
     if len(members) < 2:
@@ -370,29 +372,33 @@ def _predicted_latency(by_id: dict[str, WorkerStats], loads: dict[str, int], foo
     # their queues), would still run ahead by half the thresholds.
     core = members[:-1]
     core_best = min(core, key=lambda w: (predicted[w], w))
-    half_ratio = 1 + (config.imbalance_ratio - 1) / 2
-    queue_ahead = loads[core_best] - min_load > margin / 2 and loads[core_best] > min_load * half_ratio
+    def half(ratio: float) -> float:
+        return 1 + (ratio - 1) / 2
+
+    queue_ahead = loads[core_best] - min_load > margin / 2 and loads[core_best] > min_load * half(config.imbalance_ratio)
     core_work = state.spread.family_work(key) / len(core)
-    work_ahead = core_work - mean_work > margin / 2 and core_work > mean_work * half_ratio
+    work_ahead = core_work - mean_work > margin / 2 and core_work > mean_work * half(config.spread_work_ratio)
     return decide(best, RoutingPath.PREFIX_MATCH, SpreadAction(key, tuple(members), False, queue_ahead or work_ahead))
 
 
 def _grow(key: bytes, family: list[str], members: list[str], best: str, ids: list[str], loads: dict[str, int],
           min_load: int, work: dict[str, float], mean_work: float, predicted: dict[str, float],
-          config: RouterConfig, margin: int) -> SpreadAction | None:
+          config: RouterConfig, margin: int, grew_recently: bool) -> SpreadAction | None:
     """One more worker for the family when its best worker runs ahead, by the load guard's
     thresholds, of the least loaded worker's queue (and the newcomer would serve this
     request sooner) or of the mean recent work (a hot family's worker computing far more
     than the others while nobody queues yet): the first worker of the family's rendezvous
-    order within the bound (neither its queue nor its recent work ahead by those thresholds)."""
+    order within the bound (neither its queue nor its recent work ahead by those thresholds).
+    Growth on work alone waits a cooldown after the family's last growth (FamilySpread.grew_recently)."""
     queue_ahead = is_imbalanced(loads[best], min_load, config, margin)
-    work_ahead = work[best] > mean_work * config.imbalance_ratio and work[best] - mean_work > margin
+    work_ahead = (not grew_recently and work[best] > mean_work * config.spread_work_ratio
+                  and work[best] - mean_work > margin)
     if not (queue_ahead or work_ahead):
         return None
     for candidate in preference_order(key, ids):
         if candidate in family or is_imbalanced(loads[candidate], min_load, config, margin):
             continue
-        if work[candidate] > mean_work * config.imbalance_ratio and work[candidate] - mean_work > margin:
+        if work[candidate] > mean_work * config.spread_work_ratio and work[candidate] - mean_work > margin:
             continue  # its recent work is itself ahead: past the bound
         if queue_ahead and not predicted[candidate] < predicted[best]:
             return None  # the first worker within the bound is no sooner: spreading would not help
