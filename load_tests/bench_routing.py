@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from kvmesh.core.config import RouterConfig
 from kvmesh.core.seams import PrefixEvent, PrefixEventBatch, PrefixEventKind, SamplingParams, WorkerStats
 from kvmesh.kv.hashing import hash_full_blocks
+from kvmesh.load_tests.routing_sim import SimClock
 from kvmesh.router.admission import cost_with_cached_prefix
 from kvmesh.router.prefix_index import PrefixIndex
 from kvmesh.router.routing import (PredictedLatencyState, RequestSizeMeter, RoundRobinCursor, RouteRequest,
@@ -55,14 +56,6 @@ class BenchShape:
     seed: int = 0
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def make_prompts(shape: BenchShape, num_requests: int) -> list[list[int]]:
     rng = random.Random(shape.seed)
     prefixes: dict[int, list[int]] = {}
@@ -79,7 +72,7 @@ def make_prompts(shape: BenchShape, num_requests: int) -> list[list[int]]:
 def run(policy: str, shape: BenchShape, prompts: list[list[int]], hashes: list[list[bytes]]
         ) -> tuple[list[float], list[float]]:
     """Seconds of router work per request: CPU time of the timed calls, and their wall time."""
-    clock = _Clock()
+    clock = SimClock()
     config = RouterConfig(policy=policy, stats_refresh_s=shape.stats_refresh_s)
     index = PrefixIndex(linger_s=4 * shape.stats_refresh_s, clock=clock)
     state = PredictedLatencyState(config, 2048, clock)

@@ -141,7 +141,9 @@ class SimResult:
     spread_families_at_end: int = 0  # predicted_latency: families spread over > 1 worker when the run ended
 
 
-class _Clock:
+class SimClock:
+    """Simulated time, read by the policy state, the prefix index and the schedulers."""
+
     def __init__(self) -> None:
         self.now = 0.0
 
@@ -169,7 +171,7 @@ class _SimRequest:
 class _SimWorker:
     """One engine: the real scheduler and KV manager; the forward pass is the cost model."""
 
-    def __init__(self, worker_id: str, cluster: SimCluster, clock: _Clock):
+    def __init__(self, worker_id: str, cluster: SimCluster, clock: SimClock):
         self.worker_id = worker_id
         self.clock = clock
         kv = KVCacheManager(cluster.num_blocks, cluster.block_size, worker_id=worker_id)
@@ -233,7 +235,7 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
     before dispatched prefixes were counted), for comparison."""
     started_wall = time.perf_counter()
     router = dataclasses.replace(router or RouterConfig(), policy=policy, stats_refresh_s=cluster.stats_refresh_s)
-    clock = _Clock()
+    clock = SimClock()
     # The router predicts with the step-cost model the engines run (as a real router is given
     # the model measured on its engines): its error is then the formula's, not the constants'.
     router = dataclasses.replace(router, step_overhead_s=cluster.cost.step_overhead_s,

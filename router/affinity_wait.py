@@ -7,8 +7,8 @@ within a step or two), and admission used to send the family's next request to w
 worker had room first (a `preferred_full` spill), on arrival or from the queue. The request
 then computed its whole prefix there, and the family lived on both workers from then on,
 each caching a copy: the 2-worker routing campaign at 16 in flight split 4-5 of its 6
-families that way, all by full budgets, none by the load guard (docs/routing.md, "Third #16
-round").
+families that way, all by full budgets, none by the load guard (measured before this rule;
+docs/routing.md, "Admission").
 
 The rule, asked by admission (`acquire(hold=...)`) each time it would route the request to
 one of the workers with room (router_core._admit, on arrival and at every pump of the queue):

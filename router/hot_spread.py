@@ -70,7 +70,6 @@ class FamilySpread:
         self._max_families = max_families
         self._members: collections.OrderedDict[bytes, tuple[str, ...]] = collections.OrderedDict()
         self._needed_at: dict[bytes, float] = {}
-        self._grown_at: dict[bytes, float] = {}
         # Recent work sent to each spread family (tokens, decayed as WorkMeter): what its
         # members would carry with one member fewer.
         self._work = WorkMeter(work_half_life_s, clock)
@@ -82,14 +81,6 @@ class FamilySpread:
             return ()
         self._shrink(family_key)
         return self._members.get(family_key, ())
-
-    def grew_recently(self, family_key: bytes) -> bool:
-        """The family gained a worker less than a cooldown ago. Recent work lags a growth by
-        its half-life (the members' past work decays slowly), so growth on work waits this
-        long before the next step; without it the hottest family of the 64-worker table
-        overshot to 8 workers where 5 carried it."""
-        grown_at = self._grown_at.get(family_key)
-        return grown_at is not None and self._clock() - grown_at < self.cooldown_s
 
     def family_work(self, family_key: bytes) -> float:
         """Recent work sent to a spread family (0.0 for one that is not)."""
@@ -105,11 +96,10 @@ class FamilySpread:
         if action.grown:
             self._members[key] = action.members
             self._members.move_to_end(key)
-            self._needed_at[key] = self._grown_at[key] = now
+            self._needed_at[key] = now
             while len(self._members) > self._max_families:
                 old, _ = self._members.popitem(last=False)
                 self._needed_at.pop(old, None)
-                self._grown_at.pop(old, None)
                 self._work.forget(old.hex())
             return
         if key not in self._members:

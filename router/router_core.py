@@ -272,7 +272,7 @@ class RouterCore:
         # Routing and cost: what each worker holds or was just sent. A prefix claimed by a
         # request in flight there is charged as cached, as the worker's own admission counts a
         # prefix an admitted request will compute (else a family's followers are charged
-        # whole prompts and spill: docs/routing.md, "Routing under load").
+        # whole prompts and spill: docs/routing.md, "Prefix index").
         matched = index.longest_prefix(hashes)
         resident = index.longest_prefix(hashes, include_in_flight=False)  # transfer hints: surely there
         decisions: list[RoutingDecision] = []

@@ -15,7 +15,8 @@
   mean_admitted_tokens`, a `RequestSizeMeter`), which scales the absolute imbalance margin.
   It must be in the load's unit (below): a request's whole KV size (prompt + max_tokens)
   counts a cached prefix the load leaves out, and made the margin ~12 cache hits wide on the
-  16-worker table (6k-token prefixes) instead of ~2 requests (docs/routing.md).
+  16-worker llm-d-shaped workload (6k-token prefixes) instead of ~2 requests;
+- request, state: the request's size and family and the policy's state (predicted_latency).
 
 The absolute margin is `max(imbalance_abs_tokens, imbalance_margin_requests x mean request)`
 (`imbalance_margin_tokens`). A fixed token count means different things for different
@@ -32,10 +33,10 @@ waiting requests still need (prompt not yet computed, a cached prefix left out, 
 to come; `WorkerStats.tokens_to_compute`), plus what the router sent since (charged
 uncached: `cost_for` in admission). A cache hit costs a worker nothing to compute, so a hot
 family's long prefix does not count against its worker at all, and affinity breaks only on
-real overload. (Until #16 the load was the KV held, `kv_tokens_used + queued_prompt_tokens`:
-a worker serving cache hits looked as loaded as one computing misses, and in the skewed-mix
-shape the simulator put computed tokens per worker over 1.5x in 9 of 60 runs, against 5 of
-60 with the tokens to compute: docs/routing.md.)
+real overload. (The KV held, `kv_tokens_used + queued_prompt_tokens`, made a worker serving
+cache hits look as loaded as one computing misses: in the skewed-mix shape the simulator put
+computed tokens per worker over 1.5x in 9 of 60 runs, against 5 of 60 with the tokens to
+compute.)
 
 Policies (RouterConfig.policy):
 
@@ -362,8 +363,9 @@ def _predicted_latency(by_id: dict[str, WorkerStats], loads: dict[str, int], foo
     min_load = min(loads.values())
     mean_work = sum(work.values()) / len(ids)
     if key is not None:
+        family_work = state.spread.family_work(key) if members else None
         grown = _grow(key, family, members, best, ids, loads, min_load, work, mean_work, predicted, config, margin,
-                      state.spread.grew_recently(key))
+                      family_work)
         if grown is not None:
             return decide(grown.members[-1], RoutingPath.PREFIX_SPREAD, grown)
     if len(members) < 2:
@@ -383,16 +385,18 @@ def _predicted_latency(by_id: dict[str, WorkerStats], loads: dict[str, int], foo
 
 def _grow(key: bytes, family: list[str], members: list[str], best: str, ids: list[str], loads: dict[str, int],
           min_load: int, work: dict[str, float], mean_work: float, predicted: dict[str, float],
-          config: RouterConfig, margin: int, grew_recently: bool) -> SpreadAction | None:
+          config: RouterConfig, margin: int, family_work: float | None) -> SpreadAction | None:
     """One more worker for the family when its best worker runs ahead, by the load guard's
     thresholds, of the least loaded worker's queue (and the newcomer would serve this
     request sooner) or of the mean recent work (a hot family's worker computing far more
     than the others while nobody queues yet): the first worker of the family's rendezvous
     order within the bound (neither its queue nor its recent work ahead by those thresholds).
-    Growth on work alone waits a cooldown after the family's last growth (FamilySpread.grew_recently)."""
+    A spread family is judged on its own recent work over its members (`family_work`), not on
+    its members' work: that lags a growth by its half-life (a member's past work decays slowly),
+    and judged on it the hottest family of the 64-worker table overshot to 9 workers."""
     queue_ahead = is_imbalanced(loads[best], min_load, config, margin)
-    work_ahead = (not grew_recently and work[best] > mean_work * config.spread_work_ratio
-                  and work[best] - mean_work > margin)
+    share = work[best] if family_work is None else family_work / len(members)
+    work_ahead = share > mean_work * config.spread_work_ratio and share - mean_work > margin
     if not (queue_ahead or work_ahead):
         return None
     for candidate in preference_order(key, ids):
