@@ -451,7 +451,7 @@ def measure_cost_model(model: dict | None = None, prefill_tokens: int = 512, dec
 
     from kvmesh.core.config import KvmeshConfig
     from kvmesh.core.seams import GenerateRequest
-    from kvmesh.worker.engine_loop.engine import Engine
+    from kvmesh.worker.engine_api import Engine
 
     torch.set_num_threads(1)
     engine = Engine.from_config(KvmeshConfig.from_dict({"model": model or {}, "parallel": {"device": "cpu"},
