@@ -158,7 +158,8 @@ def bench_routing(model: str | None, quick: bool) -> RoutingFigures:
     names = list(paths)
     requests = [(p, names[c]) for p, c in zip(_prompts(num, 32, hf_config.vocab_size, seed=2), choices)]
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    # num_cpus=4 as the e2e clusters: the router, its proxy and 2 workers ask for fractions of a core
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     loads, failed = {}, {}
     try:
         for policy in ("prefix_aware", "round_robin"):

@@ -18,29 +18,19 @@ import os
 import numpy as np
 import torch
 
-ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+from kvmesh.worker.engine_api import LORA_MODULES, lora_projection_shapes
 
-
-def _shapes(hf_config) -> dict[str, tuple[int, int]]:
-    h, inter = hf_config.hidden_size, hf_config.intermediate_size
-    d = getattr(hf_config, "head_dim", None) or h // hf_config.num_attention_heads
-    q, kv = hf_config.num_attention_heads * d, hf_config.num_key_value_heads * d
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
-
-
-def write_random_adapter(folder: str, hf_config, rank: int, seed: int, targets=ALL_MODULES, alpha: int = 16) -> str:
+def write_random_adapter(folder: str, hf_config, rank: int, seed: int, targets=LORA_MODULES, alpha: int = 16) -> str:
     from safetensors.torch import save_file  # transformers' dependency; only this helper needs it
 
     gen = torch.Generator().manual_seed(seed)
-    shapes = _shapes(hf_config)
+    shapes = lora_projection_shapes(hf_config)
     tensors = {}
     for layer in range(hf_config.num_hidden_layers):
         for module in targets:
             out_features, in_features = shapes[module]
-            prefix = f"base_model.model.model.layers.{layer}.{_BLOCK[module]}.{module}"
+            block = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=gen) / in_features ** 0.5
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=gen) * 0.01
     os.makedirs(folder, exist_ok=True)

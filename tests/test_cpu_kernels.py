@@ -143,17 +143,16 @@ def test_each_variant_this_cpu_runs_reads_the_model_descriptor(bf16_engine, vari
 def test_the_cpu_runner_reports_what_serves_its_small_steps(tiny_model_dir, dtype):
     """worker/runner/cpu_model_runner.py owns the choice: the native step's projections
     (amx / avx512_bf16 / fma) where it takes the model, else torch with the reason; the same
-    reaches kvmesh_model_info through EngineParts."""
+    reaches kvmesh_model_info's forward_path through EngineParts."""
     from kvmesh.core.telemetry import ModelInfoLabels
 
     config = KvmeshConfig.from_dict({"model": {"path": tiny_model_dir, "dtype": dtype, "max_model_len": 256},
                                      "cache": {"num_blocks": 8, "block_size": 8}, "parallel": {"device": "cpu"}})
     engine = Engine.from_config(config)
     step = engine.runner.cpu_step
-    assert engine.parts.cpu_step == step
     unavailable = cpu_native_step.unavailable_reason()
     if dtype == "fp32":
-        assert step.path == "torch" and "fp32 stays eager" in step.reason and engine.runner.native_decoder is None
+        assert step.path == "torch" and "auto for fp32" in step.reason and engine.runner.native_decoder is None
     elif unavailable is not None:
         assert step.path == "torch" and step.reason == unavailable and engine.runner.native_decoder is None
     else:
@@ -162,4 +161,7 @@ def test_the_cpu_runner_reports_what_serves_its_small_steps(tiny_model_dir, dtyp
         assert step.variant == cpu_build.load().variant.name and step.max_tokens == decoder.max_tokens
     assert step.path in step.describe() and (step.reason in step.describe())
     info = ModelInfoLabels.of_engine(engine, config)
-    assert (info.cpu_step, info.cpu_step_reason) == (step.path, step.reason)
+    if step.path == "torch":
+        assert info.forward_path == "eager" and info.forward_path_reason == f"native step not taken: {step.reason}"
+    else:
+        assert info.forward_path == f"native {step.path}" and step.variant in info.forward_path_reason

@@ -322,9 +322,9 @@ def test_engine_metrics_from_real_engine_steps(tiny_model_dir):
     info = [dict(labels) for name, labels in s if name == "kvmesh_model_info"]
     assert info == [{"worker": "w0", "model": engine.model_name, "revision": "main", "dtype": "float32",
                      "weight_quant": "none", "kv_cache_dtype": engine.parts.kv_cache_dtype,
-                     "version": info[0]["version"], "cpu_step": "torch",
-                     "cpu_step_reason": "fp32 stays eager unless model.cpu_native_max_tokens is set"}]
-    assert info[0]["version"] != "unknown"
+                     "version": info[0]["version"], "model_type": "llama", "forward_path": "eager",
+                     "forward_path_reason": "native step not taken: model.cpu_native_max_tokens 0 (auto for fp32: "
+                                            "the token-exact eager path)"}] and info[0]["version"] != "unknown"
     assert value(s, "kvmesh_oom_total", worker="w0") == 0
 
     def out_of_memory():

@@ -28,10 +28,10 @@ from kvmesh.kv.capacity import kv_bytes_per_token, num_blocks_for_budget
 from kvmesh.kv.device_plan import (SAMPLER_BYTES_PER_LOGIT, DeviceParts, DevicePlan, graph_static_bytes, plan_device,
                                    scaled_activation_bytes)
 from kvmesh.worker.attention.backend import AttentionMetadata
-from kvmesh.worker.runner.cpu_model_runner import CpuModelRunner, CpuStepPath
+from kvmesh.worker.runner.cpu_model_runner import CpuModelRunner
 from kvmesh.worker.runner.model_runner import ModelRunner, allocate_kv_caches, kv_storage_dtype
-from kvmesh.worker.runner.model_setup import (allocate_rank_caches, load_model, pick_backend, resolve_model,
-                                                with_valid_group_size)
+from kvmesh.worker.runner.model_setup import (allocate_rank_caches, load_model, pick_backend, require_backend_features,
+                                             resolve_model, with_valid_group_size)
 from kvmesh.worker.model.tokenizer import load_tokenizer
 from kvmesh.worker.runner.tp_group import TensorParallelGroup, TensorParallelRunner
 from kvmesh.worker.engine_loop.self_draft import DraftModel, load_draft
@@ -74,8 +74,11 @@ class EngineParts:
     plan: MemoryPlan
     device: torch.device
     host_tier_store: HostTierStore | None = None  # the host tier's bytes (kv_manager.host_tier: its books)
+    # which forward serves small steps ("native amx" | "native avx512_bf16" | "native fma" |
+    # "compiled" | "eager") and why: the start log line and kvmesh_model_info carry both
+    forward_path: str = "eager"
+    forward_path_reason: str = ""
     draft: DraftModel | None = None  # speculative.method self_draft: its model (its pool: plan.num_draft_blocks)
-    cpu_step: CpuStepPath | None = None  # what serves small CPU steps (worker/runner/cpu_model_runner.py); None on GPUs
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -177,6 +180,7 @@ def _sampler_bytes(config: KvmeshConfig, hf_config) -> int:
 def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> EngineParts:
     spec = resolve_model(config)
     config = with_valid_group_size(config, spec.hf_config)
+    require_backend_features(spec.arch, pick_backend(config, spec.device))  # before any weight loads
     hf_config, device, dtype, max_model_len = spec.hf_config, spec.device, spec.dtype, spec.max_model_len
     group = None
     if config.parallel.tensor_parallel_size > 1:
@@ -213,6 +217,7 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
     else:
         runner = TensorParallelRunner(group, plan, model, backend, device, kv_caches, swap_caches, plan.block_size,
                                       seed=config.model.seed)
+    path, path_reason = _forward_path(runner, model, device)
     if group is None and config.lora.max_loras:
         # Slot stacks are allocated per projection on the first adapter that targets it.
         runner.lora_slots = AdapterSlots(hf_config, config.lora.max_loras, config.lora.max_rank, dtype, device)
@@ -235,11 +240,9 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
         plan.peak_activation_bytes / 2**20, device, dtype, backend.name)
     logger.info("device plan (budget %.1f MiB): %s", plan.device.budget_bytes / 2**20,
                 ", ".join(f"{part} {nbytes / 2**20:.1f} MiB" for part, nbytes in plan.device.split().items()))
-    cpu_step = None
-    if device.type == "cpu":
-        cpu_step = runner.cpu_step if isinstance(runner, CpuModelRunner) else CpuStepPath("torch", "tensor parallelism")
+    logger.info("serving %s (%s): forward %s (%s)", spec.name, spec.arch.model_type, path, path_reason)
     return EngineParts(runner, kv_manager, tokenizer, hf_config, spec.name, kv_dtype_name, max_model_len,
-                       _eos_ids(hf_config, tokenizer), plan, device, tier_store, draft, cpu_step)
+                       _eos_ids(hf_config, tokenizer), plan, device, tier_store, path, path_reason, draft)
 
 
 def build_graph_runner(config: KvmeshConfig, model, backend, kv_caches, device, max_model_len: int,
@@ -254,6 +257,21 @@ def build_graph_runner(config: KvmeshConfig, model, backend, kv_caches, device, 
                              tensor_parallel_size=config.parallel.tensor_parallel_size)
     graphs.capture()
     return graphs
+
+
+def _forward_path(runner, model, device: torch.device) -> tuple[str, str]:
+    """(which forward serves small steps, why): what the start line and kvmesh_model_info say.
+    On CPU the runner chose (worker/runner/cpu_model_runner.py): "native <path>", path the native
+    step's projections (amx | avx512_bf16 | fma), or eager / compiled with the native step's
+    refusal."""
+    if isinstance(runner, CpuModelRunner):
+        step = runner.cpu_step
+        if step.path != "torch":
+            return f"native {step.path}", f"the {step.variant} build, steps of <= {step.max_tokens} tokens"
+        not_native = step.reason
+    else:
+        not_native = "tensor parallelism" if isinstance(runner, TensorParallelRunner) else f"device {device.type}"
+    return ("compiled" if model.compiled is not None else "eager"), f"native step not taken: {not_native}"
 
 
 def _profile_peak(model, config: KvmeshConfig, device: torch.device) -> int:

@@ -197,6 +197,9 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
     weights' worth of memory)."""
     if model.coll.world_size != 1:
         raise NotTaken("tensor parallelism")
+    refusal = model.arch.llama_shaped_refusal()
+    if refusal is not None:  # the C step implements Llama's layer only
+        raise NotTaken(refusal)
     cfg = model.config
     embed = model.model.embed_tokens.weight
     dtype = embed.dtype

@@ -88,7 +88,7 @@ def load_peft_adapter(name: str, path: str, hf_config, dtype: torch.dtype, max_r
             raise InvalidRequestError(f"adapter {name!r}: tensor {key!r} is not a LoRA weight of "
                                       f"{'/'.join(LORA_MODULES)}")
         pairs.setdefault((int(m.group(1)), m.group(3)), {})[m.group(4)] = tensor
-    shapes = _projection_shapes(hf_config)
+    shapes = projection_shapes(hf_config)
     modules = {}
     for (layer, module), pair in sorted(pairs.items()):
         if set(pair) != {"A", "B"} or not 0 <= layer < hf_config.num_hidden_layers:
@@ -109,7 +109,7 @@ def load_peft_adapter(name: str, path: str, hf_config, dtype: torch.dtype, max_r
     return LoraWeights(name, path, max(a.shape[0] for a, _ in modules.values()), modules)
 
 
-def _projection_shapes(hf_config) -> dict[str, tuple[int, int]]:
+def projection_shapes(hf_config) -> dict[str, tuple[int, int]]:
     """(out_features, in_features) of each full projection."""
     h, inter = hf_config.hidden_size, hf_config.intermediate_size
     d = getattr(hf_config, "head_dim", None) or h // hf_config.num_attention_heads

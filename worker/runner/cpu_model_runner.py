@@ -60,14 +60,14 @@ class CpuModelRunner(ModelRunner):
     def _choose(self, configured: int | None, self_draft: bool) -> CpuStepPath:
         what = "the self-draft" if self_draft else "the model"
         threads = torch.get_num_threads()
+        dtype = next(self.model.parameters()).dtype
         if self_draft:
             max_tokens = configured if configured is not None else cpu_native_step.auto_max_tokens(threads)
         else:
-            dtype = next(self.model.parameters()).dtype
             max_tokens = cpu_native_step.max_tokens_for(configured, dtype, threads)
         if not max_tokens:
-            reason = ("model.cpu_native_max_tokens is 0" if configured == 0 else
-                      "fp32 stays eager unless model.cpu_native_max_tokens is set")
+            reason = "model.cpu_native_max_tokens 0" + (" (auto for fp32: the token-exact eager path)"
+                                                        if dtype == torch.float32 and configured is None else "")
             logger.info("CPU step for %s: torch (%s)", what, reason)
             return CpuStepPath("torch", reason)
         try:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.core.seams import AdapterRef
-from kvmesh.worker.model.lora_weights import LoraWeights, _projection_shapes, load_peft_adapter
+from kvmesh.worker.model.lora_weights import LoraWeights, load_peft_adapter, projection_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class AdapterSlots:
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = device
-        self._shapes = _projection_shapes(hf_config)
+        self._shapes = projection_shapes(hf_config)
         self._read = reader or (lambda ref: load_peft_adapter(ref.name, ref.path, hf_config, dtype, max_rank))
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
