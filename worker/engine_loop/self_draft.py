@@ -48,6 +48,7 @@ class DraftSequence:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # unused: no prefix caching in the draft pool
     extra_keys: tuple[str, ...] = ()
+    lora_slot: int | None = None  # the draft runs the base weights (StepInputs reads every entry's slot)
 
     @property
     def all_token_ids(self) -> list[int]:
