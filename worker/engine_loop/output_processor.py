@@ -61,11 +61,19 @@ class OutputProcessor:
             detokenizer.push(token_id)
         detokenizer.mark_emitted(text_chars)
 
-    def sampling_row(self, request: Request) -> SamplingRow:
+    def sampling_row(self, request: Request, allowed: torch.Tensor | None = None) -> SamplingRow:
+        """`allowed`: the request's structured-output mask this step (bool [V]), or None."""
         state = self.states[request.request_id]
         p = request.sampling
         blocked = tuple(self.eos_token_ids | set(p.stop_token_ids)) if p.min_tokens else ()
-        return SamplingRow(p, request.prompt_token_ids, request.output_token_ids, state.generator, blocked)
+        if blocked and allowed is not None and len(request.output_token_ids) < p.min_tokens:
+            # The grammar wins over min_tokens: where it allows only EOS / stop tokens (its
+            # output is complete), blocking them would leave nothing to sample.
+            rest = allowed.clone()
+            rest[[t for t in blocked if t < rest.numel()]] = False
+            if not bool(rest.any()):
+                blocked = ()
+        return SamplingRow(p, request.prompt_token_ids, request.output_token_ids, state.generator, blocked, allowed)
 
     def mark_scheduled(self, request: Request) -> None:
         state = self.states.get(request.request_id)
