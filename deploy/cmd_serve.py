@@ -14,24 +14,17 @@ Ctrl-C / SIGTERM, then deletes the application and kills the detached worker act
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import signal
 import sys
 import threading
 
-from kvmesh.core.config import ConfigError, KvmeshConfig
+from kvmesh.core.config import ConfigError, KvmeshConfig, apply_overrides
+from kvmesh.router.launch import LOCAL_NUM_WORKERS, LOCAL_WORKER_NUM_CPUS, start_serving, stop_serving
 
 # Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
 # (and `--help` answers) without loading torch, Ray or transformers.
 
-logger = logging.getLogger(__name__)
 
-# `kvmesh serve` with no config and no --workers: two workers, each asking half a CPU, so
-# both fit next to the router on a 2-core laptop. Any other count left without
-# parallel.worker_num_cpus gets a share derived from the CPUs Ray sees (core/resources.py).
-EMBEDDED_NUM_WORKERS = 2
-EMBEDDED_WORKER_NUM_CPUS = 0.5
 EXIT_CONFIG_ERROR = 2
 
 
@@ -57,12 +50,10 @@ def register(subparsers) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> KvmeshConfig:
-    from kvmesh.deploy.serve_config import apply_overrides
-
     config = KvmeshConfig.from_yaml(args.config) if args.config else KvmeshConfig()
     data = config.to_dict()
-    if not args.config and args.workers is None:
-        data["parallel"].update(num_workers=EMBEDDED_NUM_WORKERS, worker_num_cpus=EMBEDDED_WORKER_NUM_CPUS)
+    if not args.config and args.workers is None:  # the local defaults (router/launch.py)
+        data["parallel"].update(num_workers=LOCAL_NUM_WORKERS, worker_num_cpus=LOCAL_WORKER_NUM_CPUS)
     flag_fields = {("model", "path"): args.model, ("parallel", "num_workers"): args.workers,
                    ("parallel", "tensor_parallel_size"): args.tp, ("router", "host"): args.host,
                    ("router", "grpc_port"): args.grpc_port, ("router", "http_port"): args.http_port,
@@ -72,44 +63,6 @@ def config_from_args(args: argparse.Namespace) -> KvmeshConfig:
         if value is not None:
             data[section][name] = value
     return apply_overrides(KvmeshConfig.from_dict(data), args.overrides)
-
-
-def start_serving(config: KvmeshConfig, app_name: str = "kvmesh", address: str | None = None) -> None:
-    """Init Ray (local unless `address`), start Serve's proxies and deploy the app; returns
-    once the router replicas are up (they wait for the workers' models to load)."""
-    import ray
-    from ray import serve
-    from ray.serve.config import gRPCOptions, HTTPOptions
-
-    from kvmesh.core.resources import resolve_worker_num_cpus
-    from kvmesh.router.app import GRPC_SERVICER_FUNCTION, build_router_app, router_num_cpus
-
-    if not ray.is_initialized():
-        if address is None:
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
-    # Every worker must be placeable, or it waits for CPUs forever with the cluster half up.
-    config = resolve_worker_num_cpus(config, ray.cluster_resources().get("CPU", 0.0), router_num_cpus(config))
-    router = config.router
-    serve.start(http_options=HTTPOptions(host=router.host, port=router.http_port),
-                grpc_options=gRPCOptions(port=router.grpc_port, grpc_servicer_functions=[GRPC_SERVICER_FUNCTION]))
-    serve.run(build_router_app(config), name=app_name, route_prefix="/")
-
-
-def stop_serving(config: KvmeshConfig, app_name: str = "kvmesh") -> None:
-    """Delete the app, kill its detached workers, stop Serve (best effort, in that order)."""
-    from ray import serve
-
-    from kvmesh.worker.runtime.actor import kill_workers
-
-    for step, action in (("delete app", lambda: serve.delete(app_name)),
-                         ("kill workers", lambda: kill_workers(config, app_name)),
-                         ("kill fallback workers", lambda: _kill_fallback_workers(config, app_name)),
-                         ("shutdown serve", serve.shutdown)):
-        try:
-            action()
-        except Exception as exc:
-            logger.warning("shutdown step %r failed: %s", step, exc)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -146,12 +99,3 @@ def run(args: argparse.Namespace) -> int:
 
         ray.shutdown()
     return 0
-
-
-def _kill_fallback_workers(config: KvmeshConfig, app_name: str) -> None:
-    from kvmesh.router.degradation import fallback_app_name, fallback_pool_config
-    from kvmesh.worker.runtime.actor import kill_workers
-
-    fallback = fallback_pool_config(config)
-    if fallback is not None:
-        kill_workers(fallback, fallback_app_name(app_name))

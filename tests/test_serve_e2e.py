@@ -66,7 +66,7 @@ def cluster(e2e_config):
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
 
-    from kvmesh.deploy.cmd_serve import start_serving, stop_serving
+    from kvmesh.router.launch import start_serving, stop_serving
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # a 2-CPU machine
     try:
