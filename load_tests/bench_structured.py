@@ -28,7 +28,7 @@ import torch
 
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import GenerateRequest, SamplingParams, StructuredOutput
-from kvmesh.worker.engine_loop.engine import Engine
+from kvmesh.worker.engine_api import Engine
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
