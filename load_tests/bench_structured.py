@@ -123,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="8 concurrent, 1 round (tests)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model = {"dtype": "fp32"} | ({"path": args.model} if args.model else {})
+    # the served default dtype (auto: bf16 on AMX CPUs, where steps run as one native call whose
+    # logits the Python sampler masks), fp32 for --quick's tiny model
+    model = ({"dtype": "fp32"} if args.quick else {}) | ({"path": args.model} if args.model else {})
     concurrent, rounds = (8, 1) if args.quick else (args.concurrent, args.rounds)
     engine = Engine.from_config(KvmeshConfig.from_dict({
         "model": model, "scheduler": {"max_num_seqs": max(concurrent, 16), "max_queue_time_s": 3600},
