@@ -89,11 +89,8 @@ class KvmeshGrpcMethods:
         return pb.CancelResponse(found=found)
 
     async def ListModels(self, request: pb.ListModelsRequest, grpc_context=None) -> pb.ListModelsResponse:
-        core = self.core
-        info = core.pool.any_info()
-        return convert.models_to_pb([convert.ModelInfo(
-            id=core.model_name, max_model_len=core.max_model_len() or 0,
-            block_size=info.block_size if info else core.config.cache.block_size)])
+        meta = convert.call_metadata_from_grpc(_invocation_metadata(grpc_context))
+        return convert.models_to_pb(self.core.list_models(meta.api_key))
 
     async def Health(self, request: pb.HealthRequest, grpc_context=None) -> pb.HealthResponse:
         view = self.core.cluster_view()
