@@ -143,6 +143,10 @@ def test_n_samples_share_prompt_blocks(engine):
     assert sorted(d.sample_index for d in finals) == [0, 1, 2]
     assert len({tuple(tokens(out["multi"], i)) for i in range(3)}) > 1, "samples differ"
     assert all(d.usage.cached_tokens > 0 for d in finals if d.sample_index > 0), "later samples reuse the prompt"
+    # each sample its own output: ignore_eos runs every one to max_tokens, no fewer
+    out = run(engine, [req("each", prompt=prompt, max_tokens=6, temperature=1.0, seed=5, n=3, ignore_eos=True)])
+    assert [len(tokens(out["each"], i)) for i in range(3)] == [6, 6, 6]
+    assert all(d.usage.completion_tokens == 6 for d in out["each"] if d.finished)
 
 
 def test_each_of_n_samples_runs_to_max_tokens_and_reports_its_own_usage(engine):
@@ -155,6 +159,19 @@ def test_each_of_n_samples_runs_to_max_tokens_and_reports_its_own_usage(engine):
     total = request_usage([d.usage for d in finals])
     assert total == Usage(finals[0].usage.prompt_tokens, 14, min(d.usage.cached_tokens for d in finals))
     assert request_usage([]) is None
+
+
+def test_evict_all_ends_every_request_retryably_and_returns_their_blocks(engine):
+    """What a drained worker does with the requests its grace did not cover."""
+    for i in range(3):
+        engine.add_request(req(f"evict-{i}", max_tokens=50))
+    for _ in range(3):
+        engine.step()
+    finals = engine.evict_all("worker drained")
+    assert sorted(d.request_id for d in finals) == ["evict-0", "evict-1", "evict-2"]
+    assert all(d.finished and d.error_type == "WorkerFailedError" and d.error == "worker drained" for d in finals)
+    assert not engine.has_unfinished() and engine.stats().num_blocks_used == 0
+    engine.check_integrity()
 
 
 def test_forward_failure_fails_only_that_step(engine):
