@@ -280,7 +280,7 @@ def test_bf16_projections_take_the_cpu_s_fastest_bf16_instructions(tiny_model_di
 
 
 def test_auto_step_size_follows_the_measured_crossover_with_eager():
-    """docs/benchmarks.md, sixth round: every step it takes with AMX, else 12 tokens a thread
+    """docs/benchmarks.md, "Forward paths on CPU": every step it takes with AMX, else 12 tokens a thread
     up to 24."""
     expected = [64, 64, 64] if cpu_native_step.amx_available() else [12, 24, 24]
     assert [cpu_native_step.max_tokens_for(None, torch.bfloat16, t) for t in (1, 2, 4)] == expected

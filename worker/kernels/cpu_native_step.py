@@ -352,7 +352,7 @@ def unavailable_reason() -> str | None:
 
 
 # model.cpu_native_max_tokens auto for 16-bit models: native steps up to where the eager
-# forward's GEMMs catch up (bf16, SmolLM2, docs/benchmarks.md, sixth round). With AMX the
+# forward's GEMMs catch up (bf16, SmolLM2, docs/benchmarks.md, "Forward paths on CPU"). With AMX the
 # native projections are AMX tiles too and win at every size it takes (2 threads: 2.3x at 16
 # tokens, 1.6x at 64; 1 thread 1.3x at 64): the largest step, 64. Without AMX they are
 # VDPBF16PS / FMA GEMVs, ahead to about 12 tokens per thread (1 thread: 1.36x at 8, 1.07x at

@@ -192,7 +192,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
     const int64_t V = m->vocab;
     /* The LM head keeps fp32 activations: quantizing the final hidden state per row flipped
        the self-draft's argmax often enough to cut its acceptance from 0.90 to 0.85 (bundled
-       chat prompts, docs/benchmarks.md, sixth round). */
+       chat prompts, measured 2026-12-02 on the SPR machine of docs/benchmarks.md). */
     kvmesh_gemv(m->lm_head_weight, m->lm_head_packed, (int)m->lm_head_kind, m->lm_head_scales, bf16, H,
                 share(V, tid, T, 16), share(V, tid + 1, T, 16), picked, H, s->S, s->logits, V, x16, 0, 0);
     kvmesh_amx_tiles_end();

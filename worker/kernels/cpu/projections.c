@@ -250,7 +250,7 @@ static void rows_to_amx_words(const void *rows_in, int64_t words, int64_t B, voi
    The kernel it replaced read the model's own weight as the A operand (16 rows at the row
    stride), re-laid the tokens into pair layout per projection and gathered each product
    tile's columns into y: five tile loads per four products, 16 strided weight streams.
-   Measured on the 2-core Sapphire Rapids machine (docs/benchmarks.md, ninth round): alone,
+   Measured 2026-12-02 on the 2-core Sapphire Rapids machine (SPR in docs/benchmarks.md): alone,
    64 tokens, 2 threads, 18-22 GB/s of weights at K = 576 against 12-13; in the engine,
    batch-64 step 36-40 -> 28-30 ms, batch 1 ~10% faster too. At 64 tokens it is bound by
    the tile loads' L2 traffic (~1 TFLOP/s a core with the weights L2-resident, ~3 with
