@@ -203,6 +203,11 @@ class ParallelConfig:
     # CPUs each worker rank asks Ray for; None = derived from the CPUs Ray sees when the app
     # is built (core/resources.py), so the defaults bring up every worker on the machine.
     worker_num_cpus: float | None = None
+    # CPU engines: torch / native-step threads per worker rank. None = worker_num_cpus rounded
+    # down (at least 1). Set apart from worker_num_cpus so that one worker can run a thread on
+    # every core while Ray still reserves a share for the router (`kvmesh serve` does on
+    # machines of <= 4 cores: deploy/cmd_serve.py).
+    cpu_threads: int | None = None
     # Tensor parallelism: the longest a collective or a peer rank's step may take before the
     # step fails with WorkerFailedError and the group is rebuilt (a dead peer is usually
     # noticed sooner, when its connection closes).
@@ -215,12 +220,17 @@ class ParallelConfig:
     # cuda_graphs.py); false, or a capture failure, runs decode eagerly. No effect on CPU.
     cuda_graphs: bool = True
 
+    def engine_threads(self) -> int:
+        """Threads a CPU worker rank runs its engine on (cpu_threads, else its CPU share)."""
+        return self.cpu_threads or max(1, int(self.worker_num_cpus or 1))
+
     def validate(self) -> None:
         _check(self.num_workers >= 1, "parallel.num_workers must be >= 1")
         _check(self.tensor_parallel_size >= 1, "parallel.tensor_parallel_size must be >= 1")
         _one_of("parallel.device", self.device, ("auto", "cpu", "cuda"))
         _one_of("parallel.attention_backend", self.attention_backend, ("auto", "torch", "cpu", "triton"))
         _check(self.worker_num_cpus is None or self.worker_num_cpus >= 0, "parallel.worker_num_cpus must be >= 0")
+        _check(self.cpu_threads is None or self.cpu_threads >= 1, "parallel.cpu_threads must be >= 1")
         _check(self.collective_timeout_s > 0, "parallel.collective_timeout_s must be > 0")
 
 
@@ -271,6 +281,11 @@ class RouterConfig:
     # (and that the load guard would still pick) waits up to this long for room there before
     # it spills to another worker as a whole-prompt miss (router/affinity_wait.py). 0 = spill at once.
     affinity_wait_s: float = 1.0
+    # A Ray resource each router replica asks for (0.01 of it), so replicas run only on the
+    # nodes that advertise it: the replicas serve gRPC on grpc_port themselves
+    # (router/grpc_ingress.py), so they must run where clients reach that port (the Helm
+    # chart advertises it on the head, which its Service targets). None = anywhere.
+    replica_resource: str | None = None
 
     def validate(self) -> None:
         _one_of("router.policy", self.policy, ("prefix_aware", "least_loaded", "round_robin"))

@@ -27,12 +27,29 @@ from kvmesh.core.config import ConfigError, KvmeshConfig
 
 logger = logging.getLogger(__name__)
 
-# `kvmesh serve` with no config and no --workers: two workers, each asking half a CPU, so
-# both fit next to the router on a 2-core laptop. Any other count left without
+# `kvmesh serve` with no config and no --workers fits the machine (`machine_topology`): the
+# engines' lockstep threads want whole cores, and the stack's share of a core is small once
+# tokens travel one message per step (docs/deploy.md). Any other count left without
 # parallel.worker_num_cpus gets a share derived from the CPUs Ray sees (core/resources.py).
-EMBEDDED_NUM_WORKERS = 2
-EMBEDDED_WORKER_NUM_CPUS = 0.5
+SMALL_MACHINE_CPUS = 4  # up to this many cores: one worker with a thread on every core
+THREADS_PER_WORKER = 4  # larger machines: workers of this many threads, one core left to the stack
 EXIT_CONFIG_ERROR = 2
+
+
+def machine_topology(num_cpus: int) -> tuple[int, int]:
+    """(workers, engine threads per worker) for a machine of `num_cpus` cores.
+
+        2 cores -> 1 x 2   4 -> 1 x 4   8 -> 1 x 7   9 -> 2 x 4   16 -> 3 x 5
+
+    Small machines: one worker with every core. Two 1-thread workers on 2 cores measured
+    0.72x of one 2-thread engine without any stack (docs/benchmarks.md): each engine's batch
+    is half as large and the weights are read twice. Larger: one core left to the router,
+    Serve and Ray; workers of at least THREADS_PER_WORKER threads share the rest evenly."""
+    if num_cpus <= SMALL_MACHINE_CPUS:
+        return 1, max(1, num_cpus)
+    engine_cpus = num_cpus - 1
+    workers = max(1, engine_cpus // THREADS_PER_WORKER)
+    return workers, engine_cpus // workers
 
 
 def register(subparsers) -> None:
@@ -62,7 +79,8 @@ def config_from_args(args: argparse.Namespace) -> KvmeshConfig:
     config = KvmeshConfig.from_yaml(args.config) if args.config else KvmeshConfig()
     data = config.to_dict()
     if not args.config and args.workers is None:
-        data["parallel"].update(num_workers=EMBEDDED_NUM_WORKERS, worker_num_cpus=EMBEDDED_WORKER_NUM_CPUS)
+        workers, threads = machine_topology(os.cpu_count() or 1)
+        data["parallel"].update(num_workers=workers, cpu_threads=threads)
     flag_fields = {("model", "path"): args.model, ("parallel", "num_workers"): args.workers,
                    ("parallel", "tensor_parallel_size"): args.tp, ("router", "host"): args.host,
                    ("router", "grpc_port"): args.grpc_port, ("router", "http_port"): args.http_port,
@@ -74,25 +92,35 @@ def config_from_args(args: argparse.Namespace) -> KvmeshConfig:
     return apply_overrides(KvmeshConfig.from_dict(data), args.overrides)
 
 
+def set_local_ray_env() -> None:
+    """Process plumbing for a local Ray that `kvmesh serve` (or a bench standing in for it)
+    starts: no auth on a private cluster, and Ray's workers at nice 0. Ray starts them at 15,
+    below GCS, raylet and the client, and the engines then lose their cores to every wake-up
+    of those; at 0 they are level with them and above the router replica, which renices
+    itself (router/app.py)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_worker_niceness", "0")
+
+
 def start_serving(config: KvmeshConfig, app_name: str = "kvmesh", address: str | None = None) -> None:
     """Init Ray (local unless `address`), start Serve's proxies and deploy the app; returns
     once the router replicas are up (they wait for the workers' models to load)."""
     import ray
     from ray import serve
-    from ray.serve.config import gRPCOptions, HTTPOptions
+    from ray.serve.config import HTTPOptions
 
     from kvmesh.core.resources import resolve_worker_num_cpus
-    from kvmesh.router.app import GRPC_SERVICER_FUNCTION, build_router_app, router_num_cpus
+    from kvmesh.router.app import build_router_app, router_num_cpus
 
     if not ray.is_initialized():
         if address is None:
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster
+            set_local_ray_env()
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     # Every worker must be placeable, or it waits for CPUs forever with the cluster half up.
     config = resolve_worker_num_cpus(config, ray.cluster_resources().get("CPU", 0.0), router_num_cpus(config))
     router = config.router
-    serve.start(http_options=HTTPOptions(host=router.host, port=router.http_port),
-                grpc_options=gRPCOptions(port=router.grpc_port, grpc_servicer_functions=[GRPC_SERVICER_FUNCTION]))
+    # No Serve gRPC proxy: the router replicas serve kvmesh.v1 on router.grpc_port themselves.
+    serve.start(http_options=HTTPOptions(host=router.host, port=router.http_port))
     serve.run(build_router_app(config), name=app_name, route_prefix="/")
 
 
@@ -120,8 +148,10 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_CONFIG_ERROR
     stop = threading.Event()
     router = config.router
-    print(f"kvmesh serve: starting {config.parallel.num_workers} worker(s) of "
-          f"{config.model.path or 'embedded SmolLM2'} (the first start converts the model) ...", flush=True)
+    parallel = config.parallel
+    print(f"kvmesh serve: {os.cpu_count()} CPU(s): {parallel.num_workers} worker(s) x "
+          f"{parallel.engine_threads()} engine thread(s), {config.router.num_replicas} router replica(s); "
+          f"starting {config.model.path or 'embedded SmolLM2'} (the first start converts the model) ...", flush=True)
     try:
         try:
             start_serving(config, args.app_name, args.address)

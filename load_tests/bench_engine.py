@@ -515,24 +515,22 @@ def run_served(model: str | None, requests: list[WorkloadRequest], warmup: int =
     returns the figures and the cores each process role used over the timed window."""
     import asyncio
 
-    from kvmesh.deploy.cmd_serve import EMBEDDED_NUM_WORKERS, EMBEDDED_WORKER_NUM_CPUS
+    from kvmesh.deploy.cmd_serve import machine_topology, set_local_ray_env
     from kvmesh.load_tests.grpc_target import ClusterTarget
     from kvmesh.load_tests.targets import TargetRequest
 
     config = {"router": {"host": "127.0.0.1"}, **({"model": {"path": model}} if model else {}),
-              "parallel": {"num_workers": EMBEDDED_NUM_WORKERS, "worker_num_cpus": EMBEDDED_WORKER_NUM_CPUS}}
+              "parallel": dict(zip(("num_workers", "cpu_threads"), machine_topology(os.cpu_count() or 1)))}
     if overrides:
         from kvmesh.core.config import KvmeshConfig
         from kvmesh.deploy.serve_config import apply_overrides
 
         config = apply_overrides(KvmeshConfig.from_dict(config), overrides).to_dict()
 
-    import os
-
     import ray
 
     if not ray.is_initialized():  # a Ray of its own: never join another cluster on this machine
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        set_local_ray_env()  # as `kvmesh serve` starts one
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
 
     async def go() -> tuple[RunFigures, process_cpu.CpuAccount]:

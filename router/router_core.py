@@ -7,7 +7,7 @@
         admission (KV token budget, queue, lanes)  router/admission.py
           -> route (prefix index + worker stats)   router/routing.py (among workers with room)
     <──RequestStream── (request_id, worker_id)
-        async for delta in stream:                 worker actor's Ray stream, deadline enforced
+        async for delta in stream:                 the worker's channel (worker_channels.py), deadline enforced
         settle quota, release admission, metrics  on every exit path, exactly once
 
 Both ingresses call this one object, so auth, quotas, routing and error semantics cannot
@@ -55,6 +55,7 @@ from kvmesh.router.metrics import FINISH_TIMEOUT, RouterMetrics
 from kvmesh.router.quota import QuotaStore, Reservation, check_request_fits
 from kvmesh.router.routing import RoundRobinCursor, RoutingDecision, choose_worker, is_spill
 from kvmesh.router.tenants import Tenant
+from kvmesh.router.worker_channels import ChannelFailure, WorkerChannels
 from kvmesh.router.worker_pool import WorkerPool
 from kvmesh.worker.public_api import render_chat
 from kvmesh.core.seams import (ErrorReport, FinishReason, GenerateRequest, RequestDelta, SamplingParams, WorkerStats,
@@ -115,6 +116,8 @@ class RouterCore:
         s = config.scheduler
         self.output_estimate = (OutputLengthEstimator(s.expected_output_floor_tokens, s.expected_output_quantile)
                                 if s.admission_reserve == "expected" else None)
+        # One channel per worker for every request of this replica (router/worker_channels.py).
+        self.channels = WorkerChannels(pool)
         pool.on_stats = self._on_worker_stats
         # Polls answered before this point (the replica waits for a routable worker before it
         # builds its core) found no listener: start from them, not from nothing until the next
@@ -583,62 +586,56 @@ class RequestStream:
                                            tracing.ATTR_PREFIX_HIT_BLOCKS: hit})
 
     async def _worker_deltas(self) -> AsyncIterator[RequestDelta]:
-        """The chosen worker's stream, flattened, with the deadline enforced; always leaves
-        the worker with nothing running for this request."""
-        import ray.exceptions
-
+        """The request's deltas from its worker's channel (router/worker_channels.py), with
+        the deadline enforced; always leaves the worker with nothing running for this request."""
         core, worker_id, request = self._core, self.worker_id, self._request
-        handle = core.pool.handle(worker_id)
-        stream = handle.generate.options(num_returns="streaming").remote(request)
+        channels = core.channels
+        queue = channels.subscribe(worker_id, request.request_id)
+        submitted = channels.submit(worker_id, request)
         finished = False
         try:
-            batches = stream.__aiter__()
-            while (batch := await _next_batch(batches, request.deadline_s)) is not None:
-                for delta in batch:
+            while True:
+                for delta in await _next_batch(queue, request.deadline_s):
+                    if isinstance(delta, ChannelFailure):
+                        finished = delta.actor_failed  # a dead actor runs nothing: no abort to send
+                        if delta.actor_failed:
+                            core.pool.mark_failed(worker_id, delta.reason, delta.incarnation)
+                        else:
+                            logger.error("worker %s failed request %s: %s", worker_id, request.request_id, delta.reason)
+                        raise WorkerFailedError(f"worker {worker_id} failed while serving the request; retry")
                     if delta.finish_reason is FinishReason.ERROR and delta.error_type:
                         finished = True  # the worker ended it (refused or failed); surface the typed error
                         raise ErrorReport.from_delta(delta).to_exception()
                     finished = finished or (delta.finished and delta.sample_index >= request.sampling.n - 1)
                     yield delta
-            if not finished:  # the stream ended without a final delta: the engine aborted it
-                yield RequestDelta(request_id=request.request_id, finished=True, finish_reason=FinishReason.ABORT)
-                finished = True
-        except ray.exceptions.RayActorError as exc:
-            core.pool.mark_failed(worker_id, type(exc).__name__)
-            raise WorkerFailedError(f"worker {worker_id} failed while serving the request; retry") from None
-        except ray.exceptions.RayTaskError as exc:
-            logger.error("worker %s stream raised: %s", worker_id, exc)
-            raise WorkerFailedError(f"worker {worker_id} failed while serving the request; retry") from None
+                if finished:
+                    return
         finally:
-            if not finished:
-                _abort_on_worker(stream, handle, request.request_id)
+            channels.unsubscribe(worker_id, request.request_id)
+            submitted.cancel()
+            if not finished:  # client gone, deadline, error: the engine must stop and free its blocks
+                _abort_on_worker(core.pool.handle(worker_id), request.request_id)
 
 
-def _abort_on_worker(stream, handle, worker_request_id: str) -> None:
-    """Cancel the Ray stream (the actor's generator closes, aborting the engine request) and,
-    in case the cancel races the task's start, ask the engine to abort by id as well."""
-    import ray
-
-    try:
-        ray.cancel(stream)
-    except Exception as exc:  # already finished or the actor is gone: nothing left to stop
-        logger.debug("cancel of %s: %s", worker_request_id, exc)
+def _abort_on_worker(handle, worker_request_id: str) -> None:
     try:
         handle.abort.remote(worker_request_id)
-    except Exception as exc:
+    except Exception as exc:  # the actor is gone: nothing left to stop
         logger.debug("abort of %s: %s", worker_request_id, exc)
 
 
-async def _next_batch(batches, deadline_s: float | None) -> list[RequestDelta] | None:
-    """The worker stream's next batch of deltas (None at its end), DeadlineExceededError at
-    `deadline_s`. One timer around both awaits (the next ref, then its value): this runs once
-    per message, and asyncio.wait_for's task per await cost the router measurable CPU."""
+async def _next_batch(queue: asyncio.Queue, deadline_s: float | None) -> list:
+    """Everything on the request's queue (at least one item: deltas, or a ChannelFailure),
+    DeadlineExceededError at `deadline_s`. One timer per wait, not asyncio.wait_for's task:
+    this runs once per message."""
     try:
         if deadline_s is None:
-            return await (await batches.__anext__())
-        async with asyncio.timeout(max(0.0, deadline_s - time.time())):
-            return await (await batches.__anext__())
-    except StopAsyncIteration:
-        return None
+            batch = [await queue.get()]
+        else:
+            async with asyncio.timeout(max(0.0, deadline_s - time.time())):
+                batch = [await queue.get()]
     except TimeoutError:
         raise DeadlineExceededError("the request's deadline passed") from None
+    while not queue.empty():
+        batch.append(queue.get_nowait())
+    return batch
