@@ -53,6 +53,7 @@ class StreamRun:
     wall_s: float
     stack_cores: float  # mean cores of stack CPU over the window
     ttft_p50_s: float
+    account: process_cpu.CpuAccount
 
     @property
     def tokens_per_s(self) -> float:
@@ -108,7 +109,7 @@ async def run_streams(client: Client, streams: int, tokens: int) -> StreamRun:
     wall_s = time.perf_counter() - t0
     account = process_cpu.account(before, process_cpu.snapshot())
     return StreamRun(streams, sum(r[0] for r in results), sum(r[1] for r in results), wall_s,
-                     stack_cores(account), statistics.median(r[2] for r in results))
+                     stack_cores(account), statistics.median(r[2] for r in results), account)
 
 
 async def run_short(client: Client, num_requests: int, in_flight: int = 64) -> tuple[float, float]:
@@ -159,7 +160,7 @@ async def run_one_cluster(args, replicas: int) -> list[str]:
                          f"{run.tokens_per_stack_core_s:9.0f} tok/s per stack core "
                          f"({1e6 / run.tokens_per_stack_core_s:6.1f} us a token), stack {run.stack_cores:.2f} cores, "
                          f"{run.tokens / max(1, run.messages):.2f} tokens a message, TTFT P50 {run.ttft_p50_s * 1e3:.1f} ms")
-            print(lines[-1], flush=True)
+            print(lines[-1] + "\n    " + run.account.summary(), flush=True)
         rps, rps_core = await run_short(client, args.short)
         lines.append(f"replicas {replicas}  short requests: {rps:.0f} req/s, {rps_core:.0f} req/s per stack core")
         print(lines[-1], flush=True)
