@@ -286,12 +286,19 @@ class RouterConfig:
     # (router/grpc_ingress.py), so they must run where clients reach that port (the Helm
     # chart advertises it on the head, which its Service targets). None = anywhere.
     replica_resource: str | None = None
+    # Messages a router replica writes to its clients a second, over all its streams: after a
+    # message a stream waits its share (in-flight streams / this, at most 1 s) and what its
+    # worker sent meanwhile goes out merged, so under load a message carries several tokens and
+    # the stack's CPU a token falls (vLLM's and SGLang's stream interval, sized by load). The
+    # first token and the final message never wait. 0 = a message per delta a worker sends.
+    stream_messages_per_s: float = 2000.0
 
     def validate(self) -> None:
         _one_of("router.policy", self.policy, ("prefix_aware", "least_loaded", "round_robin"))
         _check(1 <= self.grpc_port <= 65535 or self.grpc_port == 0, "router.grpc_port out of range")
         _check(1 <= self.http_port <= 65535 or self.http_port == 0, "router.http_port out of range")
         _check(self.num_replicas >= 1, "router.num_replicas must be >= 1")
+        _check(self.stream_messages_per_s >= 0, "router.stream_messages_per_s must be >= 0")
         _check(self.imbalance_ratio >= 1.0, "router.imbalance_ratio must be >= 1")
         _check(self.imbalance_abs_tokens >= 0, "router.imbalance_abs_tokens must be >= 0")
         _check(self.max_queue_len >= 0, "router.max_queue_len must be >= 0")

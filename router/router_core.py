@@ -59,7 +59,7 @@ from kvmesh.router.worker_channels import ChannelFailure, WorkerChannels
 from kvmesh.router.worker_pool import WorkerPool
 from kvmesh.worker.public_api import render_chat
 from kvmesh.core.seams import (ErrorReport, FinishReason, GenerateRequest, RequestDelta, SamplingParams, WorkerStats,
-                               check_fits_context)
+                               check_fits_context, merge_deltas)
 from kvmesh.core.errors import (
     DeadlineExceededError,
     DeadlineUnmeetableError,
@@ -75,6 +75,7 @@ logger = logging.getLogger(__name__)
 
 # GetStats reads every worker's figures live; one slower than this is shown as last polled.
 LIVE_STATS_TIMEOUT_S = 1.0
+MAX_STREAM_PACE_S = 1.0  # a paced stream still gets a message at least this often
 
 
 @dataclass(frozen=True)
@@ -394,6 +395,11 @@ class RouterCore:
             return info.max_model_len
         return self.config.model.max_model_len
 
+    def stream_pace_s(self) -> float:
+        """How long a stream waits after a message: its share of router.stream_messages_per_s."""
+        budget = self.config.router.stream_messages_per_s
+        return 0.0 if budget <= 0 else min(MAX_STREAM_PACE_S, self.in_flight / budget)
+
     def cluster_view(self) -> ClusterView:
         """As of the last polls (cheap: /health, metrics)."""
         workers = tuple(self.pool.stats_for_routing())
@@ -590,12 +596,12 @@ class RequestStream:
         the deadline enforced; always leaves the worker with nothing running for this request."""
         core, worker_id, request = self._core, self.worker_id, self._request
         channels = core.channels
-        queue = channels.subscribe(worker_id, request.request_id)
+        subscription = channels.subscribe(worker_id, request.request_id)
         submitted = channels.submit(worker_id, request)
         finished = False
         try:
             while True:
-                for delta in await _next_batch(queue, request.deadline_s):
+                for delta in _merged(await _next_batch(subscription.queue, request.deadline_s)):
                     if isinstance(delta, ChannelFailure):
                         finished = delta.actor_failed  # a dead actor runs nothing: no abort to send
                         if delta.actor_failed:
@@ -610,11 +616,40 @@ class RequestStream:
                     yield delta
                 if finished:
                     return
+                await _pace(subscription, core.stream_pace_s(), request.deadline_s)
         finally:
             channels.unsubscribe(worker_id, request.request_id)
             submitted.cancel()
             if not finished:  # client gone, deadline, error: the engine must stop and free its blocks
                 _abort_on_worker(core.pool.handle(worker_id), request.request_id)
+
+
+def _merged(items: list) -> list:
+    """Consecutive deltas of a sample as one (what a paced wait let pile up); a ChannelFailure
+    stays where it is."""
+    out: list = []
+    run: list[RequestDelta] = []
+    for item in items:
+        if isinstance(item, RequestDelta):
+            run.append(item)
+            continue
+        out += merge_deltas(run) + [item]
+        run = []
+    return out + merge_deltas(run)
+
+
+async def _pace(subscription, pace_s: float, deadline_s: float | None) -> None:
+    """Wait a stream's share of the replica's message budget before its next message, unless
+    its last delta (or a failure) is already queued; the deadline is left to _next_batch."""
+    if pace_s <= 0 or subscription.ended.is_set():
+        return
+    if deadline_s is not None:
+        pace_s = min(pace_s, max(0.0, deadline_s - time.time()))
+    try:  # a timer, not wait_for's task: this runs once per message
+        async with asyncio.timeout(pace_s):
+            await subscription.ended.wait()
+    except TimeoutError:
+        pass
 
 
 def _abort_on_worker(handle, worker_request_id: str) -> None:

@@ -52,10 +52,20 @@ class ChannelFailure:
 
 
 @dataclass
-class _Subscription:
+class Subscription:
+    """One request's end of its worker's channel: its deltas (and a ChannelFailure) on `queue`;
+    `ended` is set once the last of them is queued (a final, error or failure): a paced
+    stream stops waiting then (router/router_core.py)."""
+
     queue: asyncio.Queue
+    ended: asyncio.Event
     # The incarnation that accepted the request (its submit's answer); None until then.
     incarnation: str | None = None
+
+    def put(self, item) -> None:
+        self.queue.put_nowait(item)
+        if not isinstance(item, RequestDelta) or item.finished or item.error_type:
+            self.ended.set()
 
 
 class WorkerChannels:
@@ -64,19 +74,19 @@ class WorkerChannels:
     def __init__(self, pool: WorkerPool, replica_id: str | None = None):
         self._pool = pool
         self.replica_id = replica_id or uuid.uuid4().hex
-        self._subs: dict[str, dict[str, _Subscription]] = {}  # worker id -> request id -> its subscription
+        self._subs: dict[str, dict[str, Subscription]] = {}  # worker id -> request id -> its subscription
         self._readers: dict[str, asyncio.Task] = {}
         self._pending_submits: set[asyncio.Task] = set()
         self._dead: dict[str, set[str]] = {}  # worker id -> incarnations whose channel broke
 
-    def subscribe(self, worker_id: str, request_id: str) -> asyncio.Queue:
-        """The queue that `request_id`'s deltas (and a ChannelFailure) arrive on from now on."""
+    def subscribe(self, worker_id: str, request_id: str) -> Subscription:
+        """Where `request_id`'s deltas (and a ChannelFailure) arrive from now on."""
         if worker_id not in self._readers:
             self._subs[worker_id] = {}
             self._readers[worker_id] = asyncio.get_running_loop().create_task(self._read(worker_id))
-        sub = _Subscription(asyncio.Queue())
+        sub = Subscription(asyncio.Queue(), asyncio.Event())
         self._subs[worker_id][request_id] = sub
-        return sub.queue
+        return sub
 
     def unsubscribe(self, worker_id: str, request_id: str) -> None:
         self._subs.get(worker_id, {}).pop(request_id, None)
@@ -97,23 +107,23 @@ class WorkerChannels:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._readers.clear()
 
-    async def _await_submit(self, worker_id: str, ref, sub: _Subscription) -> None:
+    async def _await_submit(self, worker_id: str, ref, sub: Subscription) -> None:
         import ray.exceptions
 
         try:
             answer: str | RequestDelta = await ref
         except ray.exceptions.RayActorError as exc:
-            sub.queue.put_nowait(ChannelFailure(type(exc).__name__, actor_failed=True))
+            sub.put(ChannelFailure(type(exc).__name__, actor_failed=True))
         except ray.exceptions.RayError as exc:
             logger.error("submit to worker %s raised: %s", worker_id, exc)
-            sub.queue.put_nowait(ChannelFailure(type(exc).__name__, actor_failed=False))
+            sub.put(ChannelFailure(type(exc).__name__, actor_failed=False))
         else:
             if isinstance(answer, str):  # accepted by this incarnation
                 sub.incarnation = answer
                 if answer in self._dead.get(worker_id, ()):  # whose channel broke before this answer was read
-                    sub.queue.put_nowait(ChannelFailure("worker failed", True, answer))
+                    sub.put(ChannelFailure("worker failed", True, answer))
             else:
-                sub.queue.put_nowait(answer)
+                sub.put(answer)
 
     async def _read(self, worker_id: str) -> None:
         """Keep the worker's channel open, fanning each message out to its requests' queues.
@@ -144,7 +154,7 @@ class WorkerChannels:
                     for delta in batch:
                         sub = subs.get(delta.request_id)
                         if sub is not None:
-                            sub.queue.put_nowait(delta)
+                            sub.put(delta)
             except asyncio.CancelledError:
                 _cancel_quietly(stream)
                 raise
@@ -163,7 +173,7 @@ class WorkerChannels:
     def _fail_where(self, worker_id: str, incarnation_matches, failure: ChannelFailure) -> None:
         for sub in self._subs[worker_id].values():
             if incarnation_matches(sub.incarnation):
-                sub.queue.put_nowait(failure)
+                sub.put(failure)
 
 
 def _cancel_quietly(stream) -> None:

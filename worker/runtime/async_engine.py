@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import queue
 import threading
@@ -51,7 +50,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvmesh.core.config import KvmeshConfig
-from kvmesh.core.seams import GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats
+from kvmesh.core.seams import GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats, merge_deltas
 from kvmesh.worker.engine_loop.engine import Engine
 from kvmesh.core.errors import InvalidRequestError, KvmeshError
 from kvmesh.worker.engine_loop.scheduler import SchedulerStats
@@ -316,19 +315,3 @@ def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(exc)
-
-
-def merge_deltas(batch: list[RequestDelta]) -> list[RequestDelta]:
-    """Consecutive deltas of one sample as one delta (text, token ids and logprobs joined, the
-    later delta's other fields); an error delta stays apart and nothing joins a final one."""
-    merged: list[RequestDelta] = []
-    for delta in batch:
-        last = merged[-1] if merged else None
-        if (last is None or last.finished or last.sample_index != delta.sample_index or delta.error_type
-                or (last.logprobs is None) != (delta.logprobs is None)):
-            merged.append(delta)
-            continue
-        logprobs = None if delta.logprobs is None else last.logprobs + delta.logprobs
-        merged[-1] = dataclasses.replace(delta, text=last.text + delta.text, token_ids=last.token_ids + delta.token_ids,
-                                         logprobs=logprobs)
-    return merged

@@ -27,8 +27,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from kvmesh.core.seams import RequestDelta
-from kvmesh.worker.runtime.async_engine import merge_deltas
+from kvmesh.core.seams import RequestDelta, merge_deltas
 
 
 class DeltaChannel:
