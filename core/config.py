@@ -219,6 +219,10 @@ class ParallelConfig:
     # at start for batch buckets up to the one holding scheduler.max_num_seqs (worker/
     # cuda_graphs.py); false, or a capture failure, runs decode eagerly. No effect on CPU.
     cuda_graphs: bool = True
+    # How long an engine's start waits for its placement group (one bundle per TP rank on one
+    # node, worker/parallel/placement.py) before failing with the missing resource named;
+    # raise it where an autoscaler adds nodes on demand.
+    placement_timeout_s: float = 15.0
 
     def engine_threads(self) -> int:
         """Threads a CPU worker rank runs its engine on (cpu_threads, else its CPU share)."""
@@ -226,6 +230,7 @@ class ParallelConfig:
 
     def validate(self) -> None:
         _check(self.num_workers >= 1, "parallel.num_workers must be >= 1")
+        _check(self.placement_timeout_s > 0, "parallel.placement_timeout_s must be > 0")
         _check(self.tensor_parallel_size >= 1, "parallel.tensor_parallel_size must be >= 1")
         _one_of("parallel.device", self.device, ("auto", "cpu", "cuda"))
         _one_of("parallel.attention_backend", self.attention_backend, ("auto", "torch", "cpu", "triton"))
@@ -244,6 +249,30 @@ class QuantConfig:
     def validate(self) -> None:
         _one_of("quant.weight", self.weight, ("none", "int8", "int4", "int4_awq"))
         _one_of("quant.group_size", self.group_size, (32, 64, 128))
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """Transport security of the router's gRPC and HTTP edges (router/tls.py). PEM files,
+    e.g. a Kubernetes Secret of type kubernetes.io/tls mounted read-only (the chart's
+    `tls.secretName`); re-read when they change, so a rotated certificate serves new
+    connections without a restart. No cert_file = plaintext."""
+
+    cert_file: str | None = None  # server certificate chain
+    key_file: str | None = None  # its private key
+    # Set = mutual TLS: clients must present a certificate signed by one of these CAs.
+    client_ca_file: str | None = None
+    reload_check_s: float = 30.0  # how often the files are checked for a rotation
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
+
+    def validate(self) -> None:
+        _check((self.cert_file is None) == (self.key_file is None),
+               "router.tls.cert_file and router.tls.key_file go together")
+        _check(self.client_ca_file is None or self.enabled, "router.tls.client_ca_file needs cert_file and key_file")
+        _check(self.reload_check_s > 0, "router.tls.reload_check_s must be > 0")
 
 
 @dataclass(frozen=True)
@@ -292,8 +321,10 @@ class RouterConfig:
     # the stack's CPU a token falls (vLLM's and SGLang's stream interval, sized by load). The
     # first token and the final message never wait. 0 = a message per delta a worker sends.
     stream_messages_per_s: float = 2000.0
+    tls: TlsConfig = field(default_factory=TlsConfig)
 
     def validate(self) -> None:
+        self.tls.validate()
         _one_of("router.policy", self.policy, ("prefix_aware", "least_loaded", "round_robin"))
         _check(1 <= self.grpc_port <= 65535 or self.grpc_port == 0, "router.grpc_port out of range")
         _check(1 <= self.http_port <= 65535 or self.http_port == 0, "router.http_port out of range")
@@ -542,3 +573,37 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         _check(isinstance(value, str), f"{where}: expected a string, got {value!r}")
         return value
     return value
+
+
+# ---- `--set section.field=value` onto the same fields ---------------------------------
+
+
+def apply_overrides(config: KvmeshConfig, overrides: typing.Sequence[str]) -> KvmeshConfig:
+    """Apply ``section.field=value`` overrides (value parsed as YAML: 8, 0.5, true, null, [..]).
+
+    The flag names are the config's own dotted field names, so the CLI cannot drift from the
+    config file or the Helm values: ``--set scheduler.max_num_seqs=32``.
+    """
+    data = config.to_dict()
+    for item in overrides:
+        path, value = _parse_override(item)
+        section, name = path
+        if section not in data:
+            raise ConfigError(f"--set {item!r}: unknown section {section!r}; known: {sorted(data)}")
+        if name not in data[section]:
+            raise ConfigError(f"--set {item!r}: unknown field {name!r} in {section}; "
+                              f"known: {sorted(data[section])}")
+        data[section][name] = value
+    return KvmeshConfig.from_dict(data)
+
+
+def _parse_override(item: str) -> tuple[tuple[str, str], Any]:
+    key, sep, raw = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set expects section.field=value, got {item!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {item!r}: value is not valid YAML: {exc}") from None
+    return (parts[0], parts[1]), value

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.core import errors
@@ -233,9 +233,24 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Usage:
+    """One sample's figures, on its final delta: with n > 1 each sample reports its own
+    completion_tokens (and the request's prompt); `request_usage` adds them up for the
+    request (what OpenAI's response `usage` and the tenant's quota count)."""
+
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+def request_usage(sample_usages: Sequence[Usage]) -> Usage | None:
+    """The whole request's usage from its samples' final usages: the prompt once, the
+    completions summed. cached_tokens is the smallest sample's: the prompt's own cache hit,
+    before later samples forked from the first one's prompt blocks."""
+    if not sample_usages:
+        return None
+    return Usage(prompt_tokens=sample_usages[0].prompt_tokens,
+                 completion_tokens=sum(u.completion_tokens for u in sample_usages),
+                 cached_tokens=min(u.cached_tokens for u in sample_usages))
 
 
 @dataclass(frozen=True)

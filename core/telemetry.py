@@ -337,7 +337,7 @@ FILL_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0
 
 
 @dataclass(frozen=True)
-class ModelInfo:
+class ModelInfoLabels:
     """The labels of kvmesh_model_info: what this worker actually serves (dtypes resolved)."""
 
     model: str
@@ -348,7 +348,7 @@ class ModelInfo:
     version: str  # the kvmesh package version
 
     @classmethod
-    def of_engine(cls, engine, config: KvmeshConfig) -> "ModelInfo":
+    def of_engine(cls, engine, config: KvmeshConfig) -> "ModelInfoLabels":
         from importlib.metadata import PackageNotFoundError, version
 
         try:
@@ -423,8 +423,8 @@ class EngineMetrics:
     `observe_step_report` is a StepPhaseClock observer (engine step thread); `snapshot` reads
     the memory probes (actor event loop). prometheus_client is thread-safe."""
 
-    def __init__(self, worker_id: str = "", model_info: ModelInfo | None = None, device=None,
-                 tensor_bytes: int = 0, kv_pool_bytes: int = 0):
+    def __init__(self, worker_id: str = "", model_info: ModelInfoLabels | None = None, device=None,
+                 tensor_bytes: int = 0, kv_pool_bytes: int = 0, planned_bytes: dict[str, int] | None = None):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         r = self._registry = CollectorRegistry(auto_describe=True)
@@ -459,6 +459,13 @@ class EngineMetrics:
         self.kv_pool_bytes = Gauge(METRICS_PREFIX + "kv_pool_bytes", "Bytes of the KV block pool (all layers).",
                                    w, registry=r)
         self.kv_pool_bytes.labels(worker_id).set(kv_pool_bytes)
+        self.planned_bytes = Gauge(METRICS_PREFIX + "memory_planned_bytes",
+                                   "The engine's memory plan by part (weights, draft weights, activations, CUDA "
+                                   "graphs, sampler, runtime, KV pool, draft KV pool): every device allocation "
+                                   "counted before the KV pool was sized (kv/device_plan.py).",
+                                   [*w, "part"], registry=r)
+        for part, nbytes in (planned_bytes or {}).items():
+            self.planned_bytes.labels(worker_id, part).set(nbytes)
         self.kv_tokens_peak = Gauge(METRICS_PREFIX + "kv_tokens_peak",
                                     "Most KV tokens held at once over the scheduler's stats window.", w, registry=r)
         self.kv_tokens_mean = Gauge(METRICS_PREFIX + "kv_tokens_mean",

@@ -49,6 +49,12 @@ def register(subparsers) -> None:
                      help="share of the device the plan may use (vLLM's gpu_memory_utilization). "
                           "1.0 = the articles' rough plan, margin in --reserved-gib only; "
                           "their production advice is <= 0.8")
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative", choices=("none", "self_draft"), default="none",
+                      help="self_draft: the worker also holds an int8/int4 copy of the weights and a draft KV "
+                           "pool of as many blocks as the target's (both counted in the device split)")
+    spec.add_argument("--draft-weight-dtype", choices=("int8", "int4"), default="int8",
+                      help="the self-draft's weights (speculative.draft_quant)")
     p.add_argument("--context", type=int, default=4096, help="context length per request, tokens")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -66,14 +72,45 @@ def run(args: argparse.Namespace) -> int:
         plan = capacity.plan_capacity(shape, budget, kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype,
                                       group_size=args.group_size, context_tokens=args.context,
                                       block_size=args.block_size)
+        split = device_split(args, shape, plan, capacity)
     except ConfigError as exc:
         print(f"kvmesh capacity: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.json:
-        print(json.dumps({"model": _shape_dict(shape), "plan": plan.to_dict()}, indent=2))
+        print(json.dumps({"model": _shape_dict(shape), "plan": plan.to_dict(), "device_split": split.split(),
+                          "device_split_blocks": {"kv_pool": split.num_blocks,
+                                                  "draft_kv_pool": split.num_draft_blocks}}, indent=2))
     else:
         print(format_plan(shape, plan, capacity.GIB))
+        print(format_split(split, capacity.GIB))
     return 0
+
+
+def device_split(args: argparse.Namespace, shape, plan, capacity):
+    """The device plan by part, as a worker's kvmesh_memory_planned_bytes{part} shows it
+    (kv/device_plan.py): --reserved-gib stands for runtime + activations + graphs + sampler,
+    which only a running worker measures. With a self-draft both KV pools share the budget."""
+    from kvmesh.kv.device_plan import DeviceParts, plan_device
+
+    draft_weights, draft_per_block = 0, 0
+    if args.speculative == "self_draft":
+        draft_weights = capacity.estimate_weight_bytes(shape, args.draft_weight_dtype, args.group_size).total_bytes
+        draft_per_block = args.block_size * capacity.kv_bytes_per_token(shape.num_layers, shape.num_kv_heads,
+                                                                        shape.head_dim, "fp16")
+    parts = DeviceParts(runtime_bytes=int(args.reserved_gib * capacity.GIB), weight_bytes=plan.weight_bytes,
+                        draft_weight_bytes=draft_weights)
+    return plan_device(int(args.device_gib * args.utilization * capacity.GIB), parts,
+                       args.block_size * plan.kv_bytes_per_token, draft_kv_bytes_per_block=draft_per_block)
+
+
+def format_split(split, gib: int) -> str:
+    names = {"runtime": "reserved (runtime, activations, graphs, sampler)", "kv_pool": "KV pool",
+             "draft_kv_pool": "draft KV pool", "draft_weights": "draft weights"}
+    rows = [(names.get(part, part), f"{nbytes / gib:.3f} GiB") for part, nbytes in split.split().items() if nbytes]
+    rows.append(("sum / budget", f"{split.total_bytes / gib:.3f} / {split.budget_bytes / gib:.3f} GiB"))
+    width = max(len(k) for k, _ in rows)
+    return "device split (a worker's kvmesh_memory_planned_bytes):\n" + "\n".join(
+        f"  {k:<{width}}  {v}" for k, v in rows)
 
 
 def _shape_from_args(args: argparse.Namespace, capacity):

@@ -47,17 +47,23 @@ def _sampling(args):
 
 
 def run(args) -> int:
-    from kvmesh.core.config import ConfigError, KvmeshConfig
-    from kvmesh.core.seams import FinishReason, GenerateRequest
-    from kvmesh.worker.engine_loop.engine import Engine
-    from kvmesh.core.errors import KvmeshError
-    from kvmesh.worker.model.tokenizer import render_chat
-
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if getattr(args, "server", None):
+        # A client of a running server: the gRPC client only, never torch or the engine
+        # (tests/test_cli_client_imports.py).
         from kvmesh.deploy.cmd_chat import run_remote_generate
 
         return run_remote_generate(args.server, prompt, _sampling(args), args.chat, args.system)
+    return _run_in_process(args, prompt)
+
+
+def _run_in_process(args, prompt: str) -> int:
+    from kvmesh.core.config import ConfigError, KvmeshConfig
+    from kvmesh.core.errors import KvmeshError
+    from kvmesh.core.seams import FinishReason, GenerateRequest
+    from kvmesh.worker.engine_loop.engine import Engine
+    from kvmesh.worker.model.tokenizer import render_chat
+
     try:
         config = KvmeshConfig.from_dict({"model": {"path": args.model, "dtype": args.dtype},
                                          "parallel": {"device": args.device},

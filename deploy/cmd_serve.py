@@ -14,42 +14,19 @@ Ctrl-C / SIGTERM, then deletes the application and kills the detached worker act
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
 import threading
 
-from kvmesh.core.config import ConfigError, KvmeshConfig
+from kvmesh.core.config import ConfigError, KvmeshConfig, apply_overrides
+from kvmesh.router.launch import machine_topology, start_serving, stop_serving
 
 # Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
 # (and `--help` answers) without loading torch, Ray or transformers.
 
-logger = logging.getLogger(__name__)
 
-# `kvmesh serve` with no config and no --workers fits the machine (`machine_topology`): the
-# engines' lockstep threads want whole cores, and the stack's share of a core is small once
-# tokens travel one message per step (docs/deploy.md). Any other count left without
-# parallel.worker_num_cpus gets a share derived from the CPUs Ray sees (core/resources.py).
-SMALL_MACHINE_CPUS = 4  # up to this many cores: one worker with a thread on every core
-THREADS_PER_WORKER = 4  # larger machines: workers of this many threads, one core left to the stack
 EXIT_CONFIG_ERROR = 2
-
-
-def machine_topology(num_cpus: int) -> tuple[int, int]:
-    """(workers, engine threads per worker) for a machine of `num_cpus` cores.
-
-        2 cores -> 1 x 2   4 -> 1 x 4   8 -> 1 x 7   9 -> 2 x 4   16 -> 3 x 5
-
-    Small machines: one worker with every core. Two 1-thread workers on 2 cores measured
-    0.72x of one 2-thread engine without any stack (docs/benchmarks.md): each engine's batch
-    is half as large and the weights are read twice. Larger: one core left to the router,
-    Serve and Ray; workers of at least THREADS_PER_WORKER threads share the rest evenly."""
-    if num_cpus <= SMALL_MACHINE_CPUS:
-        return 1, max(1, num_cpus)
-    engine_cpus = num_cpus - 1
-    workers = max(1, engine_cpus // THREADS_PER_WORKER)
-    return workers, engine_cpus // workers
 
 
 def register(subparsers) -> None:
@@ -74,11 +51,9 @@ def register(subparsers) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> KvmeshConfig:
-    from kvmesh.deploy.serve_config import apply_overrides
-
     config = KvmeshConfig.from_yaml(args.config) if args.config else KvmeshConfig()
     data = config.to_dict()
-    if not args.config and args.workers is None:
+    if not args.config and args.workers is None:  # the local defaults (router/launch.py)
         workers, threads = machine_topology(os.cpu_count() or 1)
         data["parallel"].update(num_workers=workers, cpu_threads=threads)
     flag_fields = {("model", "path"): args.model, ("parallel", "num_workers"): args.workers,
@@ -90,54 +65,6 @@ def config_from_args(args: argparse.Namespace) -> KvmeshConfig:
         if value is not None:
             data[section][name] = value
     return apply_overrides(KvmeshConfig.from_dict(data), args.overrides)
-
-
-def set_local_ray_env() -> None:
-    """Process plumbing for a local Ray that `kvmesh serve` (or a bench standing in for it)
-    starts: no auth on a private cluster, and Ray's workers at nice 0. Ray starts them at 15,
-    below GCS, raylet and the client, and the engines then lose their cores to every wake-up
-    of those; at 0 they are level with them and above the router replica, which renices
-    itself (router/app.py)."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_worker_niceness", "0")
-
-
-def start_serving(config: KvmeshConfig, app_name: str = "kvmesh", address: str | None = None) -> None:
-    """Init Ray (local unless `address`), start Serve's proxies and deploy the app; returns
-    once the router replicas are up (they wait for the workers' models to load)."""
-    import ray
-    from ray import serve
-    from ray.serve.config import HTTPOptions
-
-    from kvmesh.core.resources import resolve_worker_num_cpus
-    from kvmesh.router.app import build_router_app, router_num_cpus
-
-    if not ray.is_initialized():
-        if address is None:
-            set_local_ray_env()
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
-    # Every worker must be placeable, or it waits for CPUs forever with the cluster half up.
-    config = resolve_worker_num_cpus(config, ray.cluster_resources().get("CPU", 0.0), router_num_cpus(config))
-    router = config.router
-    # No Serve gRPC proxy: the router replicas serve kvmesh.v1 on router.grpc_port themselves.
-    serve.start(http_options=HTTPOptions(host=router.host, port=router.http_port))
-    serve.run(build_router_app(config), name=app_name, route_prefix="/")
-
-
-def stop_serving(config: KvmeshConfig, app_name: str = "kvmesh") -> None:
-    """Delete the app, kill its detached workers, stop Serve (best effort, in that order)."""
-    from ray import serve
-
-    from kvmesh.worker.runtime.actor import kill_workers
-
-    for step, action in (("delete app", lambda: serve.delete(app_name)),
-                         ("kill workers", lambda: kill_workers(config, app_name)),
-                         ("kill fallback workers", lambda: _kill_fallback_workers(config, app_name)),
-                         ("shutdown serve", serve.shutdown)):
-        try:
-            action()
-        except Exception as exc:
-            logger.warning("shutdown step %r failed: %s", step, exc)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -176,12 +103,3 @@ def run(args: argparse.Namespace) -> int:
 
         ray.shutdown()
     return 0
-
-
-def _kill_fallback_workers(config: KvmeshConfig, app_name: str) -> None:
-    from kvmesh.router.degradation import fallback_app_name, fallback_pool_config
-    from kvmesh.worker.runtime.actor import kill_workers
-
-    fallback = fallback_pool_config(config)
-    if fallback is not None:
-        kill_workers(fallback, fallback_app_name(app_name))

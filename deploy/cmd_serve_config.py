@@ -60,9 +60,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _render(args: argparse.Namespace) -> str:
-    from kvmesh.core.config import KvmeshConfig
-    from kvmesh.deploy.serve_config import (ServeOptions, apply_overrides, build_serve_config,
-                                            serve_config_yaml)
+    from kvmesh.core.config import KvmeshConfig, apply_overrides
+    from kvmesh.deploy.serve_config import ServeOptions, build_serve_config, serve_config_yaml
 
     config = _load_config(args.config) if args.config else KvmeshConfig()
     config = apply_overrides(config, args.overrides)

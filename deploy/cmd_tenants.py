@@ -5,11 +5,18 @@
     kvmesh tenants set acme --max-tokens 1024 --prompt-tpm none --add-key
     kvmesh tenants list [--json]
     kvmesh tenants remove acme
+    kvmesh tenants export --out tenants-backup.yaml   # every record, key hashes included
+    kvmesh tenants import tenants-backup.yaml         # write them into this store
 
 Where records go: Redis (`--redis-url`, or `tenants.redis_url` of `--config`), shared by all
 router replicas; else the YAML file (`--file`, or `tenants.tenants_file` of `--config`, or
 ./kvmesh-tenants.yaml). Routers pick changes up within `tenants.tenant_refresh_s`.
 Exit codes: 0 done, 1 no such tenant / already exists, 2 bad input.
+
+Export/import is the registry's backup and restore path (the file has the shape of
+`tenants.tenants_file`, so it can also serve as one, or become a Kubernetes Secret): run an
+export after every change, and an import after a Redis that lost its data (routers that
+were running write back what they last read by themselves; router/auth.py).
 """
 
 from __future__ import annotations
@@ -78,6 +85,12 @@ def register(subparsers) -> None:
     listing.add_argument("--json", action="store_true")
     remove = sub.add_parser("remove", help="delete a tenant (its keys stop working)")
     remove.add_argument("tenant_id")
+    export = sub.add_parser("export", help="write every tenant record (key hashes, never keys) as YAML")
+    export.add_argument("--out", help="file to write (mode 0600); default stdout")
+    imp = sub.add_parser("import", help="write the records of an export into this store")
+    imp.add_argument("path", help="a file written by `kvmesh tenants export`")
+    imp.add_argument("--missing-only", action="store_true",
+                     help="keep records the store already has (default: the file's version wins)")
     p.set_defaults(func=run)
 
 
@@ -122,6 +135,8 @@ async def _run(args: argparse.Namespace, store) -> int:
     from kvmesh.router.tenants import Tenant, generate_api_key, hash_api_key
 
     action = args.tenants_command
+    if action in ("export", "import"):
+        return await _export_or_import(args, store)
     if action == "list":
         tenants = sorted(await store.list(), key=lambda t: t.id)
         if args.json:
@@ -154,6 +169,32 @@ async def _run(args: argparse.Namespace, store) -> int:
     print(f"{'added' if action == 'add' else 'updated'} tenant {_line(tenant)}")
     if new_key is not None:
         print(f"API key (shown once, store it now): {new_key}")
+    return 0
+
+
+async def _export_or_import(args: argparse.Namespace, store) -> int:
+    from kvmesh.router.tenants import YamlTenantStore
+
+    if args.tenants_command == "export":
+        tenants = sorted(await store.list(), key=lambda t: t.id)
+        if args.out:
+            YamlTenantStore(args.out).write_all(tenants)
+            print(f"exported {len(tenants)} tenants to {args.out}")
+        else:
+            print(YamlTenantStore.render(tenants), end="")
+        return 0
+    source = YamlTenantStore(args.path)
+    if not source.path.exists():
+        print(f"kvmesh tenants: no file {args.path}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    tenants = await source.list()
+    if args.missing_only:
+        written = await store.restore(tenants)
+    else:
+        for tenant in tenants:
+            await store.put(tenant)
+        written = len(tenants)
+    print(f"imported {written} of {len(tenants)} tenants from {args.path}")
     return 0
 
 

@@ -2,22 +2,27 @@
 compute, memory) plus tenants and routing, every panel a PromQL query over the router's
 merged /metrics (router/metrics.py; docs/observability.md says what each one means).
 
-    python -m kvmesh.deploy.grafana_dashboard          # rewrite both checked-in copies
+    python -m kvmesh.deploy.grafana_dashboard                # rewrite the chart's copy
+    python -m kvmesh.deploy.grafana_dashboard --stdout > kvmesh.json   # for an import by hand
 
-writes the same JSON to helm/kvmesh/dashboards/kvmesh.json (the chart's ConfigMap, picked up
-by Grafana's dashboard sidecar) and deploy/grafana/kvmesh-dashboard.json (import by hand).
-tests/test_helm_chart.py fails when either copy differs from what this module builds.
+One copy is committed: helm/kvmesh/dashboards/kvmesh.json, inside the chart because Helm's
+`.Files.Get` reads only the chart's own folder (the chart's ConfigMap hands it to Grafana's
+dashboard sidecar). An import by hand takes that file or `--stdout` (the same bytes, built
+here, also from an installed package without the repository). tests/test_helm_chart.py fails
+when the chart's copy differs from what this module builds.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 UID = "kvmesh-overview"
 REPO = Path(__file__).resolve().parents[1]
-OUTPUTS = (REPO / "helm" / "kvmesh" / "dashboards" / "kvmesh.json", REPO / "deploy" / "grafana" / "kvmesh-dashboard.json")
+CHART_COPY = REPO / "helm" / "kvmesh" / "dashboards" / "kvmesh.json"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 WINDOW = "$__rate_interval"
 ALERTS_TEMPLATE = REPO / "helm" / "kvmesh" / "templates" / "prometheusrule.yaml"
@@ -184,12 +189,17 @@ def dashboard_json() -> str:
     return json.dumps(build_dashboard(), indent=2) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Write the kvmesh Grafana dashboard (the chart's copy).")
+    parser.add_argument("--stdout", action="store_true", help="print the JSON instead of rewriting the chart's copy")
+    args = parser.parse_args(argv)
     text = dashboard_json()
-    for path in OUTPUTS:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        print(f"wrote {path}")
+    if args.stdout:
+        sys.stdout.write(text)
+        return
+    CHART_COPY.parent.mkdir(parents=True, exist_ok=True)
+    CHART_COPY.write_text(text)
+    print(f"wrote {CHART_COPY}")
 
 
 if __name__ == "__main__":

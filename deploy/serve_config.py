@@ -22,13 +22,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
 from kvmesh.core.config import ConfigError, KvmeshConfig
+from kvmesh.router import tls
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +73,12 @@ def build_serve_config(config: KvmeshConfig, options: ServeOptions = ServeOption
     options.validate()
     serve_config: dict[str, Any] = {
         "proxy_location": options.proxy_location,
-        "http_options": {"host": config.router.host, "port": config.router.http_port},
+        "http_options": {"host": config.router.host, "port": config.router.http_port,
+                         **_tls_field(tls.serve_http_ssl_options, config)},
     }
     servicers = options.servicers()
     if servicers:
+        _tls_field(tls.check_serve_grpc_proxy, config)
         serve_config["grpc_options"] = {"port": config.router.grpc_port, "grpc_servicer_functions": list(servicers)}
     serve_config["applications"] = [{
         "name": options.app_name,
@@ -85,6 +88,14 @@ def build_serve_config(config: KvmeshConfig, options: ServeOptions = ServeOption
     }]
     validate_with_ray_schema(serve_config)
     return serve_config
+
+
+def _tls_field(check, config: KvmeshConfig):
+    """router/tls.py's answer for Serve's proxies, its refusals as ConfigError."""
+    try:
+        return check(config.router.tls)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 class _IndentedListDumper(yaml.SafeDumper):
@@ -182,37 +193,6 @@ def _merge_api_key_hashes(tenants: list[dict], hashes_by_tenant: dict[str, list[
 
 
 # ---- CLI flags onto the same fields -------------------------------------------------
-
-
-def apply_overrides(config: KvmeshConfig, overrides: Sequence[str]) -> KvmeshConfig:
-    """Apply ``section.field=value`` overrides (value parsed as YAML: 8, 0.5, true, null, [..]).
-
-    The flag names are the config's own dotted field names, so the CLI cannot drift from the
-    config file or the Helm values: ``--set scheduler.max_num_seqs=32``.
-    """
-    data = config.to_dict()
-    for item in overrides:
-        path, value = _parse_override(item)
-        section, name = path
-        if section not in data:
-            raise ConfigError(f"--set {item!r}: unknown section {section!r}; known: {sorted(data)}")
-        if name not in data[section]:
-            raise ConfigError(f"--set {item!r}: unknown field {name!r} in {section}; "
-                              f"known: {sorted(data[section])}")
-        data[section][name] = value
-    return KvmeshConfig.from_dict(data)
-
-
-def _parse_override(item: str) -> tuple[tuple[str, str], Any]:
-    key, sep, raw = item.partition("=")
-    parts = key.strip().split(".")
-    if not sep or len(parts) != 2 or not all(parts):
-        raise ConfigError(f"--set expects section.field=value, got {item!r}")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {item!r}: value is not valid YAML: {exc}") from None
-    return (parts[0], parts[1]), value
 
 
 def config_field_paths(config: KvmeshConfig | None = None) -> list[str]:

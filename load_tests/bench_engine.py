@@ -57,7 +57,7 @@ from kvmesh.load_tests.corpus import TokenCorpus
 from kvmesh.load_tests import process_cpu
 from kvmesh.load_tests.workloads import WorkloadRequest, WorkloadSpec, generate_workload
 from kvmesh.core.seams import GenerateRequest, SamplingParams
-from kvmesh.worker.engine_loop.engine import Engine
+from kvmesh.worker.engine_api import Engine
 
 # (name, model.dtype, quant.weight); int8/int4 run their packed CPU kernels on bf16 activations
 FULL_MODES = [("fp32", "fp32", "none"), ("bf16", "bf16", "none"), ("bf16-unpacked", "bf16", "none"),
@@ -99,7 +99,7 @@ AGREEMENT_PROMPTS = [  # fixed, mixed lengths and kinds; 32 greedy tokens each
 
 
 @dataclass
-class RunFigures:
+class EngineRunFigures:
     output_tok_s: float
     e2e_p50_s: float
     e2e_p99_s: float
@@ -112,7 +112,7 @@ class ModeFigures:
     mode: str
     dtype: str
     quant: str
-    seed_run: RunFigures
+    seed_run: EngineRunFigures
     batch1_decode_tok_s: float
     batch64_decode_tok_s: float
     batch64_step_ms: float
@@ -139,10 +139,10 @@ class BenchReport:
     torch_version: str
     model: str
     modes: list[ModeFigures] = field(default_factory=list)
-    hf_static: RunFigures | None = None
-    llama_server: RunFigures | None = None
+    hf_static: EngineRunFigures | None = None
+    llama_server: EngineRunFigures | None = None
     llama_server_batch1_tok_s: float | None = None  # its own decode rate, one request alone
-    served: RunFigures | None = None  # --serve: the same requests through a local `kvmesh serve`
+    served: EngineRunFigures | None = None  # --serve: the same requests through a local `kvmesh serve`
     served_cpu: process_cpu.CpuAccount | None = None  # --serve: the cores each part of the cluster used meanwhile
 
 
@@ -152,8 +152,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[k]
 
 
-def _run_figures(finish_s: list[float], output_tokens: int, wall_s: float) -> RunFigures:
-    return RunFigures(output_tokens / wall_s, percentile(finish_s, 50), percentile(finish_s, 99), wall_s,
+def _run_figures(finish_s: list[float], output_tokens: int, wall_s: float) -> EngineRunFigures:
+    return EngineRunFigures(output_tokens / wall_s, percentile(finish_s, 50), percentile(finish_s, 99), wall_s,
                       output_tokens)
 
 
@@ -181,7 +181,7 @@ def engine_config(model: str | None, dtype: str, quant: str, threads: int, max_n
     })
 
 
-def run_engine_workload(engine: Engine, requests: list[WorkloadRequest]) -> RunFigures:
+def run_engine_workload(engine: Engine, requests: list[WorkloadRequest]) -> EngineRunFigures:
     """Every request added at t=0; E2E of a request = when its final delta comes out."""
     t0 = time.perf_counter()
     for r in requests:
@@ -407,7 +407,7 @@ def hf_agreement(engine: Engine, model: str | None, new_tokens: int = 32,
 
 def _hf_dir(model: str | None) -> str:
     from kvmesh.core.config import ModelConfig
-    from kvmesh.worker.model.loader import ensure_hf_dir
+    from kvmesh.worker.engine_api import ensure_hf_dir
 
     return str(ensure_hf_dir(ModelConfig(path=model) if model else ModelConfig()).hf_dir)
 
@@ -416,7 +416,7 @@ def _hf_dir(model: str | None) -> str:
 
 
 def run_hf_static(model: str | None, requests: list[WorkloadRequest], dtype: torch.dtype, batch_size: int = 8
-                  ) -> RunFigures:
+                  ) -> EngineRunFigures:
     """HF generate in static batches of `batch_size` in request order, left-padded; a request
     finishes at the step where its own output length is reached."""
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
@@ -435,7 +435,7 @@ def run_hf_static(model: str | None, requests: list[WorkloadRequest], dtype: tor
         longest = max(r.output_tokens for r in batch)
         step = [0]
 
-        class _Clock(LogitsProcessor):
+        class _FinishTimer(LogitsProcessor):
             def __call__(self, input_ids, scores):
                 step[0] += 1
                 finish.extend(time.perf_counter() - t0 for r in batch if r.output_tokens == step[0])
@@ -443,13 +443,13 @@ def run_hf_static(model: str | None, requests: list[WorkloadRequest], dtype: tor
 
         with torch.inference_mode():
             ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                         do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([_Clock()]))
+                         do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([_FinishTimer()]))
     return _run_figures(finish, sum(r.output_tokens for r in requests), time.perf_counter() - t0)
 
 
 def run_llama_server(binary: str, gguf: str, requests: list[WorkloadRequest], threads: int,
                      decode_prompt: list[int], decode_tokens: int, slots: int = 8, port: int = 18089,
-                     timeout_s: float = 3600) -> tuple[RunFigures, float]:
+                     timeout_s: float = 3600) -> tuple[EngineRunFigures, float]:
     """llama.cpp's llama-server on loopback with `slots` parallel slots; every request sent
     at t=0 (one client thread each) to /completion with its token ids, greedy, ignore_eos.
     First, its batch-1 decode rate: the decode prompt alone for decode_tokens tokens, the
@@ -506,7 +506,7 @@ def run_llama_server(binary: str, gguf: str, requests: list[WorkloadRequest], th
 
 
 def run_served(model: str | None, requests: list[WorkloadRequest], warmup: int = 2,
-               overrides: tuple[str, ...] = ()) -> tuple[RunFigures, process_cpu.CpuAccount]:
+               overrides: tuple[str, ...] = ()) -> tuple[EngineRunFigures, process_cpu.CpuAccount]:
     """The same requests through a private local `kvmesh serve` (Ray Serve router + worker
     actors, `kvmesh serve`'s own defaults but for the model path and loopback ports: the
     workers and CPU share it starts without a config; `overrides` as `kvmesh serve --set`)
@@ -515,15 +515,14 @@ def run_served(model: str | None, requests: list[WorkloadRequest], warmup: int =
     returns the figures and the cores each process role used over the timed window."""
     import asyncio
 
-    from kvmesh.deploy.cmd_serve import machine_topology, set_local_ray_env
+    from kvmesh.router.launch import machine_topology, set_local_ray_env
     from kvmesh.load_tests.grpc_target import ClusterTarget
     from kvmesh.load_tests.targets import TargetRequest
 
     config = {"router": {"host": "127.0.0.1"}, **({"model": {"path": model}} if model else {}),
               "parallel": dict(zip(("num_workers", "cpu_threads"), machine_topology(os.cpu_count() or 1)))}
     if overrides:
-        from kvmesh.core.config import KvmeshConfig
-        from kvmesh.deploy.serve_config import apply_overrides
+        from kvmesh.core.config import KvmeshConfig, apply_overrides
 
         config = apply_overrides(KvmeshConfig.from_dict(config), overrides).to_dict()
 
@@ -533,7 +532,7 @@ def run_served(model: str | None, requests: list[WorkloadRequest], warmup: int =
         set_local_ray_env()  # as `kvmesh serve` starts one
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
 
-    async def go() -> tuple[RunFigures, process_cpu.CpuAccount]:
+    async def go() -> tuple[EngineRunFigures, process_cpu.CpuAccount]:
         target = ClusterTarget(config, app_name="kvmesh-bench")
         await target.start()
         try:
@@ -574,7 +573,7 @@ def seed_shaped_requests(tokenizer, num_requests: int, scale: float) -> list[Wor
 
 def run(args) -> BenchReport:
     torch.set_num_threads(args.threads)
-    from kvmesh.worker.model.tokenizer import load_tokenizer
+    from kvmesh.worker.engine_api import load_tokenizer
     from kvmesh.core.config import ModelConfig
 
     tokenizer = load_tokenizer(ModelConfig(path=args.model) if args.model else ModelConfig())
@@ -614,7 +613,7 @@ def run(args) -> BenchReport:
 
 
 def _gguf_path(model: str | None):
-    from kvmesh.worker.model.loader import embedded_gguf_path
+    from kvmesh.worker.engine_api import embedded_gguf_path
 
     if model and model.endswith(".gguf"):
         return model
@@ -624,7 +623,7 @@ def _gguf_path(model: str | None):
 def ratio_lines(report: BenchReport) -> list[str]:
     """The issue's in-run ratios: best mode vs HF static, served vs the in-process engine in
     the dtype the server picks (model.dtype auto)."""
-    from kvmesh.worker.runner.model_setup import cpu_has_native_bf16
+    from kvmesh.worker.engine_api import cpu_has_native_bf16
 
     lines = []
     best = max(report.modes, key=lambda m: m.seed_run.output_tok_s) if report.modes else None

@@ -28,7 +28,7 @@ import torch
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.load_tests.bench_engine import cpu_flags, percentile
-from kvmesh.worker.engine_loop.engine import Engine
+from kvmesh.worker.engine_api import Engine
 
 
 @dataclass(frozen=True)

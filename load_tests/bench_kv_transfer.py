@@ -150,8 +150,7 @@ def run(model: str | None, spec: TransferBenchSpec) -> TransferBenchReport:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
-    from kvmesh.worker.runner.model_setup import resolve_model
-    from kvmesh.worker.runtime.actor import kill_workers, start_workers
+    from kvmesh.worker.engine_api import kill_workers, resolve_model, start_workers
 
     config = _config(model, spec)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)

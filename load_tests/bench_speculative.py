@@ -30,9 +30,8 @@ import torch
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.load_tests.bench_engine import cpu_flags, seed_shaped_requests
-from kvmesh.worker.engine_loop.engine import Engine
+from kvmesh.worker.engine_api import Engine, render_chat
 from kvmesh.worker.runner.model_runner import StepInputs
-from kvmesh.worker.model.tokenizer import render_chat
 
 EDIT_PARAGRAPHS = [
     "Teh quick brown fox jumpd over the lazzy dog while the farmer wachted from the porch. He "

@@ -33,13 +33,13 @@ import ray
 
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import GenerateRequest, SamplingParams
-from kvmesh.deploy.cmd_serve import set_local_ray_env, start_serving, stop_serving
+from kvmesh.router.launch import set_local_ray_env, start_serving, stop_serving
 from kvmesh.load_tests import process_cpu
 from kvmesh.load_tests.grpc_target import free_port
 from kvmesh.load_tests.null_engine import NullEngine, start_null_workers
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc
-from kvmesh.worker.runtime.async_engine import AsyncEngine
+from kvmesh.worker.engine_api import AsyncEngine
 
 APP_NAME = "kvmesh-stack-bench"
 PROMPT_TOKEN_IDS = tuple(range(1, 33))

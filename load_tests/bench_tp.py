@@ -42,7 +42,7 @@ import time
 
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import GenerateRequest, SamplingParams
-from kvmesh.worker.engine_loop.engine import Engine
+from kvmesh.worker.engine_api import Engine
 
 
 def _config(tp: int, vocab_parallel: bool, batch: int, prompt_tokens: int, steps: int) -> KvmeshConfig:

@@ -43,7 +43,7 @@ import yaml
 
 from kvmesh.load_tests.arrivals import ArrivalSpec
 from kvmesh.load_tests.corpus import TokenCorpus
-from kvmesh.load_tests.driver import RequestStream, RetryPolicy, RunDriver
+from kvmesh.load_tests.driver import DriverRetryPolicy, RunDriver, TenantStream
 from kvmesh.load_tests.metrics import SLO, summarize
 from kvmesh.load_tests import peer_targets
 from kvmesh.load_tests.grpc_target import ClusterTarget, GrpcTarget
@@ -52,7 +52,6 @@ from kvmesh.load_tests.workloads import LengthDistribution, WorkloadSpec, genera
 from kvmesh.core.errors import InvalidRequestError
 from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.core.config import ModelConfig
-from kvmesh.worker.model.tokenizer import load_tokenizer
 from kvmesh.load_tests.report import write_reports
 
 logger = logging.getLogger(__name__)
@@ -80,7 +79,7 @@ class RunPlan:
     target_options: dict
     config: dict  # KvmeshConfig overrides as a plain dict
     streams: tuple[StreamPlan, ...]
-    retry: RetryPolicy
+    retry: DriverRetryPolicy
     slo: SLO
     warmup_requests: int = 1
     sample_interval_s: float = 0.5
@@ -177,7 +176,7 @@ def _plan_run(run: dict, where: str) -> RunPlan:
             arrival=_dataclass_from(ArrivalSpec, deep_merge(run.get("arrival") or {}, s.get("arrival") or {}),
                                     f"{where}.arrival")))
     return RunPlan(name=str(run["name"]), target_kind=kind, target_options=target, config=run.get("config") or {},
-                   streams=tuple(streams), retry=_dataclass_from(RetryPolicy, run.get("retry"), f"{where}.retry"),
+                   streams=tuple(streams), retry=_dataclass_from(DriverRetryPolicy, run.get("retry"), f"{where}.retry"),
                    slo=_dataclass_from(SLO, run.get("slo"), f"{where}.slo"),
                    warmup_requests=int(run.get("warmup_requests", 1)),
                    sample_interval_s=float(run.get("sample_interval_s", _DEFAULT_SAMPLE_INTERVAL_S)),
@@ -215,12 +214,14 @@ def load_campaign(path: str | Path) -> Campaign:
 
 
 def load_workload_tokenizer(model_fields: dict):
+    from kvmesh.worker.engine_api import load_tokenizer  # torch: the engine API loads the engine
+
     return load_tokenizer(_dataclass_from(ModelConfig, model_fields, "tokenizer"))
 
 
 async def execute_run(plan: RunPlan, corpus: TokenCorpus, allow_remote: bool = False, progress: bool = True) -> dict:
     """Build the target, warm it up, drive the streams, summarize. Returns the run's result."""
-    streams = [RequestStream(requests=tuple(generate_workload(s.workload, corpus, s.tenant, s.api_key)),
+    streams = [TenantStream(requests=tuple(generate_workload(s.workload, corpus, s.tenant, s.api_key)),
                              arrival=s.arrival) for s in plan.streams]
     target = build_target(plan.target_kind, plan.target_options, plan.config, allow_remote)
     if plan.torch_threads is not None:

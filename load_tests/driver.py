@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class RetryPolicy:
+class DriverRetryPolicy:
     """How a client reacts to a retryable error (overloaded, quota, worker failed, timeout).
 
     none     give up at once
@@ -64,7 +64,7 @@ class RetryPolicy:
 
 
 @dataclass(frozen=True)
-class RequestStream:
+class TenantStream:
     """The requests of one tenant and when to send them."""
 
     requests: tuple[WorkloadRequest, ...]
@@ -99,7 +99,7 @@ class _Attempt:
 
 
 class RunDriver:
-    def __init__(self, target: Target, retry: RetryPolicy, run_id: str = "run",
+    def __init__(self, target: Target, retry: DriverRetryPolicy, run_id: str = "run",
                  sample_interval_s: float = 0.5, progress: bool = True,
                  clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
@@ -119,7 +119,7 @@ class RunDriver:
     def _now_s(self) -> float:
         return self._clock() - self._t0
 
-    async def run(self, streams: list[RequestStream]) -> RunResult:
+    async def run(self, streams: list[TenantStream]) -> RunResult:
         """Send every stream's requests; returns when all have finished."""
         planned = sum(_planned_count(s) for s in streams)
         self._bar = _progress_bar(planned, self.run_id, self.progress)
@@ -157,7 +157,7 @@ class RunDriver:
                 out.append(sample)
             await asyncio.sleep(self.sample_interval_s)
 
-    async def _run_stream(self, stream_no: int, stream: RequestStream) -> list[RequestRecord]:
+    async def _run_stream(self, stream_no: int, stream: TenantStream) -> list[RequestRecord]:
         spec = stream.arrival
         reqs = list(stream.requests)
         if spec.process == "closed":
@@ -261,7 +261,7 @@ class RunDriver:
                              family=req.family)
 
 
-def _planned_count(stream: RequestStream) -> int:
+def _planned_count(stream: TenantStream) -> int:
     n = len(stream.requests)
     return n if stream.arrival.max_requests is None else min(n, stream.arrival.max_requests)
 

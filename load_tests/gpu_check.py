@@ -19,6 +19,10 @@ is set, else ./gpu_check.json), so one broken part never hides the others:
                        TFLOP/s (2MNK / time) against the device's peaks, beside cuBLAS bf16
                        F.linear and the dequantize-then-matmul path they replace
     fused_ops          fused add+RMSNorm and SiLU-mul (Triton) against the unfused torch ops
+    memory_plan        an engine with the self-draft and CUDA graphs: its memory plan by part
+                       against what the device really holds after start and after a full batch
+                       (reserved <= gpu_memory_utilization x device memory), and
+                       tests/test_placement.py + test_device_plan.py (placement, plan arithmetic)
     engine_decode      the whole engine's decode tokens/s at batch 1, 32, 128 (SmolLM2), for
                        each weight mode (bf16, int8, int4) with and without CUDA graphs, and
                        the fused-vs-unfused step time (kernel_dispatch forced to torch)
@@ -492,7 +496,7 @@ def engine_decode(model_path: str | None, batch_sizes=ENGINE_BATCHES, prompt_tok
     with small batches is a dry run of this code path on a machine without a GPU.)"""
     from kvmesh.worker.kernels import dispatch
     from kvmesh.core.seams import GenerateRequest, SamplingParams
-    from kvmesh.worker.engine_loop.engine import Engine
+    from kvmesh.worker.engine_api import Engine
 
     engine = Engine.from_config(_engine_config(model_path, device, weight, cuda_graphs, max(batch_sizes), num_blocks))
     graphs = engine.runner.graph_runner
@@ -528,6 +532,46 @@ def engine_decode(model_path: str | None, batch_sizes=ENGINE_BATCHES, prompt_tok
               "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "rows": rows}
     del engine, graphs
     _release_device_memory()  # the next mode's engine plans its memory from what is free
+    return result
+
+
+def memory_plan(model_path: str | None, device: str = "cuda", env_extra: dict | None = None) -> dict:
+    """The memory plan against the device: start an engine with everything that allocates on
+    it (self-draft weights and KV pool, CUDA graphs, sampler), run a full batch, and compare the
+    device's reserved peak with the plan's budget."""
+    import torch
+
+    from kvmesh.core.seams import GenerateRequest, SamplingParams
+    from kvmesh.worker.engine_api import Engine
+
+    if model_path is None and device == "cpu":
+        model_path = tiny_llama_folder()
+    config = _engine_config(model_path, device, max_num_seqs=64 if device == "cuda" else 4,
+                            num_blocks=None if device == "cuda" else 64)
+    config = config.replace(speculative={"method": "self_draft"})
+    engine = Engine.from_config(config)
+    plan = engine.parts.plan.device
+    sampling = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    batch = config.scheduler.max_num_seqs
+    for i in range(batch):
+        ids = tuple((13 * i + j) % 1000 + 10 for j in range(256 if device == "cuda" else 16))
+        engine.add_request(GenerateRequest(f"m{i}", prompt_token_ids=ids, sampling=sampling))
+    while engine.has_unfinished():
+        engine.step()
+    result = {"split_bytes": plan.split(), "planned_total_bytes": plan.total_bytes,
+              "budget_bytes": plan.budget_bytes, "num_blocks": plan.num_blocks,
+              "num_draft_blocks": plan.num_draft_blocks, "batch": batch}
+    if device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        free, _ = torch.cuda.mem_get_info(0)
+        result.update(device_total_bytes=total, device_used_bytes=total - free,
+                      torch_max_reserved_bytes=torch.cuda.max_memory_reserved(0),
+                      within_budget=(total - free) <= plan.budget_bytes)
+    del engine
+    _release_device_memory()
+    if env_extra is not None:
+        result["placement_tests"] = run_pytest(["tests/test_placement.py", "tests/test_device_plan.py"], env_extra,
+                                               min(120.0, _time_left_s(120.0)))
     return result
 
 
@@ -621,7 +665,7 @@ def random_smollm2_folder() -> str:
 
 def engine_decode_any_model(model_path: str | None) -> dict:
     if model_path is None:
-        from kvmesh.worker.model.loader import embedded_gguf_path
+        from kvmesh.worker.engine_api import embedded_gguf_path
 
         try:
             embedded_gguf_path()
@@ -669,6 +713,7 @@ def main(argv: list[str] | None = None) -> int:
         section("fused_ops", fused_ops, True)
         if not args.skip_engine:
             section("engine_decode", dry_engine_decode)
+            section("memory_plan", memory_plan, None, "cpu")
     else:  # figures first; the test sections take what is left of RUN_BUDGET_S
         section("environment", environment)
         section("decode_attention", decode_attention, results["environment"].get("peak_bandwidth_gbps"))
@@ -676,6 +721,7 @@ def main(argv: list[str] | None = None) -> int:
         section("fused_ops", fused_ops)
         if not args.skip_engine:
             section("engine_decode", engine_decode_any_model, args.model)
+            section("memory_plan", memory_plan, args.model, "cuda", env_extra)
         section("kernel_tests", kernel_tests, env_extra)
         if not args.skip_engine:
             section("engine_exact_test", engine_exact_test, env_extra)
@@ -699,6 +745,7 @@ SECTION_KEYS = {
     "quant_gemm": {"dtype", "rows"},
     "fused_ops": {"dtype", "rows"},
     "engine_decode": {"runs", "summary"},
+    "memory_plan": {"split_bytes", "planned_total_bytes", "budget_bytes", "num_blocks", "num_draft_blocks"},
 }
 ROW_KEYS = {
     "quant_gemm": ({"kernel", "shape", "m", "n", "k", "group_size", "bytes", "flops"},

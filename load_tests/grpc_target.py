@@ -6,7 +6,7 @@
            policies on 2 workers -- then load-tested over gRPC and torn down
 
 Retries: by default the client library's own retries are off (max_attempts=1) so that the
-driver's RetryPolicy (none | naive | backoff) is the only one in play and every retry is
+driver's DriverRetryPolicy (none | naive | backoff) is the only one in play and every retry is
 counted. `client_retries: true` turns the library's backoff + jitter + retry budget on
 instead; its retries are then invisible to the driver (not counted as attempts).
 Server samples come from the router's GetStats (cluster totals over healthy workers).
@@ -151,14 +151,14 @@ class ClusterTarget(GrpcTarget):
         super().__init__(f"127.0.0.1:{self.config.router.grpc_port}", **grpc_options)
 
     async def start(self) -> None:
-        from kvmesh.deploy.cmd_serve import start_serving  # Ray Serve: only for a cluster target
+        from kvmesh.router.launch import start_serving  # Ray Serve: only for a cluster target
 
         _init_ray_on_this_thread()
         await asyncio.to_thread(start_serving, self.config, self.app_name)
         await super().start()
 
     async def close(self) -> None:
-        from kvmesh.deploy.cmd_serve import stop_serving  # Ray Serve: only for a cluster target
+        from kvmesh.router.launch import stop_serving  # Ray Serve: only for a cluster target
 
         await super().close()
         await asyncio.to_thread(stop_serving, self.config, self.app_name)

@@ -24,7 +24,7 @@ from kvmesh.core.errors import OverloadedError
 from kvmesh.core.seams import (FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta, RequestTimings, Usage,
                                WorkerStats)
 from kvmesh.worker.runtime.actor import WorkerActor, WorkerInfo, WorkerPoll, worker_actor_options
-from kvmesh.worker.runtime.async_engine import AsyncEngine
+from kvmesh.worker.engine_api import AsyncEngine
 
 NULL_MODEL_NAME = "null"
 NULL_TOKEN_ID = 42

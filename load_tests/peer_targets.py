@@ -25,7 +25,7 @@ from typing import AsyncIterator
 from kvmesh.load_tests.targets import StreamChunk, Target, TargetRequest
 from kvmesh.core.errors import InvalidRequestError, WorkerFailedError
 from kvmesh.core.config import ModelConfig
-from kvmesh.worker.model.loader import ensure_hf_dir
+from kvmesh.worker.engine_api import ensure_hf_dir
 
 logger = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ class Served:
 
 
 @dataclass(frozen=True)
-class RunFigures:
+class RoutingRunFigures:
     policy: str
     concurrency: int
     num_served: int
@@ -113,7 +113,7 @@ def computed_tokens_per_worker(served) -> dict[str, int]:
 
 
 def figures(policy: str, concurrency: int, served: list[Served], num_failed: int, wall_s: float,
-            oracle: float = 0.0, router_counters: dict[str, float] | None = None) -> RunFigures:
+            oracle: float = 0.0, router_counters: dict[str, float] | None = None) -> RoutingRunFigures:
     computed = computed_tokens_per_worker(served)
     families = collections.defaultdict(set)
     for s in served:
@@ -121,7 +121,7 @@ def figures(policy: str, concurrency: int, served: list[Served], num_failed: int
     per_worker = collections.Counter(w for ws in families.values() for w in ws)
     ttfts = sorted(s.ttft_s for s in served)
     values = list(computed.values())
-    return RunFigures(
+    return RoutingRunFigures(
         policy=policy, concurrency=concurrency, num_served=len(served), num_failed=num_failed,
         hit_rate=sum(s.cached_tokens for s in served) / max(1, sum(s.prompt_tokens for s in served)),
         ttft_p50_ms=1000 * statistics.median(ttfts) if ttfts else float("nan"),
@@ -203,16 +203,14 @@ def _send(client, recorder: _CallRecorder, spec: dict, request_id: str, family: 
                   usage.completion_tokens, ttft_s if ttft_s is not None else float("nan"))
 
 
-def run_campaign(spec: dict, out_dir: Path) -> list[RunFigures]:
+def run_campaign(spec: dict, out_dir: Path) -> list[RoutingRunFigures]:
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import grpc
     import ray
-    from ray import serve
 
-    from kvmesh.deploy.cmd_serve import start_serving, stop_serving
     from kvmesh.core.config import KvmeshConfig
-    from kvmesh.router.app import build_router_app
     from kvmesh.router.client import KvmeshClient
+    from kvmesh.router.launch import redeploy_router, start_serving, stop_serving
     from kvmesh.router.retry import RetryPolicy
     from kvmesh.load_tests.grpc_target import free_port
 
@@ -227,15 +225,14 @@ def run_campaign(spec: dict, out_dir: Path) -> list[RunFigures]:
     })
     target = f"127.0.0.1:{config.router.grpc_port}"
     ray.init(address="local", num_cpus=spec["cluster_cpus"], include_dashboard=False, log_to_driver=False)
-    results: list[RunFigures] = []
+    results: list[RoutingRunFigures] = []
     try:
         start_serving(config, APP_NAME)
         seed = 0
         for concurrency in spec["concurrency"]:
             for policy in spec["policies"]:
                 seed += 1
-                serve.run(build_router_app(config.replace(router={"policy": policy})), name=APP_NAME,
-                          route_prefix="/")
+                redeploy_router(config.replace(router={"policy": policy}), APP_NAME)
                 workload = family_workload(spec, seed)
                 served, failed = [], 0
                 recorder = _CallRecorder()
@@ -264,7 +261,7 @@ def run_campaign(spec: dict, out_dir: Path) -> list[RunFigures]:
     return results
 
 
-def markdown_table(results: list[RunFigures], num_families: int) -> str:
+def markdown_table(results: list[RoutingRunFigures], num_families: int) -> str:
     by_key = {(r.concurrency, r.policy): r for r in results}
     lines = ["| in flight | hit rate PA / RR (oracle) | ratio (oracle / RR) | TTFT P50 PA / RR (ms) | ratio "
              "| computed max/min PA (RR) | families on both workers PA (RR) | families per worker PA "

@@ -142,7 +142,7 @@ class SimResult:
     affinity_timeouts: int = 0  # of those, the ones whose wait ran out (then spilled)
 
 
-class _Clock:
+class _SimClock:
     def __init__(self) -> None:
         self.now = 0.0
 
@@ -169,7 +169,7 @@ class _SimRequest:
 class _SimWorker:
     """One engine: the real scheduler and KV manager; the forward pass is the cost model."""
 
-    def __init__(self, worker_id: str, cluster: SimCluster, clock: _Clock):
+    def __init__(self, worker_id: str, cluster: SimCluster, clock: _SimClock):
         self.worker_id = worker_id
         self.clock = clock
         kv = KVCacheManager(cluster.num_blocks, cluster.block_size, worker_id=worker_id)
@@ -233,7 +233,7 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
     before dispatched prefixes were counted), for comparison."""
     started_wall = time.perf_counter()
     router = dataclasses.replace(router or RouterConfig(), policy=policy, stats_refresh_s=cluster.stats_refresh_s)
-    clock = _Clock()
+    clock = _SimClock()
     workers = {f"worker-{i}": _SimWorker(f"worker-{i}", cluster, clock) for i in range(cluster.num_workers)}
     index = PrefixIndex(linger_s=4 * cluster.stats_refresh_s, clock=clock)
     rng, cursor, sizes = random.Random(workload.seed + 1), RoundRobinCursor(), RequestSizeMeter()
@@ -429,7 +429,7 @@ def measure_cost_model(model: dict | None = None, prefill_tokens: int = 512, dec
 
     from kvmesh.core.config import KvmeshConfig
     from kvmesh.core.seams import GenerateRequest
-    from kvmesh.worker.engine_loop.engine import Engine
+    from kvmesh.worker.engine_api import Engine
 
     torch.set_num_threads(1)
     engine = Engine.from_config(KvmeshConfig.from_dict({"model": model or {}, "parallel": {"device": "cpu"},

@@ -120,7 +120,7 @@ class EngineTarget(Target):
         self.engine = None
 
     async def start(self) -> None:
-        from kvmesh.worker.runtime.async_engine import AsyncEngine  # torch: only for an engine target
+        from kvmesh.worker.engine_api import AsyncEngine  # torch: only for an engine target
 
         config = KvmeshConfig.from_dict(self.config_dict)
         # Model loading blocks for seconds: keep it off the event loop.

@@ -189,7 +189,7 @@ def cost_with_cached_prefix(prompt_tokens: int, sampling: SamplingParams, block_
 class AdmissionTicket:
     """An admitted request's reservation on one worker; release it exactly when it ends."""
 
-    def __init__(self, owner: "AdmissionController", worker_id: str, cost_tokens: int, attempt: int,
+    def __init__(self, owner: "RouterAdmission", worker_id: str, cost_tokens: int, attempt: int,
                  sent_at: float, queue_wait_s: float):
         self._owner = owner
         self.worker_id = worker_id
@@ -281,7 +281,7 @@ class AdmissionSnapshot:
     num_evicted: int = 0  # waiters refused to free a full lane's slot for a more important request
 
 
-class AdmissionController:
+class RouterAdmission:
     def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, kv_reserved_fraction: float = 0.0,
                  kv_reserved_below_class: int = 1, workers_preempt_kv_reservations: bool = False):

@@ -105,8 +105,11 @@ class KvmeshRouter:
                                  on_fallback_change=metrics.set_quota_fallback)
         # Tenants added with `kvmesh tenants add` live in the store (Redis, else the tenants
         # file); every replica reloads them each tenant_refresh_s, so a new key works without
-        # a restart, and a store down at start is not fatal.
-        authenticator = Authenticator.from_config(config.tenants)
+        # a restart, and a store down at start is not fatal. A store that comes back wiped
+        # gets the registry this replica last read written back (router/auth.py).
+        authenticator = Authenticator.from_config(config.tenants,
+                                                  on_stale_change=metrics.set_tenant_registry_stale,
+                                                  on_restore=metrics.observe_tenant_registry_restore)
         await authenticator.start()
         # Serve sends a scrape to any one replica: each publishes its own request-level
         # metrics to the cluster's board and renders its peers' alongside its own.

@@ -9,6 +9,13 @@
 Lower level: `Authenticator(config.tenants, store)`, `await auth.refresh()`,
 `auth.start_refresh(interval_s)`, `auth.stop_refresh()`.
 
+The last registry read is kept, never dropped by a bad read: while the store is unreachable
+the replica serves it (`on_stale_change(True)`), and a store that comes back WIPED (no
+records and no write marker, router/tenants.py) gets it written back (`on_restore(n)`, an
+ERROR log), so an empty Redis after a restart locks nobody out and replicas that start
+later find the registry again. Removing every tenant with `kvmesh tenants remove` leaves
+the marker, so it is never mistaken for a wipe.
+
 Open mode (`tenants.auth_required: false`, the embedded default): a request without a key,
 or with a key no tenant owns, runs as the default tenant; this is logged once at WARNING so
 nobody ships it by accident. A key that does match a tenant still selects that tenant.
@@ -25,9 +32,10 @@ import asyncio
 import hashlib
 import logging
 from collections import OrderedDict
+from typing import Callable
 
 from kvmesh.core.config import TenantsConfig
-from kvmesh.router.tenants import (Tenant, TenantStore, key_salt, load_tenants, open_tenant_store, parse_key_hash,
+from kvmesh.router.tenants import (Tenant, TenantStore, key_salt, merge_tenants, open_tenant_store, parse_key_hash,
                                    verify_api_key)
 from kvmesh.core.errors import UnauthenticatedError
 
@@ -37,9 +45,15 @@ _VERIFIED_CACHE_SIZE = 10_000
 
 
 class Authenticator:
-    def __init__(self, tenants_config: TenantsConfig, store: TenantStore | None = None):
+    def __init__(self, tenants_config: TenantsConfig, store: TenantStore | None = None,
+                 on_stale_change: Callable[[bool], None] | None = None,
+                 on_restore: Callable[[int], None] | None = None):
         self._config = tenants_config
         self._store = store
+        self._stored: dict[str, Tenant] = {}  # the store's records as last read (or restored)
+        self._stale = False
+        self._on_stale_change = on_stale_change
+        self._on_restore = on_restore
         self._by_salt: dict[str, tuple[str, str]] = {}  # salt hex -> (tenant id, stored hash)
         self._tenants: dict[str, Tenant] = {}
         # sha256(key) -> tenant id; a fast index over keys that already passed PBKDF2.
@@ -49,9 +63,11 @@ class Authenticator:
         self._install({c.id: Tenant.from_config(c) for c in tenants_config.tenants})
 
     @classmethod
-    def from_config(cls, tenants_config: TenantsConfig) -> "Authenticator":
-        """Config tenants plus the store `kvmesh tenants` writes (Redis, else tenants_file)."""
-        return cls(tenants_config, open_tenant_store(tenants_config.redis_url, tenants_config.tenants_file))
+    def from_config(cls, tenants_config: TenantsConfig, **callbacks) -> "Authenticator":
+        """Config tenants plus the store `kvmesh tenants` writes (Redis, else tenants_file);
+        callbacks: on_stale_change, on_restore (see __init__)."""
+        return cls(tenants_config, open_tenant_store(tenants_config.redis_url, tenants_config.tenants_file),
+                   **callbacks)
 
     async def start(self) -> None:
         """First load of the store's tenants, then a periodic reload. A store that is down at
@@ -83,9 +99,42 @@ class Authenticator:
             self._verified.clear()
         self._tenants, self._by_salt = tenants, by_salt
 
+    @property
+    def stale(self) -> bool:
+        """True while the last refresh failed and the last known registry is served."""
+        return self._stale
+
+    def _set_stale(self, stale: bool) -> None:
+        if stale != self._stale:
+            self._stale = stale
+            if self._on_stale_change is not None:
+                self._on_stale_change(stale)
+
     async def refresh(self) -> None:
-        """Reload tenant records from the store (config tenants + store overlay)."""
-        self._install(await load_tenants(self._config.tenants, self._store))
+        """Reload tenant records from the store (config tenants + store overlay). Raises what
+        the store raised, after flagging the registry stale; the tenant set is unchanged."""
+        if self._store is None:
+            return
+        try:
+            contents = await self._store.read()
+            if not contents.ever_written and self._stored:
+                await self._restore()
+            else:
+                self._stored = {t.id: t for t in contents.tenants}
+        except Exception:
+            self._set_stale(True)
+            raise
+        self._install(merge_tenants(self._config.tenants, self._stored))
+        self._set_stale(False)
+
+    async def _restore(self) -> None:
+        """The store came back wiped: keep serving what we knew and write it back."""
+        logger.error("tenant store holds no registry (restarted without persistence, or flushed); "
+                     "serving the %d tenants last read and writing them back", len(self._stored))
+        written = await self._store.restore(list(self._stored.values()))
+        logger.error("tenant store: %d of %d tenant records restored", written, len(self._stored))
+        if self._on_restore is not None:
+            self._on_restore(written)
 
     def start_refresh(self, interval_s: float) -> asyncio.Task:
         async def loop() -> None:

@@ -8,6 +8,10 @@ Both yield plain `kvmesh.core.seams.RequestDelta`s (the last one has finished=Tr
 finish reason and usage) and raise the typed errors of `kvmesh.core.errors`, rebuilt from
 the gRPC status by `router/status_map.py`.
 
+TLS: `KvmeshClient(target, api_key=..., credentials=grpc_channel_credentials(ca_file))`
+(router/tls.py; add cert_file/key_file for mutual TLS). An API key is a bearer secret: send
+it over TLS whenever the network between client and router is not yours.
+
 Retries (router/retry.py): RESOURCE_EXHAUSTED and UNAVAILABLE only, exponential backoff
 with full jitter on top of the server's `retry-after-ms`, a shared retry budget (gRPC retry
 throttling), attempt numbers sent as `x-kvmesh-attempt` so the router puts retries in its
@@ -15,13 +19,16 @@ retry lane, and an overall deadline (`timeout_s`) that covers every attempt and 
 between them. One request id is kept across attempts (client-assigned when not given) so
 `cancel(request_id)` reaches whichever attempt is running.
 
-Streaming retry semantics (our choice): by default a stream is retried only if it failed
-before delivering any token: the caller has seen nothing, so a retry is invisible. A stream
-that fails after tokens arrived raises (the error carries `tokens_received`). With
-`restart_mid_stream=True` such a stream is restarted from scratch instead, and the
-generator first yields a `StreamRestart` marker: discard everything received so far. For
-greedy or seeded sampling the restarted output is the same text again; otherwise it may
-differ, which is why this is opt-in.
+Streaming retry semantics (our choice): a stream that failed before delivering any token is
+retried: the caller has seen nothing, so a retry is invisible. A single-sample stream (n = 1)
+that fails retryably after tokens arrived (its router replica or worker went away:
+UNAVAILABLE) is resumed: the request is sent again with the token ids and the length of the
+text already received (proto GenerateRequest.resume_token_ids / resume_text_chars, docs/
+api.md), and the server sends exactly the missing rest, so the caller sees one stream with
+no token repeated or missing (`resume_mid_stream=False` turns this off: the error is raised,
+carrying `tokens_received`). Otherwise (n > 1, or resumption off) `restart_mid_stream=True`
+restarts such a stream from scratch, and the generator first yields a `StreamRestart` marker:
+discard everything received so far.
 
 Stopping early (breaking out of the loop, closing the generator, cancelling the consuming
 task) cancels the RPC, and the server aborts the request and frees its KV blocks.
@@ -47,6 +54,14 @@ from kvmesh.core.seams import RequestDelta, SamplingParams
 from kvmesh.core.errors import DeadlineExceededError, KvmeshError
 
 logger = logging.getLogger(__name__)
+
+
+def _open_channel(module, target: str, credentials: grpc.ChannelCredentials | None):
+    """`module` is grpc or grpc.aio. With credentials (router/tls.py grpc_channel_credentials:
+    the CA to trust, and a client certificate for mutual TLS) the channel speaks TLS."""
+    if credentials is None:
+        return module.insecure_channel(target)
+    return module.secure_channel(target, credentials)
 
 
 @dataclass(frozen=True)
@@ -99,14 +114,39 @@ class _Call:
         return decision.delay_s
 
 
+class _Resumption:
+    """What one stream has delivered so far, for resuming it after a mid-stream failure."""
+
+    def __init__(self, request: pb.GenerateRequest, enabled: bool):
+        self.request = request  # what the next attempt sends
+        self.enabled = enabled and request.sampling.n <= 1  # proto 0 = unset = 1
+        self.token_ids: list[int] = list(request.resume_token_ids)
+        self.text_chars = request.resume_text_chars
+
+    def observe(self, delta: RequestDelta) -> None:
+        if not delta.error:
+            self.token_ids.extend(delta.token_ids)
+            self.text_chars += len(delta.text)
+
+    def after_failure(self, received: int) -> None:
+        """The next attempt continues after what arrived (when this attempt delivered any)."""
+        if self.enabled and received:
+            request = pb.GenerateRequest()
+            request.CopyFrom(self.request)
+            request.resume_token_ids[:] = self.token_ids
+            request.resume_text_chars = self.text_chars
+            self.request = request
+
+
 class _ClientBase:
     def __init__(self, api_key: str | None, retry_policy: RetryPolicy | None, rng: random.Random | None,
-                 restart_mid_stream: bool):
+                 restart_mid_stream: bool, resume_mid_stream: bool = True):
         self.api_key = api_key
         self.policy = retry_policy or RetryPolicy()
         self.budget = RetryBudget(self.policy.budget_max_tokens, self.policy.budget_token_ratio)
         self.rng = rng or random.Random()
         self.restart_mid_stream = restart_mid_stream
+        self.resume_mid_stream = resume_mid_stream
 
     @staticmethod
     def build_request(prompt: str | None, messages: Sequence[dict] | None, prompt_token_ids: Sequence[int] | None,
@@ -129,10 +169,11 @@ class KvmeshClient(_ClientBase):
 
     def __init__(self, target: str, *, api_key: str | None = None, retry_policy: RetryPolicy | None = None,
                  rng: random.Random | None = None, restart_mid_stream: bool = False,
-                 channel: grpc.Channel | None = None, sleep: Callable[[float], None] = time.sleep):
-        super().__init__(api_key, retry_policy, rng, restart_mid_stream)
+                 channel: grpc.Channel | None = None, sleep: Callable[[float], None] = time.sleep,
+                 credentials: grpc.ChannelCredentials | None = None, resume_mid_stream: bool = True):
+        super().__init__(api_key, retry_policy, rng, restart_mid_stream, resume_mid_stream)
         self._sleep = sleep  # the wait between attempts (tests inject one to see the delays)
-        self._channel = channel or grpc.insecure_channel(target)
+        self._channel = channel or _open_channel(grpc, target, credentials)
         self._stub = pb_grpc.KvmeshStub(self._channel)
 
     def generate(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
@@ -141,23 +182,26 @@ class KvmeshClient(_ClientBase):
                  timeout_s: float | None = None, trace_context: dict[str, str] | None = None,
                  ) -> Iterator[RequestDelta | StreamRestart]:
         request = self.build_request(prompt, messages, prompt_token_ids, sampling, model, request_id, priority)
+        resumption = _Resumption(request, self.resume_mid_stream)
         call = _Call(self, timeout_s, trace_context)
         while True:
             received = 0
-            stream = self._stub.Generate(request, metadata=call.metadata(), timeout=call.time_left_s())
+            stream = self._stub.Generate(resumption.request, metadata=call.metadata(), timeout=call.time_left_s())
             try:
                 for message in stream:
                     delta = convert.delta_from_pb(message)
                     received += _delivered(delta)
+                    resumption.observe(delta)
                     yield delta
                 self.budget.record_success()
                 return
             except grpc.RpcError as error:
-                delay_s = call.on_failure(error, received, self.restart_mid_stream)
+                delay_s = call.on_failure(error, received, self.restart_mid_stream or resumption.enabled)
             finally:
                 stream.cancel()  # no-op once finished; aborts the request if the caller stopped early
             self._sleep(delay_s)
-            if received:
+            resumption.after_failure(received)
+            if received and not resumption.enabled:
                 yield StreamRestart(call.attempt, "stream failed mid-way; restarted from scratch")
 
     def cancel(self, request_id: str, timeout_s: float | None = None) -> bool:
@@ -197,9 +241,10 @@ class AsyncKvmeshClient(_ClientBase):
 
     def __init__(self, target: str, *, api_key: str | None = None, retry_policy: RetryPolicy | None = None,
                  rng: random.Random | None = None, restart_mid_stream: bool = False,
-                 channel: grpc.aio.Channel | None = None):
-        super().__init__(api_key, retry_policy, rng, restart_mid_stream)
-        self._channel = channel or grpc.aio.insecure_channel(target)
+                 channel: grpc.aio.Channel | None = None, credentials: grpc.ChannelCredentials | None = None,
+                 resume_mid_stream: bool = True):
+        super().__init__(api_key, retry_policy, rng, restart_mid_stream, resume_mid_stream)
+        self._channel = channel or _open_channel(grpc.aio, target, credentials)
         self._stub = pb_grpc.KvmeshStub(self._channel)
 
     async def generate(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
@@ -208,23 +253,26 @@ class AsyncKvmeshClient(_ClientBase):
                        timeout_s: float | None = None, trace_context: dict[str, str] | None = None,
                        ) -> AsyncIterator[RequestDelta | StreamRestart]:
         request = self.build_request(prompt, messages, prompt_token_ids, sampling, model, request_id, priority)
+        resumption = _Resumption(request, self.resume_mid_stream)
         call = _Call(self, timeout_s, trace_context)
         while True:
             received = 0
-            stream = self._stub.Generate(request, metadata=call.metadata(), timeout=call.time_left_s())
+            stream = self._stub.Generate(resumption.request, metadata=call.metadata(), timeout=call.time_left_s())
             try:
                 async for message in stream:
                     delta = convert.delta_from_pb(message)
                     received += _delivered(delta)
+                    resumption.observe(delta)
                     yield delta
                 self.budget.record_success()
                 return
             except grpc.RpcError as error:
-                delay_s = call.on_failure(error, received, self.restart_mid_stream)
+                delay_s = call.on_failure(error, received, self.restart_mid_stream or resumption.enabled)
             finally:
                 stream.cancel()
             await asyncio.sleep(delay_s)
-            if received:
+            resumption.after_failure(received)
+            if received and not resumption.enabled:
                 yield StreamRestart(call.attempt, "stream failed mid-way; restarted from scratch")
 
     async def cancel(self, request_id: str, timeout_s: float | None = None) -> bool:

@@ -59,6 +59,9 @@ class InboundRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     priority: int = 0
+    # A stream resumed by the client (proto GenerateRequest 9-10): the output it already has.
+    resume_token_ids: tuple[int, ...] = ()
+    resume_text_chars: int = 0
     # Call metadata (gRPC metadata / HTTP headers), not part of the message:
     api_key: str | None = None
     deadline_s: float | None = None  # absolute time.time()
@@ -154,7 +157,9 @@ def inbound_to_pb(request: InboundRequest) -> pb.GenerateRequest:
     """The message part of the request (api key, attempt and trace context travel as call
     metadata; the client sets them)."""
     msg = pb.GenerateRequest(request_id=request.request_id, model=request.model,
-                             sampling=sampling_to_pb(request.sampling), priority=request.priority)
+                             sampling=sampling_to_pb(request.sampling), priority=request.priority,
+                             resume_token_ids=list(request.resume_token_ids),
+                             resume_text_chars=request.resume_text_chars)
     given = [x is not None for x in (request.prompt, request.messages, request.prompt_token_ids)]
     if sum(given) != 1:
         raise InvalidRequestError("exactly one of prompt, messages and prompt_token_ids must be set")
@@ -176,7 +181,8 @@ def inbound_from_pb(msg: pb.GenerateRequest, call: CallMetadata | None = None,
         raise InvalidRequestError("one of prompt, chat and prompt_token_ids is required")
     call = call or CallMetadata()
     common = dict(request_id=msg.request_id, model=msg.model, priority=msg.priority,
-                  sampling=sampling_from_pb(msg.sampling), api_key=call.api_key, deadline_s=deadline_s,
+                  sampling=sampling_from_pb(msg.sampling), resume_token_ids=tuple(msg.resume_token_ids),
+                  resume_text_chars=msg.resume_text_chars, api_key=call.api_key, deadline_s=deadline_s,
                   attempt=call.attempt, trace_context=dict(call.trace_context))
     if which == "prompt":
         return InboundRequest(prompt=msg.prompt, **common)

@@ -10,8 +10,8 @@ the same Serve application); Serve's own gRPC proxy is not started for this port
     client ──gRPC──> [node:grpc_port, SO_REUSEPORT] ──> replica 1 grpc.aio server ─┐
                                                    └──> replica 2 grpc.aio server ─┴─> RouterCore
 
-Server construction is here and only here (`start_grpc_server`): transport security plugs in
-as the credentials of `_bind`, one call.
+Server construction is here and only here (`start_grpc_server`); transport security is
+router/tls.py's `add_grpc_port` (router.tls: TLS, mTLS, certificate rotation).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import grpc
 
 from kvmesh.core.config import RouterConfig
 from kvmesh.router.grpc_edge import add_kvmesh_service
+from kvmesh.router.tls import add_grpc_port
 
 logger = logging.getLogger(__name__)
 
@@ -42,17 +43,12 @@ async def start_grpc_server(servicer, router: RouterConfig) -> grpc.aio.Server:
     server = grpc.aio.server(options=_SERVER_OPTIONS)
     add_kvmesh_service(servicer, server)
     address = _address(router.host, router.grpc_port)
-    port = _bind(server, address)
+    port = add_grpc_port(server, address, router.tls)
     if port == 0:
         raise RuntimeError(f"the router's gRPC server could not bind {address}")
     await server.start()
-    logger.info("gRPC ingress serving kvmesh.v1 on %s", address)
+    logger.info("gRPC ingress serving kvmesh.v1 on %s (%s)", address, "TLS" if router.tls.enabled else "plaintext")
     return server
-
-
-def _bind(server: grpc.aio.Server, address: str) -> int:
-    """The listening port (0 when it could not bind). Transport security goes here."""
-    return server.add_insecure_port(address)
 
 
 def _address(host: str, port: int) -> str:

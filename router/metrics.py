@@ -13,6 +13,8 @@ Names follow vLLM's (`vllm:x` -> `kvmesh_x`) where vLLM has one, so existing das
     metrics.observe_degraded("cap")              # the degradation ladder's step: cap | fallback | reject
     metrics.update_worker_stats(stats_list)      # every stats refresh (list[WorkerStats])
     metrics.set_quota_fallback(True)             # FallbackQuotaStore's on_fallback_change
+    metrics.set_tenant_registry_stale(True)      # Authenticator's on_stale_change
+    metrics.observe_tenant_registry_restore(12)  # Authenticator's on_restore (records written back)
     body = metrics.render(peer_snapshots)        # bytes for GET /metrics (CONTENT_TYPE)
 
     engine_metrics = EngineMetrics("worker-0", ...)   # worker side: what only the engine sees
@@ -188,6 +190,18 @@ class RouterMetrics:
                                     "1 while Redis is unreachable and local per-replica limits apply.",
                                     ["replica"], registry=r)
         self.quota_fallback.labels(self.replica_id).set(0)
+        self.tenant_registry_stale = Gauge(
+            PREFIX + "tenant_registry_stale",
+            "1 while the tenant store cannot be read and this replica serves the registry it last read.",
+            ["replica"], registry=r)
+        self.tenant_registry_stale.labels(self.replica_id).set(0)
+        self.tenant_registry_restores = Counter(
+            PREFIX + "tenant_registry_restores",
+            "Times this replica found the tenant store wiped (no records, no write marker) and wrote back "
+            "the registry it last read.", registry=r)
+        self.tenant_records_restored = Counter(
+            PREFIX + "tenant_records_restored", "Tenant records written back into a wiped tenant store.",
+            registry=r)
 
     # ---- what the router core calls ------------------------------------------------------
 
@@ -273,6 +287,15 @@ class RouterMetrics:
 
     def set_quota_fallback(self, active: bool) -> None:
         self.quota_fallback.labels(self.replica_id).set(1 if active else 0)
+
+    def set_tenant_registry_stale(self, stale: bool) -> None:
+        """The Authenticator's on_stale_change."""
+        self.tenant_registry_stale.labels(self.replica_id).set(1 if stale else 0)
+
+    def observe_tenant_registry_restore(self, num_records: int) -> None:
+        """The Authenticator's on_restore: the store came back wiped."""
+        self.tenant_registry_restores.inc()
+        self.tenant_records_restored.inc(num_records)
 
     def update_worker_stats(self, stats: Sequence[WorkerStats]) -> None:
         """The latest stats of every worker; a worker missing from the list disappears."""

@@ -32,7 +32,7 @@ from kvmesh.router import degradation, status_map
 from kvmesh.router.auth import bearer_token
 from kvmesh.router.convert import ChatMessage, InboundRequest
 from kvmesh.router.router_core import RequestStream, RouterCore
-from kvmesh.core.seams import RequestDelta, SamplingParams, Usage
+from kvmesh.core.seams import RequestDelta, SamplingParams, Usage, request_usage
 from kvmesh.core.errors import InvalidRequestError
 from kvmesh.router.metrics import CONTENT_TYPE
 
@@ -255,14 +255,6 @@ def _choice(delta: RequestDelta, chat: bool, first: bool) -> dict:
     return {"index": delta.sample_index, "text": delta.text, "logprobs": logprobs, "finish_reason": finish}
 
 
-def _merge_usage(usages: list[Usage]) -> Usage | None:
-    """n samples each report the shared prompt once and their own completion tokens."""
-    if not usages:
-        return None
-    return Usage(prompt_tokens=usages[0].prompt_tokens, cached_tokens=usages[0].cached_tokens,
-                 completion_tokens=sum(u.completion_tokens for u in usages))
-
-
 async def _chain(first: list[RequestDelta], rest: AsyncIterator[RequestDelta]) -> AsyncIterator[RequestDelta]:
     for delta in first:
         yield delta
@@ -291,7 +283,7 @@ async def _sse_events(stream: AsyncIterator[RequestDelta], request_id: str, mode
             yield f"data: {json.dumps(chunk)}\n\n"
         if include_usage:
             chunk = {"id": response_id, "object": object_name, "created": created, "model": model,
-                     "choices": [], "usage": usage_json(_merge_usage(usages))}
+                     "choices": [], "usage": usage_json(request_usage(usages))}
             if degraded:
                 chunk["usage"] = {**(chunk["usage"] or {}), "kvmesh_degraded": degraded}
             yield f"data: {json.dumps(chunk)}\n\n"
@@ -325,4 +317,4 @@ async def _collect(stream: RequestStream, model: str, created: int, chat: bool) 
             choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": finish.get(index)})
     return {"id": ("chatcmpl-" if chat else "cmpl-") + stream.request_id,
             "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_json(_merge_usage(usages))}
+            "choices": choices, "usage": usage_json(request_usage(usages))}

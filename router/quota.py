@@ -312,9 +312,11 @@ class FallbackQuotaStore:
     """RedisQuotaStore while Redis answers; per-replica local limits while it does not."""
 
     def __init__(self, primary: RedisQuotaStore, num_replicas: int = 1, probe_interval_s: float = 1.0,
-                 on_fallback_change: Callable[[bool], None] | None = None):
+                 on_fallback_change: Callable[[bool], None] | None = None,
+                 local_clock: Callable[[], float] = time.monotonic):
+        """local_clock: the local buckets' clock (tests inject one, as RedisQuotaStore's clock_us)."""
         self.primary = primary
-        self.local = InProcessQuotaStore(limit_fraction=1.0 / max(1, num_replicas))
+        self.local = InProcessQuotaStore(limit_fraction=1.0 / max(1, num_replicas), clock=local_clock)
         self._probe_interval_s = probe_interval_s
         self._on_change = on_fallback_change
         self._fallback = False

@@ -47,7 +47,7 @@ from kvmesh.core.config import KvmeshConfig
 from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.kv.output_estimate import OutputLengthEstimator
 from kvmesh.router import affinity_wait, degradation, request_rules, tracing
-from kvmesh.router.admission import AdmissionController, AdmissionTicket, cost_with_cached_prefix, request_cost_tokens
+from kvmesh.router.admission import RouterAdmission, AdmissionTicket, cost_with_cached_prefix, request_cost_tokens
 from kvmesh.router.auth import Authenticator
 from kvmesh.router.convert import InboundRequest
 from kvmesh.router.fairness import TenantBacklog, engine_priority
@@ -58,8 +58,8 @@ from kvmesh.router.tenants import Tenant
 from kvmesh.router.worker_channels import ChannelFailure, WorkerChannels
 from kvmesh.router.worker_pool import WorkerPool
 from kvmesh.worker.public_api import render_chat
-from kvmesh.core.seams import (ErrorReport, FinishReason, GenerateRequest, RequestDelta, SamplingParams, WorkerStats,
-                               check_fits_context, merge_deltas)
+from kvmesh.core.seams import (ErrorReport, FinishReason, GenerateRequest, RequestDelta, SamplingParams, Usage,
+                               WorkerStats, check_fits_context, merge_deltas, request_usage)
 from kvmesh.core.errors import (
     DeadlineExceededError,
     DeadlineUnmeetableError,
@@ -98,7 +98,7 @@ class RouterCore:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics or RouterMetrics(max_num_seqs=config.scheduler.max_num_seqs)
-        self.admission = AdmissionController(config.router, kv_reserved_fraction=config.scheduler.kv_reserved_fraction,
+        self.admission = RouterAdmission(config.router, kv_reserved_fraction=config.scheduler.kv_reserved_fraction,
                                              kv_reserved_below_class=config.scheduler.kv_reserved_below_class,
                                              workers_preempt_kv_reservations=(
                                                  config.scheduler.priority_preemption
@@ -224,7 +224,22 @@ class RouterCore:
             request_id=scoped_request_id(tenant.id, inbound.request_id or uuid.uuid4().hex),
             prompt_token_ids=self._prompt_token_ids(inbound), sampling=inbound.sampling,
             priority=tenant.priority + inbound.priority, tenant_id=tenant.id, cache_salt=tenant.cache_salt,
-            deadline_s=inbound.deadline_s, attempt=inbound.attempt, trace_context=dict(inbound.trace_context))
+            deadline_s=inbound.deadline_s, attempt=inbound.attempt, trace_context=dict(inbound.trace_context),
+            resume_token_ids=self._resume_token_ids(inbound), resume_text_chars=inbound.resume_text_chars)
+
+    @staticmethod
+    def _resume_token_ids(inbound: InboundRequest) -> tuple[int, ...]:
+        """A client's resumption, checked where the router can (the engine checks the ids
+        against its vocabulary): one sample, something left to generate."""
+        ids = inbound.resume_token_ids
+        if ids and inbound.sampling.n != 1:
+            raise InvalidRequestError("only a single-sample request (n = 1) can be resumed")
+        if ids and len(ids) >= inbound.sampling.max_tokens:
+            raise InvalidRequestError(f"{len(ids)} resume_token_ids leave nothing of max_tokens "
+                                      f"({inbound.sampling.max_tokens})")
+        if inbound.resume_text_chars and not ids:
+            raise InvalidRequestError("resume_text_chars without resume_token_ids")
+        return ids
 
     async def _admit_degrading(self, request: GenerateRequest,
                                parent) -> tuple[RoutingDecision, AdmissionTicket, GenerateRequest, str | None]:
@@ -484,12 +499,15 @@ class RequestStream:
     async def __aiter__(self) -> AsyncIterator[RequestDelta]:
         core = self._core
         core.in_flight += 1
-        streamed_tokens = 0
-        streamed_ids: list[int] = []  # n = 1: the output so far, what a resumption starts from
-        streamed_chars = 0
+        streamed_tokens = 0  # by this router, in this request
+        # n = 1: the output so far (a client's resumption included), what a resumption starts from
+        streamed_ids: list[int] = list(self._request.resume_token_ids)
+        streamed_chars = self._request.resume_text_chars
+        client_resumed_tokens = len(streamed_ids)  # received before this request: not charged again
         reroutes_left, resumptions_left = 1, core.config.router.max_stream_resumptions
         refusals_left = WORKER_REFUSAL_REROUTES
         final: RequestDelta | None = None
+        sample_usages: dict[int, Usage] = {}  # n > 1: each sample's final reports its own
         try:
             while True:
                 try:
@@ -499,6 +517,8 @@ class RequestStream:
                         streamed_chars += len(delta.text)
                         if delta.finished:
                             final = delta
+                            if delta.usage is not None:
+                                sample_usages[delta.sample_index] = delta.usage
                         yield dataclasses.replace(delta, request_id=self.request_id,
                                                   degraded=self.degraded if delta.finished else None)
                     return
@@ -553,8 +573,9 @@ class RequestStream:
             core.live_request_ids.discard(self._request.request_id)
             core._backlog.leave(self._request.tenant_id)
             self._ticket.release()
-            usage = final.usage if final is not None else None
-            used = usage.completion_tokens if usage is not None else streamed_tokens
+            usage = request_usage(list(sample_usages.values()))
+            # A sample that failed after streaming has no final usage: what reached the client counts.
+            used = max((usage.completion_tokens if usage is not None else 0) - client_resumed_tokens, streamed_tokens)
             reason = final.finish_reason if final else FinishReason.ERROR
             timed_out = isinstance(failure, DeadlineExceededError)
             if timed_out:

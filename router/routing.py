@@ -11,7 +11,7 @@
   (admission's in-flight accounting), so a burst between refreshes is not all sent to the
   one worker that looked idle;
 - mean_request_tokens: the mean tokens the router's recent admissions added to their
-  workers' load (each one's uncached cost where it went: `AdmissionController.
+  workers' load (each one's uncached cost where it went: `RouterAdmission.
   mean_admitted_tokens`, a `RequestSizeMeter`), which scales the absolute imbalance margin.
   It must be in the load's unit (below): a request's whole KV size (prompt + max_tokens)
   counts a cached prefix the load leaves out, and made the margin ~12 cache hits wide on the

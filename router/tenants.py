@@ -18,6 +18,14 @@ on purpose; the Authenticator caches verified keys so that cost is paid once per
 
 Tenant records stored by the admin CLI live next to the static ones from the config tree
 (`tenants.tenants`); the store wins when both name the same id.
+
+The registry is data that must outlive the store's process: keys are shown once, so a lost
+record means re-issuing a customer's key. Every write also sets a marker (Redis key
+`kvmesh:tenants:written`; for the YAML store, the file itself). A store read back with no
+records AND no marker has been wiped (a Redis restarted without persistence, a FLUSHALL),
+which `kvmesh tenants remove` can never produce; the Authenticator (router/auth.py) then
+keeps serving the registry it last read and writes it back with `restore`. Backups:
+`kvmesh tenants export` / `import` (deploy/cmd_tenants.py).
 """
 
 from __future__ import annotations
@@ -48,8 +56,10 @@ HASH_ITERATIONS = 100_000
 _SALT_BYTES = 8  # 16 hex chars: a lookup id as well as the salt
 _SECRET_BYTES = 32  # 256 bits of entropy per key
 
-# Redis layout of tenant records: one hash, field = tenant id, value = JSON of the record.
+# Redis layout of tenant records: one hash, field = tenant id, value = JSON of the record,
+# and a marker every write sets (the hash alone cannot tell "all removed" from "wiped").
 REDIS_TENANTS_KEY = "kvmesh:tenants"
+REDIS_REGISTRY_MARKER_KEY = "kvmesh:tenants:written"
 
 
 @dataclass(frozen=True)
@@ -160,13 +170,23 @@ def verify_api_key(api_key: str, stored: str) -> bool:
 
 # ---- where tenant records live -----------------------------------------------------------
 
+@dataclass(frozen=True)
+class StoreContents:
+    """One read of a tenant store."""
+
+    tenants: tuple[Tenant, ...]
+    ever_written: bool  # False: no registry at all here (a new store, or one that was wiped)
+
+
 class TenantStore(Protocol):
     """Tenant records the admin CLI manages (async: one may live in Redis)."""
 
     async def list(self) -> list[Tenant]: ...
+    async def read(self) -> StoreContents: ...
     async def get(self, tenant_id: str) -> Tenant | None: ...
     async def put(self, tenant: Tenant) -> None: ...
     async def remove(self, tenant_id: str) -> bool: ...
+    async def restore(self, tenants: list[Tenant]) -> int: ...
 
 
 class YamlTenantStore:
@@ -183,19 +203,38 @@ class YamlTenantStore:
         data = yaml.safe_load(self.path.read_text()) or {}
         return {t["id"]: Tenant.from_dict(t) for t in data.get("tenants", [])}
 
+    @staticmethod
+    def render(tenants: list[Tenant]) -> str:
+        return yaml.safe_dump({"tenants": [t.to_dict() for t in tenants]}, sort_keys=False)
+
+    def write_all(self, tenants: list[Tenant]) -> None:
+        """Replace the file's records with these (an export)."""
+        self._write({t.id: t for t in tenants})
+
     def _write(self, tenants: dict[str, Tenant]) -> None:
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-        text = yaml.safe_dump({"tenants": [t.to_dict() for t in tenants.values()]}, sort_keys=False)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
-            fh.write(text)
+            fh.write(self.render(list(tenants.values())))
         os.replace(tmp, self.path)
 
     async def list(self) -> list[Tenant]:
         return list(self._read().values())
 
+    async def read(self) -> StoreContents:
+        # exists() before reading: a file removed in between reads as wiped, never as written
+        written = self.path.exists()
+        return StoreContents(tuple(self._read().values()), ever_written=written)
+
     async def get(self, tenant_id: str) -> Tenant | None:
         return self._read().get(tenant_id)
+
+    async def restore(self, tenants: list[Tenant]) -> int:
+        """Write back the records that are missing (never overwrite one); how many were."""
+        current = self._read()
+        missing = [t for t in tenants if t.id not in current]
+        self._write({**current, **{t.id: t for t in missing}})
+        return len(missing)
 
     async def put(self, tenant: Tenant) -> None:
         tenants = self._read()
@@ -218,18 +257,37 @@ class RedisTenantStore:
         self._redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
 
     async def list(self) -> list[Tenant]:
-        records = await self._redis.hgetall(REDIS_TENANTS_KEY)
-        return [Tenant.from_dict(json.loads(v)) for _, v in sorted(records.items())]
+        return list((await self.read()).tenants)
+
+    async def read(self) -> StoreContents:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            records, marker = await pipe.hgetall(REDIS_TENANTS_KEY).exists(REDIS_REGISTRY_MARKER_KEY).execute()
+        tenants = tuple(Tenant.from_dict(json.loads(v)) for _, v in sorted(records.items()))
+        # Records without the marker: written before the marker existed; still a registry.
+        return StoreContents(tenants, ever_written=bool(marker) or bool(tenants))
 
     async def get(self, tenant_id: str) -> Tenant | None:
         raw = await self._redis.hget(REDIS_TENANTS_KEY, tenant_id)
         return None if raw is None else Tenant.from_dict(json.loads(raw))
 
     async def put(self, tenant: Tenant) -> None:
-        await self._redis.hset(REDIS_TENANTS_KEY, tenant.id, json.dumps(tenant.to_dict()))
+        async with self._redis.pipeline(transaction=True) as pipe:
+            await pipe.hset(REDIS_TENANTS_KEY, tenant.id, json.dumps(tenant.to_dict())) \
+                .set(REDIS_REGISTRY_MARKER_KEY, "1").execute()
 
     async def remove(self, tenant_id: str) -> bool:
-        return bool(await self._redis.hdel(REDIS_TENANTS_KEY, tenant_id))
+        async with self._redis.pipeline(transaction=True) as pipe:
+            removed, _ = await pipe.hdel(REDIS_TENANTS_KEY, tenant_id).set(REDIS_REGISTRY_MARKER_KEY, "1").execute()
+        return bool(removed)
+
+    async def restore(self, tenants: list[Tenant]) -> int:
+        """Write back the records that are missing (HSETNX: a record another replica or the
+        CLI wrote meanwhile wins); how many were written."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            for t in tenants:
+                pipe.hsetnx(REDIS_TENANTS_KEY, t.id, json.dumps(t.to_dict()))
+            written = await pipe.set(REDIS_REGISTRY_MARKER_KEY, "1").execute()
+        return sum(bool(w) for w in written[:-1])
 
     async def aclose(self) -> None:
         await self._redis.aclose()
@@ -243,13 +301,9 @@ def open_tenant_store(redis_url: str | None, yaml_path: str | Path | None) -> Te
     return None
 
 
-async def load_tenants(static: tuple[TenantConfig, ...], store: TenantStore | None) -> dict[str, Tenant]:
+def merge_tenants(static: tuple[TenantConfig, ...], stored: dict[str, Tenant]) -> dict[str, Tenant]:
     """Config tenants overlaid with the store's records (the store wins on the same id)."""
-    tenants = {c.id: Tenant.from_config(c) for c in static}
-    if store is not None:
-        for t in await store.list():
-            tenants[t.id] = t
-    return tenants
+    return {**{c.id: Tenant.from_config(c) for c in static}, **stored}
 
 
 def run_sync(coro):

@@ -50,7 +50,7 @@ def serving(config: KvmeshConfig, app_name: str, env: dict[str, str] | None = No
     os.environ.update(env or {})
     import ray
 
-    from kvmesh.deploy.cmd_serve import start_serving, stop_serving
+    from kvmesh.router.launch import start_serving, stop_serving
 
     # address="local": always a private cluster, never another engineer's running one.
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)

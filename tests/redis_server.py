@@ -4,6 +4,7 @@
     server.url                            # redis://127.0.0.1:<port>/0
     server.kill()                         # SIGKILL: a crash, not a clean shutdown
     server.restart()                      # same port, same dir (append-only file reloaded)
+    server.restart(empty=True)            # same port, data files deleted: a Redis without persistence
     server.stop()
 
 Persistence is the append-only file with `appendfsync always`, so a SIGKILL loses nothing
@@ -88,8 +89,14 @@ class RedisServer:
             self._proc.wait(timeout=10)
         self._proc = None
 
-    def restart(self) -> None:
+    def restart(self, empty: bool = False) -> None:
+        """Kill and start again on the same port; `empty` deletes the data files first, which is
+        what a Redis without persistence (or with its volume lost) comes back as."""
         self.kill()
+        if empty:
+            for path in self.data_dir.iterdir():
+                if path.name != "redis.log":
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
         self._launch()
 
     def stop(self) -> None:

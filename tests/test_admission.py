@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kvmesh.core.config import RouterConfig
-from kvmesh.router.admission import AdmissionController, cost_with_cached_prefix, request_cost_tokens
+from kvmesh.router.admission import RouterAdmission, cost_with_cached_prefix, request_cost_tokens
 from kvmesh.router.routing import choose_worker, is_spill
 from kvmesh.core.seams import SamplingParams, WorkerStats
 from kvmesh.core.errors import (DeadlineExceededError, DeadlineUnmeetableError, InvalidRequestError,
@@ -37,7 +37,7 @@ class FakeClock:
 
 def controller(workers, clock=None, wall_clock=time.time, **router):
     config = RouterConfig(**{"max_queue_len": 10, "retry_lane_fraction": 0.2, "max_queue_wait_s": 5.0, **router})
-    admission = AdmissionController(config, clock=clock or FakeClock(), wall_clock=wall_clock)
+    admission = RouterAdmission(config, clock=clock or FakeClock(), wall_clock=wall_clock)
     admission.update_stats(workers)
     return admission
 
@@ -496,11 +496,11 @@ def test_in_front_of_expected_output_workers_the_router_costs_a_request_as_the_w
     worker's reservation, where max_tokens would overstate it 4x."""
     from kvmesh.core.config import SchedulerConfig
     from kvmesh.kv.output_estimate import OutputLengthEstimator
-    from kvmesh.worker.engine_loop.admission import AdmissionController as WorkerAdmission
+    from kvmesh.worker.engine_loop.admission import EngineAdmission
     from kvmesh.worker.engine_loop.request import Request
 
     scheduler = SchedulerConfig(admission_reserve="expected", expected_output_floor_tokens=16)
-    worker = WorkerAdmission(scheduler, capacity_tokens=4096, block_size=16, clock=time.monotonic)
+    worker = EngineAdmission(scheduler, capacity_tokens=4096, block_size=16, clock=time.monotonic)
     router = OutputLengthEstimator(scheduler.expected_output_floor_tokens, scheduler.expected_output_quantile)
     for length in (20, 30, 25, 40, 35, 28, 22, 33, 27, 31):  # requests of tenant t that ended by themselves
         worker.estimator.observe("t", length)
@@ -517,7 +517,7 @@ def test_with_a_kept_kv_share_less_important_classes_fit_only_within_the_rest():
     """Capacity 1000, a quarter kept for class 0: classes >= 1 are admitted only while
     everything committed stays within 750."""
     async def main():
-        admission = AdmissionController(RouterConfig(max_queue_len=10, max_queue_wait_s=5.0), clock=FakeClock(),
+        admission = RouterAdmission(RouterConfig(max_queue_len=10, max_queue_wait_s=5.0), clock=FakeClock(),
                                         kv_reserved_fraction=0.25, kv_reserved_below_class=1)
         admission.update_stats([shared_stats("w0", reserved=600, shared=600)])
         low = await admission.acquire(150, priority_class=1)  # 600 + 150 <= 750
@@ -529,7 +529,7 @@ def test_with_a_kept_kv_share_less_important_classes_fit_only_within_the_rest():
         # 500 reserved, of which class 0 holds 200: the worker would take a class-1 request of
         # 400 (300 + 400 <= 750), the router does not (500 + 400 > 750): a quarter stays free
         # for the next class-0 arrival while class-0 requests run.
-        admission = AdmissionController(RouterConfig(max_queue_len=10, max_queue_wait_s=5.0), clock=FakeClock(),
+        admission = RouterAdmission(RouterConfig(max_queue_len=10, max_queue_wait_s=5.0), clock=FakeClock(),
                                         kv_reserved_fraction=0.25, kv_reserved_below_class=1)
         admission.update_stats([shared_stats("w0", reserved=500, shared=300)])
         with pytest.raises(OverloadedError):
@@ -550,7 +550,7 @@ def test_the_kept_share_admits_an_important_request_at_once_despite_the_flood_s_
     in the kept quarter is admitted on arrival, not after the next refresh."""
     async def main():
         clock = FakeClock()
-        admission = AdmissionController(RouterConfig(max_queue_len=10, max_queue_wait_s=5.0, stats_refresh_s=0.25),
+        admission = RouterAdmission(RouterConfig(max_queue_len=10, max_queue_wait_s=5.0, stats_refresh_s=0.25),
                                         clock=clock, kv_reserved_fraction=0.25, kv_reserved_below_class=1)
         admission.update_stats([shared_stats("w0", reserved=600, shared=600)], taken_at=100.0)
         await admission.acquire(150, priority_class=1)  # sent at 100.0: the flood now at 750
@@ -573,7 +573,7 @@ def test_an_important_request_is_let_past_what_less_important_classes_hold_when_
     it at once instead of queueing it until the flood drains; the flood stays held back."""
     async def main():
         def admission_for(preempting):
-            admission = AdmissionController(RouterConfig(max_queue_len=10, max_queue_wait_s=5.0), clock=FakeClock(),
+            admission = RouterAdmission(RouterConfig(max_queue_len=10, max_queue_wait_s=5.0), clock=FakeClock(),
                                             kv_reserved_fraction=kept_share, kv_reserved_below_class=1,
                                             workers_preempt_kv_reservations=preempting)
             # Full: class 1 holds 700 (and owes any reservation taken: still counted), class 0 300.

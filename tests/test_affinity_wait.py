@@ -9,7 +9,7 @@ import random
 import time
 
 from kvmesh.core.config import RouterConfig
-from kvmesh.router.admission import AdmissionController
+from kvmesh.router.admission import RouterAdmission
 from kvmesh.router.affinity_wait import AffinityHold, AffinityWaitOutcome
 from kvmesh.router.routing import preferred_workers
 from kvmesh.core.seams import WorkerStats
@@ -71,7 +71,7 @@ def test_holds_only_when_budget_alone_would_spill_and_only_for_affinity_wait_s()
 def _controller(workers, **router):
     clock = FakeClock()
     config = RouterConfig(**{"max_queue_wait_s": 5.0, "affinity_wait_s": 1.0, **router})
-    admission = AdmissionController(config, clock=clock)
+    admission = RouterAdmission(config, clock=clock)
     admission.update_stats(workers)
     return admission, clock, config
 

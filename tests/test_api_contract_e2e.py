@@ -137,6 +137,52 @@ def test_list_models_reports_the_validated_context_length(cluster, stub, http_ba
     assert code == grpc.StatusCode.INVALID_ARGUMENT and str(MODEL_LEN) in details
 
 
+def test_usage_with_n_2_is_per_sample_over_grpc_and_per_request_over_http(stub, http_base):
+    """proto Usage / docs/api.md: each sample's final message carries that sample's tokens;
+    the OpenAI response reports the request once, the samples' completions summed."""
+    sampling = pb.SamplingParams(max_tokens=5, n=2, temperature=1.0, seed=7, ignore_eos=True)
+    replies = list(stub.Generate(pb.GenerateRequest(prompt="Count with me", sampling=sampling), timeout=60))
+    for i in (0, 1):
+        [final] = [r for r in replies if r.finished and r.sample_index == i]
+        streamed = sum(len(r.token_ids) for r in replies if r.sample_index == i)
+        assert final.usage.completion_tokens == streamed == 5
+    body = {"prompt": "Count with me", "max_tokens": 5, "n": 2, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    whole = httpx.post(f"{http_base}/v1/completions", json=body, timeout=60).json()
+    assert len(whole["choices"]) == 2 and whole["usage"]["completion_tokens"] == 10
+    assert whole["usage"]["prompt_tokens"] == final.usage.prompt_tokens
+    chunks = [json.loads(line[len("data: "):]) for line in httpx.post(
+        f"{http_base}/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        timeout=60).text.splitlines() if line.startswith("data: {")]
+    assert [c["usage"]["completion_tokens"] for c in chunks if c.get("usage")] == [10]
+
+
+def test_a_resumed_request_streams_exactly_the_missing_rest(stub):
+    """proto GenerateRequest 9-10: what a client whose stream broke off sends again. Greedy:
+    the rest is the reference's rest, token for token and character for character."""
+    reference = list(stub.Generate(_request("Resume me", max_tokens=12), timeout=60))
+    ref_ids = [t for r in reference for t in r.token_ids]
+    ref_text = "".join(r.text for r in reference)
+    assert len(ref_ids) == 12
+    # Break off after whole messages (a message may carry several tokens when paced).
+    cuts = [(sum(len(r.token_ids) for r in reference[:m]), "".join(r.text for r in reference[:m]))
+            for m in range(1, len(reference))]
+    cuts = [cut for cut in cuts if 0 < cut[0] < 12]
+    assert cuts
+    for k, first_text in {cuts[0][0]: cuts[0], cuts[-1][0]: cuts[-1], cuts[len(cuts) // 2][0]: cuts[len(cuts) // 2]}.values():
+        request = _request("Resume me", max_tokens=12)
+        request.resume_token_ids.extend(ref_ids[:k])
+        request.resume_text_chars = len(first_text)
+        rest = list(stub.Generate(request, timeout=60))
+        assert [t for r in rest for t in r.token_ids] == ref_ids[k:]
+        assert first_text + "".join(r.text for r in rest) == ref_text
+        assert rest[-1].usage.completion_tokens == 12
+    for bad, why in (({"n": 2}, "n = 1"), ({}, "leave nothing")):
+        request = _request("Resume me", max_tokens=3, **bad)
+        request.resume_token_ids.extend(ref_ids[:3])
+        code, details, _ = _status(lambda: stub.Generate(request, timeout=30))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and why in details, details
+
+
 # ---- 4. non-finite / out-of-range sampling values; the n ceiling -----------------------------
 
 @pytest.mark.parametrize("sampling", [

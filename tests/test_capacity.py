@@ -234,3 +234,26 @@ def test_cli_rejects_unknown_dtype():
     with pytest.raises(SystemExit) as exc:
         parser.parse_args(["capacity", "--layers", "1", "--kv-heads", "1", "--head-dim", "1", "--kv-dtype", "int3"])
     assert exc.value.code == 2
+
+
+def test_cli_device_split_counts_the_self_draft_as_a_worker_plans_it(capsys):
+    """`kvmesh capacity` shows the split a worker exports (kvmesh_memory_planned_bytes{part}):
+    with a self-draft its int8 weights and a draft KV pool of as many blocks as the target's
+    share the budget, and the parts never add up to more than device x utilization."""
+    args = ["--layers", "16", "--kv-heads", "8", "--head-dim", "64", "--hidden", "2048", "--params", "1.2e9",
+            "--device-gib", "24", "--utilization", "0.8", "--reserved-gib", "2", "--json"]
+    rc, out, _ = run_cli(args, capsys)
+    plain = json.loads(out)
+    rc2, out2, _ = run_cli(args + ["--speculative", "self_draft"], capsys)
+    drafted = json.loads(out2)
+    assert rc == rc2 == 0
+    budget = int(24 * 0.8 * GIB)
+    for result in (plain, drafted):
+        assert sum(result["device_split"].values()) <= budget
+    assert plain["device_split"]["kv_pool"] == plain["plan"]["num_blocks"] * 16 * plain["plan"]["kv_bytes_per_token"]
+    assert plain["device_split"]["draft_weights"] == plain["device_split"]["draft_kv_pool"] == 0
+    split = drafted["device_split"]
+    assert split["draft_weights"] == pytest.approx(split["weights"] / 2, rel=0.02)  # int8 of fp16, plus scales
+    blocks = drafted["device_split_blocks"]
+    assert blocks["draft_kv_pool"] == blocks["kv_pool"] and split["draft_kv_pool"] == split["kv_pool"]
+    assert blocks["kv_pool"] < plain["device_split_blocks"]["kv_pool"] / 2  # the draft's share came off the pool

@@ -65,7 +65,8 @@ class ScriptedKvmesh(pb_grpc.KvmeshServicer):
         if script == "slow":
             await asyncio.sleep(5)
         try:
-            for i, word in enumerate(WORDS):
+            # A resumed request continues after the tokens it says it has (one token per word).
+            for i, word in list(enumerate(WORDS))[len(inp.resume_token_ids):]:
                 if script == "unavailable_mid" and attempt == 1 and i == 2:
                     await status_map.abort_grpc(context, WorkerFailedError("worker died mid-stream"))
                 if script == "hang" and i == 1:
@@ -191,8 +192,24 @@ def test_failure_before_any_token_is_retried_transparently(server):
     assert collect_text(deltas) == "".join(WORDS)
 
 
-def test_mid_stream_failure_raises_by_default_and_restarts_when_asked(server):
+def test_mid_stream_failure_resumes_with_what_was_received_no_token_twice(server):
     with KvmeshClient(server.target, retry_policy=FAST) as client:
+        deltas = list(client.generate("unavailable_mid", request_id="r-resume"))
+    assert not any(isinstance(d, StreamRestart) for d in deltas)
+    assert [t for d in deltas for t in d.token_ids] == list(range(len(WORDS)))  # none missing, none twice
+    assert collect_text(deltas) == "".join(WORDS)
+    first, second = [call[3] for call in server.servicer.calls["r-resume"]]
+    assert first.resume_token_ids == () and second.resume_token_ids == (0, 1)
+    assert second.resume_text_chars == len(WORDS[0] + WORDS[1])
+    assert second.prompt == first.prompt and second.sampling == first.sampling
+    # n > 1 is never resumed (which sample would it continue?): it raises as before.
+    with KvmeshClient(server.target, retry_policy=FAST) as client:
+        with pytest.raises(WorkerFailedError):
+            list(client.generate("unavailable_mid", request_id="r-resume-n2", sampling=SamplingParams(n=2)))
+
+
+def test_mid_stream_failure_raises_without_resumption_and_restarts_when_asked(server):
+    with KvmeshClient(server.target, retry_policy=FAST, resume_mid_stream=False) as client:
         received = []
         with pytest.raises(WorkerFailedError) as info:
             for delta in client.generate("unavailable_mid", request_id="r-mid"):
@@ -200,7 +217,7 @@ def test_mid_stream_failure_raises_by_default_and_restarts_when_asked(server):
     assert info.value.tokens_received == 2 and len(received) == 2
     assert len(server.servicer.calls["r-mid"]) == 1
 
-    with KvmeshClient(server.target, retry_policy=FAST, restart_mid_stream=True) as client:
+    with KvmeshClient(server.target, retry_policy=FAST, restart_mid_stream=True, resume_mid_stream=False) as client:
         items = list(client.generate("unavailable_mid", request_id="r-mid-restart"))
     restarts = [i for i in items if isinstance(i, StreamRestart)]
     assert len(restarts) == 1 and restarts[0].attempt == 2
@@ -277,9 +294,8 @@ def test_async_client_streams_retries_and_cancels(server):
             assert [c[0] for c in server.servicer.calls["a-over"]] == [1, 2]
             assert server.servicer.calls["a-over"][1][1].api_key == "sk-async"
 
-            with pytest.raises(WorkerFailedError):
-                async for _ in client.generate("unavailable_mid", request_id="a-mid"):
-                    pass
+            resumed = [d async for d in client.generate("unavailable_mid", request_id="a-mid")]
+            assert [t for d in resumed for t in d.token_ids] == list(range(len(WORDS)))
 
             async def consume():
                 async for _ in client.generate("hang", request_id="a-hang"):

@@ -8,7 +8,7 @@ import pytest
 
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import FinishReason, GenerateRequest, RequestDelta, SamplingParams
-from kvmesh.deploy.cmd_serve import machine_topology
+from kvmesh.router.launch import machine_topology
 from kvmesh.load_tests.null_engine import NullEngine
 from kvmesh.worker.runtime.async_engine import AsyncEngine
 from kvmesh.worker.runtime.delta_channel import DeltaChannel

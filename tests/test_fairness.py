@@ -8,20 +8,15 @@ floods) and sends 4x the light tenant's requests, for LOAD_S seconds, through th
 open-loop rate derived from a measured capacity stopped being an overload once when the
 shared machine sped up between the measurement and the flood.)
 
-SLO, and why. A request of the light tenant under load must wait for one of the
-max_num_seqs batch slots to free (equal priority: running requests are not preempted for
-it). With k = max_num_seqs running requests at uniformly spread progress through a decode
-time D, the first slot frees after the minimum of k uniform residuals, whose 90th
-percentile is D x (1 - 0.1^(1/k)). So the best any scheduler can give at P90 is about
-
-    unloaded TTFT + D x (1 - 0.1^(1/k))
-
-and we require the light tenant's P90 TTFT under load to be within 3x of that (slack for a
-shared CPU and the router's own work under load). A FIFO engine queue instead makes the
-light request wait behind the heavy tenant's whole backlog, 5 x max_num_seqs queued
-requests, about 5 D (an open-loop flood measured once with the fair rank switched off: light
-P90 TTFT 51.5 s); the heavy tenant's own TTFT shows that backlog, and the light tenant must
-be far below it.
+What is checked, and why by order. A request of the light tenant under load must wait for one
+of the max_num_seqs batch slots to free (equal priority: running requests are not preempted
+for it); with fair ranks (router/fairness.py) it then takes the next free slot, ahead of the
+heavy tenant's queued backlog (about HEAVY_IN_FLIGHT - max_num_seqs requests at any moment).
+A FIFO engine queue instead makes it wait behind that whole backlog (an open-loop flood
+measured once with the fair rank switched off: light P90 TTFT 51.5 s). So the test counts,
+for each light request, the heavy requests sent before it that got their first token after
+it: FIFO gives about none, fair ranks about the whole backlog. Events are numbered in the
+order the client sees them; no duration is compared (durations on a shared machine flake).
 
 Router admission is given a KV budget larger than the run's backlog, so the queue being
 tested is the engine's (router/fairness.py gives it per-tenant fair ranks).
@@ -30,8 +25,9 @@ tested is the engine's (router/fairness.py gives it per-tenant fair ranks).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import statistics
-import time
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -77,13 +73,21 @@ def cluster(tiny_model_dir):
         yield config
 
 
+@dataclass
+class _Record:
+    tenant: str
+    sent: int  # event numbers, in the order the client saw the events
+    first_token: int | None = None
+
+
 class _Client:
     """Open-loop gRPC streams on one asyncio loop (no thread per stream, so the client never
-    queues requests itself); records (tenant, TTFT s, end-to-end s)."""
+    queues requests itself); numbers each send and each first token in the order seen."""
 
     def __init__(self, stub):
         self._stub = stub
-        self.results: list[tuple[str, float, float]] = []
+        self._events = itertools.count()
+        self.records: list[_Record] = []
         self.failures: list[str] = []
         self._seq = 0
 
@@ -91,15 +95,14 @@ class _Client:
         self._seq += 1
         ids = [1000 + (self._seq * 97 + j) % 40000 for j in range(PROMPT_TOKENS)]  # distinct: no cache hits
         sampling = pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-        sent = time.perf_counter()
+        record = _Record(tenant, next(self._events))
         call = self._stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids), sampling=sampling),
                                    metadata=(("authorization", f"Bearer {KEYS[tenant]}"),), timeout=120)
-        ttft = None
         try:
             async for delta in call:
-                if ttft is None and delta.token_ids:
-                    ttft = time.perf_counter() - sent
-            self.results.append((tenant, ttft, time.perf_counter() - sent))
+                if record.first_token is None and delta.token_ids:
+                    record.first_token = next(self._events)
+            self.records.append(record)
         except asyncio.CancelledError:
             call.cancel()
             raise
@@ -108,69 +111,60 @@ class _Client:
 
 
 async def _run_load(port: int) -> dict:
-    """Unloaded light requests, then the flood; returns the figures the test asserts on."""
+    """A warm-up request, then the flood; returns what the test asserts on."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         client = _Client(kvmesh_pb2_grpc.KvmeshStub(channel))
-        for _ in range(6):  # unloaded: one request at a time
-            await client.request("light")
-        assert len(client.results) == 6 and not client.failures, client.failures
-        ttft_0 = statistics.median(r[1] for r in client.results[1:])  # the first one warms up
-        e2e_0 = statistics.median(r[2] for r in client.results[1:])
-        client.results.clear()
+        await client.request("light")  # warm-up (first-use costs), not counted
+        assert len(client.records) == 1 and not client.failures, client.failures
+        client.records.clear()
         light_tasks: list[asyncio.Task] = []
         num_heavy_sent = 0
-        start = time.perf_counter()
+        flooding = True
 
         async def heavy_user() -> None:
             # Closed loop: each heavy user sends its next request as soon as one ends, so
             # HEAVY_IN_FLIGHT requests are always outstanding, whatever the CPU's speed.
             nonlocal num_heavy_sent
-            while time.perf_counter() - start < LOAD_S:
+            while flooding:
                 num_heavy_sent += 1
                 if num_heavy_sent % HEAVY_TO_LIGHT == 0:  # one light request per HEAVY_TO_LIGHT heavy ones
                     light_tasks.append(asyncio.create_task(client.request("light")))
                 await client.request("heavy")
 
         heavy_users = [asyncio.create_task(heavy_user()) for _ in range(HEAVY_IN_FLIGHT)]
-        await asyncio.sleep(LOAD_S)
+        await asyncio.sleep(LOAD_S)  # how long the flood lasts (nothing is timed)
+        flooding = False
         # The light tenant's requests all finish; then the heavy backlog is dropped.
-        await asyncio.wait_for(asyncio.gather(*light_tasks), timeout=60)
+        await asyncio.wait_for(asyncio.gather(*light_tasks), timeout=120)
         for task in heavy_users:
             task.cancel()
         await asyncio.gather(*heavy_users, return_exceptions=True)
-    return dict(client=client, ttft_0=ttft_0, e2e_0=e2e_0, heavy_rate=num_heavy_sent / LOAD_S,
-                num_light_sent=len(light_tasks))
+    return dict(client=client, num_light_sent=len(light_tasks), num_heavy_sent=num_heavy_sent)
 
 
-def _p(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+def overtaken(light: _Record, heavy: list[_Record]) -> int:
+    """Heavy requests sent before `light` whose first token came after its first token."""
+    return sum(h.sent < light.sent and (h.first_token is None or h.first_token > light.first_token) for h in heavy)
 
 
 @pytest.mark.e2e
-def test_light_tenant_meets_ttft_slo_while_heavy_floods(cluster):
+def test_light_tenant_overtakes_the_heavy_backlog_while_heavy_floods(cluster):
     run = asyncio.run(_run_load(cluster.router.grpc_port))
-    client, ttft_0, e2e_0, heavy_rate = run["client"], run["ttft_0"], run["e2e_0"], run["heavy_rate"]
-    light = [r for r in client.results if r[0] == "light"]
-    heavy = [r for r in client.results if r[0] == "heavy"]
+    client = run["client"]
+    light = [r for r in client.records if r.tenant == "light"]
+    heavy = [r for r in client.records if r.tenant == "heavy"]
     # The light tenant is never refused; the flood may be (overload), never failed otherwise.
     assert not [f for f in client.failures if not f.endswith("RESOURCE_EXHAUSTED")], client.failures
     assert not [f for f in client.failures if f.startswith("light")], client.failures
-    assert len(light) == run["num_light_sent"]
-    decode_load = statistics.median(r[2] - r[1] for r in light + heavy)
-    slo = 3.0 * (ttft_0 + decode_load * (1.0 - 0.1 ** (1.0 / MAX_NUM_SEQS)))
-    light_p90 = _p([r[1] for r in light], 0.9)
-    heavy_p50 = _p([r[1] for r in heavy], 0.5) if heavy else float("nan")
-    figures = (f"heavy sent {heavy_rate:.1f}/s ({HEAVY_IN_FLIGHT} outstanding), light {heavy_rate / HEAVY_TO_LIGHT:.2f}/s "
-               f"over {LOAD_S:.0f}s; "
-               f"unloaded TTFT {ttft_0 * 1e3:.0f} ms, e2e {e2e_0 * 1e3:.0f} ms; decode under load "
-               f"{decode_load * 1e3:.0f} ms; light P50 TTFT {_p([r[1] for r in light], 0.5) * 1e3:.0f} ms, P90 {light_p90 * 1e3:.0f} ms (SLO {slo * 1e3:.0f} ms, "
-               f"n={len(light)}); heavy P50 TTFT {heavy_p50 * 1e3:.0f} ms (n={len(heavy)} finished)")
-    print(figures)  # shown with -s; the figures go in the issue note
-    assert light_p90 <= slo, figures
-    # The flood really queued: heavy requests waited far longer than the light tenant did,
-    # median against median. (It compared the light P90, the 11th of ~12 requests, and failed
-    # once in a full run under a CPU-heavy neighbour: light P50 705 ms, P90 1507 ms, heavy P50
-    # 2096 ms, i.e. 3.0x the light median; the light tail is bounded by the SLO line above.)
-    light_p50 = _p([r[1] for r in light], 0.5)
-    assert heavy_p50 > 2 * light_p50, figures
+    assert len(light) == run["num_light_sent"] and all(r.first_token is not None for r in light)
+    # Heavy requests that never finished (dropped when the flood stopped) still count as
+    # "not started before": their records are not in `heavy`, so they only lower the count.
+    # The backlog stands once the flood's first HEAVY_IN_FLIGHT requests are out; the light
+    # requests sent while it was forming have less to overtake and are not counted.
+    flood_out = sorted(h.sent for h in heavy)[HEAVY_IN_FLIGHT - 1]
+    counts = sorted(overtaken(r, heavy) for r in light if r.sent > flood_out)
+    assert counts, "no light request was sent under the whole flood"
+    backlog = HEAVY_IN_FLIGHT - MAX_NUM_SEQS
+    print(f"heavy sent {run['num_heavy_sent']} ({HEAVY_IN_FLIGHT} outstanding), light {len(light)}; "
+          f"heavy requests each light one overtook: {counts} (backlog about {backlog})")
+    assert statistics.median(counts) >= backlog / 2, counts

@@ -24,8 +24,11 @@ def test_dry_run_writes_every_section_in_the_gpu_schema(tmp_path):
     assert results["dry_run"] is True and "schema_problems" not in results
     assert gpu_check.validate_results(results) == []
     assert [k for k in results if isinstance(results[k], dict)] == ["environment", "quant_gemm", "fused_ops",
-                                                                    "engine_decode"]
-    assert all(results[k]["ok"] for k in ("environment", "quant_gemm", "fused_ops", "engine_decode"))
+                                                                    "engine_decode", "memory_plan"]
+    assert all(results[k]["ok"] for k in ("environment", "quant_gemm", "fused_ops", "engine_decode", "memory_plan"))
+    plan = results["memory_plan"]  # CPU: the self-draft's pool as large as the target's, in the split
+    assert plan["num_draft_blocks"] == plan["num_blocks"] == 64
+    assert plan["split_bytes"]["draft_kv_pool"] == plan["split_bytes"]["kv_pool"] > 0
 
     gemm = results["quant_gemm"]["rows"]
     assert {(r["kernel"], r["m"]) for r in gemm} == {(k, m) for k in ("w4a16", "w8a16") for m in (1, 16, 128)}

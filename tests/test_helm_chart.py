@@ -14,6 +14,7 @@ import dataclasses
 import json
 import shutil
 import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -26,6 +27,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from kvmesh.core import config as config_module  # noqa: E402
 from kvmesh.core.config import KvmeshConfig  # noqa: E402
+from kvmesh.worker.parallel.placement import engine_total  # noqa: E402
 from kvmesh.deploy.serve_config import (API_KEY_HASHES_FILE_ENV, REDIS_URL_ENV,  # noqa: E402
                                         SERVE_APP_IMPORT_PATH, config_field_paths,
                                         config_from_serve_args, kvmesh_config_from_serve_config)
@@ -198,7 +200,7 @@ def test_service_monitor_scrapes_the_metrics_service(chart):
 
 
 def test_grafana_dashboard_configmap_carries_the_generated_dashboard(chart):
-    """The ConfigMap holds exactly the generated dashboard (which equals the deploy/ copy),
+    """The ConfigMap holds exactly the generated dashboard (the chart's copy, the only one),
     with the sidecar's label, and the dashboard passes the dashboard JSON schema: a row per
     layer plus tenants and routing, no overlapping panels, unique ids."""
     from kvmesh.deploy import grafana_dashboard
@@ -208,8 +210,7 @@ def test_grafana_dashboard_configmap_carries_the_generated_dashboard(chart):
     kubernetes_validate.validate(configmap, K8S_VERSION, strict=True)
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
     text = grafana_dashboard.dashboard_json()
-    assert [path.read_text() for path in grafana_dashboard.OUTPUTS] == [text, text], \
-        "run python -m kvmesh.deploy.grafana_dashboard"
+    assert grafana_dashboard.CHART_COPY.read_text() == text, "run python -m kvmesh.deploy.grafana_dashboard"
     dashboard = json.loads(configmap["data"]["kvmesh.json"])
     assert dashboard == grafana_dashboard.build_dashboard()
     jsonschema.Draft7Validator(json.loads(DASHBOARD_SCHEMA.read_text())).validate(dashboard)
@@ -221,6 +222,19 @@ def test_grafana_dashboard_configmap_carries_the_generated_dashboard(chart):
              for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])]
     assert len(cells) == len(set(cells)), "panels overlap"
     assert "ConfigMap" not in {d["kind"] for d in _render(chart, {}).docs()}  # off by default
+
+
+def test_one_committed_dashboard_and_the_hand_import_prints_the_same_bytes():
+    """The chart holds the one committed copy (Helm reads only inside the chart); an import by
+    hand takes `python -m kvmesh.deploy.grafana_dashboard --stdout`, byte for byte that copy."""
+    from kvmesh.deploy import grafana_dashboard
+
+    committed = sorted(str(p.relative_to(REPO)) for p in REPO.rglob("*.json")
+                       if ".venv" not in p.parts and '"uid": "kvmesh-overview"' in p.read_text())
+    assert committed == ["helm/kvmesh/dashboards/kvmesh.json"]
+    printed = subprocess.run([sys.executable, "-P", "-m", "kvmesh.deploy.grafana_dashboard", "--stdout"],
+                             capture_output=True, text=True, check=True, timeout=60).stdout
+    assert printed == grafana_dashboard.CHART_COPY.read_text()
 
 
 def _prometheus_rule(chart, values: dict | None = None) -> dict:
@@ -237,7 +251,7 @@ def test_prometheus_rule_validates_and_has_the_six_alerts(chart):
     alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
     assert set(alerts) == {"KvmeshKvCacheUsageHigh", "KvmeshQueueTimeP99OverSlo", "KvmeshShedRateHigh",
                            "KvmeshWorkerRestarted", "KvmeshRedisFallbackActive", "KvmeshPreemptionStorm",
-                           "KvmeshOutOfMemory"}
+                           "KvmeshOutOfMemory", "KvmeshTenantRegistryRestored", "KvmeshTenantRegistryStale"}
     kv = alerts["KvmeshKvCacheUsageHigh"]
     assert kv["expr"].endswith("> 0.8") and kv["for"] == "15m"  # the values reach the rule
     assert alerts["KvmeshShedRateHigh"]["expr"].rstrip().endswith("> 0.1")
@@ -448,6 +462,11 @@ CROSS_FIELD_BAD = [
       "kvmesh": {"tenants": {"tenants": [{"id": "a", "api_key_hashes": ["sha256$s$ab"]}]}}},
      "api_key_hashes must be empty"),
     ({"modelVolume": {"enabled": True}}, "existingClaim"),
+    ({"tls": {"secretName": "router-tls"}, "serve": {"grpcServicerFunctions": ["my.servicer:add"]}},
+     "plaintext only"),  # a Serve gRPC proxy asked for next to TLS
+    ({"tls": {"secretName": "router-tls"}, "serve": {"grpcServicerFunctions": []},
+      "kvmesh": {"router": {"tls": {"cert_file": "/c", "key_file": "/k"}}}}, "must be null when tls.secretName"),
+    ({"gcsFaultTolerance": {"enabled": True}}, "redisAddress"),
 ]
 
 
@@ -460,30 +479,62 @@ def test_cross_field_mistakes_fail_the_render(chart, bad, message):
 # ---- what the manifests say: Ray resources, Services, Secrets, Redis, PDB ------------
 
 
+def test_ray_token_auth_is_on_and_tls_comes_from_a_secret(chart):
+    assert _render(chart, {}).one("RayService")["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token"}
+    out = _render(chart, {"tls": {"secretName": "router-tls"}, "serve": {"grpcServicerFunctions": []},
+                          "rayAuth": {"secretName": "ray-token"},
+                          "gcsFaultTolerance": {"enabled": True, "redisAddress": "redis-ha:6379",
+                                                "redisPasswordSecret": {"name": "redis-ha", "key": "pw"}}})
+    rayservice = out.one("RayService")
+    errors = list(_rayservice_validator().iter_errors(rayservice))
+    assert not errors, [f"{list(e.path)}: {e.message}" for e in errors[:5]]
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token", "secretName": "ray-token"}
+    assert cluster["gcsFaultToleranceOptions"]["redisAddress"] == "redis-ha:6379"
+    assert cluster["gcsFaultToleranceOptions"]["redisPassword"]["valueFrom"]["secretKeyRef"] == {
+        "name": "redis-ha", "key": "pw"}
+    for group in (cluster["headGroupSpec"], cluster["workerGroupSpecs"][0]):
+        pod = group["template"]["spec"]
+        volume = next(v for v in pod["volumes"] if v["name"] == "tls")
+        assert volume["secret"]["secretName"] == "router-tls"
+        mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "tls")
+        assert mount == {"name": "tls", "mountPath": "/etc/kvmesh/tls", "readOnly": True}
+    serve = out.serve_config()
+    assert serve["http_options"]["ssl_certfile"] == "/etc/kvmesh/tls/tls.crt"
+    assert serve["http_options"]["ssl_keyfile"] == "/etc/kvmesh/tls/tls.key"
+    router_tls = serve["applications"][0]["args"]["router"]["tls"]
+    assert (router_tls["cert_file"], router_tls["key_file"]) == ("/etc/kvmesh/tls/tls.crt", "/etc/kvmesh/tls/tls.key")
+    assert "grpc_options" not in serve
+
+
 def _groups(rendered: Rendered) -> tuple[dict, dict]:
     cluster = rendered.one("RayService")["spec"]["rayClusterConfig"]
     return cluster["headGroupSpec"], cluster["workerGroupSpecs"][0]
 
 
 def test_one_engine_per_worker_pod(rendered):
+    """A worker pod holds exactly what one engine's placement asks of Ray (one bundle per TP
+    rank, worker/parallel/placement.py): its GPUs, or its custom-resource units."""
     values = rendered.values
-    parallel = values["kvmesh"]["parallel"]
-    tp = parallel["tensor_parallel_size"]
+    parallel = kvmesh_config_from_serve_config(rendered.serve_config()).parallel
+    need = engine_total(parallel)
+    tp = parallel.tensor_parallel_size
     head, workers = _groups(rendered)
     limits = workers["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert head["rayStartParams"]["num-gpus"] == "0"
     # one pod per engine: the main ones and the degradation ladder's fallback pool
-    assert workers["replicas"] == parallel["num_workers"] + values["kvmesh"]["degradation"]["fallback_pool"]["num_workers"]
-    if parallel["worker_resource"] == "GPU":
+    assert workers["replicas"] == parallel.num_workers + values["kvmesh"]["degradation"]["fallback_pool"]["num_workers"]
+    if parallel.worker_resource == "GPU":
         gpu = values["workers"]["gpuResourceName"]
-        assert workers["rayStartParams"]["num-gpus"] == str(tp)
-        assert limits[gpu] == str(tp)
-        assert workers["template"]["spec"]["containers"][0]["resources"]["requests"][gpu] == str(tp)
+        assert need["GPU"] == tp
+        assert workers["rayStartParams"]["num-gpus"] == f"{need['GPU']:g}"
+        assert limits[gpu] == f"{need['GPU']:g}"
+        assert workers["template"]["spec"]["containers"][0]["resources"]["requests"][gpu] == f"{need['GPU']:g}"
     else:
-        assert "num-gpus" not in workers["rayStartParams"]
+        assert "num-gpus" not in workers["rayStartParams"] and "GPU" not in need
         assert not any(k.endswith("/gpu") for k in limits)
         custom = json.loads(json.loads(workers["rayStartParams"]["resources"]))
-        assert custom == {parallel["worker_resource"]: tp}
+        assert custom == {parallel.worker_resource: need[parallel.worker_resource]} == {parallel.worker_resource: tp}
 
 
 def test_router_replicas_run_on_the_head_where_the_grpc_port_is_served(rendered):
@@ -551,6 +602,16 @@ def test_redis_modes(rendered):
         labels = statefulset["spec"]["template"]["metadata"]["labels"].items()
         assert rendered.one("Service", "-redis")["spec"]["selector"].items() <= labels
         assert statefulset["spec"]["selector"]["matchLabels"].items() <= labels
+
+
+def test_bundled_redis_keeps_its_data_by_default(chart):
+    """The tenant registry lives in it: an append-only file on a PVC unless turned off."""
+    statefulset = _render(chart, {"redis": {"mode": "bundled"}}).one("StatefulSet")
+    args = statefulset["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    assert [c["metadata"]["name"] for c in statefulset["spec"]["volumeClaimTemplates"]] == ["data"]
+    off = _render(chart, {"redis": {"mode": "bundled", "bundled": {"persistence": {"enabled": False}}}})
+    assert "volumeClaimTemplates" not in off.one("StatefulSet")["spec"]
 
 
 def test_existing_secrets_are_referenced_not_created(chart, tmp_path):

@@ -5,7 +5,7 @@ import pytest
 from kvmesh.core.config import SchedulerConfig
 from kvmesh.kv.kv_cost import blocks_for_tokens, request_kv_tokens
 from kvmesh.router.admission import request_cost_tokens
-from kvmesh.worker.engine_loop.admission import AdmissionController
+from kvmesh.worker.engine_loop.admission import EngineAdmission
 from kvmesh.core.seams import SamplingParams
 from kvmesh.worker.engine_loop.request import Request
 
@@ -27,7 +27,7 @@ def test_block_rounding_n_and_cached_prefix():
 def test_router_and_worker_agree(prompt, max_tokens, n):
     block_size = 16
     sampling = SamplingParams(max_tokens=max_tokens, n=n)
-    worker = AdmissionController(SchedulerConfig(), capacity_tokens=1 << 20, block_size=block_size,
+    worker = EngineAdmission(SchedulerConfig(), capacity_tokens=1 << 20, block_size=block_size,
                                  clock=lambda: 0.0)
     child = Request.__new__(Request)
     child.prompt_token_ids = list(range(prompt))

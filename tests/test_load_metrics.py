@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kvmesh.load_tests.driver import RetryPolicy, error_code
+from kvmesh.load_tests.driver import DriverRetryPolicy, error_code
 from kvmesh.load_tests.metrics import (SLO, Distribution, RequestRecord, summarize,
                                        summary_from_json)
 from kvmesh.load_tests.server_metrics import metric_role, parse_prometheus_sample
@@ -121,16 +121,16 @@ def test_empty_and_all_failed_runs():
 
 def test_retry_policies():
     rng = random.Random(0)
-    assert RetryPolicy("naive").delay_s(3, None, rng) == 0.0
-    backoff = RetryPolicy("backoff", base_delay_s=0.1, max_delay_s=1.0)
+    assert DriverRetryPolicy("naive").delay_s(3, None, rng) == 0.0
+    backoff = DriverRetryPolicy("backoff", base_delay_s=0.1, max_delay_s=1.0)
     delays = [backoff.delay_s(a, None, rng) for a in (1, 2, 3, 4, 5, 6) for _ in range(200)]
     assert all(0 <= d <= 1.0 for d in delays)
     assert max(delays[:200]) <= 0.1 and max(delays[-200:]) > 0.5  # grows to the cap, jittered
     assert all(2.5 <= backoff.delay_s(1, 2.5, rng) <= 2.6 for _ in range(50))  # retry_after + jitter
     with pytest.raises(InvalidRequestError):
-        RetryPolicy("backoff", base_delay_s=2.0, max_delay_s=1.0).validate()
+        DriverRetryPolicy("backoff", base_delay_s=2.0, max_delay_s=1.0).validate()
     with pytest.raises(InvalidRequestError):
-        RetryPolicy("storm").validate()
+        DriverRetryPolicy("storm").validate()
 
 
 def test_error_codes():

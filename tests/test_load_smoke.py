@@ -161,7 +161,7 @@ class VirtualClock:
 def test_trace_requests_are_sent_at_their_offsets(tiny):
     from kvmesh.load_tests.arrivals import ArrivalSpec
     from kvmesh.load_tests.corpus import TokenCorpus
-    from kvmesh.load_tests.driver import RequestStream, RetryPolicy, RunDriver
+    from kvmesh.load_tests.driver import DriverRetryPolicy, RunDriver, TenantStream
     from kvmesh.load_tests.targets import EngineTarget
     from kvmesh.load_tests.workloads import WorkloadRequest
 
@@ -175,8 +175,8 @@ def test_trace_requests_are_sent_at_their_offsets(tiny):
         target = EngineTarget(_defaults(model_dir)["config"])
         await target.start()
         try:
-            driver = RunDriver(target, RetryPolicy("none"), progress=False, clock=clock, sleep=clock.sleep)
-            return await driver.run([RequestStream(requests, ArrivalSpec("trace"))])
+            driver = RunDriver(target, DriverRetryPolicy("none"), progress=False, clock=clock, sleep=clock.sleep)
+            return await driver.run([TenantStream(requests, ArrivalSpec("trace"))])
         finally:
             await target.close()
 
@@ -195,7 +195,7 @@ def test_cluster_target_over_grpc_and_openai_http(tiny, tmp_path):
 
     from kvmesh.load_tests.arrivals import ArrivalSpec
     from kvmesh.load_tests.corpus import TokenCorpus
-    from kvmesh.load_tests.driver import RequestStream, RetryPolicy, RunDriver
+    from kvmesh.load_tests.driver import DriverRetryPolicy, RunDriver, TenantStream
     from kvmesh.load_tests.grpc_target import ClusterTarget
     from kvmesh.load_tests.metrics import summarize
     from kvmesh.load_tests.targets import OpenAIHttpTarget
@@ -206,10 +206,10 @@ def test_cluster_target_over_grpc_and_openai_http(tiny, tmp_path):
     config["parallel"].update(num_workers=1, worker_num_cpus=0.5)
     config["router"] = {"host": "127.0.0.1", "stats_refresh_s": 0.1}
     requests = tuple(generate_workload(WorkloadSpec(num_requests=6, scale=0.04, seed=3), TokenCorpus(tokenizer)))
-    streams = [RequestStream(requests, ArrivalSpec("poisson", rate=20, seed=3))]
+    streams = [TenantStream(requests, ArrivalSpec("poisson", rate=20, seed=3))]
 
     async def drive(target):
-        return await RunDriver(target, RetryPolicy("backoff", max_attempts=5), progress=False,
+        return await RunDriver(target, DriverRetryPolicy("backoff", max_attempts=5), progress=False,
                                sample_interval_s=0.1).run(streams)
 
     async def scenario():

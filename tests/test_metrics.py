@@ -268,7 +268,7 @@ def test_engine_metrics_from_real_engine_steps(tiny_model_dir):
     from kvmesh.core.config import KvmeshConfig
     from kvmesh.core.seams import GenerateRequest, SamplingParams
     from kvmesh.worker.engine_loop.engine import Engine
-    from kvmesh.core.telemetry import ModelInfo, RequestStepLog
+    from kvmesh.core.telemetry import ModelInfoLabels, RequestStepLog
 
     config = KvmeshConfig.from_dict({
         "model": {"path": tiny_model_dir, "dtype": "fp32", "max_model_len": 128},
@@ -276,7 +276,7 @@ def test_engine_metrics_from_real_engine_steps(tiny_model_dir):
         "scheduler": {"max_num_batched_tokens": 16, "max_prefill_tokens_per_step": 16}})
     engine = Engine.from_config(config)
     plan = engine.parts.plan
-    metrics = EngineMetrics("w0", ModelInfo.of_engine(engine, config), device=engine.parts.device,
+    metrics = EngineMetrics("w0", ModelInfoLabels.of_engine(engine, config), device=engine.parts.device,
                             tensor_bytes=plan.weight_bytes + plan.kv_cache_bytes, kv_pool_bytes=plan.kv_cache_bytes)
     log = RequestStepLog()
     engine.phase_clock.observers += [metrics.observe_step_report, log.observe_step_report]

@@ -72,7 +72,7 @@ def ray_cluster(multinode_config):
     import ray
     from ray.cluster_utils import Cluster
 
-    from kvmesh.deploy.cmd_serve import start_serving, stop_serving
+    from kvmesh.router.launch import start_serving, stop_serving
 
     with pytest.MonkeyPatch.context() as env:  # read by the node processes Ray starts
         env.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep every node on loopback

@@ -54,6 +54,9 @@ NUM_USERS = 36
 MAX_ATTEMPTS = 4
 RETRY_LANE_FRACTION = 0.25
 RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+# The router admission's refusals given when a request arrives (router/admission.py), as
+# opposed to "no capacity within N s", a queue wait that ran out.
+ARRIVAL_REFUSALS = ("admission queue full", "no room now")
 
 # e2e: a Ray cluster with the Serve app (`pytest -m "not e2e"` skips the module)
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -287,17 +290,15 @@ def test_overload_rejects_fast_caps_retries_and_loses_nothing(cluster):
         rejected = [a for a in attempts if a.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
         assert rejected and all(a.retry_after_s is not None and a.retry_after_s > 0 for a in rejected)
         assert {a.code for a in attempts} <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
-        # First attempts are turned away without waiting for capacity: most of them are
-        # answered before the burst's first accepted request ends, the first moment any KV
-        # capacity is freed (a relative bound: the burst's own arrival processing, 36 calls
-        # at once on a shared 2-core machine, is most of a rejection's time). Measured, quiet:
-        # median rejection 126-199 ms, accepted 607-904 ms. (The bound was half the accepted
-        # median, a proxy for the same thing that tightened as streams got cheaper: a
-        # full-suite run under load had 560 ms against 0.5 x 1,106 ms.)
-        first_rejections = [a.ended_s - a.started_s for a in rejected if a.attempt == 1]
-        first_accepted = [a.ended_s - a.started_s for a in attempts if a.code == grpc.StatusCode.OK and a.attempt == 1]
-        assert first_rejections and first_accepted
-        assert statistics.median(first_rejections) < min(first_accepted)
+        # First attempts are turned away without waiting for capacity: the router says why
+        # it refused, and most first-attempt refusals are the ones given on arrival (the
+        # queue is full, or no room now), not a queue wait that ran out. The reason, not a
+        # duration, is checked (durations on a shared machine flake); the measured times are
+        # printed below with MEASURED.
+        first_rejections = [a for a in rejected if a.attempt == 1]
+        assert first_rejections and any(a.code == grpc.StatusCode.OK and a.attempt == 1 for a in attempts)
+        on_arrival = [a for a in first_rejections if any(r in a.details for r in ARRIVAL_REFUSALS)]
+        assert len(on_arrival) > len(first_rejections) / 2, [a.details for a in first_rejections]
         # Retries go through their lane: it turns them away, and those it admitted never held
         # more than its share of the KV budget (256 tokens: two of these 112-token requests).
         # Seen from the client, a release shows up late, so the next admitted retry can

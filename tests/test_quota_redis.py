@@ -312,3 +312,57 @@ def test_reserve_whose_reply_is_lost_is_released_on_reconnect(redis_server):
         await proxy.stop()
 
     asyncio.run(scenario())
+
+
+def test_outage_of_30_s_under_load_admits_at_most_quota_plus_local_shares(redis_server):
+    """Two replicas, saturating clients, a tenant's 1,200 output tokens/min; Redis killed for
+    30 s (of a clock the test moves) and restarted with its data. Before and after, the two
+    replicas share one bucket; during the outage each holds 1/2 of the limit. Output tokens
+    admitted while Redis is down <= the replicas' local shares (full at the start) plus what
+    they refill in 30 s; nothing but QuotaExceededError is refused, and the local shares are
+    actually served (the quota allowed them)."""
+    quota, num_replicas, max_tokens, step_s = 1200, 2, 20, 0.5
+    tenant = fresh_tenant(output_tokens_per_minute=quota)
+    redis_clock = ManualClock()
+    local_now_s = [0.0]
+
+    def advance(seconds: float) -> None:
+        redis_clock.advance(seconds)
+        local_now_s[0] += seconds
+
+    async def saturate(replicas, seconds: float) -> int:
+        """Each step every replica reserves until refused; every reservation uses it all."""
+        admitted = 0
+        for _ in range(int(seconds / step_s)):
+            for store in replicas:
+                while (r := await try_reserve(store, tenant, 1, max_tokens)) is not None:
+                    await store.settle(r, completion_tokens=max_tokens)
+                    admitted += max_tokens
+            advance(step_s)
+        return admitted
+
+    async def scenario():
+        replicas = [FallbackQuotaStore(RedisQuotaStore(redis_server.url, socket_timeout_s=0.5, clock_us=redis_clock),
+                                       num_replicas=num_replicas, probe_interval_s=0.05,
+                                       local_clock=lambda: local_now_s[0]) for _ in range(num_replicas)]
+        before = await saturate(replicas, 10)
+        redis_server.kill()
+        during = await saturate(replicas, 30)
+        assert all(store.fallback_active for store in replicas)
+        redis_server.restart()
+        await until(lambda: not any(store.fallback_active for store in replicas), "both back on Redis")
+        after = await saturate(replicas, 10)
+        assert not any(store.fallback_active for store in replicas)
+        for store in replicas:
+            await store.aclose()
+        return before, during, after
+
+    before, during, after = asyncio.run(scenario())
+    local_shares = num_replicas * (quota // num_replicas)  # every local bucket full at the outage
+    refill_30_s = quota * 30 / 60
+    assert during <= local_shares + refill_30_s
+    assert during >= local_shares  # served what the quota allowed, not refused for the outage
+    # One shared bucket outside the outage: full once, then its refill (Redis's clock ran on
+    # through the outage, so the bucket left near empty has refilled 30 s worth by the restart).
+    assert before <= quota + quota * 10 / 60
+    assert after <= quota * (30 + 10) / 60 + max_tokens

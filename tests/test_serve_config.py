@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from kvmesh.deploy import cli
-from kvmesh.core.config import ConfigError, KvmeshConfig
+from kvmesh.core.config import ConfigError, KvmeshConfig, apply_overrides
 from kvmesh.deploy.serve_config import (API_KEY_HASHES_FILE_ENV, REDIS_URL_ENV, SERVE_APP_IMPORT_PATH,
-                                        ServeOptions, apply_overrides, build_serve_config,
+                                        ServeOptions, build_serve_config,
                                         config_field_paths, config_from_serve_args,
                                         kvmesh_config_from_serve_config, serve_config_yaml,
                                         validate_with_ray_schema)
@@ -221,3 +221,16 @@ def test_worker_cpus_are_derived_from_the_machine_or_refused_naming_the_setting(
     with pytest.raises(ConfigError, match="parallel.worker_num_cpus=1"):
         resolve_worker_num_cpus(explicit, 2.0, router_num_cpus(explicit))
     assert resolve_worker_num_cpus(explicit, 8.0, 0.5) is explicit  # given and it fits: kept
+
+
+def test_tls_reaches_serve_s_http_proxy_and_a_plaintext_grpc_proxy_is_refused():
+    config = KvmeshConfig().replace(router={"tls": {"cert_file": "/tls/tls.crt", "key_file": "/tls/tls.key"}})
+    serve = build_serve_config(config, ServeOptions(grpc_servicer_functions=()))
+    assert serve["http_options"]["ssl_certfile"] == "/tls/tls.crt"
+    assert serve["http_options"]["ssl_keyfile"] == "/tls/tls.key"
+    assert "grpc_options" not in build_serve_config(config)  # the replicas serve gRPC, with router.tls
+    with pytest.raises(ConfigError, match="plaintext only"):  # a Serve gRPC proxy asked for next to TLS
+        build_serve_config(config, ServeOptions(grpc_servicer_functions=("my.servicer:add",)))
+    mutual = config.replace(router={"tls": {"cert_file": "/c", "key_file": "/k", "client_ca_file": "/ca"}})
+    with pytest.raises(ConfigError, match="mutual TLS"):
+        build_serve_config(mutual, ServeOptions(grpc_servicer_functions=()))

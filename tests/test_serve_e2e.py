@@ -33,7 +33,8 @@ def test_serve_flags_map_onto_config(tmp_path):
     """`kvmesh serve` flags: the default topology fits the machine's cores; flags beat the
     file; --set beats flags. (No cluster: parsing only.)"""
     from kvmesh.deploy import cli
-    from kvmesh.deploy.cmd_serve import config_from_args, machine_topology
+    from kvmesh.deploy.cmd_serve import config_from_args
+    from kvmesh.router.launch import machine_topology
 
     parser = cli.build_parser()
     embedded = config_from_args(parser.parse_args(["serve"]))
@@ -68,7 +69,7 @@ def cluster(e2e_config):
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
 
-    from kvmesh.deploy.cmd_serve import start_serving, stop_serving
+    from kvmesh.router.launch import start_serving, stop_serving
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # a 2-CPU machine
     try:

@@ -26,7 +26,8 @@ from kvmesh.router.tenants import generate_api_key, hash_api_key
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 APP_NAME = "kvmesh-tenants"
-KEYS = {tenant: generate_api_key() for tenant in ("conc", "bucket", "refund", "load", "outage")}
+# "stored" is added at run time through the tenant store, as `kvmesh tenants add` does.
+KEYS = {tenant: generate_api_key() for tenant in ("conc", "bucket", "refund", "load", "outage", "stored")}
 # Long enough (decode steps) that every admitted request is still running when the whole
 # burst has been answered: admissions can then only come from the limit, not from a slot
 # that freed up.
@@ -38,8 +39,15 @@ RETRYABLE = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir, redis_server):
-    tenants = {"auth_required": True, "redis_url": redis_server.url, "quota_probe_interval_s": 0.2, "tenants": [
+def spans_file(tmp_path_factory):
+    """Every process of the cluster writes its spans here (OTLP/JSON lines, core/otlp_file.py)."""
+    return tmp_path_factory.mktemp("spans") / "spans.jsonl"
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, redis_server, spans_file):
+    tenants = {"auth_required": True, "redis_url": redis_server.url, "quota_probe_interval_s": 0.2,
+               "tenant_refresh_s": 0.5, "tenants": [
         {"id": "conc", "api_key_hashes": [hash_api_key(KEYS["conc"], TEST_HASH_ITERATIONS)],
          "max_concurrent_requests": CONCURRENCY_LIMIT},
         {"id": "bucket", "api_key_hashes": [hash_api_key(KEYS["bucket"], TEST_HASH_ITERATIONS)],
@@ -52,7 +60,8 @@ def cluster(tiny_model_dir, redis_server):
          "max_concurrent_requests": 4},
     ]}
     config = tiny_cluster_config(tiny_model_dir, num_workers=1, max_num_seqs=16,
-                                 router={"num_replicas": 2, "policy": "least_loaded"}, tenants=tenants)
+                                 router={"num_replicas": 2, "policy": "least_loaded"}, tenants=tenants,
+                                 observability={"tracing_exporter": "otlp", "otlp_endpoint": f"file://{spans_file}"})
     with serving(config, APP_NAME):
         yield config
 
@@ -250,10 +259,10 @@ def test_bad_and_missing_keys_are_rejected_before_any_work(cluster, channel, htt
     assert total(after, "kvmesh_prompt_tokens_total") == total(before, "kvmesh_prompt_tokens_total")
 
 
-def _load(stub, stop: threading.Event, outcomes: list) -> None:
+def _load(stub, stop: threading.Event, outcomes: list, key: str = KEYS["load"]) -> None:
     while not stop.is_set():
         try:
-            final = list(_generate(stub, KEYS["load"], 8))[-1]
+            final = list(_generate(stub, key, 8))[-1]
             outcomes.append("ok" if final.usage.completion_tokens == 8 else "short")
         except grpc.RpcError as exc:
             outcomes.append(exc.code())
@@ -300,9 +309,67 @@ def test_redis_killed_and_restarted_mid_load(cluster, channel, http_base, redis_
     assert set(outcomes) <= {"ok"} | RETRYABLE, set(outcomes)
 
 
-def test_keys_never_appear_in_logs(cluster, channel):
-    """Every Ray log of the session (router replicas, worker, proxies, Serve controller)
-    after valid and invalid keys went through both protocols: no key, not even its secret."""
+def _stored_tenant_ids(redis_url: str) -> set[str]:
+    import asyncio
+
+    from kvmesh.router.tenants import RedisTenantStore
+
+    async def read():
+        store = RedisTenantStore(redis_url)
+        try:
+            return {t.id for t in await store.list()}
+        finally:
+            await store.aclose()
+
+    return asyncio.run(read())
+
+
+def test_redis_restarted_empty_mid_load_locks_nobody_out(cluster, channel, http_base, redis_server):
+    """A tenant that exists only in the store (added as `kvmesh tenants add` does) keeps
+    working while Redis is killed and comes back with no data: no request is refused as
+    unauthenticated, the routers write the registry back, and the restore is counted."""
+    import asyncio
+
+    from kvmesh.router.tenants import RedisTenantStore, Tenant
+
+    async def add():
+        store = RedisTenantStore(redis_server.url)
+        await store.put(Tenant(id="stored", api_key_hashes=(hash_api_key(KEYS["stored"], TEST_HASH_ITERATIONS),)))
+        await store.aclose()
+
+    asyncio.run(add())
+    stub = kvmesh_pb2_grpc.KvmeshStub(channel)
+    # Both replicas know the tenant: Serve spreads these over both (each refresh is 0.5 s).
+    wait_for(lambda: all(_first_delta_or_error(stub, KEYS["stored"], 1)[0] == "ok" for _ in range(6)),
+             what="the stored tenant authenticated on every replica")
+    restores_before = total(scrape(http_base), "kvmesh_tenant_registry_restores_total")
+    stop, outcomes = threading.Event(), []
+    threads = [threading.Thread(target=_load, args=(stub, stop, outcomes, KEYS["stored"])) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: len(outcomes) >= 4, what="load running")
+        redis_server.restart(empty=True)
+        wait_for(lambda: "stored" in _stored_tenant_ids(redis_server.url), what="registry written back")
+        during = len(outcomes)
+        wait_for(lambda: len(outcomes) >= during + 4, what="load served after the empty restart")
+        wait_for(lambda: total(scrape(http_base), "kvmesh_tenant_registry_restores_total") > restores_before,
+                 what="the restore counted in /metrics")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+        if not redis_server.running:
+            redis_server.restart()
+    assert grpc.StatusCode.UNAUTHENTICATED not in outcomes
+    assert outcomes.count("ok") >= 8
+    assert set(outcomes) <= {"ok"} | RETRYABLE, set(outcomes)
+
+
+def test_keys_never_appear_in_logs_spans_or_metrics(cluster, channel, http_base, spans_file):
+    """After valid and invalid keys went through both protocols: no key, not even its secret
+    part, in any Ray log of the session (router replicas, worker, proxies, Serve controller),
+    in any span any process exported, or in the /metrics text (labels included)."""
     import pathlib
 
     import ray
@@ -311,11 +378,21 @@ def test_keys_never_appear_in_logs(cluster, channel):
     list(_generate(stub, KEYS["load"], 2))
     with pytest.raises(grpc.RpcError):
         list(_generate(stub, KEYS["load"] + "x", 2))
+    headers = {"Authorization": f"Bearer {KEYS['load']}"}
+    assert httpx.post(f"{http_base}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=headers,
+                      timeout=60).status_code == 200
+    assert httpx.post(f"{http_base}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                      headers={"Authorization": f"Bearer {KEYS['load']}x"}, timeout=60).status_code == 401
     logs_dir = pathlib.Path(ray._private.worker._global_node.get_logs_dir_path())
     files = [p for p in logs_dir.rglob("*") if p.is_file()]
     assert files
+    # Spans are batched per process: wait until this test's requests have been exported.
+    wait_for(lambda: spans_file.exists() and spans_file.read_text().count('"kvmesh.request"') >= 4,
+             what="the requests' spans exported")
+    texts = {str(path): path.read_bytes().decode(errors="replace") for path in files + [spans_file]}
+    texts["/metrics"] = httpx.get(f"{http_base}/metrics", timeout=10).text
     secrets = [key.rsplit(".", 1)[1] for key in KEYS.values()]
-    for path in files:
-        text = path.read_bytes().decode(errors="replace")
+    for where, text in texts.items():
         for secret in secrets:
-            assert secret not in text, f"an API key secret appears in {path}"
+            assert secret not in text, f"an API key secret appears in {where}"
+    assert "tenant=\"load\"" in texts["/metrics"]  # the labels name the tenant, never its key

@@ -102,7 +102,7 @@ class RateMeter:
         return self._sum / span_s if span_s > 0 and self._events else 0.0
 
 
-class AdmissionController:
+class EngineAdmission:
     def __init__(self, config: SchedulerConfig, capacity_tokens: int, block_size: int, *,
                  clock: Callable[[], float], window_s: float = 30.0):
         self.config = config

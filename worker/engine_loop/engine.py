@@ -123,7 +123,8 @@ class Engine:
         resumed = self._check_resume(request)
         group = f"{request.request_id}#{next(self._ids)}" if n > 1 else None
         members = [Request(request_id=f"{request.request_id}" if n == 1 else f"{group}/{i}",
-                           prompt_token_ids=prompt_ids, sampling=request.sampling, output_token_ids=resumed,
+                           prompt_token_ids=prompt_ids, sampling=request.sampling,
+                           output_token_ids=list(resumed),  # each sample its own list
                            arrival_time=self.scheduler.clock(), priority=request.priority,
                            priority_class=request.priority_class,
                            tenant_id=request.tenant_id,

@@ -25,6 +25,8 @@ import torch
 from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.kv.kv_cache_manager import KVCacheManager
 from kvmesh.kv.capacity import kv_bytes_per_token, num_blocks_for_budget
+from kvmesh.kv.device_plan import (SAMPLER_BYTES_PER_LOGIT, DeviceParts, DevicePlan, graph_static_bytes, plan_device,
+                                   scaled_activation_bytes)
 from kvmesh.worker.kernels import cpu_native_step
 from kvmesh.worker.attention.backend import AttentionMetadata
 from kvmesh.worker.runner.model_runner import ModelRunner, allocate_kv_caches, kv_storage_dtype
@@ -32,6 +34,7 @@ from kvmesh.worker.runner.model_setup import (allocate_rank_caches, load_model, 
                                                 with_valid_group_size)
 from kvmesh.worker.model.tokenizer import load_tokenizer
 from kvmesh.worker.runner.tp_group import TensorParallelGroup, TensorParallelRunner
+from kvmesh.worker.engine_loop.self_draft import DraftModel, load_draft
 from kvmesh.worker.runner.host_tier_store import HostTierStore
 
 logger = logging.getLogger(__name__)
@@ -49,6 +52,8 @@ class MemoryPlan:
     kv_cache_bytes: int
     peak_activation_bytes: int  # CUDA only (profiled); 0 on CPU
     num_host_tier_blocks: int = 0  # host tier slots (cache.host_tier_*; 0 = no tier)
+    num_draft_blocks: int = 0  # the self-draft's KV pool (speculative.method self_draft)
+    device: DevicePlan | None = None  # every allocation the plan counts (kv/device_plan.py)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -68,12 +73,17 @@ class EngineParts:
     plan: MemoryPlan
     device: torch.device
     host_tier_store: HostTierStore | None = None  # the host tier's bytes (kv_manager.host_tier: its books)
+    draft: DraftModel | None = None  # speculative.method self_draft: its model (its pool: plan.num_draft_blocks)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
 def _effective_kv_dtype_name(config: KvmeshConfig, dtype: torch.dtype) -> str:
     if config.cache.kv_cache_dtype != "auto":
         return config.cache.kv_cache_dtype
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    return _dtype_name(dtype)
 
 
 def _eos_ids(hf_config, tokenizer) -> tuple[int, ...]:
@@ -87,36 +97,79 @@ def _eos_ids(hf_config, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def _tensor_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + \
+        sum(b.numel() * b.element_size() for b in model.buffers())
+
+
 def _plan_memory(config: KvmeshConfig, model, hf_config, device, kv_dtype_name: str,
-                 profile_peak) -> MemoryPlan:
+                 profile_peak, max_model_len: int, draft: DraftModel | None = None,
+                 tensor_parallel: bool = False) -> MemoryPlan:
+    """Every device allocation of the engine (kv/device_plan.py's picture) counted before the
+    KV pools are sized: CUDA budget = gpu_memory_utilization x device memory; CPU budget =
+    cache.cpu_kv_cache_gib for the KV pools alone (host RAM holds the rest)."""
     cache_cfg = config.cache
     # The capacity model's formula (kv/capacity.py), the same `kvmesh capacity` prints.
     # model.num_kv_heads: this rank's KV heads (each tensor-parallel rank caches its own).
     per_token = kv_bytes_per_token(hf_config.num_hidden_layers, model.num_kv_heads, model.head_dim,
                                    kv_dtype_name)
     per_block = per_token * cache_cfg.block_size
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + \
-        sum(b.numel() * b.element_size() for b in model.buffers())
-    peak = 0
-    if cache_cfg.num_blocks is not None:
-        num_blocks = cache_cfg.num_blocks
-    elif device.type == "cuda":
+    weight_bytes = _tensor_bytes(model)
+    draft_weight_bytes = _tensor_bytes(draft.model) if draft is not None else 0
+    draft_per_block = 0
+    if draft is not None:  # the self-draft caches K and V in its model dtype, all heads (rank 0)
+        draft_per_block = cache_cfg.block_size * kv_bytes_per_token(
+            hf_config.num_hidden_layers, draft.model.num_kv_heads, draft.model.head_dim, _dtype_name(draft.spec.dtype))
+    draft_blocks = config.speculative.draft_num_blocks
+    if device.type == "cuda":
         peak = profile_peak()
         total = torch.cuda.get_device_properties(device).total_memory
         free, _ = torch.cuda.mem_get_info(device)
-        in_use = total - free
-        budget = int(total * cache_cfg.gpu_memory_utilization) - in_use - peak
-        num_blocks = num_blocks_for_budget(budget, cache_cfg.block_size, per_token)
+        parts = DeviceParts(
+            runtime_bytes=max(0, total - free - weight_bytes - draft_weight_bytes),  # in use besides the weights
+            weight_bytes=weight_bytes, draft_weight_bytes=draft_weight_bytes, activation_bytes=peak,
+            cuda_graph_bytes=_graph_bytes(config, hf_config, next(model.parameters()).element_size(), peak,
+                                          max_model_len, tensor_parallel),
+            sampler_bytes=_sampler_bytes(config, hf_config))
+        dplan = plan_device(int(total * cache_cfg.gpu_memory_utilization), parts, per_block,
+                            draft_kv_bytes_per_block=draft_per_block, draft_num_blocks=draft_blocks,
+                            num_blocks=cache_cfg.num_blocks)
     else:
-        num_blocks = num_blocks_for_budget(int(cache_cfg.cpu_kv_cache_gib * GIB), cache_cfg.block_size, per_token)
-    if num_blocks < 1:
-        raise ConfigError(f"no memory left for the KV cache (one block needs {per_block} bytes)")
+        peak = 0
+        dplan = plan_device(int(cache_cfg.cpu_kv_cache_gib * GIB), DeviceParts(), per_block,
+                            draft_kv_bytes_per_block=draft_per_block, draft_num_blocks=draft_blocks,
+                            num_blocks=cache_cfg.num_blocks, must_fit=cache_cfg.num_blocks is None)
+    num_blocks = dplan.num_blocks
     num_swap = num_blocks_for_budget(int(cache_cfg.swap_space_gib * GIB), cache_cfg.block_size, per_token)
     num_tier = cache_cfg.host_tier_num_blocks
     if num_tier is None:
         num_tier = num_blocks_for_budget(int(cache_cfg.host_tier_gib * GIB), cache_cfg.block_size, per_token)
     return MemoryPlan(weight_bytes, per_token, cache_cfg.block_size, num_blocks, num_swap,
-                      num_blocks * per_block, peak, num_tier if cache_cfg.enable_prefix_caching else 0)
+                      num_blocks * per_block, peak, num_tier if cache_cfg.enable_prefix_caching else 0,
+                      dplan.num_draft_blocks, dplan)
+
+
+def _graph_bytes(config: KvmeshConfig, hf_config, dtype_bytes: int, peak: int, max_model_len: int,
+                 tensor_parallel: bool) -> int:
+    """The decode CUDA graphs' pool (a forward of the largest bucket's tokens, scaled from the
+    profiled peak) and their static inputs; 0 when build_graph_runner will not capture."""
+    if not config.parallel.cuda_graphs or tensor_parallel:
+        return 0
+    from kvmesh.worker.runner.cuda_graphs import DEFAULT_BUCKETS, graph_buckets  # CUDA only, as build_graph_runner
+
+    buckets = graph_buckets(config.scheduler.max_num_seqs, DEFAULT_BUCKETS)
+    max_blocks = -(-max_model_len // config.cache.block_size)
+    return (graph_static_bytes(buckets, max_blocks, hf_config.hidden_size, dtype_bytes)
+            + scaled_activation_bytes(peak, config.scheduler.max_num_batched_tokens, max(buckets)))
+
+
+def _sampler_bytes(config: KvmeshConfig, hf_config) -> int:
+    """Logits and sampler temporaries of the largest sampled batch: every running sequence,
+    each with its speculative drafts scored too."""
+    rows = config.scheduler.max_num_seqs
+    if config.speculative.method != "none":
+        rows *= 1 + config.speculative.num_tokens
+    return rows * hf_config.vocab_size * SAMPLER_BYTES_PER_LOGIT
 
 
 def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> EngineParts:
@@ -134,14 +187,22 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
     storage = kv_storage_dtype(config.cache.kv_cache_dtype, dtype)
     backend = pick_backend(config, device)
     kv_dtype_name = _effective_kv_dtype_name(config, dtype)
+    # The self-draft loads before the plan: its weights and KV pool are part of the budget.
+    draft = load_draft(config) if config.speculative.method == "self_draft" else None
     plan = _plan_memory(config, model, hf_config, device, kv_dtype_name,
-                        profile_peak=lambda: _profile_peak(model, config, device))
+                        profile_peak=lambda: _profile_peak(model, config, device), max_model_len=max_model_len,
+                        draft=draft, tensor_parallel=group is not None)
     kv_caches, swap_caches = allocate_rank_caches(config, spec, model, plan.num_blocks, plan.num_swap_blocks)
     if group is None:
         runner = ModelRunner(model, backend, device, kv_caches, swap_caches, plan.block_size, seed=config.model.seed)
         if config.parallel.cuda_graphs and device.type == "cuda":
+            reserved_before = torch.cuda.memory_reserved(device)
             runner.graph_runner = build_graph_runner(config, model, backend, kv_caches, device, max_model_len,
                                                      plan.block_size)
+            used = torch.cuda.memory_reserved(device) - reserved_before
+            if used > plan.device.parts.cuda_graph_bytes:  # the estimate is what kept the plan honest
+                logger.warning("CUDA graphs took %.1f MiB, the memory plan counted %.1f MiB",
+                               used / 2**20, plan.device.parts.cuda_graph_bytes / 2**20)
         if device.type == "cpu":  # auto asks the native library what it has: only CPUs build it
             native_tokens = cpu_native_step.max_tokens_for(config.model.cpu_native_max_tokens, dtype,
                                                              torch.get_num_threads())
@@ -167,8 +228,10 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
         plan.weight_bytes / 2**20, plan.kv_bytes_per_token, storage, plan.num_blocks, plan.block_size,
         plan.kv_capacity_tokens, plan.kv_cache_bytes / 2**20, plan.num_swap_blocks,
         plan.peak_activation_bytes / 2**20, device, dtype, backend.name)
+    logger.info("device plan (budget %.1f MiB): %s", plan.device.budget_bytes / 2**20,
+                ", ".join(f"{part} {nbytes / 2**20:.1f} MiB" for part, nbytes in plan.device.split().items()))
     return EngineParts(runner, kv_manager, tokenizer, hf_config, spec.name, kv_dtype_name, max_model_len,
-                       _eos_ids(hf_config, tokenizer), plan, device, tier_store)
+                       _eos_ids(hf_config, tokenizer), plan, device, tier_store, draft)
 
 
 def build_graph_runner(config: KvmeshConfig, model, backend, kv_caches, device, max_model_len: int,
@@ -176,11 +239,10 @@ def build_graph_runner(config: KvmeshConfig, model, backend, kv_caches, device, 
     """The decode CUDA-graph runner, captured now for the buckets up to the one holding
     scheduler.max_num_seqs (it falls back to eager by itself when it cannot capture)."""
     # CUDA only: the CPU path never loads the graph runner
-    from kvmesh.worker.runner.cuda_graphs import DEFAULT_BUCKETS, CudaGraphRunner, select_bucket
+    from kvmesh.worker.runner.cuda_graphs import DEFAULT_BUCKETS, CudaGraphRunner, graph_buckets
 
-    top = select_bucket(config.scheduler.max_num_seqs, DEFAULT_BUCKETS) or max(DEFAULT_BUCKETS)
     graphs = CudaGraphRunner(model, backend, kv_caches, device, max_model_len, block_size,
-                             buckets=[b for b in DEFAULT_BUCKETS if b <= top],
+                             buckets=graph_buckets(config.scheduler.max_num_seqs, DEFAULT_BUCKETS),
                              tensor_parallel_size=config.parallel.tensor_parallel_size)
     graphs.capture()
     return graphs

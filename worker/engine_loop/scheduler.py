@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.core.config import SchedulerConfig
 from kvmesh.kv.kv_cache_manager import KVCacheManager, KVCacheStats
-from kvmesh.worker.engine_loop.admission import AdmissionController, BatchingPolicy, RateMeter, make_batching_policy
+from kvmesh.worker.engine_loop.admission import EngineAdmission, BatchingPolicy, RateMeter, make_batching_policy
 from kvmesh.core.errors import InvalidRequestError
 from kvmesh.worker.engine_loop.request import Request, RequestStatus
 from kvmesh.worker.engine_loop.scheduler_output import FinishedRequest, ScheduledRequest, SchedulerOutput
@@ -174,7 +174,7 @@ class Scheduler:
         self.kv = kv_manager
         self.clock = clock
         self.policy: BatchingPolicy = make_batching_policy(config)
-        self.admission = AdmissionController(config, kv_manager.capacity_tokens, kv_manager.block_size,
+        self.admission = EngineAdmission(config, kv_manager.capacity_tokens, kv_manager.block_size,
                                              clock=clock, window_s=stats_window_s)
         self.requests: dict[str, Request] = {}  # every unfinished request
         # chain hash -> unfinished requests whose prompt holds that full block (see add_request)

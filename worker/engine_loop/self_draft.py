@@ -131,6 +131,27 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class DraftModel:
+    """The self-draft's model, loaded before the engine's memory plan so its weights count."""
+
+    model: nn.Module
+    config: object  # the draft's KvmeshConfig (its quant, TP 1, no CUDA graphs)
+    spec: object  # its ModelSpec (device, dtype, hf_config)
+
+
+def load_draft(config) -> DraftModel:
+    """This model's weights quantized to speculative.draft_quant, whole on this process (rank 0
+    under tensor parallelism)."""
+    draft_config = config.replace(quant={"weight": config.speculative.draft_quant},
+                                  parallel={"tensor_parallel_size": 1, "cuda_graphs": False})
+    model_spec = resolve_model(draft_config)
+    draft_config = with_valid_group_size(draft_config, model_spec.hf_config)
+    model = load_model(draft_config, model_spec)
+    model.lm_head = _Int8LMHead(model.lm_head.weight, model_spec.hf_config.vocab_size)
+    return DraftModel(model, draft_config, model_spec)
+
+
 class SelfDraftProposer:
     method = "self_draft"
 
@@ -168,17 +189,11 @@ class SelfDraftProposer:
 
     @classmethod
     def from_config(cls, config, parts) -> "SelfDraftProposer":
-        """Load the draft from the served model's folder, quantized to speculative.draft_quant,
-        whole on this process (rank 0 under tensor parallelism), with its own KV pool."""
-        spec_cfg = config.speculative
-        draft_config = config.replace(quant={"weight": spec_cfg.draft_quant},
-                                      parallel={"tensor_parallel_size": 1, "cuda_graphs": False})
-        model_spec = resolve_model(draft_config)
-        draft_config = with_valid_group_size(draft_config, model_spec.hf_config)
-        model = load_model(draft_config, model_spec)
-        model.lm_head = _Int8LMHead(model.lm_head.weight, model_spec.hf_config.vocab_size)
+        """The draft parts.draft (loaded before the memory plan, which counts its weights), with
+        its own KV pool of parts.plan.num_draft_blocks blocks."""
+        draft_config, model_spec, model = parts.draft.config, parts.draft.spec, parts.draft.model
         block_size = parts.plan.block_size
-        num_blocks = spec_cfg.draft_num_blocks or max(16, parts.plan.num_blocks // 4)
+        num_blocks = parts.plan.num_draft_blocks
         caches = allocate_kv_caches(model_spec.hf_config.num_hidden_layers, num_blocks, block_size,
                                     model.num_kv_heads, model.head_dim, model_spec.dtype, model_spec.device)
         runner = ModelRunner(model, pick_backend(draft_config, model_spec.device), model_spec.device, caches, None,
@@ -190,7 +205,8 @@ class SelfDraftProposer:
             cpu_native_step.install(runner, model, caches,
                                       cpu_native_step.auto_max_tokens(torch.get_num_threads()),
                                       what="the self-draft", int8_activations=True)
-        logger.info("self-draft: %s weights, %d KV blocks x %d tokens", spec_cfg.draft_quant, num_blocks, block_size)
+        logger.info("self-draft: %s weights, %d KV blocks x %d tokens", config.speculative.draft_quant, num_blocks,
+                    block_size)
         clock = time.process_time if model_spec.device.type == "cpu" else time.perf_counter
         return cls(runner, KVCacheManager(num_blocks, block_size, enable_prefix_caching=False), clock)
 

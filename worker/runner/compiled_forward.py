@@ -5,8 +5,8 @@ A 135M-parameter model at batch 1 spends a large share of each step on small ele
 a Python call and a dispatcher round trip). Inductor fuses each chain between two projections
 into one generated C++ loop.
 
-Measured (docs/benchmarks.md, "Third round"): on the 2-core CI machine with torch 2.13 it
-does not pay for bf16: about parity at batch 1 (0.96-1.08x eager), 0.78-0.86x at batch 64 (the
+Measured (docs/benchmarks.md, "Forward paths on CPU"): on the 2-core CI machine with torch 2.13
+it does not pay for bf16: about parity at batch 1 (0.96-1.08x eager), 0.78-0.86x at batch 64 (the
 per-call cost of 30 compiled-region calls and 150 Python custom-op calls per step eats the
 fused-away ops), so `model.compile` defaults to off; it stays as the opt-in path and the A/B (`bench_engine --modes bf16,bf16-compiled`).
 

@@ -49,6 +49,13 @@ def select_bucket(batch_size: int, buckets: Sequence[int]) -> int | None:
     return min(fitting) if fitting else None
 
 
+def graph_buckets(max_num_seqs: int, buckets: Sequence[int]) -> list[int]:
+    """The buckets captured for a scheduler of max_num_seqs: up to the one holding it (all of
+    them when none does)."""
+    top = select_bucket(max_num_seqs, buckets) or max(buckets)
+    return [b for b in buckets if b <= top]
+
+
 def validate_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
     """Sorted, distinct, positive bucket sizes; ValueError otherwise."""
     if not buckets or any(int(b) != b or b < 1 for b in buckets):

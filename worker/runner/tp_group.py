@@ -44,6 +44,7 @@ from kvmesh.worker.runner.awq_calibration import awq_results_for
 from kvmesh.worker.runner.model_runner import BlockOps, ModelRunner, StepInputs
 from kvmesh.worker.runner.model_setup import allocate_rank_caches, load_model, pick_backend, resolve_model
 from kvmesh.worker.parallel.layers import check_splittable
+from kvmesh.worker.parallel.placement import actor_resource_options, rank_bundle
 
 logger = logging.getLogger(__name__)
 
@@ -134,26 +135,31 @@ class TensorParallelGroup:
 
     def _start_peers(self) -> None:
         import ray
+        from ray.util import get_current_placement_group
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         _ensure_ray()
         par = self.config.parallel
-        bundle = {"CPU": par.worker_num_cpus}
-        if self.backend == "nccl":
-            bundle["GPU"] = 1
-        if par.worker_resource:
-            bundle[par.worker_resource] = 1
+        bundle = rank_bundle(par)
         here = ray.get_runtime_context().get_node_id()
-        self._placement = placement_group([dict(bundle) for _ in range(self.world_size - 1)], strategy="STRICT_PACK",
-                                          _soft_target_node_id=here)
-        self._get([self._placement.ready()], _START_TIMEOUT_S, "placing the tensor-parallel ranks")
+        # A worker actor runs in bundle 0 of its engine's group (worker/parallel/placement.py):
+        # the peers take bundles 1..N-1, so the engine holds exactly N bundles. Outside such an
+        # actor (an in-process engine) the peers get a group of their own.
+        engine_group = get_current_placement_group()
+        if engine_group is not None and engine_group.bundle_count == self.world_size:
+            group, first_bundle, self._placement = engine_group, 1, None
+        else:
+            if self.backend == "nccl":  # each peer drives a device of its own
+                bundle.setdefault("GPU", 1.0)
+            group = self._placement = placement_group([dict(bundle) for _ in range(self.world_size - 1)],
+                                                      strategy="STRICT_PACK", _soft_target_node_id=here)
+            first_bundle = 0
+        self._get([group.ready()], _START_TIMEOUT_S, "placing the tensor-parallel ranks")
         actor_cls = ray.remote(RankWorker)
         self.peers = [
-            actor_cls.options(num_cpus=par.worker_num_cpus, num_gpus=1 if self.backend == "nccl" else 0,
-                              resources={par.worker_resource: 1} if par.worker_resource else None,
-                              max_restarts=0, max_task_retries=0,
-                              scheduling_strategy=PlacementGroupSchedulingStrategy(self._placement, i)
+            actor_cls.options(**actor_resource_options(bundle), max_restarts=0, max_task_retries=0,
+                              scheduling_strategy=PlacementGroupSchedulingStrategy(group, first_bundle + i)
                               ).remote(self.config, rank)
             for i, rank in enumerate(range(1, self.world_size))]
         nodes = self._get([p.node_id.remote() for p in self.peers], _START_TIMEOUT_S, "starting the ranks")

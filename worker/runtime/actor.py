@@ -57,6 +57,8 @@ from kvmesh.core import errors
 from kvmesh.core import telemetry
 from kvmesh.core.kv_tier_metrics import KVTierCollector, KVTierFigures
 from kvmesh.worker.runtime.delta_channel import DeltaChannel
+from kvmesh.worker.parallel.placement import (actor_resource_options, engine_placement_group, rank_bundle,
+                                              remove_engine_placement_group)
 from kvmesh.core.seams import (ErrorReport, FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta,
                                RequestTimings, WorkerStats)
 
@@ -118,9 +120,11 @@ class WorkerActor:
         engine = self._engine.engine
         plan = engine.parts.plan
         swap_bytes = plan.num_swap_blocks * plan.block_size * plan.kv_bytes_per_token
+        split = plan.device.split()
         self._metrics = telemetry.EngineMetrics(
-            worker_id, telemetry.ModelInfo.of_engine(engine, self._config), device=engine.parts.device,
-            tensor_bytes=plan.weight_bytes + plan.kv_cache_bytes + swap_bytes, kv_pool_bytes=plan.kv_cache_bytes)
+            worker_id, telemetry.ModelInfoLabels.of_engine(engine, self._config), device=engine.parts.device,
+            tensor_bytes=split["weights"] + split["draft_weights"] + split["kv_pool"] + split["draft_kv_pool"]
+            + swap_bytes, kv_pool_bytes=plan.kv_cache_bytes, planned_bytes=split)
         self._step_log = telemetry.RequestStepLog()
         cache = self._config.cache
         self._puller = PrefixPuller(self._engine, WORKER_NAMESPACE, cache.kv_transfer_timeout_s, cache.kv_transfer,
@@ -291,24 +295,27 @@ def _current_node_id() -> str:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
 
 
-def worker_actor_options(config: KvmeshConfig, app_name: str, index: int) -> dict:
-    """Ray actor options for worker `index`: named, detached, restarted by Ray."""
-    parallel = config.parallel
-    resources = {parallel.worker_resource: 1.0} if parallel.worker_resource else {}
+def worker_actor_options(config: KvmeshConfig, app_name: str, index: int, placement_group=None) -> dict:
+    """Ray actor options for worker `index`: named, detached, restarted by Ray. The actor holds
+    rank 0's bundle (worker/parallel/placement.py): one GPU, never one per TP rank; with
+    tensor parallelism it runs in bundle 0 of the engine's placement group."""
     options = dict(name=worker_actor_name(app_name, index), namespace=WORKER_NAMESPACE,
                    lifetime="detached", get_if_exists=True, max_restarts=-1, max_task_retries=0,
-                   num_cpus=parallel.worker_num_cpus, resources=resources,
-                   max_concurrency=max(1000, 4 * config.scheduler.max_num_seqs))
-    if parallel.worker_resource == "GPU":  # Ray's GPU is its own option, one per TP rank
-        options["num_gpus"] = parallel.tensor_parallel_size
-        options["resources"] = {}
+                   max_concurrency=max(1000, 4 * config.scheduler.max_num_seqs),
+                   **actor_resource_options(rank_bundle(config.parallel)))
+    if placement_group is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # Ray: only where actors start
+
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group,
+                                                                          placement_group_bundle_index=0)
     return options
 
 
 def start_workers(config: KvmeshConfig, app_name: str, worker_id_prefix: str = "worker") -> list:
     """Create (or find, when another router replica already did) the worker actors, with ids
     `<worker_id_prefix>-<index>` (a second group, e.g. a fallback pool, has its own prefix
-    and app name)."""
+    and app name). A tensor-parallel engine's placement group is placed first: a cluster that
+    cannot hold it fails here, naming the missing resource."""
     import ray
 
     if config.parallel.worker_num_cpus is None:  # not resolved by the app builder: fit the cluster
@@ -316,7 +323,8 @@ def start_workers(config: KvmeshConfig, app_name: str, worker_id_prefix: str = "
     remote_class = ray.remote(WorkerActor)
     handles = []
     for index in range(config.parallel.num_workers):
-        options = worker_actor_options(config, app_name, index)
+        group = engine_placement_group(config.parallel, worker_actor_name(app_name, index))
+        options = worker_actor_options(config, app_name, index, group)
         handles.append(remote_class.options(**options).remote(config.to_dict(), f"{worker_id_prefix}-{index}"))
     return handles
 
@@ -333,4 +341,6 @@ def kill_workers(config: KvmeshConfig, app_name: str) -> int:
             continue
         ray.kill(handle, no_restart=True)
         killed += 1
+    for index in range(config.parallel.num_workers):
+        remove_engine_placement_group(worker_actor_name(app_name, index))
     return killed

@@ -20,7 +20,8 @@ Paced streams (`generate_batches(request, paced=True)`, the actor's per-request 
 a worker sends costs CPU in four processes (this actor's event loop and Ray, the router, Serve's
 proxy, the client), ~2.5 ms in all per message on the 2-core machines, where the same cores run
 the engine. One message per running request per step is 64 messages a step at batch 64, and
-the stack then took ~0.8 of the 2 cores from the engine (docs/benchmarks.md, eighth round). So
+the stack then took ~0.8 of the 2 cores from the engine (measured 2026-12-02; docs/benchmarks.md,
+"Served against in-process, on 2 vCPU", has the current account). So
 a worker sends at most `scheduler.stream_messages_per_s` messages a second over all its
 streams: after a message, a stream waits `streams / budget` seconds (never more than
 _MAX_PACE_S) before its next one, and what arrived meanwhile goes out as one merged delta.

@@ -73,6 +73,15 @@ Checks the JSON schema cannot express (cross-field); they fail the install with 
 {{- end }}
 {{- end }}
 {{- end }}
+{{- if and .Values.tls.secretName .Values.serve.grpcServicerFunctions }}
+{{- fail "tls.secretName: Serve's gRPC proxy listens in plaintext only; set serve.grpcServicerFunctions to [] (HTTP only) or terminate TLS in front of the gRPC port" }}
+{{- end }}
+{{- if and .Values.tls.secretName (or .Values.kvmesh.router.tls.cert_file .Values.kvmesh.router.tls.key_file) }}
+{{- fail "kvmesh.router.tls.cert_file / key_file must be null when tls.secretName is set: the chart mounts the Secret and sets them" }}
+{{- end }}
+{{- if and .Values.gcsFaultTolerance.enabled (not .Values.gcsFaultTolerance.redisAddress) }}
+{{- fail "gcsFaultTolerance.enabled needs gcsFaultTolerance.redisAddress (host:port of an external Redis)" }}
+{{- end }}
 {{- if and .Values.modelVolume.enabled (not .Values.modelVolume.existingClaim) }}
 {{- fail "modelVolume.enabled needs modelVolume.existingClaim (a PVC holding the weights)" }}
 {{- end }}
@@ -93,13 +102,22 @@ merges them back inside the pod.
 {{- if ne .Values.redis.mode "none" }}
 {{- $_ := set $args.tenants "redis_url" nil }}
 {{- end }}
+{{- if .Values.tls.secretName }}
+{{- $_ := set $args.router.tls "cert_file" (printf "%s/tls.crt" .Values.tls.mountPath) }}
+{{- $_ := set $args.router.tls "key_file" (printf "%s/tls.key" .Values.tls.mountPath) }}
+{{- end }}
 {{- toYaml $args }}
 {{- end }}
 
 {{- define "kvmesh.serveConfig" -}}
 {{- $router := .Values.kvmesh.router }}
 {{- $app := dict "name" .Values.serve.appName "route_prefix" .Values.serve.routePrefix "import_path" "kvmesh.deploy.serve_app:build_app" "args" (include "kvmesh.serveArgs" . | fromYaml) }}
-{{- $serve := dict "proxy_location" .Values.serve.proxyLocation "http_options" (dict "host" $router.host "port" $router.http_port) "applications" (list $app) }}
+{{- $http := dict "host" $router.host "port" $router.http_port }}
+{{- if .Values.tls.secretName }}
+{{- $_ := set $http "ssl_certfile" (printf "%s/tls.crt" .Values.tls.mountPath) }}
+{{- $_ := set $http "ssl_keyfile" (printf "%s/tls.key" .Values.tls.mountPath) }}
+{{- end }}
+{{- $serve := dict "proxy_location" .Values.serve.proxyLocation "http_options" $http "applications" (list $app) }}
 {{- if .Values.serve.grpcServicerFunctions }}
 {{- $_ := set $serve "grpc_options" (dict "port" $router.grpc_port "grpc_servicer_functions" .Values.serve.grpcServicerFunctions) }}
 {{- end }}
@@ -129,6 +147,12 @@ merges them back inside the pod.
     items:
       - key: {{ .Values.apiKeyHashes.secretKey }}
         path: {{ .Values.apiKeyHashes.secretKey }}
+{{- if .Values.tls.secretName }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.secretName }}
+    defaultMode: 0400
+{{- end }}
 {{- if .Values.modelVolume.enabled }}
 - name: models
   persistentVolumeClaim:
@@ -141,6 +165,11 @@ merges them back inside the pod.
 - name: api-keys
   mountPath: /etc/kvmesh/api-keys
   readOnly: true
+{{- if .Values.tls.secretName }}
+- name: tls
+  mountPath: {{ .Values.tls.mountPath }}
+  readOnly: true
+{{- end }}
 {{- if .Values.modelVolume.enabled }}
 - name: models
   mountPath: {{ .Values.modelVolume.mountPath }}
