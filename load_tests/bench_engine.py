@@ -644,7 +644,8 @@ def ratio_lines(report: BenchReport) -> list[str]:
                      f"E2E P99 {best.seed_run.e2e_p99_s / report.llama_server.e2e_p99_s:.2f}x")
     if report.served is not None and in_process is not None:
         lines.append(f"kvmesh serve / in-process {default} (the served default here) = "
-                     f"{report.served.output_tok_s / in_process.seed_run.output_tok_s:.2f}x")
+                     f"{report.served.output_tok_s / in_process.seed_run.output_tok_s:.2f}x throughput, "
+                     f"E2E P99 {report.served.e2e_p99_s / in_process.seed_run.e2e_p99_s:.2f}x")
     if report.served_cpu is not None:
         lines.append("kvmesh serve's run: " + report.served_cpu.summary())
     return lines
