@@ -479,6 +479,44 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class AdapterConfig:
+    """One registered LoRA adapter: requested as model "<base>:<name>" (or "<name>")."""
+
+    name: str
+    path: str  # a PEFT folder (adapter_config.json + adapter_model.safetensors) every worker can read
+    tenant: str | None = None  # set = only this tenant may use it
+
+    def validate(self) -> None:
+        _check(bool(self.name) and ":" not in self.name and "/" not in self.name,
+               f"lora.adapters[].name must be non-empty without ':' or '/', got {self.name!r}")
+        _check(bool(self.path), f"lora adapter {self.name}: path must be non-empty")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    # Adapter slots per worker: how many adapters one step can mix (vLLM's max_loras). A request
+    # of a further adapter waits for a slot whose requests all ended (LRU eviction). 0 = off.
+    max_loras: int = 4
+    max_rank: int = 64  # slot stacks are padded to this rank; a larger adapter is refused
+    adapters: tuple[AdapterConfig, ...] = ()
+    # Records written by `kvmesh adapters ...` (YAML), overlaying `adapters`; reloaded every
+    # tenants.tenant_refresh_s by the router.
+    adapters_file: str | None = None
+    # Adapter-aware routing: the time one adapter load is worth, in queued requests' time
+    # (router/routing.py weighs it against the load a worker already has).
+    load_cost_requests: float = 4.0
+
+    def validate(self) -> None:
+        _check(self.max_loras >= 0, "lora.max_loras must be >= 0")
+        _check(1 <= self.max_rank <= 256, "lora.max_rank must be in 1..256")
+        _check(self.load_cost_requests >= 0, "lora.load_cost_requests must be >= 0")
+        names = [a.name for a in self.adapters]
+        _check(len(names) == len(set(names)), f"lora.adapters: duplicate names in {names}")
+        for a in self.adapters:
+            a.validate()
+
+
+@dataclass(frozen=True)
 class KvmeshConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -490,6 +528,7 @@ class KvmeshConfig:
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     degradation: DegradationConfig = field(default_factory=DegradationConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> "KvmeshConfig":
         for f in dataclasses.fields(self):

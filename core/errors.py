@@ -26,6 +26,14 @@ class UnauthenticatedError(KvmeshError):
     """Missing or unknown API key."""
 
 
+class PermissionDeniedError(KvmeshError):
+    """The caller is known but may not use what it asked for (another tenant's adapter)."""
+
+
+class AdapterNotFoundError(KvmeshError):
+    """The requested LoRA adapter is not registered (or its files are gone)."""
+
+
 class RetryableError(KvmeshError):
     """Refused for now: the same request may succeed after `retry_after_s` seconds."""
 

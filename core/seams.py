@@ -191,6 +191,16 @@ def check_fits_context(prompt_tokens: int, max_tokens: int, max_model_len: int) 
 
 
 @dataclass(frozen=True)
+class AdapterRef:
+    """A LoRA adapter as a worker loads it: its registered name and the PEFT folder every
+    worker can read (adapter_config.json + adapter_model.safetensors). The router resolves a
+    requested name to this from its registry (router/adapters.py)."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """One generation request as a worker receives it.
 
@@ -222,6 +232,9 @@ class GenerateRequest:
     # this prompt's prefix than the chosen one. The chosen worker may pull those blocks into
     # its host tier first, when its cost model says that beats recomputing them.
     kv_source: str | None = None
+    # The LoRA adapter this request runs with (None = the base model). Part of the block hash
+    # extra keys: two adapters never share KV.
+    adapter: AdapterRef | None = None
 
 
 class FinishReason(str, enum.Enum):
@@ -335,6 +348,13 @@ class WorkerStats:
     kv_tokens_reserved_shared: int = 0
     # of num_preemptions_priority, KV reservations taken (scheduler.priority_preempts_kv_reservations)
     num_preemptions_priority_kv: int = 0
+    # LoRA (worker/runner/lora_slots.py): slots, the adapters in them (names), loads and
+    # evictions since start, requests waiting for their adapter's load (also in num_waiting)
+    lora_slots_total: int = 0
+    resident_adapters: tuple[str, ...] = ()
+    num_adapter_loads: int = 0
+    num_adapter_evictions: int = 0
+    num_waiting_for_adapter: int = 0
 
 
 class PrefixEventKind(str, enum.Enum):

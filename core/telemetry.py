@@ -346,6 +346,9 @@ class ModelInfoLabels:
     weight_quant: str  # none | int8 | int4 | int4_awq
     kv_cache_dtype: str  # the effective KV storage dtype
     version: str  # the kvmesh package version
+    model_type: str = ""  # the HF family (llama, qwen2, qwen3, phi3, gemma2, ...)
+    forward_path: str = ""  # what serves small steps: native step | compiled | eager
+    forward_path_reason: str = ""  # why (the native step's refusal when it is not the native step)
 
     @classmethod
     def of_engine(cls, engine, config: KvmeshConfig) -> "ModelInfoLabels":
@@ -359,8 +362,10 @@ class ModelInfoLabels:
         # weight quantization, so its dtype is the model's resolved dtype.
         weights = next(engine.runner.model.parameters(), None) if hasattr(engine.runner, "model") else None
         dtype = str(weights.dtype).removeprefix("torch.") if weights is not None else config.model.dtype
-        return cls(engine.model_name, config.model.revision, dtype, config.quant.weight,
-                   engine.parts.kv_cache_dtype, kvmesh_version)
+        parts = engine.parts
+        return cls(engine.model_name, config.model.revision, dtype, config.quant.weight, parts.kv_cache_dtype,
+                   kvmesh_version, str(getattr(parts.hf_config, "model_type", "")), parts.forward_path,
+                   parts.forward_path_reason)
 
 
 @dataclass(frozen=True)
@@ -478,11 +483,13 @@ class EngineMetrics:
                                 "When this worker process started (unix seconds).", w, registry=r)
         self.start_time.labels(worker_id).set(time.time())
         self.model_info = Gauge(METRICS_PREFIX + "model_info", "What the worker serves (value always 1).",
-                                [*w, "model", "revision", "dtype", "weight_quant", "kv_cache_dtype", "version"],
-                                registry=r)
+                                [*w, "model", "revision", "dtype", "weight_quant", "kv_cache_dtype", "version",
+                                 "model_type", "forward_path", "forward_path_reason"], registry=r)
         if model_info is not None:
             self.model_info.labels(worker_id, model_info.model, model_info.revision, model_info.dtype,
-                                   model_info.weight_quant, model_info.kv_cache_dtype, model_info.version).set(1)
+                                   model_info.weight_quant, model_info.kv_cache_dtype, model_info.version,
+                                   model_info.model_type, model_info.forward_path,
+                                   model_info.forward_path_reason).set(1)
 
         spec = [*w, "method"]
         self.spec_draft_tokens = Counter(METRICS_PREFIX + "spec_draft_tokens",

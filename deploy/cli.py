@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "quant_report",
     "serve_config",
     "tenants",
+    "adapters",
     "stats",
     "trace",
     "load",

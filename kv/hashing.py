@@ -10,8 +10,8 @@ mean "same tokens after the same prefix under the same model, KV format and tena
 
 H is BLAKE2b-128 over bytes (never Python's `hash()`, which is salted per process). The
 extra keys must include everything that makes blocks non-interchangeable: model and
-revision, KV cache dtype / quantization, and the tenant's cache salt when isolation is on.
-The router and the workers must build the same `extra_keys` (see `block_extra_keys`).
+revision, KV cache dtype / quantization, the tenant's cache salt when isolation is on, and
+the LoRA adapter (its K/V differ from the base model's and every other adapter's). The router and the workers must build the same `extra_keys` (see `block_extra_keys`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,18 @@ BlockHash = bytes  # 16 bytes
 _ROOT = b"kvmesh-prefix-v1"
 
 
-def block_extra_keys(model: str, revision: str, kv_cache_dtype: str, cache_salt: str | None = None) -> tuple[str, ...]:
-    """The extra keys for one deployment (and tenant, when its cache is isolated)."""
+def block_extra_keys(model: str, revision: str, kv_cache_dtype: str, cache_salt: str | None = None,
+                     adapter: str | None = None) -> tuple[str, ...]:
+    """The extra keys for one deployment (and tenant, when its cache is isolated; and adapter,
+    `adapter_key(name, path)`, when the request runs with one)."""
     keys = (f"model={model}", f"rev={revision}", f"kv={kv_cache_dtype}")
-    return keys + ((f"salt={cache_salt}",) if cache_salt else ())
+    return keys + ((f"salt={cache_salt}",) if cache_salt else ()) + ((f"lora={adapter}",) if adapter else ())
+
+
+def adapter_key(name: str, path: str) -> str:
+    """An adapter's identity in the cache: re-registering a name with other weights (another
+    path) must not reuse the old adapter's blocks."""
+    return f"{name}@{path}"
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> BlockHash:

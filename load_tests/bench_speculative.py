@@ -62,7 +62,7 @@ class TpotFigures:
 
 
 @dataclass
-class ThroughputFigures:
+class SpeculationThroughputFigures:
     off_tok_s: float
     on_tok_s: dict[str, float]
     ratio: dict[str, float]  # on / off
@@ -81,7 +81,7 @@ class SpeculativeReport:
     torch_threads: int
     editing: TpotFigures | None = None
     chat: TpotFigures | None = None
-    concurrent: ThroughputFigures | None = None
+    concurrent: SpeculationThroughputFigures | None = None
     forward_cost: dict[str, float] = field(default_factory=dict)  # "1+k tokens / 1 token" at batch 1
 
 
@@ -213,7 +213,7 @@ def run(args) -> SpeculativeReport:
     return report
 
 
-def bench_concurrent(off: Engine, engines: dict[str, Engine], requests) -> ThroughputFigures:
+def bench_concurrent(off: Engine, engines: dict[str, Engine], requests) -> SpeculationThroughputFigures:
     """off, each method, off again: the baseline is the mean of the off runs around them."""
     off_runs = [run_concurrent(off, requests)]
     on, steps = {}, {}
@@ -224,7 +224,7 @@ def bench_concurrent(off: Engine, engines: dict[str, Engine], requests) -> Throu
     off_runs.append(run_concurrent(off, requests))
     off_wall = statistics.mean(r[0] for r in off_runs)
     off_cpu = statistics.mean(r[1] for r in off_runs)
-    return ThroughputFigures(off_wall, {k: v[0] for k, v in on.items()}, {k: v[0] / off_wall for k, v in on.items()},
+    return SpeculationThroughputFigures(off_wall, {k: v[0] for k, v in on.items()}, {k: v[0] / off_wall for k, v in on.items()},
                              steps, [r[0] for r in off_runs], off_cpu, {k: v[1] for k, v in on.items()},
                              {k: v[1] / off_cpu for k, v in on.items()})
 

@@ -70,8 +70,8 @@ class NullEngine:
     def tokenize(self, request: GenerateRequest) -> list[int]:
         return list(request.prompt_token_ids)
 
-    def block_extra_keys(self, cache_salt: str | None = None) -> tuple[str, ...]:
-        return (NULL_MODEL_NAME, cache_salt or "")
+    def block_extra_keys(self, cache_salt: str | None = None, adapter=None) -> tuple[str, ...]:
+        return (NULL_MODEL_NAME, cache_salt or "", repr(adapter))
 
     def add_request(self, request: GenerateRequest, prompt_ids: list[int]) -> None:
         if len(self._running) >= self._max_running:

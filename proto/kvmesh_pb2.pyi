@@ -77,7 +77,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., n: _Optional[int] = ..., speculative: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt", "chat", "prompt_token_ids", "sampling", "priority", "resume_token_ids", "resume_text_chars")
+    __slots__ = ("request_id", "model", "prompt", "chat", "prompt_token_ids", "sampling", "priority", "adapter", "resume_token_ids", "resume_text_chars")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class GenerateRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
@@ -94,9 +95,10 @@ class GenerateRequest(_message.Message):
     prompt_token_ids: TokenIds
     sampling: SamplingParams
     priority: int
+    adapter: str
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     resume_text_chars: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., resume_text_chars: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., adapter: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., resume_text_chars: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
@@ -173,16 +175,18 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "owned_by", "max_model_len", "block_size")
+    __slots__ = ("id", "owned_by", "max_model_len", "block_size", "parent")
     ID_FIELD_NUMBER: _ClassVar[int]
     OWNED_BY_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
     id: str
     owned_by: str
     max_model_len: int
     block_size: int
-    def __init__(self, id: _Optional[str] = ..., owned_by: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    parent: str
+    def __init__(self, id: _Optional[str] = ..., owned_by: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., parent: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
@@ -217,7 +221,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "healthy", "block_size", "num_blocks_total", "num_blocks_used", "num_blocks_cached", "num_blocks_free", "kv_tokens_used", "kv_tokens_capacity", "kv_tokens_reserved", "num_running", "num_waiting", "queued_prompt_tokens", "prefix_cache_hit_rate", "output_tokens_per_s", "num_preemptions_recompute", "num_preemptions_swap", "prefix_event_seq", "stats_age_s", "num_preemptions_priority", "num_outgrown_estimates", "tokens_to_compute", "kv_tokens_reserved_shared", "num_preemptions_priority_kv")
+    __slots__ = ("worker_id", "healthy", "block_size", "num_blocks_total", "num_blocks_used", "num_blocks_cached", "num_blocks_free", "kv_tokens_used", "kv_tokens_capacity", "kv_tokens_reserved", "num_running", "num_waiting", "queued_prompt_tokens", "prefix_cache_hit_rate", "output_tokens_per_s", "num_preemptions_recompute", "num_preemptions_swap", "prefix_event_seq", "stats_age_s", "num_preemptions_priority", "num_outgrown_estimates", "tokens_to_compute", "kv_tokens_reserved_shared", "num_preemptions_priority_kv", "lora_slots_total", "resident_adapters", "num_adapter_loads", "num_adapter_evictions", "num_waiting_for_adapter")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +246,11 @@ class WorkerStats(_message.Message):
     TOKENS_TO_COMPUTE_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_RESERVED_SHARED_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_PRIORITY_KV_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ADAPTER_LOADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ADAPTER_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FOR_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     healthy: bool
     block_size: int
@@ -266,7 +275,12 @@ class WorkerStats(_message.Message):
     tokens_to_compute: int
     kv_tokens_reserved_shared: int
     num_preemptions_priority_kv: int
-    def __init__(self, worker_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., block_size: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_capacity: _Optional[int] = ..., kv_tokens_reserved: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., output_tokens_per_s: _Optional[float] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., prefix_event_seq: _Optional[int] = ..., stats_age_s: _Optional[float] = ..., num_preemptions_priority: _Optional[int] = ..., num_outgrown_estimates: _Optional[int] = ..., tokens_to_compute: _Optional[int] = ..., kv_tokens_reserved_shared: _Optional[int] = ..., num_preemptions_priority_kv: _Optional[int] = ...) -> None: ...
+    lora_slots_total: int
+    resident_adapters: _containers.RepeatedScalarFieldContainer[str]
+    num_adapter_loads: int
+    num_adapter_evictions: int
+    num_waiting_for_adapter: int
+    def __init__(self, worker_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., block_size: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_capacity: _Optional[int] = ..., kv_tokens_reserved: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., output_tokens_per_s: _Optional[float] = ..., num_preemptions_recompute: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., prefix_event_seq: _Optional[int] = ..., stats_age_s: _Optional[float] = ..., num_preemptions_priority: _Optional[int] = ..., num_outgrown_estimates: _Optional[int] = ..., tokens_to_compute: _Optional[int] = ..., kv_tokens_reserved_shared: _Optional[int] = ..., num_preemptions_priority_kv: _Optional[int] = ..., lora_slots_total: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., num_adapter_loads: _Optional[int] = ..., num_adapter_evictions: _Optional[int] = ..., num_waiting_for_adapter: _Optional[int] = ...) -> None: ...
 
 class ClusterTotals(_message.Message):
     __slots__ = ("num_workers", "num_healthy_workers", "kv_tokens_used", "kv_tokens_capacity", "kv_tokens_reserved", "num_running", "num_waiting", "queued_prompt_tokens", "output_tokens_per_s", "router_queue_len", "router_in_flight")

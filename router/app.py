@@ -130,8 +130,8 @@ class KvmeshRouter:
         return await openai_http.generate_response(self.core, request, chat=True)
 
     @fastapi_app.get("/v1/models")
-    async def models(self) -> dict:
-        return openai_http.models_body(self.core)
+    async def models(self, request: Request) -> dict:
+        return openai_http.models_body(self.core, openai_http.bearer_token(request.headers.get("authorization")))
 
     @fastapi_app.get("/health")
     async def health(self) -> Response:

@@ -59,6 +59,7 @@ class InboundRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     priority: int = 0
+    adapter: str = ""  # a registered LoRA adapter's name ("" = the one in `model`, if any)
     # A stream resumed by the client (proto GenerateRequest 9-10): the output it already has.
     resume_token_ids: tuple[int, ...] = ()
     resume_text_chars: int = 0
@@ -75,6 +76,7 @@ class ModelInfo:
     owned_by: str = "kvmesh"
     max_model_len: int = 0
     block_size: int = 0
+    parent: str = ""  # a LoRA adapter's base model ("" = a base model)
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,7 @@ def inbound_to_pb(request: InboundRequest) -> pb.GenerateRequest:
     msg = pb.GenerateRequest(request_id=request.request_id, model=request.model,
                              sampling=sampling_to_pb(request.sampling), priority=request.priority,
                              resume_token_ids=list(request.resume_token_ids),
-                             resume_text_chars=request.resume_text_chars)
+                             resume_text_chars=request.resume_text_chars, adapter=request.adapter)
     given = [x is not None for x in (request.prompt, request.messages, request.prompt_token_ids)]
     if sum(given) != 1:
         raise InvalidRequestError("exactly one of prompt, messages and prompt_token_ids must be set")
@@ -180,7 +182,7 @@ def inbound_from_pb(msg: pb.GenerateRequest, call: CallMetadata | None = None,
     if which is None:
         raise InvalidRequestError("one of prompt, chat and prompt_token_ids is required")
     call = call or CallMetadata()
-    common = dict(request_id=msg.request_id, model=msg.model, priority=msg.priority,
+    common = dict(request_id=msg.request_id, model=msg.model, priority=msg.priority, adapter=msg.adapter,
                   sampling=sampling_from_pb(msg.sampling), resume_token_ids=tuple(msg.resume_token_ids),
                   resume_text_chars=msg.resume_text_chars, api_key=call.api_key, deadline_s=deadline_s,
                   attempt=call.attempt, trace_context=dict(call.trace_context))
@@ -248,8 +250,8 @@ def models_to_pb(models: Iterable[ModelInfo]) -> pb.ListModelsResponse:
 
 
 def models_from_pb(msg: pb.ListModelsResponse) -> list[ModelInfo]:
-    return [ModelInfo(id=m.id, owned_by=m.owned_by, max_model_len=m.max_model_len, block_size=m.block_size)
-            for m in msg.models]
+    return [ModelInfo(id=m.id, owned_by=m.owned_by, max_model_len=m.max_model_len, block_size=m.block_size,
+                      parent=m.parent) for m in msg.models]
 
 
 def health_to_pb(health: HealthStatus) -> pb.HealthResponse:
@@ -268,7 +270,9 @@ def worker_stats_to_pb(stats: WorkerStats, age_s: float = 0.0) -> pb.WorkerStats
 
 
 def worker_stats_from_pb(msg: pb.WorkerStats) -> WorkerStats:
-    return WorkerStats(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(WorkerStats)})
+    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(WorkerStats)}
+    fields["resident_adapters"] = tuple(fields["resident_adapters"])
+    return WorkerStats(**fields)
 
 
 def cluster_stats_to_pb(stats: ClusterStats) -> pb.GetStatsResponse:

@@ -77,11 +77,8 @@ class KvmeshServicer:
         return pb.CancelResponse(found=found)
 
     async def ListModels(self, request, context) -> pb.ListModelsResponse:  # noqa: N802
-        core = self.core
-        info = core.pool.any_info()
-        return convert.models_to_pb([convert.ModelInfo(
-            id=core.model_name, max_model_len=core.max_model_len() or 0,
-            block_size=info.block_size if info else core.config.cache.block_size)])
+        meta = convert.call_metadata_from_grpc(_invocation_metadata(context))
+        return convert.models_to_pb(self.core.list_models(meta.api_key))
 
     async def Health(self, request, context) -> pb.HealthResponse:  # noqa: N802
         view = self.core.cluster_view()

@@ -83,7 +83,8 @@ METRICS_BOARD_ACTOR = "kvmesh-metrics-board"
 PREFIX = "kvmesh_"
 # deadline: refused on arrival, its expected queue wait already past its deadline (admission.py);
 # evicted: refused while queued, its slot given to a more important request (admission.py)
-REJECTION_REASONS = ("quota", "overload", "deadline", "evicted", "invalid", "unauthenticated")
+REJECTION_REASONS = ("quota", "overload", "deadline", "evicted", "invalid", "unauthenticated", "adapter_not_found",
+                     "permission_denied")
 TIMEOUT_STAGES = ("admission", "stream")
 FINISH_TIMEOUT = "timeout"  # finish_reason label of a request whose deadline passed (not an error)
 SPILL_REASONS = ("preferred_full", "worker_refused")
@@ -186,6 +187,17 @@ class RouterMetrics:
             "guard; prefix_spill / prefix_imbalanced: the guard moved it; no_prefix: nothing matched among the "
             "workers with room; least_loaded / round_robin: those policies). A worker refusal's re-route counts again.",
             "path", ROUTING_PATHS)
+        self.adapter_requests = Counter(PREFIX + "adapter_requests", "Finished requests run with a LoRA adapter.",
+                                        ["adapter"], registry=r)
+        self.adapter_prompt_tokens = Counter(PREFIX + "adapter_prompt_tokens",
+                                             "Prompt tokens of finished requests, by LoRA adapter.", ["adapter"],
+                                             registry=r)
+        self.adapter_generation_tokens = Counter(PREFIX + "adapter_generation_tokens",
+                                                 "Output tokens generated, by LoRA adapter.", ["adapter"], registry=r)
+        self.adapter_routed_loads = Counter(PREFIX + "adapter_routed_loads",
+                                            "LoRA requests routed to a worker not holding their adapter (it loads "
+                                            "it), by adapter: the routing's cost in adapter loads.", ["adapter"],
+                                            registry=r)
         self.quota_fallback = Gauge(PREFIX + "quota_store_fallback_active",
                                     "1 while Redis is unreachable and local per-replica limits apply.",
                                     ["replica"], registry=r)
@@ -269,6 +281,16 @@ class RouterMetrics:
         self.affinity_waits.labels(outcome).inc()
         self.affinity_wait_seconds.inc(seconds)
 
+    def observe_adapter_request(self, adapter: str, usage: Usage | None) -> None:
+        self.adapter_requests.labels(adapter).inc()
+        if usage is not None:
+            self.adapter_prompt_tokens.labels(adapter).inc(usage.prompt_tokens)
+            self.adapter_generation_tokens.labels(adapter).inc(usage.completion_tokens)
+
+    def observe_adapter_routed(self, adapter: str, holder: bool) -> None:
+        if not holder:
+            self.adapter_routed_loads.labels(adapter).inc()
+
     def observe_route(self, path: str) -> None:
         if path not in ROUTING_PATHS:
             raise ValueError(f"routing path must be one of {ROUTING_PATHS}, got {path!r}")
@@ -341,6 +363,13 @@ def worker_families(stats: Sequence[WorkerStats], max_num_seqs: int | None) -> l
                           "(reason=slot), or KV budget: a reservation taken (reason=kv_reservation).", "counter")
     outgrown = Metric(PREFIX + "outgrown_estimates", "Requests that outgrew their expected-output reservation "
                       "(scheduler.admission_reserve: expected).", "counter")
+    lora = [Metric(PREFIX + "lora_slots", "LoRA adapter slots of the worker (lora.max_loras).", "gauge"),
+            Metric(PREFIX + "lora_slots_used", "LoRA adapter slots holding an adapter.", "gauge"),
+            Metric(PREFIX + "lora_adapter_resident", "1 for each adapter in one of the worker's slots.", "gauge"),
+            Metric(PREFIX + "lora_adapter_loads", "Adapters loaded into a slot since the worker started.", "counter"),
+            Metric(PREFIX + "lora_adapter_evictions", "Adapters evicted from a slot (LRU) since the worker started.",
+                   "counter"),
+            Metric(PREFIX + "lora_requests_waiting", "Requests waiting for their adapter's load.", "gauge")]
     for s in stats:
         labels = {"worker": s.worker_id}
         slots_used = s.num_blocks_used * s.block_size
@@ -364,7 +393,15 @@ def worker_families(stats: Sequence[WorkerStats], max_num_seqs: int | None) -> l
                               ("kv_reservation", s.num_preemptions_priority_kv)):
             for_priority.add_sample(PREFIX + "priority_preemptions_total", {**labels, "reason": reason}, float(count))
         outgrown.add_sample(PREFIX + "outgrown_estimates_total", labels, float(s.num_outgrown_estimates))
-    return [*families.values(), preemptions, for_priority, outgrown]
+        if s.lora_slots_total:
+            lora[0].add_sample(PREFIX + "lora_slots", labels, float(s.lora_slots_total))
+            lora[1].add_sample(PREFIX + "lora_slots_used", labels, float(len(s.resident_adapters)))
+            for name in s.resident_adapters:
+                lora[2].add_sample(PREFIX + "lora_adapter_resident", {**labels, "adapter": name}, 1.0)
+            lora[3].add_sample(PREFIX + "lora_adapter_loads_total", labels, float(s.num_adapter_loads))
+            lora[4].add_sample(PREFIX + "lora_adapter_evictions_total", labels, float(s.num_adapter_evictions))
+            lora[5].add_sample(PREFIX + "lora_requests_waiting", labels, float(s.num_waiting_for_adapter))
+    return [*families.values(), preemptions, for_priority, outgrown, *lora]
 
 
 def render_merged(snapshots: Iterable[bytes], extra_families: Iterable[Metric] = ()) -> bytes:

@@ -59,11 +59,23 @@ def build_openai_app() -> FastAPI:
     return FastAPI(title="kvmesh", docs_url=None, redoc_url=None)
 
 
-def models_body(core: RouterCore) -> dict:
+def models_body(core: RouterCore, api_key: str | None = None) -> dict:
     # max_model_len is a kvmesh extension (vLLM reports it too): the context length requests
-    # are validated against.
-    return {"object": "list", "data": [{"id": core.model_name, "object": "model", "created": 0,
-                                        "owned_by": "kvmesh", "max_model_len": core.max_model_len() or 0}]}
+    # are validated against. LoRA adapters the caller may use follow the base model, with
+    # `parent` (and `root`) naming it, as vLLM lists them.
+    data = []
+    for m in core.list_models(api_key):
+        entry = {"id": m.id, "object": "model", "created": 0, "owned_by": m.owned_by, "max_model_len": m.max_model_len}
+        if m.parent:
+            entry.update(parent=m.parent, root=m.parent)
+        data.append(entry)
+    return {"object": "list", "data": data}
+
+
+def _model_name(core: RouterCore, stream: RequestStream) -> str:
+    """The `model` a response reports: "<base>:<adapter>" for a request run with an adapter."""
+    adapter = stream.adapter
+    return core.model_name if adapter is None else f"{core.model_name}:{adapter.name}"
 
 
 def health_response(core: RouterCore) -> JSONResponse:
@@ -109,11 +121,11 @@ async def generate_response(core: RouterCore, request: Request, chat: bool) -> R
             first = []
         except Exception as exc:
             return error_response(exc)
-        events = _sse_events(_chain(first, deltas), stream.request_id, core.model_name, created, chat,
+        events = _sse_events(_chain(first, deltas), stream.request_id, _model_name(core, stream), created, chat,
                              include_usage, stream.degraded)
         return StreamingResponse(events, media_type="text/event-stream", headers=_stream_headers(stream))
     try:
-        result = await _collect(stream, core.model_name, created, chat)
+        result = await _collect(stream, _model_name(core, stream), created, chat)
     except Exception as exc:
         return error_response(exc)
     # Read after the stream: a worker that failed before the first token was replaced.

@@ -49,22 +49,26 @@ from kvmesh.kv.output_estimate import OutputLengthEstimator
 from kvmesh.router import affinity_wait, degradation, request_rules, tracing
 from kvmesh.router.admission import RouterAdmission, AdmissionTicket, cost_with_cached_prefix, request_cost_tokens
 from kvmesh.router.auth import Authenticator
-from kvmesh.router.convert import InboundRequest
+from kvmesh.router.adapters import AdapterRegistry
+from kvmesh.router.convert import InboundRequest, ModelInfo
 from kvmesh.router.fairness import TenantBacklog, engine_priority
 from kvmesh.router.metrics import FINISH_TIMEOUT, RouterMetrics
 from kvmesh.router.quota import QuotaStore, Reservation, check_request_fits
-from kvmesh.router.routing import RoundRobinCursor, RoutingDecision, choose_worker, is_spill
+from kvmesh.router.adapter_affinity import AdapterPlacement
+from kvmesh.router.routing import AdapterRouting, RoundRobinCursor, RoutingDecision, choose_worker, is_spill
 from kvmesh.router.tenants import Tenant
 from kvmesh.router.worker_channels import ChannelFailure, WorkerChannels
 from kvmesh.router.worker_pool import WorkerPool
 from kvmesh.worker.public_api import render_chat
-from kvmesh.core.seams import (ErrorReport, FinishReason, GenerateRequest, RequestDelta, SamplingParams, Usage,
-                               WorkerStats, check_fits_context, merge_deltas, request_usage)
+from kvmesh.core.seams import (AdapterRef, ErrorReport, FinishReason, GenerateRequest, RequestDelta, SamplingParams,
+                               Usage, WorkerStats, check_fits_context, merge_deltas, request_usage)
 from kvmesh.core.errors import (
+    AdapterNotFoundError,
     DeadlineExceededError,
     DeadlineUnmeetableError,
     InvalidRequestError,
     OverloadedError,
+    PermissionDeniedError,
     QueueSlotTakenError,
     QuotaExceededError,
     UnauthenticatedError,
@@ -108,7 +112,9 @@ class RouterCore:
         self._tracer = tracer or tracing.get_tracer()  # the global provider: a no-op until set up
         self._rng = random.Random()
         self._cursor = RoundRobinCursor()
-        self._extra_keys: dict[str | None, tuple[str, ...]] = {}  # cache salt -> block extra keys
+        self._extra_keys: dict[tuple, tuple[str, ...]] = {}  # (cache salt, adapter) -> block extra keys
+        self.adapters = AdapterRegistry(config.lora, config.tenants.tenant_refresh_s)
+        self.adapter_placement = AdapterPlacement()  # which workers hold which adapters (affinity)
         self.in_flight = 0
         self.live_request_ids: set[str] = set()  # scoped ids of this replica's admitted requests
         self._backlog = TenantBacklog()  # per-tenant in-flight: the fair rank (router/fairness.py)
@@ -128,6 +134,7 @@ class RouterCore:
 
     def _on_worker_stats(self, stats: list[WorkerStats], taken_at: float | None) -> None:
         self.admission.update_stats(stats, taken_at)
+        self.adapter_placement.update(stats)
         self.metrics.update_worker_stats(stats)
         self.metrics.update_engine_snapshots(self.pool.engine_snapshots())
 
@@ -152,7 +159,7 @@ class RouterCore:
             root.set_attributes({tracing.ATTR_TENANT: tenant.id, tracing.ATTR_ATTEMPT: inbound.attempt})
             stream = await self._start_as(tenant, inbound, root, parent, arrived_s)
         except BaseException as exc:
-            if isinstance(exc, (UnauthenticatedError, InvalidRequestError, QuotaExceededError)):
+            if isinstance(exc, tuple(_REJECTION_REASON)):
                 self.metrics.observe_rejection(_REJECTION_REASON[type(exc)])
             elif isinstance(exc, OverloadedError):
                 self.metrics.observe_rejection(_overload_reason(exc))
@@ -213,9 +220,8 @@ class RouterCore:
     def _worker_request(self, inbound: InboundRequest, tenant: Tenant) -> GenerateRequest:
         request_rules.check_request_id(inbound.request_id)
         request_rules.check_model_name(inbound.model)
-        if inbound.model and inbound.model != self.model_name:
-            raise InvalidRequestError(f"model {inbound.model!r} is not served here; this server serves "
-                                      f"{self.model_name!r}")
+        request_rules.check_model_name(inbound.adapter)
+        adapter = self.adapters.resolve(inbound.model, inbound.adapter, self.model_name, tenant.id)
         if inbound.deadline_s is not None and inbound.deadline_s <= time.time():
             raise DeadlineExceededError("the request's deadline passed before it was started")
         inbound.sampling.validate(self.config.scheduler.max_new_tokens, self.config.scheduler.max_n)
@@ -225,7 +231,8 @@ class RouterCore:
             prompt_token_ids=self._prompt_token_ids(inbound), sampling=inbound.sampling,
             priority=tenant.priority + inbound.priority, tenant_id=tenant.id, cache_salt=tenant.cache_salt,
             deadline_s=inbound.deadline_s, attempt=inbound.attempt, trace_context=dict(inbound.trace_context),
-            resume_token_ids=self._resume_token_ids(inbound), resume_text_chars=inbound.resume_text_chars)
+            resume_token_ids=self._resume_token_ids(inbound), resume_text_chars=inbound.resume_text_chars,
+            adapter=adapter)
 
     @staticmethod
     def _resume_token_ids(inbound: InboundRequest) -> tuple[int, ...]:
@@ -310,10 +317,16 @@ class RouterCore:
                 # workers (a cache hit its tail), not the request's whole KV size.
                 decision = choose_worker(matched, eligible, self.config.router, self._rng, self._cursor, in_flight,
                                          self.admission.mean_admitted_tokens(),
-                                         index.num_blocks_known() if not matched else None)
+                                         index.num_blocks_known() if not matched else None,
+                                         self._adapter_routing(request, eligible))
                 tracing.set_route_attributes(span, decision.worker_id, decision.matched_blocks,
                                              self.config.router.policy)
                 tracing.set_route_candidates(span, decision, matched, eligible, in_flight)
+            if request.adapter is not None:
+                placement = self.adapter_placement
+                held = request.adapter.name in placement.adapters_on(decision.worker_id)
+                self.metrics.observe_adapter_routed(request.adapter.name, held)
+                placement.note_routed(decision.worker_id, request.adapter.name)
             if is_spill(matched, eligible, decision.worker_id):
                 self.metrics.observe_spill("preferred_full")
             waited = affinity.outcome(decision.worker_id)
@@ -343,13 +356,24 @@ class RouterCore:
         kv_source = (info.actor_name or None) if info is not None else None
         return decisions[-1], ticket, dataclasses.replace(request, kv_source=kv_source)
 
+    def _adapter_routing(self, request: GenerateRequest, eligible: list[WorkerStats]) -> AdapterRouting | None:
+        """A LoRA request's affinity inputs (router/adapter_affinity.py); a load is worth
+        lora.load_cost_requests mean admitted requests of load."""
+        if request.adapter is None:
+            return None
+        placement = self.adapter_placement
+        ids = [w.worker_id for w in eligible]
+        cost = int(self.config.lora.load_cost_requests * self.admission.mean_admitted_tokens())
+        return AdapterRouting(frozenset(placement.holders(request.adapter.name, ids)),
+                              {w: len(placement.adapters_on(w)) for w in ids}, cost)
+
     async def _prefix_hashes(self, request: GenerateRequest) -> list:
         """The prompt's full-block chain hashes as the workers compute them ([] when routing
         ignores prefixes)."""
         info = self.pool.any_info()
         if self.config.router.policy != "prefix_aware" or info is None:
             return []
-        extra_keys = await self._block_extra_keys(request.cache_salt)
+        extra_keys = await self._block_extra_keys(request.cache_salt, request.adapter)
         # A resumed request's KV covers its streamed tokens too (GenerateRequest.resume_token_ids).
         return hash_full_blocks(request.prompt_token_ids + request.resume_token_ids, info.block_size, extra_keys)
 
@@ -375,14 +399,32 @@ class RouterCore:
             check_fits_context(len(ids), inbound.sampling.max_tokens, max_model_len)
         return ids
 
-    async def _block_extra_keys(self, cache_salt: str | None) -> tuple[str, ...]:
-        """The workers' hashing keys for this salt, asked once (they are fixed per deployment)."""
-        if cache_salt not in self._extra_keys:
+    async def _block_extra_keys(self, cache_salt: str | None, adapter: AdapterRef | None) -> tuple[str, ...]:
+        """The workers' hashing keys for this salt and adapter, asked once (they are fixed per
+        deployment)."""
+        key = (cache_salt, adapter)
+        if key not in self._extra_keys:
             worker_id = next(iter(self.pool.routable_ids()), None)
             if worker_id is None:
                 return ()
-            self._extra_keys[cache_salt] = tuple(await self.pool.handle(worker_id).block_extra_keys.remote(cache_salt))
-        return self._extra_keys[cache_salt]
+            self._extra_keys[key] = tuple(await self.pool.handle(worker_id).block_extra_keys.remote(cache_salt,
+                                                                                                     adapter))
+        return self._extra_keys[key]
+
+    def list_models(self, api_key: str | None) -> list[ModelInfo]:
+        """The base model and the adapters the caller may use (an adapter's id is
+        "<base>:<name>", its parent the base). Without a valid key: the unbound adapters."""
+        try:
+            tenant_id = self._auth.authenticate(api_key).id
+        except UnauthenticatedError:
+            tenant_id = None
+        info = self.pool.any_info()
+        common = dict(max_model_len=self.max_model_len() or 0,
+                      block_size=info.block_size if info else self.config.cache.block_size)
+        base = ModelInfo(id=self.model_name, **common)
+        adapters = [a for a in self.adapters.visible_to(tenant_id or "") if tenant_id or a.tenant is None]
+        return [base] + [ModelInfo(id=f"{self.model_name}:{a.name}", parent=self.model_name, **common)
+                         for a in adapters]
 
     # ---- cancel and views ---------------------------------------------------------------
 
@@ -445,7 +487,8 @@ class RouterCore:
 WORKER_REFUSAL_REROUTES = 2
 
 _REJECTION_REASON = {UnauthenticatedError: "unauthenticated", InvalidRequestError: "invalid",
-                     QuotaExceededError: "quota"}
+                     QuotaExceededError: "quota", AdapterNotFoundError: "adapter_not_found",
+                     PermissionDeniedError: "permission_denied"}
 
 
 def transfer_source(resident_blocks: dict[str, int], chosen: str, candidates: set[str]) -> str | None:
@@ -486,6 +529,7 @@ class RequestStream:
         self._arrived_s = arrived_s  # time.time() at the router: the start of TTFT
         self._spans = spans  # (kvmesh.stream, kvmesh.request): ended, in that order, at the end
         self._request = request
+        self.adapter = request.adapter  # the LoRA adapter it runs with (None = base model)
         self.request_id = request_id
         self.decision = decision
         self._ticket = ticket
@@ -582,6 +626,8 @@ class RequestStream:
                 core.metrics.observe_timeout(self._request.tenant_id, "stream")
             core.metrics.observe_request_end(self._request.tenant_id, final.timings if final else None, usage,
                                              FINISH_TIMEOUT if timed_out else reason, self._arrived_s)
+            if self.adapter is not None:
+                core.metrics.observe_adapter_request(self.adapter.name, usage)
             self._record_route_truth(usage)
             self._learn_output_length(reason, usage)
             for span in self._spans:

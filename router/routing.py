@@ -74,6 +74,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvmesh.core.config import RouterConfig
+from kvmesh.router.adapter_affinity import choose_for_adapter
 from kvmesh.core.seams import WorkerStats
 from kvmesh.core.errors import WorkerFailedError
 
@@ -83,8 +84,20 @@ class RoutingPath(str, enum.Enum):
     PREFIX_SPILL = "prefix_spill"  # its best worker is overloaded; another holding most of it takes it
     PREFIX_IMBALANCED = "prefix_imbalanced"  # a prefix matched but every holder is overloaded -> p2c
     NO_PREFIX = "no_prefix"  # nothing cached anywhere -> p2c
+    ADAPTER_HOLDER = "adapter_holder"  # no prefix; a worker with the request's LoRA adapter loaded
+    ADAPTER_LOAD = "adapter_load"  # no prefix, no holder within a load's cost: the adapter is loaded there
     LEAST_LOADED = "least_loaded"
     ROUND_ROBIN = "round_robin"
+
+
+@dataclass(frozen=True)
+class AdapterRouting:
+    """A LoRA request's routing inputs (router/adapter_affinity.py): the workers holding its
+    adapter, each worker's adapter count, and a load's cost in the load's unit (tokens)."""
+
+    holders: frozenset[str]
+    num_adapters: Mapping[str, int]
+    load_cost_tokens: int
 
 
 @dataclass(frozen=True)
@@ -151,11 +164,13 @@ def choose_worker(matched_blocks: Mapping[str, int], workers: Sequence[WorkerSta
                   rng: random.Random, cursor: RoundRobinCursor | None = None,
                   extra_load_tokens: Mapping[str, int] | None = None,
                   mean_request_tokens: float = 0.0,
-                  known_blocks: Mapping[str, int] | None = None) -> RoutingDecision:
+                  known_blocks: Mapping[str, int] | None = None,
+                  adapter: AdapterRouting | None = None) -> RoutingDecision:
     """Pick the worker for one request (see the module docstring for the policies).
     `known_blocks`: blocks the router's prefix index places on each worker (reported, or
     claimed by a request dispatched there and not yet reported), a floor under the stats'
-    footprint (`kv_footprint_tokens`)."""
+    footprint (`kv_footprint_tokens`). `adapter`: set for a LoRA request (prefix_aware: a
+    request nothing matched goes by adapter affinity)."""
     healthy = sorted((w for w in workers if w.healthy), key=lambda w: w.worker_id)
     if not healthy:
         raise WorkerFailedError(f"no healthy worker among {len(workers)}")
@@ -176,6 +191,12 @@ def choose_worker(matched_blocks: Mapping[str, int], workers: Sequence[WorkerSta
     footprints = {w.worker_id: kv_footprint_tokens(w, extra.get(w.worker_id, 0), known.get(w.worker_id, 0))
                   for w in healthy}
     margin = imbalance_margin_tokens(config, mean_request_tokens)
+    if adapter is not None and not any(matched_blocks.get(w, 0) for w in ids):
+        min_load = min(loads.values())
+        chosen, held = choose_for_adapter(ids, loads, set(adapter.holders), adapter.num_adapters,
+                                          adapter.load_cost_tokens,
+                                          lambda w: is_imbalanced(loads[w], min_load, config, margin))
+        return decide(chosen, RoutingPath.ADAPTER_HOLDER if held else RoutingPath.ADAPTER_LOAD)
     return _prefix_aware(ids, loads, footprints, matched_blocks, config, margin, rng, decide)
 
 

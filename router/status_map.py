@@ -3,6 +3,8 @@
     error (kvmesh.core.errors)   gRPC                 HTTP  OpenAI type            retry-after
     InvalidRequestError            INVALID_ARGUMENT     400   invalid_request_error  -
     UnauthenticatedError           UNAUTHENTICATED      401   authentication_error   -
+    PermissionDeniedError          PERMISSION_DENIED    403   permission_error       -
+    AdapterNotFoundError           NOT_FOUND            404   not_found_error        -
     QuotaExceededError             RESOURCE_EXHAUSTED   429   rate_limit_error       yes
     OverloadedError                RESOURCE_EXHAUSTED   429   overloaded_error       yes
     WorkerFailedError              UNAVAILABLE          503   server_error           yes (0.1 s)
@@ -31,10 +33,12 @@ from dataclasses import dataclass
 import grpc
 
 from kvmesh.core.errors import (
+    AdapterNotFoundError,
     DeadlineExceededError,
     InvalidRequestError,
     KvmeshError,
     OverloadedError,
+    PermissionDeniedError,
     QuotaExceededError,
     RequestCancelledError,
     UnauthenticatedError,
@@ -79,6 +83,8 @@ class _Rule:
 _RULES: tuple[_Rule, ...] = (
     _Rule(InvalidRequestError, "invalid_request", grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
     _Rule(UnauthenticatedError, "unauthenticated", grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error"),
+    _Rule(PermissionDeniedError, "permission_denied", grpc.StatusCode.PERMISSION_DENIED, 403, "permission_error"),
+    _Rule(AdapterNotFoundError, "adapter_not_found", grpc.StatusCode.NOT_FOUND, 404, "not_found_error"),
     _Rule(QuotaExceededError, "quota_exceeded", grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
     _Rule(OverloadedError, "overloaded", grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "overloaded_error"),
     _Rule(WorkerFailedError, "worker_failed", grpc.StatusCode.UNAVAILABLE, 503, "server_error"),
@@ -225,6 +231,8 @@ def retry_after_from_status(metadata: Iterable[tuple[str, str | bytes]] | None, 
 _KIND_BY_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: "invalid_request",
     grpc.StatusCode.UNAUTHENTICATED: "unauthenticated",
+    grpc.StatusCode.PERMISSION_DENIED: "permission_denied",
+    grpc.StatusCode.NOT_FOUND: "adapter_not_found",
     grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded",  # when the server did not say which
     grpc.StatusCode.UNAVAILABLE: "worker_failed",
     grpc.StatusCode.DEADLINE_EXCEEDED: "deadline_exceeded",

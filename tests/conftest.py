@@ -31,24 +31,39 @@ def smollm2_dir():
     return str(ensure_hf_dir(ModelConfig()).hf_dir)
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, smollm2_dir):
-    """A random-initialised tiny Llama (2 layers, GQA 4:2, head_dim 16) saved as a HF folder
-    with SmolLM2's tokenizer, so text in and out works while every forward is cheap."""
+def _tiny_checkpoint(path, smollm2_dir, model_type: str) -> str:
+    """A random `model_type` model (2 layers, GQA 4:2, head_dim 16, 1024 positions) saved as
+    a HF folder with SmolLM2's tokenizer: text in and out works while every forward is cheap."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    path = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    config = AutoConfig.for_model(model_type, vocab_size=49152, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=False,
+                                  bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # logits of std ~1: sampled tokens vary, greedy ties are unlikely
         model.lm_head.weight.normal_(0.0, 0.125)
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):  # HF initialises biases to 0: make them matter
+                p.normal_(0.0, 0.5)
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm2_dir):
+    """The tiny random Llama (_tiny_checkpoint)."""
+    return _tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory, smollm2_dir):
+    """The tiny Llama's sizes as a Qwen2 (plus the q/k/v biases every Qwen2 / 2.5 checkpoint
+    carries): a non-Llama family for the end-to-end modules."""
+    return _tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen2"), smollm2_dir, "qwen2")
 
 
 # Fixtures that start Ray (a Serve app, worker actors or a multi-node cluster). A test that

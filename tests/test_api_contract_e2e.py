@@ -1,5 +1,7 @@
 """The API contract over the real ingresses: Serve's gRPC and HTTP proxies on loopback sockets,
-two CPU workers running the tiny random Llama, one cluster for the module.
+two CPU workers running a tiny random Qwen2 (a family other than Llama, served as `kvmesh
+serve --model DIR` serves it: its greedy tokens are HF's, and kvmesh_model_info says which
+forward runs and why), one cluster for the module.
 
 Regression tests for the faults an independent client found (issue #13), then the fuzz
 suite: seeded random and mutated requests over gRPC (messages and raw bytes) and HTTP
@@ -53,8 +55,8 @@ HTTP_CLIENT_STATUSES = {200, 400, 404, 405, 422, 429, 504}
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir):
-    config = tiny_cluster_config(tiny_model_dir, num_workers=NUM_WORKERS, num_blocks=NUM_BLOCKS,
+def cluster(tiny_qwen2_dir):
+    config = tiny_cluster_config(tiny_qwen2_dir, num_workers=NUM_WORKERS, num_blocks=NUM_BLOCKS,
                                  # Resumption off: section 6 checks the error a client gets when a
                                  # stream cannot be resumed (tests/test_failover_resume_e2e.py
                                  # covers the default, resumed streams).
@@ -62,6 +64,7 @@ def cluster(tiny_model_dir):
                                          "max_stream_resumptions": 0})
     as_dict = config.to_dict()
     as_dict["scheduler"]["max_new_tokens"] = MODEL_LEN  # the context length binds, not this ceiling
+    as_dict["model"]["cpu_native_max_tokens"] = 8  # asked for, so the worker says why it does not run it
     config = KvmeshConfig.from_dict(as_dict)
     with serving(config, APP_NAME):
         yield config
@@ -121,6 +124,30 @@ def _greedy_text(stub) -> str:
     responses = list(stub.Generate(_request("kvmesh keeps its contract because", max_tokens=12), timeout=60))
     assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
     return "".join(r.text for r in responses)
+
+
+# ---- 2. A non-Llama family served: HF's greedy tokens, the forward path named ------------------
+
+def test_qwen2_served_token_identical_to_hf_and_path_named(cluster, stub, http_base):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvmesh.worker.kernels import cpu_native_step
+
+    prompt = "The quick brown fox jumps over the lazy dog because"
+    streamed = [t for r in stub.Generate(_request(prompt, max_tokens=16), timeout=60) for t in r.token_ids]
+    folder = cluster.model.path
+    ids = AutoTokenizer.from_pretrained(folder)(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
+                           do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    assert streamed == want
+    info = [dict(labels) for name, labels in scrape(http_base) if name == "kvmesh_model_info"]
+    assert len(info) == NUM_WORKERS and all(i["model_type"] == "qwen2" and i["forward_path"] == "eager" for i in info)
+    # the native C step implements Llama's layer: it names what this model has beyond it
+    expected = cpu_native_step.unavailable_reason() or "qwen2: q/k/v or o biases"
+    assert all(expected in i["forward_path_reason"] for i in info), info
 
 
 # ---- 3. ListModels reports the context length requests are validated against ----------------

@@ -134,3 +134,13 @@ def test_the_in_process_generate_does_load_the_engine():
     argument check fails before a model loads, after the imports)."""
     proc, modules = run_kvmesh(["generate", "hi", "--max-tokens", "0"])
     assert "kvmesh.worker.engine_loop.engine" in modules and "torch" in modules
+
+
+def test_the_start_bench_runs_both_paths(capsys):
+    """load_tests/bench_cli_start.py: one round prints both starts and the ratio (no timing is
+    asserted; the figures go in notes and docs)."""
+    from kvmesh.load_tests import bench_cli_start
+
+    bench_cli_start.main(["--rounds", "1"])
+    out = capsys.readouterr().out
+    assert out.startswith("round 1: client ") and "in-process" in out and "median: the client path" in out

@@ -23,7 +23,8 @@ import pytest
 
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
-from kvmesh.router import convert, status_map
+from kvmesh.router import convert, status_map, tls
+from kvmesh.core.config import TlsConfig
 from kvmesh.router.client import AsyncKvmeshClient, KvmeshClient, StreamRestart, collect_text
 from kvmesh.router.retry import RetryBudget, RetryPolicy, backoff_s, decide_retry
 from kvmesh.core.seams import FinishReason, RequestDelta, SamplingParams, Usage, WorkerStats
@@ -115,18 +116,19 @@ def _worker_stats(worker_id, healthy):
 class ServerThread:
     """The aio server on its own event loop thread, so blocking clients can call it too."""
 
-    def __init__(self):
+    def __init__(self, tls_config: TlsConfig = TlsConfig()):
         self.servicer = ScriptedKvmesh()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
-        self.target = f"127.0.0.1:{self.port}"
+        self.port = asyncio.run_coroutine_threadsafe(self._start(tls_config), self.loop).result(10)
+        # A TLS client checks the name: the test certificates are for localhost.
+        self.target = f"{'localhost' if tls_config.enabled else '127.0.0.1'}:{self.port}"
 
-    async def _start(self):
+    async def _start(self, tls_config: TlsConfig):
         self.server = grpc.aio.server()
         pb_grpc.add_KvmeshServicer_to_server(self.servicer, self.server)
-        port = self.server.add_insecure_port("127.0.0.1:0")
+        port = tls.add_grpc_port(self.server, "127.0.0.1:0", tls_config)  # plaintext unless configured
         await self.server.start()
         return port
 

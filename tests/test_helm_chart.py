@@ -505,6 +505,11 @@ def test_ray_token_auth_is_on_and_tls_comes_from_a_secret(chart):
     router_tls = serve["applications"][0]["args"]["router"]["tls"]
     assert (router_tls["cert_file"], router_tls["key_file"]) == ("/etc/kvmesh/tls/tls.crt", "/etc/kvmesh/tls/tls.key")
     assert "grpc_options" not in serve
+    monitored = _render(chart, {"tls": {"secretName": "router-tls"}, "serve": {"grpcServicerFunctions": []},
+                                "metrics": {"serviceMonitor": {"enabled": True}}})
+    [endpoint] = monitored.one("ServiceMonitor", "-router")["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"]["ca"]["secret"] == {"name": "router-tls", "key": "ca.crt"}
 
 
 def _groups(rendered: Rendered) -> tuple[dict, dict]:

@@ -199,7 +199,7 @@ def test_kvmesh_stats_scrapes_a_live_metrics_endpoint(capsys):
         assert summary.requests_by_reason == {"stop": 2, "length": 1, "abort": 1}
         assert summary.prompt_tokens == 169 and summary.generation_tokens == 31
         assert summary.rejections == {"quota": 1, "overload": 0, "deadline": 0, "evicted": 0, "invalid": 0,
-                                      "unauthenticated": 0}
+                                      "unauthenticated": 0, "adapter_not_found": 0, "permission_denied": 0}
         assert summary.prefix_cache_hit_ratio == pytest.approx(32 / 169)
         assert summary.workers["w0"]["kv_cache_usage_ratio"] == pytest.approx(0.2)
         # TTFT p50 lies in the (0.25, 0.5] bucket: 3 observations, the 2nd is 0.3.
@@ -322,7 +322,9 @@ def test_engine_metrics_from_real_engine_steps(tiny_model_dir):
     info = [dict(labels) for name, labels in s if name == "kvmesh_model_info"]
     assert info == [{"worker": "w0", "model": engine.model_name, "revision": "main", "dtype": "float32",
                      "weight_quant": "none", "kv_cache_dtype": engine.parts.kv_cache_dtype,
-                     "version": info[0]["version"]}] and info[0]["version"] != "unknown"
+                     "version": info[0]["version"], "model_type": "llama", "forward_path": "eager",
+                     "forward_path_reason": "native step not taken: model.cpu_native_max_tokens 0 (auto for fp32: "
+                                            "the token-exact eager path)"}] and info[0]["version"] != "unknown"
     assert value(s, "kvmesh_oom_total", worker="w0") == 0
 
     def out_of_memory():

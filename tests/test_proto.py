@@ -61,6 +61,7 @@ def test_worker_stats_cross_the_wire_field_for_field():
                         prefix_cache_hit_rate=0.25, output_tokens_per_s=12.5, num_preemptions_recompute=4,
                         num_preemptions_swap=1, num_preemptions_priority=3, num_outgrown_estimates=2,
                         prefix_event_seq=7, tokens_to_compute=95, kv_tokens_reserved_shared=250,
-                        num_preemptions_priority_kv=2)
-    assert all(getattr(stats, f.name) not in (0, None) for f in dataclasses.fields(WorkerStats))  # all set
+                        num_preemptions_priority_kv=2, lora_slots_total=4, resident_adapters=("a", "b"),
+                        num_adapter_loads=5, num_adapter_evictions=3, num_waiting_for_adapter=1)
+    assert all(getattr(stats, f.name) not in (0, None, ()) for f in dataclasses.fields(WorkerStats))  # all set
     assert worker_stats_from_pb(worker_stats_to_pb(stats, age_s=0.5)) == stats

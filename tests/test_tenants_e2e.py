@@ -9,6 +9,7 @@ exactly what a crashed Redis looks like to the routers.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -283,6 +284,25 @@ class _SpreadStub:
             channel.close()
 
 
+@contextlib.contextmanager
+def _load_during(stub, redis_server, num_clients: int, key: str = KEYS["load"]):
+    """`num_clients` threads streaming in a loop while the block runs; yields their outcomes
+    ("ok" or a status code). Redis is running again afterwards whatever the block did."""
+    stop, outcomes = threading.Event(), []
+    threads = [threading.Thread(target=_load, args=(stub, stop, outcomes, key)) for _ in range(num_clients)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: len(outcomes) >= num_clients, what="load running")
+        yield outcomes
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+        if not redis_server.running:
+            redis_server.restart()
+
+
 def _fallback_flags(http_base: str) -> list[float]:
     samples = scrape(http_base)
     return sorted(v for (n, _), v in samples.items() if n == "kvmesh_quota_store_fallback_active")
@@ -293,14 +313,9 @@ def test_redis_killed_and_restarted_mid_load(cluster, channel, http_base, redis_
     gets a retryable code), both replicas flip to local limits (the metric says 1), the
     concurrency limit still holds locally (limit / replicas each), and both reconnect."""
     stub = kvmesh_pb2_grpc.KvmeshStub(channel)
-    stop, outcomes = threading.Event(), []
     # Each request on a connection of its own: the replicas share the gRPC port and the kernel
     # spreads connections over them, so the load reaches both (as Serve's proxy spread calls).
-    threads = [threading.Thread(target=_load, args=(_SpreadStub(cluster), stop, outcomes)) for _ in range(3)]
-    for t in threads:
-        t.start()
-    try:
-        wait_for(lambda: len(outcomes) >= 3, what="load running")
+    with _load_during(_SpreadStub(cluster), redis_server, 3) as outcomes:
         redis_server.kill()
         # A replica notices on its next quota call; the load's connections reach both.
         wait_for(lambda: _fallback_flags(http_base) == [1.0, 1.0], timeout_s=30, what="both replicas on fallback")
@@ -316,12 +331,6 @@ def test_redis_killed_and_restarted_mid_load(cluster, channel, http_base, redis_
         redis_server.restart()
         wait_for(lambda: _fallback_flags(http_base) == [0.0, 0.0], timeout_s=30, what="both replicas back on Redis")
         wait_for(lambda: len(outcomes) >= during + 3, what="load served after the restart")
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=120)
-        if not redis_server.running:
-            redis_server.restart()
     assert outcomes.count("ok") >= 6
     assert set(outcomes) <= {"ok"} | RETRYABLE, set(outcomes)
 
@@ -360,24 +369,13 @@ def test_redis_restarted_empty_mid_load_locks_nobody_out(cluster, channel, http_
     wait_for(lambda: all(_first_delta_or_error(stub, KEYS["stored"], 1)[0] == "ok" for _ in range(6)),
              what="the stored tenant authenticated on every replica")
     restores_before = total(scrape(http_base), "kvmesh_tenant_registry_restores_total")
-    stop, outcomes = threading.Event(), []
-    threads = [threading.Thread(target=_load, args=(stub, stop, outcomes, KEYS["stored"])) for _ in range(4)]
-    for t in threads:
-        t.start()
-    try:
-        wait_for(lambda: len(outcomes) >= 4, what="load running")
+    with _load_during(stub, redis_server, 4, KEYS["stored"]) as outcomes:
         redis_server.restart(empty=True)
         wait_for(lambda: "stored" in _stored_tenant_ids(redis_server.url), what="registry written back")
         during = len(outcomes)
         wait_for(lambda: len(outcomes) >= during + 4, what="load served after the empty restart")
         wait_for(lambda: total(scrape(http_base), "kvmesh_tenant_registry_restores_total") > restores_before,
                  what="the restore counted in /metrics")
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=120)
-        if not redis_server.running:
-            redis_server.restart()
     assert grpc.StatusCode.UNAUTHENTICATED not in outcomes
     assert outcomes.count("ok") >= 8
     assert set(outcomes) <= {"ok"} | RETRYABLE, set(outcomes)

@@ -10,7 +10,7 @@ import threading
 
 import grpc
 import pytest
-from test_client import ScriptedKvmesh
+from test_client import ScriptedKvmesh, ServerThread
 from tls_certs import ThrowawayPki
 
 from kvmesh.core.config import ConfigError, KvmeshConfig, TlsConfig
@@ -35,29 +35,6 @@ def _tls_config(pki, mutual: bool = False, reload_check_s: float = 30.0) -> TlsC
                      client_ca_file=str(pki.ca_file) if mutual else None, reload_check_s=reload_check_s)
 
 
-class TlsServer:
-    """ScriptedKvmesh on a grpc.aio server bound with add_grpc_port, on its own loop thread."""
-
-    def __init__(self, tls_config: TlsConfig):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.port = asyncio.run_coroutine_threadsafe(self._start(tls_config), self.loop).result(10)
-        self.target = f"localhost:{self.port}"
-
-    async def _start(self, tls_config):
-        self.server = grpc.aio.server()
-        pb_grpc.add_KvmeshServicer_to_server(ScriptedKvmesh(), self.server)
-        port = tls.add_grpc_port(self.server, "127.0.0.1:0", tls_config)
-        await self.server.start()
-        return port
-
-    def stop(self):
-        asyncio.run_coroutine_threadsafe(self.server.stop(None), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
 def _served_cert_der(port: int, pki, with_client_cert: bool = False) -> bytes:
     """The certificate a new TLS connection to the port is shown."""
     context = ssl.create_default_context(cafile=str(pki.ca_file))
@@ -74,7 +51,7 @@ def _generate_text(client) -> str:
 
 
 def test_grpc_client_over_tls_plaintext_refused_and_rotation_without_restart(pki):
-    server = TlsServer(_tls_config(pki, reload_check_s=0.05))
+    server = ServerThread(_tls_config(pki, reload_check_s=0.05))
     try:
         with KvmeshClient(server.target, api_key="sk-test", retry_policy=NO_RETRY,
                           credentials=tls.grpc_channel_credentials(str(pki.ca_file))) as client:
@@ -107,7 +84,7 @@ def test_grpc_client_over_tls_plaintext_refused_and_rotation_without_restart(pki
 
 
 def test_mutual_tls_requires_a_client_certificate(pki):
-    server = TlsServer(_tls_config(pki, mutual=True))
+    server = ServerThread(_tls_config(pki, mutual=True))
     try:
         with KvmeshClient(server.target, retry_policy=NO_RETRY,
                           credentials=tls.grpc_channel_credentials(str(pki.ca_file))) as anonymous:

@@ -323,3 +323,17 @@ def test_engine_greedy_tokens_match_the_torch_backend(tiny_model_dir, kv_cache_d
         tokens[backend] = out
     assert all(len(ids) == 8 for ids in tokens["triton"].values())
     assert tokens["triton"] == tokens["torch"]
+
+
+def test_models_needing_windows_or_soft_capping_refused_at_set_up():
+    """The kernel applies neither: a model that needs one is refused before it loads, naming it."""
+    from kvmesh.load_tests.family_checkpoints import hf_config
+    from kvmesh.worker.model.architecture import Architecture, UnsupportedModelError
+    from kvmesh.worker.runner.model_setup import require_backend_features
+
+    backend = TritonAttentionBackend()
+    with pytest.raises(UnsupportedModelError, match="sliding-window attention.*triton"):
+        require_backend_features(Architecture.from_hf_config(hf_config("mistral"), 512), backend)
+    with pytest.raises(UnsupportedModelError, match="soft-capping.*triton"):
+        require_backend_features(Architecture.from_hf_config(hf_config("gemma2"), 24), backend)  # window >= context: unused
+    require_backend_features(Architecture.from_hf_config(hf_config("qwen3"), 512), backend)  # needs neither

@@ -24,6 +24,9 @@ What it offers, and nothing else of worker/:
                       the model files and tokenizer the engine would use for a config
     cpu_has_native_bf16
                       whether `model.dtype: auto` picks bf16 on this CPU
+    LORA_MODULES, lora_projection_shapes
+                      the projections a LoRA adapter may target and their (out, in) shapes
+                      for a model's config (what an adapter written for it must hold)
 
 Requests, deltas, stats and errors are the bottom layer's (kvmesh.core). A benchmark that
 measures a component itself (a kernel, the router's policy) imports that component and is
@@ -32,10 +35,12 @@ named in tests/test_layers.py's COMPONENT_BENCHMARKS with its reason.
 
 from kvmesh.worker.engine_loop.engine import Engine
 from kvmesh.worker.model.loader import embedded_gguf_path, ensure_hf_dir
+from kvmesh.worker.model.lora_weights import LORA_MODULES
+from kvmesh.worker.model.lora_weights import projection_shapes as lora_projection_shapes
 from kvmesh.worker.model.tokenizer import load_tokenizer, render_chat
 from kvmesh.worker.runner.model_setup import cpu_has_native_bf16, resolve_model
 from kvmesh.worker.runtime.actor import kill_workers, start_workers
 from kvmesh.worker.runtime.async_engine import AsyncEngine
 
-__all__ = ["AsyncEngine", "Engine", "cpu_has_native_bf16", "embedded_gguf_path", "ensure_hf_dir", "kill_workers",
+__all__ = ["AsyncEngine", "Engine", "LORA_MODULES", "cpu_has_native_bf16", "lora_projection_shapes", "embedded_gguf_path", "ensure_hf_dir", "kill_workers",
            "load_tokenizer", "render_chat", "resolve_model", "start_workers"]

@@ -23,6 +23,10 @@ layers x batch x longest-context work. Here:
 
 Numerics are those of the reference: same dtype, same SDPA, padding masked out; the engine's
 exactness prompts give identical tokens with either backend (tests/test_attention_cpu.py).
+
+A layer with a sliding window gets a plan of its own (its masks also hide what lies before the
+window), and a windowed or soft-capped layer runs the grouped path and the reference's
+arithmetic (torch_backend.attention): the C kernel implements neither.
 """
 
 from __future__ import annotations
@@ -30,12 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvmesh.worker.kernels import cpu_paged_attention
 from kvmesh.worker.attention.backend import AttentionMetadata, LayerKVCache
 from kvmesh.quant.kv_quant import dequantize_kv
-from kvmesh.worker.attention.torch_backend import TorchAttentionBackend
+from kvmesh.worker.attention.torch_backend import TorchAttentionBackend, attention, visible
 
 # A decode group may pad up to this factor over the tokens its rows attend. Lower means less
 # wasted work but more groups (one gather + one SDPA call per group per layer).
@@ -94,10 +97,12 @@ def group_decode_rows(seq_lens: list[tuple[int, int]], pad_ratio: float = PAD_RA
     return groups
 
 
-def build_plan(meta: AttentionMetadata, block_size: int, kernel_decode: bool = False) -> CpuAttentionPlan:
+def build_plan(meta: AttentionMetadata, block_size: int, kernel_decode: bool = False,
+               sliding_window: int | None = None) -> CpuAttentionPlan:
     """K/V are read whole blocks at a time (one contiguous block_size x Hkv x D copy per
     block, far cheaper than a per-token gather); the masks hide the tail of a row's last block
-    and the padding blocks, which re-read the row's own first block (always written).
+    and the padding blocks, which re-read the row's own first block (always written), and with
+    a sliding window the positions before it.
     kernel_decode: the decode rows go to the paged kernel as one list instead of groups."""
     dev = meta.block_tables.device
     tables = meta.block_tables
@@ -121,8 +126,9 @@ def build_plan(meta: AttentionMetadata, block_size: int, kernel_decode: bool = F
         blocks = tables[rows, :nb].long()
         blocks = torch.where(owned, blocks, blocks[:, :1])  # unused table entries may be anything
         mask = None
-        if any(n != nb * block_size for _, n in members):
-            mask = (torch.arange(nb * block_size, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        if any(n != nb * block_size or (sliding_window is not None and n > sliding_window) for _, n in members):
+            mask = visible(lens[:, None] - 1, torch.arange(nb * block_size, device=dev)[None, :],
+                           sliding_window)[:, None, None, :]
         query_rows = torch.tensor([starts[i] for i, _ in members], dtype=torch.long, device=dev)
         groups.append(DecodeGroup(query_rows, blocks, mask))
     prefills = []
@@ -131,9 +137,10 @@ def build_plan(meta: AttentionMetadata, block_size: int, kernel_decode: bool = F
             continue
         blocks = tables[i, :-(-ctx // block_size)].long()
         mask = None
-        if ctx != qlen:  # query j sits at position ctx - qlen + j and sees positions <= its own
-            q_pos = torch.arange(ctx - qlen, ctx, device=dev)[:, None]
-            mask = torch.arange(ctx, device=dev)[None, :] <= q_pos
+        if ctx != qlen or (sliding_window is not None and ctx > sliding_window):
+            # query j sits at position ctx - qlen + j and sees positions <= its own (in the window)
+            mask = visible(torch.arange(ctx - qlen, ctx, device=dev)[:, None], torch.arange(ctx, device=dev)[None, :],
+                           sliding_window)
         prefills.append(PrefillChunk(starts[i], starts[i + 1], blocks, ctx, mask))
     return CpuAttentionPlan(tuple(groups), tuple(prefills), kernel_rows)
 
@@ -170,12 +177,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return self._kernel
 
     def attend(self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
-        plan = meta.backend_plans.get(self.name)
-        if plan is None:  # the first layer of the step plans for all of them (same cache kind in every layer)
-            kernel = self.kernel()
+               scale: float, sliding_window: int | None = None, logit_softcap: float | None = None) -> torch.Tensor:
+        # one plan per kind of layer: the first layer of each kind plans the step for the others
+        # (same cache kind in every layer); the kernel takes neither windows nor soft-capping
+        key = self.name if sliding_window is None and logit_softcap is None else \
+            (self.name, sliding_window, logit_softcap is not None)
+        plan = meta.backend_plans.get(key)
+        if plan is None:
+            kernel = self.kernel() if key == self.name else None
             use = kernel is not None and kernel.takes(query, cache) and query.device == meta.block_tables.device
-            plan = meta.backend_plans[self.name] = build_plan(meta, cache.block_size, kernel_decode=use)
+            plan = meta.backend_plans[key] = build_plan(meta, cache.block_size, kernel_decode=use,
+                                                        sliding_window=sliding_window)
         out = torch.empty_like(query)
         rows = plan.kernel_rows
         if rows is not None:
@@ -184,15 +196,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         for g in plan.decode_groups:
             k, v = read_blocks(cache, g.blocks, query.dtype)  # [n, nb * bs, Hkv, D]
             q = query[g.query_rows].unsqueeze(2)  # [n, Hq, 1, D]
-            o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask,
-                                               scale=scale, enable_gqa=True)  # [n, Hq, 1, D]
+            o = attention(q, k.transpose(1, 2), v.transpose(1, 2), g.mask, scale, logit_softcap)  # [n, Hq, 1, D]
             out[g.query_rows] = o[:, :, 0, :]
         for p in plan.prefills:
             k, v = read_blocks(cache, p.blocks, query.dtype)
             k, v = k[:p.context], v[:p.context]  # [ctx, Hkv, D]
             q = query[p.query_start:p.query_end]  # [qlen, Hq, D]
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True)  # [1, Hq, qlen, D]
+            o = attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                          v.transpose(0, 1).unsqueeze(0), p.mask, scale, logit_softcap,
+                          is_causal=p.mask is None)  # [1, Hq, qlen, D]
             out[p.query_start:p.query_end] = o[0].transpose(0, 1)
         return out

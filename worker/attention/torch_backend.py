@@ -5,6 +5,11 @@ and calls scaled_dot_product_attention with an explicit causal-offset mask. Deco
 (one query token each) are batched into one call; prefill chunks go one request at a time
 because their query lengths differ. Never modifies its inputs (only `write_kv` writes, and
 only into the cache).
+
+Per-layer options (Mistral, Phi-3, Qwen, Gemma): a sliding window (a query at position p
+attends to positions p - window < j <= p, HF's sliding_window_overlay) joins the mask, and
+logit soft-capping (scores -> cap * tanh(scores / cap), Gemma 2) replaces SDPA by HF's eager
+attention arithmetic: scores in the input dtype, capped, masked, softmax in fp32.
 """
 
 from __future__ import annotations
@@ -31,8 +36,40 @@ def _gather_kv(cache: LayerKVCache, block_table: torch.Tensor, out_dtype: torch.
     return k.reshape(b, nb * bs, hkv, d).to(out_dtype), v.reshape(b, nb * bs, hkv, d).to(out_dtype)
 
 
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """q_pos: [..., Lq, 1], k_pos: [..., 1, Lk] -> bool [..., Lq, Lk], True where the query at
+    q_pos attends to the key at k_pos: causal, and within the window when there is one."""
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+              logit_softcap: float | None = None, is_causal: bool = False) -> torch.Tensor:
+    """q: [B, Hq, Lq, D], k / v: [B, Hkv, Lk, D], mask: bool broadcastable to [B, Hq, Lq, Lk]
+    (True = attend) or None -> [B, Hq, Lq, D]. GQA: query head h reads KV head h // (Hq / Hkv)."""
+    if logit_softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    if is_causal:
+        lq, lk = scores.shape[-2:]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 class TorchAttentionBackend:
     name = "torch"
+    # per-layer options this backend applies (worker/runner/model_setup.py checks at set-up)
+    supports_sliding_window = True
+    supports_logit_softcap = True
 
     def write_kv(self, cache: LayerKVCache, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -52,7 +89,7 @@ class TorchAttentionBackend:
             v_slots[slot_mapping] = value.to(v_slots.dtype)
 
     def attend(self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, sliding_window: int | None = None, logit_softcap: float | None = None) -> torch.Tensor:
         out = torch.empty_like(query)
         query_lens = meta.query_lens_host
         seq_lens = meta.seq_lens_host
@@ -63,7 +100,7 @@ class TorchAttentionBackend:
 
         decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
         if decode_rows:
-            self._attend_decode(query, cache, meta, scale, decode_rows, starts, out)
+            self._attend_decode(query, cache, meta, scale, decode_rows, starts, out, sliding_window, logit_softcap)
         for i, qlen in enumerate(query_lens):
             if qlen == 1:
                 continue
@@ -73,25 +110,23 @@ class TorchAttentionBackend:
             k, v = k[0, :ctx], v[0, :ctx]  # [ctx, Hkv, D]
             q = query[starts[i]:starts[i + 1]]  # [qlen, Hq, D]
             # query j sits at position ctx - qlen + j and sees positions <= its own
-            q_pos = torch.arange(ctx - qlen, ctx).unsqueeze(1)
-            mask = torch.arange(ctx).unsqueeze(0) <= q_pos  # [qlen, ctx]
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask, scale=scale, enable_gqa=True)  # [1, Hq, qlen, D]
+            mask = visible(torch.arange(ctx - qlen, ctx).unsqueeze(1), torch.arange(ctx).unsqueeze(0),
+                           sliding_window)  # [qlen, ctx]
+            o = attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                          v.transpose(0, 1).unsqueeze(0), mask, scale, logit_softcap)  # [1, Hq, qlen, D]
             out[starts[i]:starts[i + 1]] = o[0].transpose(0, 1)
         return out
 
     @staticmethod
-    def _attend_decode(query, cache, meta, scale, rows, starts, out) -> None:
+    def _attend_decode(query, cache, meta, scale, rows, starts, out, sliding_window, logit_softcap) -> None:
         bs = cache.block_size
         seq = torch.tensor([meta.seq_lens_host[i] for i in rows])
         nb = -(-int(seq.max()) // bs)
         idx = torch.tensor(rows)
         k, v = _gather_kv(cache, meta.block_tables[idx, :nb], query.dtype)  # [Bd, L, Hkv, D]
-        mask = torch.arange(nb * bs).unsqueeze(0) < seq.unsqueeze(1)  # [Bd, L]
+        mask = visible((seq - 1).unsqueeze(1), torch.arange(nb * bs).unsqueeze(0), sliding_window)  # [Bd, L]
         q_idx = torch.tensor([starts[i] for i in rows])
         q = query[q_idx].unsqueeze(2)  # [Bd, Hq, 1, D]
-        o = F.scaled_dot_product_attention(
-            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :],
-            scale=scale, enable_gqa=True)  # [Bd, Hq, 1, D]
+        o = attention(q, k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale,
+                      logit_softcap)  # [Bd, Hq, 1, D]
         out[q_idx] = o[:, :, 0, :]

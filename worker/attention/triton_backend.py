@@ -418,6 +418,9 @@ class TritonAttentionBackend:
     """
 
     name = "triton"
+    # per-layer options this backend applies (worker/runner/model_setup.py checks at set-up)
+    supports_sliding_window = False
+    supports_logit_softcap = False
 
     def __init__(self, tile_tokens: int = 32, min_programs: int | None = None, max_segments: int = 16):
         _require(tile_tokens >= 16 and tile_tokens & (tile_tokens - 1) == 0,
@@ -483,7 +486,9 @@ class TritonAttentionBackend:
             IS_INT8=kc.dtype == torch.int8)
 
     def attend(self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, sliding_window: int | None = None, logit_softcap: float | None = None) -> torch.Tensor:
+        _require(sliding_window is None and logit_softcap is None,
+                 "the Triton backend applies neither sliding windows nor logit soft-capping")
         _check_cache(cache)
         kc = cache.key_cache
         _, block_size, num_kv_heads, _ = kc.shape

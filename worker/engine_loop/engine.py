@@ -30,11 +30,12 @@ import time
 
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.kv_tier_metrics import KVTierFigures
-from kvmesh.kv.hashing import block_extra_keys
-from kvmesh.core.seams import (FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats,
+from kvmesh.kv.hashing import adapter_key, block_extra_keys
+from kvmesh.core.seams import (AdapterRef, FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats,
                                check_fits_context)
 from kvmesh.worker.engine_loop.engine_setup import EngineParts, build_engine_parts
-from kvmesh.core.errors import InvalidRequestError
+from kvmesh.core.errors import InvalidRequestError, KvmeshError
+from kvmesh.worker.engine_loop.adapter_gate import AdapterGate
 from kvmesh.worker.engine_loop.output_processor import OutputProcessor
 from kvmesh.worker.engine_loop.request import Request, RequestStatus
 from kvmesh.worker.engine_loop.scheduler import Scheduler
@@ -76,6 +77,9 @@ class Engine:
             self.speculator.clock = self._forward_clock
         if self.speculator is not None:
             self.phase_clock.speculative_method = self.speculator.method
+        # LoRA: requests wait here until their adapter is in a slot (None = no adapters served).
+        slots = getattr(self.runner, "lora_slots", None)
+        self.adapters: AdapterGate | None = None if slots is None else AdapterGate(slots)
 
     @classmethod
     def from_config(cls, config: KvmeshConfig | None = None, worker_id: str = "worker-0") -> "Engine":
@@ -84,8 +88,9 @@ class Engine:
 
     # ---- requests in ------------------------------------------------------------------
 
-    def block_extra_keys(self, cache_salt: str | None = None) -> tuple[str, ...]:
-        return block_extra_keys(self.model_name, self.config.model.revision, self.parts.kv_cache_dtype, cache_salt)
+    def block_extra_keys(self, cache_salt: str | None = None, adapter: AdapterRef | None = None) -> tuple[str, ...]:
+        return block_extra_keys(self.model_name, self.config.model.revision, self.parts.kv_cache_dtype, cache_salt,
+                                None if adapter is None else adapter_key(adapter.name, adapter.path))
 
     def tokenize(self, request: GenerateRequest) -> list[int]:
         if (request.prompt is None) == (request.prompt_token_ids is None):
@@ -106,6 +111,9 @@ class Engine:
         if not request.request_id:
             raise InvalidRequestError("request_id must be non-empty")
         request.sampling.validate(self.config.scheduler.max_new_tokens, self.config.scheduler.max_n)
+        if request.adapter is not None and self.adapters is None:
+            raise InvalidRequestError("this worker serves no LoRA adapters (lora.max_loras = 0, or tensor "
+                                      "parallelism, which adapters do not support yet)")
         prompt_ids = self.tokenize(request)
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty")
@@ -127,9 +135,27 @@ class Engine:
                            output_token_ids=list(resumed),  # each sample its own list
                            arrival_time=self.scheduler.clock(), priority=request.priority,
                            priority_class=request.priority_class,
-                           tenant_id=request.tenant_id,
-                           extra_keys=self.block_extra_keys(request.cache_salt), group_id=group, sample_index=i)
+                           tenant_id=request.tenant_id, adapter=request.adapter,
+                           extra_keys=self.block_extra_keys(request.cache_salt, request.adapter), group_id=group,
+                           sample_index=i)
                    for i in range(n)]
+        if request.adapter is None or self.adapters.admit(members):
+            try:
+                self._schedule_members(members)
+            except Exception:
+                if self.adapters is not None:  # refused: nothing of it stays, its pins included
+                    for member in members:
+                        self.adapters.release(member)
+                raise
+        now = time.time()
+        for member in members:
+            self._live[member.request_id] = member
+            self.outputs.add(member, request.request_id, now)
+            if resumed:
+                self.outputs.resume(member, request.resume_text_chars)
+        self._children[request.request_id] = [m.request_id for m in members]
+
+    def _schedule_members(self, members: list[Request]) -> None:
         added: list[Request] = []
         try:
             for member in members:
@@ -138,13 +164,28 @@ class Engine:
         except Exception:
             self.scheduler.abort_requests([m.request_id for m in added])
             raise
-        now = time.time()
-        for member in members:
-            self._live[member.request_id] = member
-            self.outputs.add(member, request.request_id, now)
-            if resumed:
-                self.outputs.resume(member, request.resume_text_chars)
-        self._children[request.request_id] = [m.request_id for m in members]
+
+    def _admit_adapter_requests(self) -> list[RequestDelta]:
+        """Requests whose adapter just became resident go to the scheduler; those whose
+        adapter failed to load (or that the scheduler now refuses) end with an error delta."""
+        ready, lost = self.adapters.poll()
+        deltas = []
+        for req, exc in lost:
+            req.status = RequestStatus.FAILED
+            deltas.append(self._close(req, FinishReason.ERROR, error=f"adapter {req.adapter.name!r}: {exc}",
+                                      error_type=_error_type(exc)))
+        groups: dict[str, list[Request]] = {}
+        for req in ready:
+            groups.setdefault(req.group_id or req.request_id, []).append(req)
+        for members in groups.values():
+            try:
+                self._schedule_members(members)
+            except KvmeshError as exc:
+                for m in members:
+                    m.status = RequestStatus.REJECTED
+                deltas += [self._close(m, FinishReason.ERROR, error=exc.message, error_type=type(exc).__name__,
+                                       retry_after_s=getattr(exc, "retry_after_s", None)) for m in members]
+        return deltas
 
     def _check_resume(self, request: GenerateRequest) -> list[int]:
         """The output a failed-over request already streamed (GenerateRequest.resume_token_ids)."""
@@ -163,21 +204,26 @@ class Engine:
         """Cancel a request (all its samples); unknown ids are a no-op. Returns final deltas."""
         internal = self._children.get(request_id, [])
         aborted = self.scheduler.abort_requests(internal, RequestStatus.CANCELLED)
+        if self.adapters is not None:
+            for req in self.adapters.remove_waiting(set(internal)):
+                req.status = RequestStatus.CANCELLED
+                aborted.append(req)
         return [self._close(r, FinishReason.ABORT) for r in aborted]
 
     # ---- one step -----------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (self.adapters is not None and self.adapters.num_waiting > 0)
 
     def step(self) -> list[RequestDelta]:
         clock = self.phase_clock
         clock.begin()
+        gated = [] if self.adapters is None else self._admit_adapter_requests()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         sched_out = self.scheduler.schedule()
         clock.lap("schedule")
-        deltas = [self._close_finished(f.request_id, f.status) for f in sched_out.finished]
+        deltas = gated + [self._close_finished(f.request_id, f.status) for f in sched_out.finished]
         deltas = [d for d in deltas if d is not None]
         self.last_step_idle = sched_out.is_empty
         if sched_out.is_empty:
@@ -275,6 +321,8 @@ class Engine:
 
     def _close(self, req: Request, reason: FinishReason, **error) -> RequestDelta:
         self._live.pop(req.request_id, None)
+        if self.adapters is not None:
+            self.adapters.release(req)
         if self.speculator is not None:
             self.speculator.forget(req.request_id)
         delta = self.outputs.final_delta(req, reason, **error)
@@ -289,7 +337,20 @@ class Engine:
     # ---- what the router sees ----------------------------------------------------------
 
     def stats(self) -> WorkerStats:
-        return worker_stats(self.scheduler, self.worker_id)
+        stats = worker_stats(self.scheduler, self.worker_id)
+        if self.adapters is None:
+            return stats
+        slots = self.adapters.slots.stats()
+        # Requests waiting for their adapter's load are queued work the scheduler has not seen
+        # yet: the router's load and queue figures must count them (and the load they wait on).
+        waiting = self.adapters.waiting_requests()
+        prompt_tokens = sum(r.num_prompt_tokens for r in waiting)
+        return dataclasses.replace(
+            stats, lora_slots_total=slots.num_slots, resident_adapters=slots.resident,
+            num_adapter_loads=slots.num_loads, num_adapter_evictions=slots.num_evictions,
+            num_waiting_for_adapter=len(waiting), num_waiting=stats.num_waiting + len(waiting),
+            queued_prompt_tokens=stats.queued_prompt_tokens + prompt_tokens,
+            tokens_to_compute=stats.tokens_to_compute + prompt_tokens + sum(r.sampling.max_tokens for r in waiting))
 
     def kv_tier_figures(self) -> KVTierFigures | None:
         tier, store = self.scheduler.kv.host_tier, self.parts.host_tier_store
@@ -311,6 +372,11 @@ class Engine:
         shutdown = getattr(self.runner, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+def _error_type(exc: BaseException) -> str:
+    """The kvmesh error class an adapter-load failure reports as (the router maps it)."""
+    return type(exc).__name__ if isinstance(exc, KvmeshError) else "WorkerFailedError"
 
 
 def worker_stats(scheduler: Scheduler, worker_id: str) -> WorkerStats:

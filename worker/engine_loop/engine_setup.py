@@ -30,12 +30,13 @@ from kvmesh.kv.device_plan import (SAMPLER_BYTES_PER_LOGIT, DeviceParts, DeviceP
 from kvmesh.worker.kernels import cpu_native_step
 from kvmesh.worker.attention.backend import AttentionMetadata
 from kvmesh.worker.runner.model_runner import ModelRunner, allocate_kv_caches, kv_storage_dtype
-from kvmesh.worker.runner.model_setup import (allocate_rank_caches, load_model, pick_backend, resolve_model,
-                                                with_valid_group_size)
+from kvmesh.worker.runner.model_setup import (allocate_rank_caches, load_model, pick_backend, require_backend_features,
+                                             resolve_model, with_valid_group_size)
 from kvmesh.worker.model.tokenizer import load_tokenizer
 from kvmesh.worker.runner.tp_group import TensorParallelGroup, TensorParallelRunner
 from kvmesh.worker.engine_loop.self_draft import DraftModel, load_draft
 from kvmesh.worker.runner.host_tier_store import HostTierStore
+from kvmesh.worker.runner.lora_slots import AdapterSlots
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,10 @@ class EngineParts:
     plan: MemoryPlan
     device: torch.device
     host_tier_store: HostTierStore | None = None  # the host tier's bytes (kv_manager.host_tier: its books)
+    # which forward serves small steps ("native step" | "compiled" | "eager") and, when not the
+    # native step, why not: the start log line and kvmesh_model_info carry both
+    forward_path: str = "eager"
+    forward_path_reason: str = ""
     draft: DraftModel | None = None  # speculative.method self_draft: its model (its pool: plan.num_draft_blocks)
 
 
@@ -175,6 +180,7 @@ def _sampler_bytes(config: KvmeshConfig, hf_config) -> int:
 def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> EngineParts:
     spec = resolve_model(config)
     config = with_valid_group_size(config, spec.hf_config)
+    require_backend_features(spec.arch, pick_backend(config, spec.device))  # before any weight loads
     hf_config, device, dtype, max_model_len = spec.hf_config, spec.device, spec.dtype, spec.max_model_len
     group = None
     if config.parallel.tensor_parallel_size > 1:
@@ -203,14 +209,15 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
             if used > plan.device.parts.cuda_graph_bytes:  # the estimate is what kept the plan honest
                 logger.warning("CUDA graphs took %.1f MiB, the memory plan counted %.1f MiB",
                                used / 2**20, plan.device.parts.cuda_graph_bytes / 2**20)
-        if device.type == "cpu":  # auto asks the native library what it has: only CPUs build it
-            native_tokens = cpu_native_step.max_tokens_for(config.model.cpu_native_max_tokens, dtype,
-                                                             torch.get_num_threads())
-            if native_tokens:
-                cpu_native_step.install(runner, model, kv_caches, native_tokens)
+        not_native = _install_native_step(config, runner, model, kv_caches, device, dtype)
     else:
         runner = TensorParallelRunner(group, plan, model, backend, device, kv_caches, swap_caches, plan.block_size,
                                       seed=config.model.seed)
+        not_native = "tensor parallelism"
+    path, path_reason = _forward_path(runner, model, not_native)
+    if group is None and config.lora.max_loras:
+        # Slot stacks are allocated per projection on the first adapter that targets it.
+        runner.lora_slots = AdapterSlots(hf_config, config.lora.max_loras, config.lora.max_rank, dtype, device)
     if group is not None and plan.num_host_tier_blocks:
         raise ConfigError("cache.host_tier_* needs parallel.tensor_parallel_size = 1 (the tier copies rank 0's KV only)")
     kv_manager = KVCacheManager(plan.num_blocks, plan.block_size,
@@ -230,8 +237,9 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
         plan.peak_activation_bytes / 2**20, device, dtype, backend.name)
     logger.info("device plan (budget %.1f MiB): %s", plan.device.budget_bytes / 2**20,
                 ", ".join(f"{part} {nbytes / 2**20:.1f} MiB" for part, nbytes in plan.device.split().items()))
+    logger.info("serving %s (%s): forward %s (%s)", spec.name, spec.arch.model_type, path, path_reason)
     return EngineParts(runner, kv_manager, tokenizer, hf_config, spec.name, kv_dtype_name, max_model_len,
-                       _eos_ids(hf_config, tokenizer), plan, device, tier_store, draft)
+                       _eos_ids(hf_config, tokenizer), plan, device, tier_store, path, path_reason, draft)
 
 
 def build_graph_runner(config: KvmeshConfig, model, backend, kv_caches, device, max_model_len: int,
@@ -246,6 +254,25 @@ def build_graph_runner(config: KvmeshConfig, model, backend, kv_caches, device, 
                              tensor_parallel_size=config.parallel.tensor_parallel_size)
     graphs.capture()
     return graphs
+
+
+def _install_native_step(config: KvmeshConfig, runner, model, kv_caches, device, dtype) -> str | None:
+    """The native CPU step on `runner` where it applies; None, or why it does not."""
+    if device.type != "cpu":
+        return f"device {device.type}"
+    # auto asks the native library what it has: only CPUs build it
+    native_tokens = cpu_native_step.max_tokens_for(config.model.cpu_native_max_tokens, dtype, torch.get_num_threads())
+    if not native_tokens:
+        return "model.cpu_native_max_tokens 0" + (" (auto for fp32: the token-exact eager path)"
+                                                  if dtype == torch.float32 else "")
+    return cpu_native_step.install(runner, model, kv_caches, native_tokens)
+
+
+def _forward_path(runner, model, not_native: str | None) -> tuple[str, str]:
+    """(which forward serves small steps, why): what the start line and kvmesh_model_info say."""
+    if not_native is None and getattr(runner, "native_decoder", None) is not None:
+        return "native step", f"steps of <= {runner.native_decoder.max_tokens} tokens"
+    return ("compiled" if model.compiled is not None else "eager"), f"native step not taken: {not_native}"
 
 
 def _profile_peak(model, config: KvmeshConfig, device: torch.device) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvmesh.core.seams import SamplingParams
+from kvmesh.core.seams import AdapterRef, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -46,6 +46,10 @@ class Request:
     tenant_id: str = "default"  # whose compute the request's rows are (per-tenant cost metrics)
     # kv.hashing.block_extra_keys(model, revision, kv dtype, tenant salt), built by the engine.
     extra_keys: tuple[str, ...] = ()
+    # The LoRA adapter it runs with (None = base model) and, while it is admitted, the worker
+    # slot holding that adapter (pinned until the request ends; worker/engine_loop/adapter_gate.py).
+    adapter: AdapterRef | None = None
+    lora_slot: int | None = None
     # n > 1: the engine submits n children with one group_id and sample_index 0..n-1.
     group_id: str | None = None
     sample_index: int = 0

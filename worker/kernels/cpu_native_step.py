@@ -869,6 +869,9 @@ class NativeDecoder:
             raise NotTaken(reason)
         if model.coll.world_size != 1:
             raise NotTaken("tensor parallelism")
+        refusal = model.arch.llama_shaped_refusal()
+        if refusal is not None:  # the C step implements Llama's layer only
+            raise NotTaken(refusal)
         cfg = model.config
         embed = model.model.embed_tokens.weight
         dtype = embed.dtype
@@ -1023,8 +1026,9 @@ def max_tokens_for(configured: int | None, dtype: torch.dtype, threads: int) -> 
 
 
 def install(runner, model, kv_caches: list, max_tokens: int, what: str = "the model",
-            int8_activations: bool = False) -> None:
-    """Sets runner.native_decoder, or logs once why the eager forward keeps every step."""
+            int8_activations: bool = False) -> str | None:
+    """Sets runner.native_decoder, or logs once why the eager forward keeps every step and
+    returns that reason (None when the native step is on)."""
     try:
         runner.native_decoder = decoder = NativeDecoder.build(model, kv_caches, max_tokens, int8_activations)
         logger.info("native step on for %s, steps of <= %d tokens%s%s%s", what, max_tokens,
@@ -1034,3 +1038,5 @@ def install(runner, model, kv_caches: list, max_tokens: int, what: str = "the mo
                     ", int8 projections as int8 x int8 AMX products" if decoder.int8_amx else "")
     except NotTaken as why:
         logger.warning("native step not taken for %s (%s): eager forward", what, why)
+        return str(why)
+    return None

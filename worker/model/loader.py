@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh.core.config import ConfigError, ModelConfig
+from kvmesh.worker.model.architecture import SUPPORTED_MODEL_TYPES, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +127,9 @@ def load_hf_config(hf_dir: Path):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(hf_dir)
-    if getattr(config, "model_type", None) not in ("llama", "mistral", "qwen2"):
-        raise ConfigError(f"unsupported model_type {config.model_type!r}: kvmesh serves Llama-family models")
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(f"unsupported model_type {config.model_type!r}: kvmesh serves "
+                                    f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     return config
 
 

@@ -195,6 +195,9 @@ def compile_unavailable_reason(model) -> str | None:
     """Why the decoder cannot be compiled here, or None."""
     if model.coll.world_size != 1:
         return "tensor parallelism (the all-reduce stays eager)"
+    refusal = model.arch.llama_shaped_refusal()
+    if refusal is not None:  # the compiled layer is Llama's layer
+        return f"the compiled layer is Llama's, the model has {refusal}"
     device = model.model.norm.weight.device
     if device.type != "cpu":
         return f"device {device.type} (CUDA decode uses CUDA graphs)"

@@ -14,6 +14,7 @@ KV cache memory (per layer, see worker/attention/backend.py for the block layout
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -26,6 +27,7 @@ from kvmesh.core.config import ConfigError
 from kvmesh.quant.kv_quant import KV_QUANT_DTYPES, KV_SCALE_DTYPE, kv_cache_layout
 from kvmesh.quant.kv_quant import kv_storage_dtype as quantized_kv_storage_dtype
 from kvmesh.worker.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
+from kvmesh.worker.kernels.lora_ops import LoraStep
 from kvmesh.worker.runner.rejection_sampler import verify
 from kvmesh.worker.runner.sampler import SampleResult, SamplingRow, sample
 
@@ -93,6 +95,8 @@ class StepInputs:
     seq_lens: tuple[int, ...]  # [B], cached + new tokens
     block_tables: tuple[tuple[int, ...], ...]  # [B][blocks of request b]
     sample_at: tuple[int, ...]  # flat index of each row that gets logits (k + 1 per speculating request)
+    # [B] the LoRA adapter slot of each request (None = base model); () when no request has one
+    lora_slots: tuple[int | None, ...] = ()
 
     @classmethod
     def build(cls, scheduled, block_size: int) -> "StepInputs":
@@ -114,8 +118,14 @@ class StepInputs:
             seq_lens.append(entry.num_computed_tokens + entry.num_scheduled_tokens)
             if entry.sample:  # the last token, and every drafted position before it
                 sample_at.extend(range(len(input_ids) - 1 - len(entry.spec_token_ids), len(input_ids)))
+        lora_slots = tuple(e.request.lora_slot for e in scheduled)
         return cls(tuple(input_ids), tuple(positions), tuple(slots), tuple(query_lens), tuple(seq_lens),
-                   tuple(tuple(e.block_ids) for e in scheduled), tuple(sample_at))
+                   tuple(tuple(e.block_ids) for e in scheduled), tuple(sample_at),
+                   lora_slots if any(s is not None for s in lora_slots) else ())
+
+    def lora_row_slots(self) -> list[int | None]:
+        """[T] the adapter slot of each token row (a request's slot repeated over its rows)."""
+        return [slot for slot, n in zip(self.lora_slots, self.query_lens) for _ in range(n)]
 
     def block_table_tensor(self) -> torch.Tensor:
         """[B, longest table] int32 on the host, each request's row padded with block 0
@@ -197,6 +207,10 @@ class ModelRunner:
         self.graph_runner = None
         # Small CPU steps run as one native call when set (worker/kernels/cpu_native_step.py).
         self.native_decoder = None
+        # LoRA adapter slots (worker/runner/lora_slots.py); None = this worker serves none.
+        self.lora_slots = None
+        # Why steps skipped the native step / CUDA graphs / compiled decode: reason -> steps.
+        self.eager_step_reasons: collections.Counter[str] = collections.Counter()
 
     def apply_block_ops(self, sched_out) -> None:
         """Swap-out, swap-in and copy-on-write copies, before the forward that needs them."""
@@ -253,19 +267,28 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model on one step's batch -> fp32 CPU logits [len(sample_at), V], or None when
         no request samples this step (a mid-prompt chunk only). Small steps on CPU run as one
-        native call when the native decoder takes them; the rest eagerly (or as CUDA graphs)."""
-        if self.native_decoder is not None:
-            logits = self.native_decoder.run(inputs)
-            if logits is not None:
-                return logits if inputs.sample_at else None
-        hidden = None if self.graph_runner is None else self.graph_runner.run(inputs)
-        if hidden is None:
-            hidden = self._eager_forward(inputs)
+        native call when the native decoder takes them; the rest eagerly (or as CUDA graphs).
+        A step with adapter rows runs eagerly: only the eager layers add LoRA updates."""
+        if inputs.lora_slots:
+            self.eager_step_reasons["lora_rows"] += 1
+            hidden = self._eager_forward(inputs, self._lora_step(inputs))
+        else:
+            if self.native_decoder is not None:
+                logits = self.native_decoder.run(inputs)
+                if logits is not None:
+                    return logits if inputs.sample_at else None
+            hidden = None if self.graph_runner is None else self.graph_runner.run(inputs)
+            if hidden is None:
+                hidden = self._eager_forward(inputs)
         if not inputs.sample_at:
             return None
         return self.model.compute_logits(hidden[torch.tensor(inputs.sample_at, device=self.device)]).cpu()
 
-    def _eager_forward(self, inputs: StepInputs) -> torch.Tensor:
+    def _lora_step(self, inputs: StepInputs) -> LoraStep:
+        pool = self.lora_slots
+        return LoraStep(pool.packed, inputs.lora_row_slots(), pool.num_slots, pool.dtype, self.device)
+
+    def _eager_forward(self, inputs: StepInputs, lora: LoraStep | None = None) -> torch.Tensor:
         dev = self.device
         # One tensor creation per field, not one per request: this runs every step.
         table = inputs.block_table_tensor()
@@ -277,4 +300,4 @@ class ModelRunner:
             query_lens_host=inputs.query_lens, seq_lens_host=inputs.seq_lens)
         return self.model(torch.tensor(inputs.input_ids, dtype=torch.long, device=dev),
                           torch.tensor(inputs.positions, dtype=torch.long, device=dev), self.kv_caches, meta,
-                          self.backend)
+                          self.backend, lora)

@@ -21,6 +21,7 @@ from kvmesh.worker.attention.backend import LayerKVCache
 from kvmesh.worker.attention.cpu_backend import CpuAttentionBackend
 from kvmesh.worker.attention.torch_backend import TorchAttentionBackend
 from kvmesh.worker.runner import compiled_forward
+from kvmesh.worker.model.architecture import Architecture, UnsupportedModelError
 from kvmesh.worker.model.llama import LlamaForCausalLM
 from kvmesh.worker.model.loader import ensure_hf_dir, load_hf_config, load_state_dict
 from kvmesh.worker.runner.model_runner import TORCH_DTYPES, allocate_kv_caches, kv_storage_dtype
@@ -60,6 +61,16 @@ def pick_dtype(config: KvmeshConfig, device: torch.device) -> torch.dtype:
     return chosen
 
 
+def require_backend_features(arch: Architecture, backend) -> None:
+    """Refuses, at set-up, a backend that would skip a layer option the model needs."""
+    wants = [("sliding-window attention", arch.windowed, "supports_sliding_window"),
+             ("attention logit soft-capping", arch.attn_logit_softcap is not None, "supports_logit_softcap")]
+    for what, needed, flag in wants:
+        if needed and not getattr(backend, flag, False):
+            raise UnsupportedModelError(f"{arch.model_type} needs {what}, which the {backend.name} attention backend "
+                                        "does not apply (parallel.attention_backend: torch or cpu do)")
+
+
 def pick_backend(config: KvmeshConfig, device: torch.device):
     want = config.parallel.attention_backend
     if want == "triton" or (want == "auto" and device.type == "cuda"):
@@ -85,6 +96,7 @@ class ModelSpec:
     device: torch.device
     dtype: torch.dtype
     max_model_len: int
+    arch: Architecture  # the family's switches, validated
 
 
 def resolve_model(config: KvmeshConfig) -> ModelSpec:
@@ -101,7 +113,8 @@ def resolve_model(config: KvmeshConfig) -> ModelSpec:
     max_model_len = config.model.max_model_len or native_len
     if max_model_len > native_len:
         raise ConfigError(f"model.max_model_len {max_model_len} exceeds the model's {native_len} positions")
-    return ModelSpec(Path(resolved.hf_dir), resolved.name, hf_config, device, dtype, max_model_len)
+    arch = Architecture.from_hf_config(hf_config, max_model_len)  # refuses what is not served, before any weight loads
+    return ModelSpec(Path(resolved.hf_dir), resolved.name, hf_config, device, dtype, max_model_len, arch)
 
 
 def load_model(config: KvmeshConfig, spec: ModelSpec, coll=None, awq=None) -> LlamaForCausalLM:
@@ -117,7 +130,9 @@ def load_model(config: KvmeshConfig, spec: ModelSpec, coll=None, awq=None) -> Ll
         state = model.install_quantized_shards(state, config.quant, spec.dtype, awq)
     model.load_hf_state_dict(state)
     model.to(dtype=spec.dtype)
-    model.rotary.to(torch.float32)  # rope tables stay fp32, cast per use like HF
+    for tables in (model.rotary, model.rotary_local):
+        if tables is not None:
+            tables.to(torch.float32)  # rope tables stay fp32, cast per use like HF
     if config.quant.weight != "none" and not sharded_quant:
         if config.quant.weight == "int4_awq" and awq is None:
             model.to(spec.device).eval()  # calibrate where the model will run

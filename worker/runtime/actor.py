@@ -275,8 +275,9 @@ class WorkerActor:
         return dataclasses.replace(figures, transfer_blocks_in=p.num_blocks_in, transfer_bytes_in=p.num_bytes_in,
                                    transfer_s=p.transfer_s, num_transfer_fallbacks=p.num_fallbacks)
 
-    async def block_extra_keys(self, cache_salt: str | None) -> tuple[str, ...]:
-        return self._engine.block_extra_keys(cache_salt)
+    async def block_extra_keys(self, cache_salt: str | None, adapter=None) -> tuple[str, ...]:
+        """adapter: the request's AdapterRef (core/seams.py) or None."""
+        return self._engine.block_extra_keys(cache_salt, adapter)
 
     async def shutdown(self) -> None:
         await self._engine.shutdown()

@@ -118,8 +118,8 @@ class AsyncEngine:
     def from_config(cls, config: KvmeshConfig | None = None, worker_id: str = "worker-0") -> "AsyncEngine":
         return cls(Engine.from_config(config, worker_id))
 
-    def block_extra_keys(self, cache_salt: str | None = None) -> tuple[str, ...]:
-        return self.engine.block_extra_keys(cache_salt)
+    def block_extra_keys(self, cache_salt: str | None = None, adapter=None) -> tuple[str, ...]:
+        return self.engine.block_extra_keys(cache_salt, adapter)
 
     # ---- requests -----------------------------------------------------------------------
 

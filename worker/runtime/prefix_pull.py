@@ -58,7 +58,7 @@ class PrefixPuller:
         if not request.kv_source or store is None or self.mode == "never":
             return 0
         tokens = list(prompt_ids) + list(request.resume_token_ids)
-        extra_keys = self._engine.block_extra_keys(request.cache_salt)
+        extra_keys = self._engine.block_extra_keys(request.cache_salt, request.adapter)
         have = await self._engine.locked_async(local_prefix_blocks, tokens, extra_keys)
         wanted = shareable_blocks(len(tokens), engine.block_size) - have
         num_bytes = wanted * store.bytes_per_block
