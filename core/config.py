@@ -281,7 +281,7 @@ class RouterConfig:
     grpc_port: int = 50051
     http_port: int = 8000
     num_replicas: int = 1
-    policy: str = "prefix_aware"  # prefix_aware | least_loaded | round_robin
+    policy: str = "prefix_aware"  # prefix_aware | predicted_latency | least_loaded | round_robin
     # Prefix affinity yields to load when the preferred worker's load exceeds the least
     # loaded worker's by both of these (load: tokens still to compute, router/routing.py).
     imbalance_ratio: float = 1.5
@@ -321,11 +321,30 @@ class RouterConfig:
     # the stack's CPU a token falls (vLLM's and SGLang's stream interval, sized by load). The
     # first token and the final message never wait. 0 = a message per delta a worker sends.
     stream_messages_per_s: float = 2000.0
+    # predicted_latency policy (router/routing.py, router/latency.py, router/hot_spread.py).
+    # The engine's step-cost model the TTFT prediction uses: overhead + prefill tokens x
+    # per-token + decoding sequences x per-sequence (defaults: the CPU engine, measured by
+    # `python -m kvmesh.load_tests.routing_sim --measure`).
+    step_overhead_s: float = 0.004
+    prefill_s_per_token: float = 0.0004
+    decode_s_per_token: float = 0.0025
+    # Workers whose predicted TTFT is within this fraction of the best are equally good for a
+    # new prefix; among them the one sent the least recent work takes it.
+    latency_tie_ratio: float = 0.25
+    # Half-life of the recent work per worker that breaks those ties (seconds).
+    work_half_life_s: float = 30.0
+    # A family is the requests sharing their first this-many full blocks (its spread key).
+    spread_family_blocks: int = 16
+    # A spread family gives back its newest worker after this long without needing it.
+    spread_cooldown_s: float = 10.0
+    # A family also spreads when its worker's recent work exceeds the mean by this ratio (and
+    # the imbalance margin) while nobody queues yet: the computed-tokens balance it keeps.
+    spread_work_ratio: float = 1.25
     tls: TlsConfig = field(default_factory=TlsConfig)
 
     def validate(self) -> None:
         self.tls.validate()
-        _one_of("router.policy", self.policy, ("prefix_aware", "least_loaded", "round_robin"))
+        _one_of("router.policy", self.policy, ("prefix_aware", "predicted_latency", "least_loaded", "round_robin"))
         _check(1 <= self.grpc_port <= 65535 or self.grpc_port == 0, "router.grpc_port out of range")
         _check(1 <= self.http_port <= 65535 or self.http_port == 0, "router.http_port out of range")
         _check(self.num_replicas >= 1, "router.num_replicas must be >= 1")
@@ -339,6 +358,12 @@ class RouterConfig:
         _check(self.max_stream_resumptions >= 0, "router.max_stream_resumptions must be >= 0")
         _check(self.imbalance_margin_requests >= 0, "router.imbalance_margin_requests must be >= 0")
         _check(self.affinity_wait_s >= 0, "router.affinity_wait_s must be >= 0")
+        for name in ("step_overhead_s", "prefill_s_per_token", "decode_s_per_token", "latency_tie_ratio",
+                     "spread_cooldown_s"):
+            _check(getattr(self, name) >= 0, f"router.{name} must be >= 0")
+        _check(self.work_half_life_s > 0, "router.work_half_life_s must be > 0")
+        _check(self.spread_work_ratio >= 1.0, "router.spread_work_ratio must be >= 1")
+        _check(self.spread_family_blocks >= 1, "router.spread_family_blocks must be >= 1")
 
 
 @dataclass(frozen=True)

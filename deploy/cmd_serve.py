@@ -39,7 +39,7 @@ def register(subparsers) -> None:
     p.add_argument("--host", help="address the proxies bind (router.host)")
     p.add_argument("--grpc-port", type=int, help="gRPC port (router.grpc_port)")
     p.add_argument("--http-port", type=int, help="HTTP port (router.http_port)")
-    p.add_argument("--policy", choices=("prefix_aware", "least_loaded", "round_robin"), help="routing policy")
+    p.add_argument("--policy", choices=("prefix_aware", "predicted_latency", "least_loaded", "round_robin"), help="routing policy")
     p.add_argument("--max-num-seqs", type=int, help="max running requests per worker (scheduler.max_num_seqs)")
     p.add_argument("--speculative", choices=("none", "ngram", "self_draft"),
                    help="speculative decoding proposer (speculative.method)")

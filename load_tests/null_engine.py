@@ -150,6 +150,7 @@ class NullWorkerActor(WorkerActor):
                                 block_size=_BLOCK_SIZE, max_model_len=self._engine.engine.max_model_len)
         self._streaming: set[str] = set()
         self._channels: dict = {}
+        self._draining = False
 
     async def poll(self, since_prefix_seq: int) -> WorkerPoll:
         return WorkerPoll(self._info, self._engine.stats(), self._engine.engine.prefix_events(since_prefix_seq))

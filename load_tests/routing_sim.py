@@ -58,7 +58,9 @@ from kvmesh.load_tests.routing_campaign import family_workload, oracle_hit_rate
 from kvmesh.router.admission import cost_with_cached_prefix
 from kvmesh.router.affinity_wait import AffinityHold, AffinityWaitOutcome
 from kvmesh.router.prefix_index import PrefixIndex
-from kvmesh.router.routing import RequestSizeMeter, RoundRobinCursor, choose_worker, is_spill
+from kvmesh.router.latency import StepCostModel
+from kvmesh.router.routing import (PREFIX_POLICIES, PredictedLatencyState, RequestSizeMeter, RoundRobinCursor, RouteRequest,
+                                   choose_worker, family_key, is_spill)
 from kvmesh.core.seams import SamplingParams
 from kvmesh.worker.engine_loop.engine import worker_stats
 from kvmesh.core.errors import OverloadedError
@@ -69,17 +71,9 @@ EXTRA_KEYS = ("model=sim",)
 SAMPLED_TOKEN = 7  # the simulated model always says this; routing never reads outputs
 
 
-@dataclass(frozen=True)
-class CostModel:
-    """Seconds per engine step: overhead + prefill tokens x per-token + decoding sequences x per-seq."""
-
-    step_overhead_s: float = 0.004
-    prefill_s_per_token: float = 0.0004
-    decode_s_per_token: float = 0.0025
-
-    def step_s(self, prefill_tokens: int, decode_tokens: int) -> float:
-        return (self.step_overhead_s + prefill_tokens * self.prefill_s_per_token
-                + decode_tokens * self.decode_s_per_token)
+# The simulated engines' step time is the router's own step-cost model (router/latency.py):
+# the predicted-latency policy predicts with the same formula the simulator runs.
+CostModel = StepCostModel
 
 
 @dataclass(frozen=True)
@@ -140,9 +134,16 @@ class SimResult:
     routing_paths: dict[str, int] = field(default_factory=dict)  # choose_worker's decisions by RoutingPath
     affinity_waits: int = 0  # requests that waited for room on their prefix's worker (router/affinity_wait.py)
     affinity_timeouts: int = 0  # of those, the ones whose wait ran out (then spilled)
+    # predicted_latency: mean |actual - predicted| / actual TTFT at the worker, and the factor
+    # actual / predicted the router's calibration learned (router/latency.py TtftCalibration)
+    ttft_prediction_error: float = 0.0
+    ttft_prediction_factor: float = 1.0
+    spread_families_at_end: int = 0  # predicted_latency: families spread over > 1 worker when the run ended
 
 
-class _SimClock:
+class SimClock:
+    """Simulated time, read by the policy state, the prefix index and the schedulers."""
+
     def __init__(self) -> None:
         self.now = 0.0
 
@@ -164,12 +165,13 @@ class _SimRequest:
     sent_at: float = 0.0  # when it was dispatched, and what its worker was charged (the ticket)
     cost_tokens: int = 0
     affinity_hold: AffinityHold | None = None  # its affinity wait, from its first try on
+    predicted_ttft_s: float | None = None  # predicted_latency: the prediction it was routed on
 
 
 class _SimWorker:
     """One engine: the real scheduler and KV manager; the forward pass is the cost model."""
 
-    def __init__(self, worker_id: str, cluster: SimCluster, clock: _SimClock):
+    def __init__(self, worker_id: str, cluster: SimCluster, clock: SimClock):
         self.worker_id = worker_id
         self.clock = clock
         kv = KVCacheManager(cluster.num_blocks, cluster.block_size, worker_id=worker_id)
@@ -233,7 +235,14 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
     before dispatched prefixes were counted), for comparison."""
     started_wall = time.perf_counter()
     router = dataclasses.replace(router or RouterConfig(), policy=policy, stats_refresh_s=cluster.stats_refresh_s)
-    clock = _SimClock()
+    clock = SimClock()
+    # The router predicts with the step-cost model the engines run (as a real router is given
+    # the model measured on its engines): its error is then the formula's, not the constants'.
+    router = dataclasses.replace(router, step_overhead_s=cluster.cost.step_overhead_s,
+                                 prefill_s_per_token=cluster.cost.prefill_s_per_token,
+                                 decode_s_per_token=cluster.cost.decode_s_per_token)
+    latency_state = PredictedLatencyState(router, cluster.max_num_batched_tokens, clock)
+    hashes_prompts = policy in PREFIX_POLICIES
     workers = {f"worker-{i}": _SimWorker(f"worker-{i}", cluster, clock) for i in range(cluster.num_workers)}
     index = PrefixIndex(linger_s=4 * cluster.stats_refresh_s, clock=clock)
     rng, cursor, sizes = random.Random(workload.seed + 1), RoundRobinCursor(), RequestSizeMeter()
@@ -264,10 +273,12 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
         on its prefix's worker (router/affinity_wait.py; it keeps its place in the queue)."""
         prompt_len = len(sim_request.prompt)
         sampling = SamplingParams(max_tokens=workload.max_tokens, ignore_eos=True)
-        # As router_core: only prefix_aware hashes prompts; its cost counts the matched prefix
-        # (resident or claimed by a request in flight on that worker) as cached.
+        # As router_core: only the prefix policies hash prompts; the cost counts the matched
+        # prefix (resident or claimed by a request in flight on that worker) as cached.
         matched = index.longest_prefix(sim_request.hashes, include_in_flight=in_flight_claims) \
-            if policy == "prefix_aware" else {}
+            if hashes_prompts else {}
+        route_request = RouteRequest(prompt_len, cluster.block_size,
+                                     family_key(sim_request.hashes, router.spread_family_blocks))
         eligible = []
         for worker_id, s in stats.items():
             cost = cost_with_cached_prefix(prompt_len, sampling, cluster.block_size, matched.get(worker_id, 0))
@@ -277,14 +288,15 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
         if not eligible:
             return False
         if sim_request.affinity_hold is None:  # as router_core: one per admission, from its first try
-            sim_request.affinity_hold = AffinityHold(matched, router, clock=clock)
+            sim_request.affinity_hold = AffinityHold(matched, router, clock=clock, request=route_request,
+                                                     state=latency_state)
         if sim_request.affinity_hold.holds([s for s, _ in eligible],
                                            lambda: (list(stats.values()), dict(sent_since_poll), sizes.mean_tokens()),
                                            rng):
             return None
         costs = {s.worker_id: cost for s, cost in eligible}
         decision = choose_worker(matched, [s for s, _ in eligible], router, rng, cursor, dict(sent_since_poll),
-                                 sizes.mean_tokens())
+                                 sizes.mean_tokens(), request=route_request, state=latency_state)
         if is_spill(matched, [s for s, _ in eligible], decision.worker_id):
             spills["preferred_full"] += 1
         waited = sim_request.affinity_hold.outcome(decision.worker_id)
@@ -307,9 +319,12 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
         sent_since_poll[worker_id] += costs[worker_id]
         sim_request.sent_at, sim_request.cost_tokens = clock.now, costs[worker_id]
         sizes.observe(costs[worker_id])  # as admission: the margin's unit is what each dispatch cost its worker
+        if policy == "predicted_latency":  # as router_core: the state learns what was sent where
+            latency_state.commit(decision, costs[worker_id])
+            sim_request.predicted_ttft_s = decision.predicted_ttft_s
         sim_request.worker_id, sim_request.request = worker_id, request
         by_id[request.request_id] = sim_request
-        if in_flight_claims and policy == "prefix_aware" and sim_request.hashes:
+        if in_flight_claims and hashes_prompts and sim_request.hashes:
             sim_request.in_flight_token = index.add_in_flight(worker_id, sim_request.hashes)
         workers[worker_id].families.add(sim_request.family)
         kick(worker_id)
@@ -364,7 +379,10 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
         elif kind == "step_done":
             sim = workers[payload]
             for request in sim.finish_step():
-                by_id[request.request_id].first_token_s = clock.now
+                first = by_id[request.request_id]
+                first.first_token_s = clock.now
+                if first.predicted_ttft_s is not None:  # at the worker, as the engine's timings count it
+                    latency_state.calibration.observe(first.predicted_ttft_s, clock.now - first.sent_at)
             for request_id in sim.finished_ids:
                 done = by_id.pop(request_id)
                 # As admission releases the ticket: from the pending ones, or credited against
@@ -388,8 +406,12 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
                     push(clock.now, "arrive", pending.popleft())
             kick(payload)
             pump()
-    return _result(policy, cluster, workload, workers, finished, spills, clock.now, time.perf_counter() - started_wall,
-                   paths)
+    result = _result(policy, cluster, workload, workers, finished, spills, clock.now,
+                     time.perf_counter() - started_wall, paths)
+    result.ttft_prediction_error = latency_state.calibration.mean_abs_relative_error()
+    result.ttft_prediction_factor = latency_state.calibration.factor
+    result.spread_families_at_end = latency_state.spread.num_spread()
+    return result
 
 
 def _result(policy, cluster, workload, workers, finished, spills, sim_s, wall_s, paths) -> SimResult:

@@ -7,8 +7,8 @@ within a step or two), and admission used to send the family's next request to w
 worker had room first (a `preferred_full` spill), on arrival or from the queue. The request
 then computed its whole prefix there, and the family lived on both workers from then on,
 each caching a copy: the 2-worker routing campaign at 16 in flight split 4-5 of its 6
-families that way, all by full budgets, none by the load guard (docs/routing.md, "Third #16
-round").
+families that way, all by full budgets, none by the load guard (measured before this rule;
+docs/routing.md, "Admission").
 
 The rule, asked by admission (`acquire(hold=...)`) each time it would route the request to
 one of the workers with room (router_core._admit, on arrival and at every pump of the queue):
@@ -39,7 +39,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from kvmesh.core.config import RouterConfig
 from kvmesh.core.seams import WorkerStats
-from kvmesh.router.routing import RoutingPath, choose_worker, preferred_workers
+from kvmesh.router.routing import (PredictedLatencyState, RouteRequest, RoutingPath, choose_worker,
+                                   preferred_workers)
 
 
 class AffinityWaitOutcome(str, enum.Enum):
@@ -56,8 +57,10 @@ class AffinityHold:
 
     def __init__(self, matched_blocks: Mapping[str, int], config: RouterConfig, exclude: frozenset[str] = frozenset(),
                  deadline_s: float | None = None, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time):
+                 wall_clock: Callable[[], float] = time.time, request: RouteRequest | None = None,
+                 state: PredictedLatencyState | None = None):
         self._matched = matched_blocks
+        self._request, self._state = request, state  # the predicted_latency policy's (else None)
         self._config = config
         self._exclude = exclude
         self._deadline_s = deadline_s  # the request's, absolute wall clock
@@ -79,7 +82,7 @@ class AffinityHold:
             healthy, in_flight_tokens, mean_request_tokens = view()
             candidates = [w for w in healthy if w.worker_id not in self._exclude]
             decision = choose_worker(self._matched, candidates, self._config, rng, None, in_flight_tokens,
-                                     mean_request_tokens)
+                                     mean_request_tokens, request=self._request, state=self._state)
             if decision.path is RoutingPath.PREFIX_MATCH and decision.worker_id in self._preferred:
                 wait_s = self._config.affinity_wait_s
                 if self._deadline_s is not None:  # half the time left at most: a spill must still make it

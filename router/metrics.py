@@ -95,6 +95,7 @@ ROUTING_PATHS = tuple(path.value for path in RoutingPath)
 _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                       2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 _ROUTE_ERROR_BUCKETS = (-64, -16, -8, -4, -2, -1, 0, 1, 2, 4, 8, 16, 64)
+_TTFT_ERROR_BUCKETS_S = (-5.0, -1.0, -0.5, -0.25, -0.1, -0.05, -0.01, 0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3,
                   0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 
@@ -157,6 +158,17 @@ class RouterMetrics:
                                             "Predicted minus actually hit prefix blocks, per request (>0: the "
                                             "router's view of the caches is stale, <0: it missed a hit).",
                                             buckets=_ROUTE_ERROR_BUCKETS, registry=r)
+        self.route_ttft_predicted_seconds = Counter(
+            PREFIX + "route_ttft_predicted_seconds",
+            "TTFT the predicted_latency policy predicted on the chosen worker, summed (router/latency.py).",
+            registry=r)
+        self.route_ttft_actual_seconds = Counter(
+            PREFIX + "route_ttft_actual_seconds",
+            "TTFT the chosen worker measured for those requests (arrival there to first token), summed.", registry=r)
+        self.route_ttft_error_seconds = Histogram(
+            PREFIX + "route_ttft_error_seconds",
+            "Actual minus predicted TTFT on the chosen worker, per request (>0: the worker was slower than "
+            "predicted).", buckets=_TTFT_ERROR_BUCKETS_S, registry=r)
         self.retries_seen = Counter(PREFIX + "retries_seen", "Requests that arrived as a client retry.",
                                     registry=r)
         self.routing_spills = counter_by(
@@ -184,7 +196,8 @@ class RouterMetrics:
         self.routing_decisions = counter_by(
             "routing_decisions",
             "Routing decisions by the policy's path (prefix_match: longest cached prefix within the load "
-            "guard; prefix_spill / prefix_imbalanced: the guard moved it; no_prefix: nothing matched among the "
+            "guard; prefix_spill / prefix_imbalanced: the guard moved it; prefix_spread: predicted_latency gave its "
+            "hot family one more worker; no_prefix: nothing matched among the "
             "workers with room; least_loaded / round_robin: those policies). A worker refusal's re-route counts again.",
             "path", ROUTING_PATHS)
         self.adapter_requests = Counter(PREFIX + "adapter_requests", "Finished requests run with a LoRA adapter.",
@@ -264,6 +277,11 @@ class RouterMetrics:
         self.route_predicted_blocks.inc(predicted_blocks)
         self.route_hit_blocks.inc(hit_blocks)
         self.route_error_blocks.observe(predicted_blocks - hit_blocks)
+
+    def observe_ttft_prediction(self, predicted_s: float, actual_s: float) -> None:
+        self.route_ttft_predicted_seconds.inc(predicted_s)
+        self.route_ttft_actual_seconds.inc(actual_s)
+        self.route_ttft_error_seconds.observe(actual_s - predicted_s)
 
     def observe_rejection(self, reason: str) -> None:
         if reason not in REJECTION_REASONS:

@@ -35,10 +35,16 @@ the request runs and `linger_s` after it ends (time for its STORED events to be 
 and an EVICTED event for the block on that worker drops it at once: the events correct it.
 `longest_prefix(..., include_in_flight=False)` answers from events alone (what is surely
 resident: admission charges only for that).
+
+Per-request cost stays independent of how many requests are in flight: ended claims expire
+from a heap ordered by expiry, and each worker's count of blocks claimed but not reported
+(`num_blocks_known`) is kept as claims and events arrive, not recounted over every claim
+(at 1,000 requests per second that recount cost ~30 ms a request: load_tests/bench_routing.py).
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import time
@@ -64,7 +70,10 @@ class PrefixIndex:
         self.linger_s = linger_s
         self._clock = clock
         self._in_flight: dict[int, _InFlight] = {}
-        self._in_flight_holders: dict[BlockHash, Counter[str]] = {}
+        self._in_flight_holders: dict[BlockHash, dict[str, int]] = {}  # block -> {worker: claims}
+        self._expiries: list[tuple[float, int]] = []  # (expires_at, token) of ended claims, a heap
+        # Per worker: distinct blocks claimed in flight there and not (yet) reported there.
+        self._claimed_only: Counter[str] = Counter()
         self._tokens = itertools.count()
         self._holders: dict[BlockHash, set[str]] = {}
         self._blocks: dict[str, set[BlockHash]] = {}
@@ -106,8 +115,14 @@ class PrefixIndex:
         token = next(self._tokens)
         entry = _InFlight(worker_id, tuple(block_hashes))
         self._in_flight[token] = entry
+        reported, holders = self._blocks.get(worker_id, ()), self._in_flight_holders
         for block_hash in entry.block_hashes:
-            self._in_flight_holders.setdefault(block_hash, Counter())[worker_id] += 1
+            claims = holders.get(block_hash)
+            if claims is None:
+                claims = holders[block_hash] = {}
+            count = claims[worker_id] = claims.get(worker_id, 0) + 1
+            if count == 1 and block_hash not in reported:
+                self._claimed_only[worker_id] += 1
         return token
 
     def end_in_flight(self, token: int) -> None:
@@ -115,6 +130,7 @@ class PrefixIndex:
         entry = self._in_flight.get(token)
         if entry is not None and entry.expires_at is None:
             entry.expires_at = self._clock() + self.linger_s
+            heapq.heappush(self._expiries, (entry.expires_at, token))
 
     def shared_with_live_requests(self, token: int) -> int:
         """Leading blocks of in-flight request `token`'s prefix that another request still
@@ -137,6 +153,7 @@ class PrefixIndex:
         self._drop_blocks(worker_id)
         for token in [t for t, e in self._in_flight.items() if e.worker_id == worker_id]:
             self._drop_in_flight(token)
+        self._claimed_only.pop(worker_id, None)
         self._next_seq.pop(worker_id, None)
         self._last_applied_seq.pop(worker_id, None)
 
@@ -151,19 +168,19 @@ class PrefixIndex:
         if include_in_flight:
             self._expire_in_flight()
 
-        def holders_of(block_hash: BlockHash) -> set[str]:
-            held = self._holders.get(block_hash, set())
-            claimed = self._in_flight_holders.get(block_hash) if include_in_flight else None
-            return held | set(claimed) if claimed else held
-
-        candidates = set(holders_of(block_hashes[0]))
+        empty: dict = {}
+        holders, in_flight = self._holders, self._in_flight_holders if include_in_flight else empty
+        first = block_hashes[0]
+        candidates = set(holders.get(first, ())) | set(in_flight.get(first, ()))
         for i, block_hash in enumerate(block_hashes):
             if not candidates:
                 break
-            holders = holders_of(block_hash)
-            for worker_id in candidates - holders:
+            held, claimed = holders.get(block_hash, empty), in_flight.get(block_hash, empty)
+            # The few workers still matching are tested, not the block's holder sets merged.
+            dropped = [w for w in candidates if w not in held and w not in claimed]
+            for worker_id in dropped:
                 matched[worker_id] = i
-            candidates &= holders
+                candidates.discard(worker_id)
         for worker_id in candidates:  # held the whole request's prefix
             matched[worker_id] = len(block_hashes)
         return {w: n for w, n in matched.items() if n > 0}
@@ -180,10 +197,9 @@ class PrefixIndex:
         dispatched there and not yet reported (see "In flight")."""
         self._expire_in_flight()
         known = {w: len(hashes) for w, hashes in self._blocks.items()}
-        for block_hash, claims in self._in_flight_holders.items():
-            for worker_id in claims:
-                if block_hash not in self._blocks.get(worker_id, ()):
-                    known[worker_id] = known.get(worker_id, 0) + 1
+        for worker_id, count in self._claimed_only.items():
+            if count:
+                known[worker_id] = known.get(worker_id, 0) + count
         return known
 
     def workers(self) -> list[str]:
@@ -195,19 +211,28 @@ class PrefixIndex:
         pairs_backward = {(h, w) for w, hs in self._blocks.items() for h in hs}
         assert pairs_forward == pairs_backward, "holders and blocks disagree"
         assert all(self._holders.values()), "empty holder set left behind"
+        recount = Counter(w for h, claims in self._in_flight_holders.items() for w in claims
+                          if h not in self._blocks.get(w, ()))
+        assert +recount == +self._claimed_only, f"claimed-only counts {self._claimed_only} != {recount}"
 
     # ---- internals --------------------------------------------------------------------------
 
     def _add(self, worker_id: str, hashes: Sequence[BlockHash]) -> None:
         owned = self._blocks.setdefault(worker_id, set())
         for block_hash in hashes:
+            if block_hash in owned:
+                continue
             owned.add(block_hash)
             self._holders.setdefault(block_hash, set()).add(worker_id)
+            if worker_id in self._in_flight_holders.get(block_hash, ()):
+                self._claimed_only[worker_id] -= 1
 
     def _expire_in_flight(self) -> None:
         now = self._clock()
-        for token in [t for t, e in self._in_flight.items() if e.expires_at is not None and e.expires_at <= now]:
-            self._drop_in_flight(token)
+        while self._expiries and self._expiries[0][0] <= now:
+            _, token = heapq.heappop(self._expiries)
+            if token in self._in_flight:
+                self._drop_in_flight(token)
 
     def _drop_in_flight(self, token: int) -> None:
         entry = self._in_flight.pop(token)
@@ -224,13 +249,18 @@ class PrefixIndex:
             del claims[worker_id]
             if not claims:
                 del self._in_flight_holders[block_hash]
+            if block_hash not in self._blocks.get(worker_id, ()):
+                self._claimed_only[worker_id] -= 1
 
     def _remove(self, worker_id: str, hashes: Sequence[BlockHash], evicted: bool = False) -> None:
         owned = self._blocks.get(worker_id, set())
         for block_hash in hashes:
             if evicted:  # the worker says it is gone: no in-flight claim keeps it alive
                 self._unclaim(block_hash, worker_id, None)
-            owned.discard(block_hash)
+            if block_hash in owned:
+                owned.discard(block_hash)
+                if worker_id in self._in_flight_holders.get(block_hash, ()):
+                    self._claimed_only[worker_id] += 1  # still claimed, no longer reported
             holders = self._holders.get(block_hash)
             if holders is not None:
                 holders.discard(worker_id)
@@ -238,5 +268,5 @@ class PrefixIndex:
                     del self._holders[block_hash]
 
     def _drop_blocks(self, worker_id: str) -> None:
-        owned = self._blocks.pop(worker_id, set())
-        self._remove(worker_id, tuple(owned))
+        self._remove(worker_id, tuple(self._blocks.get(worker_id, ())))
+        self._blocks.pop(worker_id, None)

@@ -55,7 +55,8 @@ from kvmesh.router.fairness import TenantBacklog, engine_priority
 from kvmesh.router.metrics import FINISH_TIMEOUT, RouterMetrics
 from kvmesh.router.quota import QuotaStore, Reservation, check_request_fits
 from kvmesh.router.adapter_affinity import AdapterPlacement
-from kvmesh.router.routing import AdapterRouting, RoundRobinCursor, RoutingDecision, choose_worker, is_spill
+from kvmesh.router.routing import (PREFIX_POLICIES, AdapterRouting, PredictedLatencyState, RoundRobinCursor,
+                                   RouteRequest, RoutingDecision, choose_worker, family_key, is_spill)
 from kvmesh.router.tenants import Tenant
 from kvmesh.router.worker_channels import ChannelFailure, WorkerChannels
 from kvmesh.router.worker_pool import WorkerPool
@@ -112,6 +113,8 @@ class RouterCore:
         self._tracer = tracer or tracing.get_tracer()  # the global provider: a no-op until set up
         self._rng = random.Random()
         self._cursor = RoundRobinCursor()
+        # The predicted-latency policy's step-cost model, spread families and recent work.
+        self.latency = PredictedLatencyState(config.router, config.scheduler.max_num_batched_tokens)
         self._extra_keys: dict[tuple, tuple[str, ...]] = {}  # (cache salt, adapter) -> block extra keys
         self.adapters = AdapterRegistry(config.lora, config.tenants.tenant_refresh_s)
         self.adapter_placement = AdapterPlacement()  # which workers hold which adapters (affinity)
@@ -295,7 +298,7 @@ class RouterCore:
         # Routing and cost: what each worker holds or was just sent. A prefix claimed by a
         # request in flight there is charged as cached, as the worker's own admission counts a
         # prefix an admitted request will compute (else a family's followers are charged
-        # whole prompts and spill: docs/routing.md, "Routing under load").
+        # whole prompts and spill: docs/routing.md, "Prefix index").
         matched = index.longest_prefix(hashes)
         resident = index.longest_prefix(hashes, include_in_flight=False)  # transfer hints: surely there
         decisions: list[RoutingDecision] = []
@@ -306,7 +309,9 @@ class RouterCore:
             request.tenant_id, sampling.max_tokens)
         whole_cost = request_cost_tokens(num_prompt, sampling, block_size=block_size, output_tokens=output)
 
-        affinity = affinity_wait.AffinityHold(matched, self.config.router, exclude, deadline_s=request.deadline_s)
+        route_request = RouteRequest(num_prompt, block_size, family_key(hashes, self.config.router.spread_family_blocks))
+        affinity = affinity_wait.AffinityHold(matched, self.config.router, exclude, deadline_s=request.deadline_s,
+                                              request=route_request, state=self.latency)
 
         def hold(eligible: list[WorkerStats]) -> bool:  # wait in the queue for room on the prefix's worker
             return affinity.holds(eligible, self.admission.cluster_load, self._rng)
@@ -318,7 +323,8 @@ class RouterCore:
                 decision = choose_worker(matched, eligible, self.config.router, self._rng, self._cursor, in_flight,
                                          self.admission.mean_admitted_tokens(),
                                          index.num_blocks_known() if not matched else None,
-                                         self._adapter_routing(request, eligible))
+                                         self._adapter_routing(request, eligible),
+                                         request=route_request, state=self.latency)
                 tracing.set_route_attributes(span, decision.worker_id, decision.matched_blocks,
                                              self.config.router.policy)
                 tracing.set_route_candidates(span, decision, matched, eligible, in_flight)
@@ -333,6 +339,8 @@ class RouterCore:
             if waited is not None:
                 self.metrics.observe_affinity_wait(waited.value, time.monotonic() - affinity.started_at)
             self.metrics.observe_route(decision.path.value)
+            if decision.predicted_ttft_s is not None:  # the policy learns what it sent where
+                self.latency.commit(decision, cost_for(decision.worker_id))
             decisions.append(decision)
             return decision.worker_id
 
@@ -371,7 +379,7 @@ class RouterCore:
         """The prompt's full-block chain hashes as the workers compute them ([] when routing
         ignores prefixes)."""
         info = self.pool.any_info()
-        if self.config.router.policy != "prefix_aware" or info is None:
+        if self.config.router.policy not in PREFIX_POLICIES or info is None:
             return []
         extra_keys = await self._block_extra_keys(request.cache_salt, request.adapter)
         # A resumed request's KV covers its streamed tokens too (GenerateRequest.resume_token_ids).
@@ -629,6 +637,7 @@ class RequestStream:
             if self.adapter is not None:
                 core.metrics.observe_adapter_request(self.adapter.name, usage)
             self._record_route_truth(usage)
+            self._record_ttft_truth(final.timings if final is not None else None)
             self._learn_output_length(reason, usage)
             for span in self._spans:
                 span.set_attribute(tracing.ATTR_FINISH_REASON, FINISH_TIMEOUT if timed_out else reason.value)
@@ -657,6 +666,16 @@ class RequestStream:
         if self._spans:
             self._spans[0].set_attributes({tracing.ATTR_ROUTE_PREDICTED_BLOCKS: predicted,
                                            tracing.ATTR_PREFIX_HIT_BLOCKS: hit})
+
+    def _record_ttft_truth(self, timings) -> None:
+        """Predicted vs actual TTFT at the worker (predicted_latency): a metric, and the
+        policy's calibration."""
+        predicted = self.decision.predicted_ttft_s
+        actual = timings.ttft_s if timings is not None else None
+        if predicted is None or actual is None:
+            return
+        self._core.latency.calibration.observe(predicted, actual)
+        self._core.metrics.observe_ttft_prediction(predicted, actual)
 
     async def _worker_deltas(self) -> AsyncIterator[RequestDelta]:
         """The request's deltas from its worker's channel (router/worker_channels.py), with

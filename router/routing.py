@@ -15,7 +15,8 @@
   mean_admitted_tokens`, a `RequestSizeMeter`), which scales the absolute imbalance margin.
   It must be in the load's unit (below): a request's whole KV size (prompt + max_tokens)
   counts a cached prefix the load leaves out, and made the margin ~12 cache hits wide on the
-  16-worker table (6k-token prefixes) instead of ~2 requests (docs/routing.md).
+  16-worker llm-d-shaped workload (6k-token prefixes) instead of ~2 requests;
+- request, state: the request's size and family and the policy's state (predicted_latency).
 
 The absolute margin is `max(imbalance_abs_tokens, imbalance_margin_requests x mean request)`
 (`imbalance_margin_tokens`). A fixed token count means different things for different
@@ -32,10 +33,10 @@ waiting requests still need (prompt not yet computed, a cached prefix left out, 
 to come; `WorkerStats.tokens_to_compute`), plus what the router sent since (charged
 uncached: `cost_for` in admission). A cache hit costs a worker nothing to compute, so a hot
 family's long prefix does not count against its worker at all, and affinity breaks only on
-real overload. (Until #16 the load was the KV held, `kv_tokens_used + queued_prompt_tokens`:
-a worker serving cache hits looked as loaded as one computing misses, and in the skewed-mix
-shape the simulator put computed tokens per worker over 1.5x in 9 of 60 runs, against 5 of
-60 with the tokens to compute: docs/routing.md.)
+real overload. (The KV held, `kv_tokens_used + queued_prompt_tokens`, made a worker serving
+cache hits look as loaded as one computing misses: in the skewed-mix shape the simulator put
+computed tokens per worker over 1.5x in 9 of 60 runs, against 5 of 60 with the tokens to
+compute.)
 
 Policies (RouterConfig.policy):
 
@@ -57,6 +58,21 @@ Policies (RouterConfig.policy):
                    reason). Measured on the cluster: with equal idle loads the coin put
                    3 of 4 families on one worker half the time, and that worker's cache
                    then thrashed.
+    predicted_latency
+                   the lowest predicted TTFT (router/latency.py: the work queued there, this
+                   request's prompt tokens not cached there, the step-cost model) among the
+                   family's workers: the workers holding its longest cached prefix, or, for a
+                   spread family, its members (router/hot_spread.py). When the best of them
+                   runs ahead of the least loaded worker by the load guard's thresholds, the
+                   family grows by the first worker of its rendezvous order within the same
+                   bound, if that one would serve the request sooner (path prefix_spread),
+                   or when its recent work runs spread_work_ratio ahead of the mean;
+                   it gives the newest member back after router.spread_cooldown_s without
+                   need. A prompt with no cached prefix goes to the worker with the lowest
+                   prediction; workers within latency_tie_ratio of it are equal, and of those
+                   the one sent the least recent work (WorkMeter) takes it, then the smaller
+                   KV footprint, then the family's rendezvous order. Needs a
+                   `PredictedLatencyState` and a `RouteRequest`.
     least_loaded   the lowest load (ties broken by rng).
     round_robin    the next healthy worker in id order; the position lives in a
                    `RoundRobinCursor` the caller keeps (no module state).
@@ -70,19 +86,27 @@ import collections
 import enum
 import math
 import random
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvmesh.core.config import RouterConfig
 from kvmesh.router.adapter_affinity import choose_for_adapter
 from kvmesh.core.seams import WorkerStats
 from kvmesh.core.errors import WorkerFailedError
+from kvmesh.router.hot_spread import FamilySpread, SpreadAction, WorkMeter, preference_order
+from kvmesh.router.latency import StepCostModel, TtftCalibration, predict_ttft_s, uncached_prompt_tokens
+
+
+# The policies that hash prompts and route on the prefix index (router_core, the simulator).
+PREFIX_POLICIES = ("prefix_aware", "predicted_latency")
 
 
 class RoutingPath(str, enum.Enum):
     PREFIX_MATCH = "prefix_match"  # longest cached prefix, load within bounds
     PREFIX_SPILL = "prefix_spill"  # its best worker is overloaded; another holding most of it takes it
     PREFIX_IMBALANCED = "prefix_imbalanced"  # a prefix matched but every holder is overloaded -> p2c
+    PREFIX_SPREAD = "prefix_spread"  # its family's workers run ahead: one more joins it (predicted_latency)
     NO_PREFIX = "no_prefix"  # nothing cached anywhere -> p2c
     ADAPTER_HOLDER = "adapter_holder"  # no prefix; a worker with the request's LoRA adapter loaded
     ADAPTER_LOAD = "adapter_load"  # no prefix, no holder within a load's cost: the adapter is loaded there
@@ -106,6 +130,44 @@ class RoutingDecision:
     matched_blocks: int  # prompt blocks already cached on the chosen worker
     path: RoutingPath
     load_tokens: int  # the chosen worker's load when it was chosen
+    predicted_ttft_s: float | None = None  # predicted_latency: the chosen worker's predicted TTFT
+    spread: SpreadAction | None = None  # predicted_latency: the family's spread state after it
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What the predicted-latency policy needs of a request besides its matched blocks."""
+
+    num_prompt_tokens: int
+    block_size: int
+    family_key: bytes | None  # `family_key(...)`; None: no full block (no family)
+
+
+def family_key(block_hashes: Sequence[bytes], family_blocks: int) -> bytes | None:
+    """The chain hash of the prompt's first `family_blocks` full blocks (fewer when shorter)."""
+    return block_hashes[min(len(block_hashes), family_blocks) - 1] if block_hashes else None
+
+
+class PredictedLatencyState:
+    """The predicted-latency policy's state, one per router replica (the simulator keeps one
+    the same way): the step-cost model, the spread families, the recent work per worker and
+    the TTFT calibration. `commit(decision, cost_tokens)` after each dispatch."""
+
+    def __init__(self, config: RouterConfig, max_num_batched_tokens: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cost = StepCostModel(config.step_overhead_s, config.prefill_s_per_token, config.decode_s_per_token)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.spread = FamilySpread(config.spread_cooldown_s, config.work_half_life_s, clock)
+        self.work = WorkMeter(config.work_half_life_s, clock)
+        self.calibration = TtftCalibration()
+
+    def predict_s(self, stats: WorkerStats, extra_tokens: int, uncached_tokens: int) -> float:
+        return predict_ttft_s(self.cost, stats, extra_tokens, uncached_tokens, self.max_num_batched_tokens)
+
+    def commit(self, decision: RoutingDecision, cost_tokens: int) -> None:
+        """The request went where `decision` says, charged `cost_tokens` there."""
+        self.work.observe(decision.worker_id, cost_tokens)
+        self.spread.apply(decision.spread, cost_tokens)
 
 
 class RoundRobinCursor:
@@ -165,12 +227,15 @@ def choose_worker(matched_blocks: Mapping[str, int], workers: Sequence[WorkerSta
                   extra_load_tokens: Mapping[str, int] | None = None,
                   mean_request_tokens: float = 0.0,
                   known_blocks: Mapping[str, int] | None = None,
-                  adapter: AdapterRouting | None = None) -> RoutingDecision:
+                  adapter: AdapterRouting | None = None,
+                  request: RouteRequest | None = None,
+                  state: PredictedLatencyState | None = None) -> RoutingDecision:
     """Pick the worker for one request (see the module docstring for the policies).
     `known_blocks`: blocks the router's prefix index places on each worker (reported, or
     claimed by a request dispatched there and not yet reported), a floor under the stats'
-    footprint (`kv_footprint_tokens`). `adapter`: set for a LoRA request (prefix_aware: a
-    request nothing matched goes by adapter affinity)."""
+    footprint (`kv_footprint_tokens`). `adapter`: set for a LoRA request (the prefix policies:
+    a request nothing matched goes by adapter affinity). `request` and `state`: for
+    predicted_latency."""
     healthy = sorted((w for w in workers if w.healthy), key=lambda w: w.worker_id)
     if not healthy:
         raise WorkerFailedError(f"no healthy worker among {len(workers)}")
@@ -188,8 +253,8 @@ def choose_worker(matched_blocks: Mapping[str, int], workers: Sequence[WorkerSta
     if config.policy == "least_loaded":
         return decide(_least_loaded(ids, loads, rng), RoutingPath.LEAST_LOADED)
     known = known_blocks or {}
-    footprints = {w.worker_id: kv_footprint_tokens(w, extra.get(w.worker_id, 0), known.get(w.worker_id, 0))
-                  for w in healthy}
+    by_id = {w.worker_id: w for w in healthy}
+    footprints = _LazyMap(lambda w: kv_footprint_tokens(by_id[w], extra.get(w, 0), known.get(w, 0)))
     margin = imbalance_margin_tokens(config, mean_request_tokens)
     if adapter is not None and not any(matched_blocks.get(w, 0) for w in ids):
         min_load = min(loads.values())
@@ -197,7 +262,24 @@ def choose_worker(matched_blocks: Mapping[str, int], workers: Sequence[WorkerSta
                                           adapter.load_cost_tokens,
                                           lambda w: is_imbalanced(loads[w], min_load, config, margin))
         return decide(chosen, RoutingPath.ADAPTER_HOLDER if held else RoutingPath.ADAPTER_LOAD)
+    if config.policy == "predicted_latency":
+        if request is None or state is None:
+            raise ValueError("predicted_latency routing needs a RouteRequest and a PredictedLatencyState")
+        return _predicted_latency(by_id, loads, footprints, matched_blocks, config, margin, request, state, extra)
     return _prefix_aware(ids, loads, footprints, matched_blocks, config, margin, rng, decide)
+
+
+class _LazyMap(dict):
+    """A dict that computes a missing value once, on first use (a figure per worker that a
+    decision may need for only a few of them: at 64 workers that is most of its cost)."""
+
+    def __init__(self, compute: Callable[[str], object]) -> None:
+        super().__init__()
+        self._compute = compute
+
+    def __missing__(self, key: str):
+        value = self[key] = self._compute(key)
+        return value
 
 
 def kv_footprint_tokens(stats: WorkerStats, extra_tokens: int = 0, known_blocks: int = 0) -> int:
@@ -278,3 +360,88 @@ def _power_of_two(ids: list[str], loads: dict[str, int], rng: random.Random) -> 
         return ids[0]
     first, second = rng.sample(ids, 2)
     return first if loads[first] <= loads[second] else second
+
+
+def _predicted_latency(by_id: dict[str, WorkerStats], loads: dict[str, int], footprints: dict[str, int],
+                       matched_blocks: Mapping[str, int], config: RouterConfig, margin: int,
+                       request: RouteRequest, state: PredictedLatencyState,
+                       extra: Mapping[str, int]) -> RoutingDecision:
+    ids = list(by_id)
+    predicted = _LazyMap(lambda w: state.predict_s(by_id[w], extra.get(w, 0), uncached_prompt_tokens(
+        request.num_prompt_tokens, matched_blocks.get(w, 0), request.block_size)))
+    key = request.family_key
+    members = [w for w in state.spread.members(key) if w in loads]
+
+    def decide(worker_id: str, path: RoutingPath, spread: SpreadAction | None = None) -> RoutingDecision:
+        return RoutingDecision(worker_id, matched_blocks.get(worker_id, 0), path, loads[worker_id],
+                               predicted[worker_id], spread)
+
+    top = max((matched_blocks.get(w, 0) for w in ids), default=0)
+    family = members or ([w for w in ids if matched_blocks.get(w, 0) == top] if top else [])
+    if not family:
+        return decide(_place_by_latency(ids, predicted, footprints, config, key, state), RoutingPath.NO_PREFIX)
+    work = state.work.values(ids)
+    best = min(family, key=lambda w: (predicted[w], work[w], w))
+    min_load = min(loads.values())
+    mean_work = sum(work.values()) / len(ids)
+    if key is not None:
+        family_work = state.spread.family_work(key) if members else None
+        grown = _grow(key, family, members, best, ids, loads, min_load, work, mean_work, predicted, config, margin,
+                      family_work)
+        if grown is not None:
+            return decide(grown.members[-1], RoutingPath.PREFIX_SPREAD, grown)
+    if len(members) < 2:
+        return decide(best, RoutingPath.PREFIX_MATCH)
+    # Hysteresis: the newest member stays while the others, carrying the family's work (or
+    # their queues), would still run ahead by half the thresholds.
+    core = members[:-1]
+    core_best = min(core, key=lambda w: (predicted[w], w))
+    def half(ratio: float) -> float:
+        return 1 + (ratio - 1) / 2
+
+    queue_ahead = loads[core_best] - min_load > margin / 2 and loads[core_best] > min_load * half(config.imbalance_ratio)
+    core_work = state.spread.family_work(key) / len(core)
+    work_ahead = core_work - mean_work > margin / 2 and core_work > mean_work * half(config.spread_work_ratio)
+    return decide(best, RoutingPath.PREFIX_MATCH, SpreadAction(key, tuple(members), False, queue_ahead or work_ahead))
+
+
+def _grow(key: bytes, family: list[str], members: list[str], best: str, ids: list[str], loads: dict[str, int],
+          min_load: int, work: dict[str, float], mean_work: float, predicted: dict[str, float],
+          config: RouterConfig, margin: int, family_work: float | None) -> SpreadAction | None:
+    """One more worker for the family when its best worker runs ahead, by the load guard's
+    thresholds, of the least loaded worker's queue (and the newcomer would serve this
+    request sooner) or of the mean recent work (a hot family's worker computing far more
+    than the others while nobody queues yet): the first worker of the family's rendezvous
+    order within the bound (neither its queue nor its recent work ahead by those thresholds).
+    A spread family is judged on its own recent work over its members (`family_work`), not on
+    its members' work: that lags a growth by its half-life (a member's past work decays slowly),
+    and judged on it the hottest family of the 64-worker table overshot to 9 workers."""
+    queue_ahead = is_imbalanced(loads[best], min_load, config, margin)
+    share = work[best] if family_work is None else family_work / len(members)
+    work_ahead = share > mean_work * config.spread_work_ratio and share - mean_work > margin
+    if not (queue_ahead or work_ahead):
+        return None
+    for candidate in preference_order(key, ids):
+        if candidate in family or is_imbalanced(loads[candidate], min_load, config, margin):
+            continue
+        if work[candidate] > mean_work * config.spread_work_ratio and work[candidate] - mean_work > margin:
+            continue  # its recent work is itself ahead: past the bound
+        if queue_ahead and not predicted[candidate] < predicted[best]:
+            return None  # the first worker within the bound is no sooner: spreading would not help
+        home = tuple(members) if members else tuple(sorted(family, key=lambda w: (predicted[w], w)))
+        return SpreadAction(key, home + (candidate,), True, False, seed_work_tokens=sum(work[w] for w in home))
+    return None
+
+
+def _place_by_latency(ids: list[str], predicted: dict[str, float], footprints: dict[str, int],
+                      config: RouterConfig, key: bytes | None, state: PredictedLatencyState) -> str:
+    """A new prefix: the lowest predicted TTFT; within latency_tie_ratio of it, the least
+    recent work, then the smaller KV footprint, then the family's rendezvous order."""
+    lowest = min(predicted[w] for w in ids)
+    near = [w for w in ids if predicted[w] <= lowest * (1 + config.latency_tie_ratio)]
+    work = state.work.values(near)
+    least = min((work[w], footprints[w]) for w in near)
+    tied = [w for w in near if (work[w], footprints[w]) == least]
+    if len(tied) == 1 or key is None:
+        return tied[0]
+    return preference_order(key, tied)[0]

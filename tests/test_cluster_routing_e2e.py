@@ -281,6 +281,32 @@ def test_two_router_replicas_keep_each_family_on_its_worker(cluster):
     assert all(s.cached_tokens >= PREFIX_TOKENS for s in served), measured  # the single-cache oracle's hits
 
 
+def test_predicted_latency_keeps_families_home_and_reports_its_ttft_prediction_error(cluster):
+    """The predicted-latency policy on the cluster (the code the simulator runs): new prefixes
+    spread by recent work (two families per worker), each family's requests go to the worker
+    holding its prefix and hit it, and every request's predicted TTFT is compared with the
+    worker's measured one in the metrics (kvmesh_route_ttft_*)."""
+    config = _deploy(cluster, policy="predicted_latency")
+    metrics_url = f"http://127.0.0.1:{config.router.http_port}"
+    before = settled_scrape(metrics_url)
+    warm = _warm_up(config, 21)
+    served = _run(config, _workload(21, [1] * NUM_FAMILIES, 16), concurrency=1)
+    after = settled_scrape(metrics_url)
+
+    def delta(name: str, **labels) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    home = {s.family: s.worker_id for s in warm}
+    predicted, actual = delta("kvmesh_route_ttft_predicted_seconds_total"), delta("kvmesh_route_ttft_actual_seconds_total")
+    print(f"\nMEASURED predicted_latency hit rate {hit_rate(warm + served):.3f} homes={home} "
+          f"TTFT predicted {predicted:.3f} s / actual {actual:.3f} s over {len(warm + served)} requests")
+    assert sorted(collections.Counter(home.values()).values()) == [2, 2]
+    assert all(s.worker_id == home[s.family] and s.cached_tokens >= PREFIX_TOKENS for s in served)
+    assert delta("kvmesh_route_ttft_error_seconds_count") == len(warm + served)
+    assert predicted > 0 and actual > 0
+    assert delta("kvmesh_routing_decisions_total", path="prefix_match") == len(served)
+
+
 def test_skewed_mix_load_threshold_keeps_the_hot_family_from_owning_one_worker(cluster):
     """80% of the traffic is one family, four requests in flight: affinity alone would put
     80% of the tokens on that family's worker (computed tokens about 4x the other's). The

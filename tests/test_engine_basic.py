@@ -157,6 +157,19 @@ def test_each_of_n_samples_runs_to_max_tokens_and_reports_its_own_usage(engine):
     assert request_usage([]) is None
 
 
+def test_evict_all_ends_every_request_retryably_and_returns_their_blocks(engine):
+    """What a drained worker does with the requests its grace did not cover."""
+    for i in range(3):
+        engine.add_request(req(f"evict-{i}", max_tokens=50))
+    for _ in range(3):
+        engine.step()
+    finals = engine.evict_all("worker drained")
+    assert sorted(d.request_id for d in finals) == ["evict-0", "evict-1", "evict-2"]
+    assert all(d.finished and d.error_type == "WorkerFailedError" and d.error == "worker drained" for d in finals)
+    assert not engine.has_unfinished() and engine.stats().num_blocks_used == 0
+    engine.check_integrity()
+
+
 def test_forward_failure_fails_only_that_step(engine):
     calls = {"n": 0}
 

@@ -55,6 +55,8 @@ COMPONENT_BENCHMARKS: dict[str, tuple[set[str], str]] = {
     "kvmesh.load_tests.routing_sim": (
         {"kv", "router", "worker.engine_loop"},
         "simulates the router's routing and admission policy over real schedulers and KV managers"),
+    "kvmesh.load_tests.bench_routing": (
+        {"kvmesh.kv.hashing", "router"}, "times the router's own per-request routing work (prefix index, policy)"),
     "kvmesh.load_tests.routing_campaign": (
         {"kvmesh.kv.hashing"}, "the oracle hit rate hashes prompts into blocks as the router does"),
     "kvmesh.load_tests.gpu_check": (

@@ -167,3 +167,45 @@ def test_blocks_known_per_worker_count_reported_and_claimed_blocks_once():
     assert index.num_blocks_known()["w1"] == 4
     clock[0] = 1.1
     assert index.num_blocks_known() == {"w1": 2, "w2": 2}
+
+
+def test_counts_kept_as_claims_and_events_arrive_match_a_recount_after_any_mix_of_them():
+    """num_blocks_known is kept incrementally (claims, ends, expiries, STORED, EVICTED,
+    CLEARED, resets, removed workers): after each step it equals a recount over everything."""
+    rng = random.Random(7)
+    clock = [0.0]
+    index = PrefixIndex(linger_s=0.5, clock=lambda: clock[0])
+    families = [hashes([f * 100 + t for t in range(12)]) for f in range(4)]  # 3 blocks each
+    seqs = {"w1": 0, "w2": 0}
+    tokens = []
+
+    def event(worker, kind, block_hashes=(), reset=False):
+        seq = seqs[worker]
+        seqs[worker] += 1
+        index.apply(PrefixEventBatch(worker, seq + 1, () if reset else (PrefixEvent(seq, kind, tuple(block_hashes)),),
+                                     reset=reset, all_hashes=tuple(block_hashes) if reset else ()))
+
+    for _ in range(400):
+        worker, family = rng.choice(("w1", "w2")), rng.choice(families)
+        op = rng.randrange(8)
+        if op == 0:
+            tokens.append(index.add_in_flight(worker, family))
+        elif op == 1 and tokens:
+            index.end_in_flight(tokens.pop(rng.randrange(len(tokens))))
+        elif op == 2:
+            event(worker, PrefixEventKind.STORED, family[:rng.randint(1, 3)])
+        elif op == 3:
+            event(worker, PrefixEventKind.EVICTED, family[rng.randrange(3):])
+        elif op == 4 and rng.random() < 0.2:
+            event(worker, PrefixEventKind.CLEARED)
+        elif op == 5 and rng.random() < 0.2:
+            event(worker, PrefixEventKind.STORED, family, reset=True)
+        elif op == 6 and rng.random() < 0.05:
+            index.remove_worker(worker)
+            seqs[worker] = 0
+        clock[0] += rng.random() * 0.2
+        known = index.num_blocks_known()  # expires lingering claims first
+        index.check_integrity()
+        for w in ("w1", "w2"):
+            claimed = {h for h, claims in index._in_flight_holders.items() if w in claims}
+            assert known.get(w, 0) == len(index._blocks.get(w, set()) | claimed)

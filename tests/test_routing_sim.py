@@ -44,7 +44,7 @@ def test_replaying_the_campaign_sends_its_exact_requests():
     spec = Path(__file__).resolve().parents[1] / "load_tests" / "campaigns" / "routing-under-load.yaml"
     results = replay_campaign(str(spec), CostModel(), RouterConfig(), concurrency=[1], num_requests=6)
     assert [(r.policy, r.load, r.num_requests) for r in results] == [
-        ("prefix_aware", "1 in flight", 6), ("round_robin", "1 in flight", 6)]
+        ("predicted_latency", "1 in flight", 6), ("prefix_aware", "1 in flight", 6), ("round_robin", "1 in flight", 6)]
 
 
 def test_the_oracle_hit_rate_bounds_every_policy_and_counts_only_repeated_full_blocks():
@@ -68,3 +68,16 @@ def test_a_warm_up_sends_its_requests_one_at_a_time_before_the_closed_loop_start
     # Each request is sent two polls after the previous one ended: never two at once.
     assert result.sim_duration_s >= 11 * 2 * CLUSTER.stats_refresh_s
     assert result.spills_router == result.spills_worker_refused == 0
+
+
+def test_predicted_latency_runs_the_router_s_own_state_and_reports_its_ttft_prediction_error():
+    """The simulator routes predicted_latency with the router's PredictedLatencyState (its
+    step-cost model set to the engines'), and learns predicted vs actual TTFT as router_core does."""
+    result = simulate("predicted_latency", CLUSTER, WORKLOAD)
+    robin = simulate("round_robin", CLUSTER, WORKLOAD)
+    assert result.num_requests == WORKLOAD.num_requests
+    assert result.hit_rate >= 0.95 * result.oracle_hit_rate and result.families_on_more_than_one == 0
+    assert result.ttft_p50_ms < robin.ttft_p50_ms
+    assert sum(result.routing_paths.values()) == WORKLOAD.num_requests
+    assert 0 < result.ttft_prediction_error < 10 and 0.1 < result.ttft_prediction_factor < 10
+    assert robin.ttft_prediction_error == 0.0  # round robin predicts nothing

@@ -325,15 +325,30 @@ def test_engine_greedy_tokens_match_the_torch_backend(tiny_model_dir, kv_cache_d
     assert tokens["triton"] == tokens["torch"]
 
 
-def test_models_needing_windows_or_soft_capping_refused_at_set_up():
-    """The kernel applies neither: a model that needs one is refused before it loads, naming it."""
-    from kvmesh.load_tests.family_checkpoints import hf_config
-    from kvmesh.worker.model.architecture import Architecture, UnsupportedModelError
-    from kvmesh.worker.runner.model_setup import require_backend_features
+@pytest.mark.parametrize("sliding_window, logit_softcap", [(5, None), (None, 0.5), (12, 2.0)])
+@pytest.mark.parametrize("segments", [1, 4])
+def test_sliding_window_and_soft_capping_match_the_torch_reference(sliding_window, logit_softcap, segments):
+    """Per-layer options (Mistral / Phi-3 / Qwen / Gemma windows, Gemma 2's soft-capping):
+    the kernel against the torch reference backend, which holds them to HF's arithmetic
+    (tests/test_model_families.py); prefill chunks and decodes longer than the window, split
+    and unsplit key ranges."""
+    from kvmesh.worker.attention.torch_backend import TorchAttentionBackend
 
-    backend = TritonAttentionBackend()
-    with pytest.raises(UnsupportedModelError, match="sliding-window attention.*triton"):
-        require_backend_features(Architecture.from_hf_config(hf_config("mistral"), 512), backend)
-    with pytest.raises(UnsupportedModelError, match="soft-capping.*triton"):
-        require_backend_features(Architecture.from_hf_config(hf_config("gemma2"), 24), backend)  # window >= context: unused
-    require_backend_features(Architecture.from_hf_config(hf_config("qwen3"), 512), backend)  # needs neither
+    query, cache, meta = _to_device(*_make_batch(MIXED_BATCH + [(40, 1), (25, 6)], 2, 2, 32, 8, torch.float32,
+                                                 "auto", seed=11, poison_unused=False))
+    query = query * 4  # scores of a few units: the cap and the window both change the result
+    backend = TritonAttentionBackend(min_programs=10**6 if segments > 1 else 0, max_segments=segments)
+    out = backend.attend(query, cache, meta, 32 ** -0.5, sliding_window=sliding_window, logit_softcap=logit_softcap)
+    want = TorchAttentionBackend().attend(query.cpu(), LayerKVCache(cache.key_cache.cpu(), cache.value_cache.cpu()),
+                                          _meta_on_cpu(meta), 32 ** -0.5, sliding_window=sliding_window,
+                                          logit_softcap=logit_softcap)
+    torch.testing.assert_close(out.cpu(), want, atol=1e-4, rtol=1e-4)
+    plain = TorchAttentionBackend().attend(query.cpu(), LayerKVCache(cache.key_cache.cpu(), cache.value_cache.cpu()),
+                                           _meta_on_cpu(meta), 32 ** -0.5)
+    assert (want - plain).abs().max() > 1e-2, "the options must matter in this batch"
+
+
+def _meta_on_cpu(meta: AttentionMetadata) -> AttentionMetadata:
+    return AttentionMetadata(meta.query_start_loc.cpu(), meta.seq_lens.cpu(), meta.block_tables.cpu(),
+                             meta.slot_mapping.cpu(), meta.max_query_len, meta.max_seq_len, meta.query_lens_host,
+                             meta.seq_lens_host)

@@ -26,7 +26,7 @@ exactness prompts give identical tokens with either backend (tests/test_attentio
 
 A layer with a sliding window gets a plan of its own (its masks also hide what lies before the
 window), and a windowed or soft-capped layer runs the grouped path and the reference's
-arithmetic (torch_backend.attention): the C kernel implements neither.
+arithmetic (torch_backend.attention): the C decode kernel implements neither.
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ into the scale), accumulation fp32.
 
 Causality: a request's new tokens sit at positions context_len ... seq_len - 1, where
 context_len = seq_len - query_len; query token j sees keys 0 ... context_len + j.
+A layer with a sliding window W also hides keys at positions <= p - W from the query at p,
+and logit soft-capping maps each scaled score to cap * tanh(score / cap) before the mask
+(both constexpr-gated, so the plain kernel is unchanged; torch_backend.py is the reference).
 
 write_kv is a second kernel, one program per new token: it writes K and V of all KV heads
 at slot_mapping[t] (a negative slot marks a padding row of a captured decode batch and is
@@ -129,6 +132,8 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [num_reqs] int32, tokens in the cache after this step
     query_start_loc_ptr,  # [num_reqs + 1] int32, cumulative query lengths
     scale_log2e,  # softmax scale * log2(e): scores go through exp2
+    window,  # WINDOWED: a query at position p sees keys at positions > p - window
+    softcap,  # SOFTCAP: scores -> softcap * tanh(scores / softcap) before the mask
     num_reqs, num_heads,
     tiles_per_segment,  # key tiles each program along grid axis 2 walks
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
@@ -140,6 +145,7 @@ def _paged_attention_kernel(
     QUANTIZED: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INT4: tl.constexpr, INT4_GROUP: tl.constexpr,  # packed int4 K/V with a scale per INT4_GROUP channels
     NUM_SEGMENTS: tl.constexpr,  # power of two; > 1 splits each request's keys across programs
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,  # per-layer options (torch_backend.py's reference)
 ):
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -182,7 +188,12 @@ def _paged_attention_kernel(
                           stride_scale_slot, stride_scale_head, BLOCK_SIZE, QUANTIZED, COMPUTE, HEAD_DIM,
                           INT4, INT4_GROUP)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, TILE_N]
+        if SOFTCAP:  # on the scaled scores; tanh(x) = 1 - 2 / (e^2x + 1), e^2x as exp2 (inf -> 1, 0 -> -1)
+            x = s / (softcap * 1.4426950408889634)  # scores / cap
+            s = softcap * 1.4426950408889634 * (1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0))
         visible = (pos[None, :] <= key_limit[:, None]) & row_valid[:, None] & n_valid[None, :]
+        if WINDOWED:
+            visible = visible & (pos[None, :] > key_limit[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row that has seen no key yet keeps max -inf; subtract 0 so exp2 gives 0, not NaN.
@@ -419,8 +430,8 @@ class TritonAttentionBackend:
 
     name = "triton"
     # per-layer options this backend applies (worker/runner/model_setup.py checks at set-up)
-    supports_sliding_window = False
-    supports_logit_softcap = False
+    supports_sliding_window = True
+    supports_logit_softcap = True
 
     def __init__(self, tile_tokens: int = 32, min_programs: int | None = None, max_segments: int = 16):
         _require(tile_tokens >= 16 and tile_tokens & (tile_tokens - 1) == 0,
@@ -487,8 +498,8 @@ class TritonAttentionBackend:
 
     def attend(self, query: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
                scale: float, sliding_window: int | None = None, logit_softcap: float | None = None) -> torch.Tensor:
-        _require(sliding_window is None and logit_softcap is None,
-                 "the Triton backend applies neither sliding windows nor logit soft-capping")
+        _require(sliding_window is None or sliding_window >= 1, f"sliding_window must be >= 1, got {sliding_window}")
+        _require(logit_softcap is None or logit_softcap > 0, f"logit_softcap must be > 0, got {logit_softcap}")
         _check_cache(cache)
         kc = cache.key_cache
         _, block_size, num_kv_heads, _ = kc.shape
@@ -518,13 +529,15 @@ class TritonAttentionBackend:
         value_scale = cache.value_scale if cache.quantized else kc
         _paged_attention_kernel[(plan.num_q_blocks, num_kv_heads, segments)](
             out, partial_out, partial_max, partial_sum, query, kc, cache.value_cache, key_scale, value_scale,
-            meta.block_tables, meta.seq_lens, meta.query_start_loc, float(scale) * _LOG2_E, meta.num_reqs,
+            meta.block_tables, meta.seq_lens, meta.query_start_loc, float(scale) * _LOG2_E, int(sliding_window or 0),
+            float(logit_softcap or 1.0), meta.num_reqs,
             num_heads, plan.tiles_per_segment, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             kc.stride(0), kc.stride(1), kc.stride(2), *_scale_strides(cache), meta.block_tables.stride(0),
             QUERIES_PER_KV=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
             BLOCK_SIZE=block_size, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m, TILE_N=self.tile_tokens,
             QUANTIZED=cache.quantized, COMPUTE=compute_dtype(query.dtype), DOT_PRECISION=dot_precision(query.dtype),
-            INT4=cache.packed_int4, INT4_GROUP=_int4_group(cache), NUM_SEGMENTS=segments)
+            INT4=cache.packed_int4, INT4_GROUP=_int4_group(cache), NUM_SEGMENTS=segments,
+            WINDOWED=sliding_window is not None, SOFTCAP=logit_softcap is not None)
         if segments > 1:
             _merge_segments_kernel[(num_tokens, num_heads)](
                 out, partial_out, partial_max, partial_sum, num_heads, out.stride(0), out.stride(1),

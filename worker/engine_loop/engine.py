@@ -294,6 +294,13 @@ class Engine:
         return dataclasses.replace(delta, text="".join(texts), token_ids=tokens[:i + 1],
                                    logprobs=tuple(kept) if kept else None), reason
 
+    def evict_all(self, reason: str) -> list[RequestDelta]:
+        """End every request with a retryable WorkerFailedError (a drained worker's leftovers):
+        their KV goes back to the pool, and the router resumes each on another worker from the
+        tokens it streamed, as after a worker failure."""
+        failed = self.scheduler.finish_requests(list(self._live), RequestStatus.FAILED)
+        return [self._close(r, FinishReason.ERROR, error=reason, error_type="WorkerFailedError") for r in failed]
+
     def _fail_step(self, sched_out, exc: Exception) -> list[RequestDelta]:
         self.num_failed_steps += 1
         logger.exception("model forward failed; failing the %d requests of this step", len(sched_out.scheduled))

@@ -65,6 +65,8 @@ from kvmesh.core.seams import (ErrorReport, FinishReason, GenerateRequest, Prefi
 logger = logging.getLogger(__name__)
 
 WORKER_NAMESPACE = "kvmesh"
+DRAIN_POLL_S = 0.05  # how often a draining worker checks whether its requests have finished
+DRAIN_RETRY_AFTER_S = 0.05  # a request sent to a draining worker: re-routed about at once
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ class WorkerActor:
                                 actor_name=_current_actor_name())
         self._streaming: set[str] = set()  # request ids with a live `generate` stream or channel request
         self._channels: dict[str, DeltaChannel] = {}  # router replica id -> its channel
+        self._draining = False  # leaving the routable set (drain): reported unhealthy, refuses new work
         self._tracer = telemetry.get_tracer(telemetry.setup_tracing(self._config.observability, "kvmesh-worker"))
         engine = self._engine.engine
         plan = engine.parts.plan
@@ -142,6 +145,12 @@ class WorkerActor:
         """Stream the request's deltas in batches (the engine's one queue for this request). A
         refusal or failure ends the stream with a final error delta. Closing or cancelling this
         generator aborts the request."""
+        if self._draining:
+            # A router whose view predates the drain: retryable, nothing streamed, so the
+            # router re-routes it to another worker.
+            refusal = ErrorReport("OverloadedError", "worker is draining", retry_after_s=DRAIN_RETRY_AFTER_S)
+            yield [refusal.as_delta(request.request_id)]
+            return
         if request.request_id in self._streaming:
             # Refused before anything is touched: the request streaming under this id is
             # another client's and must keep running (and stay known to `abort`).
@@ -192,6 +201,9 @@ class WorkerActor:
         """Start `request`, its deltas going out on `replica_id`'s channel; returns once the
         engine accepted it (this incarnation's id) or with the refusal as an error delta
         (errors as values, as `generate`'s), which the router raises as the typed error."""
+        if self._draining:  # as in `generate`: retryable, the router re-routes it
+            return ErrorReport("OverloadedError", "worker is draining",
+                               retry_after_s=DRAIN_RETRY_AFTER_S).as_delta(request.request_id)
         if request.request_id in self._streaming:
             return ErrorReport("InvalidRequestError",
                                f"request id {request.request_id!r} is already in flight").as_delta(request.request_id)
@@ -241,7 +253,7 @@ class WorkerActor:
 
     async def poll(self, since_prefix_seq: int) -> WorkerPoll:
         # The *_async reads wait for the engine lock in a thread, never on this event loop.
-        stats = await self._engine.stats_async()
+        stats = await self.stats()
         window = await self._engine.scheduler_stats_async()
         self._metrics.set_kv_window(window.peak_kv_tokens, window.mean_kv_tokens)
         return WorkerPoll(self._info, stats, await self._engine.prefix_events_async(since_prefix_seq),
@@ -255,7 +267,34 @@ class WorkerActor:
         return known
 
     async def stats(self) -> WorkerStats:
-        return await self._engine.stats_async()
+        stats = await self._engine.stats_async()
+        # Draining reads as not healthy: every router replica drops it from its routable set
+        # at its next poll (the readiness flip), whatever transport carries the deltas.
+        return dataclasses.replace(stats, healthy=False) if self._draining else stats
+
+    async def drain(self, grace_s: float) -> int:
+        """Leave the routable set, let the requests here finish for up to `grace_s`, then end
+        the rest with a retryable WorkerFailedError, which the router answers by resuming each
+        on another worker from the tokens it streamed (its prefix pulled from here while this
+        worker lives). Returns how many were moved. The worker stays drained (`undrain`)."""
+        self._draining = True
+        logger.info("worker %s draining (grace %.1f s)", self._info.worker_id, grace_s)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            stats = await self._engine.stats_async()
+            if stats.num_running + stats.num_waiting == 0:
+                return 0
+            await asyncio.sleep(DRAIN_POLL_S)
+        stats = await self._engine.stats_async()
+        moved = stats.num_running + stats.num_waiting
+        if moved:
+            await self._engine.evict_all("worker drained: continued on another worker")
+            logger.info("worker %s drained: %d requests moved", self._info.worker_id, moved)
+        return moved
+
+    async def undrain(self) -> None:
+        """Back in the routable set (a scale-down that was called off)."""
+        self._draining = False
 
     async def prefix_events(self, since_seq: int) -> PrefixEventBatch:
         return await self._engine.prefix_events_async(since_seq)

@@ -99,6 +99,11 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _EvictAll:
+    reason: str
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -216,6 +221,11 @@ class AsyncEngine:
         self._inbox.put(_Abort(request_id))
         self._wakeup.set()
 
+    async def evict_all(self, reason: str) -> None:
+        """Every request ends with a WorkerFailedError final delta (Engine.evict_all), between two steps."""
+        self._inbox.put(_EvictAll(reason))
+        self._wakeup.set()
+
     # ---- reads --------------------------------------------------------------------------
 
     def stats(self) -> WorkerStats:
@@ -288,6 +298,8 @@ class AsyncEngine:
                     cmd.loop.call_soon_threadsafe(_settle, cmd.accepted, exc)
                 else:
                     cmd.loop.call_soon_threadsafe(_settle, cmd.accepted, None)
+            elif isinstance(cmd, _EvictAll):
+                deltas += self.engine.evict_all(cmd.reason)
             else:
                 deltas += self.engine.abort(cmd.request_id)
 

@@ -1,0 +1,195 @@
+"""The predicted-latency policy on its own: the TTFT prediction (router/latency.py), hot
+families spreading over a bounded, deterministic set of workers and returning to one
+(router/hot_spread.py, with an injected clock), new prefixes placed by recent work."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+
+from kvmesh.core.config import RouterConfig
+from kvmesh.core.seams import WorkerStats
+from kvmesh.router.hot_spread import FamilySpread, WorkMeter, preference_order
+from kvmesh.router.latency import StepCostModel, TtftCalibration, predict_ttft_s, uncached_prompt_tokens
+from kvmesh.router.routing import (PredictedLatencyState, RouteRequest, RoutingPath, choose_worker, family_key)
+
+BLOCK = 16
+COST = StepCostModel(step_overhead_s=0.004, prefill_s_per_token=0.0004, decode_s_per_token=0.0025)
+CONFIG = RouterConfig(policy="predicted_latency", imbalance_ratio=1.5, imbalance_abs_tokens=1000,
+                      imbalance_margin_requests=0, spread_cooldown_s=10.0, work_half_life_s=30.0)
+KEY = b"family-a"
+PROMPT = 1000  # tokens: 62 full blocks + 8
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stats(worker_id: str, tokens_to_compute: int = 0, num_running: int = 0) -> WorkerStats:
+    return WorkerStats(worker_id=worker_id, healthy=True, block_size=BLOCK, num_blocks_total=1000,
+                       num_blocks_used=0, num_blocks_cached=0, num_blocks_free=1000, kv_tokens_used=0,
+                       kv_tokens_capacity=16000, kv_tokens_reserved=0, num_running=num_running, num_waiting=0,
+                       queued_prompt_tokens=0, prefix_cache_hit_rate=0.0, output_tokens_per_s=100.0,
+                       tokens_to_compute=tokens_to_compute)
+
+
+def route(state, matched, workers, key=KEY, commit=True, config=CONFIG):
+    request = RouteRequest(PROMPT, BLOCK, key)
+    decision = choose_worker(matched, workers, config, random.Random(0), request=request, state=state)
+    if commit:
+        state.commit(decision, PROMPT - min(matched.get(decision.worker_id, 0) * BLOCK, PROMPT - 1))
+    return decision
+
+
+def test_the_prediction_is_the_work_ahead_plus_the_uncached_prompt_at_the_step_cost():
+    # 1,500 tokens ahead + 1,000 - 62 x 16 = 8 uncached, 4 decoding: 1,508 tokens in
+    # ceil(1508 / (512 - 4)) = 3 steps of 4 ms + 4 x 2.5 ms.
+    uncached = uncached_prompt_tokens(PROMPT, 62, BLOCK)
+    assert uncached == 8
+    predicted = predict_ttft_s(COST, stats("w0", 1000, num_running=4), 500, uncached, 512)
+    assert predicted == pytest.approx(1508 * 0.0004 + 3 * (0.004 + 4 * 0.0025))
+    # A whole match still computes the last prompt token.
+    assert uncached_prompt_tokens(64, 4, BLOCK) == 1
+
+
+def test_the_calibration_learns_actual_over_predicted_and_reports_the_error():
+    calibration = TtftCalibration(weight=0.5)
+    assert calibration.factor == 1.0 and calibration.mean_abs_relative_error() == 0.0
+    for _ in range(40):
+        calibration.observe(0.1, 0.2)  # the workers are twice as slow as modelled
+    assert calibration.factor == pytest.approx(2.0, rel=1e-6)
+    assert calibration.calibrated_s(0.3) == pytest.approx(0.6, rel=1e-6)
+    assert calibration.mean_abs_relative_error() == pytest.approx(0.5)
+
+
+def test_a_request_goes_to_the_holder_of_its_prefix_with_the_lowest_prediction():
+    state = PredictedLatencyState(CONFIG, 512, Clock())
+    workers = [stats("w0", 200), stats("w1", 100), stats("w2", 0)]
+    decision = route(state, {"w0": 62, "w1": 62}, workers)
+    assert (decision.worker_id, decision.path, decision.matched_blocks) == ("w1", RoutingPath.PREFIX_MATCH, 62)
+    assert decision.predicted_ttft_s == pytest.approx(predict_ttft_s(COST, workers[1], 0, 8, 512))
+    with pytest.raises(ValueError, match="RouteRequest"):
+        choose_worker({}, workers, CONFIG, random.Random(0))
+
+
+def test_a_new_prefix_goes_where_less_recent_work_went_among_workers_that_predict_alike():
+    clock = Clock()
+    state = PredictedLatencyState(CONFIG, 512, clock)
+    workers = [stats("w0"), stats("w1"), stats("w2", 5000)]
+    placed = []
+    for i in range(4):
+        decision = route(state, {}, workers, key=f"new-{i}".encode())
+        placed.append(decision.worker_id)
+        clock.now += 1.0
+    # w2 is busy (its prediction is far above the others); w0 and w1 alternate by recent work.
+    assert decision.path is RoutingPath.NO_PREFIX
+    assert "w2" not in placed and sorted(placed) == ["w0", "w0", "w1", "w1"]
+
+
+def test_a_hot_family_grows_onto_the_first_worker_of_its_order_within_the_bound():
+    state = PredictedLatencyState(CONFIG, 512, Clock())
+    order = preference_order(KEY, ["w0", "w1", "w2", "w3"])
+    home, first, second = order[3], order[0], order[1]
+    # The home's queue runs ahead (3,000 vs 0: ratio and margin); the family's first choice
+    # is itself loaded past the bound, so the walk takes the next one.
+    loads = {home: 3000, first: 2500, second: 0}
+    workers = [stats(w, loads.get(w, 0)) for w in order]
+    decision = route(state, {home: 62}, workers)
+    assert (decision.worker_id, decision.path) == (second, RoutingPath.PREFIX_SPREAD)
+    assert decision.spread.members == (home, second)
+    # Deterministic: a second replica (its own state) with the same view picks the same worker.
+    other = PredictedLatencyState(CONFIG, 512, Clock())
+    assert route(other, {home: 62}, workers, commit=False).worker_id == second
+    # The family now routes between its two members by prediction, the newcomer holding it too.
+    decision = route(state, {home: 62, second: 62}, [stats(w, loads.get(w, 0)) for w in order])
+    assert decision.worker_id == second and decision.path is RoutingPath.PREFIX_MATCH
+
+
+def test_a_family_does_not_spread_when_the_bounded_worker_would_not_serve_it_sooner():
+    state = PredictedLatencyState(CONFIG, 512, Clock())
+    order = preference_order(KEY, ["w0", "w1", "w2"])
+    # The home runs ahead of the idle worker (1,500 vs 0), but the family's first worker within
+    # the bound has 900 tokens queued and would compute the whole 1,000-token prompt: 1,900
+    # tokens against 1,508 at home. The walk stops there (the idle worker is further down).
+    workers = [stats(order[0], 900), stats(order[1], 0), stats(order[2], 1500)]
+    decision = route(state, {order[2]: 62}, workers)
+    assert (decision.worker_id, decision.path) == (order[2], RoutingPath.PREFIX_MATCH)
+    assert state.spread.members(KEY) == ()
+
+
+def test_a_spread_family_returns_to_one_worker_only_after_the_cooldown_without_need():
+    clock = Clock()
+    state = PredictedLatencyState(CONFIG, 512, clock)
+    order = preference_order(KEY, ["w0", "w1", "w2"])
+    home = order[2]
+    hot = [stats(home, 3000), stats(order[0], 0), stats(order[1], 0)]
+    assert route(state, {home: 62}, hot).path is RoutingPath.PREFIX_SPREAD
+    members = state.spread.members(KEY)
+    assert members == (home, order[0])
+    # Still hot: the home alone would run ahead, so the newcomer stays however long it lasts.
+    for _ in range(5):
+        clock.now += 6.0
+        route(state, {home: 62, order[0]: 62}, hot)
+        assert state.spread.members(KEY) == members
+    # The heat passes: one quiet request does not shrink it before the cooldown (no flapping).
+    cool = [stats(w) for w in order]
+    clock.now += 6.0
+    route(state, {home: 62, order[0]: 62}, cool)
+    assert state.spread.members(KEY) == members
+    clock.now += 4.0  # 10 s since it was last needed
+    assert state.spread.members(KEY) == (home,)
+    decision = route(state, {home: 62, order[0]: 62}, cool)
+    assert (decision.worker_id, decision.path) == (home, RoutingPath.PREFIX_MATCH)
+
+
+def test_a_family_whose_worker_computes_far_more_than_the_mean_spreads_before_anyone_queues():
+    clock = Clock()
+    state = PredictedLatencyState(CONFIG, 512, clock)
+    ids = ["w0", "w1", "w2", "w3"]
+    home = preference_order(KEY, ids)[3]
+    idle = [stats(w) for w in ids]
+    for _ in range(3):  # the home's recent work only: 3,000 tokens vs a mean of 750
+        state.work.observe(home, 1000)
+    decision = route(state, {home: 62}, idle)
+    assert decision.path is RoutingPath.PREFIX_SPREAD
+    assert decision.spread.members[0] == home and decision.spread.seed_work_tokens == pytest.approx(3000)
+    # The family's work, carried by its home alone, keeps the second worker needed.
+    clock.now += 5.0
+    second = decision.worker_id
+    decision = route(state, {home: 62, second: 62}, idle)  # the newcomer holds the prefix now
+    assert decision.path is RoutingPath.PREFIX_MATCH and decision.spread.needed
+    assert len(state.spread.members(KEY)) == 2
+    # A family quiet for longer than the cooldown comes back narrower; still hot, it grows
+    # again onto the same worker (whose cache may still hold it).
+    clock.now += 20.0
+    again = route(state, {home: 62, second: 62}, idle)
+    assert again.path is RoutingPath.PREFIX_SPREAD and again.spread.members == decision.spread.members
+
+
+def test_spread_state_and_recent_work_are_bounded_and_decay():
+    clock = Clock()
+    spread = FamilySpread(cooldown_s=1.0, work_half_life_s=10.0, clock=clock, max_families=2)
+    from kvmesh.router.hot_spread import SpreadAction
+
+    for key in (b"a", b"b", b"c"):
+        spread.apply(SpreadAction(key, ("w0", "w1"), True, False), 100)
+    assert spread.members(b"a") == () and spread.members(b"c") == ("w0", "w1") and spread.num_spread() == 2
+    meter = WorkMeter(half_life_s=10.0, clock=clock)
+    meter.observe("w0", 1000)
+    clock.now += 10.0
+    assert meter.value("w0") == pytest.approx(500.0) and meter.value("w9") == 0.0
+
+
+def test_the_family_key_covers_the_first_blocks_and_the_config_is_validated():
+    hashes = [bytes([i]) * 8 for i in range(5)]
+    assert family_key(hashes, 3) == hashes[2] and family_key(hashes, 16) == hashes[4] and family_key([], 3) is None
+    with pytest.raises(ValueError, match="spread_family_blocks"):
+        dataclasses.replace(CONFIG, spread_family_blocks=0).validate()
+    assert not math.isnan(CONFIG.latency_tie_ratio)
