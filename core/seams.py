@@ -17,6 +17,50 @@ from kvmesh.core import errors
 from kvmesh.core.errors import InvalidRequestError
 
 
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_STRUCTURED_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar; larger ones are refused
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on what a request may generate (docs/api.md, "Structured output").
+
+    kind          spec                                       choices
+    json_schema   the JSON Schema, as JSON text               -
+    json_object   "" (any JSON object)                       -
+    regex         the pattern (Rust regex syntax, anchored)   -
+    choice        ""                                          the allowed outputs, exactly
+    grammar       a Lark grammar, or GBNF (llama.cpp)         -
+
+    The engine masks every token the constraint forbids (worker/engine_loop/structured_output.py);
+    EOS is allowed only where the constraint is complete."""
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+    def problem(self) -> str | None:
+        """The first shape rule this breaks (size, kind, JSON text), or None. Whether the
+        schema, regex or grammar compiles is checked by the grammar engine
+        (worker/model/grammar.py), at the router before anything is reserved."""
+        if self.kind not in STRUCTURED_KINDS:
+            return f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}"
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_STRUCTURED_SPEC_CHARS:
+            return f"a structured output {self.kind} must be a string of at most {MAX_STRUCTURED_SPEC_CHARS} characters"
+        if self.kind in ("json_schema", "regex", "grammar") and not self.spec.strip():
+            return f"structured output {self.kind} must not be empty"
+        if self.kind == "choice":
+            if not 1 <= len(self.choices) <= MAX_CHOICES:
+                return f"structured output choice needs 1 to {MAX_CHOICES} choices, got {len(self.choices)}"
+            if any(not isinstance(c, str) or not 0 < len(c) <= MAX_CHOICE_CHARS for c in self.choices):
+                return f"each choice must be a non-empty string of at most {MAX_CHOICE_CHARS} characters"
+        elif self.choices:
+            return f"choices are only for structured output kind 'choice', not {self.kind!r}"
+        return None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -37,6 +81,8 @@ class SamplingParams:
     # False = never speculate for this request (the worker's speculative decoding, when on,
     # keeps outputs unchanged in distribution; this opts out of it, e.g. for timing studies).
     speculative: bool = True
+    # None = free text; else the output must match it (json schema, regex, choice, grammar).
+    structured: StructuredOutput | None = None
 
     def validate(self, max_new_tokens: int | None = None, max_n: int | None = None) -> None:
         """Raise InvalidRequestError for the first rule in SAMPLING_RULES this breaks.
@@ -154,6 +200,14 @@ def _rule_stop_token_ids(p: "SamplingParams", *_) -> str | None:
     return None
 
 
+def _rule_structured(p: "SamplingParams", *_) -> str | None:
+    if p.structured is None:
+        return None
+    if not isinstance(p.structured, StructuredOutput):
+        return f"structured must be a StructuredOutput, got {type(p.structured).__name__}"
+    return p.structured.problem()
+
+
 @dataclass(frozen=True)
 class SamplingRule:
     """One documented check of SamplingParams; `check` returns the problem or None."""
@@ -176,6 +230,7 @@ SAMPLING_RULES: tuple[SamplingRule, ...] = (
     SamplingRule("seed", _rule_seed),
     SamplingRule("stop", _rule_stop),
     SamplingRule("stop_token_ids", _rule_stop_token_ids),
+    SamplingRule("structured", _rule_structured),
 )
 def check_fits_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
     """The one rule "prompt + max_tokens <= max_model_len": a request that cannot fit the model's

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ckvmesh.proto\x12\tkvmesh.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x9a\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x10\n\x08logprobs\x18\x0e \x01(\x08\x12\x0e\n\x01n\x18\x0f \x01(\rH\t\x88\x01\x01\x12\x18\n\x0bspeculative\x18\x10 \x01(\x08H\n\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x04\n\x02_nB\x0e\n\x0c_speculative\"\xae\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.kvmesh.v1.ChatMessagesH\x00\x12/\n\x10prompt_token_ids\x18\x05 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x0f\n\x07\x61\x64\x61pter\x18\x08 \x01(\t\x12\x18\n\x10resume_token_ids\x18\t \x03(\x05\x12\x19\n\x11resume_text_chars\x18\n \x01(\rB\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x1a\n\x08Logprobs\x12\x0e\n\x06values\x18\x01 \x03(\x02\"\xee\x01\n\x07Timings\x12\x14\n\x0c\x61rrival_time\x18\x01 \x01(\x01\x12!\n\x14\x66irst_scheduled_time\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x10\x66irst_token_time\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x1a\n\rfinished_time\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\r\x12\x16\n\x0epeak_kv_tokens\x18\x06 \x01(\rB\x17\n\x15_first_scheduled_timeB\x13\n\x11_first_token_timeB\x10\n\x0e_finished_time\"\xad\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12%\n\x08logprobs\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.Logprobs\x12\x14\n\x0csample_index\x18\x05 \x01(\r\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12.\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12#\n\x07timings\x18\t \x01(\x0b\x32\x12.kvmesh.v1.Timings\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x0b \x01(\t\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"d\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x0e\n\x06parent\x18\x05 \x01(\t\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.ModelInfo\"\x0f\n\rHealthRequest\"\xca\x01\n\x0eHealthResponse\x12\x37\n\x06status\x18\x01 \x01(\x0e\x32\'.kvmesh.v1.HealthResponse.ServingStatus\x12\x13\n\x0bnum_workers\x18\x02 \x01(\r\x12\x1b\n\x13num_healthy_workers\x18\x03 \x01(\r\"M\n\rServingStatus\x12\x1e\n\x1aSERVING_STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\"\x11\n\x0fGetStatsRequest\"\xa5\x06\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x18\n\x10num_blocks_total\x18\x04 \x01(\x04\x12\x17\n\x0fnum_blocks_used\x18\x05 \x01(\x04\x12\x19\n\x11num_blocks_cached\x18\x06 \x01(\x04\x12\x17\n\x0fnum_blocks_free\x18\x07 \x01(\x04\x12\x16\n\x0ekv_tokens_used\x18\x08 \x01(\x04\x12\x1a\n\x12kv_tokens_capacity\x18\t \x01(\x04\x12\x1a\n\x12kv_tokens_reserved\x18\n \x01(\x04\x12\x13\n\x0bnum_running\x18\x0b \x01(\r\x12\x13\n\x0bnum_waiting\x18\x0c \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\r \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0e \x01(\x01\x12\x1b\n\x13output_tokens_per_s\x18\x0f \x01(\x01\x12!\n\x19num_preemptions_recompute\x18\x10 \x01(\x04\x12\x1c\n\x14num_preemptions_swap\x18\x11 \x01(\x04\x12\x18\n\x10prefix_event_seq\x18\x12 \x01(\x04\x12\x13\n\x0bstats_age_s\x18\x13 \x01(\x01\x12 \n\x18num_preemptions_priority\x18\x14 \x01(\x04\x12\x1e\n\x16num_outgrown_estimates\x18\x15 \x01(\x04\x12\x19\n\x11tokens_to_compute\x18\x16 \x01(\x04\x12!\n\x19kv_tokens_reserved_shared\x18\x19 \x01(\x04\x12#\n\x1bnum_preemptions_priority_kv\x18\x1a \x01(\x04\x12\x18\n\x10lora_slots_total\x18( \x01(\r\x12\x19\n\x11resident_adapters\x18) \x03(\t\x12\x19\n\x11num_adapter_loads\x18* \x01(\x04\x12\x1d\n\x15num_adapter_evictions\x18+ \x01(\x04\x12\x1f\n\x17num_waiting_for_adapter\x18, \x01(\r\"\xaa\x02\n\rClusterTotals\x12\x13\n\x0bnum_workers\x18\x01 \x01(\r\x12\x1b\n\x13num_healthy_workers\x18\x02 \x01(\r\x12\x16\n\x0ekv_tokens_used\x18\x03 \x01(\x04\x12\x1a\n\x12kv_tokens_capacity\x18\x04 \x01(\x04\x12\x1a\n\x12kv_tokens_reserved\x18\x05 \x01(\x04\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x08 \x01(\x04\x12\x1b\n\x13output_tokens_per_s\x18\t \x01(\x01\x12\x18\n\x10router_queue_len\x18\n \x01(\r\x12\x18\n\x10router_in_flight\x18\x0b \x01(\r\"e\n\x10GetStatsResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.WorkerStats\x12(\n\x06totals\x18\x02 \x01(\x0b\x32\x18.kvmesh.v1.ClusterTotals*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xdd\x02\n\x06Kvmesh\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12=\n\x06\x43\x61ncel\x12\x18.kvmesh.v1.CancelRequest\x1a\x19.kvmesh.v1.CancelResponse\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponse\x12=\n\x06Health\x12\x18.kvmesh.v1.HealthRequest\x1a\x19.kvmesh.v1.HealthResponse\x12\x43\n\x08GetStats\x12\x1a.kvmesh.v1.GetStatsRequest\x1a\x1b.kvmesh.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ckvmesh.proto\x12\tkvmesh.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xcb\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x10\n\x08logprobs\x18\x0e \x01(\x08\x12\x0e\n\x01n\x18\x0f \x01(\rH\t\x88\x01\x01\x12\x18\n\x0bspeculative\x18\x10 \x01(\x08H\n\x88\x01\x01\x12/\n\nstructured\x18\x11 \x01(\x0b\x32\x1b.kvmesh.v1.StructuredOutputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x04\n\x02_nB\x0e\n\x0c_speculative\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x9b\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.kvmesh.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\xae\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.kvmesh.v1.ChatMessagesH\x00\x12/\n\x10prompt_token_ids\x18\x05 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x0f\n\x07\x61\x64\x61pter\x18\x08 \x01(\t\x12\x18\n\x10resume_token_ids\x18\t \x03(\x05\x12\x19\n\x11resume_text_chars\x18\n \x01(\rB\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x1a\n\x08Logprobs\x12\x0e\n\x06values\x18\x01 \x03(\x02\"\xee\x01\n\x07Timings\x12\x14\n\x0c\x61rrival_time\x18\x01 \x01(\x01\x12!\n\x14\x66irst_scheduled_time\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x10\x66irst_token_time\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x1a\n\rfinished_time\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\r\x12\x16\n\x0epeak_kv_tokens\x18\x06 \x01(\rB\x17\n\x15_first_scheduled_timeB\x13\n\x11_first_token_timeB\x10\n\x0e_finished_time\"\xad\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12%\n\x08logprobs\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.Logprobs\x12\x14\n\x0csample_index\x18\x05 \x01(\r\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12.\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12#\n\x07timings\x18\t \x01(\x0b\x32\x12.kvmesh.v1.Timings\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x0b \x01(\t\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"d\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08owned_by\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x0e\n\x06parent\x18\x05 \x01(\t\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.ModelInfo\"\x0f\n\rHealthRequest\"\xca\x01\n\x0eHealthResponse\x12\x37\n\x06status\x18\x01 \x01(\x0e\x32\'.kvmesh.v1.HealthResponse.ServingStatus\x12\x13\n\x0bnum_workers\x18\x02 \x01(\r\x12\x1b\n\x13num_healthy_workers\x18\x03 \x01(\r\"M\n\rServingStatus\x12\x1e\n\x1aSERVING_STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\"\x11\n\x0fGetStatsRequest\"\xa5\x06\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x18\n\x10num_blocks_total\x18\x04 \x01(\x04\x12\x17\n\x0fnum_blocks_used\x18\x05 \x01(\x04\x12\x19\n\x11num_blocks_cached\x18\x06 \x01(\x04\x12\x17\n\x0fnum_blocks_free\x18\x07 \x01(\x04\x12\x16\n\x0ekv_tokens_used\x18\x08 \x01(\x04\x12\x1a\n\x12kv_tokens_capacity\x18\t \x01(\x04\x12\x1a\n\x12kv_tokens_reserved\x18\n \x01(\x04\x12\x13\n\x0bnum_running\x18\x0b \x01(\r\x12\x13\n\x0bnum_waiting\x18\x0c \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\r \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0e \x01(\x01\x12\x1b\n\x13output_tokens_per_s\x18\x0f \x01(\x01\x12!\n\x19num_preemptions_recompute\x18\x10 \x01(\x04\x12\x1c\n\x14num_preemptions_swap\x18\x11 \x01(\x04\x12\x18\n\x10prefix_event_seq\x18\x12 \x01(\x04\x12\x13\n\x0bstats_age_s\x18\x13 \x01(\x01\x12 \n\x18num_preemptions_priority\x18\x14 \x01(\x04\x12\x1e\n\x16num_outgrown_estimates\x18\x15 \x01(\x04\x12\x19\n\x11tokens_to_compute\x18\x16 \x01(\x04\x12!\n\x19kv_tokens_reserved_shared\x18\x19 \x01(\x04\x12#\n\x1bnum_preemptions_priority_kv\x18\x1a \x01(\x04\x12\x18\n\x10lora_slots_total\x18( \x01(\r\x12\x19\n\x11resident_adapters\x18) \x03(\t\x12\x19\n\x11num_adapter_loads\x18* \x01(\x04\x12\x1d\n\x15num_adapter_evictions\x18+ \x01(\x04\x12\x1f\n\x17num_waiting_for_adapter\x18, \x01(\r\"\xaa\x02\n\rClusterTotals\x12\x13\n\x0bnum_workers\x18\x01 \x01(\r\x12\x1b\n\x13num_healthy_workers\x18\x02 \x01(\r\x12\x16\n\x0ekv_tokens_used\x18\x03 \x01(\x04\x12\x1a\n\x12kv_tokens_capacity\x18\x04 \x01(\x04\x12\x1a\n\x12kv_tokens_reserved\x18\x05 \x01(\x04\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x08 \x01(\x04\x12\x1b\n\x13output_tokens_per_s\x18\t \x01(\x01\x12\x18\n\x10router_queue_len\x18\n \x01(\r\x12\x18\n\x10router_in_flight\x18\x0b \x01(\r\"e\n\x10GetStatsResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.WorkerStats\x12(\n\x06totals\x18\x02 \x01(\x0b\x32\x18.kvmesh.v1.ClusterTotals*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xdd\x02\n\x06Kvmesh\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12=\n\x06\x43\x61ncel\x12\x18.kvmesh.v1.CancelRequest\x1a\x19.kvmesh.v1.CancelResponse\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponse\x12=\n\x06Health\x12\x18.kvmesh.v1.HealthRequest\x1a\x19.kvmesh.v1.HealthResponse\x12\x43\n\x08GetStats\x12\x1a.kvmesh.v1.GetStatsRequest\x1a\x1b.kvmesh.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=3364
-  _globals['_FINISHREASON']._serialized_end=3509
+  _globals['_FINISHREASON']._serialized_start=3602
+  _globals['_FINISHREASON']._serialized_end=3747
   _globals['_CHATMESSAGE']._serialized_start=27
   _globals['_CHATMESSAGE']._serialized_end=71
   _globals['_CHATMESSAGES']._serialized_start=73
@@ -40,41 +40,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=131
   _globals['_TOKENIDS']._serialized_end=154
   _globals['_SAMPLINGPARAMS']._serialized_start=157
-  _globals['_SAMPLINGPARAMS']._serialized_end=695
-  _globals['_GENERATEREQUEST']._serialized_start=698
-  _globals['_GENERATEREQUEST']._serialized_end=1000
-  _globals['_USAGE']._serialized_start=1002
-  _globals['_USAGE']._serialized_end=1082
-  _globals['_LOGPROBS']._serialized_start=1084
-  _globals['_LOGPROBS']._serialized_end=1110
-  _globals['_TIMINGS']._serialized_start=1113
-  _globals['_TIMINGS']._serialized_end=1351
-  _globals['_GENERATERESPONSE']._serialized_start=1354
-  _globals['_GENERATERESPONSE']._serialized_end=1655
-  _globals['_CANCELREQUEST']._serialized_start=1657
-  _globals['_CANCELREQUEST']._serialized_end=1692
-  _globals['_CANCELRESPONSE']._serialized_start=1694
-  _globals['_CANCELRESPONSE']._serialized_end=1725
-  _globals['_LISTMODELSREQUEST']._serialized_start=1727
-  _globals['_LISTMODELSREQUEST']._serialized_end=1746
-  _globals['_MODELINFO']._serialized_start=1748
-  _globals['_MODELINFO']._serialized_end=1848
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1850
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1908
-  _globals['_HEALTHREQUEST']._serialized_start=1910
-  _globals['_HEALTHREQUEST']._serialized_end=1925
-  _globals['_HEALTHRESPONSE']._serialized_start=1928
-  _globals['_HEALTHRESPONSE']._serialized_end=2130
-  _globals['_HEALTHRESPONSE_SERVINGSTATUS']._serialized_start=2053
-  _globals['_HEALTHRESPONSE_SERVINGSTATUS']._serialized_end=2130
-  _globals['_GETSTATSREQUEST']._serialized_start=2132
-  _globals['_GETSTATSREQUEST']._serialized_end=2149
-  _globals['_WORKERSTATS']._serialized_start=2152
-  _globals['_WORKERSTATS']._serialized_end=2957
-  _globals['_CLUSTERTOTALS']._serialized_start=2960
-  _globals['_CLUSTERTOTALS']._serialized_end=3258
-  _globals['_GETSTATSRESPONSE']._serialized_start=3260
-  _globals['_GETSTATSRESPONSE']._serialized_end=3361
-  _globals['_KVMESH']._serialized_start=3512
-  _globals['_KVMESH']._serialized_end=3861
+  _globals['_SAMPLINGPARAMS']._serialized_end=744
+  _globals['_CHOICELIST']._serialized_start=746
+  _globals['_CHOICELIST']._serialized_end=775
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=778
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=933
+  _globals['_GENERATEREQUEST']._serialized_start=936
+  _globals['_GENERATEREQUEST']._serialized_end=1238
+  _globals['_USAGE']._serialized_start=1240
+  _globals['_USAGE']._serialized_end=1320
+  _globals['_LOGPROBS']._serialized_start=1322
+  _globals['_LOGPROBS']._serialized_end=1348
+  _globals['_TIMINGS']._serialized_start=1351
+  _globals['_TIMINGS']._serialized_end=1589
+  _globals['_GENERATERESPONSE']._serialized_start=1592
+  _globals['_GENERATERESPONSE']._serialized_end=1893
+  _globals['_CANCELREQUEST']._serialized_start=1895
+  _globals['_CANCELREQUEST']._serialized_end=1930
+  _globals['_CANCELRESPONSE']._serialized_start=1932
+  _globals['_CANCELRESPONSE']._serialized_end=1963
+  _globals['_LISTMODELSREQUEST']._serialized_start=1965
+  _globals['_LISTMODELSREQUEST']._serialized_end=1984
+  _globals['_MODELINFO']._serialized_start=1986
+  _globals['_MODELINFO']._serialized_end=2086
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2088
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2146
+  _globals['_HEALTHREQUEST']._serialized_start=2148
+  _globals['_HEALTHREQUEST']._serialized_end=2163
+  _globals['_HEALTHRESPONSE']._serialized_start=2166
+  _globals['_HEALTHRESPONSE']._serialized_end=2368
+  _globals['_HEALTHRESPONSE_SERVINGSTATUS']._serialized_start=2291
+  _globals['_HEALTHRESPONSE_SERVINGSTATUS']._serialized_end=2368
+  _globals['_GETSTATSREQUEST']._serialized_start=2370
+  _globals['_GETSTATSREQUEST']._serialized_end=2387
+  _globals['_WORKERSTATS']._serialized_start=2390
+  _globals['_WORKERSTATS']._serialized_end=3195
+  _globals['_CLUSTERTOTALS']._serialized_start=3198
+  _globals['_CLUSTERTOTALS']._serialized_end=3496
+  _globals['_GETSTATSRESPONSE']._serialized_start=3498
+  _globals['_GETSTATSRESPONSE']._serialized_end=3599
+  _globals['_KVMESH']._serialized_start=3750
+  _globals['_KVMESH']._serialized_end=4099
 # @@protoc_insertion_point(module_scope)

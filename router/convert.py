@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.router import status_map
-from kvmesh.core.seams import FinishReason, RequestDelta, RequestTimings, SamplingParams, Usage, WorkerStats
+from kvmesh.core.seams import (FinishReason, RequestDelta, RequestTimings, SamplingParams, StructuredOutput, Usage,
+                               WorkerStats)
 from kvmesh.core.errors import InvalidRequestError
 
 _DEFAULT_SAMPLING = SamplingParams()
@@ -143,14 +144,40 @@ def sampling_to_pb(sampling: SamplingParams) -> pb.SamplingParams:
             setattr(msg, name, value)
     for name in _PLAIN_SAMPLING_FIELDS:
         setattr(msg, name, getattr(sampling, name))
+    if sampling.structured is not None:
+        msg.structured.CopyFrom(structured_to_pb(sampling.structured))
     return msg
 
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     values = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
     values.update({name: getattr(msg, name) for name in _PLAIN_SAMPLING_FIELDS})
+    if msg.HasField("structured"):
+        values["structured"] = structured_from_pb(msg.structured)
     return dataclasses.replace(_DEFAULT_SAMPLING, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
                                **values)
+
+
+def structured_to_pb(structured: StructuredOutput) -> pb.StructuredOutput:
+    if structured.kind == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    if structured.kind == "choice":
+        return pb.StructuredOutput(choice=pb.ChoiceList(choices=list(structured.choices)))
+    if structured.kind in ("json_schema", "regex", "grammar"):
+        return pb.StructuredOutput(**{structured.kind: structured.spec})
+    raise InvalidRequestError(f"unknown structured output kind {structured.kind!r}")
+
+
+def structured_from_pb(msg: pb.StructuredOutput) -> StructuredOutput | None:
+    """None when no constraint is set in the oneof, or json_object is false (free text)."""
+    which = msg.WhichOneof("constraint")
+    if which is None or (which == "json_object" and not msg.json_object):
+        return None
+    if which == "json_object":
+        return StructuredOutput("json_object")
+    if which == "choice":
+        return StructuredOutput("choice", choices=tuple(msg.choice.choices))
+    return StructuredOutput(which, getattr(msg, which))
 
 
 # ---- Generate ----------------------------------------------------------------------------

@@ -12,7 +12,9 @@ served from the prefix cache); streamed responses carry it in a last chunk with 
 `choices` when `stream_options.include_usage` is true, as OpenAI does.
 
 kvmesh extensions (request body): top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
-request_id. Headers: `Authorization: Bearer <key>`, `x-kvmesh-attempt` (client retry count),
+request_id. Structured output: OpenAI's `response_format` and vLLM's `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar`, `structured_outputs`
+(router/structured_request.py). Headers: `Authorization: Bearer <key>`, `x-kvmesh-attempt` (client retry count),
 `x-kvmesh-timeout-s` (deadline, seconds from arrival). Errors use OpenAI's error body and
 the statuses of router/status_map.py; an error after streaming began is sent as one SSE
 `data: {"error": ...}` event (the status line is already gone), then the stream ends.
@@ -32,6 +34,7 @@ from kvmesh.router import degradation, status_map
 from kvmesh.router.auth import bearer_token
 from kvmesh.router.convert import ChatMessage, InboundRequest
 from kvmesh.router.router_core import RequestStream, RouterCore
+from kvmesh.router.structured_request import structured_from_body
 from kvmesh.core.seams import RequestDelta, SamplingParams, Usage, request_usage
 from kvmesh.core.errors import InvalidRequestError
 from kvmesh.router.metrics import CONTENT_TYPE
@@ -230,6 +233,9 @@ def _sampling(body: dict, chat: bool) -> SamplingParams:
         kwargs["stop"] = tuple(stop)
     if body.get("logprobs") not in (None, False, 0):
         kwargs["logprobs"] = True
+    structured = structured_from_body(body)  # response_format, guided_*, structured_outputs
+    if structured is not None:
+        kwargs["structured"] = structured
     return SamplingParams(**kwargs)
 
 

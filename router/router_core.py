@@ -2,7 +2,7 @@
 
     gRPC servicer / OpenAI HTTP  ──InboundRequest──>  RouterCore.start()
         authenticate (API key -> Tenant)           router/auth.py
-        validate sampling, tokenize, check length
+        validate sampling (a structured-output constraint must compile), tokenize, check length
         quota reserve                              router/quota.py
         admission (KV token budget, queue, lanes)  router/admission.py
           -> route (prefix index + worker stats)   router/routing.py (among workers with room)
@@ -60,7 +60,7 @@ from kvmesh.router.routing import (PREFIX_POLICIES, AdapterRouting, PredictedLat
 from kvmesh.router.tenants import Tenant
 from kvmesh.router.worker_channels import ChannelFailure, WorkerChannels
 from kvmesh.router.worker_pool import WorkerPool
-from kvmesh.worker.public_api import render_chat
+from kvmesh.worker.public_api import check_structured_output, render_chat
 from kvmesh.core.seams import (AdapterRef, ErrorReport, FinishReason, GenerateRequest, RequestDelta, SamplingParams,
                                Usage, WorkerStats, check_fits_context, merge_deltas, request_usage)
 from kvmesh.core.errors import (
@@ -229,6 +229,7 @@ class RouterCore:
             raise DeadlineExceededError("the request's deadline passed before it was started")
         inbound.sampling.validate(self.config.scheduler.max_new_tokens, self.config.scheduler.max_n)
         request_rules.check_stop_strings(inbound.sampling.stop)
+        check_structured_output(inbound.sampling.structured)  # compiles? answered before any reservation
         return GenerateRequest(
             request_id=scoped_request_id(tenant.id, inbound.request_id or uuid.uuid4().hex),
             prompt_token_ids=self._prompt_token_ids(inbound), sampling=inbound.sampling,

@@ -143,6 +143,10 @@ def test_n_samples_share_prompt_blocks(engine):
     assert sorted(d.sample_index for d in finals) == [0, 1, 2]
     assert len({tuple(tokens(out["multi"], i)) for i in range(3)}) > 1, "samples differ"
     assert all(d.usage.cached_tokens > 0 for d in finals if d.sample_index > 0), "later samples reuse the prompt"
+    # each sample its own output: ignore_eos runs every one to max_tokens, no fewer
+    out = run(engine, [req("each", prompt=prompt, max_tokens=6, temperature=1.0, seed=5, n=3, ignore_eos=True)])
+    assert [len(tokens(out["each"], i)) for i in range(3)] == [6, 6, 6]
+    assert all(d.usage.completion_tokens == 6 for d in out["each"] if d.finished)
 
 
 def test_each_of_n_samples_runs_to_max_tokens_and_reports_its_own_usage(engine):

@@ -8,7 +8,7 @@
 
 One step (the whole loop is these lines; policy lives in the scheduler, tensors in the runner):
 
-    [propose drafts] -> schedule -> block copies (swap/COW) -> forward + sample (+ verify drafts)
+    [propose drafts] -> schedule -> [token masks] -> block copies (swap/COW) -> forward + sample (+ verify drafts)
              -> scheduler bookkeeping -> detokenize + stop checks -> finish stopped requests -> deltas
 
 With speculative decoding on (config `speculative`, worker/engine_loop/speculator.py) a
@@ -40,6 +40,8 @@ from kvmesh.worker.engine_loop.output_processor import OutputProcessor
 from kvmesh.worker.engine_loop.request import Request, RequestStatus
 from kvmesh.worker.engine_loop.scheduler import Scheduler
 from kvmesh.worker.engine_loop.speculator import Speculator, build_speculator
+from kvmesh.worker.engine_loop.structured_output import StructuredOutputs
+from kvmesh.worker.model.grammar import check_structured_output
 from kvmesh.core.step_phases import StepPhaseClock
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,13 @@ class Engine:
         self.runner.phase_clock = self.phase_clock
         # Speculative decoding (None = off): drafts proposed before each schedule().
         self.speculator: Speculator | None = build_speculator(config, parts)
+        # Structured output: grammars compile off this thread; a constrained request waits in
+        # the queue until its grammar is ready, then its rows are masked each step.
+        self.structured = StructuredOutputs(parts.tokenizer, self._vocab_size, tuple(parts.eos_token_ids),
+                                            tokenizer_id=f"{self.model_name}@{config.model.revision}")
+        self.scheduler.is_ready = self.structured.is_ready
+        if self.speculator is not None:
+            self.speculator.skip = self._skip_speculation
         # What the speculator's step-cost curve is measured in: on CPU the process's CPU time
         # (steadier than wall time on a shared machine: other processes' load stretches wall
         # time at random); on a GPU wall time (the forward waits for the device).
@@ -119,6 +128,7 @@ class Engine:
             raise InvalidRequestError("the prompt is empty")
         check_fits_context(len(prompt_ids), request.sampling.max_tokens, self.max_model_len)
         self.scheduler.admission.check_request_fits(len(prompt_ids), request.sampling)
+        check_structured_output(request.sampling.structured)  # remembered by content: cheap again
         return prompt_ids
 
     def add_request(self, request: GenerateRequest, prompt_ids: list[int] | None = None) -> None:
@@ -159,10 +169,13 @@ class Engine:
         added: list[Request] = []
         try:
             for member in members:
+                self.structured.add(member)  # its grammar starts compiling (or is cached)
                 self.scheduler.add_request(member)
                 added.append(member)
         except Exception:
             self.scheduler.abort_requests([m.request_id for m in added])
+            for member in members:
+                self.structured.forget(member.request_id)
             raise
 
     def _admit_adapter_requests(self) -> list[RequestDelta]:
@@ -221,22 +234,27 @@ class Engine:
         gated = [] if self.adapters is None else self._admit_adapter_requests()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
+        deltas = self._fail_unconstrainable()
         sched_out = self.scheduler.schedule()
         clock.lap("schedule")
-        deltas = gated + [self._close_finished(f.request_id, f.status) for f in sched_out.finished]
+        deltas += gated + [self._close_finished(f.request_id, f.status) for f in sched_out.finished]
         deltas = [d for d in deltas if d is not None]
         self.last_step_idle = sched_out.is_empty
         if sched_out.is_empty:
             return deltas
         for entry in sched_out.scheduled:
             self.outputs.mark_scheduled(entry.request)
+        masks = self.structured.masks([e.request for e in sched_out.scheduled if e.sample])
+        if masks:
+            clock.lap("mask")
         try:
             self._store_in_tier(sched_out)  # evicted blocks leave before anything overwrites them
             self.runner.apply_block_ops(sched_out)
             if self.parts.host_tier_store is not None:
                 self.parts.host_tier_store.load(self.runner.kv_caches, sched_out.tier_loads)
             started = self._forward_clock()
-            result = self.runner.execute(sched_out.scheduled, self.outputs.sampling_row)
+            result = self.runner.execute(sched_out.scheduled,
+                                         lambda req: self.outputs.sampling_row(req, masks.get(req.request_id)))
             forward_s = self._forward_clock() - started
         except Exception as exc:  # the forward failed: fail this step's requests, keep serving
             deltas += self._fail_step(sched_out, exc)
@@ -294,6 +312,24 @@ class Engine:
         return dataclasses.replace(delta, text="".join(texts), token_ids=tokens[:i + 1],
                                    logprobs=tuple(kept) if kept else None), reason
 
+    def _skip_speculation(self, request: Request) -> bool:
+        """Constrained requests do not speculate (worker/engine_loop/structured_output.py)."""
+        if self.structured.is_constrained(request):
+            self.structured.num_spec_skipped += 1
+            return True
+        return False
+
+    def _fail_unconstrainable(self) -> list[RequestDelta]:
+        """Requests whose grammar failed to compile on this worker (the router checks first, so
+        only a constraint its check passed and the tokenizer-bound compile refused) end with
+        an InvalidRequestError delta, their blocks freed."""
+        failed = self.structured.failed()
+        if not failed:
+            return []
+        ended = self.scheduler.finish_requests(list(failed), RequestStatus.FAILED)
+        return [self._close(r, FinishReason.ERROR, error=failed[r.request_id], error_type="InvalidRequestError")
+                for r in ended]
+
     def evict_all(self, reason: str) -> list[RequestDelta]:
         """End every request with a retryable WorkerFailedError (a drained worker's leftovers):
         their KV goes back to the pool, and the router resumes each on another worker from the
@@ -328,6 +364,7 @@ class Engine:
 
     def _close(self, req: Request, reason: FinishReason, **error) -> RequestDelta:
         self._live.pop(req.request_id, None)
+        self.structured.forget(req.request_id)
         if self.adapters is not None:
             self.adapters.release(req)
         if self.speculator is not None:
@@ -376,6 +413,7 @@ class Engine:
 
     def close(self) -> None:
         """Release what outlives a Python reference: tensor-parallel rank actors, if any."""
+        self.structured.close()
         shutdown = getattr(self.runner, "shutdown", None)
         if shutdown is not None:
             shutdown()

@@ -4,7 +4,9 @@ One `RequestState` per live request holds what the scheduler does not: the detok
 the per-request random generator, the caller's id and sample index, wall-clock timings.
 Stop conditions, checked after each new token in this order:
 
-    EOS (unless ignore_eos) or a stop token id   -> STOP  (only once min_tokens are out)
+    EOS (unless ignore_eos) or a stop token id   -> STOP  (only once min_tokens are out, or
+                                                  when a complete structured output allows
+                                                  nothing else)
     a stop string completed in the text          -> STOP  (the stop string is not emitted)
     max_tokens generated                          -> LENGTH
     the context reached max_model_len             -> LENGTH
@@ -61,11 +63,19 @@ class OutputProcessor:
             detokenizer.push(token_id)
         detokenizer.mark_emitted(text_chars)
 
-    def sampling_row(self, request: Request) -> SamplingRow:
+    def sampling_row(self, request: Request, allowed: torch.Tensor | None = None) -> SamplingRow:
+        """`allowed`: the request's structured-output mask this step (bool [V]), or None."""
         state = self.states[request.request_id]
         p = request.sampling
         blocked = tuple(self.eos_token_ids | set(p.stop_token_ids)) if p.min_tokens else ()
-        return SamplingRow(p, request.prompt_token_ids, request.output_token_ids, state.generator, blocked)
+        if blocked and allowed is not None and len(request.output_token_ids) < p.min_tokens:
+            # The grammar wins over min_tokens: where it allows only EOS / stop tokens (its
+            # output is complete), blocking them would leave nothing to sample.
+            rest = allowed.clone()
+            rest[[t for t in blocked if t < rest.numel()]] = False
+            if not bool(rest.any()):
+                blocked = ()
+        return SamplingRow(p, request.prompt_token_ids, request.output_token_ids, state.generator, blocked, allowed)
 
     def mark_scheduled(self, request: Request) -> None:
         state = self.states.get(request.request_id)
@@ -86,7 +96,10 @@ class OutputProcessor:
         n_out = request.num_output_tokens - num_later
         reason = None
         may_stop = n_out >= p.min_tokens
-        if may_stop and ((not p.ignore_eos and token_id in self.eos_token_ids) or token_id in p.stop_token_ids):
+        # A constrained request samples EOS / a stop token before min_tokens only when its
+        # grammar allows nothing else (sampling_row lifts the block then): its output is complete.
+        may_stop_on_token = may_stop or p.structured is not None
+        if may_stop_on_token and ((not p.ignore_eos and token_id in self.eos_token_ids) or token_id in p.stop_token_ids):
             reason = FinishReason.STOP
         else:
             state.detokenizer.push(token_id)

@@ -87,6 +87,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
+        # Its own list: n > 1 siblings built from one resumed-output list must not share it.
+        self.output_token_ids = list(self.output_token_ids)
         self._all_token_ids = self.prompt_token_ids + list(self.output_token_ids)
 
     @property

@@ -17,7 +17,9 @@ One step (`schedule()`), composed of small pieces:
                        (no slot, budget or blocks) may first preempt running requests of a
                        strictly less important class (see _preempt_for_priority). A
                        request that owes its reservation reserves it again first, or
-                       is passed over until the budget has room for it
+                       is passed over until the budget has room for it; one that is not
+                       `is_ready` (its structured-output grammar still compiling) is
+                       passed over, and others behind it may start
 
 then the engine runs the SchedulerOutput and calls `update_from_output`, which advances
 num_computed_tokens, appends the sampled tokens and offers newly full blocks to the prefix
@@ -190,6 +192,9 @@ class Scheduler:
         self._stats_window_s = stats_window_s
         self._output_tokens = RateMeter(stats_window_s, clock)
         self._step_samples: deque[tuple[float, int, float]] = deque()  # (time, kv tokens, fill rate)
+        # May a waiting request start? The engine's structured outputs answer False while the
+        # request's grammar compiles in its own thread (worker/engine_loop/structured_output.py).
+        self.is_ready: Callable[[Request], bool] = lambda request: True
 
     # ---- requests in and out ---------------------------------------------------------------
 
@@ -465,6 +470,8 @@ class Scheduler:
             plan.swap_in.extend(self.kv.swap_in(request, num_tokens))
             request.is_swapped = False
             return self._start_running(request, remaining, num_tokens, budget, plan, now)
+        if not self.is_ready(request):
+            return _Admission.SKIPPED  # its grammar compiles: the ones behind it may start
         must_wait, fork_source = self._group_gate(request)
         if must_wait:
             return _Admission.SKIPPED

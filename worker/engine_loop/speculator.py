@@ -124,6 +124,8 @@ class Speculator:
     _mean_acceptance: float = 0.8
     _draft_s_per_token: float | None = None  # proposer seconds per token it reads; None = not measured
     clock: Callable[[], float] = time.perf_counter  # the engine's forward clock (same unit as the curve)
+    # Requests the engine keeps from speculating (structured output; it counts the reason).
+    skip: Callable[[Request], bool] = lambda request: False
 
     @property
     def method(self) -> str:
@@ -159,7 +161,7 @@ class Speculator:
             ask.request.spec_token_ids = list(drafts.get(ask.request.request_id, ()))[:ask.num_tokens]
 
     def _eligible(self, request: Request) -> bool:
-        return request.sampling.speculative and self._room(request) > 0
+        return request.sampling.speculative and self._room(request) > 0 and not self.skip(request)
 
     def _room(self, request: Request) -> int:
         """Drafts that stay inside max_tokens (one output token always follows them) and the

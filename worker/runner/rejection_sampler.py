@@ -58,6 +58,8 @@ def verify(logits: torch.Tensor, drafts: list[tuple[int, ...]], rows: list[Sampl
            default_generator: torch.Generator) -> list[Verified]:
     """logits: [sum(len(d) + 1), V] fp32, each request's k + 1 rows consecutive in `drafts`
     order; rows: one SamplingRow per request (as of its known output). Does not modify logits."""
+    # Structured output masks are per position: constrained requests never speculate (Speculator.skip).
+    assert all(r.allowed is None for r in rows), "a constrained request reached draft verification"
     flat_rows = [r for row, d in zip(rows, drafts) for r in position_rows(row, d)]
     assert logits.shape[0] == len(flat_rows), "one logits row per verified position"
     raw = logits

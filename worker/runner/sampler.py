@@ -1,7 +1,8 @@
 """Batched sampling with per-request parameters.
 
 One row of logits per request that samples this step. The pipeline, in vLLM's order:
-penalties (repetition, presence, frequency) -> greedy short-cut -> temperature -> min_p ->
+penalties (repetition, presence, frequency) -> structured-output masks (forbidden tokens to
+-inf, constrained rows only) -> greedy short-cut -> temperature -> min_p ->
 top_k -> top_p -> draw. Drawing uses the exponential-race trick (argmax(p / q) with
 q ~ Exp(1)), with q drawn from the request's own generator when it has a seed, so a seeded
 request samples the same tokens alone or in any batch.
@@ -23,6 +24,8 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None  # per-request, seeded; None = the engine's generator
     min_tokens_block: tuple[int, ...] = ()  # token ids forbidden while output < min_tokens
+    # Structured output: bool [V], True = the grammar allows the token this step (None = free)
+    allowed: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,23 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             logits[i] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty * (counts > 0).to(logits.dtype)
         if row.min_tokens_block and len(row.output_token_ids) < p.min_tokens:
             logits[i, list(row.min_tokens_block)] = float("-inf")
+    _apply_allowed(logits, rows)
+
+
+def _apply_allowed(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Structured output: every token a row's grammar forbids gets -inf, in one batched op
+    over the constrained rows (the others are untouched). Logits past the mask's width (a
+    vocabulary padded beyond the tokenizer's) are forbidden too."""
+    constrained = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if not constrained:
+        return
+    allowed = torch.stack([rows[i].allowed for i in constrained])  # [C, V_mask]
+    width = min(allowed.shape[1], logits.shape[1])
+    index = torch.tensor(constrained)
+    masked = logits[index]
+    masked[:, :width].masked_fill_(~allowed[:, :width], float("-inf"))
+    masked[:, width:] = float("-inf")
+    logits[index] = masked
 
 
 def _filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -100,7 +120,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
     then one exponential draw per row from its own generator (seeded requests stay
     reproducible in any batch)."""
     if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty != 0.0
-           or r.params.frequency_penalty != 0.0 or r.min_tokens_block for r in rows):
+           or r.params.frequency_penalty != 0.0 or r.min_tokens_block or r.allowed is not None for r in rows):
         logits = logits.clone()
     want_logprobs = any(r.params.logprobs for r in rows)
     base_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None

@@ -57,6 +57,7 @@ from kvmesh.core import errors
 from kvmesh.core import telemetry
 from kvmesh.core.kv_tier_metrics import KVTierCollector, KVTierFigures
 from kvmesh.worker.runtime.delta_channel import DeltaChannel
+from kvmesh.core.structured_output_metrics import StructuredOutputCollector
 from kvmesh.worker.parallel.placement import (actor_resource_options, engine_placement_group, rank_bundle,
                                               remove_engine_placement_group)
 from kvmesh.core.seams import (ErrorReport, FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta,
@@ -134,6 +135,7 @@ class WorkerActor:
                                     tracer=self._tracer)
         engine.phase_clock.observers.append(self._puller.observe_step_report)
         self._metrics.register(KVTierCollector(worker_id, self._kv_tier_figures))
+        self._metrics.register(StructuredOutputCollector(worker_id, engine.structured.figures))
         engine.phase_clock.observers += [self._metrics.observe_step_report, self._step_log.observe_step_report]
         logger.info("worker %s up (incarnation %s, model %s)", worker_id, self._info.incarnation,
                     self._info.model_name)
