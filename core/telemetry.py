@@ -347,7 +347,7 @@ class ModelInfoLabels:
     kv_cache_dtype: str  # the effective KV storage dtype
     version: str  # the kvmesh package version
     model_type: str = ""  # the HF family (llama, qwen2, qwen3, phi3, gemma2, ...)
-    forward_path: str = ""  # what serves small steps: native step | compiled | eager
+    forward_path: str = ""  # what serves small steps: native amx | native avx512_bf16 | native fma | compiled | eager
     forward_path_reason: str = ""  # why (the native step's refusal when it is not the native step)
 
     @classmethod

@@ -76,8 +76,8 @@ def _make_batch(requests, num_kv_heads, queries_per_kv, head_dim, block_size, kv
 @pytest.mark.parametrize("queries_per_kv", [1, 3])
 @pytest.mark.parametrize("decode_kernel", [False, True], ids=["grouped", "kernel"])
 def test_fast_path_matches_reference(kv, block_size, queries_per_kv, decode_kernel):
-    if decode_kernel and cpu_paged_attention.load() is None:
-        pytest.skip(f"no paged decode kernel here: {cpu_paged_attention.unavailable_reason() or 'build failed'}")
+    if decode_kernel:
+        _kernel_or_skip()
     query, cache, meta = _make_batch(MIXED_BATCH, 2, queries_per_kv, 16, block_size, kv, poison=False)
     want = TorchAttentionBackend().attend(query, cache, meta, 0.25)
     fast = CpuAttentionBackend(use_kernel=decode_kernel)
@@ -109,9 +109,12 @@ def test_decode_groups_bound_the_padding():
 
 
 def _kernel_or_skip():
+    """Skips only where the kernel cannot exist here (no compiler, no AVX2, switched off): with
+    a compiler, a build that fails fails the test."""
+    if cpu_paged_attention.unavailable_reason() is not None:
+        pytest.skip(f"no paged decode kernel here: {cpu_paged_attention.unavailable_reason()}")
     kernel = cpu_paged_attention.load()
-    if kernel is None:
-        pytest.skip(f"no paged decode kernel here: {cpu_paged_attention.unavailable_reason() or 'build failed'}")
+    assert kernel is not None, f"the CPU kernels did not build: {cpu_build.load_failure()}"
     return kernel
 
 
@@ -151,6 +154,30 @@ def test_kernel_in_bf16_is_the_reference_up_to_bf16_rounding(queries_per_kv, hea
     assert err <= 2 * (grouped[rows].float() - exact[rows]).abs().max().item() + 1e-6
 
 
+@pytest.mark.parametrize("variant", cpu_build.VARIANTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_variant_this_cpu_runs_matches_the_reference(variant, dtype):
+    """Each instruction-set build of the kernel (not only the one picked for this CPU), head
+    sizes 64 (AVX-512's own path) and 32; every variant compiles in tests/test_cpu_kernels.py."""
+    _kernel_or_skip()
+    if variant not in cpu_build.runnable_variants():
+        pytest.skip(f"this CPU does not run the {variant.name} build")
+    kernel = cpu_paged_attention.PagedDecodeKernel(cpu_build.load_variant(variant))
+    for head_dim in (64, 32):
+        query, cache, meta = _make_batch(MIXED_BATCH, 2, 3, head_dim, 16, "auto", poison=False)
+        if dtype == torch.bfloat16:
+            query, cache = _bf16(query, cache)
+        want = TorchAttentionBackend().attend(query.float(), LayerKVCache(
+            cache.key_cache.float(), cache.value_cache.float()), meta, head_dim ** -0.5)
+        got = CpuAttentionBackend(kernel=kernel).attend(query, cache, meta, head_dim ** -0.5)
+        assert meta.backend_plans["cpu"].kernel_rows is not None
+        decode = torch.tensor([i for i, (_, q) in enumerate(MIXED_BATCH) if q == 1])
+        rows = meta.query_start_loc[:-1].long()[decode]
+        tolerance = 1e-5 if dtype == torch.float32 else 2 ** -8
+        err = (got[rows].float() - want[rows]).abs().max().item()
+        assert err <= tolerance * want[rows].abs().max().item(), (variant.name, head_dim, err)
+
+
 def test_kernel_rows_split_over_threads_give_the_same_bits():
     _kernel_or_skip()
     query, cache, meta = _make_batch(MIXED_BATCH * 3, 2, 3, 32, 8, "auto", poison=False)
@@ -166,12 +193,12 @@ def test_kernel_rows_split_over_threads_give_the_same_bits():
     assert three.equal(one)
 
 
-def test_no_kernel_keeps_the_grouped_path(monkeypatch, tmp_path):
-    """Switched off, without a compiler, or when the build fails: load() is None and the
-    backend plans decode groups, with the reference's output."""
+def test_no_kernel_keeps_the_grouped_path(monkeypatch, tmp_path, caplog):
+    """Switched off, without a compiler, or when every build fails (a flag the compiler
+    refuses): load() is None, a build failure is a WARNING, and the backend plans decode
+    groups, with the reference's output."""
     query, cache, meta = _make_batch(MIXED_BATCH, 2, 3, 16, 8, "auto", poison=False)
     want = TorchAttentionBackend().attend(query, cache, meta, 0.25)
-    monkeypatch.setattr(cpu_build, "_built", {})
     monkeypatch.setenv("KVMESH_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("KVMESH_PAGED_DECODE_KERNEL", "0")
     assert "disabled" in cpu_paged_attention.unavailable_reason() and cpu_paged_attention.load() is None
@@ -180,12 +207,18 @@ def test_no_kernel_keeps_the_grouped_path(monkeypatch, tmp_path):
     assert cpu_paged_attention.unavailable_reason() == "no C compiler on PATH"
     assert cpu_paged_attention.load() is None
     monkeypatch.undo()
-    if cpu_paged_attention.unavailable_reason() is None:  # a compiler that fails on this source
-        monkeypatch.setattr(cpu_build, "_built", {})
+    if cpu_paged_attention.unavailable_reason() is None:
         monkeypatch.setenv("KVMESH_KERNEL_CACHE", str(tmp_path))
-        monkeypatch.setattr(cpu_paged_attention, "C_SOURCE", "this is not C;")
-        assert cpu_paged_attention.load() is None
-        backend = CpuAttentionBackend()
-        got = backend.attend(query, cache, meta, 0.25)
-        assert backend.kernel() is None and len(meta.backend_plans["cpu"].decode_groups) > 1
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        monkeypatch.setenv("KVMESH_KERNEL_CFLAGS", "-mno-such-instruction-set")
+        cpu_build.reset()
+        try:
+            with caplog.at_level("WARNING", logger=cpu_build.__name__):
+                assert cpu_paged_attention.load() is None
+            assert "-mno-such-instruction-set" in caplog.text and "torch path runs" in caplog.text
+            backend = CpuAttentionBackend()
+            got = backend.attend(query, cache, meta, 0.25)
+            assert backend.kernel() is None and len(meta.backend_plans["cpu"].decode_groups) > 1
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        finally:
+            monkeypatch.undo()
+            cpu_build.reset()

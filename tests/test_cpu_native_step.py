@@ -14,7 +14,8 @@ import torch
 
 from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.worker.engine_loop.engine import Engine
-from kvmesh.worker.kernels import cpu_native_step
+from kvmesh.worker.kernels import cpu_build, cpu_native_step
+from kvmesh.worker.runner import cpu_model_runner
 
 from engine_runs import generate_all_greedy
 
@@ -162,8 +163,7 @@ def test_int8_activations_for_the_self_draft_stay_near_the_eager_int8_logits(tin
     runner = engine.runner
     runner.native_decoder = cpu_native_step.NativeDecoder.build(runner.model, runner.kv_caches, 8,
                                                                   int8_activations=True)
-    amx_int8 = cpu_native_step.amx_available() and bool(cpu_native_step._load()[1]
-                                                           & cpu_native_step._FEATURE_AMX_INT8)
+    amx_int8 = cpu_native_step.amx_available() and bool(cpu_build.load().features & cpu_native_step._FEATURE_AMX_INT8)
     assert runner.native_decoder.int8_amx == amx_int8
     diffs = _check_each_step_against_eager(engine, _relative)
     _generate(engine)
@@ -171,6 +171,24 @@ def test_int8_activations_for_the_self_draft_stay_near_the_eager_int8_logits(tin
     assert max(diffs) < 0.1, f"int8 x int8 logits differ from weight-only int8 by up to {max(diffs)}"
     if amx_int8:
         assert max(diffs) > 1e-4, "the activations were quantized (else this would be the FMA path)"
+
+
+@pytest.mark.parametrize("variant", [v for v in cpu_build.VARIANTS if v.native_step], ids=lambda v: v.name)
+@pytest.mark.parametrize("dtype,tolerance", [("fp32", 1e-5), ("bf16", 0.02)])
+def test_every_variant_this_cpu_runs_gives_the_eager_logits(tiny_model_dir, variant, dtype, tolerance):
+    """Each AVX-512 build of the step (not only the one picked for this CPU): on an AMX CPU
+    the AMX, VDPBF16PS and FMA projections each against eager; every variant compiles in
+    tests/test_cpu_kernels.py."""
+    if variant not in cpu_build.runnable_variants():
+        pytest.skip(f"this CPU does not run the {variant.name} build")
+    engine = _engine(tiny_model_dir, dtype=dtype, native=0)
+    runner = engine.runner
+    runner.native_decoder = cpu_native_step.NativeDecoder.build(runner.model, runner.kv_caches, 8,
+                                                                  kernels=cpu_build.load_variant(variant))
+    assert runner.native_decoder.variant == variant.name
+    diffs = _check_each_step_against_eager(engine, _relative)
+    _generate(engine)
+    assert len(diffs) >= 20 and max(diffs) < tolerance, (variant.name, dtype, max(diffs))
 
 
 def test_threads_do_not_change_a_bit(tiny_model_dir):
@@ -221,7 +239,7 @@ def test_steps_over_max_tokens_run_eagerly(tiny_model_dir):
 @pytest.mark.parametrize("overrides,reason", [({"quant": "int4"}, "Int4WeightOnlyLinear"),
                                               ({"kv": "int8"}, "quantized")])
 def test_what_it_does_not_implement_falls_back_with_the_reason(tiny_model_dir, caplog, overrides, reason):
-    with caplog.at_level(logging.WARNING, logger=cpu_native_step.__name__):
+    with caplog.at_level(logging.WARNING, logger=cpu_model_runner.__name__):
         engine = _engine(tiny_model_dir, native=4, **overrides)
     assert engine.runner.native_decoder is None
     assert reason in caplog.text and "eager forward" in caplog.text
@@ -230,7 +248,7 @@ def test_what_it_does_not_implement_falls_back_with_the_reason(tiny_model_dir, c
 
 def test_switched_off_by_the_environment(tiny_model_dir, monkeypatch, caplog):
     monkeypatch.setenv("KVMESH_NATIVE_DECODE", "0")
-    with caplog.at_level(logging.WARNING, logger=cpu_native_step.__name__):
+    with caplog.at_level(logging.WARNING, logger=cpu_model_runner.__name__):
         engine = _engine(tiny_model_dir, native=4)
     assert engine.runner.native_decoder is None and "KVMESH_NATIVE_DECODE=0" in caplog.text
 
@@ -243,14 +261,14 @@ def test_max_batch_is_validated():
 def test_bf16_projections_take_the_cpu_s_fastest_bf16_instructions(tiny_model_dir):
     """AMX tiles where the CPU has them (and Linux grants the tile state), else VDPBF16PS
     with AVX512_BF16, else widening FMAs; the logits tests above check whichever runs here
-    against eager. fp32 models have no bf16 path."""
+    against eager. fp32 models run FMAs."""
     engine = _engine(tiny_model_dir, dtype="bf16", native=8)
-    probe = lambda name: bool(getattr(torch.cpu, name, lambda: False)())  # noqa: E731
+    flags = cpu_build.cpu_flags()
     expected = ("amx" if cpu_native_step.amx_available() else
-                "vdpbf16ps" if probe("_is_avx512_bf16_supported") else "fma")
+                "avx512_bf16" if "avx512_bf16" in flags else "fma")
     decoder = engine.runner.native_decoder
-    assert decoder.bf16_path == expected
-    if probe("_is_amx_tile_supported") and probe("_is_avx512_bf16_supported"):
+    assert decoder.path == expected and decoder.variant == cpu_build.runnable_variants()[0].name
+    if cpu_build.AMX in cpu_build.runnable_variants():
         assert expected == "amx", "this CPU has AMX: the native step must use it"
     # With AMX every projection and the LM head run from a copy laid out for its tiles.
     model = engine.runner.model
@@ -258,7 +276,7 @@ def test_bf16_projections_take_the_cpu_s_fastest_bf16_instructions(tiny_model_di
         layer.self_attn.qkv.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up.weight,
         layer.mlp.down_proj.weight)]
     assert decoder.amx_packed_bytes == (sum(w.nbytes for w in weights) if expected == "amx" else 0)
-    assert _engine(tiny_model_dir, dtype="fp32", native=8).runner.native_decoder.bf16_path is None
+    assert _engine(tiny_model_dir, dtype="fp32", native=8).runner.native_decoder.path == "fma"
 
 
 def test_auto_step_size_follows_the_measured_crossover_with_eager():

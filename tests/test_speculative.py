@@ -10,7 +10,7 @@ from kvmesh.core.seams import FinishReason, GenerateRequest, SamplingParams
 from kvmesh.worker.engine_loop.draft_proposers import find_ngram_continuation
 from kvmesh.worker.engine_loop.engine import Engine
 from kvmesh.worker.engine_loop.speculator import StepCostCurve
-from kvmesh.worker.kernels import cpu_native_step
+from kvmesh.worker.kernels import cpu_build, cpu_native_step
 from kvmesh.worker.runner.rejection_sampler import Verified, verify
 from kvmesh.worker.runner.sampler import SamplingRow
 from kvmesh.worker.model.tokenizer import render_chat
@@ -224,7 +224,7 @@ def test_quantized_self_draft_is_token_identical_and_frees_its_pool(tiny_model_d
         # with int8 x int8 AMX products where the CPU has them (the outputs above are still the
         # target's own: only acceptance can change)
         assert native.int8_amx == (cpu_native_step.amx_available()
-                                   and bool(cpu_native_step._load()[1] & cpu_native_step._FEATURE_AMX_INT8))
+                                   and bool(cpu_build.load().features & cpu_native_step._FEATURE_AMX_INT8))
 
 
 def test_a_long_draft_catch_up_is_read_in_native_sized_steps(tiny_model_dir):
@@ -235,8 +235,9 @@ def test_a_long_draft_catch_up_is_read_in_native_sized_steps(tiny_model_dir):
     plain, _ = _run(_engine(tiny_model_dir), requests)
     engine = _engine(tiny_model_dir, "self_draft", speculative={"draft_quant": "int8"})
     runner = engine.speculator.proposer.runner
-    if runner.native_decoder is None:
+    if cpu_native_step.unavailable_reason() is not None:
         pytest.skip(f"no native step here ({cpu_native_step.unavailable_reason()})")
+    assert runner.native_decoder is not None, "with a compiler and AVX-512 the int8 draft runs natively"
     runner.native_decoder.max_tokens = 4
     sizes = []
     real_forward = runner.forward

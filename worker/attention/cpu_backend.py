@@ -165,10 +165,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
 
-    def __init__(self, use_kernel: bool = True):
+    def __init__(self, use_kernel: bool = True, kernel: "cpu_paged_attention.PagedDecodeKernel | None" = None):
+        """kernel: this one instead of the one built for this CPU (tests: each instruction set)."""
         self.use_kernel = use_kernel
-        self._kernel: cpu_paged_attention.PagedDecodeKernel | None = None
-        self._kernel_loaded = False
+        self._kernel = kernel
+        self._kernel_loaded = kernel is not None
 
     def kernel(self) -> "cpu_paged_attention.PagedDecodeKernel | None":
         """The paged decode kernel, loaded (built) on first use; None where unavailable or off."""

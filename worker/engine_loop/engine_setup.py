@@ -27,8 +27,8 @@ from kvmesh.kv.kv_cache_manager import KVCacheManager
 from kvmesh.kv.capacity import kv_bytes_per_token, num_blocks_for_budget
 from kvmesh.kv.device_plan import (SAMPLER_BYTES_PER_LOGIT, DeviceParts, DevicePlan, graph_static_bytes, plan_device,
                                    scaled_activation_bytes)
-from kvmesh.worker.kernels import cpu_native_step
 from kvmesh.worker.attention.backend import AttentionMetadata
+from kvmesh.worker.runner.cpu_model_runner import CpuModelRunner
 from kvmesh.worker.runner.model_runner import ModelRunner, allocate_kv_caches, kv_storage_dtype
 from kvmesh.worker.runner.model_setup import (allocate_rank_caches, load_model, pick_backend, require_backend_features,
                                              resolve_model, with_valid_group_size)
@@ -74,8 +74,8 @@ class EngineParts:
     plan: MemoryPlan
     device: torch.device
     host_tier_store: HostTierStore | None = None  # the host tier's bytes (kv_manager.host_tier: its books)
-    # which forward serves small steps ("native step" | "compiled" | "eager") and, when not the
-    # native step, why not: the start log line and kvmesh_model_info carry both
+    # which forward serves small steps ("native amx" | "native avx512_bf16" | "native fma" |
+    # "compiled" | "eager") and why: the start log line and kvmesh_model_info carry both
     forward_path: str = "eager"
     forward_path_reason: str = ""
     draft: DraftModel | None = None  # speculative.method self_draft: its model (its pool: plan.num_draft_blocks)
@@ -200,7 +200,12 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
                         draft=draft, tensor_parallel=group is not None)
     kv_caches, swap_caches = allocate_rank_caches(config, spec, model, plan.num_blocks, plan.num_swap_blocks)
     if group is None:
-        runner = ModelRunner(model, backend, device, kv_caches, swap_caches, plan.block_size, seed=config.model.seed)
+        if device.type == "cpu":
+            runner = CpuModelRunner(model, backend, kv_caches, swap_caches, plan.block_size, seed=config.model.seed,
+                                    native_max_tokens=config.model.cpu_native_max_tokens)
+        else:
+            runner = ModelRunner(model, backend, device, kv_caches, swap_caches, plan.block_size,
+                                 seed=config.model.seed)
         if config.parallel.cuda_graphs and device.type == "cuda":
             reserved_before = torch.cuda.memory_reserved(device)
             runner.graph_runner = build_graph_runner(config, model, backend, kv_caches, device, max_model_len,
@@ -209,12 +214,10 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
             if used > plan.device.parts.cuda_graph_bytes:  # the estimate is what kept the plan honest
                 logger.warning("CUDA graphs took %.1f MiB, the memory plan counted %.1f MiB",
                                used / 2**20, plan.device.parts.cuda_graph_bytes / 2**20)
-        not_native = _install_native_step(config, runner, model, kv_caches, device, dtype)
     else:
         runner = TensorParallelRunner(group, plan, model, backend, device, kv_caches, swap_caches, plan.block_size,
                                       seed=config.model.seed)
-        not_native = "tensor parallelism"
-    path, path_reason = _forward_path(runner, model, not_native)
+    path, path_reason = _forward_path(runner, model, device)
     if group is None and config.lora.max_loras:
         # Slot stacks are allocated per projection on the first adapter that targets it.
         runner.lora_slots = AdapterSlots(hf_config, config.lora.max_loras, config.lora.max_rank, dtype, device)
@@ -256,22 +259,18 @@ def build_graph_runner(config: KvmeshConfig, model, backend, kv_caches, device, 
     return graphs
 
 
-def _install_native_step(config: KvmeshConfig, runner, model, kv_caches, device, dtype) -> str | None:
-    """The native CPU step on `runner` where it applies; None, or why it does not."""
-    if device.type != "cpu":
-        return f"device {device.type}"
-    # auto asks the native library what it has: only CPUs build it
-    native_tokens = cpu_native_step.max_tokens_for(config.model.cpu_native_max_tokens, dtype, torch.get_num_threads())
-    if not native_tokens:
-        return "model.cpu_native_max_tokens 0" + (" (auto for fp32: the token-exact eager path)"
-                                                  if dtype == torch.float32 else "")
-    return cpu_native_step.install(runner, model, kv_caches, native_tokens)
-
-
-def _forward_path(runner, model, not_native: str | None) -> tuple[str, str]:
-    """(which forward serves small steps, why): what the start line and kvmesh_model_info say."""
-    if not_native is None and getattr(runner, "native_decoder", None) is not None:
-        return "native step", f"steps of <= {runner.native_decoder.max_tokens} tokens"
+def _forward_path(runner, model, device: torch.device) -> tuple[str, str]:
+    """(which forward serves small steps, why): what the start line and kvmesh_model_info say.
+    On CPU the runner chose (worker/runner/cpu_model_runner.py): "native <path>", path the native
+    step's projections (amx | avx512_bf16 | fma), or eager / compiled with the native step's
+    refusal."""
+    if isinstance(runner, CpuModelRunner):
+        step = runner.cpu_step
+        if step.path != "torch":
+            return f"native {step.path}", f"the {step.variant} build, steps of <= {step.max_tokens} tokens"
+        not_native = step.reason
+    else:
+        not_native = "tensor parallelism" if isinstance(runner, TensorParallelRunner) else f"device {device.type}"
     return ("compiled" if model.compiled is not None else "eager"), f"native step not taken: {not_native}"
 
 

@@ -31,7 +31,7 @@ from kvmesh.kv.kv_cache_manager import KVCacheManager, PrefixMatch
 from kvmesh.quant.linear import Int8WeightOnlyLinear
 from kvmesh.worker.engine_loop.draft_proposers import DraftAsk
 from kvmesh.worker.engine_loop.scheduler_output import ScheduledRequest
-from kvmesh.worker.kernels import cpu_native_step
+from kvmesh.worker.runner.cpu_model_runner import CpuModelRunner
 from kvmesh.worker.runner.model_runner import ModelRunner, StepInputs, allocate_kv_caches
 from kvmesh.worker.runner.model_setup import load_model, pick_backend, resolve_model, with_valid_group_size
 
@@ -48,6 +48,7 @@ class DraftSequence:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # unused: no prefix caching in the draft pool
     extra_keys: tuple[str, ...] = ()
+    lora_slot: int | None = None  # the draft runs the base weights (StepInputs reads every entry's slot)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -196,15 +197,14 @@ class SelfDraftProposer:
         num_blocks = parts.plan.num_draft_blocks
         caches = allocate_kv_caches(model_spec.hf_config.num_hidden_layers, num_blocks, block_size,
                                     model.num_kv_heads, model.head_dim, model_spec.dtype, model_spec.device)
-        runner = ModelRunner(model, pick_backend(draft_config, model_spec.device), model_spec.device, caches, None,
-                             block_size)
+        backend = pick_backend(draft_config, model_spec.device)
         if model_spec.device.type == "cpu":
             # The draft's steps are small (a token or a short catch-up per speculating request):
             # on CPU they run as one native call where it applies (int8 draft weights and head),
             # several times cheaper than the eager forward; only acceptance can change with it.
-            cpu_native_step.install(runner, model, caches,
-                                      cpu_native_step.auto_max_tokens(torch.get_num_threads()),
-                                      what="the self-draft", int8_activations=True)
+            runner = CpuModelRunner(model, backend, caches, None, block_size, self_draft=True)
+        else:
+            runner = ModelRunner(model, backend, model_spec.device, caches, None, block_size)
         logger.info("self-draft: %s weights, %d KV blocks x %d tokens", config.speculative.draft_quant, num_blocks,
                     block_size)
         clock = time.process_time if model_spec.device.type == "cpu" else time.perf_counter
@@ -240,8 +240,7 @@ class SelfDraftProposer:
         the first draft forward below is a small step too. A larger step runs the eager int8
         forward, ~10x the per-token cost the calibration measured and the speculator prices:
         a request joining speculation late (400 tokens behind) cost 1.2 s at one thread."""
-        decoder = self.runner.native_decoder
-        limit = decoder.max_tokens if decoder is not None else 0
+        limit = self.runner.native_max_tokens
         if not limit or sum(s.num_tokens - s.num_computed_tokens for s in seqs) <= limit:
             return
         for seq in seqs:

@@ -205,12 +205,15 @@ class ModelRunner:
         self.phase_clock = None  # the engine's StepPhaseClock: prepare / forward / sample laps
         # Decode steps replay captured CUDA graphs when set (worker/runner/cuda_graphs.py; CUDA only).
         self.graph_runner = None
-        # Small CPU steps run as one native call when set (worker/kernels/cpu_native_step.py).
-        self.native_decoder = None
         # LoRA adapter slots (worker/runner/lora_slots.py); None = this worker serves none.
         self.lora_slots = None
         # Why steps skipped the native step / CUDA graphs / compiled decode: reason -> steps.
         self.eager_step_reasons: collections.Counter[str] = collections.Counter()
+
+    @property
+    def native_max_tokens(self) -> int:
+        """The largest step served as one native call (CpuModelRunner); 0: none is."""
+        return 0
 
     def apply_block_ops(self, sched_out) -> None:
         """Swap-out, swap-in and copy-on-write copies, before the forward that needs them."""
@@ -266,17 +269,13 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model on one step's batch -> fp32 CPU logits [len(sample_at), V], or None when
-        no request samples this step (a mid-prompt chunk only). Small steps on CPU run as one
-        native call when the native decoder takes them; the rest eagerly (or as CUDA graphs).
-        A step with adapter rows runs eagerly: only the eager layers add LoRA updates."""
+        no request samples this step (a mid-prompt chunk only): eagerly, or as CUDA graphs
+        (CpuModelRunner runs small CPU steps as one native call first). A step with adapter rows
+        runs eagerly: only the eager layers add LoRA updates."""
         if inputs.lora_slots:
             self.eager_step_reasons["lora_rows"] += 1
             hidden = self._eager_forward(inputs, self._lora_step(inputs))
         else:
-            if self.native_decoder is not None:
-                logits = self.native_decoder.run(inputs)
-                if logits is not None:
-                    return logits if inputs.sample_at else None
             hidden = None if self.graph_runner is None else self.graph_runner.run(inputs)
             if hidden is None:
                 hidden = self._eager_forward(inputs)

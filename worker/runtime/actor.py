@@ -137,8 +137,8 @@ class WorkerActor:
         self._metrics.register(KVTierCollector(worker_id, self._kv_tier_figures))
         self._metrics.register(StructuredOutputCollector(worker_id, engine.structured.figures))
         engine.phase_clock.observers += [self._metrics.observe_step_report, self._step_log.observe_step_report]
-        logger.info("worker %s up (incarnation %s, model %s)", worker_id, self._info.incarnation,
-                    self._info.model_name)
+        logger.info("worker %s up (incarnation %s, model %s, forward %s: %s)", worker_id, self._info.incarnation,
+                    self._info.model_name, engine.parts.forward_path, engine.parts.forward_path_reason)
 
     async def info(self) -> WorkerInfo:
         return self._info

@@ -1,0 +1,190 @@
+/* The CPU kernels' one header: the structs Python passes (generated), the element helpers
+   every kernel shares, and the entry points.
+
+   Built by worker/kernels/cpu_build.py into one shared library per instruction set (avx2,
+   avx512, avx512_bf16, amx: the same sources, different -m flags), loaded through ctypes.
+   The code below __AVX512F__ / __AVX512BF16__ / __AMX_TILE__ guards is what a variant adds;
+   the entry points exist in every variant (a variant without the native step answers
+   KVMESH_STEP_NOT_BUILT). */
+#ifndef KVMESH_CPU_H
+#define KVMESH_CPU_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+/* Symbols one source file calls in another, not part of the library's interface. */
+#define KVMESH_INTERNAL __attribute__((visibility("hidden")))
+
+/* BEGIN GENERATED ABI: worker/kernels/cpu_abi.py defines these structs and constants for
+   ctypes and C at once; `python -m kvmesh.worker.kernels.cpu_abi` rewrites this block. Do not
+   edit by hand. */
+
+/* One decoder layer: norms, the four projections (weight, per-row scales for int8 or NULL,
+   the AMX-packed copy or NULL), its K/V cache. */
+typedef struct {
+    const void *input_norm;
+    const void *post_attention_norm;
+    const void *qkv_weight;
+    const void *qkv_scales;
+    const void *o_weight;
+    const void *o_scales;
+    const void *gate_up_weight;
+    const void *gate_up_scales;
+    const void *down_weight;
+    const void *down_scales;
+    void *key_cache;
+    void *value_cache;
+    const void *qkv_packed;
+    const void *o_packed;
+    const void *gate_up_packed;
+    const void *down_packed;
+} kvmesh_layer;
+
+/* The model the native step runs, built once at load (cpu_native_step.NativeDecoder.build). */
+typedef struct {
+    int64_t num_layers;
+    int64_t hidden;
+    int64_t intermediate;
+    int64_t num_q_heads;
+    int64_t num_kv_heads;
+    int64_t head_dim;
+    int64_t weight_kind;
+    int64_t bf16;
+    int64_t block_size;
+    int64_t cache_block_stride;
+    int64_t cache_slot_stride;
+    int64_t cache_head_stride;
+    int64_t vocab;
+    int64_t lm_head_kind;
+    int64_t int8_activations;
+    float rms_norm_eps;
+    const void *embed;
+    const void *final_norm;
+    const float *rope_cos;
+    const float *rope_sin;
+    const void *lm_head_weight;
+    const void *lm_head_scales;
+    const void *lm_head_packed;
+    const kvmesh_layer *layers;
+} kvmesh_model;
+
+/* One step of num_tokens tokens: token b is fed at positions[b] into KV slot slots[b] and
+   attends over the first seq_lens[b] tokens of its request through its block table (row b of
+   block_tables, block_table_width entries); logits [num_samples, vocab] for the tokens
+   sample_rows[0 .. num_samples). rows = 0 .. num_tokens - 1. */
+typedef struct {
+    int64_t num_tokens;
+    const int64_t *tokens;
+    const int64_t *positions;
+    const int64_t *slots;
+    const int32_t *block_tables;
+    int64_t block_table_width;
+    const int32_t *seq_lens;
+    const int64_t *rows;
+    const int64_t *sample_rows;
+    int64_t num_samples;
+    int64_t num_threads;
+    float *logits;
+} kvmesh_step_batch;
+
+/* kvmesh_model.weight_kind and lm_head_kind */
+enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
+
+/* kvmesh_native_step's answers */
+enum { KVMESH_STEP_OK = 0, KVMESH_STEP_NO_MEMORY = 1, KVMESH_STEP_NOT_BUILT = 2 };
+
+/* kvmesh_cpu_features() bits */
+enum { KVMESH_FEATURE_DPBF16 = 1, KVMESH_FEATURE_AMX = 2, KVMESH_FEATURE_AMX_INT8 = 4, KVMESH_FEATURE_NATIVE_STEP = 8 };
+
+/* END GENERATED ABI */
+
+typedef union { uint32_t u; float f; } bits32;
+
+static inline float load_elem(const void *p, int64_t i, const int bf16) {
+    if (bf16) { bits32 v; v.u = (uint32_t)((const uint16_t *)p)[i] << 16; return v.f; }
+    return ((const float *)p)[i];
+}
+
+static inline void store_elem(void *p, int64_t i, float x, const int bf16) {
+    if (bf16) {  /* round to nearest even, NaN -> 0x7fc0: c10::BFloat16's conversion */
+        bits32 v; v.f = x;
+        uint16_t h = (v.u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0
+                     : (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+        ((uint16_t *)p)[i] = h;
+    } else {
+        ((float *)p)[i] = x;
+    }
+}
+
+/* exp(x) for x <= 0 (scores minus their max): Cephes' expf polynomial, ~2 ulp; vectorisable
+   (the rounding is the float add of 1.5 * 2^23, no library call). */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = x * 1.44269504088896341f;
+    n = (n + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    bits32 s; s.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * s.f;
+}
+
+static inline float round_bf16(float x) {
+    bits32 v; v.f = x; v.u = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u; return v.f;
+}
+
+static inline int64_t w_elem_size(const int kind) { return kind == W_I8 ? 1 : kind == W_BF16 ? 2 : 4; }
+
+#ifdef __AVX512F__
+/* 16 elements from p + i widened to fp32 (bf16 by a shift). */
+static inline __m512 load16(const void *p, int64_t i, const int bf16) {
+    if (bf16) {
+        __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+    }
+    return _mm512_loadu_ps((const float *)p + i);
+}
+#endif
+
+/* paged_attention.c: out[q_rows[i]] = attention of q[q_rows[i]] over request reqs[i]'s cached
+   context, rows [begin, end) of the list; strides in elements. 0 = ok, 1 = no memory. */
+#define KVMESH_PAGED_DECODE_ARGS \
+    const void *q, int64_t q_rs, int64_t q_hs, const void *kc, const void *vc, int64_t c_bs, int64_t c_ss, \
+    int64_t c_hs, const int32_t *tables, int64_t t_rs, const int32_t *seq_lens, const int64_t *q_rows, \
+    const int64_t *reqs, int64_t begin, int64_t end, void *out, int64_t o_rs, int64_t o_hs, int64_t hq, \
+    int64_t hkv, int64_t d, int64_t block_size, float scale
+int kvmesh_paged_decode_f32(KVMESH_PAGED_DECODE_ARGS);
+int kvmesh_paged_decode_bf16(KVMESH_PAGED_DECODE_ARGS);
+
+/* projections.c: y[b * ldy + n] = W[n] . x[b] (times the row's scale for int8) for n in
+   [n0, n1), b < B, by the fastest path this build and the weight kind have (see there). */
+KVMESH_INTERNAL void kvmesh_gemv(const void *w, const void *wp, const int kind, const void *scale, const int sbf16,
+                                 int64_t K, int64_t n0, int64_t n1, const float *x, int64_t ldx, int64_t B, float *y,
+                                 int64_t ldy, uint16_t *x16, const int x_ready, const int a8);
+/* The calling thread's AMX tile configuration for a step, and its release (no-ops without AMX). */
+KVMESH_INTERNAL void kvmesh_amx_tiles_begin(void);
+KVMESH_INTERNAL void kvmesh_amx_tiles_end(void);
+
+/* Asks Linux for AMX tile state once after loading; 1 = the AMX paths run. */
+int kvmesh_cpu_init(void);
+/* What this build does: KVMESH_FEATURE_* bits. */
+int kvmesh_cpu_features(void);
+
+/* native_step.c: one step of the model over the batch; KVMESH_STEP_*. */
+int kvmesh_native_step(const kvmesh_model *m, const kvmesh_step_batch *batch);
+/* 0 when the model descriptor is one the step can run, else the number of its first
+   inconsistency (cpu_native_step.py names them). Runs in every variant. */
+int kvmesh_native_step_check(const kvmesh_model *m);
+
+#endif

@@ -1,0 +1,254 @@
+/* A small step on CPU as ONE native call: every layer, the attention and the LM head
+   (worker/kernels/cpu_native_step.py says when it runs and what it takes):
+
+    per layer, SPMD over an OpenMP team (torch's own threads), a barrier between the phases:
+      RMSNorm -> QKV rows (this thread's share) | RoPE + K/V into the cache (this thread's
+      tokens) | paged attention of this thread's tokens (paged_attention.c) | O rows |
+      residual + RMSNorm -> gate/up rows + SiLU-mul | down rows
+    final residual + RMSNorm -> LM head rows (this thread's share of the vocabulary) for the
+    tokens that sample -> fp32 logits
+
+   The projections are projections.c's. Needs AVX-512: other builds answer
+   KVMESH_STEP_NOT_BUILT. */
+#include <math.h>
+#include <omp.h>
+
+#include "kvmesh_cpu.h"
+
+#ifdef __AVX512F__
+/* out = weight * (x / sqrt(mean(x^2) + eps)), as HF's LlamaRMSNorm in fp32 */
+static void rms_norm_rows(const float *x, const void *weight, const int bf16, int64_t B, int64_t H, float eps,
+                          float *out) {
+    for (int64_t b = 0; b < B; b++) {
+        const float *xb = x + b * H;
+        float ss = 0.0f;
+        #pragma omp simd reduction(+:ss)
+        for (int64_t i = 0; i < H; i++) ss += xb[i] * xb[i];
+        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        #pragma omp simd
+        for (int64_t i = 0; i < H; i++) out[b * H + i] = load_elem(weight, i, bf16) * (xb[i] * inv);
+    }
+}
+
+/* Scratch kept per thread across steps (the OpenMP team is torch's pool: the same threads every
+   step). A fresh malloc of these sizes (up to ~1 MB at 64 tokens) is a fresh mmap, and every
+   page of it faults on first touch, every step. */
+static void *scratch(int slot, size_t bytes) {
+    static __thread void *buf[3];
+    static __thread size_t cap[3];
+    if (cap[slot] < bytes) {
+        free(buf[slot]);
+        buf[slot] = malloc(bytes);
+        cap[slot] = buf[slot] ? bytes : 0;
+    }
+    return buf[slot];
+}
+
+typedef struct {
+    const kvmesh_model *m;
+    float eps;
+    int64_t B, threads;
+    const int64_t *tokens, *positions, *slots, *rows;
+    const int32_t *tables, *seq_lens;
+    int64_t t_rs;
+    const int64_t *sample_rows;
+    int64_t S;
+    float *logits;
+    /* shared buffers */
+    float *qkv, *o_out, *act, *down_out;
+    void *q_attn, *attn_out;
+    int failed;
+} Step;
+
+static inline int64_t share(int64_t n, int64_t tid, int64_t threads, int64_t align) {
+    /* the start of thread tid's share of n, on a multiple of align */
+    int64_t units = (n + align - 1) / align;
+    int64_t at = units * tid / threads * align;
+    return at < n ? at : n;
+}
+
+/* Thread tid of T inside the step's OpenMP team (torch's own pool: the library links the
+   libgomp torch has loaded, so no second set of threads spins against torch's). */
+static void step_thread(Step *s, const int64_t tid, const int64_t T) {
+    const int64_t B = s->B;
+    const kvmesh_model *m = s->m;
+    const int64_t L = m->num_layers, H = m->hidden, I = m->intermediate;
+    const int64_t hq = m->num_q_heads, hkv = m->num_kv_heads, D = m->head_dim;
+    const int wk = (int)m->weight_kind, bf16 = (int)m->bf16, a8 = (int)m->int8_activations;
+    const int64_t nqkv = (hq + 2 * hkv) * D, bs = m->block_size;
+    const int64_t cbs = m->cache_block_stride, css = m->cache_slot_stride, chs = m->cache_head_stride;
+    const float *cos_t = m->rope_cos, *sin_t = m->rope_sin;
+    const float scale = 1.0f / sqrtf((float)D);
+    const int64_t esz = bf16 ? 2 : 4;
+    /* private: the residual stream, the normed input of the next projection, the attention
+       output widened to fp32, one head's scratch, the rows that get logits (every thread keeps
+       identical copies of the first three: cheaper than a barrier) */
+    const int64_t widest = I > H ? (I > hq * D ? I : hq * D) : (H > hq * D ? H : hq * D);
+    float *priv = (float *)scratch(0, sizeof(float) * (size_t)(B * (2 * H + hq * D) + 2 * D + s->S * H)
+                                  + sizeof(uint16_t) * (size_t)(2 * (((B > s->S ? B : s->S) + 15) / 16 * 16) * widest));
+    if (!priv) { __atomic_store_n(&s->failed, 1, __ATOMIC_RELAXED); }
+    float *res = priv, *h = res + B * H, *attn = h + B * H, *tmp = attn + B * hq * D;
+    float *picked = tmp + 2 * D;  /* [S, H]: the final hidden rows that get logits */
+    uint16_t *x16 = (uint16_t *)(picked + s->S * H);  /* a projection's input rows in bf16 */
+    const int64_t r0 = B * tid / T, r1 = B * (tid + 1) / T;  /* this thread's tokens */
+    const void *embed = m->embed;
+    if (priv) for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < H; i++) res[b * H + i] = load_elem(embed, s->tokens[b] * H + i, bf16);
+    #pragma omp barrier  /* everyone has its workspace (or knows someone has none) */
+    if (__atomic_load_n(&s->failed, __ATOMIC_RELAXED)) return;
+    kvmesh_amx_tiles_begin();
+    for (int64_t l = 0; l < L; l++) {
+        const kvmesh_layer *lp = &m->layers[l];
+        /* residual += previous layer's MLP output (the embedding itself at layer 0) */
+        if (l > 0) {
+            #pragma omp simd
+            for (int64_t i = 0; i < B * H; i++) res[i] += s->down_out[i];
+        }
+        rms_norm_rows(res, lp->input_norm, bf16, B, H, s->eps, h);
+        kvmesh_gemv(lp->qkv_weight, lp->qkv_packed, wk, lp->qkv_scales, bf16, H, share(nqkv, tid, T, 16),
+             share(nqkv, tid + 1, T, 16),
+             h, H, B, s->qkv, nqkv, x16, 0, a8);
+        #pragma omp barrier
+        /* RoPE on q and k heads, K/V into the cache, then attention: this thread's rows only */
+        for (int64_t b = r0; b < r1; b++) {
+            float *row = s->qkv + b * nqkv;
+            const float *c = cos_t + s->positions[b] * D, *sn = sin_t + s->positions[b] * D;
+            for (int64_t hd = 0; hd < hq + hkv; hd++) {
+                float *v = row + hd * D;
+                memcpy(tmp, v, sizeof(float) * (size_t)D);
+                /* rotate_half in two vectorisable halves (no index wrap-around) */
+                #pragma omp simd
+                for (int64_t e = 0; e < D / 2; e++) v[e] = tmp[e] * c[e] + tmp[e + D / 2] * sn[e];
+                #pragma omp simd
+                for (int64_t e = D / 2; e < D; e++) v[e] = tmp[e] * c[e] + tmp[e - D / 2] * sn[e];
+            }
+            const int64_t slot = s->slots[b];
+            const int64_t at = (slot / bs) * cbs + (slot % bs) * css;
+            void *kc = lp->key_cache, *vc = lp->value_cache;
+            for (int64_t g = 0; g < hkv; g++) {
+                #pragma omp simd
+                for (int64_t e = 0; e < D; e++) {
+                    store_elem(kc, at + g * chs + e, row[(hq + g) * D + e], bf16);
+                    store_elem(vc, at + g * chs + e, row[(hq + hkv + g) * D + e], bf16);
+                }
+            }
+            #pragma omp simd
+            for (int64_t e = 0; e < hq * D; e++) store_elem(s->q_attn, b * hq * D + e, row[e], bf16);
+        }
+        #pragma omp barrier  /* a request's tokens may sit on two threads: all K/V written first */
+        if (r1 > r0 && (bf16 ? kvmesh_paged_decode_bf16 : kvmesh_paged_decode_f32)(
+                s->q_attn, hq * D, D, lp->key_cache, lp->value_cache, cbs, css, chs, s->tables, s->t_rs, s->seq_lens,
+                s->rows, s->rows, r0, r1, s->attn_out, hq * D, D, hq, hkv, D, bs, scale))
+            __atomic_store_n(&s->failed, 1, __ATOMIC_RELAXED);
+        #pragma omp barrier
+        #pragma omp simd
+        for (int64_t i = 0; i < B * hq * D; i++) attn[i] = load_elem(s->attn_out, i, bf16);
+        kvmesh_gemv(lp->o_weight, lp->o_packed, wk, lp->o_scales, bf16, hq * D, share(H, tid, T, 16),
+             share(H, tid + 1, T, 16),
+             attn, hq * D, B, s->o_out, H, x16, 0, a8);
+        #pragma omp barrier
+        #pragma omp simd
+        for (int64_t i = 0; i < B * H; i++) res[i] += s->o_out[i];
+        rms_norm_rows(res, lp->post_attention_norm, bf16, B, H, s->eps, h);
+        {   /* gate rows i and up rows I + i of this thread's share of the intermediate width,
+               then act = silu(gate) * up for them */
+            const int64_t i0 = share(I, tid, T, 16), i1 = share(I, tid + 1, T, 16), w = i1 - i0;
+            const int64_t es = w_elem_size(wk);
+            float *gu = (float *)scratch(1, sizeof(float) * (size_t)(2 * B * (w > 0 ? w : 1)));
+            if (!gu) __atomic_store_n(&s->failed, 1, __ATOMIC_RELAXED);
+            else if (w > 0) {
+                const char *gw = (const char *)lp->gate_up_weight;
+                const char *gs = (const char *)lp->gate_up_scales, *us = gs;
+                if (gs) { gs += i0 * esz; us += (I + i0) * esz; }
+                const char *gp = (const char *)lp->gate_up_packed;  /* packed: same element offsets */
+                kvmesh_gemv(gw + i0 * H * es, gp ? gp + i0 * H * es : 0, wk, gs, bf16, H, 0, w, h, H, B, gu, w,
+                            x16, 0, a8);
+                kvmesh_gemv(gw + (I + i0) * H * es, gp ? gp + (I + i0) * H * es : 0, wk, us, bf16, H, 0, w, h, H, B,
+                            gu + B * w, w, x16, 1, a8);
+                for (int64_t b = 0; b < B; b++) {
+                    const float *gb = gu + b * w, *ub = gu + B * w + b * w;
+                    float *ab = s->act + b * I + i0;
+                    /* sigmoid(g) = 1 / (1 + e^-g) for g >= 0, e^g / (1 + e^g) below: both from
+                       t = e^-|g| and a select, so the loop vectorises (as many exps as rows) */
+                    #pragma omp simd
+                    for (int64_t i = 0; i < w; i++) {
+                        const float g = gb[i], t = exp_nonpositive(-fabsf(g));
+                        ab[i] = g * ((g >= 0.0f ? 1.0f : t) / (1.0f + t)) * ub[i];
+                    }
+                }
+            }
+        }
+        #pragma omp barrier
+        kvmesh_gemv(lp->down_weight, lp->down_packed, wk, lp->down_scales, bf16, I, share(H, tid, T, 16),
+             share(H, tid + 1, T, 16),
+             s->act, I, B, s->down_out, H, x16, 0, a8);
+        #pragma omp barrier
+    }
+    for (int64_t i = 0; i < B * H; i++) res[i] += s->down_out[i];
+    rms_norm_rows(res, m->final_norm, bf16, B, H, s->eps, h);
+    for (int64_t j = 0; j < s->S; j++)  /* the LM head's input rows, rounded to the model dtype as eager */
+        for (int64_t i = 0; i < H; i++)
+            picked[j * H + i] = bf16 ? round_bf16(h[s->sample_rows[j] * H + i]) : h[s->sample_rows[j] * H + i];
+    const int64_t V = m->vocab;
+    /* The LM head keeps fp32 activations: quantizing the final hidden state per row flipped
+       the self-draft's argmax often enough to cut its acceptance from 0.90 to 0.85 (bundled
+       chat prompts, docs/benchmarks.md, sixth round). */
+    kvmesh_gemv(m->lm_head_weight, m->lm_head_packed, (int)m->lm_head_kind, m->lm_head_scales, bf16, H,
+                share(V, tid, T, 16), share(V, tid + 1, T, 16), picked, H, s->S, s->logits, V, x16, 0, 0);
+    kvmesh_amx_tiles_end();
+}
+
+/* One step of the batch (kvmesh_step_batch says what each field holds): KVMESH_STEP_*. */
+int kvmesh_native_step(const kvmesh_model *m, const kvmesh_step_batch *batch) {
+    const int64_t B = batch->num_tokens;
+    const int64_t nqkv = (m->num_q_heads + 2 * m->num_kv_heads) * m->head_dim, qw = m->num_q_heads * m->head_dim;
+    const int64_t esz = m->bf16 ? 2 : 4;
+    float *shared = (float *)scratch(2, sizeof(float) * (size_t)(B * (nqkv + 2 * m->hidden + m->intermediate))
+                                    + (size_t)(2 * B * qw * esz));
+    if (!shared) return KVMESH_STEP_NO_MEMORY;
+    Step s = {m, m->rms_norm_eps, B, batch->num_threads < 1 ? 1 : batch->num_threads, batch->tokens,
+              batch->positions, batch->slots, batch->rows, batch->block_tables, batch->seq_lens,
+              batch->block_table_width, batch->sample_rows, batch->num_samples, batch->logits};
+    s.qkv = shared;
+    s.o_out = s.qkv + B * nqkv;
+    s.down_out = s.o_out + B * m->hidden;
+    s.act = s.down_out + B * m->hidden;
+    s.q_attn = (void *)(s.act + B * m->intermediate);
+    s.attn_out = (char *)s.q_attn + B * qw * esz;
+    s.failed = 0;
+    #pragma omp parallel num_threads((int)s.threads)
+    step_thread(&s, omp_get_thread_num(), omp_get_num_threads());
+    return s.failed ? KVMESH_STEP_NO_MEMORY : KVMESH_STEP_OK;
+}
+#else
+int kvmesh_native_step(const kvmesh_model *m, const kvmesh_step_batch *batch) {
+    (void)m; (void)batch;
+    return KVMESH_STEP_NOT_BUILT;
+}
+#endif
+
+int kvmesh_native_step_check(const kvmesh_model *m) {
+    /* the step's own assumptions (cpu_native_step.py's CHECK_FAILURES names each number) */
+    const int64_t widths[] = {m->hidden, m->intermediate, m->num_q_heads * m->head_dim, m->head_dim};
+    for (int i = 0; i < 4; i++)
+        if (widths[i] <= 0 || widths[i] % 16) return 1;
+    if (m->num_kv_heads <= 0 || m->num_q_heads % m->num_kv_heads) return 2;
+    if (m->weight_kind < W_F32 || m->weight_kind > W_I8 || m->lm_head_kind < W_F32 || m->lm_head_kind > W_I8)
+        return 3;
+    if (m->bf16 != 0 && m->bf16 != 1) return 4;
+    if (!m->embed || !m->final_norm || !m->rope_cos || !m->rope_sin || !m->lm_head_weight || m->vocab <= 0
+        || (m->lm_head_kind == W_I8) != (m->lm_head_scales != NULL))
+        return 5;
+    if (m->num_layers <= 0 || !m->layers || m->block_size <= 0) return 6;
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const kvmesh_layer *lp = &m->layers[l];
+        const int i8 = m->weight_kind == W_I8;
+        if (!lp->input_norm || !lp->post_attention_norm || !lp->qkv_weight || !lp->o_weight || !lp->gate_up_weight
+            || !lp->down_weight || !lp->key_cache || !lp->value_cache)
+            return 7;
+        if (i8 != (lp->qkv_scales != NULL) || i8 != (lp->o_scales != NULL) || i8 != (lp->gate_up_scales != NULL)
+            || i8 != (lp->down_scales != NULL))
+            return 8;
+    }
+    return 0;
+}

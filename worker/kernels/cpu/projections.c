@@ -1,0 +1,462 @@
+/* The projections of the native step (native_step.c): y = W x for a step's rows, from the
+   model's own weights (fp32, bf16, or int8 with one scale per row), by the fastest path the
+   build and the CPU have:
+
+     AMX tiles           bf16 weights from their AMX-packed copy (TDPBF16PS), int8 weights
+                         with int8 activations (TDPBSSD, the self-draft only), steps <= 64 rows
+     VDPBF16PS GEMVs     bf16 weights with AVX512_BF16
+     FMA GEMVs           every kind, widened to fp32 in registers (any AVX-512 CPU)
+
+   Everything here needs AVX-512: the avx2 build has none of it (nor the native step). */
+#include "kvmesh_cpu.h"
+
+#ifdef __AVX512F__
+
+static inline __m512 load_w16(const void *w, int64_t i, const int kind) {
+    if (kind == W_I8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)w + i))));
+    if (kind == W_BF16) {
+        __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i)));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+    }
+    return _mm512_loadu_ps((const float *)w + i);
+}
+
+/* Four weight rows (from row n) dotted with C activation rows: res[i * C + j] = W[n + i] . x[j].
+   The weight rows are streamed once (prefetched PREFETCH_GROUPS groups ahead: the hardware
+   prefetcher alone reached ~half the core's read bandwidth on these short rows); C <= TILE_ROWS
+   keeps the 4 x C accumulators, the four widened weight vectors and one activation vector in
+   AVX-512's 32 registers (4 x 6 + 4 + 1 = 29), so a speculative verify of k + 1 <= 6 tokens
+   reads each weight row from memory once, as a single decode row does. */
+#define PREFETCH_GROUPS 2
+#define TILE_ROWS 6
+static inline __attribute__((always_inline)) void tile4(const char *w, int64_t n, int64_t K, const float *x,
+        int64_t ldx, const int C, const int kind, const int prefetch, float *res) {
+    const int64_t es = w_elem_size(kind), row = K * es;
+    const char *r0 = w + n * row;
+    __m512 acc[4][TILE_ROWS];
+    #pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        #pragma GCC unroll 6
+        for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        if (prefetch && ((k * es) & 63) == 0)
+            #pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) _mm_prefetch(r0 + (PREFETCH_GROUPS * 4 + i) * row + k * es, _MM_HINT_T0);
+        __m512 wv[4];
+        #pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) wv[i] = load_w16(r0 + i * row, k, kind);
+        #pragma GCC unroll 6
+        for (int j = 0; j < C; j++) {
+            const __m512 xv = _mm512_loadu_ps(x + j * ldx + k);
+            #pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        #pragma GCC unroll 6
+        for (int j = 0; j < C; j++) res[i * C + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+/* The row-group walk both GEMVs share: weight rows from n four at a time (n is left at the first
+   row of an uneven share's tail), the B tokens TILE_ROWS at a time, TILE(C) the GEMV's tile
+   function for the tokens from b with a constant C (so its accumulators stay in registers)
+   writing res, scattered into y[token * ldy + row]. */
+#define FOR_EACH_ROW_TILE(TILE) \
+    for (; n + 4 <= n1; n += 4) \
+        for (int64_t b = 0; b < B; b += TILE_ROWS) { \
+            const int64_t c = B - b < TILE_ROWS ? B - b : TILE_ROWS; \
+            const int pf = b == 0; \
+            switch (c) { \
+                case 6: TILE(6); break; \
+                case 5: TILE(5); break; \
+                case 4: TILE(4); break; \
+                case 3: TILE(3); break; \
+                case 2: TILE(2); break; \
+                default: TILE(1); \
+            } \
+            for (int i = 0; i < 4; i++) \
+                for (int64_t j = 0; j < c; j++) y[(b + j) * ldy + n + i] = res[i * c + j]; \
+        }
+
+/* y[b * ldy + n] = scale[n] * dot(W[n, :K], x[b * ldx, :K]) for n in [n0, n1), b < B (K % 16 == 0):
+   four weight rows at a time against the batch rows TILE_ROWS at a time (the four rows stay in
+   L1 across the row groups), so each weight row is read from memory once per step whatever B is. */
+static inline __attribute__((always_inline)) void gemv_kind(
+        const void *w, const void *scale, const int sbf16, int64_t K, int64_t n0, int64_t n1,
+        const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy, const int kind) {
+    const int64_t es = w_elem_size(kind);
+    int64_t n = n0;
+    float res[4 * TILE_ROWS];
+#define FMA_TILE(C) tile4((const char *)w, n, K, x + b * ldx, ldx, C, kind, pf, res)
+    FOR_EACH_ROW_TILE(FMA_TILE)
+#undef FMA_TILE
+    for (; n < n1; n++) {  /* the last rows of an uneven share */
+        const char *row = (const char *)w + n * K * es;
+        for (int64_t b = 0; b < B; b++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 16)
+                a = _mm512_fmadd_ps(load_w16(row, k, kind), _mm512_loadu_ps(x + b * ldx + k), a);
+            y[b * ldy + n] = _mm512_reduce_add_ps(a);
+        }
+    }
+    if (kind == W_I8)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t m = n0; m < n1; m++) y[b * ldy + m] *= load_elem(scale, m, sbf16);
+}
+
+#ifdef __AVX512BF16__
+/* bf16 weights on a CPU with AVX512_BF16: the activation rows are rounded to bf16 once per
+   projection and each pair of products is one lane of VDPBF16PS (fp32 accumulation), half the
+   instructions of widening every weight to fp32 for an FMA. Past a few rows this GEMV is
+   compute-bound (1 thread, FMAs: 5 rows cost 1.3x one row), so this keeps verify rows and
+   mid-size batches near the cost of reading the weights once. The matmul inputs are then
+   rounded to bf16, as the eager forward's oneDNN GEMMs round them. */
+#define HAVE_DPBF16 1
+
+/* rows [B][ldx] fp32 -> out [B][K] bf16, round to nearest even (K % 32 == 0) */
+static void rows_to_bf16(const float *x, int64_t ldx, int64_t B, int64_t K, uint16_t *out) {
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t k = 0; k < K; k += 32)
+            _mm512_storeu_si512((void *)(out + b * K + k),
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + b * ldx + k + 16),
+                                                             _mm512_loadu_ps(x + b * ldx + k)));
+}
+
+/* tile4 for bf16 weights and bf16 activation rows x [C][K]: res[i * C + j] = W[n + i] . x[j] */
+static inline __attribute__((always_inline)) void tile4_dp(const char *w, int64_t n, int64_t K, const uint16_t *x,
+        const int C, const int prefetch, float *res) {
+    const int64_t row = K * 2;
+    const char *r0 = w + n * row;
+    __m512 acc[4][TILE_ROWS];
+    #pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        #pragma GCC unroll 6
+        for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        if (prefetch)
+            #pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) _mm_prefetch(r0 + (PREFETCH_GROUPS * 4 + i) * row + k * 2, _MM_HINT_T0);
+        __m512bh wv[4];
+        #pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) wv[i] = (__m512bh)_mm512_loadu_si512((const void *)(r0 + i * row + k * 2));
+        #pragma GCC unroll 6
+        for (int j = 0; j < C; j++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + j * K + k));
+            #pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[i], xv);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        #pragma GCC unroll 6
+        for (int j = 0; j < C; j++) res[i * C + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+static void gemv_bf16_dp(const void *w, int64_t K, int64_t n0, int64_t n1, const uint16_t *x, int64_t B,
+                         float *y, int64_t ldy) {
+    const char *wc = (const char *)w;
+    int64_t n = n0;
+    float res[4 * TILE_ROWS];
+#define DP_TILE(C) tile4_dp(wc, n, K, x + b * K, C, pf, res)
+    FOR_EACH_ROW_TILE(DP_TILE)
+#undef DP_TILE
+    for (; n < n1; n++) {  /* the last rows of an uneven share: the same sums, one row at a time */
+        const char *r = wc + n * K * 2;
+        for (int64_t b = 0; b < B; b++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 32)
+                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512((const void *)(r + k * 2)),
+                                     (__m512bh)_mm512_loadu_si512((const void *)(x + b * K + k)));
+            y[b * ldy + n] = _mm512_reduce_add_ps(a);
+        }
+    }
+}
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(HAVE_DPBF16)
+/* bf16 weights on a CPU with AMX: TDPBF16PS, one instruction a 16 x 16 x 32 product, so a step
+   of up to 64 tokens costs about what reading the weights costs (the FMA / VDPBF16PS GEMVs
+   above are compute-bound past a few tokens): gemm_bf16_amx_packed below. Linux grants AMX
+   state per process on request (kvmesh_cpu_init); without the grant the VDPBF16PS
+   path runs. */
+#define HAVE_AMX 1
+#define AMX_MAX_TOKENS 64  /* four accumulator tiles of 16 tokens (more: the GEMV paths) */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static int amx_granted = 0;
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static void amx_configure(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+}
+
+/* B rows of `words` 4-byte words each (bf16 pairs, int8 quads) -> ceil(B/16) groups of
+   [words][16 rows]: AMX's B-operand layout, rows beyond B zero. Word w of a group's 16 rows
+   is one masked 16-lane gather. */
+static void rows_to_amx_words(const void *rows_in, int64_t words, int64_t B, void *out) {
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)words));
+    for (int64_t g = 0; g < (B + 15) / 16; g++) {
+        const int64_t valid = B - g * 16 < 16 ? B - g * 16 : 16;
+        const __mmask16 live = (__mmask16)((1u << valid) - 1u);
+        const int32_t *src = (const int32_t *)rows_in + g * 16 * words;
+        int32_t *dst = (int32_t *)out + g * 16 * words;
+        for (int64_t w = 0; w < words; w++)
+            _mm512_storeu_si512((void *)(dst + w * 16),
+                                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, src + w, 4));
+    }
+}
+
+/* One k-step of a 16-row weight block (at wk, row stride lda bytes) against up to four
+   16-token groups (their blocks at bk + g * gstride, 64-byte rows), accumulating into tiles
+   0-3 with DP (_tile_dpbf16ps or _tile_dpbssd). Two tile registers each for the weight block
+   (4, 6) and the tokens' block (5, 7), taken in turn by the step's parity: a tile load must
+   wait for every product still reading its register, so with one of each the next weight
+   block's read queued behind the products. */
+#define AMX_BLOCK_STEP(DP, parity, wk, lda, bk, gstride, groups) do { \
+        if ((parity) == 0) { \
+            _tile_loadd(4, wk, lda); _tile_loadd(5, bk, 64); DP(0, 4, 5); \
+            if ((groups) > 1) { _tile_loadd(7, (bk) + (gstride), 64); DP(1, 4, 7); } \
+            if ((groups) > 2) { _tile_loadd(5, (bk) + 2 * (gstride), 64); DP(2, 4, 5); } \
+            if ((groups) > 3) { _tile_loadd(7, (bk) + 3 * (gstride), 64); DP(3, 4, 7); } \
+        } else { \
+            _tile_loadd(6, wk, lda); _tile_loadd(7, bk, 64); DP(0, 6, 7); \
+            if ((groups) > 1) { _tile_loadd(5, (bk) + (gstride), 64); DP(1, 6, 5); } \
+            if ((groups) > 2) { _tile_loadd(7, (bk) + 2 * (gstride), 64); DP(2, 6, 7); } \
+            if ((groups) > 3) { _tile_loadd(5, (bk) + 3 * (gstride), 64); DP(3, 6, 5); } \
+        } \
+    } while (0)
+
+/* y[b * ldy + n] = W[n] . x[b] for n in [n0, n1), B <= 64, from a copy of the weight laid
+   out for AMX once, at load (amx_packed in Python): 16-row blocks, each K/32 tiles of
+   [16 pairs][16 rows][2] bf16, one contiguous KB each, TDPBF16PS's B operand as it lies. The
+   tokens are the A operand straight from their bf16 rows (16 tokens x 32 values, row stride
+   K), and a product tile (16 tokens x 16 outputs) is y's layout, stored as it lies. A pass
+   takes two weight blocks x two token groups (tiles 0-3 accumulate, 4-5 hold tokens, 6-7
+   weights): four products per four tile loads; the second token pair re-reads the two
+   blocks from L1/L2 (36 KB at K = 576).
+   The kernel it replaced read the model's own weight as the A operand (16 rows at the row
+   stride), re-laid the tokens into pair layout per projection and gathered each product
+   tile's columns into y: five tile loads per four products, 16 strided weight streams.
+   Measured on the 2-core Sapphire Rapids machine (docs/benchmarks.md, ninth round): alone,
+   64 tokens, 2 threads, 18-22 GB/s of weights at K = 576 against 12-13; in the engine,
+   batch-64 step 36-40 -> 28-30 ms, batch 1 ~10% faster too. At 64 tokens it is bound by
+   the tile loads' L2 traffic (~1 TFLOP/s a core with the weights L2-resident, ~3 with
+   everything in L1), not by the prefetch distance (2-16 k-steps, T0 or T1: all within noise). */
+#define PACKED_PREFETCH 4  /* k-steps ahead */
+#define PACKED_STORE(t, g, col) do { \
+        const int64_t valid = B - (g) * 16 < 16 ? B - (g) * 16 : 16; \
+        if (valid == 16) _tile_stored(t, y + (g) * 16 * ldy + (col), ldy * 4); \
+        else { \
+            _tile_stored(t, ctile, 64); \
+            for (int64_t r = 0; r < valid; r++) memcpy(y + ((g) * 16 + r) * ldy + (col), ctile + r * 16, 64); \
+        } \
+    } while (0)
+static void gemm_bf16_amx_packed(const uint16_t *wp, const void *w, int64_t K, int64_t n0, int64_t n1,
+                                 const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy, uint16_t *xb,
+                                 const int x_ready) {
+    if (!x_ready) rows_to_bf16(x, ldx, B, K, xb);  /* rows past B are never stored: any value */
+    const int64_t ks = K / 32, groups = (B + 15) / 16, lda = K * 2;
+    float ctile[256];
+    int64_t n = n0;
+    while (n + 16 <= n1) {
+        const int two = n + 32 <= n1;
+        const char *b0 = (const char *)(wp + n * K), *b1 = b0 + ks * 1024;
+        for (int64_t g = 0; g < groups; g += 2) {
+            const int pair = g + 1 < groups;
+            const char *xa = (const char *)xb + g * 16 * lda;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            if (two && pair) {
+                for (int64_t kb = 0; kb < ks; kb++) {
+                    if (g == 0)
+                        for (int i = 0; i < 16; i++) {
+                            _mm_prefetch(b0 + (kb + PACKED_PREFETCH) * 1024 + i * 64, _MM_HINT_T0);
+                            _mm_prefetch(b1 + (kb + PACKED_PREFETCH) * 1024 + i * 64, _MM_HINT_T0);
+                        }
+                    _tile_loadd(6, b0 + kb * 1024, 64); _tile_loadd(7, b1 + kb * 1024, 64);
+                    _tile_loadd(4, xa + kb * 64, lda); _tile_loadd(5, xa + 16 * lda + kb * 64, lda);
+                    _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+                }
+            } else {
+                for (int64_t kb = 0; kb < ks; kb++) {
+                    _tile_loadd(6, b0 + kb * 1024, 64); _tile_loadd(4, xa + kb * 64, lda); _tile_dpbf16ps(0, 4, 6);
+                    if (two) { _tile_loadd(7, b1 + kb * 1024, 64); _tile_dpbf16ps(1, 4, 7); }
+                    if (pair) {
+                        _tile_loadd(5, xa + 16 * lda + kb * 64, lda); _tile_dpbf16ps(2, 5, 6);
+                        if (two) _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+            }
+            PACKED_STORE(0, g, n);
+            if (two) PACKED_STORE(1, g, n + 16);
+            if (pair) { PACKED_STORE(2, g + 1, n); if (two) PACKED_STORE(3, g + 1, n + 16); }
+        }
+        n += two ? 32 : 16;
+    }
+    if (n < n1) gemv_bf16_dp(w, K, n, n1, xb, B, y, ldy);  /* a share's last rows short of a block */
+}
+#endif
+
+#if defined(HAVE_AMX) && defined(__AMX_INT8__)
+/* int8 weights with int8 activations (the self-draft only: only its acceptance can change):
+   each token's row is quantized symmetrically (one scale a row) and laid out in AMX's quad
+   layout [K/4][16 rows][4], the weight block is TDPBSSD's A operand in place (16 rows x 64
+   int8), int32 sums scaled by the weight row's and the token's scales. The FMA GEMV widens
+   every int8 weight to fp32 first and reached ~9 GB/s of the core's ~12 at one token; this
+   reads the weights at the bf16 AMX path's rate. */
+#define HAVE_AMX_I8 1
+
+/* rows [B][ldx] fp32 -> q [B][K] int8, scales [B]; then ceil(B/16) groups of [K/4][16][4] */
+static void rows_to_amx_quads(const float *x, int64_t ldx, int64_t B, int64_t K, int8_t *q, float *scales,
+                              int8_t *out) {
+    for (int64_t b = 0; b < B; b++) {
+        const float *xb = x + b * ldx;
+        __m512 amax = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xb + k)));
+        const float m = _mm512_reduce_max_ps(amax);
+        const float scale = m > 0.0f ? m / 127.0f : 1.0f;
+        scales[b] = scale;
+        const __m512 inv = _mm512_set1_ps(1.0f / scale);
+        for (int64_t k = 0; k < K; k += 16) {
+            const __m512i v = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(xb + k), inv),
+                                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            _mm_storeu_si128((__m128i *)(q + b * K + k), _mm512_cvtsepi32_epi8(v));
+        }
+    }
+    rows_to_amx_words(q, K / 4, B, out);
+}
+
+#define AMX_STORE_I8(t, g) do { \
+        _tile_stored(t, itile, 64); \
+        const int64_t cols = B - (g) * 16 < 16 ? B - (g) * 16 : 16; \
+        const __m512 ws = load16(scale, n, sbf16); \
+        for (int64_t c = 0; c < cols; c++) { \
+            const __m512 v = _mm512_cvtepi32_ps(_mm512_i32gather_epi32(column, itile + c, 4)); \
+            _mm512_storeu_ps(y + ((g) * 16 + c) * ldy + n, _mm512_mul_ps(_mm512_mul_ps(v, ws), \
+                                                                          _mm512_set1_ps(xs[(g) * 16 + c]))); \
+        } \
+    } while (0)
+
+static __thread float amx_i8_scales[64];
+
+/* y[b * ldy + n] = scale[n] * (W[n] . x[b]) for n in [n0, n1) (16-row blocks; the rest by the
+   FMA GEMV on the fp32 rows), B <= 64, K % 64 == 0 */
+static void gemv_i8_amx(const void *w, const void *scale, const int sbf16, int64_t K, int64_t n0, int64_t n1,
+                        const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy, int8_t *q, int8_t *quads,
+                        const int x_ready) {
+    float *xs = amx_i8_scales;
+    if (!x_ready) rows_to_amx_quads(x, ldx, B, K, q, xs, quads);
+    const int64_t groups = (B + 15) / 16, gstride = K * 16;
+    int32_t itile[256];
+    const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+    int64_t n = n0;
+    for (; n + 16 <= n1; n += 16) {
+        const char *a = (const char *)w + n * K;
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t k = 0; k < K; k += 64) {
+            if (n + 32 <= n1)
+                for (int i = 0; i < 16; i++) _mm_prefetch(a + (16 + i) * K + k, _MM_HINT_T0);
+            const int8_t *bk = quads + (k / 4) * 64;
+            AMX_BLOCK_STEP(_tile_dpbssd, (k / 64) % 2, a + k, K, bk, gstride, groups);
+        }
+        AMX_STORE_I8(0, 0);
+        if (groups > 1) AMX_STORE_I8(1, 1);
+        if (groups > 2) AMX_STORE_I8(2, 2);
+        if (groups > 3) AMX_STORE_I8(3, 3);
+    }
+    if (n < n1) gemv_kind(w, scale, sbf16, K, n, n1, x, ldx, B, y, ldy, W_I8);
+}
+#endif
+
+/* x16: the thread's scratch for a projection's input rows in bf16 or int8 (room for 2 x [B
+   rounded up to 16][K] bf16), used where the bf16 dot-product or an AMX path applies; x_ready:
+   it already holds this x (the previous call had the same input: gate then up); a8: int8
+   weights may take int8 activations (the self-draft) */
+void kvmesh_gemv(const void *w, const void *wp, const int kind, const void *scale, const int sbf16, int64_t K,
+                 int64_t n0, int64_t n1, const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy,
+                 uint16_t *x16, const int x_ready, const int a8) {
+    (void)wp;  /* only the AMX build reads packed weights */
+    if (n0 >= n1 || B == 0) return;  /* B = 0: a step with no token to sample reads no LM head */
+    if (kind == W_I8) {
+#ifdef HAVE_AMX_I8
+        if (a8 && amx_granted && K % 64 == 0 && B <= AMX_MAX_TOKENS) {
+            gemv_i8_amx(w, scale, sbf16, K, n0, n1, x, ldx, B, y, ldy, (int8_t *)x16,
+                        (int8_t *)x16 + ((B + 15) / 16) * 16 * K, x_ready);
+            return;
+        }
+#endif
+        (void)a8;
+        gemv_kind(w, scale, sbf16, K, n0, n1, x, ldx, B, y, ldy, W_I8);
+    }
+    else if (kind == W_BF16) {
+#ifdef HAVE_AMX
+        if (wp && amx_granted && K % 32 == 0 && B <= AMX_MAX_TOKENS) {
+            gemm_bf16_amx_packed((const uint16_t *)wp, w, K, n0, n1, x, ldx, B, y, ldy, x16, x_ready);
+            return;
+        }
+#endif
+#ifdef HAVE_DPBF16
+        if (K % 32 == 0) {
+            if (!x_ready) rows_to_bf16(x, ldx, B, K, x16);
+            gemv_bf16_dp(w, K, n0, n1, x16, B, y, ldy);
+            return;
+        }
+#endif
+        gemv_kind(w, scale, sbf16, K, n0, n1, x, ldx, B, y, ldy, W_BF16);
+    }
+    else gemv_kind(w, scale, sbf16, K, n0, n1, x, ldx, B, y, ldy, W_F32);
+}
+
+#endif /* __AVX512F__ */
+
+void kvmesh_amx_tiles_begin(void) {
+#ifdef HAVE_AMX
+    if (amx_granted) amx_configure();  /* tile state is per thread; oneDNN loads its own before use */
+#endif
+}
+
+void kvmesh_amx_tiles_end(void) {
+#ifdef HAVE_AMX
+    if (amx_granted) _tile_release();
+#endif
+}
+
+int kvmesh_cpu_features(void) {
+    int features = 0;
+#ifdef __AVX512F__
+    features |= KVMESH_FEATURE_NATIVE_STEP;
+#endif
+#ifdef HAVE_DPBF16
+    features |= KVMESH_FEATURE_DPBF16;
+#endif
+#ifdef HAVE_AMX
+    if (amx_granted) features |= KVMESH_FEATURE_AMX;
+#endif
+#ifdef HAVE_AMX_I8
+    if (amx_granted) features |= KVMESH_FEATURE_AMX_INT8;
+#endif
+    return features;
+}
+
+/* ARCH_REQ_XCOMP_PERM = 0x1023 for XFEATURE_XTILEDATA = 18: Linux grants AMX tile state per
+   process on request. */
+int kvmesh_cpu_init(void) {
+#ifdef HAVE_AMX
+    amx_granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_granted;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,99 @@
+"""The CPU model runner: small steps as ONE native call where the native step takes the model
+(worker/kernels/cpu_native_step.py), every other step eagerly (ModelRunner), on one KV cache.
+
+As vLLM keeps cpu_model_runner beside its GPU runner, the choice between the two forwards is
+made here, once, at construction, and kept as `cpu_step` (the worker's start line and the
+`kvmesh_model_info` metric report it):
+
+    path         what runs the steps of <= max_tokens tokens
+    amx          the native step, projections by AMX tiles
+    avx512_bf16  the native step, bf16 projections by VDPBF16PS
+    fma          the native step, projections by FMAs (fp32, int8, or bf16 without AVX512_BF16)
+    torch        no native step: every step eager; `reason` says why (fp32 models by default,
+                 what the step does not implement, a CPU without AVX-512, no kernels)
+
+model.cpu_native_max_tokens: auto (None) is steps of up to 64 tokens with AMX, else 12 tokens
+a thread up to 24, for 16-bit models; fp32 stays eager unless asked (the token-exact path).
+The self-draft (worker/engine_loop/self_draft.py) asks for the auto size whatever its dtype, and
+int8 x int8 AMX products for its int8 layers: only its acceptance can change.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.worker.attention.backend import AttentionBackend, LayerKVCache
+from kvmesh.worker.kernels import cpu_native_step
+from kvmesh.worker.runner.model_runner import ModelRunner, StepInputs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CpuStepPath:
+    """What serves a CPU runner's small steps (see the module doc)."""
+
+    path: str  # amx | avx512_bf16 | fma | torch
+    reason: str = ""  # why torch; empty otherwise
+    max_tokens: int = 0  # the largest step the native step takes (0: torch)
+    variant: str = ""  # the CPU kernels' build the native step runs (worker/kernels/cpu_build.py)
+
+    def describe(self) -> str:
+        if self.path == "torch":
+            return f"torch ({self.reason})"
+        return f"{self.path} (the {self.variant} build, steps of <= {self.max_tokens} tokens)"
+
+
+class CpuModelRunner(ModelRunner):
+    def __init__(self, model, backend: AttentionBackend, kv_caches: list[LayerKVCache],
+                 swap_caches: list[LayerKVCache] | None, block_size: int, seed: int = 0,
+                 native_max_tokens: int | None = None, self_draft: bool = False):
+        """native_max_tokens: model.cpu_native_max_tokens (None = auto); self_draft: the
+        self-draft's runner (auto size whatever the dtype, int8 activations)."""
+        super().__init__(model, backend, torch.device("cpu"), kv_caches, swap_caches, block_size, seed=seed)
+        self.native_decoder: cpu_native_step.NativeDecoder | None = None
+        self.cpu_step = self._choose(native_max_tokens, self_draft)
+
+    def _choose(self, configured: int | None, self_draft: bool) -> CpuStepPath:
+        what = "the self-draft" if self_draft else "the model"
+        threads = torch.get_num_threads()
+        dtype = next(self.model.parameters()).dtype
+        if self_draft:
+            max_tokens = configured if configured is not None else cpu_native_step.auto_max_tokens(threads)
+        else:
+            max_tokens = cpu_native_step.max_tokens_for(configured, dtype, threads)
+        if not max_tokens:
+            reason = "model.cpu_native_max_tokens 0" + (" (auto for fp32: the token-exact eager path)"
+                                                        if dtype == torch.float32 and configured is None else "")
+            logger.info("CPU step for %s: torch (%s)", what, reason)
+            return CpuStepPath("torch", reason)
+        try:
+            decoder = cpu_native_step.NativeDecoder.build(self.model, self.kv_caches, max_tokens,
+                                                          int8_activations=self_draft)
+        except cpu_native_step.NotTaken as why:
+            logger.warning("native step not taken for %s (%s): eager forward", what, why)
+            return CpuStepPath("torch", str(why))
+        self.native_decoder = decoder
+        logger.info("native step on for %s, steps of <= %d tokens, projections by %s (%s build)%s%s", what,
+                    max_tokens, decoder.path, decoder.variant,
+                    f", {decoder.amx_packed_bytes / 2**20:.0f} MiB of weights re-laid for its tiles"
+                    if decoder.amx_packed_bytes else "",
+                    ", int8 projections as int8 x int8 AMX products" if decoder.int8_amx else "")
+        return CpuStepPath(decoder.path, "", max_tokens, decoder.variant)
+
+    @property
+    def native_max_tokens(self) -> int:
+        return self.native_decoder.max_tokens if self.native_decoder is not None else 0
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Steps the native decoder takes (<= max_tokens tokens, no LoRA adapter rows) as one
+        native call; the rest eagerly (ModelRunner.forward)."""
+        if self.native_decoder is not None and not inputs.lora_slots:
+            logits = self.native_decoder.run(inputs)
+            if logits is not None:
+                return logits if inputs.sample_at else None
+        return super().forward(inputs)
