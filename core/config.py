@@ -203,6 +203,11 @@ class ParallelConfig:
     # CPUs each worker rank asks Ray for; None = derived from the CPUs Ray sees when the app
     # is built (core/resources.py), so the defaults bring up every worker on the machine.
     worker_num_cpus: float | None = None
+    # CPU engines: torch / native-step threads per worker rank. None = worker_num_cpus rounded
+    # down (at least 1). Set apart from worker_num_cpus so that one worker can run a thread on
+    # every core while Ray still reserves a share for the router (`kvmesh serve` does on
+    # machines of <= 4 cores: deploy/cmd_serve.py).
+    cpu_threads: int | None = None
     # Tensor parallelism: the longest a collective or a peer rank's step may take before the
     # step fails with WorkerFailedError and the group is rebuilt (a dead peer is usually
     # noticed sooner, when its connection closes).
@@ -219,6 +224,10 @@ class ParallelConfig:
     # raise it where an autoscaler adds nodes on demand.
     placement_timeout_s: float = 15.0
 
+    def engine_threads(self) -> int:
+        """Threads a CPU worker rank runs its engine on (cpu_threads, else its CPU share)."""
+        return self.cpu_threads or max(1, int(self.worker_num_cpus or 1))
+
     def validate(self) -> None:
         _check(self.num_workers >= 1, "parallel.num_workers must be >= 1")
         _check(self.placement_timeout_s > 0, "parallel.placement_timeout_s must be > 0")
@@ -226,6 +235,7 @@ class ParallelConfig:
         _one_of("parallel.device", self.device, ("auto", "cpu", "cuda"))
         _one_of("parallel.attention_backend", self.attention_backend, ("auto", "torch", "cpu", "triton"))
         _check(self.worker_num_cpus is None or self.worker_num_cpus >= 0, "parallel.worker_num_cpus must be >= 0")
+        _check(self.cpu_threads is None or self.cpu_threads >= 1, "parallel.cpu_threads must be >= 1")
         _check(self.collective_timeout_s > 0, "parallel.collective_timeout_s must be > 0")
 
 
@@ -300,6 +310,17 @@ class RouterConfig:
     # (and that the load guard would still pick) waits up to this long for room there before
     # it spills to another worker as a whole-prompt miss (router/affinity_wait.py). 0 = spill at once.
     affinity_wait_s: float = 1.0
+    # A Ray resource each router replica asks for (0.01 of it), so replicas run only on the
+    # nodes that advertise it: the replicas serve gRPC on grpc_port themselves
+    # (router/grpc_ingress.py), so they must run where clients reach that port (the Helm
+    # chart advertises it on the head, which its Service targets). None = anywhere.
+    replica_resource: str | None = None
+    # Messages a router replica writes to its clients a second, over all its streams: after a
+    # message a stream waits its share (in-flight streams / this, at most 1 s) and what its
+    # worker sent meanwhile goes out merged, so under load a message carries several tokens and
+    # the stack's CPU a token falls (vLLM's and SGLang's stream interval, sized by load). The
+    # first token and the final message never wait. 0 = a message per delta a worker sends.
+    stream_messages_per_s: float = 2000.0
     # predicted_latency policy (router/routing.py, router/latency.py, router/hot_spread.py).
     # The engine's step-cost model the TTFT prediction uses: overhead + prefill tokens x
     # per-token + decoding sequences x per-sequence (defaults: the CPU engine, measured by
@@ -327,6 +348,7 @@ class RouterConfig:
         _check(1 <= self.grpc_port <= 65535 or self.grpc_port == 0, "router.grpc_port out of range")
         _check(1 <= self.http_port <= 65535 or self.http_port == 0, "router.http_port out of range")
         _check(self.num_replicas >= 1, "router.num_replicas must be >= 1")
+        _check(self.stream_messages_per_s >= 0, "router.stream_messages_per_s must be >= 0")
         _check(self.imbalance_ratio >= 1.0, "router.imbalance_ratio must be >= 1")
         _check(self.imbalance_abs_tokens >= 0, "router.imbalance_abs_tokens must be >= 0")
         _check(self.max_queue_len >= 0, "router.max_queue_len must be >= 0")

@@ -7,6 +7,7 @@ checked; it raises `InvalidRequestError` with a message a user can act on.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Callable, Sequence
@@ -467,3 +468,19 @@ class ErrorReport:
         if self.retry_after_s is not None:
             return error_class(self.message, self.retry_after_s)
         return error_class(self.message)
+
+
+def merge_deltas(batch: list[RequestDelta]) -> list[RequestDelta]:
+    """Consecutive deltas of one sample as one delta (text, token ids and logprobs joined, the
+    later delta's other fields); an error delta stays apart and nothing joins a final one."""
+    merged: list[RequestDelta] = []
+    for delta in batch:
+        last = merged[-1] if merged else None
+        if (last is None or last.finished or last.sample_index != delta.sample_index or delta.error_type
+                or (last.logprobs is None) != (delta.logprobs is None)):
+            merged.append(delta)
+            continue
+        logprobs = None if delta.logprobs is None else last.logprobs + delta.logprobs
+        merged[-1] = dataclasses.replace(delta, text=last.text + delta.text, token_ids=last.token_ids + delta.token_ids,
+                                         logprobs=logprobs)
+    return merged

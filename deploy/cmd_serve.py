@@ -14,12 +14,13 @@ Ctrl-C / SIGTERM, then deletes the application and kills the detached worker act
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
 
 from kvmesh.core.config import ConfigError, KvmeshConfig, apply_overrides
-from kvmesh.router.launch import LOCAL_NUM_WORKERS, LOCAL_WORKER_NUM_CPUS, start_serving, stop_serving
+from kvmesh.router.launch import machine_topology, start_serving, stop_serving
 
 # Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
 # (and `--help` answers) without loading torch, Ray or transformers.
@@ -53,7 +54,8 @@ def config_from_args(args: argparse.Namespace) -> KvmeshConfig:
     config = KvmeshConfig.from_yaml(args.config) if args.config else KvmeshConfig()
     data = config.to_dict()
     if not args.config and args.workers is None:  # the local defaults (router/launch.py)
-        data["parallel"].update(num_workers=LOCAL_NUM_WORKERS, worker_num_cpus=LOCAL_WORKER_NUM_CPUS)
+        workers, threads = machine_topology(os.cpu_count() or 1)
+        data["parallel"].update(num_workers=workers, cpu_threads=threads)
     flag_fields = {("model", "path"): args.model, ("parallel", "num_workers"): args.workers,
                    ("parallel", "tensor_parallel_size"): args.tp, ("router", "host"): args.host,
                    ("router", "grpc_port"): args.grpc_port, ("router", "http_port"): args.http_port,
@@ -73,8 +75,10 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_CONFIG_ERROR
     stop = threading.Event()
     router = config.router
-    print(f"kvmesh serve: starting {config.parallel.num_workers} worker(s) of "
-          f"{config.model.path or 'embedded SmolLM2'} (the first start converts the model) ...", flush=True)
+    parallel = config.parallel
+    print(f"kvmesh serve: {os.cpu_count()} CPU(s): {parallel.num_workers} worker(s) x "
+          f"{parallel.engine_threads()} engine thread(s), {config.router.num_replicas} router replica(s); "
+          f"starting {config.model.path or 'embedded SmolLM2'} (the first start converts the model) ...", flush=True)
     try:
         try:
             start_serving(config, args.app_name, args.address)

@@ -35,9 +35,10 @@ def register(subparsers) -> None:
     serve.add_argument("--proxy-location", default="EveryNode", choices=("EveryNode", "HeadOnly", "Disabled"),
                        help="where Serve runs HTTP proxies (HeadOnly on KubeRay: the router lives on the head)")
     serve.add_argument("--grpc-servicer", dest="grpc_servicer_functions", action="append", default=[],
-                       metavar="IMPORT_PATH", help="servicer function for Serve's gRPC proxy on router.grpc_port, "
-                                                   "repeatable (default: kvmesh's own)")
-    serve.add_argument("--no-grpc", action="store_true", help="no gRPC proxy (HTTP only)")
+                       metavar="IMPORT_PATH", help="servicer function for Serve's own gRPC proxy on router.grpc_port, "
+                                                   "repeatable (default none: the router replicas serve "
+                                                   "kvmesh.v1 on that port themselves)")
+    serve.add_argument("--no-grpc", action="store_true", help="no Serve gRPC proxy (the default)")
     p.add_argument("--output", "-o", help="write here instead of stdout")
     p.set_defaults(func=run)
 
@@ -64,7 +65,7 @@ def _render(args: argparse.Namespace) -> str:
 
     config = _load_config(args.config) if args.config else KvmeshConfig()
     config = apply_overrides(config, args.overrides)
-    servicers = () if args.no_grpc else tuple(args.grpc_servicer_functions) or None  # None = the router's
+    servicers = () if args.no_grpc else tuple(args.grpc_servicer_functions)
     options = ServeOptions(app_name=args.app_name, route_prefix=args.route_prefix,
                            proxy_location=args.proxy_location, grpc_servicer_functions=servicers)
     return serve_config_yaml(build_serve_config(config, options))

@@ -6,8 +6,8 @@ calls `build_app(args)` with the application's `args`, which are the whole Kvmes
 tree as a dict. Secrets arrive as process plumbing and are merged by
 `config_from_serve_args` (Redis URL, API key hashes).
 
-The gRPC port is Serve's, not the app's: the Serve file's `grpc_options` must list
-`kvmesh.router.app.GRPC_SERVICER_FUNCTION` for gRPC to be served (`kvmesh serve` does).
+gRPC is the app's own: each router replica serves kvmesh.v1 on router.grpc_port
+(router/grpc_ingress.py), so the Serve file needs no `grpc_options`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ the CLI ``--set`` overrides and the Helm values' ``kvmesh:`` block are one tree:
 
     proxy_location: EveryNode
     http_options: {host: <router.host>, port: <router.http_port>}
-    grpc_options: {port: <router.grpc_port>, grpc_servicer_functions: [<the router's servicer>]}
     applications:
     - name: kvmesh
       route_prefix: /
@@ -48,16 +47,13 @@ class ServeOptions:
     route_prefix: str = "/"
     # HeadOnly on KubeRay: proxies only on the head pod (the Service target), none on GPU workers.
     proxy_location: str = "EveryNode"
-    # Serve's gRPC proxy serves these servicers on router.grpc_port. None = the router's own
-    # (kvmesh.router.app.GRPC_SERVICER_FUNCTION, looked up at build time); () = no gRPC.
-    grpc_servicer_functions: tuple[str, ...] | None = None
+    # Servicers for Serve's own gRPC proxy, on router.grpc_port. Empty by default: the router
+    # replicas serve kvmesh.v1 on that port themselves (router/grpc_ingress.py), and a Serve
+    # gRPC proxy there would take the port from them.
+    grpc_servicer_functions: tuple[str, ...] = ()
 
     def servicers(self) -> tuple[str, ...]:
-        if self.grpc_servicer_functions is not None:
-            return self.grpc_servicer_functions
-        from kvmesh.router.app import GRPC_SERVICER_FUNCTION  # imports Serve: only when building
-
-        return (GRPC_SERVICER_FUNCTION,)
+        return tuple(self.grpc_servicer_functions or ())
 
     def validate(self) -> None:
         if not self.app_name:

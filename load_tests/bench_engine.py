@@ -515,23 +515,21 @@ def run_served(model: str | None, requests: list[WorkloadRequest], warmup: int =
     returns the figures and the cores each process role used over the timed window."""
     import asyncio
 
-    from kvmesh.router.launch import LOCAL_NUM_WORKERS, LOCAL_WORKER_NUM_CPUS
+    from kvmesh.router.launch import machine_topology, set_local_ray_env
     from kvmesh.load_tests.grpc_target import ClusterTarget
     from kvmesh.load_tests.targets import TargetRequest
 
     config = {"router": {"host": "127.0.0.1"}, **({"model": {"path": model}} if model else {}),
-              "parallel": {"num_workers": LOCAL_NUM_WORKERS, "worker_num_cpus": LOCAL_WORKER_NUM_CPUS}}
+              "parallel": dict(zip(("num_workers", "cpu_threads"), machine_topology(os.cpu_count() or 1)))}
     if overrides:
         from kvmesh.core.config import KvmeshConfig, apply_overrides
 
         config = apply_overrides(KvmeshConfig.from_dict(config), overrides).to_dict()
 
-    import os
-
     import ray
 
     if not ray.is_initialized():  # a Ray of its own: never join another cluster on this machine
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        set_local_ray_env()  # as `kvmesh serve` starts one
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
 
     async def go() -> tuple[EngineRunFigures, process_cpu.CpuAccount]:
@@ -646,7 +644,8 @@ def ratio_lines(report: BenchReport) -> list[str]:
                      f"E2E P99 {best.seed_run.e2e_p99_s / report.llama_server.e2e_p99_s:.2f}x")
     if report.served is not None and in_process is not None:
         lines.append(f"kvmesh serve / in-process {default} (the served default here) = "
-                     f"{report.served.output_tok_s / in_process.seed_run.output_tok_s:.2f}x")
+                     f"{report.served.output_tok_s / in_process.seed_run.output_tok_s:.2f}x throughput, "
+                     f"E2E P99 {report.served.e2e_p99_s / in_process.seed_run.e2e_p99_s:.2f}x")
     if report.served_cpu is not None:
         lines.append("kvmesh serve's run: " + report.served_cpu.summary())
     return lines

@@ -69,16 +69,18 @@ class CpuAccount:
 
 
 def snapshot() -> CpuSnapshot:
-    """Every Ray process's CPU so far, and this process's (the bench's client) as "client"."""
-    client_pid = os.getpid()
+    """The CPU so far of every Ray process this process started (its own local cluster: GCS,
+    raylet and the workers they fork are its descendants), and its own as "client". Only
+    descendants: on a shared machine other people's Ray clusters run beside it."""
+    me = psutil.Process()
     per_pid: dict[int, tuple[str, float]] = {}
-    for proc in psutil.process_iter(["pid", "cmdline"]):
+    for proc in [me] + me.children(recursive=True):
         try:
-            role = "client" if proc.info["pid"] == client_pid else role_of(list(proc.info["cmdline"] or ()))
+            role = "client" if proc.pid == me.pid else role_of(proc.cmdline())
             if role is None:
                 continue
             times = proc.cpu_times()
-            per_pid[proc.info["pid"]] = (role, times.user + times.system)
+            per_pid[proc.pid] = (role, times.user + times.system)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return CpuSnapshot(time.monotonic(), per_pid, psutil.cpu_times().idle)

@@ -1,21 +1,19 @@
-"""The Ray Serve application: one router deployment serving both gRPC and HTTP.
+"""The Ray Serve application: one router deployment serving gRPC itself and HTTP through Serve.
 
-Decision: gRPC through Serve's gRPC ingress and HTTP through Serve's HTTP ingress, both
-landing on the SAME deployment, `KvmeshRouter`, which is a FastAPI ingress (router/
-openai_http.py) and also defines the Kvmesh RPC methods (router/grpc_service.py). Why:
+    client ──gRPC──> the replica's own grpc.aio server (SO_REUSEPORT) ──┐
+                                                                        ├─> KvmeshRouter replica
+    client ──HTTP──> Serve HTTP proxy ──────────────────────────────────┘   (x router.num_replicas)
+                                               RouterCore ── WorkerPool / WorkerChannels ──> worker actors
 
-* no proxy hop: neither protocol is translated into the other, so each delta crosses Ray
-  once (worker actor -> router replica) before Serve's proxy writes it to the socket;
-* Serve's proxies own the ports, run on every node, drain on shutdown, and cancel the
-  replica's request when a client disconnects (which is how a vanished client aborts its
-  request on the worker and frees its KV blocks; for gRPC, router/grpc_edge.py adds a
-  Cancel for the disconnects Serve's proxy does not pass on);
-* one `RouterCore` per replica serves both, so auth, quotas, admission, routing and error
-  mapping are the same code path whichever protocol a client speaks.
-
-    client ──gRPC──> Serve gRPC proxy ──┐
-                                        ├──> KvmeshRouter replica (x router.num_replicas)
-    client ──HTTP──> Serve HTTP proxy ──┘        RouterCore ── WorkerPool ──> worker actors
+* gRPC ends in the replica (router/grpc_ingress.py): a streamed message goes worker ->
+  replica -> client socket, crossing no proxy process; Serve's gRPC proxy is not started.
+* HTTP stays on Serve's proxy (router/openai_http.py, a FastAPI ingress): Serve 2.60's direct
+  ingress gives each replica a port of its own from a range and needs HAProxy in front for
+  one address, which a `kvmesh serve` machine does not have (docs/deploy.md).
+* Workers stream to the replica over one channel per worker (router/worker_channels.py): one
+  message per engine step holding the deltas of all of this replica's requests there.
+* one `RouterCore` per replica serves both protocols, so auth, quotas, admission, routing and
+  error mapping are the same code path whichever protocol a client speaks.
 
 Workers are detached named actors (worker/runtime/actor.py) that every router replica finds by
 name, so scaling the router out does not multiply engines. Serve's replica health check is
@@ -27,6 +25,7 @@ is healthy but answers UNAVAILABLE / 503, since restarting it would not bring wo
 # (`request: Request`) after Serve rebuilds them as class-based views, and string
 # annotations would not resolve there.
 import logging
+import os
 
 from fastapi import Request, Response
 from ray import serve
@@ -34,7 +33,8 @@ from ray import serve
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.resources import resolve_worker_num_cpus
 from kvmesh.router import openai_http
-from kvmesh.router.grpc_service import KvmeshGrpcMethods
+from kvmesh.router.grpc_ingress import start_grpc_server, stop_grpc_server
+from kvmesh.router.grpc_service import KvmeshServicer
 from kvmesh.router import tracing
 from kvmesh.router.auth import Authenticator
 from kvmesh.router.grpc_edge import quiet_client_errors
@@ -46,8 +46,6 @@ from kvmesh.worker.public_api import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-# Wraps kvmesh.proto.kvmesh_pb2_grpc.add_KvmeshServicer_to_server (see grpc_service.py for why).
-GRPC_SERVICER_FUNCTION = "kvmesh.router.grpc_service.add_KvmeshServicer_to_server"
 DEFAULT_APP_NAME = "kvmesh"
 # The router is I/O bound (awaiting workers, writing sockets); a fraction of a CPU per
 # replica lets it share small nodes with the workers.
@@ -57,6 +55,12 @@ WORKER_READY_TIMEOUT_S = 600.0
 # Extra concurrent requests a replica accepts so that overload reaches admission, which
 # rejects it in microseconds with a retry-after (see build_router_app).
 OVERLOAD_HEADROOM = 1024
+# What a replica takes of router.replica_resource: a node offering 100 holds any replica count.
+ROUTER_REPLICA_RESOURCE = 0.01
+# The replica runs this much nicer than the engines: when both are runnable on a busy core the
+# engine's lockstep threads win, and a token's delivery waits a little instead of every thread
+# of the step waiting at the next barrier for the one the router preempted (docs/deploy.md).
+ROUTER_NICE_INCREMENT = 10
 # How often a replica publishes its metrics snapshot for its peers' /metrics: a scrape may
 # lag a peer's latest counts by this much (Prometheus scrapes every 10-60 s).
 METRICS_PUBLISH_INTERVAL_S = 2.0
@@ -64,11 +68,28 @@ METRICS_PUBLISH_INTERVAL_S = 2.0
 fastapi_app = openai_http.build_openai_app()
 
 
+# Above the deployment class: Serve captures the names its methods use when it is decorated.
+def lower_process_priority(increment: int) -> None:
+    """Add `increment` to the niceness of every thread of this process (Linux keeps a nice
+    value per thread; threads started later inherit their starter's). Raising niceness needs
+    no privilege; where it fails, the replica runs as it was."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+        except OSError as exc:
+            logger.debug("renice of thread %d: %s", tid, exc)
+
+
 @serve.deployment(name="KvmeshRouter", ray_actor_options={"num_cpus": ROUTER_REPLICA_NUM_CPUS})
 @serve.ingress(fastapi_app)
-class KvmeshRouter(KvmeshGrpcMethods):
+class KvmeshRouter:
     async def __init__(self, config_dict: dict):
         quiet_client_errors()  # Serve would log each refused request with a traceback
+        lower_process_priority(ROUTER_NICE_INCREMENT)
         config = KvmeshConfig.from_dict(config_dict)
         app_name = serve.get_replica_context().app_name
         self.pool = WorkerPool(config, app_name)
@@ -95,6 +116,7 @@ class KvmeshRouter(KvmeshGrpcMethods):
         self.board = get_or_create_board()
         self._publisher = start_publishing(self.board, metrics, METRICS_PUBLISH_INTERVAL_S)
         self.core = RouterCore(config, self.pool, tokenizer, authenticator, quota, model_name, metrics, tracer)
+        self._grpc_server = await start_grpc_server(KvmeshServicer(self.core), config.router)
         logger.info("router replica ready: model %s, %d workers", model_name, len(self.pool.worker_ids))
 
     # ---- OpenAI-compatible HTTP (router/openai_http.py) ------------------------------------
@@ -120,8 +142,14 @@ class KvmeshRouter(KvmeshGrpcMethods):
         return await openai_http.metrics_response(self.core, self.board)
 
     async def __del__(self):
-        self._publisher.cancel()
-        await self.pool.close()
+        # Each part only if __init__ got that far (a replica that failed to start is destroyed too).
+        if hasattr(self, "_publisher"):
+            self._publisher.cancel()
+        await stop_grpc_server(getattr(self, "_grpc_server", None))
+        if hasattr(self, "core"):
+            await self.core.channels.close()
+        if hasattr(self, "pool"):
+            await self.pool.close()
 
 
 def router_num_cpus(config: KvmeshConfig) -> float:
@@ -142,5 +170,8 @@ def build_router_app(config: KvmeshConfig):
     # the router's RESOURCE_EXHAUSTED (measured: seconds, in tests/test_overload_e2e.py).
     max_ongoing = (config.router.max_queue_len
                    + 2 * config.scheduler.max_num_seqs * config.parallel.num_workers + OVERLOAD_HEADROOM)
-    return KvmeshRouter.options(num_replicas=config.router.num_replicas,
-                                max_ongoing_requests=max_ongoing).bind(config.to_dict())
+    actor_options = {"num_cpus": ROUTER_REPLICA_NUM_CPUS}
+    if config.router.replica_resource:  # only where clients reach router.grpc_port (core/config.py)
+        actor_options["resources"] = {config.router.replica_resource: ROUTER_REPLICA_RESOURCE}
+    return KvmeshRouter.options(num_replicas=config.router.num_replicas, max_ongoing_requests=max_ongoing,
+                                ray_actor_options=actor_options).bind(config.to_dict())

@@ -1,24 +1,25 @@
-"""The Kvmesh gRPC service, as methods of the router deployment (Serve's gRPC ingress).
+"""The Kvmesh gRPC service, served by the router replica itself (router/grpc_ingress.py).
 
-Serve's gRPC proxy owns the port and registers the generated servicer through
-`add_KvmeshServicer_to_server` below (gRPCOptions.grpc_servicer_functions =
-["kvmesh.router.grpc_service.add_KvmeshServicer_to_server"]); for each RPC it calls the
-ingress deployment's method of the same name with the decoded request and a
-`RayServegRPCContext`. `KvmeshGrpcMethods` is that set of methods, mixed into the router
-deployment (router/app.py) next to the FastAPI routes, so gRPC and HTTP share one replica
-and one `RouterCore`.
+The client's HTTP/2 connection ends in the replica's own `grpc.aio` server: a streamed message
+goes worker -> replica -> client socket and crosses no proxy process (Serve's gRPC proxy cost
+a second process's CPU per message; docs/deploy.md). `KvmeshServicer` holds the replica's
+`RouterCore`, the same object the OpenAI HTTP routes use, so auth, quotas, admission, routing
+and error mapping are one code path whichever protocol a client speaks.
 
-Errors: the status comes from router/status_map.py; it is set on the context (code,
-details, trailing metadata `x-kvmesh-error` and `retry-after-ms`) and the method then
-raises, which makes Serve end the RPC with exactly that status, also mid-stream. Serve
-keeps only the code and details of a failing method, so the details carry the trailers as
-a tag that router/grpc_edge.py, in Serve's proxy, turns back into trailing metadata; the
-edge also refuses undecodable bytes and cancels streams whose client left (see there).
+Errors: the status comes from router/status_map.py; `context.abort` ends the call with its
+code, the plain message as details and the trailing metadata `x-kvmesh-error` and
+`retry-after-ms`, also mid-stream. Undecodable request bytes (or invalid UTF-8 in a string
+field) reach the handler as a grpc_edge.UndecodableRequest and get INVALID_ARGUMENT, not
+gRPC's UNKNOWN with a Python class name.
+
+Disconnects and deadlines: a client that closes its stream, cancels, or passes its gRPC
+deadline makes grpc.aio cancel the handler; the cancellation unwinds the RequestStream, which
+aborts the request on its worker and frees its KV blocks (router/router_core.py).
 
 Metadata read: `authorization: Bearer <key>`, `x-kvmesh-attempt`, `traceparent`/`tracestate`,
-and `x-kvmesh-timeout-s` (a server-enforced deadline; a client's own gRPC deadline also
-works, because the proxy then cancels the call, which aborts the request on the worker).
-Trailing metadata `x-kvmesh-worker` names the worker that served a Generate, and
+and `x-kvmesh-timeout-s` (a server-enforced deadline; a client's own gRPC deadline also works).
+Trailing metadata `x-kvmesh-worker` names the worker that served a Generate,
+`x-kvmesh-router-replica` the router replica (an opaque id), and
 `x-kvmesh-degraded` (cap | fallback) the degradation-ladder step that admitted it, if any
 (also the final message's `degraded` field; router/degradation.py).
 """
@@ -26,78 +27,65 @@ Trailing metadata `x-kvmesh-worker` names the worker that served a Generate, and
 from __future__ import annotations
 
 import logging
-import sys
 import time
 
+import grpc
+
+from kvmesh.core.errors import InvalidRequestError
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.router import convert, degradation, grpc_edge, status_map
 from kvmesh.router.convert import InboundRequest
 from kvmesh.router.router_core import RouterCore
-from kvmesh.core.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
 TIMEOUT_KEY = "x-kvmesh-timeout-s"
 WORKER_KEY = "x-kvmesh-worker"
-
-# Serve's proxy pickles each decoded request message to hand it to a replica, and pickle
-# finds a class by its __module__. protoc names the messages' module after the .proto
-# file ("kvmesh_pb2"), not after the package we import it as; until the stubs are generated
-# with the package name, this alias lets both the proxy (which imports the servicer
-# function below) and the replica (which imports this module) resolve it.
-sys.modules.setdefault(pb.GenerateRequest.__module__, pb)
+REPLICA_KEY = "x-kvmesh-router-replica"  # which router replica served the call (operations, tests)
 
 
-def add_KvmeshServicer_to_server(servicer, server) -> None:  # noqa: N802 (protoc's name)
-    """The servicer function Serve's gRPC proxy registers (gRPCOptions.grpc_servicer_functions):
-    the generated registration plus the proxy-side edge (router/grpc_edge.py)."""
-    grpc_edge.add_kvmesh_service(servicer, server)
+class KvmeshServicer:
+    """The kvmesh.v1.Kvmesh methods over one replica's RouterCore (grpc.aio handlers)."""
 
+    def __init__(self, core: RouterCore):
+        self.core = core
 
-class KvmeshGrpcMethods:
-    """gRPC methods of the router deployment; the class using it sets `self.core`."""
-
-    core: RouterCore
-
-    async def Generate(self, request: pb.GenerateRequest, grpc_context=None):
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         try:
             _check_decoded(request)
-            stream = await self.core.start(inbound_from_pb(request, _invocation_metadata(grpc_context)))
+            stream = await self.core.start(inbound_from_pb(request, _invocation_metadata(context)))
             routed_to = stream.worker_id
-            if grpc_context is not None:
-                grpc_context.set_trailing_metadata(_trailers(routed_to, stream.degraded))
+            replica = self.core.channels.replica_id
+            context.set_trailing_metadata(_trailers(routed_to, stream.degraded, replica))
             async for delta in stream:
-                if grpc_context is not None and stream.worker_id != routed_to:
+                if stream.worker_id != routed_to:
                     # Re-routed before any token (the first worker refused or failed): name
-                    # the worker that serves it. Serve's proxy copies the context with each
-                    # message, so this must be set before one is yielded.
+                    # the worker that serves it.
                     routed_to = stream.worker_id
-                    grpc_context.set_trailing_metadata(_trailers(routed_to, stream.degraded))
+                    context.set_trailing_metadata(_trailers(routed_to, stream.degraded, replica))
                 yield convert.delta_to_pb(delta)
         except Exception as exc:
-            _fail(grpc_context, exc)
-            raise
+            await _fail(context, exc)
 
-    async def Cancel(self, request: pb.CancelRequest, grpc_context=None) -> pb.CancelResponse:
+    async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:  # noqa: N802
         try:
             _check_decoded(request)
-            meta = convert.call_metadata_from_grpc(_invocation_metadata(grpc_context))
+            meta = convert.call_metadata_from_grpc(_invocation_metadata(context))
             found = await self.core.cancel(request.request_id, meta.api_key)
         except Exception as exc:
-            _fail(grpc_context, exc)
-            raise
+            await _fail(context, exc)
         return pb.CancelResponse(found=found)
 
-    async def ListModels(self, request: pb.ListModelsRequest, grpc_context=None) -> pb.ListModelsResponse:
-        meta = convert.call_metadata_from_grpc(_invocation_metadata(grpc_context))
+    async def ListModels(self, request, context) -> pb.ListModelsResponse:  # noqa: N802
+        meta = convert.call_metadata_from_grpc(_invocation_metadata(context))
         return convert.models_to_pb(self.core.list_models(meta.api_key))
 
-    async def Health(self, request: pb.HealthRequest, grpc_context=None) -> pb.HealthResponse:
+    async def Health(self, request, context) -> pb.HealthResponse:  # noqa: N802
         view = self.core.cluster_view()
         return convert.health_to_pb(convert.HealthStatus(serving=view.num_routable > 0, num_workers=view.num_workers,
                                                          num_healthy_workers=view.num_routable))
 
-    async def GetStats(self, request: pb.GetStatsRequest, grpc_context=None) -> pb.GetStatsResponse:
+    async def GetStats(self, request, context) -> pb.GetStatsResponse:  # noqa: N802
         view = await self.core.live_cluster_view()
         admission = self.core.admission.snapshot()
         totals = convert.ClusterTotals.from_workers(
@@ -107,35 +95,29 @@ class KvmeshGrpcMethods:
                                                                 ages_s=view.ages_s))
 
 
-def _invocation_metadata(grpc_context) -> list[tuple[str, str]]:
-    return list(grpc_context.invocation_metadata()) if grpc_context is not None else []
+def _invocation_metadata(context) -> list[tuple[str, str]]:
+    return [(k, v) for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)]
 
 
 def _check_decoded(request) -> None:
-    """A request the proxy could not parse (grpc_edge.UndecodableRequest) is the client's error;
-    the edge normally refuses it before it gets here."""
+    """Bytes that did not parse (grpc_edge.UndecodableRequest) are the client's error."""
     if isinstance(request, grpc_edge.UndecodableRequest):
         raise InvalidRequestError(request.message)
 
 
-def _fail(grpc_context, exc: BaseException) -> None:
-    """Put the status for `exc` on the context; the caller re-raises so Serve sends it."""
+async def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """End the call with the status for `exc` (context.abort raises; nothing returns)."""
     status = status_map.status_for(exc)
     if status.kind == "internal":
         logger.exception("gRPC request failed", exc_info=exc)
     else:
         status_map.log_client_error(status, "gRPC")
-    if grpc_context is not None:
-        grpc_context.set_code(status.grpc_code)
-        # The trailers ride in the details too: Serve drops a failing method's trailing
-        # metadata, and the edge in its proxy moves them back (router/grpc_edge.py).
-        grpc_context.set_details(status_map.grpc_details(status))
-        grpc_context.set_trailing_metadata(list(status_map.grpc_trailing_metadata(status)))
+    await status_map.abort_grpc(context, exc)
 
 
-def _trailers(worker_id: str, degraded: str | None) -> list[tuple[str, str]]:
-    """The serving worker, and the degradation step when the ladder took one."""
-    trailers = [(WORKER_KEY, worker_id)]
+def _trailers(worker_id: str, degraded: str | None, replica: str) -> list[tuple[str, str]]:
+    """The serving worker and router replica, and the degradation step when the ladder took one."""
+    trailers = [(WORKER_KEY, worker_id), (REPLICA_KEY, replica)]
     if degraded:
         trailers.append((degradation.DEGRADED_KEY, degraded))
     return trailers

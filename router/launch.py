@@ -3,8 +3,9 @@ another config, stop it. `kvmesh serve` (deploy/cmd_serve.py) runs these around 
 Ctrl-C; the load tests' cluster targets and campaigns (load_tests/) run them around a private
 local cluster they then use through the client, as any client would.
 
-    start_serving(config)         Ray (local unless `address`), Serve's gRPC + HTTP proxies,
-                                  the router app (the replicas start the worker actors)
+    start_serving(config)         Ray (local unless `address`), Serve's HTTP proxies, the
+                                  router app (its replicas serve gRPC themselves and start
+                                  the worker actors)
     redeploy_router(config)       the same app name, a new router config; the detached
                                   workers stay up (their models stay loaded)
     stop_serving(config)          delete the app, kill its workers and the fallback pool's,
@@ -25,11 +26,38 @@ from kvmesh.router.degradation import fallback_app_name, fallback_pool_config
 logger = logging.getLogger(__name__)
 
 # A local cluster with no config and no worker count (`kvmesh serve` bare, the engine bench's
-# served run): two workers, each asking half a CPU, so both fit next to the router on a
-# 2-core laptop. Any other count left without parallel.worker_num_cpus gets a share derived
+# served run) fits the machine (`machine_topology`): the engines' lockstep threads want whole
+# cores, and the stack's share of a core is small once tokens travel one message per step
+# (docs/deploy.md). Any other count left without parallel.worker_num_cpus gets a share derived
 # from the CPUs Ray sees (core/resources.py).
-LOCAL_NUM_WORKERS = 2
-LOCAL_WORKER_NUM_CPUS = 0.5
+SMALL_MACHINE_CPUS = 4  # up to this many cores: one worker with a thread on every core
+THREADS_PER_WORKER = 4  # larger machines: workers of this many threads, one core left to the stack
+
+
+def machine_topology(num_cpus: int) -> tuple[int, int]:
+    """(workers, engine threads per worker) for a machine of `num_cpus` cores.
+
+        2 cores -> 1 x 2   4 -> 1 x 4   8 -> 1 x 7   9 -> 2 x 4   16 -> 3 x 5
+
+    Small machines: one worker with every core. Two 1-thread workers on 2 cores measured
+    0.72x of one 2-thread engine without any stack (docs/benchmarks.md): each engine's batch
+    is half as large and the weights are read twice. Larger: one core left to the router,
+    Serve and Ray; workers of at least THREADS_PER_WORKER threads share the rest evenly."""
+    if num_cpus <= SMALL_MACHINE_CPUS:
+        return 1, max(1, num_cpus)
+    engine_cpus = num_cpus - 1
+    workers = max(1, engine_cpus // THREADS_PER_WORKER)
+    return workers, engine_cpus // workers
+
+
+def set_local_ray_env() -> None:
+    """Process plumbing for a local Ray that `kvmesh serve` (or a bench standing in for it)
+    starts: no auth on a private cluster, and Ray's workers at nice 0. Ray starts them at 15,
+    below GCS, raylet and the client, and the engines then lose their cores to every wake-up
+    of those; at 0 they are level with them and above the router replica, which renices
+    itself (router/app.py)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 def start_serving(config: KvmeshConfig, app_name: str = "kvmesh", address: str | None = None) -> None:
@@ -37,22 +65,22 @@ def start_serving(config: KvmeshConfig, app_name: str = "kvmesh", address: str |
     once the router replicas are up (they wait for the workers' models to load)."""
     import ray  # Ray: only where a cluster starts
     from ray import serve
-    from ray.serve.config import gRPCOptions, HTTPOptions
+    from ray.serve.config import HTTPOptions
 
-    from kvmesh.router.app import GRPC_SERVICER_FUNCTION, router_num_cpus  # Ray Serve: as above
-    from kvmesh.router.tls import check_serve_grpc_proxy, serve_http_ssl_options  # only where a cluster starts
+    from kvmesh.router.app import router_num_cpus  # Ray Serve: as above
+    from kvmesh.router.tls import serve_http_ssl_options  # only where a cluster starts
 
     if not ray.is_initialized():
         if address is None:
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster
+            set_local_ray_env()
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     # Every worker must be placeable, or it waits for CPUs forever with the cluster half up.
     config = resolve_worker_num_cpus(config, ray.cluster_resources().get("CPU", 0.0), router_num_cpus(config))
     router = config.router
-    check_serve_grpc_proxy(router.tls)  # its proxy speaks plaintext only
+    # No Serve gRPC proxy: the router replicas serve kvmesh.v1 on router.grpc_port themselves,
+    # with router.tls (router/grpc_ingress.py).
     serve.start(http_options=HTTPOptions(host=router.host, port=router.http_port,
-                                         **serve_http_ssl_options(router.tls)),
-                grpc_options=gRPCOptions(port=router.grpc_port, grpc_servicer_functions=[GRPC_SERVICER_FUNCTION]))
+                                         **serve_http_ssl_options(router.tls)))
     redeploy_router(config, app_name)
 
 

@@ -7,7 +7,7 @@
         admission (KV token budget, queue, lanes)  router/admission.py
           -> route (prefix index + worker stats)   router/routing.py (among workers with room)
     <──RequestStream── (request_id, worker_id)
-        async for delta in stream:                 worker actor's Ray stream, deadline enforced
+        async for delta in stream:                 the worker's channel (worker_channels.py), deadline enforced
         settle quota, release admission, metrics  on every exit path, exactly once
 
 Both ingresses call this one object, so auth, quotas, routing and error semantics cannot
@@ -58,10 +58,11 @@ from kvmesh.router.adapter_affinity import AdapterPlacement
 from kvmesh.router.routing import (PREFIX_POLICIES, AdapterRouting, PredictedLatencyState, RoundRobinCursor,
                                    RouteRequest, RoutingDecision, choose_worker, family_key, is_spill)
 from kvmesh.router.tenants import Tenant
+from kvmesh.router.worker_channels import ChannelFailure, WorkerChannels
 from kvmesh.router.worker_pool import WorkerPool
 from kvmesh.worker.public_api import check_structured_output, render_chat
 from kvmesh.core.seams import (AdapterRef, ErrorReport, FinishReason, GenerateRequest, RequestDelta, SamplingParams,
-                               Usage, WorkerStats, check_fits_context, request_usage)
+                               Usage, WorkerStats, check_fits_context, merge_deltas, request_usage)
 from kvmesh.core.errors import (
     AdapterNotFoundError,
     DeadlineExceededError,
@@ -79,6 +80,7 @@ logger = logging.getLogger(__name__)
 
 # GetStats reads every worker's figures live; one slower than this is shown as last polled.
 LIVE_STATS_TIMEOUT_S = 1.0
+MAX_STREAM_PACE_S = 1.0  # a paced stream still gets a message at least this often
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,8 @@ class RouterCore:
         s = config.scheduler
         self.output_estimate = (OutputLengthEstimator(s.expected_output_floor_tokens, s.expected_output_quantile)
                                 if s.admission_reserve == "expected" else None)
+        # One channel per worker for every request of this replica (router/worker_channels.py).
+        self.channels = WorkerChannels(pool)
         pool.on_stats = self._on_worker_stats
         # Polls answered before this point (the replica waits for a routable worker before it
         # builds its core) found no listener: start from them, not from nothing until the next
@@ -457,6 +461,11 @@ class RouterCore:
             return info.max_model_len
         return self.config.model.max_model_len
 
+    def stream_pace_s(self) -> float:
+        """How long a stream waits after a message: its share of router.stream_messages_per_s."""
+        budget = self.config.router.stream_messages_per_s
+        return 0.0 if budget <= 0 else min(MAX_STREAM_PACE_S, self.in_flight / budget)
+
     def cluster_view(self) -> ClusterView:
         """As of the last polls (cheap: /health, metrics)."""
         workers = tuple(self.pool.stats_for_routing())
@@ -670,62 +679,85 @@ class RequestStream:
         self._core.metrics.observe_ttft_prediction(predicted, actual)
 
     async def _worker_deltas(self) -> AsyncIterator[RequestDelta]:
-        """The chosen worker's stream, flattened, with the deadline enforced; always leaves
-        the worker with nothing running for this request."""
-        import ray.exceptions
-
+        """The request's deltas from its worker's channel (router/worker_channels.py), with
+        the deadline enforced; always leaves the worker with nothing running for this request."""
         core, worker_id, request = self._core, self.worker_id, self._request
-        handle = core.pool.handle(worker_id)
-        stream = handle.generate.options(num_returns="streaming").remote(request)
+        channels = core.channels
+        subscription = channels.subscribe(worker_id, request.request_id)
+        submitted = channels.submit(worker_id, request)
         finished = False
         try:
-            batches = stream.__aiter__()
-            while (batch := await _next_batch(batches, request.deadline_s)) is not None:
-                for delta in batch:
+            while True:
+                for delta in _merged(await _next_batch(subscription.queue, request.deadline_s)):
+                    if isinstance(delta, ChannelFailure):
+                        finished = delta.actor_failed  # a dead actor runs nothing: no abort to send
+                        if delta.actor_failed:
+                            core.pool.mark_failed(worker_id, delta.reason, delta.incarnation)
+                        else:
+                            logger.error("worker %s failed request %s: %s", worker_id, request.request_id, delta.reason)
+                        raise WorkerFailedError(f"worker {worker_id} failed while serving the request; retry")
                     if delta.finish_reason is FinishReason.ERROR and delta.error_type:
                         finished = True  # the worker ended it (refused or failed); surface the typed error
                         raise ErrorReport.from_delta(delta).to_exception()
                     finished = finished or (delta.finished and delta.sample_index >= request.sampling.n - 1)
                     yield delta
-            if not finished:  # the stream ended without a final delta: the engine aborted it
-                yield RequestDelta(request_id=request.request_id, finished=True, finish_reason=FinishReason.ABORT)
-                finished = True
-        except ray.exceptions.RayActorError as exc:
-            core.pool.mark_failed(worker_id, type(exc).__name__)
-            raise WorkerFailedError(f"worker {worker_id} failed while serving the request; retry") from None
-        except ray.exceptions.RayTaskError as exc:
-            logger.error("worker %s stream raised: %s", worker_id, exc)
-            raise WorkerFailedError(f"worker {worker_id} failed while serving the request; retry") from None
+                if finished:
+                    return
+                await _pace(subscription, core.stream_pace_s(), request.deadline_s)
         finally:
-            if not finished:
-                _abort_on_worker(stream, handle, request.request_id)
+            channels.unsubscribe(worker_id, request.request_id)
+            submitted.cancel()
+            if not finished:  # client gone, deadline, error: the engine must stop and free its blocks
+                _abort_on_worker(core.pool.handle(worker_id), request.request_id)
 
 
-def _abort_on_worker(stream, handle, worker_request_id: str) -> None:
-    """Cancel the Ray stream (the actor's generator closes, aborting the engine request) and,
-    in case the cancel races the task's start, ask the engine to abort by id as well."""
-    import ray
+def _merged(items: list) -> list:
+    """Consecutive deltas of a sample as one (what a paced wait let pile up); a ChannelFailure
+    stays where it is."""
+    out: list = []
+    run: list[RequestDelta] = []
+    for item in items:
+        if isinstance(item, RequestDelta):
+            run.append(item)
+            continue
+        out += merge_deltas(run) + [item]
+        run = []
+    return out + merge_deltas(run)
 
-    try:
-        ray.cancel(stream)
-    except Exception as exc:  # already finished or the actor is gone: nothing left to stop
-        logger.debug("cancel of %s: %s", worker_request_id, exc)
+
+async def _pace(subscription, pace_s: float, deadline_s: float | None) -> None:
+    """Wait a stream's share of the replica's message budget before its next message, unless
+    its last delta (or a failure) is already queued; the deadline is left to _next_batch."""
+    if pace_s <= 0 or subscription.ended.is_set():
+        return
+    if deadline_s is not None:
+        pace_s = min(pace_s, max(0.0, deadline_s - time.time()))
+    try:  # a timer, not wait_for's task: this runs once per message
+        async with asyncio.timeout(pace_s):
+            await subscription.ended.wait()
+    except TimeoutError:
+        pass
+
+
+def _abort_on_worker(handle, worker_request_id: str) -> None:
     try:
         handle.abort.remote(worker_request_id)
-    except Exception as exc:
+    except Exception as exc:  # the actor is gone: nothing left to stop
         logger.debug("abort of %s: %s", worker_request_id, exc)
 
 
-async def _next_batch(batches, deadline_s: float | None) -> list[RequestDelta] | None:
-    """The worker stream's next batch of deltas (None at its end), DeadlineExceededError at
-    `deadline_s`. One timer around both awaits (the next ref, then its value): this runs once
-    per message, and asyncio.wait_for's task per await cost the router measurable CPU."""
+async def _next_batch(queue: asyncio.Queue, deadline_s: float | None) -> list:
+    """Everything on the request's queue (at least one item: deltas, or a ChannelFailure),
+    DeadlineExceededError at `deadline_s`. One timer per wait, not asyncio.wait_for's task:
+    this runs once per message."""
     try:
         if deadline_s is None:
-            return await (await batches.__anext__())
-        async with asyncio.timeout(max(0.0, deadline_s - time.time())):
-            return await (await batches.__anext__())
-    except StopAsyncIteration:
-        return None
+            batch = [await queue.get()]
+        else:
+            async with asyncio.timeout(max(0.0, deadline_s - time.time())):
+                batch = [await queue.get()]
     except TimeoutError:
         raise DeadlineExceededError("the request's deadline passed") from None
+    while not queue.empty():
+        batch.append(queue.get_nowait())
+    return batch

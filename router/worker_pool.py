@@ -214,9 +214,13 @@ class WorkerPool:
 
     # ---- failures ------------------------------------------------------------------------
 
-    def mark_failed(self, worker_id: str, reason: str) -> None:
-        """A request stream on this worker failed: stop routing to it until it comes back."""
+    def mark_failed(self, worker_id: str, reason: str, incarnation: str | None = None) -> None:
+        """A request stream on this worker failed: stop routing to it until it comes back.
+        `incarnation`: the one that failed, when known; a failure of an older one than the
+        pool now knows (the worker already restarted) changes nothing."""
         state = self._workers[worker_id]
+        if incarnation is not None and state.info is not None and incarnation != state.info.incarnation:
+            return
         if state.info is not None and state.failed_incarnation != state.info.incarnation:
             state.failed_incarnation = state.info.incarnation
             state.last_error = reason

@@ -37,6 +37,7 @@ from kvmesh.router.client import KvmeshClient
 from kvmesh.router.retry import RetryPolicy
 from kvmesh.core.seams import SamplingParams
 from kvmesh.load_tests.routing_campaign import computed_tokens_per_worker
+from kvmesh.router.grpc_service import REPLICA_KEY
 from e2e_cluster import serving, settled_scrape, tiny_cluster_config, total
 
 logger = logging.getLogger(__name__)
@@ -251,6 +252,33 @@ def test_prefix_aware_keeps_families_on_one_worker_and_doubles_round_robin_hits(
     # Round robin sends each family to both workers (the comparison is not vacuous).
     assert all(len({s.worker_id for s in rr_served if s.family == f}) == 2 for f in range(NUM_FAMILIES))
     assert prefix_rate >= 2 * rr_rate
+
+
+def test_two_router_replicas_keep_each_family_on_its_worker(cluster):
+    """router.num_replicas 2: both replicas learn the same prefix events from the same
+    workers, so a family placed through one replica is routed home by the other too. Each
+    request goes out on a new connection; the replicas share the gRPC port (SO_REUSEPORT), so
+    the kernel spreads the connections over both (x-kvmesh-router-replica says which)."""
+    seed = 31
+    config = _deploy(cluster, policy="prefix_aware", num_replicas=2)
+    warm = _warm_up(config, seed)
+    home = {s.family: s.worker_id for s in warm}
+    workload = _workload(seed, [1] * NUM_FAMILIES, 24)
+    served, replicas = [], collections.Counter()
+    for i, (family, prompt) in enumerate(workload):
+        recorder = _WorkerRecorder()
+        # A subchannel pool of its own: gRPC otherwise shares one connection between channels.
+        channel = grpc.intercept_channel(grpc.insecure_channel(
+            f"127.0.0.1:{config.router.grpc_port}", options=[("grpc.use_local_subchannel_pool", 1)]), recorder)
+        with KvmeshClient("", channel=channel, retry_policy=RetryPolicy(max_attempts=8)) as client:
+            served.append(_send(client, recorder, f"two-{i}", family, prompt))
+            replicas[dict(recorder.calls[f"two-{i}"][-1].trailing_metadata())[REPLICA_KEY]] += 1
+    measured = f"replicas {dict(replicas)}, homes {home}, hit rate {hit_rate(served):.3f}"
+    print(f"\nMEASURED two replicas: {measured}")
+    assert len(replicas) == 2, measured  # both replicas routed (the comparison is not vacuous)
+    assert sorted(collections.Counter(home.values()).values()) == [2, 2], measured
+    assert all(s.worker_id == home[s.family] for s in served), measured  # no family split
+    assert all(s.cached_tokens >= PREFIX_TOKENS for s in served), measured  # the single-cache oracle's hits
 
 
 def test_predicted_latency_keeps_families_home_and_reports_its_ttft_prediction_error(cluster):

@@ -325,11 +325,10 @@ def test_serve_config_passes_ray_schema_and_our_loader(rendered):
         assert "grpc_options" not in serve_config
 
 
-def test_chart_serves_the_router_s_grpc_servicer():
-    from kvmesh.router.app import GRPC_SERVICER_FUNCTION
-
+def test_chart_starts_no_serve_grpc_proxy():
+    """The router replicas serve kvmesh.v1 on router.grpc_port; a Serve gRPC proxy would take it."""
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    assert values["serve"]["grpcServicerFunctions"] == [GRPC_SERVICER_FUNCTION]
+    assert values["serve"]["grpcServicerFunctions"] == []
 
 
 def test_serve_args_keep_secrets_out_of_the_rayservice(rendered):
@@ -463,7 +462,8 @@ CROSS_FIELD_BAD = [
       "kvmesh": {"tenants": {"tenants": [{"id": "a", "api_key_hashes": ["sha256$s$ab"]}]}}},
      "api_key_hashes must be empty"),
     ({"modelVolume": {"enabled": True}}, "existingClaim"),
-    ({"tls": {"secretName": "router-tls"}}, "plaintext only"),  # Serve's gRPC proxy still on
+    ({"tls": {"secretName": "router-tls"}, "serve": {"grpcServicerFunctions": ["my.servicer:add"]}},
+     "plaintext only"),  # a Serve gRPC proxy asked for next to TLS
     ({"tls": {"secretName": "router-tls"}, "serve": {"grpcServicerFunctions": []},
       "kvmesh": {"router": {"tls": {"cert_file": "/c", "key_file": "/k"}}}}, "must be null when tls.secretName"),
     ({"gcsFaultTolerance": {"enabled": True}}, "redisAddress"),
@@ -540,6 +540,16 @@ def test_one_engine_per_worker_pod(rendered):
         assert not any(k.endswith("/gpu") for k in limits)
         custom = json.loads(json.loads(workers["rayStartParams"]["resources"]))
         assert custom == {parallel.worker_resource: need[parallel.worker_resource]} == {parallel.worker_resource: tp}
+
+
+def test_router_replicas_run_on_the_head_where_the_grpc_port_is_served(rendered):
+    """The replicas serve gRPC themselves: only the head (the Service's target) offers the
+    resource each replica asks for."""
+    resource = rendered.values["kvmesh"]["router"]["replica_resource"]
+    head, workers = _groups(rendered)
+    if resource:
+        assert resource in json.loads(json.loads(head["rayStartParams"]["resources"]))
+        assert resource not in workers["rayStartParams"].get("resources", "")
 
 
 def test_autoscaling_bounds(rendered):

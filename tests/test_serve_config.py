@@ -65,17 +65,14 @@ def test_serve_file_shape():
     assert (app["name"], app["route_prefix"]) == ("llm", "/llm")
     assert app["args"] == config.to_dict()
     assert serve["http_options"] == {"host": "0.0.0.0", "port": 8080}
-    assert serve["grpc_options"]["port"] == config.router.grpc_port
+    assert serve["grpc_options"]["port"] == config.router.grpc_port  # Serve's own proxy, only when asked
     assert serve["proxy_location"] == "HeadOnly"
     assert "grpc_options" not in build_serve_config(config, ServeOptions(grpc_servicer_functions=()))
 
 
-def test_default_grpc_servicer_is_the_router_s():
-    from kvmesh.router.app import GRPC_SERVICER_FUNCTION
-
-    grpc = build_serve_config(KvmeshConfig())["grpc_options"]
-    assert grpc["grpc_servicer_functions"] == [GRPC_SERVICER_FUNCTION]
-    assert grpc["port"] == KvmeshConfig().router.grpc_port
+def test_no_serve_grpc_proxy_by_default():
+    """The router replicas serve kvmesh.v1 on router.grpc_port; a Serve gRPC proxy would take it."""
+    assert "grpc_options" not in build_serve_config(KvmeshConfig())
 
 
 @pytest.mark.parametrize("options", [ServeOptions(app_name=""), ServeOptions(route_prefix="llm"),
@@ -163,7 +160,7 @@ def test_command_prints_a_valid_serve_file(capsys):
     serve = yaml.safe_load(out)
     config = kvmesh_config_from_serve_config(serve)
     assert config.parallel.tensor_parallel_size == 2 and config.router.host == "0.0.0.0"
-    assert serve["grpc_options"]["port"] == config.router.grpc_port
+    assert "grpc_options" not in serve  # the router replicas serve gRPC themselves
     code, out, _ = _run_command(["--no-grpc"], capsys)
     assert code == 0 and "grpc_options" not in yaml.safe_load(out)
 
@@ -192,9 +189,7 @@ def test_example_file_is_valid_and_in_the_command_s_shape():
     added to the config later take their defaults, so the example need not list them)."""
     example = yaml.safe_load(EXAMPLE.read_text())
     config = kvmesh_config_from_serve_config(example)
-    rebuilt = build_serve_config(config, ServeOptions(proxy_location=example["proxy_location"],
-                                                      grpc_servicer_functions=tuple(
-                                                          example["grpc_options"]["grpc_servicer_functions"])))
+    rebuilt = build_serve_config(config, ServeOptions(proxy_location=example["proxy_location"]))
     rebuilt_args = rebuilt["applications"][0].pop("args")
     example_args = example["applications"][0].pop("args")
     assert rebuilt == example
@@ -233,8 +228,9 @@ def test_tls_reaches_serve_s_http_proxy_and_a_plaintext_grpc_proxy_is_refused():
     serve = build_serve_config(config, ServeOptions(grpc_servicer_functions=()))
     assert serve["http_options"]["ssl_certfile"] == "/tls/tls.crt"
     assert serve["http_options"]["ssl_keyfile"] == "/tls/tls.key"
-    with pytest.raises(ConfigError, match="plaintext only"):
-        build_serve_config(config)  # the default gRPC edge is Serve's proxy
+    assert "grpc_options" not in build_serve_config(config)  # the replicas serve gRPC, with router.tls
+    with pytest.raises(ConfigError, match="plaintext only"):  # a Serve gRPC proxy asked for next to TLS
+        build_serve_config(config, ServeOptions(grpc_servicer_functions=("my.servicer:add",)))
     mutual = config.replace(router={"tls": {"cert_file": "/c", "key_file": "/k", "client_ca_file": "/ca"}})
     with pytest.raises(ConfigError, match="mutual TLS"):
         build_serve_config(mutual, ServeOptions(grpc_servicer_functions=()))

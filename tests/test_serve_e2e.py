@@ -30,14 +30,17 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def test_serve_flags_map_onto_config(tmp_path):
-    """`kvmesh serve` flags: embedded default of two half-CPU workers; flags beat the file;
-    --set beats flags. (No cluster: parsing only.)"""
+    """`kvmesh serve` flags: the default topology fits the machine's cores; flags beat the
+    file; --set beats flags. (No cluster: parsing only.)"""
     from kvmesh.deploy import cli
     from kvmesh.deploy.cmd_serve import config_from_args
+    from kvmesh.router.launch import machine_topology
 
     parser = cli.build_parser()
     embedded = config_from_args(parser.parse_args(["serve"]))
-    assert embedded.parallel.num_workers == 2 and embedded.parallel.worker_num_cpus == 0.5
+    workers, threads = machine_topology(os.cpu_count() or 1)
+    assert (embedded.parallel.num_workers, embedded.parallel.engine_threads()) == (workers, threads)
+    assert embedded.parallel.worker_num_cpus is None  # Ray's share: derived from the cluster at start
     assert embedded.model.path is None  # SmolLM2
     path = tmp_path / "kvmesh.yaml"
     path.write_text("parallel: {num_workers: 3}\nrouter: {policy: least_loaded, http_port: 9000}\n")

@@ -269,6 +269,21 @@ def _load(stub, stop: threading.Event, outcomes: list, key: str = KEYS["load"]) 
             outcomes.append(exc.code())
 
 
+class _SpreadStub:
+    """A Kvmesh stub whose every Generate opens its own connection (a subchannel pool of its
+    own: gRPC otherwise shares one connection between channels)."""
+
+    def __init__(self, cluster):
+        self._target = f"127.0.0.1:{cluster.router.grpc_port}"
+
+    def Generate(self, request, metadata=None, timeout=None):  # noqa: N802 (the stub's name)
+        channel = grpc.insecure_channel(self._target, options=[("grpc.use_local_subchannel_pool", 1)])
+        try:
+            yield from kvmesh_pb2_grpc.KvmeshStub(channel).Generate(request, metadata=metadata, timeout=timeout)
+        finally:
+            channel.close()
+
+
 @contextlib.contextmanager
 def _load_during(stub, redis_server, num_clients: int, key: str = KEYS["load"]):
     """`num_clients` threads streaming in a loop while the block runs; yields their outcomes
@@ -298,9 +313,11 @@ def test_redis_killed_and_restarted_mid_load(cluster, channel, http_base, redis_
     gets a retryable code), both replicas flip to local limits (the metric says 1), the
     concurrency limit still holds locally (limit / replicas each), and both reconnect."""
     stub = kvmesh_pb2_grpc.KvmeshStub(channel)
-    with _load_during(stub, redis_server, 3) as outcomes:
+    # Each request on a connection of its own: the replicas share the gRPC port and the kernel
+    # spreads connections over them, so the load reaches both (as Serve's proxy spread calls).
+    with _load_during(_SpreadStub(cluster), redis_server, 3) as outcomes:
         redis_server.kill()
-        # A replica notices on its next quota call; Serve spreads the load over both.
+        # A replica notices on its next quota call; the load's connections reach both.
         wait_for(lambda: _fallback_flags(http_base) == [1.0, 1.0], timeout_s=30, what="both replicas on fallback")
         with ThreadPoolExecutor(8) as pool:
             results = list(pool.map(lambda _: _first_delta_or_error(stub, KEYS["outage"], LONG_TOKENS), range(8)))

@@ -107,7 +107,7 @@ def resolve_model(config: KvmeshConfig) -> ModelSpec:
         # One intra-op thread per CPU the worker is given: OpenMP threads spin-wait, and on a
         # shared box (router, other workers, clients) oversubscribed spinning made matmuls
         # up to 30x slower than one thread (measured on the 2-core CI machines).
-        torch.set_num_threads(max(1, int(config.parallel.worker_num_cpus or 1)))  # None: outside Ray
+        torch.set_num_threads(config.parallel.engine_threads())
     dtype = pick_dtype(config, device)
     native_len = int(getattr(hf_config, "max_position_embeddings", 2048))
     max_model_len = config.model.max_model_len or native_len

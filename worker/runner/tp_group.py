@@ -57,7 +57,7 @@ class RankWorker:
     def __init__(self, config: KvmeshConfig, rank: int):
         # Each rank gets its own worker_num_cpus cores; torch's default (all cores per
         # process) would make N ranks fight over the same cores.
-        torch.set_num_threads(max(1, int(config.parallel.worker_num_cpus or 1)))  # None: outside Ray
+        torch.set_num_threads(config.parallel.engine_threads())
         self.config = config
         self.rank = rank
         self.runner: ModelRunner | None = None

@@ -56,6 +56,7 @@ from kvmesh.core.resources import resolve_worker_num_cpus
 from kvmesh.core import errors
 from kvmesh.core import telemetry
 from kvmesh.core.kv_tier_metrics import KVTierCollector, KVTierFigures
+from kvmesh.worker.runtime.delta_channel import DeltaChannel
 from kvmesh.core.structured_output_metrics import StructuredOutputCollector
 from kvmesh.worker.parallel.placement import (actor_resource_options, engine_placement_group, rank_bundle,
                                               remove_engine_placement_group)
@@ -116,7 +117,8 @@ class WorkerActor:
                                 model_name=self._engine.model_name, block_size=self._engine.block_size,
                                 node_id=_current_node_id(), max_model_len=self._engine.engine.max_model_len,
                                 actor_name=_current_actor_name())
-        self._streaming: set[str] = set()  # request ids with a live `generate` stream
+        self._streaming: set[str] = set()  # request ids with a live `generate` stream or channel request
+        self._channels: dict[str, DeltaChannel] = {}  # router replica id -> its channel
         self._draining = False  # leaving the routable set (drain): reported unhealthy, refuses new work
         self._tracer = telemetry.get_tracer(telemetry.setup_tracing(self._config.observability, "kvmesh-worker"))
         engine = self._engine.engine
@@ -177,6 +179,64 @@ class WorkerActor:
         finally:
             self._streaming.discard(request.request_id)
             self._record_spans(request, final, arrived_at)
+
+    # ---- the router replicas' channels (worker/runtime/delta_channel.py) ----------------------
+
+    async def open_channel(self, replica_id: str) -> AsyncIterator[list[RequestDelta]]:
+        """Router replica `replica_id`'s channel, called once with num_returns="streaming": one
+        message per engine step holding every delta of that replica's requests here. When the
+        stream ends (the replica closed it or is gone), the replica's requests are aborted.
+        The first message is this incarnation's id (the router fails the requests of an
+        incarnation that died: router/worker_channels.py)."""
+        channel = self._channel(replica_id)
+        try:
+            yield self._info.incarnation
+            async for batch in channel.batches():
+                yield batch
+        finally:
+            if self._channels.get(replica_id) is channel:
+                del self._channels[replica_id]
+            for request_id in channel.request_ids():
+                await self._engine.abort(request_id)
+
+    async def submit(self, replica_id: str, request: GenerateRequest) -> str | RequestDelta:
+        """Start `request`, its deltas going out on `replica_id`'s channel; returns once the
+        engine accepted it (this incarnation's id) or with the refusal as an error delta
+        (errors as values, as `generate`'s), which the router raises as the typed error."""
+        if self._draining:  # as in `generate`: retryable, the router re-routes it
+            return ErrorReport("OverloadedError", "worker is draining",
+                               retry_after_s=DRAIN_RETRY_AFTER_S).as_delta(request.request_id)
+        if request.request_id in self._streaming:
+            return ErrorReport("InvalidRequestError",
+                               f"request id {request.request_id!r} is already in flight").as_delta(request.request_id)
+        channel = self._channel(replica_id)
+        arrived_at = time.time()
+        self._streaming.add(request.request_id)
+
+        def ended(last: RequestDelta) -> None:
+            self._streaming.discard(request.request_id)
+            self._record_spans(request, last if last.finished and not last.error_type else None, arrived_at)
+
+        try:
+            if request.kv_source and request.kv_source != self._info.actor_name:
+                await self._puller.pull(request, self._engine.engine.tokenize(request))
+            await self._engine.submit(request, channel, on_end=ended)
+        except errors.KvmeshError as exc:
+            self._streaming.discard(request.request_id)
+            return ErrorReport.from_exception(exc).as_delta(request.request_id)
+        except Exception as exc:  # a model failure: report it, keep the actor alive
+            self._streaming.discard(request.request_id)
+            logger.exception("request %s failed in the engine", request.request_id)
+            return ErrorReport("WorkerFailedError", f"engine failure: {exc!r}").as_delta(request.request_id)
+        return self._info.incarnation
+
+    def _channel(self, replica_id: str) -> DeltaChannel:
+        """The replica's channel; made by whichever of open_channel and submit comes first
+        (a submit may overtake a reopened channel's stream: its deltas wait in the buffer)."""
+        channel = self._channels.get(replica_id)
+        if channel is None:
+            channel = self._channels[replica_id] = DeltaChannel(asyncio.get_running_loop())
+        return channel
 
     def _record_spans(self, request: GenerateRequest, final: RequestDelta | None, arrived_at: float) -> None:
         """kvmesh.worker.* spans for the request, in this process; a request that never got a

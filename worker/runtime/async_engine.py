@@ -11,11 +11,12 @@ event loop talks to it through an inbox of commands and gets deltas back through
 before its first delta. Cancelling the consuming task, or closing the generator early, aborts
 the request in the engine and frees its KV blocks.
 
-Each request has one queue, filled by the step thread; `generate_batches` hands out
-everything that queue holds at once (the actor ships such batches over Ray), `generate` the
-same deltas one by one.
+Each request has one target, filled by the step thread: its own queue (`generate_batches`
+hands out everything that queue holds at once, `generate` the same deltas one by one), or the
+channel of the router replica that sent it (`submit`: every step's deltas of all that replica's
+requests leave as one message; worker/runtime/delta_channel.py). The router uses channels.
 
-Paced streams (`generate_batches(request, paced=True)`, what the actor streams): every message
+Paced streams (`generate_batches(request, paced=True)`, the actor's per-request `generate`): every message
 a worker sends costs CPU in four processes (this actor's event loop and Ray, the router, Serve's
 proxy, the client), ~2.5 ms in all per message on the 2-core machines, where the same cores run
 the engine. One message per running request per step is 64 messages a step at batch 64, and
@@ -42,15 +43,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvmesh.core.config import KvmeshConfig
-from kvmesh.core.seams import GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats
+from kvmesh.core.seams import GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats, merge_deltas
 from kvmesh.worker.engine_loop.engine import Engine
 from kvmesh.core.errors import InvalidRequestError, KvmeshError
 from kvmesh.worker.engine_loop.scheduler import SchedulerStats
@@ -69,6 +70,20 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     deltas: asyncio.Queue
     final_ready: asyncio.Event  # a finished or error delta is queued: a paced wait ends now
+
+    def put(self, delta: RequestDelta) -> None:
+        self.deltas.put_nowait(delta)
+        if delta.finished or delta.error_type:
+            self.final_ready.set()
+
+
+class DeltaTarget(Protocol):
+    """Where a request's deltas go: its own stream (`generate`), or the channel of the router
+    replica that sent it (`submit`, worker/runtime/delta_channel.py). `put` runs on `loop`."""
+
+    loop: asyncio.AbstractEventLoop
+
+    def put(self, delta: RequestDelta) -> None: ...
 
 
 @dataclass
@@ -98,7 +113,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._lock = threading.Lock()  # held by the step thread while it touches the engine
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, DeltaTarget] = {}
         self._stream_budget_per_s = engine.config.scheduler.stream_messages_per_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvmesh-engine-step", daemon=True)
@@ -154,6 +169,37 @@ class AsyncEngine:
                 # abort queues behind the add, so it lands even if the add is still pending.
                 self._inbox.put(_Abort(request.request_id))
                 self._wakeup.set()
+
+    async def submit(self, request: GenerateRequest, channel, on_end=None) -> None:
+        """Start `request` with its deltas going to `channel` (a DeltaChannel: one per router
+        replica, every step's deltas of all its requests in one message); returns once the
+        scheduler accepted it, raises its refusal (nothing then reaches the channel). The
+        request ends with its final deltas, or with `abort`; `on_end(last_delta)` then runs
+        on the channel's loop."""
+        request_id = request.request_id
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        prompt_ids = self.engine.validate(request)
+        loop = asyncio.get_running_loop()
+        self._streams[request_id] = channel
+        def ended(last: RequestDelta) -> None:
+            self._streams.pop(request_id, None)
+            if on_end is not None:
+                on_end(last)
+
+        channel.open_request(request_id, request.sampling.n, ended)
+        accepted = loop.create_future()
+        self._inbox.put(_Add(request, prompt_ids, loop, accepted))
+        self._wakeup.set()
+        try:
+            await accepted
+        except BaseException as exc:
+            self._streams.pop(request_id, None)
+            channel.forget(request_id)
+            if not isinstance(exc, KvmeshError):  # cancelled: the add may still land, so abort behind it
+                self._inbox.put(_Abort(request_id))
+                self._wakeup.set()
+            raise
 
     def pace_s(self) -> float:
         """How long a paced stream waits after a message: its share of the worker's budget."""
@@ -261,7 +307,7 @@ class AsyncEngine:
         # One cross-thread call per event loop per step, not one per delta: each
         # call_soon_threadsafe wakes the loop and takes the GIL from this step thread, which
         # at 64 running requests was 64 wake-ups between two steps of the served engine.
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestDelta]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[DeltaTarget, RequestDelta]]] = {}
         for delta in deltas:
             target = self._streams.get(delta.request_id)
             if target is not None:
@@ -270,11 +316,9 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_put_all, items)
 
 
-def _put_all(items: list[tuple[_Stream, RequestDelta]]) -> None:
-    for stream, delta in items:
-        stream.deltas.put_nowait(delta)
-        if delta.finished or delta.error_type:
-            stream.final_ready.set()
+def _put_all(items: list[tuple[DeltaTarget, RequestDelta]]) -> None:
+    for target, delta in items:
+        target.put(delta)
 
 
 def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
@@ -284,19 +328,3 @@ def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(exc)
-
-
-def merge_deltas(batch: list[RequestDelta]) -> list[RequestDelta]:
-    """Consecutive deltas of one sample as one delta (text, token ids and logprobs joined, the
-    later delta's other fields); an error delta stays apart and nothing joins a final one."""
-    merged: list[RequestDelta] = []
-    for delta in batch:
-        last = merged[-1] if merged else None
-        if (last is None or last.finished or last.sample_index != delta.sample_index or delta.error_type
-                or (last.logprobs is None) != (delta.logprobs is None)):
-            merged.append(delta)
-            continue
-        logprobs = None if delta.logprobs is None else last.logprobs + delta.logprobs
-        merged[-1] = dataclasses.replace(delta, text=last.text + delta.text, token_ids=last.token_ids + delta.token_ids,
-                                         logprobs=logprobs)
-    return merged

@@ -1,0 +1,91 @@
+"""One channel per (worker, router replica): every engine step's deltas for all of that
+replica's requests in one message, as vLLM v1's engine core sends one EngineCoreOutputs per step.
+
+    router replica R                          worker actor W
+      open_channel(R)  ──Ray streaming call──>  DeltaChannel(R).batches()   (one, long-lived)
+      submit(R, request) ─────────────────────>  AsyncEngine.submit(request, channel R)
+                          <── [deltas of step k for every request of R on W] ──
+                          <── [deltas of step k+1 ...] ──
+      abort(request_id)  ─────────────────────>  engine abort -> its ABORT delta on the channel
+
+A message per request per step made the stack's CPU grow with the batch (at batch 64, 64
+messages a step crossing Ray, the router and the ingress: docs/deploy.md); on the channel it
+is one message a step whatever the batch, and the router fans the deltas out to its streams.
+
+Backpressure, bounded: the router opens the stream with Ray's generator backpressure, so when
+a slow replica has that many messages unread the generator waits at its `yield`. Meanwhile
+the step thread keeps calling `put`, and what arrives is merged per request and sample
+(`merge_deltas`): the buffer holds at most one pending delta per live sample, however long
+the replica stalls, never a growing list of messages.
+
+Lives on the actor's event loop: `put` is called there (AsyncEngine's dispatch hands it the
+step's deltas with one call_soon_threadsafe per step), and so is `batches`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+from kvmesh.core.seams import RequestDelta, merge_deltas
+
+
+class DeltaChannel:
+    """The deltas bound for one router replica, buffered between two messages."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._pending: dict[str, list[RequestDelta]] = {}  # request id -> deltas not yet sent, in order
+        self._samples_left: dict[str, int] = {}  # live request id -> samples not yet finished
+        self._on_end: dict[str, Callable[[RequestDelta], None]] = {}
+        self._ready = asyncio.Event()
+        self._closed = False
+
+    def open_request(self, request_id: str, num_samples: int, on_end: Callable[[RequestDelta], None]) -> None:
+        """Route `request_id`'s deltas here until its last sample's final (or an error) delta;
+        `on_end(last_delta)` is called then, on this loop."""
+        self._samples_left[request_id] = num_samples
+        self._on_end[request_id] = on_end
+
+    def forget(self, request_id: str) -> None:
+        """Stop routing the request (it was refused before it started)."""
+        self._samples_left.pop(request_id, None)
+        self._on_end.pop(request_id, None)
+
+    def request_ids(self) -> list[str]:
+        """The live requests on this channel."""
+        return list(self._samples_left)
+
+    def put(self, delta: RequestDelta) -> None:
+        """One delta from the engine (or an error report for a request of this channel)."""
+        left = self._samples_left.get(delta.request_id)
+        if left is None:  # already ended (an abort's delta after an error, say)
+            return
+        self._pending.setdefault(delta.request_id, []).append(delta)
+        left = 0 if delta.error_type else left - int(delta.finished)
+        if left > 0:
+            self._samples_left[delta.request_id] = left
+        else:
+            del self._samples_left[delta.request_id]
+            self._on_end.pop(delta.request_id)(delta)
+        self._ready.set()
+
+    def put_all(self, deltas: list[RequestDelta]) -> None:
+        for delta in deltas:
+            self.put(delta)
+
+    def close(self) -> None:
+        self._closed = True
+        self._ready.set()
+
+    async def batches(self) -> AsyncIterator[list[RequestDelta]]:
+        """Everything that arrived since the previous message, as one message (at least one
+        delta each); ends after `close`."""
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            if self._closed:
+                return
+            pending, self._pending = self._pending, {}
+            if pending:
+                yield [merged for deltas in pending.values() for merged in merge_deltas(deltas)]
