@@ -34,7 +34,7 @@ from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.resources import resolve_worker_num_cpus
 from kvmesh.router import openai_http
 from kvmesh.router.grpc_ingress import start_grpc_server, stop_grpc_server
-from kvmesh.router.grpc_service import KvmeshServicer
+from kvmesh.router.grpc_service import ReplicaGrpcServicer
 from kvmesh.router import tracing
 from kvmesh.router.auth import Authenticator
 from kvmesh.router.grpc_edge import quiet_client_errors
@@ -116,7 +116,7 @@ class KvmeshRouter:
         self.board = get_or_create_board()
         self._publisher = start_publishing(self.board, metrics, METRICS_PUBLISH_INTERVAL_S)
         self.core = RouterCore(config, self.pool, tokenizer, authenticator, quota, model_name, metrics, tracer)
-        self._grpc_server = await start_grpc_server(KvmeshServicer(self.core), config.router)
+        self._grpc_server = await start_grpc_server(ReplicaGrpcServicer(self.core), config.router)
         logger.info("router replica ready: model %s, %d workers", model_name, len(self.pool.worker_ids))
 
     # ---- OpenAI-compatible HTTP (router/openai_http.py) ------------------------------------

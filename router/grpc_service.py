@@ -2,7 +2,7 @@
 
 The client's HTTP/2 connection ends in the replica's own `grpc.aio` server: a streamed message
 goes worker -> replica -> client socket and crosses no proxy process (Serve's gRPC proxy cost
-a second process's CPU per message; docs/deploy.md). `KvmeshServicer` holds the replica's
+a second process's CPU per message; docs/deploy.md). `ReplicaGrpcServicer` holds the replica's
 `RouterCore`, the same object the OpenAI HTTP routes use, so auth, quotas, admission, routing
 and error mapping are one code path whichever protocol a client speaks.
 
@@ -44,7 +44,7 @@ WORKER_KEY = "x-kvmesh-worker"
 REPLICA_KEY = "x-kvmesh-router-replica"  # which router replica served the call (operations, tests)
 
 
-class KvmeshServicer:
+class ReplicaGrpcServicer:
     """The kvmesh.v1.Kvmesh methods over one replica's RouterCore (grpc.aio handlers)."""
 
     def __init__(self, core: RouterCore):
