@@ -166,11 +166,11 @@ class SchedulerConfig:
     # important request never waits for a flood's reservations to drain. Off: only slots,
     # step budget and blocks are preempted for priority (worker/engine_loop/admission.py).
     priority_preempts_kv_reservations: bool = True
-    # The worker's output streams: at most this many messages a second over all of them
-    # (each waits streams / budget seconds, at most 1 s, after a message; what arrives
-    # meanwhile goes out merged). First and final deltas never wait. Every message costs CPU in
-    # the actor, the router, Serve's proxy and the client, on the cores the engine runs on;
-    # 0 = one message per step per stream (worker/runtime/async_engine.py, docs/benchmarks.md).
+    # The worker actor's per-request `generate` streams (not the router's path, which takes one
+    # channel per worker and router.stream_messages_per_s): at most this many messages a second
+    # over all of them (each waits streams / budget seconds, at most 1 s, after a message; what
+    # arrives meanwhile goes out merged). First and final deltas never wait; 0 = one message per
+    # step per stream (worker/runtime/async_engine.py).
     stream_messages_per_s: float = 100.0
 
     def validate(self) -> None:
