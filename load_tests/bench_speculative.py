@@ -23,6 +23,7 @@ import json
 import statistics
 import sys
 import time
+import types
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -160,6 +161,8 @@ def forward_cost(engine: Engine, prompt_ids: list[int], ks=(1, 2, 4, 8), repeats
     blocks = tuple(range(-(-(n + max(ks) + 1) // bs)))
 
     class Row:  # the few fields StepInputs reads
+        request = types.SimpleNamespace(lora_slot=None)  # base weights, no adapter
+
         def __init__(self, start, tokens):
             self.token_ids, self.num_computed_tokens, self.num_scheduled_tokens = tokens, start, len(tokens)
             self.block_ids, self.sample, self.spec_token_ids = blocks, True, tokens[1:]

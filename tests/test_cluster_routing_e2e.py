@@ -177,8 +177,17 @@ def _deploy(config: KvmeshConfig, **router) -> KvmeshConfig:
 
     config = config.replace(router=router)
     serve.run(build_router_app(config), name=APP_NAME, route_prefix="/")
+    # serve.run returns once the new replicas are up; the previous deployment's replicas still
+    # hold the shared gRPC port (SO_REUSEPORT) until they stop, and would route with the old
+    # config: wait until only the new ones are left.
+    _wait_for(lambda: _only_running_replicas(serve), what="the previous deployment's replicas to stop")
     _wait_for(lambda: _idle(config), what="both workers routable and idle")
     return config
+
+
+def _only_running_replicas(serve) -> bool:
+    deployments = serve.status().applications[APP_NAME].deployments.values()
+    return all(count == 0 or state == "RUNNING" for d in deployments for state, count in d.replica_states.items())
 
 
 def _idle(config: KvmeshConfig) -> bool:
@@ -468,7 +477,7 @@ def test_a_request_waits_for_room_on_its_prefix_worker_instead_of_spilling(clust
         # also its own ticket: the ticket is counted until a report one refresh (20 ms) later
         # ("In-flight accounting", router/admission.py), and the second would spill on that.
         long_ones = _start_streams(client, [prefix + [3000] * SUFFIX_TOKENS], long_max_tokens, f"long-{seed}-0")
-        time.sleep(0.1)
+        time.sleep(0.5)
         long_ones += _start_streams(client, [prefix + [3001] * SUFFIX_TOKENS], long_max_tokens, f"long-{seed}-1")
         served = _send(client, recorder, f"affinity-{seed}", 0, prefix + list(range(2000, 2000 + SUFFIX_TOKENS)))
         for thread in long_ones:

@@ -190,7 +190,9 @@ class _LoadRequest:
         channel = grpc.intercept_channel(grpc.insecure_channel(target), self.recorder)
         sampling = SamplingParams(max_tokens=IN_FLIGHT_MAX_TOKENS, temperature=0.0, ignore_eos=True)
         try:
-            with KvmeshClient(target, channel=channel, restart_mid_stream=True) as client:
+            # Restart, not resume: this test checks that exactly the lost node's streams fail
+            # and start again on the survivor (resumption has its own tests).
+            with KvmeshClient(target, channel=channel, restart_mid_stream=True, resume_mid_stream=False) as client:
                 for item in client.generate(f"request {self.index} of the load " * 3, sampling=sampling,
                                             timeout_s=120):
                     self.first_delta.set()

@@ -241,7 +241,7 @@ def test_interpreter_works_when_triton_was_imported_first():
         "import os, sys, torch, triton\n"
         "assert 'triton' in sys.modules\n"
         "os.environ['TRITON_INTERPRET'] = '1'\n"
-        "from kvmesh.worker.modeling import torch_ops, triton_ops\n"
+        "from kvmesh.worker.kernels import torch_ops, triton_ops\n"
         "x = torch.randn(3, 64); r = torch.randn(3, 64); w = torch.randn(64)\n"
         "out, res = triton_ops.fused_add_rms_norm(x, r, w, 1e-6)\n"
         "ref, ref_res = torch_ops.fused_add_rms_norm(x, r, w, 1e-6)\n"
