@@ -13,7 +13,7 @@ which its loopback TCP store needs. The group is detached and named after the wo
 a restarted actor lands in its own bundle again and the group dies only with `kill_workers`.
 
 The Helm chart gives each worker pod `engine_total(...)`'s GPUs (helm/kvmesh/templates/
-rayservice.yaml: tensor_parallel_size of them); tests/test_placement.py checks both agree.
+rayservice.yaml: tensor_parallel_size of them); tests/test_helm_chart.py checks both agree.
 """
 
 from __future__ import annotations
