@@ -319,8 +319,8 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
         sent_since_poll[worker_id] += costs[worker_id]
         sim_request.sent_at, sim_request.cost_tokens = clock.now, costs[worker_id]
         sizes.observe(costs[worker_id])  # as admission: the margin's unit is what each dispatch cost its worker
-        if policy == "predicted_latency":  # as router_core: the state learns what was sent where
-            latency_state.commit(decision, costs[worker_id])
+        latency_state.commit(decision, costs[worker_id])  # as router_core: the state learns what was sent where
+        if policy == "predicted_latency":
             sim_request.predicted_ttft_s = decision.predicted_ttft_s
         sim_request.worker_id, sim_request.request = worker_id, request
         by_id[request.request_id] = sim_request

@@ -340,8 +340,8 @@ class RouterCore:
             if waited is not None:
                 self.metrics.observe_affinity_wait(waited.value, time.monotonic() - affinity.started_at)
             self.metrics.observe_route(decision.path.value)
-            if decision.predicted_ttft_s is not None:  # the policy learns what it sent where
-                self.latency.commit(decision, cost_for(decision.worker_id))
+            # Every policy's recent work is kept: prefix_aware breaks new-prefix ties by it.
+            self.latency.commit(decision, cost_for(decision.worker_id))
             decisions.append(decision)
             return decision.worker_id
 

@@ -266,7 +266,8 @@ def choose_worker(matched_blocks: Mapping[str, int], workers: Sequence[WorkerSta
         if request is None or state is None:
             raise ValueError("predicted_latency routing needs a RouteRequest and a PredictedLatencyState")
         return _predicted_latency(by_id, loads, footprints, matched_blocks, config, margin, request, state, extra)
-    return _prefix_aware(ids, loads, footprints, matched_blocks, config, margin, rng, decide)
+    work = state.work.values(ids) if state is not None else {}
+    return _prefix_aware(ids, loads, footprints, work, matched_blocks, config, margin, rng, decide)
 
 
 class _LazyMap(dict):
@@ -292,12 +293,12 @@ def kv_footprint_tokens(stats: WorkerStats, extra_tokens: int = 0, known_blocks:
     return max(from_stats, known_blocks * stats.block_size)
 
 
-def _prefix_aware(ids: list[str], loads: dict[str, int], footprints: dict[str, int],
+def _prefix_aware(ids: list[str], loads: dict[str, int], footprints: dict[str, int], work: Mapping[str, float],
                   matched_blocks: Mapping[str, int], config: RouterConfig, margin: int, rng: random.Random,
                   decide) -> RoutingDecision:
     matching = [w for w in ids if matched_blocks.get(w, 0) > 0]
     if not matching:
-        return decide(_place_new_prefix(ids, loads, footprints, config, margin, rng), RoutingPath.NO_PREFIX)
+        return decide(_place_new_prefix(ids, loads, footprints, work, config, margin, rng), RoutingPath.NO_PREFIX)
     # Longest match first; among equal matches the less loaded one keeps affinity cheaper,
     # and a full tie is a coin toss: breaking it by worker id sent the hot family's requests
     # to worker-0 whenever both held it idle (measured: 1.67x the other's tokens).
@@ -340,17 +341,20 @@ def _least_loaded(ids: list[str], loads: dict[str, int], rng: random.Random) -> 
     return rng.choice([w for w in ids if loads[w] == lowest])
 
 
-def _place_new_prefix(ids: list[str], loads: dict[str, int], footprints: dict[str, int], config: RouterConfig,
-                      margin: int, rng: random.Random) -> str:
+def _place_new_prefix(ids: list[str], loads: dict[str, int], footprints: dict[str, int], work: Mapping[str, float],
+                      config: RouterConfig, margin: int, rng: random.Random) -> str:
     """Power of two choices; between loads within the imbalance thresholds, the smaller KV
-    footprint wins (then the lower load), else the lower load."""
+    footprint wins, then the less recent work (`work`: WorkMeter values, empty without a
+    state), then the lower load; else the lower load. Recent work matters once both caches
+    are full: every footprint is then the pool's size, and the coin alone put 3 of 4 new
+    families on one worker."""
     if len(ids) == 1:
         return ids[0]
     pair = rng.sample(ids, 2)
     low, high = sorted(loads[w] for w in pair)
     if is_imbalanced(high, low, config, margin):
         return min(pair, key=lambda w: loads[w])
-    return min(pair, key=lambda w: (footprints[w], loads[w]))
+    return min(pair, key=lambda w: (footprints[w], work.get(w, 0.0), loads[w]))
 
 
 def _power_of_two(ids: list[str], loads: dict[str, int], rng: random.Random) -> str:

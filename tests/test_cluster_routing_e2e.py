@@ -234,6 +234,12 @@ def test_new_prefix_goes_to_the_smaller_cache_footprint_unless_loads_are_imbalan
     assert decision.worker_id == "w0" and decision.path is RoutingPath.NO_PREFIX
     imbalanced = [stats("w0", 100, 24), stats("w1", 900, 0)]
     assert {choose_worker({}, imbalanced, config, random.Random(seed)).worker_id for seed in range(20)} == {"w0"}
+    # Both caches full (equal footprints): the worker sent less recent work takes it, not a coin.
+    from kvmesh.router.routing import PredictedLatencyState
+    state = PredictedLatencyState(config, 512, clock=lambda: 0.0)
+    state.work.observe("w0", 200)
+    full = [stats("w0", 0, 100), stats("w1", 0, 100)]
+    assert {choose_worker({}, full, config, random.Random(seed), state=state).worker_id for seed in range(20)} == {"w1"}
 
 
 def test_prefix_aware_keeps_families_on_one_worker_and_doubles_round_robin_hits(cluster):

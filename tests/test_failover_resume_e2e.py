@@ -98,7 +98,8 @@ def test_streams_of_a_killed_worker_resume_on_the_survivor_with_the_same_text(cl
 
 
 DRAIN_STREAMS = 16
-DRAIN_MAX_TOKENS = 120  # 16 streams' prompt + max_tokens fit one worker's KV budget (4,096 tokens)
+DRAIN_MAX_TOKENS = 200  # 16 streams' prompt + max_tokens fit one worker's KV budget (4,096 tokens)
+DRAIN_ROUNDS = 3  # a fast machine can finish a worker's streams before the drain call lands
 DRAIN_PROMPTS = [f"Drain {i}: the ledger of the east harbour records" for i in range(DRAIN_STREAMS)]
 
 
@@ -120,8 +121,10 @@ def _stream(stub, prompt: str, started: threading.Event | None = None) -> tuple[
 
 def test_draining_a_worker_under_16_streams_moves_its_leftovers_and_fails_nothing(cluster, stub):
     """Drain 1 of 2 workers while 16 streams run: it leaves the routable set at once (reported
-    unhealthy), gets a short grace, and the streams it still holds then continue on the other
-    worker from what they streamed: all 16 complete, each equal to its greedy reference."""
+    unhealthy), and the streams it still holds continue on the other worker from what they
+    streamed: all 16 complete, each equal to its greedy reference. The drain has no grace, so
+    what it holds when the call lands moves; a round where the victim's streams all ended
+    before that (nothing moved) is run again."""
     from concurrent.futures import ThreadPoolExecutor
 
     import ray
@@ -131,22 +134,31 @@ def test_draining_a_worker_under_16_streams_moves_its_leftovers_and_fails_nothin
     wait_for(lambda: len(_healthy(stub)) == 2, timeout_s=120, what="two healthy workers")
     with ThreadPoolExecutor(DRAIN_STREAMS) as pool:
         reference = list(pool.map(lambda p: _stream(stub, p), DRAIN_PROMPTS))
-        started = [threading.Event() for _ in DRAIN_PROMPTS]
-        futures = [pool.submit(_stream, stub, p, e) for p, e in zip(DRAIN_PROMPTS, started)]
-        for event in started:
-            assert event.wait(120), "a stream never started"
-        busy = [w.worker_id for w in stub.GetStats(pb.GetStatsRequest()).workers if w.num_running > 0]
-        assert len(busy) == 2, f"both workers should be serving the 16 streams, busy: {busy}"
-        victim = ray.get_actor(worker_actor_name(APP_NAME, int(busy[0].split("-")[1])), namespace=WORKER_NAMESPACE)
-        moved = ray.get(victim.drain.remote(0.1))
-        assert moved >= 1, "every stream finished within the grace: raise DRAIN_MAX_TOKENS"
-        wait_for(lambda: busy[0] not in _healthy(stub), what="the drained worker out of the routable set")
-        results = [f.result(timeout=240) for f in futures]
-    try:
-        for i, result in enumerate(results):
-            assert result == reference[i], f"stream {i} differs from its run without the drain"
-        stats = ray.get(victim.stats.remote())
-        assert stats.num_running == stats.num_waiting == 0 and stats.num_blocks_used == 0
-    finally:
-        ray.get(victim.undrain.remote())
-    wait_for(lambda: len(_healthy(stub)) == 2, what="the worker routable again after undrain")
+    moves = []
+    for _ in range(DRAIN_ROUNDS):
+        with ThreadPoolExecutor(DRAIN_STREAMS) as pool:
+            started = [threading.Event() for _ in DRAIN_PROMPTS]
+            futures = [pool.submit(_stream, stub, p, e) for p, e in zip(DRAIN_PROMPTS, started)]
+            for event in started:
+                assert event.wait(120), "a stream never started"
+            workers = stub.GetStats(pb.GetStatsRequest()).workers
+            busy = sorted((w for w in workers if w.num_running > 0), key=lambda w: -w.num_running)
+            assert busy, "every stream finished before the drain: raise DRAIN_MAX_TOKENS"
+            victim_id = busy[0].worker_id
+            victim = ray.get_actor(worker_actor_name(APP_NAME, int(victim_id.split("-")[1])),
+                                   namespace=WORKER_NAMESPACE)
+            moved = ray.get(victim.drain.remote(0.0))
+            wait_for(lambda: victim_id not in _healthy(stub), what="the drained worker out of the routable set")
+            results = [f.result(timeout=240) for f in futures]
+        try:
+            for i, result in enumerate(results):
+                assert result == reference[i], f"stream {i} differs from its run without the drain"
+            stats = ray.get(victim.stats.remote())
+            assert stats.num_running == stats.num_waiting == 0 and stats.num_blocks_used == 0
+        finally:
+            ray.get(victim.undrain.remote())
+        wait_for(lambda: len(_healthy(stub)) == 2, what="the worker routable again after undrain")
+        moves.append(moved)
+        if moved:
+            break
+    assert moves[-1] >= 1, f"every round's streams finished before the drain landed (moved {moves})"
