@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvmesh.load_tests.tiny_tokenizer import train_corpus_tokenizer
+
 KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
 VOCAB = 1000
 SHAPE = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, context=1024)  # K: multiples of 256 (Q4_K)
@@ -49,8 +51,6 @@ def _tensor(rng: np.random.Generator, rows: int, cols: int, type_name: str):
 
 def _add_tokenizer(writer) -> int:
     """The tiny BPE tokenizer as GGUF tokenizer fields; returns its EOS id."""
-    from kvmesh.load_tests.tiny_tokenizer import train_corpus_tokenizer
-
     tok = train_corpus_tokenizer(VOCAB)
     model = json.loads(tok.backend_tokenizer.to_str())["model"]
     tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
