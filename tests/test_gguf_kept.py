@@ -8,6 +8,7 @@ one per kept type (Q8_0, Q4_0, Q4_1, Q4_K):
   tensor bit for bit (q / k rows un-permuted as transformers does);
 - greedy tokens through the engine equal those of the same file served with quant.weight none
   (transformers' GGUF loader: gguf-dequantized fp32 weights), with chunked prefill;
+- `kvmesh capacity --weight-dtype gguf` counts exactly the bytes the loaded layers hold;
 - a projection of another type (Q5_0) is refused at load with the type and tensor named.
 """
 
@@ -96,6 +97,17 @@ def test_projections_stay_quantized_and_dequantize_as_gguf_does(gguf_file):
     if type_name in ("Q4_1", "Q4_K"):  # the min term is what these types add
         assert model.model.layers[0].mlp.up_proj.mins is not None
     assert not any(p.is_meta for p in model.parameters())
+
+
+def test_capacity_counts_the_bytes_the_loaded_model_holds(gguf_file):
+    from kvmesh.kv.capacity import estimate_weight_bytes, load_model_shape
+
+    type_name, path = gguf_file
+    config = _config(path, "gguf").replace(model={"dtype": "bf16"})  # capacity counts unquantized tensors 16-bit
+    model = load_model(config, resolve_model(config))
+    held = sum(t.numel() * t.element_size() for name, t in [*model.named_parameters(), *model.named_buffers()]
+               if "rotary" not in name)  # the RoPE tables are no weights
+    assert estimate_weight_bytes(load_model_shape(path), "gguf").total_bytes == held, type_name
 
 
 def test_greedy_equals_the_gguf_dequantized_model(gguf_file):
