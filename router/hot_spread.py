@@ -51,6 +51,7 @@ class SpreadAction:
     # On growth: the recent work of the workers the family had (mostly its own), from which
     # its family work starts; else 0.
     seed_work_tokens: float = 0.0
+    cause: str = ""  # on growth: "queue" (its best worker ran ahead in queue) or "work" (in recent work)
 
 
 def preference_order(family_key: bytes, worker_ids: Iterable[str]) -> list[str]:

@@ -433,7 +433,8 @@ def _grow(key: bytes, family: list[str], members: list[str], best: str, ids: lis
         if queue_ahead and not predicted[candidate] < predicted[best]:
             return None  # the first worker within the bound is no sooner: spreading would not help
         home = tuple(members) if members else tuple(sorted(family, key=lambda w: (predicted[w], w)))
-        return SpreadAction(key, home + (candidate,), True, False, seed_work_tokens=sum(work[w] for w in home))
+        return SpreadAction(key, home + (candidate,), True, False, seed_work_tokens=sum(work[w] for w in home),
+                            cause="queue" if queue_ahead else "work")
     return None
 
 
