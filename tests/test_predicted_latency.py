@@ -95,7 +95,7 @@ def test_a_new_prefix_goes_where_less_recent_work_went_among_workers_that_predic
 
 def test_a_hot_family_grows_onto_the_first_worker_of_its_order_within_the_bound():
     state = PredictedLatencyState(CONFIG, 512, Clock())
-    state.family_work.observe(KEY, 10_000)  # its recent cache hits: a second copy of its prefix pays
+    state.family_hit_work.observe(KEY, 10_000)  # its recent cache hits: a second copy of its prefix pays
     order = preference_order(KEY, ["w0", "w1", "w2", "w3"])
     home, first, second = order[3], order[0], order[1]
     # The home's queue runs ahead (3,000 vs 0: ratio and margin); the family's first choice
@@ -107,7 +107,7 @@ def test_a_hot_family_grows_onto_the_first_worker_of_its_order_within_the_bound(
     assert decision.spread.members == (home, second)
     # Deterministic: a second replica (its own state) with the same view picks the same worker.
     other = PredictedLatencyState(CONFIG, 512, Clock())
-    other.family_work.observe(KEY, 10_000)
+    other.family_hit_work.observe(KEY, 10_000)
     assert route(other, {home: 62}, workers, commit=False).worker_id == second
     # The family now routes between its two members by prediction, the newcomer holding it too.
     decision = route(state, {home: 62, second: 62}, [stats(w, loads.get(w, 0)) for w in order])
@@ -131,12 +131,12 @@ def test_a_family_with_little_traffic_waits_at_home_rather_than_copy_its_prefix(
     the family's recent cache hits (1,500 tokens, 750 a worker after growing) are less than the
     992-token prefix the newcomer would compute: a second copy would cost more than it moves."""
     state = PredictedLatencyState(CONFIG, 512, Clock())
-    state.family_work.observe(KEY, 1500)
+    state.family_hit_work.observe(KEY, 1500)
     order = preference_order(KEY, ["w0", "w1", "w2"])
     home = order[2]
     decision = route(state, {home: 62}, [stats(home, 3000), stats(order[0]), stats(order[1])])
     assert (decision.worker_id, decision.path) == (home, RoutingPath.PREFIX_MATCH)
-    state.family_work.observe(KEY, 500)  # 2,000 tokens: 1,000 a worker, more than the prefix
+    state.family_hit_work.observe(KEY, 500)  # 2,000 tokens: 1,000 a worker, more than the prefix
     decision = route(state, {home: 62}, [stats(home, 3000), stats(order[0]), stats(order[1])])
     assert (decision.worker_id, decision.path) == (order[0], RoutingPath.PREFIX_SPREAD)
 
@@ -144,7 +144,7 @@ def test_a_family_with_little_traffic_waits_at_home_rather_than_copy_its_prefix(
 def test_a_spread_family_returns_to_one_worker_only_after_the_cooldown_without_need():
     clock = Clock()
     state = PredictedLatencyState(CONFIG, 512, clock)
-    state.family_work.observe(KEY, 10_000)
+    state.family_hit_work.observe(KEY, 10_000)
     order = preference_order(KEY, ["w0", "w1", "w2"])
     home = order[2]
     hot = [stats(home, 3000), stats(order[0], 0), stats(order[1], 0)]
@@ -176,6 +176,7 @@ def test_a_family_whose_worker_computes_far_more_than_the_mean_spreads_before_an
     for _ in range(3):  # the home's recent work, all of it this family's cache hits: 3,000 vs a mean of 750
         state.work.observe(home, 1000)
         state.family_work.observe(KEY, 1000)
+        state.family_hit_work.observe(KEY, 1000)
     decision = route(state, {home: 62}, idle)
     assert decision.path is RoutingPath.PREFIX_SPREAD and decision.spread.cause == "work"
     assert decision.spread.members[0] == home
@@ -226,12 +227,14 @@ def test_spread_state_and_recent_work_are_bounded_and_decay():
         families.observe(key, tokens)
     assert families.value(b"b") == 0.0 and families.value(b"a") == pytest.approx(200.0)
     assert families.total() == pytest.approx(600.0)
-    # Only cache hits count as a family's work: its prefix computed once would not move.
+    # A family's work counts every ticket; the work that would move only its cache hits (its
+    # prefix, computed once, would not).
     state = PredictedLatencyState(CONFIG, 512, clock)
     route(state, {}, [stats("w0"), stats("w1")])
-    assert state.family_work.value(KEY) == 0.0
+    assert state.family_work.value(KEY) == pytest.approx(1000.0) and state.family_hit_work.value(KEY) == 0.0
     route(state, {"w0": 62, "w1": 62}, [stats("w0"), stats("w1")])
-    assert state.family_work.value(KEY) == pytest.approx(8.0)
+    assert state.family_work.value(KEY) == pytest.approx(1008.0)
+    assert state.family_hit_work.value(KEY) == pytest.approx(8.0)
 
 
 def test_the_family_key_covers_the_first_blocks_and_the_config_is_validated():
