@@ -14,16 +14,16 @@
   workers' load (each one's uncached cost where it went: `RouterAdmission.
   mean_admitted_tokens`, a `RequestSizeMeter`), which scales the absolute imbalance margin.
   It must be in the load's unit (below): a request's whole KV size (prompt + max_tokens)
-  counts a cached prefix the load leaves out, and made the margin ~12 cache hits wide on the
-  16-worker llm-d-shaped workload (6k-token prefixes) instead of ~2 requests;
+  counts a cached prefix the load leaves out, and would make the margin ~12 cache hits wide
+  on the 16-worker llm-d-shaped workload (6k-token prefixes) instead of ~2 requests;
 - request, state: the request's size and family and the policy's state (predicted_latency).
 
 The absolute margin is `max(imbalance_abs_tokens, imbalance_margin_requests x mean request)`
 (`imbalance_margin_tokens`). A fixed token count means different things for different
 request mixes: 2,048 tokens is ~4 of the 2-worker campaign's 550-token requests but less than
-one 7.2k-token request of the 16-worker table, where one queued request on a hot worker then
-broke affinity and families spread over up to 15 workers (simulated: hit rate 0.34 against
-0.58 with a margin of ~2 requests at 8 QPS). In units of requests the guard says the same
+one 7.2k-token request of the 16-worker table, where one queued request on a hot worker
+would break affinity and spread families over up to 15 workers (simulated: hit rate 0.34
+against 0.58 with a margin of ~2 requests at 8 QPS). In units of requests the guard says the same
 thing for every mix: "spill when the hot worker is more than ~2 requests ahead", a request
 counted at what it cost the worker it went to (a cache hit its tail, a miss its whole prompt),
 as the load counts it.
@@ -33,10 +33,11 @@ waiting requests still need (prompt not yet computed, a cached prefix left out, 
 to come; `WorkerStats.tokens_to_compute`), plus what the router sent since (charged
 uncached: `cost_for` in admission). A cache hit costs a worker nothing to compute, so a hot
 family's long prefix does not count against its worker at all, and affinity breaks only on
-real overload. (The KV held, `kv_tokens_used + queued_prompt_tokens`, made a worker serving
-cache hits look as loaded as one computing misses: in the skewed-mix shape the simulator put
-computed tokens per worker over 1.5x in 9 of 60 runs, against 5 of 60 with the tokens to
-compute.)
+real overload. Not the KV held (`kv_tokens_used + queued_prompt_tokens`): a worker serving
+cache hits holds as much KV as one computing misses but has far less to compute, so a KV load
+calls it busy and moves work off it that it would finish first (simulated, skewed-mix shape:
+computed tokens per worker more than 1.5x apart in 9 of 60 runs with the KV load, 5 of 60
+with the tokens to compute).
 
 Policies (RouterConfig.policy):
 
@@ -101,7 +102,7 @@ from kvmesh.router.hot_spread import FamilySpread, SpreadAction, WorkMeter, pref
 from kvmesh.router.latency import StepCostModel, TtftCalibration, predict_ttft_s, uncached_prompt_tokens
 
 
-# The policies that hash prompts and route on the prefix index (router_core, the simulator).
+# The policies that hash prompts and route on the prefix index (router/stages/admit_route.py, the simulator).
 PREFIX_POLICIES = ("prefix_aware", "predicted_latency")
 
 
