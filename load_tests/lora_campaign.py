@@ -19,8 +19,9 @@ import zlib
 
 import torch
 
+from kvmesh.core.config import KvmeshConfig
 from kvmesh.load_tests.workloads import adapter_name
-from kvmesh.worker.engine_api import LORA_MODULES, lora_projection_shapes
+from kvmesh.worker.engine_api import LORA_MODULES, ensure_hf_dir, lora_projection_shapes
 
 def write_random_adapter(folder: str, hf_config, rank: int, seed: int, targets=LORA_MODULES, alpha: int = 16) -> str:
     from safetensors.torch import save_file  # transformers' dependency; only this helper needs it
@@ -53,9 +54,6 @@ def campaign_adapters_config(config: dict, names: list[str], rank: int) -> dict:
     (lora.adapters), written once per process and model; names the campaign already lists
     keep their own folder. The adapters are made for the model the run serves."""
     from transformers import AutoConfig  # load time only
-
-    from kvmesh.core.config import KvmeshConfig
-    from kvmesh.worker.engine_api import ensure_hf_dir
 
     listed = {a["name"] for a in (config.get("lora") or {}).get("adapters", ())}
     missing = [n for n in names if n not in listed]
