@@ -34,10 +34,11 @@ _FIGURES = (  # (name, pattern over a round's summary lines, group)
 
 def serve_rounds(args) -> None:
     """The child: one Ray cluster, a round per 'run' line on stdin, its lines then 'END'."""
+    # Here, not at the top: the parent only starts the children, each of which imports the
+    # stack (and Ray) of its own checkout.
     import ray
-
-    from kvmesh.load_tests import bench_stack
-    from kvmesh.router.launch import set_local_ray_env
+    from kvmesh.load_tests import bench_stack  # this checkout's, as above
+    from kvmesh.router.launch import set_local_ray_env  # this checkout's, as above
 
     bench_args = argparse.Namespace(streams_list=[64, 1024], tokens=64, step_ms=20.0, workers=1, short=args.short,
                                     ttft_requests=30)
