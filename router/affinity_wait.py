@@ -3,15 +3,14 @@ waits a little for room there, instead of spilling at once to a worker that must
 whole prompt.
 
 Why: under load a family's worker is often full for a moment (its running requests end
-within a step or two), and admission used to send the family's next request to whichever
-worker had room first (a `preferred_full` spill), on arrival or from the queue. The request
-then computed its whole prefix there, and the family lived on both workers from then on,
-each caching a copy: the 2-worker routing campaign at 16 in flight split 4-5 of its 6
-families that way, all by full budgets, none by the load guard (measured before this rule;
-docs/routing.md, "Admission").
+within a step or two). Routed to whichever worker has room first (a `preferred_full` spill),
+the family's next request computes its whole prefix there, and the family lives on both
+workers from then on, each caching a copy: with the wait off (affinity_wait_s: 0), the
+2-worker routing campaign at 16 in flight splits 4-5 of its 6 families that way, all by full
+budgets, none by the load guard (docs/routing.md, "Admission").
 
 The rule, asked by admission (`acquire(hold=...)`) each time it would route the request to
-one of the workers with room (router_core._admit, on arrival and at every pump of the queue):
+one of the workers with room (router/stages/admit_route.py, on arrival and at every pump of the queue):
 
 - its longest cached prefix is on workers that are not among those offered (no room for it
   now): taking one offered would be a spill;
