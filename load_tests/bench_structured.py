@@ -9,7 +9,9 @@ Figures:
                 generating exactly as many tokens as its constrained run did (ignore_eos,
                 max_tokens = that count). Output tokens/s of each; ratio = constrained /
                 unconstrained (the issue's bar: >= 0.9). Rounds alternate A B B A, so drift of
-                a shared machine hits both alike.
+                a shared machine hits both alike; the same ratio in tokens per CPU second of
+                this process (the steadier one where other processes share the cores) and
+                the share of the constrained time spent computing masks are printed beside.
   * new_schema  16 free requests decoding; after 16 steps one more request arrives, validated
                 on another thread and added between steps (as AsyncEngine does): a
                 never-seen 50-property schema, or (the control) free text of the same prompt.
@@ -55,22 +57,28 @@ def wide_schema(num_properties: int = 50, salt: str = "") -> dict:
     return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
 
-def _drain(engine: Engine) -> tuple[dict[str, int], float]:
+def _drain(engine: Engine, cpu_s: list[float] | None = None) -> tuple[dict[str, int], float]:
+    """Step to the end: (tokens by request, wall seconds); appends this process's CPU seconds
+    to `cpu_s` (steadier than wall time where other processes share the cores)."""
     counts: dict[str, int] = {}
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     while engine.has_unfinished():
         for d in engine.step():
             counts[d.request_id] = counts.get(d.request_id, 0) + len(d.token_ids)
+    if cpu_s is not None:
+        cpu_s.append(time.process_time() - cpu_started)
     return counts, time.perf_counter() - started
 
 
 def throughput_round(engine: Engine, num_requests: int, max_tokens: int, lengths: dict[int, int],
-                     round_index: int) -> tuple[float, float, float]:
+                     round_index: int) -> tuple[float, float, float, float]:
     """(constrained tokens/s, unconstrained tokens/s, the share of the constrained half's time
-    spent computing masks) of one round. `lengths` (request index -> constrained output
-    tokens) fills on the first round; seeded requests sample the same tokens in any batch, so
-    later rounds may run the unconstrained half first (ABBA order)."""
-    mask_share = []
+    spent computing masks, the constrained / unconstrained ratio of tokens per CPU second of
+    this process) of one round. `lengths` (request index -> constrained output tokens) fills
+    on the first round; seeded requests sample the same tokens in any batch, so later rounds
+    may run the unconstrained half first (ABBA order)."""
+    mask_share: list[float] = []
+    cpu_s: dict[str, list[float]] = {"c": [], "f": []}
 
     def constrained() -> float:
         mask_s = engine.structured.mask_s_total
@@ -78,7 +86,7 @@ def throughput_round(engine: Engine, num_requests: int, max_tokens: int, lengths
             engine.add_request(GenerateRequest(f"c{round_index}-{i}", prompt=PROMPT, sampling=SamplingParams(
                 max_tokens=max_tokens, temperature=0.7, seed=i,
                 structured=StructuredOutput("json_schema", json.dumps(SCHEMAS[i % len(SCHEMAS)])))))
-        counts, seconds = _drain(engine)
+        counts, seconds = _drain(engine, cpu_s["c"])
         for i in range(num_requests):
             lengths.setdefault(i, counts[f"c{round_index}-{i}"])
         mask_share.append((engine.structured.mask_s_total - mask_s) / seconds)
@@ -88,14 +96,17 @@ def throughput_round(engine: Engine, num_requests: int, max_tokens: int, lengths
         for i in range(num_requests):
             engine.add_request(GenerateRequest(f"f{round_index}-{i}", prompt=PROMPT, sampling=SamplingParams(
                 max_tokens=lengths[i], temperature=0.7, seed=i, ignore_eos=True)))
-        counts, seconds = _drain(engine)
+        counts, seconds = _drain(engine, cpu_s["f"])
         return sum(counts.values()) / seconds
 
     if round_index % 2 == 0 or len(lengths) < num_requests:
         c = constrained()
-        return c, free(), mask_share[0]
-    f = free()
-    return constrained(), f, mask_share[0]
+        f = free()
+    else:
+        f = free()
+        c = constrained()
+    # the same tokens in both halves: tokens per CPU second compare as CPU seconds, inverted
+    return c, f, mask_share[0], cpu_s["f"][0] / cpu_s["c"][0]
 
 
 def arrival_window(engine: Engine, num_free: int, tag: str, schema: dict | None) -> tuple[float, float, int]:
@@ -182,15 +193,17 @@ def main(argv: list[str] | None = None) -> int:
     engine.structured.prepare()  # as AsyncEngine does before its step thread starts
     # warm-up: the schemas' compiles, the forward paths
     throughput_round(engine, min(concurrent, 4), 16, {}, -2)
-    ratios, lengths, mask_shares = [], {}, []
+    ratios, lengths, mask_shares, cpu_ratios = [], {}, [], []
     for r in range(2 * rounds):
-        c, f, mask_share = throughput_round(engine, concurrent, args.max_tokens, lengths, r)
+        c, f, mask_share, cpu_ratio = throughput_round(engine, concurrent, args.max_tokens, lengths, r)
         ratios.append(c / f)
         mask_shares.append(mask_share)
-        print(f"round {r}: constrained {c:.1f} tok/s, unconstrained {f:.1f} tok/s, ratio {c / f:.3f}, "
-              f"masks {mask_share:.1%} of the constrained time", flush=True)
-    delay = new_schema_delay(engine, max(2, 2 * rounds))
+        cpu_ratios.append(cpu_ratio)
+        print(f"round {r}: constrained {c:.1f} tok/s, unconstrained {f:.1f} tok/s, ratio {c / f:.3f}; per CPU "
+              f"second {cpu_ratio:.3f}; masks {mask_share:.1%} of the constrained time", flush=True)
+    delay = new_schema_delay(engine, max(4, 2 * rounds))
     out = {"concurrent": concurrent, "throughput_ratio": statistics.median(ratios), "ratios": ratios,
+           "throughput_ratio_per_cpu_s": statistics.median(cpu_ratios), "ratios_per_cpu_s": cpu_ratios,
            "mask_share": mask_shares, **delay, "mask_s_total": engine.structured.mask_s_total,
            "figures": engine.structured.figures().__dict__}
     print(json.dumps(out, indent=1, default=str))
