@@ -116,6 +116,9 @@ class AsyncEngine:
         self._streams: dict[str, DeltaTarget] = {}
         self._stream_budget_per_s = engine.config.scheduler.stream_messages_per_s
         self._stop = threading.Event()
+        # Structured output's tokenizer view holds the GIL while it is built: before the step
+        # thread runs, never at the first constrained request (structured_output.py).
+        engine.structured.prepare()
         self._thread = threading.Thread(target=self._run, name="kvmesh-engine-step", daemon=True)
         self._thread.start()
 
