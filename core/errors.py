@@ -78,3 +78,9 @@ class WorkerFailedError(KvmeshError):
     """The worker (or its model forward) failed; a retry may land on a healthy worker."""
 
     retryable = True
+
+
+class RequestBudgetMismatchError(KvmeshError):
+    """A worker was sent a request whose carried budget (seams.RequestBudget) does not match
+    the request itself: the router and the worker disagree (block size, tokenizer) or the
+    budget was changed on the way. A server fault, never the client's: it maps to INTERNAL."""

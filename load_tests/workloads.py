@@ -23,6 +23,9 @@ seeded generator, so the prompts and lengths are those of the same workload with
 (the base-model run of a campaign compares like with like). For in-process and cluster targets
 the campaign runner writes random PEFT adapters of `adapter_rank` under those names
 (load_tests/lora_campaign.py); other targets must serve adapters of those names.
+
+Any generated kind may carry structured-output constraints (`constraints_path`,
+structured_workload.py): each output then ends where its grammar is complete.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvmesh.core.seams import StructuredOutput
 from kvmesh.load_tests.corpus import TokenCorpus
+from kvmesh.load_tests.structured_workload import read_constraints
 from kvmesh.load_tests.trace_format import TraceRecord, read_trace
 from kvmesh.core.errors import InvalidRequestError
 
@@ -117,6 +122,9 @@ class WorkloadRequest:
     stop: tuple[str, ...] = ()  # set: output_tokens is the max_tokens asked, the text ends it sooner
     arrival_offset_s: float | None = None  # only for traces: when to send, from run start
     adapter: str | None = None  # the LoRA adapter the request asks for (None = the base model)
+    # structured output (structured_workload.py): output_tokens is then a ceiling, the
+    # grammar's end (EOS) ends the output
+    structured: StructuredOutput | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -151,6 +159,9 @@ class WorkloadSpec:
     adapters: int = 0
     adapter_zipf_s: float = 1.1
     adapter_rank: int = 16  # of the random adapters the runner writes for engine / cluster targets
+    # structured output: a JSON list of constraints, request i carries entry i mod len
+    # (load_tests/structured_workload.py); synthetic, shared_prefix and long_short kinds
+    constraints_path: str | None = None
 
     def validate(self) -> None:
         if self.kind not in ("synthetic", "shared_prefix", "long_short", "trace"):
@@ -163,6 +174,8 @@ class WorkloadSpec:
             raise InvalidRequestError("shared_prefix needs num_families >= 1 and prefix_tokens >= 1")
         if self.kind == "trace" and not self.trace_path:
             raise InvalidRequestError("a trace workload needs trace_path")
+        if self.kind == "trace" and self.constraints_path:
+            raise InvalidRequestError("constraints_path applies to generated workloads, not traces")
         if bool(self.stop) != (self.max_tokens is not None) or (self.max_tokens is not None and self.max_tokens < 1):
             raise InvalidRequestError("workload.stop and workload.max_tokens (>= 1) go together")
         for dist in (self.input, self.output, self.long_input):
@@ -221,13 +234,15 @@ def _generate(spec: WorkloadSpec, corpus: TokenCorpus, tenant_id: str, api_key: 
         is_long = rng.random(n) < spec.long_fraction
         inputs = np.where(is_long, spec.long_input.scaled(spec.scale).sample(rng, n), inputs)
     cancel_points = _cancel_points(rng, outputs, spec.cancel_fraction)
+    constraints = read_constraints(spec.constraints_path) if spec.constraints_path else ()
     requests = []
     for i in range(n):
         ids, text = corpus.sample_prompt(int(inputs[i]), rng, prefix_ids=prefixes[i])
         requests.append(WorkloadRequest(index=i, prompt_token_ids=ids, prompt_text=text,
                                         output_tokens=int(outputs[i]), tenant_id=tenant_id, api_key=api_key,
                                         family=families[i], cancel_after_tokens=cancel_points[i],
-                                        stop=tuple(spec.stop)))
+                                        stop=tuple(spec.stop),
+                                        structured=constraints[i % len(constraints)] if constraints else None))
     return requests
 
 
