@@ -68,11 +68,12 @@ def load_only(mode: str) -> None:
     plan = engine.parts.plan
     print(json.dumps({"mode": mode, "rss_after_imports": rss_imports, "rss_engine_up": proc.memory_info().rss,
                       "weight_bytes": plan.weight_bytes, "kv_pool_bytes": plan.kv_cache_bytes,
+                      "swap_bytes": plan.num_swap_blocks * plan.block_size * plan.kv_bytes_per_token,
                       "planned": plan.device.split()}))
 
 
 def bench_memory() -> None:
-    print("mode  RSS after imports  RSS engine up  growth  weights  KV pool  growth - weights - KV (MiB)")
+    print("mode  RSS after imports  RSS engine up  growth  weights  KV pool  swap  rest = growth - the three (MiB)")
     for mode in MODES:
         out = subprocess.run([sys.executable, "-P", "-m", "kvmesh.load_tests.bench_gguf", "--load-only", mode],
                              check=True, capture_output=True, text=True).stdout
@@ -81,7 +82,7 @@ def bench_memory() -> None:
         growth = m["rss_engine_up"] - m["rss_after_imports"]
         print(f"{mode:5s} {m['rss_after_imports'] / mib:17.0f}  {m['rss_engine_up'] / mib:13.0f}  "
               f"{growth / mib:6.0f}  {m['weight_bytes'] / mib:7.0f}  {m['kv_pool_bytes'] / mib:7.0f}  "
-              f"{(growth - m['weight_bytes'] - m['kv_pool_bytes']) / mib:8.0f}")
+              f"{m['swap_bytes'] / mib:4.0f}  {(growth - m['weight_bytes'] - m['kv_pool_bytes'] - m['swap_bytes']) / mib:6.0f}")
 
 
 def main() -> None:

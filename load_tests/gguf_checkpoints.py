@@ -34,7 +34,7 @@ def _q4_k_blocks(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-def _tensor(rng: np.random.Generator, rows: int, cols: int, type_name: str):
+def random_tensor(rng: np.random.Generator, rows: int, cols: int, type_name: str):
     """(data, raw_dtype) for GGUFWriter.add_tensor: a random [rows, cols] weight in type_name."""
     import gguf
 
@@ -97,7 +97,7 @@ def write_tiny_llama_gguf(path: Path, type_name: str, seed: int = 0, overrides: 
                             ("ffn_down", (s["hidden"], s["intermediate"]))):
             shapes[f"blk.{i}.{name}.weight"] = (shape, type_name)
     for name, (shape, kind) in shapes.items():
-        data, raw_dtype = _tensor(rng, *shape, (overrides or {}).get(name, kind))
+        data, raw_dtype = random_tensor(rng, *shape, (overrides or {}).get(name, kind))
         writer.add_tensor(name, data, raw_dtype=raw_dtype)
     for name in [f"blk.{i}.{n}.weight" for i in range(s["layers"]) for n in ("attn_norm", "ffn_norm")] + \
             ["output_norm.weight"]:

@@ -242,12 +242,8 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         x = self._prepare_input(x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        y = None
-        if _device_kernels is not None:
-            # The device kernel takes (q - zero) * scale: a min folds into a float zero point
-            # (zero - min / scale), equal to the min's formula within fp rounding.
-            zeros = self.zeros if self.mins is None else self.zeros.float() - self.mins.float() / self.scales.float()
-            y = _device_kernels.w4a16_matmul(x2, self.qweight, self.scales, zeros, self.group_size)
+        y = (None if _device_kernels is None
+             else _device_kernels.w4a16_matmul(x2, self.qweight, self.scales, self.zeros, self.group_size, self.mins))
         if y is not None:
             return self._finish(y.reshape(*lead, self.out_features))
         operands = self._kernel_path() if x.device.type == "cpu" and x.dtype == torch.bfloat16 else None
