@@ -45,6 +45,7 @@ def cluster_sample(stats) -> dict[str, float]:
         "num_outgrown_estimates": float(sum(w.num_outgrown_estimates for w in healthy)),
         "prefix_cache_hit_rate": (sum(w.prefix_cache_hit_rate for w in healthy) / len(healthy)) if healthy else 0.0,
         "num_healthy_workers": float(len(healthy)),
+        "num_adapter_loads": float(sum(w.num_adapter_loads for w in healthy)),
     }
 
 
@@ -77,13 +78,13 @@ class GrpcTarget(Target):
         sampling = request.sampling()
         deltas = self._client(request.api_key).generate(prompt_token_ids=request.prompt_token_ids,
                                                         sampling=sampling, request_id=request.request_id,
-                                                        timeout_s=self.timeout_s)
+                                                        model=request.adapter or "", timeout_s=self.timeout_s)
         async with contextlib.aclosing(deltas) as stream:
             async for delta in stream:
                 if isinstance(delta, StreamRestart):  # only with restart_mid_stream, which we never set
                     raise WorkerFailedError("stream restarted")
                 usage = delta.usage if delta.finished else None
-                yield StreamChunk(len(delta.token_ids), finished=delta.finished,
+                yield StreamChunk(len(delta.token_ids), finished=delta.finished, text=delta.text,
                                   completion_tokens=usage.completion_tokens if usage else None,
                                   cached_tokens=usage.cached_tokens if usage else None,
                                   degraded=bool(delta.finished and delta.degraded))

@@ -1,7 +1,10 @@
 """Workload generators: exact token lengths under a real tokenizer, prefix sharing, the
 fitted length distribution, seeding, and the JSONL trace round trip."""
 
+import collections
+import dataclasses
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -117,6 +120,27 @@ def test_trace_round_trip_replays_the_same_requests(corpus, tmp_path):
     assert [r.arrival_offset_s for r in replay] == arrivals
 
 
+def test_adapters_keep_the_prompts_and_follow_zipf_popularity(corpus, tmp_path):
+    spec = WorkloadSpec(num_requests=200, scale=0.02, seed=3)
+    base = generate_workload(spec, corpus)
+    lora = generate_workload(dataclasses.replace(spec, adapters=8, adapter_zipf_s=1.1), corpus)
+    assert [r.prompt_token_ids for r in lora] == [r.prompt_token_ids for r in base]  # like for like
+    assert [r.output_tokens for r in lora] == [r.output_tokens for r in base]
+    assert all(r.adapter is None for r in base)
+    counts = collections.Counter(r.adapter for r in lora)
+    assert set(counts) <= {f"adapter-{i}" for i in range(8)} and len(counts) >= 6
+    assert counts["adapter-0"] > 2 * counts["adapter-7"]  # Zipf: the hot adapter, a long tail
+    uniform = collections.Counter(r.adapter for r in generate_workload(
+        dataclasses.replace(spec, adapters=2, adapter_zipf_s=0.0), corpus))
+    assert abs(uniform["adapter-0"] - uniform["adapter-1"]) < 40
+    path = tmp_path / "lora.jsonl"  # a trace carries each request's adapter
+    write_trace(path, lora[:5], [0.0] * 5)
+    replay = generate_workload(WorkloadSpec(kind="trace", trace_path=str(path)), corpus)
+    assert [r.adapter for r in replay] == [r.adapter for r in lora[:5]]
+    with pytest.raises(InvalidRequestError):
+        generate_workload(dataclasses.replace(spec, adapters=-1), corpus)
+
+
 def test_trace_with_lengths_and_texts(corpus, tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text('# my traffic\n{"arrival_s": 0, "tenant": "a", "prompt_tokens": 17, "output_tokens": 3}\n\n'
@@ -152,7 +176,11 @@ def test_shipped_campaigns_parse_and_bad_ones_are_rejected():
         with pytest.raises(InvalidRequestError, match="routing_campaign"):
             campaign_mod.load_campaign(path)
     names = {p.stem: campaign_mod.load_campaign(p) for p in folder.glob("*.yaml") if p not in own_driver}
-    assert {"seed-table", "peers", "prefix-routing", "overload", "tenants", "cancel-storm"} <= set(names)
+    assert {"seed-table", "peers", "prefix-routing", "overload", "tenants", "cancel-storm", "lora"} <= set(names)
+    lora = {r.name: r for r in names["lora"].runs}
+    assert lora["base"].streams[0].workload.adapters == 0 and lora["adapters"].streams[0].workload.adapters == 8
+    assert lora["cluster-adapter-aware"].config["router"]["policy"] == "prefix_aware"
+    assert lora["cluster-round-robin"].config["router"]["policy"] == "round_robin"
     assert [r.name for r in names["seed-table"].runs] == [
         "static-batch-8", "continuous", "continuous-preemption", "continuous-max-4", "stop-max-tokens",
         "stop-expected-preemption", "stop-max-tokens-poisson", "stop-expected-preemption-poisson"]
@@ -182,3 +210,36 @@ def test_a_stop_workload_asks_the_same_ceiling_and_lets_the_text_end_each_output
     for bad in ({"stop": (".",)}, {"max_tokens": 200}, {"stop": (".",), "max_tokens": 0}):
         with pytest.raises(InvalidRequestError):
             generate_workload(WorkloadSpec(num_requests=2, **bad), corpus)
+
+
+def test_a_structured_workload_carries_its_constraints_and_checks_each_output(corpus, tmp_path):
+    import json
+
+    from kvmesh.load_tests.structured_workload import http_fields, output_is_valid
+    from kvmesh.load_tests.targets import TargetRequest
+
+    shipped = "load_tests/data/structured-constraints.json"
+    path = str(Path(__file__).resolve().parents[1] / shipped)
+    reqs = generate_workload(WorkloadSpec(num_requests=8, scale=0.05, seed=3, constraints_path=path), corpus)
+    kinds = [r.structured.kind for r in reqs]
+    assert kinds == ["json_schema"] * 4 + ["regex", "choice", "json_schema", "json_schema"]  # cycled
+    assert reqs[0].structured == reqs[6].structured
+    sent = TargetRequest("r", (1,), "", 96, structured=reqs[4].structured).sampling()
+    assert (sent.structured, sent.ignore_eos) == (reqs[4].structured, False)  # the grammar ends it
+    assert http_fields(reqs[5].structured) == {"structured_outputs": {"choice": list(reqs[5].structured.choices)}}
+
+    person = reqs[0].structured
+    assert output_is_valid(person, '{"name":"Ada","age":36,"tags":["vip"]}')
+    assert not output_is_valid(person, '{"name":"Ada","age":360,"tags":[]}')  # out of bounds
+    assert not output_is_valid(person, '{"name":"Ada","age":3')  # cut at max_tokens
+    assert output_is_valid(reqs[4].structured, "AB-1234") and not output_is_valid(reqs[4].structured, "AB-12345")
+    assert output_is_valid(reqs[5].structured, "reject") and not output_is_valid(reqs[5].structured, "rejected")
+    assert json.loads(json.dumps(http_fields(person)))["structured_outputs"]["json"]["required"] == ["name", "age", "tags"]
+
+    for i, bad in enumerate(([], [{"xml": "<a/>"}], [{"regex": "a", "choice": ["b"]}], [{"choice": []}], "{")):
+        bad_path = tmp_path / f"bad-{i}.json"
+        bad_path.write_text(bad if isinstance(bad, str) else json.dumps(bad))
+        with pytest.raises(InvalidRequestError):
+            generate_workload(WorkloadSpec(num_requests=2, constraints_path=str(bad_path)), corpus)
+    with pytest.raises(InvalidRequestError, match="traces"):
+        WorkloadSpec(kind="trace", trace_path="t.jsonl", constraints_path=path).validate()
