@@ -78,3 +78,11 @@ class WorkerFailedError(KvmeshError):
     """The worker (or its model forward) failed; a retry may land on a healthy worker."""
 
     retryable = True
+
+
+class RouterReplicaStoppingError(KvmeshError):
+    """The router replica serving the request is being removed (a rolling update, a
+    scale-down) and its drain grace ran out: the request ends retryably, and a client
+    continues it on another replica (a stream: from the tokens it received, docs/api.md)."""
+
+    retryable = True

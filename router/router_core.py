@@ -58,7 +58,7 @@ from kvmesh.router.adapter_affinity import AdapterPlacement
 from kvmesh.router.routing import (PREFIX_POLICIES, AdapterRouting, PredictedLatencyState, RoundRobinCursor,
                                    RouteRequest, RoutingDecision, choose_worker, family_key, is_spill)
 from kvmesh.router.tenants import Tenant
-from kvmesh.router.worker_channels import ChannelFailure, WorkerChannels
+from kvmesh.router.worker_channels import ChannelFailure, ReplicaStopping, WorkerChannels
 from kvmesh.router.worker_pool import WorkerPool
 from kvmesh.worker.public_api import check_structured_output, render_chat
 from kvmesh.core.seams import (AdapterRef, ErrorReport, FinishReason, GenerateRequest, RequestDelta, SamplingParams,
@@ -72,6 +72,7 @@ from kvmesh.core.errors import (
     PermissionDeniedError,
     QueueSlotTakenError,
     QuotaExceededError,
+    RouterReplicaStoppingError,
     UnauthenticatedError,
     WorkerFailedError,
 )
@@ -150,6 +151,8 @@ class RouterCore:
         Spans: kvmesh.request (ended by the stream) with auth, quota, admission and route
         children; the worker process records its own spans below kvmesh.stream, from the
         carrier in GenerateRequest.trace_context (worker/runtime/actor.py)."""
+        if self.channels.handing_off:  # stopping: the client's next connection reaches another replica
+            raise RouterReplicaStoppingError("the router replica is stopping; retry on another replica")
         arrived_s = time.time()  # TTFT and e2e latency start here, not at the worker
         root = self._tracer.start_span(tracing.SPAN_REQUEST, context=tracing.extract_context(inbound.trace_context),
                                        kind=tracing.SpanKind.SERVER)
@@ -689,6 +692,8 @@ class RequestStream:
         try:
             while True:
                 for delta in _merged(await _next_batch(subscription.queue, request.deadline_s)):
+                    if isinstance(delta, ReplicaStopping):  # this replica is stopping: the client resumes elsewhere
+                        raise RouterReplicaStoppingError("the router replica is stopping; resume on another replica")
                     if isinstance(delta, ChannelFailure):
                         finished = delta.actor_failed  # a dead actor runs nothing: no abort to send
                         if delta.actor_failed:
@@ -708,7 +713,7 @@ class RequestStream:
             channels.unsubscribe(worker_id, request.request_id)
             submitted.cancel()
             if not finished:  # client gone, deadline, error: the engine must stop and free its blocks
-                _abort_on_worker(core.pool.handle(worker_id), request.request_id)
+                _abort_on_worker(core.pool.handle(worker_id), request.request_id, channels.replica_id)
 
 
 def _merged(items: list) -> list:
@@ -739,9 +744,9 @@ async def _pace(subscription, pace_s: float, deadline_s: float | None) -> None:
         pass
 
 
-def _abort_on_worker(handle, worker_request_id: str) -> None:
-    try:
-        handle.abort.remote(worker_request_id)
+def _abort_on_worker(handle, worker_request_id: str, replica_id: str) -> None:
+    try:  # scoped to this replica's channel: a client's resumption elsewhere may hold the id by now
+        handle.abort.remote(worker_request_id, replica_id)
     except Exception as exc:  # the actor is gone: nothing left to stop
         logger.debug("abort of %s: %s", worker_request_id, exc)
 

@@ -16,6 +16,10 @@ every request subscribed on it gets `ChannelFailure` (the RequestStream re-route
 router/router_core.py) and the reader opens the channel again. A submit the worker refused
 comes back as its error delta on the request's queue.
 
+Drain: a replica that is stopping hands its streams back to their clients (`hand_off_all`):
+every subscribed request, and any that subscribes later, gets `ReplicaStopping` on its queue;
+the RequestStream aborts it on its worker and ends it retryably (router/router_core.py).
+
 Backpressure: the stream is opened with Ray's generator backpressure
 (`CHANNEL_BACKPRESSURE_MESSAGES`), so a replica that falls behind makes the worker's channel
 wait at its `yield` while it merges the deltas that keep coming (bounded: one pending delta
@@ -51,6 +55,14 @@ class ChannelFailure:
     incarnation: str | None = None
 
 
+@dataclass(frozen=True)
+class ReplicaStopping:
+    """Put on every request's queue when this replica hands its streams off (it is stopping)."""
+
+
+REPLICA_STOPPING = ReplicaStopping()
+
+
 @dataclass
 class Subscription:
     """One request's end of its worker's channel: its deltas (and a ChannelFailure) on `queue`;
@@ -78,6 +90,7 @@ class WorkerChannels:
         self._readers: dict[str, asyncio.Task] = {}
         self._pending_submits: set[asyncio.Task] = set()
         self._dead: dict[str, set[str]] = {}  # worker id -> incarnations whose channel broke
+        self.handing_off = False  # set by hand_off_all: this replica takes no stream any more
 
     def subscribe(self, worker_id: str, request_id: str) -> Subscription:
         """Where `request_id`'s deltas (and a ChannelFailure) arrive from now on."""
@@ -86,7 +99,18 @@ class WorkerChannels:
             self._readers[worker_id] = asyncio.get_running_loop().create_task(self._read(worker_id))
         sub = Subscription(asyncio.Queue(), asyncio.Event())
         self._subs[worker_id][request_id] = sub
+        if self.handing_off:  # admitted after the hand-off: it ends before it starts
+            sub.put(REPLICA_STOPPING)
         return sub
+
+    def hand_off_all(self) -> int:
+        """End every request on this replica's channels, now and later, with ReplicaStopping;
+        returns how many were live."""
+        self.handing_off = True
+        subs = [sub for by_request in self._subs.values() for sub in by_request.values()]
+        for sub in subs:
+            sub.put(REPLICA_STOPPING)
+        return len(subs)
 
     def unsubscribe(self, worker_id: str, request_id: str) -> None:
         self._subs.get(worker_id, {}).pop(request_id, None)

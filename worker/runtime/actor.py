@@ -46,9 +46,10 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from kvmesh.core.config import KvmeshConfig
@@ -68,6 +69,10 @@ logger = logging.getLogger(__name__)
 WORKER_NAMESPACE = "kvmesh"
 DRAIN_POLL_S = 0.05  # how often a draining worker checks whether its requests have finished
 DRAIN_RETRY_AFTER_S = 0.05  # a request sent to a draining worker: re-routed about at once
+# A client's resumption may reach this worker while the run it continues still streams here
+# under the same id (its router replica stopped or died before the abort landed): the earlier
+# run is aborted, and the resumption waits this long for it to end before it is refused.
+SUPERSEDE_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -206,7 +211,8 @@ class WorkerActor:
         if self._draining:  # as in `generate`: retryable, the router re-routes it
             return ErrorReport("OverloadedError", "worker is draining",
                                retry_after_s=DRAIN_RETRY_AFTER_S).as_delta(request.request_id)
-        if request.request_id in self._streaming:
+        if request.request_id in self._streaming and not (request.resume_token_ids
+                                                          and await self._superseded(request.request_id)):
             return ErrorReport("InvalidRequestError",
                                f"request id {request.request_id!r} is already in flight").as_delta(request.request_id)
         channel = self._channel(replica_id)
@@ -261,12 +267,29 @@ class WorkerActor:
         return WorkerPoll(self._info, stats, await self._engine.prefix_events_async(since_prefix_seq),
                           self._metrics.snapshot())
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, replica_id: str | None = None) -> bool:
         """Abort a request; True when this worker was streaming it (its stream then ends
-        with finish_reason ABORT). Unknown ids are a no-op."""
+        with finish_reason ABORT). Unknown ids are a no-op. With `replica_id`, only while the
+        request streams to that router replica: a late abort from a replica that gave the
+        stream up must not end the client's resumption of it, which took the id since."""
+        if replica_id is not None:
+            channel = self._channels.get(replica_id)
+            if channel is None or request_id not in channel.request_ids():
+                return False
         known = request_id in self._streaming
         await self._engine.abort(request_id)
         return known
+
+    async def _superseded(self, request_id: str) -> bool:
+        """Abort the run streaming under `request_id` for a resumption of it; True once it ended."""
+        logger.info("a resumption of request %s supersedes its run still streaming here", request_id)
+        await self._engine.abort(request_id)
+        deadline = time.monotonic() + SUPERSEDE_WAIT_S
+        while request_id in self._streaming:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(DRAIN_POLL_S)
+        return True
 
     async def stats(self) -> WorkerStats:
         stats = await self._engine.stats_async()
@@ -369,6 +392,24 @@ def start_workers(config: KvmeshConfig, app_name: str, worker_id_prefix: str = "
         options = worker_actor_options(config, app_name, index, group)
         handles.append(remote_class.options(**options).remote(config.to_dict(), f"{worker_id_prefix}-{index}"))
     return handles
+
+
+def drain_workers(app_names: Sequence[str], grace_s: float, node_id: str | None = None) -> dict[str, int]:
+    """Drain every worker of the apps `app_names`, or only those on Ray node `node_id`, all at
+    once, each with `grace_s` (WorkerActor.drain); returns {actor name: requests moved} once
+    every drain returned. Found by name, so no worker count is needed (a pod's preStop hook
+    has no config)."""
+    import ray
+
+    pattern = re.compile("|".join(re.escape(worker_actor_name(app, 0)).removesuffix("0") + r"\d+" for app in app_names))
+    handles = {actor["name"]: ray.get_actor(actor["name"], namespace=WORKER_NAMESPACE)
+               for actor in ray.util.list_named_actors(all_namespaces=True)
+               if actor["namespace"] == WORKER_NAMESPACE and pattern.fullmatch(actor["name"])}
+    if node_id is not None:
+        infos = ray.get([handle.info.remote() for handle in handles.values()])
+        handles = {name: h for (name, h), info in zip(handles.items(), infos) if info.node_id == node_id}
+    moved = ray.get([handle.drain.remote(grace_s) for handle in handles.values()])
+    return dict(zip(handles, moved))
 
 
 def kill_workers(config: KvmeshConfig, app_name: str) -> int:
