@@ -60,7 +60,8 @@ def _healthy(stub) -> list[str]:
         except grpc.RpcError:
             return None
 
-    return [w.worker_id for w in wait_for(workers, what="a router replica answering GetStats") if w.healthy]
+    return [w.worker_id for w in wait_for(workers, timeout_s=120, what="a router replica answering GetStats")
+            if w.healthy]
 
 
 def test_streams_of_a_killed_worker_resume_on_the_survivor_with_the_same_text(cluster, stub):
@@ -189,8 +190,10 @@ def test_draining_a_worker_under_16_streams_moves_its_leftovers_and_fails_nothin
 
 
 def _client_stream(target: str, prompt: str, started: threading.Event) -> tuple[tuple[str, list[int]], int]:
-    """One stream through the kvmesh client (its own channel, so the 16 spread over both router
-    replicas) -> ((text, token ids), how many times it went back to the server)."""
+    """One stream through the kvmesh client on a connection of its own (gRPC shares one
+    connection among a process's channels to a target unless told not to), so the 16 spread
+    over both router replicas (SO_REUSEPORT) -> ((text, token ids), how many times it went
+    back to the server)."""
     from kvmesh.core.seams import SamplingParams
     from kvmesh.router.client import KvmeshClient
 
@@ -202,7 +205,8 @@ def _client_stream(target: str, prompt: str, started: threading.Event) -> tuple[
 
     text, tokens = [], []
     try:
-        with KvmeshClient(target, sleep=sleep) as client:
+        channel = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+        with KvmeshClient(target, sleep=sleep, channel=channel) as client:
             sampling = SamplingParams(max_tokens=DRAIN_MAX_TOKENS, temperature=0.0, ignore_eos=True)
             for delta in client.generate(prompt, sampling=sampling, timeout_s=240):
                 text.append(delta.text)
@@ -225,8 +229,18 @@ def _router_replicas() -> dict[str, int]:
     return {state: count for state, count in states.items() if count}
 
 
+def _replica_actors() -> list[dict]:
+    """The router replicas' live actors ({name, namespace})."""
+    import ray
+
+    return [a for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("SERVE_REPLICA::") and APP_NAME in a["name"]]
+
+
 def _two_running_replicas() -> bool:
-    return _router_replicas() == {"RUNNING": 2}
+    """Serve says two replicas run and no other exists, and two replica actors live (Serve's
+    status lags a killed actor by its health check)."""
+    return _router_replicas() == {"RUNNING": 2} and len(_replica_actors()) == 2
 
 
 def _streams_under(cluster, reference, fault) -> list[int]:
@@ -250,6 +264,7 @@ def _streams_under(cluster, reference, fault) -> list[int]:
         for i, (output, _) in enumerate(results):
             assert output == reference[i], f"stream {i} differs from its greedy reference"
         went_back.append(sum(1 for _, waits in results if waits))
+        print(f"round {len(went_back)}: {went_back[-1]} of {DRAIN_STREAMS} streams went back to the server")
         if went_back[-1]:
             break
     assert went_back[-1] >= 1, f"every round's streams ended before the fault landed ({went_back})"
@@ -297,9 +312,8 @@ def test_a_router_replica_killed_under_16_streams_loses_no_token(cluster, refere
     import ray
 
     def kill_a_replica() -> None:
-        replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                    if a["name"].startswith("SERVE_REPLICA::") and APP_NAME in a["name"]]
-        assert len(replicas) == 2, replicas
+        replicas = _replica_actors()
+        assert len(replicas) == 2, (replicas, _router_replicas())
         ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
 
     _streams_under(cluster, reference, kill_a_replica)
