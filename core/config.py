@@ -241,13 +241,16 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    weight: str = "none"  # none | int8 | int4 | int4_awq
+    # none | int8 | int4 | int4_awq | gguf (a .gguf model served in its own quantization:
+    # Q8_0 -> int8 groups, Q4_0 / Q4_1 / Q4_K -> int4 groups, scales and mins as stored; other
+    # types refused at load; worker/model/gguf_loader.py). none dequantizes a GGUF at load.
+    weight: str = "none"
     group_size: int = 128  # int4 group size
     # Text file used for AWQ scale search and static fp8 KV scales; None = bundled corpus.
     calibration_path: str | None = None
 
     def validate(self) -> None:
-        _one_of("quant.weight", self.weight, ("none", "int8", "int4", "int4_awq"))
+        _one_of("quant.weight", self.weight, ("none", "int8", "int4", "int4_awq", "gguf"))
         _one_of("quant.group_size", self.group_size, (32, 64, 128))
 
 

@@ -86,3 +86,9 @@ class RouterReplicaStoppingError(KvmeshError):
     continues it on another replica (a stream: from the tokens it received, docs/api.md)."""
 
     retryable = True
+
+
+class RequestBudgetMismatchError(KvmeshError):
+    """A worker was sent a request whose carried budget (seams.RequestBudget) does not match
+    the request itself: the router and the worker disagree (block size, tokenizer) or the
+    budget was changed on the way. A server fault, never the client's: it maps to INTERNAL."""

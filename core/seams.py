@@ -256,6 +256,33 @@ class AdapterRef:
 
 
 @dataclass(frozen=True)
+class RequestBudget:
+    """What one request may consume, computed once where it enters (the router's validate
+    stage, router/stages/validate.py; Engine.validate for a request handed to an engine
+    directly) and carried with it. Later layers read these figures; the worker checks the
+    carried budget against the request it serves (kv/kv_cost.check_budget) and refuses a
+    mismatch with RequestBudgetMismatchError instead of deriving its own.
+
+        prompt_tokens   the prompt as tokenized where the request entered
+        max_tokens      per sample, as admitted (a degradation cap lowers it, with a new budget)
+        n               samples
+        block_size      K: the workers' block size the KV figure is rounded to
+        kv_tokens       n x K x ceil((prompt + max_tokens) / K): the most KV it reserves
+        output_tokens   max_tokens x n: the output the tenant's quota reserves
+    """
+
+    prompt_tokens: int
+    max_tokens: int
+    n: int
+    block_size: int
+    kv_tokens: int
+
+    @property
+    def output_tokens(self) -> int:
+        return self.max_tokens * self.n
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """One generation request as a worker receives it.
 
@@ -277,19 +304,22 @@ class GenerateRequest:
     deadline_s: float | None = None  # absolute time.time() deadline
     attempt: int = 1  # 1 = first attempt; >1 = client retry
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent carrier
-    # Failover (router/router_core.py): the request's output streamed so far by a worker that
+    # Failover (router/stages/stream.py): the request's output streamed so far by a worker that
     # died. The engine continues it as a request preempted by recompute would be (prompt +
     # these tokens computed again, or found in its caches) and streams only what follows:
     # the text after the first `resume_text_chars` characters, the tokens after these.
     resume_token_ids: tuple[int, ...] = ()
     resume_text_chars: int = 0
-    # Transfer hint (router/router_core.py): the Ray actor name of a worker holding more of
+    # Transfer hint (router/stages/admit_route.py): the Ray actor name of a worker holding more of
     # this prompt's prefix than the chosen one. The chosen worker may pull those blocks into
     # its host tier first, when its cost model says that beats recomputing them.
     kv_source: str | None = None
     # The LoRA adapter this request runs with (None = the base model). Part of the block hash
     # extra keys: two adapters never share KV.
     adapter: AdapterRef | None = None
+    # Computed once at the edge (router/stages/validate.py) and verified by the worker; None:
+    # the engine is the edge (a request handed to it directly) and computes it itself.
+    budget: RequestBudget | None = None
 
 
 class FinishReason(str, enum.Enum):

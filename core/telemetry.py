@@ -86,7 +86,7 @@ ATTR_SPEC_ACCEPTED_TOKENS = "kvmesh.spec.accepted_tokens"
 # Routing truth: the prefix blocks the router expected the chosen worker to hold, and the
 # blocks the worker's prefix cache actually served (cached prompt tokens // block size).
 ATTR_ROUTE_PREDICTED_BLOCKS = "kvmesh.route.predicted_prefix_blocks"
-# Failover (router/router_core.py): an event on kvmesh.stream each time its worker died and the
+# Failover (router/stages/stream.py): an event on kvmesh.stream each time its worker died and the
 # stream went on on another worker, with the failed worker and the tokens streamed before.
 EVENT_STREAM_RESUMED = "kvmesh.stream.resumed"
 ATTR_RESUMED_FROM_WORKER = "kvmesh.resumed_from_worker"

@@ -17,7 +17,7 @@ import sys
 # (and `--help` answers) without loading torch, Ray or transformers.
 
 KV_DTYPES = ("fp16", "bf16", "fp32", "fp8", "int8", "int4")
-WEIGHT_DTYPES = ("fp16", "bf16", "fp32", "int8", "int4")
+WEIGHT_DTYPES = ("fp16", "bf16", "fp32", "int8", "int4", "gguf")  # gguf: a .gguf's own types (quant.weight gguf)
 
 EXIT_BAD_INPUT = 2
 

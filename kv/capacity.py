@@ -65,6 +65,13 @@ QUANTIZED_WEIGHT_DTYPES = ("int8", "int4")
 WEIGHT_METADATA_BYTES = 2
 # Unquantized tensors of a quantized model (embeddings, lm_head, norms) stay 16-bit.
 UNQUANTIZED_WEIGHT_BYTES = 2
+# quant.weight gguf (a GGUF served in its own quantization, quant/gguf_layouts.py): bytes per
+# group of 32 weights in kvmesh's layers, (codes, metadata): Q8_0 int8 codes + an fp16 scale;
+# Q4_0 nibbles + fp16 scale and zero; Q4_1 + an fp16 min; Q4_K fp32 scale and min (the
+# products of its super-block and sub-block scales) + an fp16 zero. Restated here so this
+# module stays torch-free; tests/test_gguf_kept.py holds it to a loaded model's bytes.
+GGUF_KEPT_GROUP_BYTES = {"Q8_0": (32, 2), "Q4_0": (16, 4), "Q4_1": (16, 6), "Q4_K": (16, 10)}
+GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,9 @@ class ModelShape:
     tie_word_embeddings: bool = False
     num_params: int | None = None
     source: str = "flags"
+    # A GGUF's projections as quant.weight gguf keeps them: (params, code bytes, metadata
+    # bytes), or the first tensor whose type it cannot keep (then --weight-dtype gguf refuses)
+    gguf_projections: tuple[int, int, int] | str | None = None
 
     def validate(self) -> "ModelShape":
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -193,8 +203,10 @@ def estimate_weight_bytes(shape: ModelShape, weight_dtype: str, group_size: int 
     int8: one scale per output channel; int4: a scale and a zero point per group of
     `group_size` input weights. Embeddings, lm_head and norms stay 16-bit when the shape
     says how many there are."""
+    if weight_dtype == "gguf":
+        return _gguf_kept_weight_bytes(shape)
     _require(weight_dtype in WEIGHT_DTYPE_BYTES,
-             f"weight dtype must be one of {list(WEIGHT_DTYPE_BYTES)}, got {weight_dtype!r}")
+             f"weight dtype must be one of {list(WEIGHT_DTYPE_BYTES) + ['gguf']}, got {weight_dtype!r}")
     _require(group_size >= 1, f"group size must be >= 1, got {group_size}")
     total = shape.total_params
     _require(total is not None, "cannot size the weights: give --params, a model with a full config, "
@@ -220,6 +232,35 @@ def estimate_weight_bytes(shape: ModelShape, weight_dtype: str, group_size: int 
     unquantized = total - quantized
     payload = math.ceil(quantized * per_elem) + unquantized * UNQUANTIZED_WEIGHT_BYTES
     return WeightEstimate(quantized, unquantized, payload, metadata)
+
+
+def _gguf_kept_weight_bytes(shape: ModelShape) -> WeightEstimate:
+    """quant.weight gguf: the projections in the file's own types, the rest 16-bit."""
+    kept = shape.gguf_projections
+    _require(kept is not None, "weight dtype gguf needs a .gguf model (--model FILE.gguf)")
+    _require(not isinstance(kept, str), f"weight dtype gguf: {kept}")
+    params, codes, metadata = kept
+    total = shape.total_params
+    _require(total is not None and total >= params, "cannot size the weights: the GGUF's parameter count is unknown")
+    return WeightEstimate(params, total - params, codes + (total - params) * UNQUANTIZED_WEIGHT_BYTES, metadata)
+
+
+def _gguf_projections(tensors) -> tuple[int, int, int] | str:
+    params = codes = metadata = 0
+    for t in tensors:
+        parts = t.name.split(".")
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in GGUF_PROJECTIONS or parts[3] != "weight":
+            continue
+        n, kind = int(t.n_elements), t.tensor_type.name
+        params += n
+        if kind in GGUF_KEPT_GROUP_BYTES:
+            code, meta = GGUF_KEPT_GROUP_BYTES[kind]
+            codes, metadata = codes + n // 32 * code, metadata + n // 32 * meta
+        elif kind in ("F32", "F16", "BF16"):
+            codes += n * UNQUANTIZED_WEIGHT_BYTES
+        else:
+            return f"tensor {t.name!r} is {kind}, which quant.weight gguf cannot keep"
+    return params, codes, metadata
 
 
 # ---- the plan -----------------------------------------------------------------------------
@@ -374,7 +415,7 @@ def shape_from_gguf(path: str | os.PathLike) -> ModelShape:
                       vocab_size=int(vocab) if vocab else None,
                       tie_word_embeddings="output.weight" not in names,
                       num_params=int(sum(int(t.n_elements) for t in reader.tensors)),
-                      source=str(path)).validate()
+                      source=str(path), gguf_projections=_gguf_projections(reader.tensors)).validate()
 
 
 def load_model_shape(path: str | os.PathLike) -> ModelShape:

@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     if "predicted_latency" in summary:
         mean, _, p99 = summary["predicted_latency"]
         line = f"predicted_latency decision: mean {1000 * mean:.3f} ms ({mean / 0.001:.2f}x the 1 ms budget), " \
-               f"P99 {1000 * p99:.3f} ms ({p99 / 0.001:.2f}x)"
+               f"P99 {1000 * p99:.3f} ms ({p99 / 0.001:.2f}x); with prompt hashing mean " \
+               f"{1000 * mean + hashing_ms:.3f} ms ({(1000 * mean + hashing_ms):.2f}x)"
         if "prefix_aware" in summary:
             line += f"; vs prefix_aware mean {mean / summary['prefix_aware'][0]:.2f}x"
         print(line)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
 import json
 import os
 import random
@@ -38,6 +39,7 @@ from pathlib import Path
 import yaml
 
 WORKER_KEY = "x-kvmesh-worker"
+REPLICA_KEY = "x-kvmesh-router-replica"
 APP_NAME = "kvmesh-routing-campaign"
 
 
@@ -49,6 +51,7 @@ class Served:
     cached_tokens: int
     completion_tokens: int
     ttft_s: float
+    router_replica: str = ""  # the router replica that served it (x-kvmesh-router-replica)
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class RoutingRunFigures:
     oracle_hit_rate: float = 0.0  # the best any router could reach on this run's requests
     requests_per_family_worker: dict[str, int] = field(default_factory=dict)  # "f0@worker-1" -> requests
     router_counters: dict[str, float] = field(default_factory=dict)  # "spills:preferred_full", "paths:no_prefix", ...
+    requests_per_router_replica: dict[str, int] = field(default_factory=dict)
 
 
 def family_workload(spec: dict, seed: int) -> list[tuple[int, list[int]]]:
@@ -131,7 +135,8 @@ def figures(policy: str, concurrency: int, served: list[Served], num_failed: int
         families_per_worker=dict(per_worker), families_on_both=sum(len(ws) > 1 for ws in families.values()),
         wall_s=wall_s, oracle_hit_rate=oracle,
         requests_per_family_worker=dict(sorted(collections.Counter(f"f{s.family}@{s.worker_id}" for s in served).items())),
-        router_counters=router_counters or {})
+        router_counters=router_counters or {},
+        requests_per_router_replica=dict(collections.Counter(s.router_replica for s in served if s.router_replica)))
 
 
 # The router's counters a run reports: metric name -> (key prefix, its one label).
@@ -187,6 +192,9 @@ class _CallRecorder:
     def worker_of(self, request_id: str) -> str:
         return dict(self.calls[request_id].trailing_metadata() or ())[WORKER_KEY]
 
+    def replica_of(self, request_id: str) -> str:
+        return dict(self.calls[request_id].trailing_metadata() or ()).get(REPLICA_KEY, "")
+
 
 def _send(client, recorder: _CallRecorder, spec: dict, request_id: str, family: int, prompt: list[int]) -> Served:
     from kvmesh.core.seams import SamplingParams
@@ -200,7 +208,8 @@ def _send(client, recorder: _CallRecorder, spec: dict, request_id: str, family: 
         last = delta
     usage = last.usage
     return Served(family, recorder.worker_of(request_id), usage.prompt_tokens, usage.cached_tokens,
-                  usage.completion_tokens, ttft_s if ttft_s is not None else float("nan"))
+                  usage.completion_tokens, ttft_s if ttft_s is not None else float("nan"),
+                  recorder.replica_of(request_id))
 
 
 def run_campaign(spec: dict, out_dir: Path) -> list[RoutingRunFigures]:
@@ -236,11 +245,17 @@ def run_campaign(spec: dict, out_dir: Path) -> list[RoutingRunFigures]:
                 workload = family_workload(spec, seed)
                 served, failed = [], 0
                 recorder = _CallRecorder()
-                channel = grpc.intercept_channel(grpc.insecure_channel(target), recorder.interceptor)
-                client = KvmeshClient("", channel=channel, retry_policy=RetryPolicy(max_attempts=20))
+                # client_connections > 1: each its own connection (a subchannel pool of its own),
+                # which the kernel spreads over the router replicas sharing the port.
+                clients = [KvmeshClient("", channel=grpc.intercept_channel(grpc.insecure_channel(
+                    target, options=[("grpc.use_local_subchannel_pool", 1)]), recorder.interceptor),
+                    retry_policy=RetryPolicy(max_attempts=20)) for _ in range(spec.get("client_connections", 1))]
                 started = time.perf_counter()
-                with client, concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-                    futures = [pool.submit(_send, client, recorder, spec, f"c{concurrency}-{policy}-{i}", f, p)
+                with contextlib.ExitStack() as stack, concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+                    for client in clients:
+                        stack.enter_context(client)
+                    futures = [pool.submit(_send, clients[i % len(clients)], recorder, spec,
+                                           f"c{concurrency}-{policy}-{i}", f, p)
                                for i, (f, p) in enumerate(workload)]
                     for future in futures:
                         try:
@@ -263,10 +278,10 @@ def run_campaign(spec: dict, out_dir: Path) -> list[RoutingRunFigures]:
 
 def markdown_table(results: list[RoutingRunFigures], num_families: int) -> str:
     by_key = {(r.concurrency, r.policy): r for r in results}
-    lines = ["| in flight | hit rate PA / RR (oracle) | ratio (oracle / RR) | TTFT P50 PA / RR (ms) | ratio "
-             "| computed max/min PA (RR) | families on both workers PA (RR) | families per worker PA "
-             "| PA spills full / refused | PA affinity waits room / timed out |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| in flight | hit rate PA / RR (oracle) | ratio (oracle / RR) | PA / oracle | TTFT P50 PA / RR (ms) "
+             "| ratio | computed max/min PA (RR) | families on both workers PA (RR) | families per worker PA "
+             "| PA spills full / refused | PA affinity waits room / timed out | PA requests per router replica |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for concurrency in sorted({r.concurrency for r in results}):
         pa, rr = by_key.get((concurrency, "prefix_aware")), by_key.get((concurrency, "round_robin"))
         if pa is None or rr is None or not pa.num_served or not rr.num_served:
@@ -274,6 +289,7 @@ def markdown_table(results: list[RoutingRunFigures], num_families: int) -> str:
         lines.append(
             f"| {concurrency} | {pa.hit_rate:.3f} / {rr.hit_rate:.3f} ({pa.oracle_hit_rate:.3f}) "
             f"| {pa.hit_rate / rr.hit_rate:.2f}x ({pa.oracle_hit_rate / rr.hit_rate:.2f}x) "
+            f"| {pa.hit_rate / pa.oracle_hit_rate:.3f}x "
             f"| {pa.ttft_p50_ms:.0f} / {rr.ttft_p50_ms:.0f} | {pa.ttft_p50_ms / rr.ttft_p50_ms:.2f} "
             f"| {pa.computed_max_over_min:.2f} ({rr.computed_max_over_min:.2f}) "
             f"| {pa.families_on_both} ({rr.families_on_both}) of {num_families} "
@@ -281,7 +297,8 @@ def markdown_table(results: list[RoutingRunFigures], num_families: int) -> str:
             f"| {pa.router_counters.get('spills:preferred_full', 0):.0f} / "
             f"{pa.router_counters.get('spills:worker_refused', 0):.0f} "
             f"| {pa.router_counters.get('affinity_waits:room', 0):.0f} / "
-            f"{pa.router_counters.get('affinity_waits:timed_out', 0):.0f} |")
+            f"{pa.router_counters.get('affinity_waits:timed_out', 0):.0f} "
+            f"| {sorted(pa.requests_per_router_replica.values())} |")
     return "\n".join(lines)
 
 

@@ -139,6 +139,12 @@ class SimResult:
     ttft_prediction_error: float = 0.0
     ttft_prediction_factor: float = 1.0
     spread_families_at_end: int = 0  # predicted_latency: families spread over > 1 worker when the run ended
+    # Where the hit rate went: prompt tokens each request computed that the oracle would have
+    # found cached (its longest prefix shared with any earlier request), summed by the routing
+    # path that placed it (":queue" / ":work": a spread family's growth, by its cause; "+spill":
+    # its prefix's worker had no budget; "+refused": a worker refused it first). The keys say which rule to look at when the hit rate misses the oracle.
+    missed_vs_oracle_by_path: dict[str, int] = field(default_factory=dict)
+    spread_growths: dict[str, int] = field(default_factory=dict)  # predicted_latency: families grown, by cause
 
 
 class SimClock:
@@ -166,6 +172,9 @@ class _SimRequest:
     cost_tokens: int = 0
     affinity_hold: AffinityHold | None = None  # its affinity wait, from its first try on
     predicted_ttft_s: float | None = None  # predicted_latency: the prediction it was routed on
+    oracle_cached_tokens: int = 0  # what the oracle would have found cached (`_oracle_cached_tokens`)
+    path: str = ""  # the routing path that placed it, "+spill" / "+refused" as missed_vs_oracle_by_path
+    refusals: int = 0
 
 
 class _SimWorker:
@@ -229,10 +238,24 @@ def make_requests(workload: SimWorkload, block_size: int) -> list[_SimRequest]:
     return requests
 
 
+def _oracle_cached_tokens(requests: Sequence[_SimRequest], block_size: int) -> list[int]:
+    """Per request, in arrival order, what `oracle_hit_rate` counts cached for it."""
+    seen: set = set()
+    cached = []
+    for r in requests:
+        cacheable, blocks = (len(r.prompt) - 1) // block_size, 0
+        while blocks < cacheable and r.hashes[blocks] in seen:
+            blocks += 1
+        cached.append(blocks * block_size)
+        seen.update(r.hashes)
+    return cached
+
+
 def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: RouterConfig | None = None,
-             in_flight_claims: bool = True) -> SimResult:
+             in_flight_claims: bool = True, trace: list | None = None) -> SimResult:
     """One run. `in_flight_claims=False` routes on the workers' events alone (the behaviour
-    before dispatched prefixes were counted), for comparison."""
+    before dispatched prefixes were counted), for comparison. `trace`: a list that gets one
+    dict per request (family, worker, path, times, cached vs oracle tokens) to study a run."""
     started_wall = time.perf_counter()
     router = dataclasses.replace(router or RouterConfig(), policy=policy, stats_refresh_s=cluster.stats_refresh_s)
     clock = SimClock()
@@ -252,6 +275,9 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
     refused_since_poll: set[str] = set()  # workers whose own admission refused since the last poll
     last_poll_s = -math.inf
     requests = make_requests(workload, cluster.block_size)
+    for sim_request, oracle in zip(requests, _oracle_cached_tokens(requests, cluster.block_size)):
+        sim_request.oracle_cached_tokens = oracle
+    growths = collections.Counter()
     by_id: dict[str, _SimRequest] = {}
     queue: collections.deque[_SimRequest] = collections.deque()
     events: list = []  # (time, seq, kind, payload)
@@ -297,13 +323,17 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
         costs = {s.worker_id: cost for s, cost in eligible}
         decision = choose_worker(matched, [s for s, _ in eligible], router, rng, cursor, dict(sent_since_poll),
                                  sizes.mean_tokens(), request=route_request, state=latency_state)
-        if is_spill(matched, [s for s, _ in eligible], decision.worker_id):
+        spilled = is_spill(matched, [s for s, _ in eligible], decision.worker_id)
+        if spilled:
             spills["preferred_full"] += 1
         waited = sim_request.affinity_hold.outcome(decision.worker_id)
         if waited is not None:
             spills["affinity_waits"] += 1
             spills["affinity_timeouts"] += waited is AffinityWaitOutcome.TIMED_OUT
         paths[decision.path.value] += 1
+        grown = decision.spread.cause if decision.spread is not None and decision.spread.grown else ""
+        sim_request.path = (decision.path.value + (f":{grown}" if grown else "") + ("+spill" if spilled else "")
+                            + ("+refused" if sim_request.refusals else ""))
         worker_id = decision.worker_id
         request = Request(f"r{sim_request.index}", sim_request.prompt, sampling, arrival_time=clock.now,
                           extra_keys=EXTRA_KEYS)
@@ -315,11 +345,14 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
             # and the request is admitted afresh (a fresh hold; it may wait for the refuser).
             refused_since_poll.add(worker_id)
             sim_request.affinity_hold = None
+            sim_request.refusals += 1
             return try_dispatch(sim_request)
         sent_since_poll[worker_id] += costs[worker_id]
         sim_request.sent_at, sim_request.cost_tokens = clock.now, costs[worker_id]
         sizes.observe(costs[worker_id])  # as admission: the margin's unit is what each dispatch cost its worker
         latency_state.commit(decision, costs[worker_id])  # as router_core: the state learns what was sent where
+        if grown:
+            growths[grown] += 1
         if policy == "predicted_latency":
             sim_request.predicted_ttft_s = decision.predicted_ttft_s
         sim_request.worker_id, sim_request.request = worker_id, request
@@ -411,6 +444,13 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
     result.ttft_prediction_error = latency_state.calibration.mean_abs_relative_error()
     result.ttft_prediction_factor = latency_state.calibration.factor
     result.spread_families_at_end = latency_state.spread.num_spread()
+    result.spread_growths = dict(growths)
+    if trace is not None:
+        trace.extend(dict(index=r.index, family=r.family, worker=r.worker_id, path=r.path, arrival_s=r.arrival_s,
+                          sent_s=r.sent_at, first_token_s=r.first_token_s, prompt_tokens=len(r.prompt),
+                          cached_tokens=r.request.num_cached_tokens, oracle_cached_tokens=r.oracle_cached_tokens,
+                          cost_tokens=r.cost_tokens, predicted_ttft_s=r.predicted_ttft_s)
+                     for r in sorted(finished, key=lambda r: r.index))
     return result
 
 
@@ -420,7 +460,10 @@ def _result(policy, cluster, workload, workers, finished, spills, sim_s, wall_s,
     cached = sum(r.request.num_cached_tokens for r in finished)
     computed = {w: sim.computed_tokens for w, sim in workers.items()}
     family_workers = collections.defaultdict(set)
+    missed = collections.Counter()
     for r in finished:
+        if r.oracle_cached_tokens > r.request.num_cached_tokens:
+            missed[r.path] += r.oracle_cached_tokens - r.request.num_cached_tokens
         family_workers[r.family].add(r.worker_id)
     load = f"{workload.qps:g} qps" if workload.qps is not None else f"{workload.concurrency} in flight"
     return SimResult(
@@ -437,7 +480,7 @@ def _result(policy, cluster, workload, workers, finished, spills, sim_s, wall_s,
         sim_duration_s=sim_s, wall_s=wall_s,
         oracle_hit_rate=oracle_hit_rate([r.prompt for r in sorted(finished, key=lambda r: r.arrival_s)],
                                         cluster.block_size),
-        routing_paths=dict(paths), affinity_waits=spills["affinity_waits"],
+        routing_paths=dict(paths), affinity_waits=spills["affinity_waits"], missed_vs_oracle_by_path=dict(missed),
         affinity_timeouts=spills["affinity_timeouts"])
 
 

@@ -12,11 +12,15 @@ Stored state (buffers, so state_dict / .to(device) carry it):
     Int8WeightOnlyLinear   weight_int8 [N, K] int8      scales [N]            (per output row)
     Int4WeightOnlyLinear   qweight     [N, K/2] uint8   scales, zeros [N, K/G] (per row, per group)
                            (two int4 per byte along K, see primitives.pack_int4)
+                           optional mins [N, K/G]: a float offset added after the scaling
+                           (GGUF Q4_1 / Q4_K store w = d * q + m; quant/gguf_layouts.py)
+    Int8GroupWeightOnlyLinear  weight_int8 [N, K] int8  scales [N, K/G]       (GGUF Q8_0: G = 32)
     both, optional         input_inv_scale [K]  activation-aware (AWQ) scales kept in the layer:
                            the stored weight is Q(W * s) and forward computes Q(W * s) @ (x / s)
 
 Scales and zeros live in the dtype of the weight they replaced (bf16/fp16 on GPU, fp32 in the
-exactness tests): kv/capacity.py counts them at 2 bytes each for a 16-bit model.
+exactness tests): kv/capacity.py counts them at 2 bytes each for a 16-bit model. Layers built
+from a GGUF file keep the file's numbers instead (fp16 scales and mins, Q4_K's fp32 products).
 
 Compute path, chosen per device and activation dtype from load_tests/bench_quant_kernels.py
 on this project's 2-core CPU (N = K = 2048, group 128, ms per matmul, M = 1 / 16 / 128 rows):
@@ -178,19 +182,23 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
     """W4A16: int4 weight packed two per byte, asymmetric scale + zero per group of G inputs."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                 bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
+                 mins: torch.Tensor | None = None):
         super().__init__()
         out_features, half_k = qweight.shape
         in_features = half_k * 2
         P.check_group_size(in_features, group_size)
-        if scales.shape != (out_features, in_features // group_size) or zeros.shape != scales.shape:
-            raise ConfigError(f"int4 scales/zeros must be [{out_features}, {in_features // group_size}], "
-                              f"got {tuple(scales.shape)} / {tuple(zeros.shape)}")
+        if scales.shape != (out_features, in_features // group_size) or zeros.shape != scales.shape \
+                or (mins is not None and mins.shape != scales.shape):
+            raise ConfigError(f"int4 scales/zeros/mins must be [{out_features}, {in_features // group_size}], "
+                              f"got {tuple(scales.shape)} / {tuple(zeros.shape)} / "
+                              f"{None if mins is None else tuple(mins.shape)}")
         self._init_common(in_features, out_features, bias, input_scale)
         self.group_size = group_size
         self.register_buffer("qweight", qweight)  # [N, K/2] uint8
         self.register_buffer("scales", scales)  # [N, K/G]
         self.register_buffer("zeros", zeros)  # [N, K/G], integers 0..15
+        self.register_buffer("mins", mins)  # [N, K/G] float offsets, or None (w = (q - zero) * scale)
         # torch's CPU kernel wants its own packing: built on the first bf16 CPU forward.
         # It is a second copy of the int4 weight (K/2 bytes per row), not part of the state.
         self._kernel_operands: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -209,7 +217,7 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight this layer applies to its (AWQ-scaled) input: [N, K]."""
-        return P.dequantize_int4_groupwise(P.unpack_int4(self.qweight), self.scales, self.zeros, dtype)
+        return P.dequantize_int4_groupwise(P.unpack_int4(self.qweight), self.scales, self.zeros, dtype, self.mins)
 
     def _kernel_path(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self._kernel_unsupported:
@@ -222,7 +230,7 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
                 log.debug("int4 CPU kernel unavailable for [%d, %d]: %s", self.out_features, self.in_features, exc)
                 self._kernel_unsupported = True
                 return None
-            sz = P.tinygemm_scale_and_zero(self.scales, self.zeros, torch.bfloat16)
+            sz = P.tinygemm_scale_and_zero(self.scales, self.zeros, torch.bfloat16, self.mins)
             self._kernel_operands = (packed, sz)
         return self._kernel_operands
 
@@ -235,7 +243,7 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         y = (None if _device_kernels is None
-             else _device_kernels.w4a16_matmul(x2, self.qweight, self.scales, self.zeros, self.group_size))
+             else _device_kernels.w4a16_matmul(x2, self.qweight, self.scales, self.zeros, self.group_size, self.mins))
         if y is not None:
             return self._finish(y.reshape(*lead, self.out_features))
         operands = self._kernel_path() if x.device.type == "cpu" and x.dtype == torch.bfloat16 else None
@@ -248,18 +256,57 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
 
     def shard(self, dim: int, rank: int, world_size: int) -> "Int4WeightOnlyLinear":
         part, bias, input_scale = self._shard_common(dim, rank, world_size, self.group_size)
+        mins = self.mins
         if dim == 0:
             return Int4WeightOnlyLinear(self.qweight[part].clone(), self.scales[part].clone(),
-                                        self.zeros[part].clone(), self.group_size, bias, input_scale)
+                                        self.zeros[part].clone(), self.group_size, bias, input_scale,
+                                        None if mins is None else mins[part].clone())
         g = self.group_size
         packed_cols = slice(part.start // 2, part.stop // 2)  # two int4 per byte along K
         group_cols = slice(part.start // g, part.stop // g)
         return Int4WeightOnlyLinear(self.qweight[:, packed_cols].clone(), self.scales[:, group_cols].clone(),
-                                    self.zeros[:, group_cols].clone(), g, bias, input_scale)
+                                    self.zeros[:, group_cols].clone(), g, bias, input_scale,
+                                    None if mins is None else mins[:, group_cols].clone())
+
+
+class Int8GroupWeightOnlyLinear(_WeightOnlyLinear):
+    """W8A16 with one symmetric scale per group of G inputs (GGUF Q8_0 kept as stored: G = 32,
+    fp16 scales). No packed CPU kernel takes group scales, so every path dequantizes (exactly,
+    in fp32) and runs F.linear; the native C step and the Triton W8A16 kernel take per-row
+    scales only and leave this layer to the eager path."""
+
+    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        out_features, in_features = weight_int8.shape
+        if group_size <= 0 or in_features % group_size or scales.shape != (out_features, in_features // group_size):
+            raise ConfigError(f"int8 group scales must be [{out_features}, in_features {in_features} / group "
+                              f"{group_size}], got {tuple(scales.shape)}")
+        self._init_common(in_features, out_features, bias, None)
+        self.group_size = group_size
+        self.register_buffer("weight_int8", weight_int8)  # [N, K] int8
+        self.register_buffer("scales", scales)  # [N, K/G]
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return P.dequantize_int8_groupwise(self.weight_int8, self.scales, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._prepare_input(x)
+        return self._finish(F.linear(x, self.dequantized_weight(x.dtype)))
+
+    def shard(self, dim: int, rank: int, world_size: int) -> "Int8GroupWeightOnlyLinear":
+        part, bias, _ = self._shard_common(dim, rank, world_size, self.group_size)
+        if dim == 0:
+            return Int8GroupWeightOnlyLinear(self.weight_int8[part].clone(), self.scales[part].clone(),
+                                             self.group_size, bias)
+        g = self.group_size
+        return Int8GroupWeightOnlyLinear(self.weight_int8[:, part].clone(),
+                                         self.scales[:, part.start // g:part.stop // g].clone(), g, bias)
 
 
 # Per-output-row buffers of each layer type: what `merge_output_rows` concatenates.
-_ROW_BUFFERS = {Int8WeightOnlyLinear: ("weight_int8", "scales"), Int4WeightOnlyLinear: ("qweight", "scales", "zeros")}
+_ROW_BUFFERS = {Int8WeightOnlyLinear: ("weight_int8", "scales"), Int4WeightOnlyLinear: ("qweight", "scales", "zeros"),
+                Int8GroupWeightOnlyLinear: ("weight_int8", "scales")}
 
 
 def merge_output_rows(layers: list[nn.Module]) -> _WeightOnlyLinear | None:
@@ -276,15 +323,21 @@ def merge_output_rows(layers: list[nn.Module]) -> _WeightOnlyLinear | None:
                and getattr(lay, "group_size", None) == getattr(first, "group_size", None)
                and (lay.input_inv_scale is None) == (first.input_inv_scale is None)
                and (lay.input_inv_scale is None or torch.equal(lay.input_inv_scale, first.input_inv_scale))
+               and (getattr(lay, "mins", None) is None) == (getattr(first, "mins", None) is None)
+               and lay.scales.dtype == first.scales.dtype  # GGUF layers keep their file's scale dtype
                for lay in layers)
     if not same:
         return None
-    names = _ROW_BUFFERS[kind] + (() if first.bias is None else ("bias",))
+    has_mins = getattr(first, "mins", None) is not None
+    names = _ROW_BUFFERS[kind] + (() if first.bias is None else ("bias",)) + (("mins",) if has_mins else ())
     cat = {n: torch.cat([getattr(lay, n) for lay in layers]) for n in names}
     if kind is Int8WeightOnlyLinear:
         merged = Int8WeightOnlyLinear(cat["weight_int8"], cat["scales"], cat.get("bias"))
+    elif kind is Int8GroupWeightOnlyLinear:
+        merged = Int8GroupWeightOnlyLinear(cat["weight_int8"], cat["scales"], first.group_size, cat.get("bias"))
     else:
-        merged = Int4WeightOnlyLinear(cat["qweight"], cat["scales"], cat["zeros"], first.group_size, cat.get("bias"))
+        merged = Int4WeightOnlyLinear(cat["qweight"], cat["scales"], cat["zeros"], first.group_size, cat.get("bias"),
+                                      mins=cat.get("mins"))
     merged.input_inv_scale = first.input_inv_scale  # the exact stored reciprocal, not recomputed
     start = 0
     for lay in layers:

@@ -12,6 +12,10 @@ int4, group-wise, asymmetric with integer zero points (groups of G along K):
     q = clamp(round(w / scale) + zero, 0, 15)   w_hat = (q - zero) * scale
     |w - w_hat| <= scale / 2
 
+GGUF's own layouts (quant/gguf_layouts.py) keep the file's numbers: int4 groups whose offset
+is a float min instead of an integer zero point (Q4_1, Q4_K: w_hat = (q - zero) * scale + min,
+zero 0), and int8 with one scale per group of G inputs (Q8_0: w_hat = q * scale[n, k // G]).
+
 int4 packing, two values per byte along K (so a row-parallel shard of whole groups is a
 contiguous slice of bytes):
 
@@ -91,13 +95,26 @@ def quantize_int4_groupwise(w: torch.Tensor, group_size: int
 
 
 def dequantize_int4_groupwise(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(q [N, K] 0..15, scale [N, K/G], zero [N, K/G]) -> w_hat [N, K] in `dtype`."""
+                              dtype: torch.dtype = torch.float32, mins: torch.Tensor | None = None) -> torch.Tensor:
+    """(q [N, K] 0..15, scale [N, K/G], zero [N, K/G], optional mins [N, K/G]) -> w_hat [N, K]
+    in `dtype`: (q - zero) * scale (+ min), computed in fp32 (for GGUF's codes and scales the
+    product is exact, so only the min's addition rounds, as in gguf's own dequantization)."""
     n, k = q.shape
     num_groups = scale.shape[1]
     group_size = k // num_groups
     groups = q.reshape(n, num_groups, group_size).float()
     w_hat = (groups - zero.float()[..., None]) * scale.float()[..., None]
+    if mins is not None:
+        w_hat = w_hat + mins.float()[..., None]
+    return w_hat.reshape(n, k).to(dtype)
+
+
+def dequantize_int8_groupwise(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(q [N, K] int8, scale [N, K/G]) -> w_hat [N, K] in `dtype` (q * scale, exact in fp32 for
+    GGUF Q8_0's fp16 scales)."""
+    n, k = q.shape
+    num_groups = scale.shape[1]
+    w_hat = q.reshape(n, num_groups, k // num_groups).float() * scale.float()[..., None]
     return w_hat.reshape(n, k).to(dtype)
 
 
@@ -118,10 +135,13 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def tinygemm_scale_and_zero(scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Our (scale, integer zero) [N, K/G] -> torch's int4pack qScaleAndZeros [K/G, N, 2].
+def tinygemm_scale_and_zero(scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype,
+                            mins: torch.Tensor | None = None) -> torch.Tensor:
+    """Our (scale, zero[, min]) [N, K/G] -> torch's int4pack qScaleAndZeros [K/G, N, 2].
 
-    torch's kernels compute w_hat = (q - 8) * scale + z_float; ours is (q - zero) * scale,
-    so z_float = (8 - zero) * scale."""
+    torch's kernels compute w_hat = (q - 8) * scale + z_float; ours is (q - zero) * scale
+    (+ min), so z_float = (8 - zero) * scale (+ min)."""
     z_float = (8.0 - zero.float()) * scale.float()
+    if mins is not None:
+        z_float = z_float + mins.float()
     return torch.stack([scale.float().t(), z_float.t()], dim=-1).contiguous().to(dtype)

@@ -1,80 +1,10 @@
 """Admission control at the router: token budgets from measured capacity, a bounded wait
 queue, a separate smaller lane for retries, and fast rejection with a measured retry-after.
 
-Budget (the articles' rule, per worker, from its latest `WorkerStats`):
-
-    committed_w = kv_tokens_reserved_w            prompt + reserved output of everything the
-                                                  worker runs or queues (its stats)
-                + in_flight_w                     tokens this router admitted to w after
-                                                  those stats were taken (not in them yet)
-    a request of cost C_w = n x K x (ceil((prompt + max_tokens) / K) - cached_w) fits on w when
-                                                  committed_w + C_w <= kv_tokens_capacity_w
-
-where cached_w is the prompt blocks the prefix index says w already holds (`cost_for`), and
-max_tokens is the router's estimate of the output instead when the workers reserve on
-expected output (scheduler.admission_reserve: expected; router_core.py learns it per tenant
-as the workers do, from finished requests' usage): a
-worker reserves only the blocks it will newly allocate, and counts the shared ones once
-(worker/engine_loop/admission.py). The router's estimate may be stale; the worker's own check is exact,
-and a worker that refuses is spilled over by the router (router_core.py).
-
-With class-aware KV admission on the workers (scheduler.kv_reserved_fraction f, classes >= c
-limited to (1 - f) of the budget; worker/engine_loop/admission.py):
-
-    class >= c:  committed_w + C_w <= (1 - f) x capacity_w
-    class <  c:  committed_w - max(0, shared_w - (1 - f) x capacity_w) + C_w <= capacity_w
-
-The first line is stricter than the worker (which caps only what classes >= c hold): f of
-the capacity stays free for the next important arrival even while important requests run,
-which is what lets one be admitted on arrival when several overlap. (Measured: applying the
-worker's looser cap at the router let the flood fill the room the running important
-requests left: their TTFT P99 17x idle in one priority campaign run, docs/load-testing.md.)
-shared_w is what classes >= c hold per the worker's report (WorkerStats.
-kv_tokens_reserved_shared) plus this router's tickets for them since. The second line: the
-worker never lets those classes past their limit, so what the router counts for them beyond
-it (a flood's tickets the stats already hold, counted twice for a refresh, see below) is
-not there, and an important request is admitted on arrival instead of after the next refresh.
-
-With priority preemption of KV reservations on the workers (scheduler.priority_preemption
-and priority_preempts_kv_reservations: a worker the budget refuses for a request takes the
-reservations of less important classes, worker/engine_loop/admission.py), the second line
-lets an important request past all that the sharing classes hold, kept share or not:
-
-    class <  c:  committed_w - shared_w + C_w <= capacity_w
-
-so it is sent at once to a worker that can make room, instead of queueing here for a
-flood's reservations to drain (what held its TTFT P99 at 8.8x idle in the KV-bound priority
-campaign). The sharing classes keep the first line: a flood is still held back here.
-
-The cluster budget is the sum over healthy workers; a request is admitted when at least one
-worker has room, and routing then chooses among the workers that do (the `route` callback).
-Capacity is whatever the workers measure and report: nothing here is a hard-coded threshold.
-
-In-flight accounting: a burst arriving between two stats refreshes would all see the same
-stale figures and over-admit. Each admission is recorded against its worker with the time it
-was sent; `update_stats(stats, taken_at)` forgets the ones sent at least one
-`stats_refresh_s` before `taken_at` (the worker counts them by then), and a ticket released
-early removes its own. Why the extra refresh period: the request and the stats poll are
-separate calls to the worker actor, and a poll sent just after a request can be answered
-before the engine has queued that request. Measured on the cluster (tests/
-test_overload_e2e.py): forgetting at `taken_at` itself let the router over-admit under a
-burst, and the workers' own admission turned those requests away after they had crossed
-the cluster. Keeping them one period longer errs on the side of counting a request twice.
-
-Released requests: a ticket released (its request ended on the worker) after the report
-that surely counts it (it was already forgotten) gives its cost back at once: it is
-credited against that report until one requested after the release, which no longer holds
-it. Without the credit a worker that had just finished its requests still looked full for
-the rest of the refresh period, and a family's next request, a cache hit there, was sent to
-the other worker as a whole-prompt miss (a `preferred_full` spill that put the family on
-both workers: the 2-worker routing campaign at 16 in flight, docs/routing.md). The credit is
-what the worker frees (`AdmissionTicket.freed_on_release`): the request's blocks less the
-prompt blocks other requests running there still hold, per the router's prefix index. So a
-family's first request ending while a follower runs frees only its tail (the follower keeps
-the prefix pinned), and the last one to end frees the prefix too, whoever was charged for
-it (the worker counts a pinned prefix once, to whoever holds it). A credit that is still too
-large (another router replica's requests) is caught by the worker's own admission, and the
-router re-routes.
+The per-worker KV budget (what a request costs, what each worker has committed, whether it
+fits, and how the router counts admissions its workers have not reported yet) is
+router/admission_budget.py's; this module decides order and answers: the queue, its lanes,
+the degradation ladder's steps, deadline shedding and retry-after.
 
 Queue: requests that do not fit wait (per lane: by priority class, lower = more important,
 then FIFO) until a refresh or a release makes room, up to `max_queue_wait_s` or their
@@ -100,7 +30,8 @@ step from being refused while it has room:
   ahead of that place (more important, or its own class asked earlier) that could use the
   same workers hold it back. Requests of one class that queued together step down together;
   a later one of its class, still waiting and about to step down itself, is behind it.
-- the double count above: a step that fits on the workers' reports plus only the
+- the double count (router/admission_budget.py, "In-flight accounting"): a step that fits
+  on the workers' reports plus only the
   admissions sent after them waits for the next reports (at its place) instead of being
   refused on the extra refresh period; it is refused as soon as it would not fit even so.
   Another step arriving behind such waiters (and only such) waits with them, in order.
@@ -133,13 +64,14 @@ import collections
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvmesh.core.config import RouterConfig
-from kvmesh.kv.kv_cost import request_kv_tokens
-from kvmesh.core.seams import SamplingParams, WorkerStats
-from kvmesh.router.routing import RequestSizeMeter
+from kvmesh.core.seams import WorkerStats
+from kvmesh.router.admission_budget import (AdmissionTicket, CostFn, WorkerBudgets, cost_with_cached_prefix,
+                                            request_cost_tokens)
+from kvmesh.router.admission_queue import HELD, Held, HoldFn, RouteFn, Waiter, enqueue, excluding
 from kvmesh.core.errors import (
     DeadlineExceededError,
     DeadlineUnmeetableError,
@@ -151,119 +83,9 @@ from kvmesh.core.errors import (
 
 logger = logging.getLogger(__name__)
 
-# route(eligible workers, in-flight tokens per worker) -> chosen worker id (one of eligible)
-RouteFn = Callable[[list[WorkerStats], Mapping[str, int]], str]
-# hold(eligible workers) -> True to hold out: none of them suits the request yet
-# (router/affinity_wait.py), so it waits in the queue without holding up those behind it
-HoldFn = Callable[[list[WorkerStats]], bool]
-# cost_for(worker id) -> KV tokens the request would newly reserve there (its cached prefix off)
-CostFn = Callable[[str], int]
-
-
-def request_cost_tokens(prompt_tokens: int, sampling: SamplingParams, block_size: int,
-                        output_tokens: int | None = None) -> int:
-    """KV tokens the worker will reserve for a request, as its admission counts them: each of
-    the n samples reserves prompt + max_tokens rounded up to whole blocks (K x ceil(S / K)).
-    `block_size` is the workers' (no default: an unrounded cost admits more than they take).
-    `output_tokens`: the output the worker reserves when not max_tokens (admission_reserve:
-    expected, the router's estimate of it)."""
-    output = sampling.max_tokens if output_tokens is None else output_tokens
-    return request_kv_tokens(prompt_tokens, output, block_size, n=sampling.n)
-
-
-def _excluding(cost_for: CostFn, exclude: frozenset[str]) -> CostFn:
-    """A cost no worker can hold on the excluded workers, so they are never eligible."""
-    return lambda worker_id: math.inf if worker_id in exclude else cost_for(worker_id)
-
-
-def cost_with_cached_prefix(prompt_tokens: int, sampling: SamplingParams, block_size: int,
-                            cached_blocks: int, output_tokens: int | None = None) -> int:
-    """The cost on a worker that holds `cached_blocks` leading prompt blocks. Capped as the
-    worker's prefix match is: the last prompt token is always computed."""
-    cached_blocks = min(cached_blocks, (prompt_tokens - 1) // block_size)
-    output = sampling.max_tokens if output_tokens is None else output_tokens
-    return request_kv_tokens(prompt_tokens, output, block_size, n=sampling.n,
-                             cached_prompt_tokens=cached_blocks * block_size)
-
-
-class AdmissionTicket:
-    """An admitted request's reservation on one worker; release it exactly when it ends."""
-
-    def __init__(self, owner: "RouterAdmission", worker_id: str, cost_tokens: int, attempt: int,
-                 sent_at: float, queue_wait_s: float):
-        self._owner = owner
-        self.worker_id = worker_id
-        self.cost_tokens = cost_tokens
-        self.attempt = attempt
-        self.sent_at = sent_at  # monotonic clock of the controller
-        self.queue_wait_s = queue_wait_s
-        self.shared_class = False  # of a class sharing the rest of a kept KV share (see _fits)
-        # KV tokens its worker frees when it ends (its blocks less those other requests running
-        # there still hold), when the router knows better than the cost; read at release.
-        self.freed_on_release: Callable[[], int] | None = None
-        self.released = False
-        self._on_release: list[Callable[[], None]] = []
-
-    def on_release(self, callback: Callable[[], None]) -> None:
-        """Run `callback` once when the ticket is released (at once if it already was)."""
-        if self.released:
-            callback()
-        else:
-            self._on_release.append(callback)
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self._owner._release(self)
-            for callback in self._on_release:
-                callback()
-
-    def __enter__(self) -> "AdmissionTicket":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.release()
-
-    async def __aenter__(self) -> "AdmissionTicket":
-        return self
-
-    async def __aexit__(self, *exc_info) -> None:
-        self.release()
-
-
-@dataclass
-class _Waiter:
-    cost_tokens: int
-    attempt: int
-    route: RouteFn | None
-    enqueued_at: float  # its place in the lane: when it first asked (see acquire's queued_since)
-    future: asyncio.Future
-    cost_for: CostFn | None = None
-    priority_class: int = 0
-    exclude: frozenset[str] = frozenset()  # workers it may not go to (the other pool, a refuser)
-    # A ladder step that fits but for admissions the workers' reports may already count: it
-    # waits for those to settle, and is refused as soon as it would not fit even without them.
-    until_settled: bool = False
-    hold: HoldFn | None = None
-    holding: bool = False  # it held out at the last try: it does not hold up those behind it
-
-
-class _Held:
-    """What _try_admit returns when the request fits somewhere but held out."""
-
-
-HELD = _Held()
-
-
-def _enqueue(lane: collections.deque, waiter: _Waiter) -> None:
-    """By class, then by place: behind every waiter of a more important class and every one
-    of its own class that asked before it, ahead of the rest. (A newcomer asked last: it goes
-    behind its whole class; a request stepping down the ladder keeps its place.)"""
-    for index, other in enumerate(lane):
-        if (other.priority_class, other.enqueued_at) > (waiter.priority_class, waiter.enqueued_at):
-            lane.insert(index, waiter)
-            return
-    lane.append(waiter)
+# The request costs and the ticket live with the budget; importable from here as before.
+__all__ = ["AdmissionSnapshot", "AdmissionTicket", "RouterAdmission", "cost_with_cached_prefix",
+           "request_cost_tokens"]
 
 
 @dataclass(frozen=True)
@@ -286,35 +108,19 @@ class RouterAdmission:
                  wall_clock: Callable[[], float] = time.time, kv_reserved_fraction: float = 0.0,
                  kv_reserved_below_class: int = 1, workers_preempt_kv_reservations: bool = False):
         self._config = config
-        # The workers' class-aware KV admission (scheduler.kv_reserved_fraction): requests of
-        # a class >= kv_reserved_below_class fit only within (1 - fraction) of a worker's
-        # capacity, counted against what those classes hold (WorkerStats.kv_tokens_reserved_shared
-        # plus this router's tickets for them since), as the worker counts (see _fits).
-        self._shared_class_fraction = 1.0 - kv_reserved_fraction
-        self._reserved_below_class = kv_reserved_below_class
-        # The workers take the sharing classes' reservations for a more important request.
-        self._workers_preempt_kv_reservations = workers_preempt_kv_reservations
+        # Each worker's KV budget as this router sees it (router/admission_budget.py).
+        self.budgets = WorkerBudgets(config, clock, kv_reserved_fraction=kv_reserved_fraction,
+                                     kv_reserved_below_class=kv_reserved_below_class,
+                                     workers_preempt_kv_reservations=workers_preempt_kv_reservations)
         self._clock = clock
         self._wall_clock = wall_clock  # deadlines are absolute time.time() values
         self._num_deadline_shed = 0
         self._num_evicted = 0  # waiters refused to give their slot to a more important request
-        self._stats: dict[str, WorkerStats] = {}
         self._last_place = -math.inf  # see now()
-        self._reported_at: dict[str, float] = {}  # worker id -> when its current stats were requested
-        # Workers whose own admission just refused a request this router thought fitted: their
-        # figures are known wrong, so nothing goes there until a report requested after that.
-        self._refused_at: dict[str, float] = {}
-        self._pending: dict[str, list[AdmissionTicket]] = collections.defaultdict(list)  # sent since refresh
-        # Tickets released after the worker's report surely counted them (see "Released
-        # requests"): credited against that report until a report requested after the release.
-        self._released: dict[str, list[tuple[float, AdmissionTicket, int]]] = collections.defaultdict(list)
         self._live: set[AdmissionTicket] = set()
         self._retry_tokens_live = 0
-        # The load guard's unit (routing.imbalance_margin_tokens): the mean cost of recent
-        # tickets, the same tokens `in_flight_tokens` adds to a worker's load.
-        self._admitted_sizes = RequestSizeMeter()
-        self._first_lane: collections.deque[_Waiter] = collections.deque()
-        self._retry_lane: collections.deque[_Waiter] = collections.deque()
+        self._first_lane: collections.deque[Waiter] = collections.deque()
+        self._retry_lane: collections.deque[Waiter] = collections.deque()
         self.retry_slots = math.floor(config.max_queue_len * config.retry_lane_fraction)
         self.first_slots = config.max_queue_len - self.retry_slots
 
@@ -324,30 +130,7 @@ class RouterAdmission:
         """Replace the workers' figures. `taken_at` (this controller's clock) is when the
         stats were requested: admissions sent before it are assumed counted by the workers."""
         taken_at = self._clock() if taken_at is None else taken_at
-        for w in workers:  # a worker whose figures did not change keeps its own report time
-            if self._stats.get(w.worker_id) is not w:
-                self._reported_at[w.worker_id] = taken_at
-        self._stats = {w.worker_id: w for w in workers}
-        for worker_id in [w for w, at in self._refused_at.items() if at <= taken_at]:
-            del self._refused_at[worker_id]
-        for worker_id in list(self._released):
-            reported_at = self._reported_at.get(worker_id, -math.inf) if worker_id in self._stats else math.inf
-            kept_released = [entry for entry in self._released[worker_id] if entry[0] >= reported_at]
-            if kept_released:
-                self._released[worker_id] = kept_released
-            else:
-                del self._released[worker_id]
-        for worker_id in list(self._pending):
-            if worker_id not in self._stats:
-                del self._pending[worker_id]
-                continue
-            # See "In-flight accounting": forgotten one refresh after the report that surely counts them.
-            counted_before = self._reported_at[worker_id] - self._config.stats_refresh_s
-            kept = [t for t in self._pending[worker_id] if t.sent_at >= counted_before]
-            if kept:
-                self._pending[worker_id] = kept
-            else:
-                del self._pending[worker_id]
+        self.budgets.update_stats(workers, taken_at)
         self._pump()
 
     def now(self) -> float:
@@ -387,11 +170,11 @@ class RouterAdmission:
         workers with room (the affinity wait); it then queues at its place, stepped over by
         the waiters behind it. A try-now never holds, nor does a request the queue has no slot
         for (it takes what there is instead of being refused)."""
-        healthy = self._healthy()
+        healthy = self.budgets.healthy()
         if not healthy:
             raise WorkerFailedError("no healthy worker to admit the request to")
         if exclude:
-            cost_for = _excluding(cost_for or (lambda _: cost_tokens), exclude)
+            cost_for = excluding(cost_for or (lambda _: cost_tokens), exclude)
         largest = max(w.kv_tokens_capacity for w in healthy)
         if cost_tokens > largest:
             raise InvalidRequestError(
@@ -415,7 +198,7 @@ class RouterAdmission:
             # Behind other try-nows waiting for the same reports (requests stepping down
             # together) it waits with them, in order; behind a real queue it is refused.
             if not (all(w.until_settled for w in ahead) and not retry_held and len(lane) < slots
-                    and self._eligible(cost_tokens, cost_for, priority_class, as_reported=True)[0]):
+                    and self.budgets.eligible(cost_tokens, cost_for, priority_class, as_reported=True)[0]):
                 raise self._overloaded(cost_tokens, attempt, "no room now")
             return await self._wait(lane, cost_tokens, attempt, route, deadline_s, cost_for, priority_class,
                                     None, place, exclude, until_settled=True)
@@ -431,124 +214,71 @@ class RouterAdmission:
 
     def in_flight_tokens(self) -> dict[str, int]:
         """Tokens admitted per worker since its stats were taken (add them to its load)."""
-        return {w: sum(t.cost_tokens for t in ts) for w, ts in self._pending.items()}
+        return self.budgets.in_flight_tokens()
 
     def note_refusal(self, worker_id: str) -> None:
-        """The worker's own admission refused a request this router sent it: its figures here
-        are behind (a full budget, or a prefix it has evicted), so no request goes there until
-        its next report (requested after now) shows what it really holds."""
-        self._refused_at[worker_id] = self._clock()
+        """The worker's own admission refused a request this router sent it: nothing goes
+        there until its next report (WorkerBudgets.note_refusal)."""
+        self.budgets.note_refusal(worker_id)
 
     def cluster_load(self) -> tuple[list[WorkerStats], dict[str, int], float]:
         """The healthy workers' latest reports, the tokens admitted to each since, and the
         mean admitted request: what the load guard weighs (router/affinity_wait.py)."""
-        return self._healthy(), self.in_flight_tokens(), self.mean_admitted_tokens()
+        return self.budgets.healthy(), self.in_flight_tokens(), self.mean_admitted_tokens()
 
     def mean_admitted_tokens(self) -> float:
-        """Mean cost of the recent tickets (0.0 before any): what one admitted request adds to
-        its worker's load, cache hits at their uncached cost. The imbalance margin's unit."""
-        return self._admitted_sizes.mean_tokens()
+        """Mean cost of the recent tickets: the imbalance margin's unit (WorkerBudgets)."""
+        return self.budgets.mean_admitted_tokens()
 
     def snapshot(self) -> AdmissionSnapshot:
-        healthy = self._healthy()
+        healthy = self.budgets.healthy()
         return AdmissionSnapshot(
             num_queued_first=len(self._first_lane), num_queued_retry=len(self._retry_lane),
             num_in_flight=len(self._live), retry_tokens_in_flight=self._retry_tokens_live,
-            committed_tokens=sum(self._committed(w.worker_id) for w in healthy),
+            committed_tokens=sum(self.budgets.committed(w.worker_id) for w in healthy),
             capacity_tokens=sum(w.kv_tokens_capacity for w in healthy),
             drain_tokens_per_s=sum(w.output_tokens_per_s for w in healthy),
             num_deadline_shed=self._num_deadline_shed, num_evicted=self._num_evicted)
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _healthy(self) -> list[WorkerStats]:
-        return [w for w in self._stats.values() if w.healthy]
-
-    def _committed(self, worker_id: str, as_reported: bool = False, shared_classes: bool = False) -> int:
-        """Reserved per the worker's stats plus this router's admissions since. `as_reported`:
-        only those sent after the stats were requested (the ones before may be in them already:
-        a lower bound, used only to tell a refusal from a double count, never to admit).
-        `shared_classes`: only what the classes sharing the rest of a kept KV share hold."""
-        tickets = self._pending.get(worker_id, ())
-        if as_reported:
-            reported_at = self._reported_at.get(worker_id, -math.inf)
-            tickets = [t for t in tickets if t.sent_at >= reported_at]
-        stats = self._stats[worker_id]
-        released = self._released.get(worker_id, ())
-        if shared_classes:
-            return (max(0, stats.kv_tokens_reserved_shared - sum(credit for _, t, credit in released if t.shared_class))
-                    + sum(t.cost_tokens for t in tickets if t.shared_class))
-        return max(0, stats.kv_tokens_reserved - sum(credit for _, _, credit in released)) + sum(t.cost_tokens for t in tickets)
-
-    def _in_shared_class(self, priority_class: int) -> bool:
-        return priority_class >= self._reserved_below_class
-
-    def _fits(self, worker: WorkerStats, cost_tokens: float, priority_class: int, as_reported: bool = False) -> bool:
-        """See the module docstring. A request of the sharing classes only while everything
-        committed stays within (1 - f) of the capacity (all of it with no kept share), so f
-        of it is free for the next important arrival. A more important one within the
-        capacity, less what the sharing classes hold when the workers preempt their
-        reservations, else less what this router counts for them beyond their limit (the
-        worker never lets them past it, so those are tickets its stats already hold)."""
-        capacity = worker.kv_tokens_capacity
-        committed = self._committed(worker.worker_id, as_reported)
-        shared_limit = self._shared_class_fraction * capacity
-        if self._in_shared_class(priority_class):
-            return committed + cost_tokens <= shared_limit
-        if self._workers_preempt_kv_reservations:
-            preemptible = self._committed(worker.worker_id, as_reported, shared_classes=True)
-        elif self._shared_class_fraction < 1.0:
-            preemptible = max(0.0, self._committed(worker.worker_id, as_reported, shared_classes=True) - shared_limit)
-        else:
-            preemptible = 0
-        return committed - preemptible + cost_tokens <= capacity
-
-    def _eligible(self, cost_tokens: int, cost_for: CostFn | None, priority_class: int,
-                  as_reported: bool = False) -> tuple[list[WorkerStats], dict[str, int]]:
-        """The healthy workers the request fits on (within its class's share), and its cost on each."""
-        costs = {w.worker_id: cost_for(w.worker_id) if cost_for else cost_tokens for w in self._healthy()}
-        eligible = [w for w in self._healthy() if w.worker_id not in self._refused_at
-                    and self._fits(w, costs[w.worker_id], priority_class, as_reported)]
-        return eligible, costs
-
     def _waiters_ahead(self, lane: collections.deque, priority_class: int, place: float,
-                       exclude: frozenset[str]) -> list[_Waiter]:
+                       exclude: frozenset[str]) -> list[Waiter]:
         """The waiters ahead of `place` in `lane` that could take a worker this request could."""
-        usable = {w.worker_id for w in self._healthy()} - exclude
+        usable = {w.worker_id for w in self.budgets.healthy()} - exclude
         return [w for w in lane if (w.priority_class, w.enqueued_at) <= (priority_class, place) and usable - w.exclude
                 and not w.holding]
 
     def _retry_budget_allows(self, cost_tokens: int) -> bool:
         if self._retry_tokens_live == 0:
             return True  # one retry may always run
-        capacity = sum(w.kv_tokens_capacity for w in self._healthy())
+        capacity = sum(w.kv_tokens_capacity for w in self.budgets.healthy())
         return self._retry_tokens_live + cost_tokens <= self._config.retry_lane_fraction * capacity
 
     def _try_admit(self, cost_tokens: int, attempt: int, route: RouteFn | None,
                    queued_since: float | None, cost_for: CostFn | None = None,
-                   priority_class: int = 0, hold: HoldFn | None = None) -> AdmissionTicket | _Held | None:
+                   priority_class: int = 0, hold: HoldFn | None = None) -> AdmissionTicket | Held | None:
         """A ticket, None (it fits nowhere now), or HELD (`hold` said to wait)."""
         if attempt > 1 and not self._retry_budget_allows(cost_tokens):
             return None
-        eligible, costs = self._eligible(cost_tokens, cost_for, priority_class)
+        eligible, costs = self.budgets.eligible(cost_tokens, cost_for, priority_class)
         if not eligible:
             return None
         eligible.sort(key=lambda w: w.worker_id)
         if hold is not None and hold(eligible):
             return HELD
         if route is None:
-            worker_id = max(eligible, key=lambda w: w.kv_tokens_capacity - self._committed(w.worker_id)).worker_id
+            worker_id = self.budgets.with_most_room(eligible)
         else:
             worker_id = route(eligible, self.in_flight_tokens())
             if worker_id not in {w.worker_id for w in eligible}:
                 raise ValueError(f"route chose {worker_id!r}, not one of the workers with room")
         now = self._clock()
-        ticket = AdmissionTicket(self, worker_id, costs[worker_id], attempt, sent_at=now,
+        ticket = AdmissionTicket(self._release, worker_id, costs[worker_id], attempt, sent_at=now,
                                  queue_wait_s=0.0 if queued_since is None else max(0.0, now - queued_since))
-        ticket.shared_class = self._in_shared_class(priority_class)
-        self._pending[worker_id].append(ticket)
+        ticket.shared_class = self.budgets.in_shared_class(priority_class)
+        self.budgets.record(ticket)
         self._live.add(ticket)
-        self._admitted_sizes.observe(ticket.cost_tokens)
         if attempt > 1:
             self._retry_tokens_live += ticket.cost_tokens
         return ticket
@@ -557,14 +287,7 @@ class RouterAdmission:
         self._live.discard(ticket)
         if ticket.attempt > 1:
             self._retry_tokens_live -= ticket.cost_tokens
-        pending = self._pending.get(ticket.worker_id)
-        if pending and ticket in pending:
-            pending.remove(ticket)
-            if not pending:
-                del self._pending[ticket.worker_id]
-        elif ticket.worker_id in self._stats:  # forgotten: the worker's report surely counts it
-            freed = ticket.freed_on_release() if ticket.freed_on_release is not None else ticket.cost_tokens
-            self._released[ticket.worker_id].append((self._clock(), ticket, freed))
+        self.budgets.forget(ticket)
         self._pump()
 
     async def _wait(self, lane: collections.deque, cost_tokens: int, attempt: int, route: RouteFn | None,
@@ -572,10 +295,10 @@ class RouterAdmission:
                     priority_class: int = 0, max_wait_s: float | None = None, place: float | None = None,
                     exclude: frozenset[str] = frozenset(), until_settled: bool = False,
                     hold: HoldFn | None = None, holding: bool = False) -> AdmissionTicket:
-        waiter = _Waiter(cost_tokens, attempt, route, self._clock() if place is None else place,
+        waiter = Waiter(cost_tokens, attempt, route, self._clock() if place is None else place,
                          asyncio.get_running_loop().create_future(), cost_for, priority_class, exclude, until_settled,
                          hold, holding)
-        _enqueue(lane, waiter)
+        enqueue(lane, waiter)
         if lane[0] is waiter:
             self._pump()  # ahead of everyone waiting: it may fit where the old head did not
         wait_s = self._config.max_queue_wait_s if max_wait_s is None else min(max_wait_s, self._config.max_queue_wait_s)
@@ -610,7 +333,7 @@ class RouterAdmission:
         self._num_evicted += 1
         return True
 
-    def _discard(self, lane: collections.deque, waiter: _Waiter) -> None:
+    def _discard(self, lane: collections.deque, waiter: Waiter) -> None:
         if not waiter.future.done():
             waiter.future.cancel()
         if waiter in lane:
@@ -620,7 +343,7 @@ class RouterAdmission:
     def _pump(self) -> None:
         """Admit waiting heads that fit now (FIFO within a lane). Retries go only when no
         first attempt is waiting: under overload the retry lane is the one that times out."""
-        healthy = bool(self._healthy())
+        healthy = bool(self.budgets.healthy())
         for lane in (self._first_lane, self._retry_lane):
             if lane is self._retry_lane and any(not w.holding for w in self._first_lane):
                 continue
@@ -660,11 +383,11 @@ class RouterAdmission:
             for waiter in [w for w in lane if w.until_settled]:
                 if waiter.future.done():
                     continue
-                if not self._eligible(waiter.cost_tokens, waiter.cost_for, waiter.priority_class, as_reported=True)[0]:
+                if not self.budgets.eligible(waiter.cost_tokens, waiter.cost_for, waiter.priority_class, as_reported=True)[0]:
                     lane.remove(waiter)
                     waiter.future.set_exception(self._overloaded(waiter.cost_tokens, waiter.attempt, "no room now"))
 
-    def _ahead_of(self, lane: collections.deque, waiter: _Waiter | None, priority_class: int | None = None) -> int:
+    def _ahead_of(self, lane: collections.deque, waiter: Waiter | None, priority_class: int | None = None) -> int:
         """Tokens queued ahead of `waiter` (None: of a newcomer of `priority_class`, or of
         the whole lane when that is None too): the whole first lane counts for a retry (it
         is served first)."""
@@ -702,11 +425,11 @@ class RouterAdmission:
     def expected_wait_s(self, cost_tokens: int, tokens_ahead: int) -> float | None:
         """Seconds until `tokens_ahead` plus this request's overflow should have drained at the
         measured rate; None before any rate is measured (or with no healthy worker)."""
-        healthy = self._healthy()
+        healthy = self.budgets.healthy()
         drain = sum(w.output_tokens_per_s for w in healthy)
         if drain <= 0 or not healthy:
             return None
-        overflow = min(max(0, self._committed(w.worker_id) + cost_tokens - w.kv_tokens_capacity) for w in healthy)
+        overflow = min(max(0, self.budgets.committed(w.worker_id) + cost_tokens - w.kv_tokens_capacity) for w in healthy)
         return (overflow + tokens_ahead) / drain
 
     def retry_after_s(self, cost_tokens: int, tokens_ahead: int) -> float:

@@ -3,15 +3,14 @@ waits a little for room there, instead of spilling at once to a worker that must
 whole prompt.
 
 Why: under load a family's worker is often full for a moment (its running requests end
-within a step or two), and admission used to send the family's next request to whichever
-worker had room first (a `preferred_full` spill), on arrival or from the queue. The request
-then computed its whole prefix there, and the family lived on both workers from then on,
-each caching a copy: the 2-worker routing campaign at 16 in flight split 4-5 of its 6
-families that way, all by full budgets, none by the load guard (measured before this rule;
-docs/routing.md, "Admission").
+within a step or two). Routed to whichever worker has room first (a `preferred_full` spill),
+the family's next request computes its whole prefix there, and the family lives on both
+workers from then on, each caching a copy: with the wait off (affinity_wait_s: 0), the
+2-worker routing campaign at 16 in flight splits 4-5 of its 6 families that way, all by full
+budgets, none by the load guard (docs/routing.md, "Admission").
 
 The rule, asked by admission (`acquire(hold=...)`) each time it would route the request to
-one of the workers with room (router_core._admit, on arrival and at every pump of the queue):
+one of the workers with room (router/stages/admit_route.py, on arrival and at every pump of the queue):
 
 - its longest cached prefix is on workers that are not among those offered (no room for it
   now): taking one offered would be a spill;
@@ -21,8 +20,9 @@ one of the workers with room (router_core._admit, on arrival and at every pump o
 - then it holds out: the request waits in the admission queue at its place, stepped over by
   the waiters behind it (they may take the other workers), until a preferred worker has
   room (taken at once), or `router.affinity_wait_s` has passed since it first held out
-  (never more than half the time left before its deadline), after which it is routed as
-  before (a spill). A degradation ladder's try-now step never holds, nor does a request the
+  (under predicted_latency at least the prefill the spill would add, `_recompute_s`; never
+  more than half the time left before its deadline), after which it is routed as before (a
+  spill). A degradation ladder's try-now step never holds, nor does a request the
   queue has no slot for.
 
 So a hold costs at most `affinity_wait_s` (plus one stats refresh, the next pump) of TTFT and
@@ -39,6 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from kvmesh.core.config import RouterConfig
 from kvmesh.core.seams import WorkerStats
+from kvmesh.router.latency import uncached_prompt_tokens
 from kvmesh.router.routing import (PredictedLatencyState, RouteRequest, RoutingPath, choose_worker,
                                    preferred_workers)
 
@@ -84,7 +85,7 @@ class AffinityHold:
             decision = choose_worker(self._matched, candidates, self._config, rng, None, in_flight_tokens,
                                      mean_request_tokens, request=self._request, state=self._state)
             if decision.path is RoutingPath.PREFIX_MATCH and decision.worker_id in self._preferred:
-                wait_s = self._config.affinity_wait_s
+                wait_s = max(self._config.affinity_wait_s, self._recompute_s(offered))
                 if self._deadline_s is not None:  # half the time left at most: a spill must still make it
                     wait_s = min(wait_s, (self._deadline_s - self._wall_clock()) / 2)
                 self._until = now + wait_s if wait_s > 0 else -math.inf
@@ -92,6 +93,19 @@ class AffinityHold:
             else:
                 self._until = -math.inf  # the load guard moves it anyway: waiting only delays the spill
         return now < self._until
+
+    def _recompute_s(self, offered: Sequence[WorkerStats]) -> float:
+        """predicted_latency: the prefill a spill would add, the prompt tokens cached on the
+        preferred worker but not on the best offered one, at the step-cost model's rate (0.0
+        for the other policies). Wait up to what the alternative costs, then take it (the
+        ski-rental rule): under load the wait usually ends first, as the worker's running
+        requests finish and free its budget, and the prefix is not computed twice."""
+        if self._request is None or self._state is None or not offered:
+            return 0.0
+        prompt, block = self._request.num_prompt_tokens, self._request.block_size
+        home = min(uncached_prompt_tokens(prompt, self._matched.get(w, 0), block) for w in self._preferred)
+        elsewhere = min(uncached_prompt_tokens(prompt, self._matched.get(w.worker_id, 0), block) for w in offered)
+        return max(0, elsewhere - home) * self._state.cost.prefill_s_per_token
 
     def outcome(self, chosen: str) -> AffinityWaitOutcome | None:
         """How the wait ended for a request routed to `chosen` (None: it never waited)."""

@@ -14,7 +14,7 @@ gRPC's UNKNOWN with a Python class name.
 
 Disconnects and deadlines: a client that closes its stream, cancels, or passes its gRPC
 deadline makes grpc.aio cancel the handler; the cancellation unwinds the RequestStream, which
-aborts the request on its worker and frees its KV blocks (router/router_core.py).
+aborts the request on its worker and frees its KV blocks (router/stages/stream.py).
 
 Metadata read: `authorization: Bearer <key>`, `x-kvmesh-attempt`, `traceparent`/`tracestate`,
 and `x-kvmesh-timeout-s` (a server-enforced deadline; a client's own gRPC deadline also works).

@@ -15,9 +15,13 @@ same order, so replicas spreading the same family pick the same second worker, a
 of a hot tenant takes the same few workers each time it heats up (their caches may still
 hold it). The new member computes (or pulls, via the transfer hint) the prefix once.
 
+When to grow is the routing policy's call (router/routing.py `_grow`: a queue running ahead,
+or recent work running ahead because of the family itself, and only when the family's own
+recent work pays for the prefix the newcomer computes); this module keeps the result.
+
 Hysteresis: a family grows at once when its members run ahead by the load guard's full
 thresholds, but gives back its newest member only after `cooldown_s` during which the
-members without it would not have run ahead by half the margin (`FamilySpread.keep`).
+members without it would not have run ahead by half the thresholds (`SpreadAction.needed`).
 Shrinking one member per cooldown, so a family returns to one worker stepwise as the heat
 passes and does not flap on a single quiet poll.
 
@@ -34,7 +38,7 @@ import collections
 import hashlib
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -48,9 +52,7 @@ class SpreadAction:
     members: tuple[str, ...]  # the family's workers after the decision, newest last
     grown: bool  # True: `members[-1]` was just added
     needed: bool  # the members without the newest would run ahead (keeps the newest)
-    # On growth: the recent work of the workers the family had (mostly its own), from which
-    # its family work starts; else 0.
-    seed_work_tokens: float = 0.0
+    cause: str = ""  # on growth: "queue" (its best worker ran ahead in queue) or "work" (in recent work)
 
 
 def preference_order(family_key: bytes, worker_ids: Iterable[str]) -> list[str]:
@@ -63,16 +65,13 @@ def preference_order(family_key: bytes, worker_ids: Iterable[str]) -> list[str]:
 class FamilySpread:
     """Spread families' workers, with the cooldown that returns them to one (module docstring)."""
 
-    def __init__(self, cooldown_s: float, work_half_life_s: float, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, cooldown_s: float, clock: Callable[[], float] = time.monotonic,
                  max_families: int = 4096) -> None:
         self.cooldown_s = cooldown_s
         self._clock = clock
         self._max_families = max_families
         self._members: collections.OrderedDict[bytes, tuple[str, ...]] = collections.OrderedDict()
         self._needed_at: dict[bytes, float] = {}
-        # Recent work sent to each spread family (tokens, decayed as WorkMeter): what its
-        # members would carry with one member fewer.
-        self._work = WorkMeter(work_half_life_s, clock)
 
     def members(self, family_key: bytes | None) -> tuple[str, ...]:
         """The family's workers, home first; () when it is not spread. Drops members whose
@@ -82,17 +81,10 @@ class FamilySpread:
         self._shrink(family_key)
         return self._members.get(family_key, ())
 
-    def family_work(self, family_key: bytes) -> float:
-        """Recent work sent to a spread family (0.0 for one that is not)."""
-        return self._work.value(family_key.hex())
-
-    def apply(self, action: SpreadAction | None, cost_tokens: int = 0) -> None:
+    def apply(self, action: SpreadAction | None) -> None:
         if action is None:
             return
         key, now = action.family_key, self._clock()
-        if action.grown and key not in self._members:
-            self._work.observe(key.hex(), round(action.seed_work_tokens))
-        self._work.observe(key.hex(), cost_tokens)
         if action.grown:
             self._members[key] = action.members
             self._members.move_to_end(key)
@@ -100,7 +92,6 @@ class FamilySpread:
             while len(self._members) > self._max_families:
                 old, _ = self._members.popitem(last=False)
                 self._needed_at.pop(old, None)
-                self._work.forget(old.hex())
             return
         if key not in self._members:
             return
@@ -124,46 +115,54 @@ class FamilySpread:
 
 
 class WorkMeter:
-    """Tokens the router sent each worker to compute (its tickets' uncached costs), decayed
-    with half-life `half_life_s`: the recent work that breaks ties when a new prefix is
-    placed, so prefixes go where less work went, not where a coin fell.
+    """Tokens the router sent each worker (or family) to compute (its tickets' uncached
+    costs), decayed with half-life `half_life_s`: the recent work that breaks ties when a new
+    prefix is placed, so prefixes go where less work went, not where a coin fell, and that
+    tells a hot family from a worker kept busy by others.
 
     Every value decays at the same rate, so each is kept scaled to a common epoch
     (value x e^(rate x (t - epoch))): reading one, all, or their sum costs one exp, not one
-    per worker (the epoch moves forward before the scale could overflow)."""
+    per worker (the epoch moves forward before the scale could overflow). `max_keys` bounds
+    the keys kept (the least recently observed dropped): one per family is unbounded otherwise."""
 
-    def __init__(self, half_life_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, half_life_s: float, clock: Callable[[], float] = time.monotonic,
+                 max_keys: int | None = None) -> None:
         self._rate = math.log(2) / half_life_s
         self._clock = clock
-        self._scaled: dict[str, float] = {}
+        self._scaled: collections.OrderedDict[Hashable, float] = collections.OrderedDict()
         self._epoch = clock()
         self._total_scaled = 0.0
+        self._max_keys = max_keys
 
     def _decay(self) -> float:
         """e^(-rate x (now - epoch)); moves the epoch to now once that is below e^-40."""
         now = self._clock()
         factor = math.exp(-self._rate * (now - self._epoch))
         if factor < 1e-17:
-            self._scaled = {k: v * factor for k, v in self._scaled.items()}
+            self._scaled = collections.OrderedDict((k, v * factor) for k, v in self._scaled.items())
             self._total_scaled *= factor
             self._epoch, factor = now, 1.0
         return factor
 
-    def observe(self, worker_id: str, tokens: int) -> None:
+    def observe(self, key: Hashable, tokens: int) -> None:
         scaled = tokens / self._decay()
-        self._scaled[worker_id] = self._scaled.get(worker_id, 0.0) + scaled
+        self._scaled[key] = self._scaled.get(key, 0.0) + scaled
         self._total_scaled += scaled
+        if self._max_keys is not None:
+            self._scaled.move_to_end(key)
+            while len(self._scaled) > self._max_keys:
+                self._total_scaled -= self._scaled.popitem(last=False)[1]
 
-    def value(self, worker_id: str) -> float:
-        return self._scaled.get(worker_id, 0.0) * self._decay()
+    def value(self, key: Hashable) -> float:
+        return self._scaled.get(key, 0.0) * self._decay()
 
-    def values(self, worker_ids: Sequence[str]) -> dict[str, float]:
+    def values(self, keys: Sequence[Hashable]) -> dict:
         factor = self._decay()
-        return {w: self._scaled.get(w, 0.0) * factor for w in worker_ids}
+        return {w: self._scaled.get(w, 0.0) * factor for w in keys}
 
     def total(self) -> float:
         """Sum over every worker observed (forgotten ones excluded)."""
         return self._total_scaled * self._decay()
 
-    def forget(self, worker_id: str) -> None:
-        self._total_scaled -= self._scaled.pop(worker_id, 0.0)
+    def forget(self, key: Hashable) -> None:
+        self._total_scaled -= self._scaled.pop(key, 0.0)

@@ -14,16 +14,16 @@
   workers' load (each one's uncached cost where it went: `RouterAdmission.
   mean_admitted_tokens`, a `RequestSizeMeter`), which scales the absolute imbalance margin.
   It must be in the load's unit (below): a request's whole KV size (prompt + max_tokens)
-  counts a cached prefix the load leaves out, and made the margin ~12 cache hits wide on the
-  16-worker llm-d-shaped workload (6k-token prefixes) instead of ~2 requests;
+  counts a cached prefix the load leaves out, and would make the margin ~12 cache hits wide
+  on the 16-worker llm-d-shaped workload (6k-token prefixes) instead of ~2 requests;
 - request, state: the request's size and family and the policy's state (predicted_latency).
 
 The absolute margin is `max(imbalance_abs_tokens, imbalance_margin_requests x mean request)`
 (`imbalance_margin_tokens`). A fixed token count means different things for different
 request mixes: 2,048 tokens is ~4 of the 2-worker campaign's 550-token requests but less than
-one 7.2k-token request of the 16-worker table, where one queued request on a hot worker then
-broke affinity and families spread over up to 15 workers (simulated: hit rate 0.34 against
-0.58 with a margin of ~2 requests at 8 QPS). In units of requests the guard says the same
+one 7.2k-token request of the 16-worker table, where one queued request on a hot worker
+would break affinity and spread families over up to 15 workers (simulated: hit rate 0.34
+against 0.58 with a margin of ~2 requests at 8 QPS). In units of requests the guard says the same
 thing for every mix: "spill when the hot worker is more than ~2 requests ahead", a request
 counted at what it cost the worker it went to (a cache hit its tail, a miss its whole prompt),
 as the load counts it.
@@ -33,10 +33,11 @@ waiting requests still need (prompt not yet computed, a cached prefix left out, 
 to come; `WorkerStats.tokens_to_compute`), plus what the router sent since (charged
 uncached: `cost_for` in admission). A cache hit costs a worker nothing to compute, so a hot
 family's long prefix does not count against its worker at all, and affinity breaks only on
-real overload. (The KV held, `kv_tokens_used + queued_prompt_tokens`, made a worker serving
-cache hits look as loaded as one computing misses: in the skewed-mix shape the simulator put
-computed tokens per worker over 1.5x in 9 of 60 runs, against 5 of 60 with the tokens to
-compute.)
+real overload. Not the KV held (`kv_tokens_used + queued_prompt_tokens`): a worker serving
+cache hits holds as much KV as one computing misses but has far less to compute, so a KV load
+calls it busy and moves work off it that it would finish first (simulated, skewed-mix shape:
+computed tokens per worker more than 1.5x apart in 9 of 60 runs with the KV load, 5 of 60
+with the tokens to compute).
 
 Policies (RouterConfig.policy):
 
@@ -66,7 +67,10 @@ Policies (RouterConfig.policy):
                    runs ahead of the least loaded worker by the load guard's thresholds, the
                    family grows by the first worker of its rendezvous order within the same
                    bound, if that one would serve the request sooner (path prefix_spread),
-                   or when its recent work runs spread_work_ratio ahead of the mean;
+                   or when its workers' recent work runs spread_work_ratio ahead of the mean
+                   because of the family itself (its own cache hits' work at least the excess);
+                   a growth must move at least the prefix it costs (the family's recent work
+                   per worker after it >= the prefix tokens the newcomer computes);
                    it gives the newest member back after router.spread_cooldown_s without
                    need. A prompt with no cached prefix goes to the worker with the lowest
                    prediction; workers within latency_tie_ratio of it are equal, and of those
@@ -98,7 +102,7 @@ from kvmesh.router.hot_spread import FamilySpread, SpreadAction, WorkMeter, pref
 from kvmesh.router.latency import StepCostModel, TtftCalibration, predict_ttft_s, uncached_prompt_tokens
 
 
-# The policies that hash prompts and route on the prefix index (router_core, the simulator).
+# The policies that hash prompts and route on the prefix index (router/stages/admit_route.py, the simulator).
 PREFIX_POLICIES = ("prefix_aware", "predicted_latency")
 
 
@@ -132,6 +136,7 @@ class RoutingDecision:
     load_tokens: int  # the chosen worker's load when it was chosen
     predicted_ttft_s: float | None = None  # predicted_latency: the chosen worker's predicted TTFT
     spread: SpreadAction | None = None  # predicted_latency: the family's spread state after it
+    family_key: bytes | None = None  # predicted_latency: the request's family (`family_key`)
 
 
 @dataclass(frozen=True)
@@ -151,14 +156,21 @@ def family_key(block_hashes: Sequence[bytes], family_blocks: int) -> bytes | Non
 class PredictedLatencyState:
     """The predicted-latency policy's state, one per router replica (the simulator keeps one
     the same way): the step-cost model, the spread families, the recent work per worker and
-    the TTFT calibration. `commit(decision, cost_tokens)` after each dispatch."""
+    per family, and the TTFT calibration. `commit(decision, cost_tokens)` after each dispatch.
+
+    A family's recent work is kept twice: all its tickets (`family_work`: how much of its
+    workers' work is the family's), and those of its requests that found their prefix cached
+    where they went (`family_hit_work`: the work that would move if it spread; its prefix
+    computations would not). Kept for the `max_families` most recently seen families."""
 
     def __init__(self, config: RouterConfig, max_num_batched_tokens: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_families: int = 4096) -> None:
         self.cost = StepCostModel(config.step_overhead_s, config.prefill_s_per_token, config.decode_s_per_token)
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.spread = FamilySpread(config.spread_cooldown_s, config.work_half_life_s, clock)
+        self.spread = FamilySpread(config.spread_cooldown_s, clock, max_families)
         self.work = WorkMeter(config.work_half_life_s, clock)
+        self.family_work = WorkMeter(config.work_half_life_s, clock, max_keys=max_families)
+        self.family_hit_work = WorkMeter(config.work_half_life_s, clock, max_keys=max_families)
         self.calibration = TtftCalibration()
 
     def predict_s(self, stats: WorkerStats, extra_tokens: int, uncached_tokens: int) -> float:
@@ -167,7 +179,11 @@ class PredictedLatencyState:
     def commit(self, decision: RoutingDecision, cost_tokens: int) -> None:
         """The request went where `decision` says, charged `cost_tokens` there."""
         self.work.observe(decision.worker_id, cost_tokens)
-        self.spread.apply(decision.spread, cost_tokens)
+        if decision.family_key is not None:
+            self.family_work.observe(decision.family_key, cost_tokens)
+            if decision.matched_blocks > 0:
+                self.family_hit_work.observe(decision.family_key, cost_tokens)
+        self.spread.apply(decision.spread)
 
 
 class RoundRobinCursor:
@@ -378,62 +394,93 @@ def _predicted_latency(by_id: dict[str, WorkerStats], loads: dict[str, int], foo
 
     def decide(worker_id: str, path: RoutingPath, spread: SpreadAction | None = None) -> RoutingDecision:
         return RoutingDecision(worker_id, matched_blocks.get(worker_id, 0), path, loads[worker_id],
-                               predicted[worker_id], spread)
+                               predicted[worker_id], spread, key)
 
     top = max((matched_blocks.get(w, 0) for w in ids), default=0)
     family = members or ([w for w in ids if matched_blocks.get(w, 0) == top] if top else [])
     if not family:
         return decide(_place_by_latency(ids, predicted, footprints, config, key, state), RoutingPath.NO_PREFIX)
     work = state.work.values(ids)
-    best = min(family, key=lambda w: (predicted[w], work[w], w))
+    # Among the family's workers, those within latency_tie_ratio of the soonest are equal and
+    # the one sent the least recent work takes it, as for a new prefix: the soonest alone sent
+    # the hottest family's requests by small queue differences, 20 % of them to its home of 9
+    # members (the 64-worker table's hottest worker).
+    soonest = min(family, key=lambda w: (predicted[w], work[w], w))
+    best = min((w for w in family if predicted[w] <= predicted[soonest] * (1 + config.latency_tie_ratio)),
+               key=lambda w: (work[w], predicted[w], w))
     min_load = min(loads.values())
     mean_work = sum(work.values()) / len(ids)
+    family_work = state.family_work.value(key) if key is not None else 0.0
     if key is not None:
-        family_work = state.spread.family_work(key) if members else None
-        grown = _grow(key, family, members, best, ids, loads, min_load, work, mean_work, predicted, config, margin,
-                      family_work)
+        held_tokens = matched_blocks.get(soonest, 0) * request.block_size
+        grown = _grow(key, family, members, soonest, ids, loads, min_load, work, mean_work, family_work,
+                      state.family_hit_work.value(key), predicted, config, margin,
+                      lambda w: held_tokens - matched_blocks.get(w, 0) * request.block_size)
         if grown is not None:
             return decide(grown.members[-1], RoutingPath.PREFIX_SPREAD, grown)
     if len(members) < 2:
         return decide(best, RoutingPath.PREFIX_MATCH)
-    # Hysteresis: the newest member stays while the others, carrying the family's work (or
-    # their queues), would still run ahead by half the thresholds.
+    # Hysteresis: the newest member stays while the others still run ahead, by half the
+    # thresholds, in queue or (because of the family) in recent work.
     core = members[:-1]
     core_best = min(core, key=lambda w: (predicted[w], w))
     def half(ratio: float) -> float:
         return 1 + (ratio - 1) / 2
 
     queue_ahead = loads[core_best] - min_load > margin / 2 and loads[core_best] > min_load * half(config.imbalance_ratio)
-    core_work = state.spread.family_work(key) / len(core)
-    work_ahead = core_work - mean_work > margin / 2 and core_work > mean_work * half(config.spread_work_ratio)
+    work_ahead = _work_ahead(min(work[w] for w in core), family_work / len(core), mean_work,
+                             half(config.spread_work_ratio), config.imbalance_abs_tokens / 2)
     return decide(best, RoutingPath.PREFIX_MATCH, SpreadAction(key, tuple(members), False, queue_ahead or work_ahead))
 
 
+def _work_ahead(lightest: float, family_share: float, mean_work: float, ratio: float, margin: float) -> bool:
+    """A family's workers run ahead in recent work, and the family itself is why: its least
+    busy worker exceeds the mean by `ratio` and `margin`, and the family's own recent work per
+    worker (`family_share`, all its tickets) is at least that excess: without it they would not
+    run ahead. A worker busy with other families' prefixes is left to new-prefix
+    placement (which steers around its recent work): spreading a family that is not the cause
+    only recomputes its prefix elsewhere."""
+    excess = lightest - mean_work
+    return lightest > mean_work * ratio and excess > margin and family_share >= excess
+
+
 def _grow(key: bytes, family: list[str], members: list[str], best: str, ids: list[str], loads: dict[str, int],
-          min_load: int, work: dict[str, float], mean_work: float, predicted: dict[str, float],
-          config: RouterConfig, margin: int, family_work: float | None) -> SpreadAction | None:
+          min_load: int, work: dict[str, float], mean_work: float, family_work: float, family_hit_work: float,
+          predicted: dict[str, float],
+          config: RouterConfig, margin: int, recompute_tokens: Callable[[str], int]) -> SpreadAction | None:
     """One more worker for the family when its best worker runs ahead, by the load guard's
     thresholds, of the least loaded worker's queue (and the newcomer would serve this
-    request sooner) or of the mean recent work (a hot family's worker computing far more
-    than the others while nobody queues yet): the first worker of the family's rendezvous
-    order within the bound (neither its queue nor its recent work ahead by those thresholds).
-    A spread family is judged on its own recent work over its members (`family_work`), not on
-    its members' work: that lags a growth by its half-life (a member's past work decays slowly),
-    and judged on it the hottest family of the 64-worker table overshot to 9 workers."""
+    request sooner), or when its workers run ahead of the mean recent work because of the
+    family itself (`_work_ahead`: a hot family computing far more than the others while nobody
+    queues yet): the first worker of the family's rendezvous order within the bound (neither
+    its queue nor its recent work, counting the prefix it would compute, ahead by those
+    thresholds: a newcomer near the bound went past it with the prefix, and the family grew
+    again at once, five times in a second on the 64-worker table). The work test takes the family's
+    least busy worker, so a growth that has just taken effect (a newcomer with little work yet)
+    is not followed by another while its members' past work decays.
+
+    Either way a growth must pay for itself: the newcomer's share of the family's recent work
+    that would move (`family_hit_work`, its cache hits' tickets, over one more worker) at least
+    the prefix it would compute
+    (`recompute_tokens`). A family with little traffic gains nothing from a second copy of its
+    prefix; its request waits out the queue at home."""
     queue_ahead = is_imbalanced(loads[best], min_load, config, margin)
-    share = work[best] if family_work is None else family_work / len(members)
-    work_ahead = share > mean_work * config.spread_work_ratio and share - mean_work > margin
+    work_ahead = _work_ahead(min(work[w] for w in family), family_work / len(family), mean_work,
+                             config.spread_work_ratio, config.imbalance_abs_tokens)
     if not (queue_ahead or work_ahead):
         return None
     for candidate in preference_order(key, ids):
         if candidate in family or is_imbalanced(loads[candidate], min_load, config, margin):
             continue
-        if work[candidate] > mean_work * config.spread_work_ratio and work[candidate] - mean_work > margin:
-            continue  # its recent work is itself ahead: past the bound
+        after = work[candidate] + recompute_tokens(candidate)
+        if after > mean_work * config.spread_work_ratio and after - mean_work > config.imbalance_abs_tokens:
+            continue  # its recent work, with the prefix it would compute, is ahead: past the bound
         if queue_ahead and not predicted[candidate] < predicted[best]:
             return None  # the first worker within the bound is no sooner: spreading would not help
+        if family_hit_work / (len(family) + 1) < recompute_tokens(candidate):
+            return None
         home = tuple(members) if members else tuple(sorted(family, key=lambda w: (predicted[w], w)))
-        return SpreadAction(key, home + (candidate,), True, False, seed_work_tokens=sum(work[w] for w in home))
+        return SpreadAction(key, home + (candidate,), True, False, cause="queue" if queue_ahead else "work")
     return None
 
 

@@ -12,6 +12,7 @@
     DeadlineExceededError          DEADLINE_EXCEEDED    504   timeout_error          -
     RequestCancelledError          CANCELLED            499   request_cancelled      -
     anything else                  INTERNAL             500   server_error           -
+      (RequestBudgetMismatchError among them: router and worker disagree, a server fault)
 
 Retry-after travels as the HTTP `Retry-After` header (whole seconds, rounded up, as RFC 9110
 allows only integers) and as gRPC trailing metadata `retry-after-ms` (milliseconds, rounded

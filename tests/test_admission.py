@@ -403,7 +403,7 @@ def test_a_follower_of_a_family_in_flight_is_charged_only_its_tail_where_the_fir
         hashes = hash_full_blocks(prompt, 16, ())
         index = PrefixIndex(linger_s=1.0)
         index.add_in_flight("w0", hashes)
-        matched = index.longest_prefix(hashes)  # what router_core charges against
+        matched = index.longest_prefix(hashes)  # what the admit stage charges against
         assert matched == {"w0": 34} and index.longest_prefix(hashes, include_in_flight=False) == {}
         admission = controller([stats("w0", reserved=1600, capacity=2048), stats("w1", reserved=0, capacity=2048)])
         ticket = await admission.acquire(
@@ -594,7 +594,7 @@ def test_an_important_request_is_let_past_what_less_important_classes_hold_when_
 
 
 async def _ladder(admission, cost, capped_cost, queue_wait_s, priority_class=0):
-    """The degradation ladder's admission calls (router_core._admit_degrading): queue up to the
+    """The degradation ladder's admission calls (router/stages/degrade.admit_degrading): queue up to the
     rule's wait, then try the capped cost at once, keeping the request's place."""
     place = admission.now()
     try:

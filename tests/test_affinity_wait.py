@@ -68,6 +68,29 @@ def test_holds_only_when_budget_alone_would_spill_and_only_for_affinity_wait_s()
     assert not AffinityHold(MATCHED, config, frozenset({"w0"}), clock=clock).holds([w1], view, rng)
 
 
+
+def test_under_predicted_latency_the_wait_is_at_least_the_prefill_a_spill_would_add():
+    """w0 holds 6,000 of the 6,010-token prompt: a spill to w1 computes them again, 2.4 s at
+    0.4 ms a token, so the request waits up to that (not the 1 s floor) before spilling."""
+    from kvmesh.router.routing import PredictedLatencyState, RouteRequest
+
+    rng, clock = random.Random(0), FakeClock()
+    config = RouterConfig(policy="predicted_latency", affinity_wait_s=1.0, prefill_s_per_token=0.0004)
+    w0, w1 = stats("w0", reserved=950), stats("w1")
+    state = PredictedLatencyState(config, 512, clock)
+    hold = AffinityHold({"w0": 375}, config, clock=clock, request=RouteRequest(6010, 16, b"family"), state=state)
+    view = lambda: ([w0, w1], {}, 0.0)  # noqa: E731
+    assert hold.holds([w1], view, rng)
+    clock.now += 2.3
+    assert hold.holds([w1], view, rng)
+    clock.now += 0.2
+    assert not hold.holds([w1], view, rng) and hold.outcome("w1") is AffinityWaitOutcome.TIMED_OUT
+    # A short prefix keeps the floor: 30 blocks, 0.19 s of prefill, waits affinity_wait_s.
+    short = AffinityHold(MATCHED, config, clock=clock, request=RouteRequest(490, 16, b"other"), state=state)
+    assert short.holds([w1], view, rng)
+    clock.now += 1.1
+    assert not short.holds([w1], view, rng)
+
 def _controller(workers, **router):
     clock = FakeClock()
     config = RouterConfig(**{"max_queue_wait_s": 5.0, "affinity_wait_s": 1.0, **router})

@@ -112,3 +112,21 @@ def test_tiny_model_greedy_tokens_equal_on_the_triton_path(tiny_model_dir, weigh
     assert all(len(ids) == 5 for ids in triton_tokens.values())
     assert triton_tokens == torch_tokens
 
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+def test_gguf_kept_layers_on_the_triton_path_equal_their_dequantized_oracle(type_name):
+    """GGUF layers (quant/gguf_layouts.py): Q4_1 / Q4_K's mins fold into the kernel's float zero
+    points; Q8_0's group scales take the dequantizing path."""
+    import numpy as np
+
+    from kvmesh.load_tests.gguf_checkpoints import random_tensor
+    from kvmesh.quant.gguf_layouts import quantized_linear
+
+    data, _ = random_tensor(np.random.default_rng(3), 48, 256, type_name)
+    layer = quantized_linear("blk.0.ffn_up.weight", type_name, data, 48).to(DEVICE)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    with dispatch.force_triton():
+        got = layer(x)
+    expected = x.float() @ layer.dequantized_weight().t()
+    torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])

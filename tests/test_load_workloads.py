@@ -147,7 +147,7 @@ def test_shipped_campaigns_parse_and_bad_ones_are_rejected():
 
     folder = Path(campaign_mod.__file__).parent / "campaigns"
     own_driver = {p for p in folder.glob("*.yaml") if "runner" in yaml.safe_load(p.read_text())}
-    assert {p.stem for p in own_driver} == {"routing-under-load"}
+    assert {p.stem for p in own_driver} == {"routing-under-load", "routing-two-replicas"}
     for path in own_driver:  # pointed at its driver, not parsed as something it is not
         with pytest.raises(InvalidRequestError, match="routing_campaign"):
             campaign_mod.load_campaign(path)

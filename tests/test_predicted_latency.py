@@ -95,6 +95,7 @@ def test_a_new_prefix_goes_where_less_recent_work_went_among_workers_that_predic
 
 def test_a_hot_family_grows_onto_the_first_worker_of_its_order_within_the_bound():
     state = PredictedLatencyState(CONFIG, 512, Clock())
+    state.family_hit_work.observe(KEY, 10_000)  # its recent cache hits: a second copy of its prefix pays
     order = preference_order(KEY, ["w0", "w1", "w2", "w3"])
     home, first, second = order[3], order[0], order[1]
     # The home's queue runs ahead (3,000 vs 0: ratio and margin); the family's first choice
@@ -106,6 +107,7 @@ def test_a_hot_family_grows_onto_the_first_worker_of_its_order_within_the_bound(
     assert decision.spread.members == (home, second)
     # Deterministic: a second replica (its own state) with the same view picks the same worker.
     other = PredictedLatencyState(CONFIG, 512, Clock())
+    other.family_hit_work.observe(KEY, 10_000)
     assert route(other, {home: 62}, workers, commit=False).worker_id == second
     # The family now routes between its two members by prediction, the newcomer holding it too.
     decision = route(state, {home: 62, second: 62}, [stats(w, loads.get(w, 0)) for w in order])
@@ -124,9 +126,25 @@ def test_a_family_does_not_spread_when_the_bounded_worker_would_not_serve_it_soo
     assert state.spread.members(KEY) == ()
 
 
+def test_a_family_with_little_traffic_waits_at_home_rather_than_copy_its_prefix():
+    """Its worker's queue runs ahead and an idle worker would serve this request sooner, but
+    the family's recent cache hits (1,500 tokens, 750 a worker after growing) are less than the
+    992-token prefix the newcomer would compute: a second copy would cost more than it moves."""
+    state = PredictedLatencyState(CONFIG, 512, Clock())
+    state.family_hit_work.observe(KEY, 1500)
+    order = preference_order(KEY, ["w0", "w1", "w2"])
+    home = order[2]
+    decision = route(state, {home: 62}, [stats(home, 3000), stats(order[0]), stats(order[1])])
+    assert (decision.worker_id, decision.path) == (home, RoutingPath.PREFIX_MATCH)
+    state.family_hit_work.observe(KEY, 500)  # 2,000 tokens: 1,000 a worker, more than the prefix
+    decision = route(state, {home: 62}, [stats(home, 3000), stats(order[0]), stats(order[1])])
+    assert (decision.worker_id, decision.path) == (order[0], RoutingPath.PREFIX_SPREAD)
+
+
 def test_a_spread_family_returns_to_one_worker_only_after_the_cooldown_without_need():
     clock = Clock()
     state = PredictedLatencyState(CONFIG, 512, clock)
+    state.family_hit_work.observe(KEY, 10_000)
     order = preference_order(KEY, ["w0", "w1", "w2"])
     home = order[2]
     hot = [stats(home, 3000), stats(order[0], 0), stats(order[1], 0)]
@@ -155,11 +173,13 @@ def test_a_family_whose_worker_computes_far_more_than_the_mean_spreads_before_an
     ids = ["w0", "w1", "w2", "w3"]
     home = preference_order(KEY, ids)[3]
     idle = [stats(w) for w in ids]
-    for _ in range(3):  # the home's recent work only: 3,000 tokens vs a mean of 750
+    for _ in range(3):  # the home's recent work, all of it this family's cache hits: 3,000 vs a mean of 750
         state.work.observe(home, 1000)
+        state.family_work.observe(KEY, 1000)
+        state.family_hit_work.observe(KEY, 1000)
     decision = route(state, {home: 62}, idle)
-    assert decision.path is RoutingPath.PREFIX_SPREAD
-    assert decision.spread.members[0] == home and decision.spread.seed_work_tokens == pytest.approx(3000)
+    assert decision.path is RoutingPath.PREFIX_SPREAD and decision.spread.cause == "work"
+    assert decision.spread.members[0] == home
     # The family's work, carried by its home alone, keeps the second worker needed.
     clock.now += 5.0
     second = decision.worker_id
@@ -173,18 +193,48 @@ def test_a_family_whose_worker_computes_far_more_than_the_mean_spreads_before_an
     assert again.path is RoutingPath.PREFIX_SPREAD and again.spread.members == decision.spread.members
 
 
+def test_a_family_on_a_worker_busy_with_other_families_stays_home():
+    """The worker's recent work runs ahead, but not because of this family (a few cache hits
+    against other families' prefixes computed there): spreading would only recompute its prefix
+    elsewhere, so it stays, and new prefixes steer around that worker instead."""
+    state = PredictedLatencyState(CONFIG, 512, Clock())
+    ids = ["w0", "w1", "w2", "w3"]
+    home = preference_order(KEY, ids)[3]
+    state.work.observe(home, 3000)  # other families' prefixes
+    state.family_work.observe(KEY, 200)
+    idle = [stats(w) for w in ids]
+    decision = route(state, {home: 62}, idle)
+    assert (decision.worker_id, decision.path) == (home, RoutingPath.PREFIX_MATCH)
+    assert state.spread.members(KEY) == ()
+    assert route(state, {}, idle, key=b"family-b").worker_id != home
+
+
 def test_spread_state_and_recent_work_are_bounded_and_decay():
     clock = Clock()
-    spread = FamilySpread(cooldown_s=1.0, work_half_life_s=10.0, clock=clock, max_families=2)
+    spread = FamilySpread(cooldown_s=1.0, clock=clock, max_families=2)
     from kvmesh.router.hot_spread import SpreadAction
 
     for key in (b"a", b"b", b"c"):
-        spread.apply(SpreadAction(key, ("w0", "w1"), True, False), 100)
+        spread.apply(SpreadAction(key, ("w0", "w1"), True, False))
     assert spread.members(b"a") == () and spread.members(b"c") == ("w0", "w1") and spread.num_spread() == 2
     meter = WorkMeter(half_life_s=10.0, clock=clock)
     meter.observe("w0", 1000)
     clock.now += 10.0
     assert meter.value("w0") == pytest.approx(500.0) and meter.value("w9") == 0.0
+    # Per family: the least recently observed key goes first, and the total follows.
+    families = WorkMeter(half_life_s=10.0, clock=clock, max_keys=2)
+    for key, tokens in ((b"a", 100), (b"b", 200), (b"a", 100), (b"c", 400)):
+        families.observe(key, tokens)
+    assert families.value(b"b") == 0.0 and families.value(b"a") == pytest.approx(200.0)
+    assert families.total() == pytest.approx(600.0)
+    # A family's work counts every ticket; the work that would move only its cache hits (its
+    # prefix, computed once, would not).
+    state = PredictedLatencyState(CONFIG, 512, clock)
+    route(state, {}, [stats("w0"), stats("w1")])
+    assert state.family_work.value(KEY) == pytest.approx(1000.0) and state.family_hit_work.value(KEY) == 0.0
+    route(state, {"w0": 62, "w1": 62}, [stats("w0"), stats("w1")])
+    assert state.family_work.value(KEY) == pytest.approx(1008.0)
+    assert state.family_hit_work.value(KEY) == pytest.approx(8.0)
 
 
 def test_the_family_key_covers_the_first_blocks_and_the_config_is_validated():

@@ -209,3 +209,23 @@ def test_counts_kept_as_claims_and_events_arrive_match_a_recount_after_any_mix_o
         for w in ("w1", "w2"):
             claimed = {h for h, claims in index._in_flight_holders.items() if w in claims}
             assert known.get(w, 0) == len(index._blocks.get(w, set()) | claimed)
+
+
+def test_prompt_hashes_are_the_workers_block_hashes_and_stay_stable():
+    """The router hashes a whole prompt at once; the worker's KV manager hashes block by block
+    (`hash_block`). Both must give the same bytes, and the same as before (pinned): a change
+    would make every cached prefix a miss."""
+    from kvmesh.kv.hashing import hash_block
+
+    rng = random.Random(7)
+    for extra in ((), ("model=m",), ("model=m", "rev=r", "salt=s")):
+        tokens = [rng.randrange(0, 50000) for _ in range(16 * 5 + 3)]
+        chained, parent = [], None
+        for start in range(0, 16 * 5, 16):
+            parent = hash_block(parent, tokens[start:start + 16], extra)
+            chained.append(parent)
+        assert hash_full_blocks(tokens, 16, extra) == chained
+        assert hash_full_blocks(tokens[16:], 16, extra, start_parent=chained[0]) == chained[1:]
+    assert hash_full_blocks(list(range(15)), 16) == []
+    pinned = hash_full_blocks(list(range(1000, 1040)), 16, ("model=m", "rev=r"))
+    assert [h.hex() for h in pinned] == ["548240e63fe924f8424071274cf860a8", "fb8796ce5f6a20c76d8475dd556d1329"]

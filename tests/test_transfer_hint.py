@@ -1,7 +1,7 @@
-"""The router's transfer hint (router_core.transfer_source): which worker a request routed
+"""The router's transfer hint (router/stages/admit_route.transfer_source): which worker a request routed
 elsewhere may pull its prefix from."""
 
-from kvmesh.router.router_core import transfer_source
+from kvmesh.router.stages.admit_route import transfer_source
 
 
 def test_the_hint_names_the_best_other_holder_only_when_it_holds_more():

@@ -68,6 +68,7 @@ from collections.abc import Callable, Sequence
 from kvmesh.core.config import SchedulerConfig
 from kvmesh.kv.kv_cost import request_kv_tokens
 from kvmesh.core.errors import InvalidRequestError, OverloadedError
+from kvmesh.core.seams import RequestBudget
 from kvmesh.worker.engine_loop.request import Request
 from kvmesh.kv.output_estimate import OutputLengthEstimator
 
@@ -148,15 +149,16 @@ class EngineAdmission:
                 f"prompt ({request.num_prompt_tokens}) + max_tokens ({request.sampling.max_tokens}) needs "
                 f"{whole} KV tokens; this worker can hold at most {limit}")
 
-    def check_request_fits(self, prompt_tokens: int, sampling) -> None:
+    def check_request_fits(self, budget: RequestBudget) -> None:
         """All n samples of one request together must fit the budget (each reserves its own
-        blocks), or the request could wait forever: no retry can fix that."""
-        needed = request_kv_tokens(prompt_tokens, sampling.max_tokens, self.block_size, n=sampling.n)
+        blocks), or the request could wait forever: no retry can fix that. `budget.kv_tokens`
+        is the request's carried figure (Engine.request_budget checked it)."""
         limit = min(self.budget_tokens, self.capacity_tokens)
-        if needed > limit:
+        if budget.kv_tokens > limit:
             raise InvalidRequestError(
-                f"prompt ({prompt_tokens}) + max_tokens ({sampling.max_tokens}) x n ({sampling.n}) needs {needed} "
-                f"KV tokens in whole blocks of {self.block_size}; this worker can hold at most {limit}")
+                f"prompt ({budget.prompt_tokens}) + max_tokens ({budget.max_tokens}) x n ({budget.n}) needs "
+                f"{budget.kv_tokens} KV tokens in whole blocks of {budget.block_size}; this worker can hold at most "
+                f"{limit}")
 
     def check_capacity(self, request: Request, num_waiting: int, cached_prompt_tokens: int = 0,
                        shared_tokens: int = 0, preemptible: Sequence[Request] = (),

@@ -31,8 +31,9 @@ import time
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.kv_tier_metrics import KVTierFigures
 from kvmesh.kv.hashing import adapter_key, block_extra_keys
-from kvmesh.core.seams import (AdapterRef, FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats,
-                               check_fits_context)
+from kvmesh.kv.kv_cost import check_budget, request_budget
+from kvmesh.core.seams import (AdapterRef, FinishReason, GenerateRequest, PrefixEventBatch, RequestBudget, RequestDelta,
+                               WorkerStats, check_fits_context)
 from kvmesh.worker.engine_loop.engine_setup import EngineParts, build_engine_parts
 from kvmesh.core.errors import InvalidRequestError, KvmeshError
 from kvmesh.worker.engine_loop.adapter_gate import AdapterGate
@@ -126,10 +127,20 @@ class Engine:
         prompt_ids = self.tokenize(request)
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty")
-        check_fits_context(len(prompt_ids), request.sampling.max_tokens, self.max_model_len)
-        self.scheduler.admission.check_request_fits(len(prompt_ids), request.sampling)
+        budget = self.request_budget(request, prompt_ids)
+        check_fits_context(budget.prompt_tokens, budget.max_tokens, self.max_model_len)
+        self.scheduler.admission.check_request_fits(budget)
         check_structured_output(request.sampling.structured)  # remembered by content: cheap again
         return prompt_ids
+
+    def request_budget(self, request: GenerateRequest, prompt_ids: list[int]) -> RequestBudget:
+        """The budget the router computed and carried (checked against the request: a
+        mismatch is RequestBudgetMismatchError, never silently recomputed), or, for a request
+        handed to the engine directly, the one computed here, at its edge."""
+        if request.budget is None:
+            return request_budget(len(prompt_ids), request.sampling, self.block_size)
+        check_budget(request.budget, len(prompt_ids), request.sampling, self.block_size)
+        return request.budget
 
     def add_request(self, request: GenerateRequest, prompt_ids: list[int] | None = None) -> None:
         """Queue a request or raise InvalidRequestError / OverloadedError (nothing held then)."""

@@ -140,8 +140,14 @@ def _plan_memory(config: KvmeshConfig, model, hf_config, device, kv_dtype_name: 
                             draft_kv_bytes_per_block=draft_per_block, draft_num_blocks=draft_blocks,
                             num_blocks=cache_cfg.num_blocks)
     else:
+        # Host RAM holds everything: cache.cpu_kv_cache_gib sizes the KV pools alone, and the
+        # other parts ride on top of it so the plan (and kvmesh_memory_planned_bytes) still
+        # reports each one: weights, the step's workspace (estimated), the sampler.
         peak = 0
-        dplan = plan_device(int(cache_cfg.cpu_kv_cache_gib * GIB), DeviceParts(), per_block,
+        parts = DeviceParts(weight_bytes=weight_bytes, draft_weight_bytes=draft_weight_bytes,
+                            activation_bytes=_cpu_workspace_bytes(config, model),
+                            sampler_bytes=_sampler_bytes(config, hf_config))
+        dplan = plan_device(int(cache_cfg.cpu_kv_cache_gib * GIB) + parts.total_bytes, parts, per_block,
                             draft_kv_bytes_per_block=draft_per_block, draft_num_blocks=draft_blocks,
                             num_blocks=cache_cfg.num_blocks, must_fit=cache_cfg.num_blocks is None)
     num_blocks = dplan.num_blocks
@@ -152,6 +158,22 @@ def _plan_memory(config: KvmeshConfig, model, hf_config, device, kv_dtype_name: 
     return MemoryPlan(weight_bytes, per_token, cache_cfg.block_size, num_blocks, num_swap,
                       num_blocks * per_block, peak, num_tier if cache_cfg.enable_prefix_caching else 0,
                       dplan.num_draft_blocks, dplan)
+
+
+def _cpu_workspace_bytes(config: KvmeshConfig, model) -> int:
+    """An estimate of a CPU step's largest live temporaries at max_num_batched_tokens T: the
+    residual stream and norm outputs (3 T H), the merged q|k|v (T (Hq + 2 Hkv) D) and the
+    attention output (T Hq D), gate|up and the activation (3 T I), in the model dtype; plus
+    the float weight a quantized projection without a packed kernel dequantizes per call (the
+    largest one, gate|up: 2 I H, fp32)."""
+    cfg = model.config
+    t, h, d = config.scheduler.max_num_batched_tokens, cfg.hidden_size, model.head_dim
+    inter = cfg.intermediate_size // model.coll.world_size
+    heads = model.model.layers[0].self_attn.num_heads
+    elem = next(model.parameters()).element_size()
+    stream = t * (3 * h + (2 * heads + 2 * model.num_kv_heads) * d + 3 * inter) * elem
+    quantized = config.quant.weight != "none"
+    return stream + (2 * inter * h * 4 if quantized else 0)
 
 
 def _graph_bytes(config: KvmeshConfig, hf_config, dtype_bytes: int, peak: int, max_model_len: int,

@@ -88,11 +88,11 @@ def w8a16_matmul(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tenso
 
 
 def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int) -> torch.Tensor | None:
+                 group_size: int, mins: torch.Tensor | None = None) -> torch.Tensor | None:
     """The Triton W4A16 kernel when this device takes the Triton path, else None."""
     if not use_triton(x):
         return None
-    return _triton().w4a16_matmul(x, packed, scales, zeros, group_size)
+    return _triton().w4a16_matmul(x, packed, scales, zeros, group_size, mins)
 
 
 quant_linear.install_device_kernels(sys.modules[__name__])  # quant/linear.py's quantized matmuls

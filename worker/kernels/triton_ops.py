@@ -14,6 +14,7 @@ Under the interpreter bf16 has no numpy type, so values are upcast right after e
 The W4A16 packing convention (documented in full in torch_ops.py, produced by quant/):
     packed[o, i // 2] = q[o, 2*(i//2)] | (q[o, 2*(i//2) + 1] << 4)    uint8, low nibble = even i
     w[o, i] = (q[o, i] - zeros[o, i // group_size]) * scales[o, i // group_size]
+              (+ mins[o, i // group_size] for GGUF Q4_1 / Q4_K layers, quant/gguf_layouts.py)
 W8A16 (quant/linear.py's Int8WeightOnlyLinear): w[o, i] = q[o, i] * scales[o], q int8; the
 codes are exact in fp16 / bf16, so the kernel feeds them to tl.dot unscaled and applies the
 per-row scale once to the accumulator, as the torch path scales after its matmul.
@@ -265,9 +266,11 @@ def _w4a16_matmul_kernel(
     packed_ptr,  # [N, K // 2] uint8, two int4 weights per byte, low nibble = even k
     scales_ptr,  # [N, K // GROUP_SIZE]
     zeros_ptr,  # [N, K // GROUP_SIZE]
+    mins_ptr,  # [N, K // GROUP_SIZE] float offsets (GGUF Q4_1 / Q4_K), read only when HAS_MINS
     M, N, K,
-    stride_xm, stride_om, stride_pn, stride_sn, stride_zn,  # row strides, in elements
+    stride_xm, stride_om, stride_pn, stride_sn, stride_zn, stride_mn,  # row strides, in elements
     GROUP_SIZE: tl.constexpr,
+    HAS_MINS: tl.constexpr,
     COMPUTE: tl.constexpr,  # dtype fed to tl.dot
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -291,15 +294,20 @@ def _w4a16_matmul_kernel(
                         mask=wk_mask, other=0.0).to(tl.float32)
         zero = tl.load(zeros_ptr + offs_n[None, :].to(tl.int64) * stride_zn + group[:, None],
                        mask=wk_mask, other=0.0).to(tl.float32)
-        w = round_to((q - zero) * scale, x_ptr.dtype.element_ty).to(COMPUTE)  # [BK, BN], rounded like the reference
+        w = (q - zero) * scale
+        if HAS_MINS:
+            w += tl.load(mins_ptr + offs_n[None, :].to(tl.int64) * stride_mn + group[:, None],
+                         mask=wk_mask, other=0.0).to(tl.float32)
+        w = round_to(w, x_ptr.dtype.element_ty).to(COMPUTE)  # [BK, BN], rounded like the reference
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
              round_to(acc, out_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
 
 
 def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int) -> torch.Tensor:
-    """x: [..., in] @ dequant(packed)^T -> [..., out] in x.dtype (packing: see module doc)."""
+                 group_size: int, mins: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., in] @ dequant(packed)^T -> [..., out] in x.dtype (packing: see module doc);
+    mins: an optional per-group float offset, w = (q - zero) * scale + min."""
     x2 = _rows(x, "x")
     in_features = x2.shape[1]
     out_features = packed.shape[0]
@@ -312,13 +320,17 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     _require(tuple(scales.shape) == groups and tuple(zeros.shape) == groups,
              f"scales and zeros must be {list(groups)}, got {list(scales.shape)} and {list(zeros.shape)}")
     _require(packed.device == x.device == scales.device == zeros.device, "all tensors on one device")
+    _require(mins is None or (tuple(mins.shape) == groups and mins.device == x.device),
+             f"mins must be {list(groups)} on the activations' device")
     packed, scales, zeros = packed.contiguous(), scales.contiguous(), zeros.contiguous()
+    mins = None if mins is None else mins.contiguous()
     out = torch.empty((x2.shape[0], out_features), dtype=x.dtype, device=x.device)
     block_m, block_n, block_k, grid = _gemm_tiles(x2.shape[0], out_features)
     _w4a16_matmul_kernel[grid](
-        out, x2, packed, scales, zeros, x2.shape[0], out_features, in_features,
+        out, x2, packed, scales, zeros, scales if mins is None else mins, x2.shape[0], out_features, in_features,
         x2.stride(0), out.stride(0), packed.stride(0), scales.stride(0), zeros.stride(0),
-        GROUP_SIZE=group_size, COMPUTE=compute_dtype(x.dtype), DOT_PRECISION=dot_precision(x.dtype),
+        0 if mins is None else mins.stride(0),
+        GROUP_SIZE=group_size, HAS_MINS=mins is not None, COMPUTE=compute_dtype(x.dtype), DOT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return out.view(*x.shape[:-1], out_features)
 

@@ -20,6 +20,8 @@ heads (local to this rank under tensor parallelism), D = head_dim, V = vocab.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -299,13 +301,18 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg, max_positions: int, coll: Collectives | None = None, vocab_parallel: bool = True):
+    def __init__(self, cfg, max_positions: int, coll: Collectives | None = None, vocab_parallel: bool = True,
+                 meta_weights: bool = False):
+        """meta_weights: the layers' parameters on the meta device (no memory), for a loader
+        that installs every weight itself (worker/model/gguf_loader.py: no float copy of
+        projections it keeps quantized); the RoPE tables are computed either way."""
         super().__init__()
         self.config = cfg
         self.arch = Architecture.from_hf_config(cfg, max_positions)  # refuses what it does not serve
         self.coll = coll or single_rank()
-        self.model = LlamaModel(cfg, self.coll, vocab_parallel, self.arch)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.coll, vocab_parallel)
+        with torch.device("meta") if meta_weights else contextlib.nullcontext():
+            self.model = LlamaModel(cfg, self.coll, vocab_parallel, self.arch)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.coll, vocab_parallel)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -321,6 +328,14 @@ class LlamaForCausalLM(nn.Module):
         # model.compile decode: the layer stack as one inductor-compiled function for steps it
         # applies to (worker/runner/compiled_forward.py, installed by model_setup); None = eager
         self.compiled = None
+
+    def cast_to(self, dtype: torch.dtype) -> "LlamaForCausalLM":
+        """Parameters and buffers to the model dtype; the RoPE tables stay fp32 (cast per use, like HF)."""
+        self.to(dtype=dtype)
+        for tables in (self.rotary, self.rotary_local):
+            if tables is not None:
+                tables.to(torch.float32)
+        return self
 
     @property
     def num_kv_heads(self) -> int:

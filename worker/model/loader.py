@@ -9,6 +9,8 @@ conversion:
         config.json  model.safetensors  tokenizer.json  tokenizer_config.json ...
 
 The fingerprint covers the file's size and mtime, so a replaced GGUF converts again.
+quant.weight gguf converts nothing: the file's tensors load straight into quantized layers
+(worker/model/gguf_loader.py) and only its config.json is cached (`<...>-config/`).
 `KVMESH_CACHE_DIR` moves the cache (process plumbing, not configuration).
 """
 
@@ -114,6 +116,29 @@ def ensure_hf_dir(cfg: ModelConfig) -> ResolvedModel:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    return ResolvedModel(resolved.source, resolved.name, resolved.gguf_path, target)
+
+
+def ensure_config_dir(cfg: ModelConfig) -> ResolvedModel:
+    """quant.weight gguf: the GGUF's HF config.json (read from its metadata, no tensor
+    touched) in a small cached folder beside the converted ones; hf_dir points there. A full
+    conversion already made holds the same config and is used as is."""
+    resolved = resolve_model(cfg)
+    if resolved.gguf_path is None:
+        raise ConfigError(f"quant.weight gguf serves a .gguf file's own quantization; model.path {cfg.path!r} "
+                          "is not a .gguf file (use quant.weight none, int8 or int4 for a HF folder)")
+    if resolved.hf_dir is not None:
+        return resolved
+    target = _converted_dir(resolved.gguf_path).with_name(_converted_dir(resolved.gguf_path).name + "-config")
+    if not (target / "config.json").exists():
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(resolved.gguf_path.parent), gguf_file=resolved.gguf_path.name)
+        target.mkdir(parents=True, exist_ok=True)
+        tmp = target / f"config.json.tmp-{os.getpid()}"
+        config.to_json_file(str(tmp))
+        _strip_quantization_config(tmp)
+        os.replace(tmp, target / "config.json")
     return ResolvedModel(resolved.source, resolved.name, resolved.gguf_path, target)
 
 

@@ -23,7 +23,8 @@ from kvmesh.worker.attention.torch_backend import TorchAttentionBackend
 from kvmesh.worker.runner import compiled_forward
 from kvmesh.worker.model.architecture import Architecture, UnsupportedModelError
 from kvmesh.worker.model.llama import LlamaForCausalLM
-from kvmesh.worker.model.loader import ensure_hf_dir, load_hf_config, load_state_dict
+from kvmesh.worker.model.gguf_loader import load_gguf_model
+from kvmesh.worker.model.loader import ensure_config_dir, ensure_hf_dir, load_hf_config, load_state_dict
 from kvmesh.worker.runner.model_runner import TORCH_DTYPES, allocate_kv_caches, kv_storage_dtype
 
 logger = logging.getLogger(__name__)
@@ -97,10 +98,12 @@ class ModelSpec:
     dtype: torch.dtype
     max_model_len: int
     arch: Architecture  # the family's switches, validated
+    gguf_path: Path | None = None  # quant.weight gguf: the file whose tensors load as stored (hf_dir: its config)
 
 
 def resolve_model(config: KvmeshConfig) -> ModelSpec:
-    resolved = ensure_hf_dir(config.model)
+    gguf_kept = config.quant.weight == "gguf"
+    resolved = ensure_config_dir(config.model) if gguf_kept else ensure_hf_dir(config.model)
     hf_config = load_hf_config(resolved.hf_dir)
     device = pick_device(config)
     if device.type == "cpu":
@@ -114,35 +117,45 @@ def resolve_model(config: KvmeshConfig) -> ModelSpec:
     if max_model_len > native_len:
         raise ConfigError(f"model.max_model_len {max_model_len} exceeds the model's {native_len} positions")
     arch = Architecture.from_hf_config(hf_config, max_model_len)  # refuses what is not served, before any weight loads
-    return ModelSpec(Path(resolved.hf_dir), resolved.name, hf_config, device, dtype, max_model_len, arch)
+    return ModelSpec(Path(resolved.hf_dir), resolved.name, hf_config, device, dtype, max_model_len, arch,
+                     resolved.gguf_path if gguf_kept else None)
 
 
 def load_model(config: KvmeshConfig, spec: ModelSpec, coll=None, awq=None) -> LlamaForCausalLM:
     """This rank's model: the whole model at world size 1, its shard under tensor parallelism
-    (`coll` from worker/parallel/distributed.py). Quantized projections are quantized whole, then cut.
+    (`coll` from worker/parallel/distributed.py). Quantized projections are quantized whole, then cut;
+    quant.weight gguf loads the file's own quantized tensors (worker/model/gguf_loader.py).
 
     awq: int4_awq search results (worker/runner/awq_calibration.py); None at world size 1 means
     calibrate this model here (or take the cached results)."""
+    if config.quant.weight == "gguf":
+        model = load_gguf_model(spec.gguf_path, spec.hf_config, spec.max_model_len, spec.dtype, coll,
+                                config.parallel.vocab_parallel)
+    else:
+        model = _load_checkpoint(config, spec, coll, awq)
+    model = model.to(spec.device).eval()
+    # last: fused weights share the final parameters' storage, packed ones copy it
+    model.fuse_projections(prepack=config.model.cpu_prepack_weights)
+    if config.model.compile == "decode":  # after the fusion: it binds the final projections
+        model.compiled = compiled_forward.install(model, config.scheduler.max_num_seqs)
+    return model
+
+
+def _load_checkpoint(config: KvmeshConfig, spec: ModelSpec, coll, awq) -> LlamaForCausalLM:
+    """The HF folder's float weights, quantized as quant.weight says."""
     model = LlamaForCausalLM(spec.hf_config, spec.max_model_len, coll, config.parallel.vocab_parallel)
     state = load_state_dict(spec.hf_dir)
     sharded_quant = config.quant.weight != "none" and model.coll.world_size > 1
     if sharded_quant:
         state = model.install_quantized_shards(state, config.quant, spec.dtype, awq)
     model.load_hf_state_dict(state)
-    model.to(dtype=spec.dtype)
-    for tables in (model.rotary, model.rotary_local):
-        if tables is not None:
-            tables.to(torch.float32)  # rope tables stay fp32, cast per use like HF
+    del state  # the float tensors now live in the model (or were quantized): no second copy
+    model.cast_to(spec.dtype)
     if config.quant.weight != "none" and not sharded_quant:
         if config.quant.weight == "int4_awq" and awq is None:
             model.to(spec.device).eval()  # calibrate where the model will run
             awq = awq_results_for(config, spec, pick_backend(config, spec.device), lambda: model)
         quantize_model(model, config.quant, awq)
-    model = model.to(spec.device).eval()
-    # last: fused weights share the final parameters' storage, packed ones copy it
-    model.fuse_projections(prepack=config.model.cpu_prepack_weights)
-    if config.model.compile == "decode":  # after the fusion: it binds the final projections
-        model.compiled = compiled_forward.install(model, config.scheduler.max_num_seqs)
     return model
 
 

@@ -211,7 +211,7 @@ class AsyncEngine:
         wait_s = self.pace_s()
         if wait_s <= 0 or stream.final_ready.is_set():
             return
-        try:  # a timer, not wait_for's task: this runs once per message (router_core._next_batch)
+        try:  # a timer, not wait_for's task: this runs once per message (router/stages/stream.py, _next_batch)
             async with asyncio.timeout(wait_s):
                 await stream.final_ready.wait()
         except TimeoutError:

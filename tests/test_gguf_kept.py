@@ -1,0 +1,131 @@
+"""GGUF files served in their own quantization (quant.weight: gguf).
+
+Tiny random Llama GGUFs written with the `gguf` package's writer (load_tests/gguf_checkpoints.py),
+one per kept type (Q8_0, Q4_0, Q4_1, Q4_K):
+
+- loading keeps every projection quantized (the int8-group / int4 layers, no float weight),
+  and each layer's dequantized weight equals gguf's own `gguf.quants.dequantize` of the file's
+  tensor bit for bit (q / k rows un-permuted as transformers does);
+- greedy tokens through the engine equal those of the same file served with quant.weight none
+  (transformers' GGUF loader: gguf-dequantized fp32 weights), with chunked prefill;
+- `kvmesh capacity --weight-dtype gguf` counts exactly the bytes the loaded layers hold;
+- a projection of another type (Q5_0) is refused at load with the type and tensor named.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvmesh.core.config import ConfigError, KvmeshConfig
+from kvmesh.core.seams import GenerateRequest, SamplingParams
+from kvmesh.load_tests import gguf_checkpoints as gc
+from kvmesh.quant.gguf_layouts import UnsupportedGgufTypeError
+from kvmesh.quant.linear import Int4WeightOnlyLinear, Int8GroupWeightOnlyLinear
+from kvmesh.worker.engine_api import Engine
+from kvmesh.worker.model.gguf_loader import _unpermute_rows
+from kvmesh.worker.runner.model_setup import load_model, resolve_model
+
+NEW_TOKENS = 12
+PROMPTS = [[5, 17, 300, 42, 7], list(range(100, 141))]  # the second is prefilled in 3 chunks
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """Converted folders (quant.weight none) and cached configs of these files, in a temp dir."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KVMESH_CACHE_DIR", str(tmp_path_factory.mktemp("kvmesh-cache")))
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module", params=gc.KEPT_TYPES)
+def gguf_file(request, tmp_path_factory, cache_dir):
+    return request.param, gc.write_tiny_llama_gguf(tmp_path_factory.mktemp(request.param) / "tiny.gguf",
+                                                  request.param)
+
+
+def _config(path, weight: str) -> KvmeshConfig:
+    return KvmeshConfig.from_dict({
+        "model": {"path": str(path), "dtype": "fp32"},
+        "quant": {"weight": weight},
+        "cache": {"num_blocks": 32, "block_size": 8},
+        "scheduler": {"max_num_batched_tokens": 32, "max_prefill_tokens_per_step": 16, "max_queue_time_s": 3600},
+        "parallel": {"attention_backend": "cpu", "device": "cpu"},
+    })
+
+
+def _greedy(config: KvmeshConfig) -> list[list[int]]:
+    engine = Engine.from_config(config)
+    for i, ids in enumerate(PROMPTS):
+        engine.add_request(GenerateRequest(f"r{i}", prompt_token_ids=tuple(ids), sampling=SamplingParams(
+            max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)))
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            tokens[delta.request_id].extend(delta.token_ids)
+    return [tokens[f"r{i}"] for i in range(len(PROMPTS))]
+
+
+def test_projections_stay_quantized_and_dequantize_as_gguf_does(gguf_file):
+    import gguf
+
+    type_name, path = gguf_file
+    config = _config(path, "gguf")
+    spec = resolve_model(config)
+    model = load_model(config, spec)
+    layer_type = Int8GroupWeightOnlyLinear if type_name == "Q8_0" else Int4WeightOnlyLinear
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    cfg = spec.hf_config
+    for i, layer in enumerate(model.model.layers):
+        for hf, name, heads in (("self_attn.q_proj", "attn_q", cfg.num_attention_heads),
+                                ("self_attn.k_proj", "attn_k", cfg.num_key_value_heads),
+                                ("self_attn.v_proj", "attn_v", None), ("self_attn.o_proj", "attn_output", None),
+                                ("mlp.gate_proj", "ffn_gate", None), ("mlp.up_proj", "ffn_up", None),
+                                ("mlp.down_proj", "ffn_down", None)):
+            module = layer.get_submodule(hf)
+            assert type(module) is layer_type and not any(p.is_floating_point() and p.dim() == 2 and
+                                                           p.shape == (module.out_features, module.in_features)
+                                                           for p in module.buffers()), f"{hf} holds a float weight"
+            tensor = tensors[f"blk.{i}.{name}.weight"]
+            assert tensor.tensor_type.name == type_name
+            want = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            want = want if heads is None else _unpermute_rows(want, heads)
+            got = module.dequantized_weight(torch.float32).numpy()
+            assert np.array_equal(got, want), f"layer {i} {hf}: max diff {np.abs(got - want).max()}"
+    if type_name in ("Q4_1", "Q4_K"):  # the min term is what these types add
+        assert model.model.layers[0].mlp.up_proj.mins is not None
+    assert not any(p.is_meta for p in model.parameters())
+
+
+def test_capacity_counts_the_bytes_the_loaded_model_holds(gguf_file):
+    from kvmesh.kv.capacity import estimate_weight_bytes, load_model_shape
+
+    type_name, path = gguf_file
+    config = _config(path, "gguf").replace(model={"dtype": "bf16"})  # capacity counts unquantized tensors 16-bit
+    model = load_model(config, resolve_model(config))
+    held = sum(t.numel() * t.element_size() for name, t in [*model.named_parameters(), *model.named_buffers()]
+               if "rotary" not in name)  # the RoPE tables are no weights
+    assert estimate_weight_bytes(load_model_shape(path), "gguf").total_bytes == held, type_name
+
+
+def test_greedy_equals_the_gguf_dequantized_model(gguf_file):
+    type_name, path = gguf_file
+    want = _greedy(_config(path, "none"))  # transformers' GGUF loader: fp32 weights from gguf.dequantize
+    got = _greedy(_config(path, "gguf"))
+    assert all(len(w) == NEW_TOKENS for w in want)
+    assert got == want, f"{type_name}: kept-quantized tokens differ from the dequantized model's"
+
+
+def test_a_type_without_an_exact_layout_is_refused_by_name(tmp_path, cache_dir):
+    path = gc.write_tiny_llama_gguf(tmp_path / "q5.gguf", "Q4_0", overrides={"blk.1.ffn_down.weight": "Q5_0"})
+    config = _config(path, "gguf")
+    with pytest.raises(UnsupportedGgufTypeError, match=r"'blk\.1\.ffn_down\.weight' is Q5_0"):
+        load_model(config, resolve_model(config))
+
+
+def test_gguf_mode_needs_a_gguf_file(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not a .gguf file"):
+        resolve_model(_config(tmp_path, "gguf"))
