@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.load_tests.arrivals import ArrivalSpec, arrival_offsets_s
 from kvmesh.load_tests.metrics import STATUS_CANCELLED, STATUS_ERROR, STATUS_OK, RequestRecord
+from kvmesh.load_tests.structured_workload import output_is_valid
 from kvmesh.load_tests.targets import Target, TargetRequest
 from kvmesh.load_tests.workloads import WorkloadRequest
 from kvmesh.core.errors import InvalidRequestError, KvmeshError
@@ -96,6 +97,7 @@ class _Attempt:
         self.cached_tokens = 0
         self.cancelled = False
         self.degraded = False  # the final delta said the server's ladder degraded it
+        self.text_parts: list[str] = []  # kept only for a structured-output request
 
 
 class RunDriver:
@@ -198,7 +200,7 @@ class RunDriver:
             treq = TargetRequest(request_id=f"{self.run_id}-s{stream_no}-r{req.index}-a{attempt_no}",
                                  prompt_token_ids=req.prompt_token_ids, prompt_text=req.prompt_text,
                                  max_tokens=req.output_tokens, tenant_id=req.tenant_id, api_key=req.api_key,
-                                 attempt=attempt_no, stop=req.stop)
+                                 attempt=attempt_no, stop=req.stop, structured=req.structured)
             seen = _Attempt()
             try:
                 if self.retry.timeout_s is None:
@@ -239,6 +241,8 @@ class RunDriver:
                 if chunk.cached_tokens is not None:
                     seen.cached_tokens = chunk.cached_tokens
                 seen.degraded = seen.degraded or chunk.degraded
+                if treq.structured is not None and chunk.text:
+                    seen.text_parts.append(chunk.text)
                 if cancel_after_tokens is not None and seen.num_tokens >= cancel_after_tokens:
                     seen.cancelled = True
                     return  # leaving the `async with` closes the stream: the server aborts
@@ -251,6 +255,8 @@ class RunDriver:
             self._bar.update(1)
         end_s = self._now_s() if status != STATUS_ERROR else None
         output = seen.completion_tokens if seen.completion_tokens is not None else seen.num_tokens
+        valid = (output_is_valid(req.structured, "".join(seen.text_parts))
+                 if req.structured is not None and status == STATUS_OK else None)
         return RequestRecord(index=req.index, tenant_id=req.tenant_id, prompt_tokens=req.prompt_tokens,
                              expected_output_tokens=req.output_tokens, send_s=send_s, status=status,
                              output_tokens=output, first_token_s=seen.first_token_s, end_s=end_s,
@@ -258,7 +264,7 @@ class RunDriver:
                              attempts=attempts, error_code=code, error_message=message,
                              retry_error_codes=tuple(retry_codes), retry_after_s=tuple(advised_s),
                              retry_delay_s=tuple(waited_s), degraded=seen.degraded,
-                             family=req.family)
+                             family=req.family, structured_valid=valid)
 
 
 def _planned_count(stream: TenantStream) -> int:

@@ -83,7 +83,7 @@ class GrpcTarget(Target):
                 if isinstance(delta, StreamRestart):  # only with restart_mid_stream, which we never set
                     raise WorkerFailedError("stream restarted")
                 usage = delta.usage if delta.finished else None
-                yield StreamChunk(len(delta.token_ids), finished=delta.finished,
+                yield StreamChunk(len(delta.token_ids), finished=delta.finished, text=delta.text,
                                   completion_tokens=usage.completion_tokens if usage else None,
                                   cached_tokens=usage.cached_tokens if usage else None,
                                   degraded=bool(delta.finished and delta.degraded))

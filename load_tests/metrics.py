@@ -64,6 +64,9 @@ class RequestRecord:
     retry_after_s: tuple[float | None, ...] = ()
     retry_delay_s: tuple[float, ...] = ()
     degraded: bool = False  # the server said it served less than asked (e.g. capped max_tokens)
+    # a structured-output request that completed: whether its output meets its constraint
+    # (load_tests/structured_workload.py); None = free text, not completed, or not checked
+    structured_valid: bool | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -182,6 +185,8 @@ class RunSummary:
     refused: int = 0  # requests that ended refused (REFUSAL_CODES)
     degraded: int = 0  # requests completed degraded
     refused_attempts: int = 0  # attempts refused, retried or not
+    # completed structured-output requests whose output meets its constraint / those checked
+    structured_valid_rate: float | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -205,6 +210,7 @@ def summarize(records: list[RequestRecord], slo: SLO | None = None) -> RunSummar
     refused = sum(1 for r in records if r.refused)
     degraded = sum(1 for r in done if r.degraded)
     advised = [admitted for r in records for admitted in r.retries_at_advertised_time()]
+    checked = [r.structured_valid for r in done if r.structured_valid is not None]
     return RunSummary(
         shed_rate=(refused + degraded) / len(records) if records else None,
         retry_after_accuracy=sum(advised) / len(advised) if advised else None,
@@ -229,6 +235,7 @@ def summarize(records: list[RequestRecord], slo: SLO | None = None) -> RunSummar
         retries=sum(r.attempts - 1 for r in records),
         retried_errors_by_code=dict(retried),
         prefix_cache_hit_rate=(sum(r.cached_tokens for r in done) / prompt_tokens) if prompt_tokens else None,
+        structured_valid_rate=sum(checked) / len(checked) if checked else None,
     )
 
 

@@ -47,6 +47,7 @@ SUMMARY_COLUMNS = (
     ("max KV use", "peak.kv_usage", "{:.0%}"),
     ("preemptions", "final.num_preemptions", "{:.0f}"),
     ("KV tokens after", "final.kv_tokens_used", "{:.0f}"),
+    ("valid outputs", "summary.structured_valid_rate", "{:.0%}"),  # structured-output runs only
 )
 
 # Metrics `compare` reports, with whether higher is better (for the verdict column).

@@ -27,8 +27,9 @@ from urllib.parse import urlparse
 from kvmesh.core.errors import (InvalidRequestError, KvmeshError, OverloadedError, QuotaExceededError,
                                   UnauthenticatedError, WorkerFailedError)
 from kvmesh.core.config import KvmeshConfig
-from kvmesh.core.seams import FinishReason, GenerateRequest, SamplingParams
+from kvmesh.core.seams import FinishReason, GenerateRequest, SamplingParams, StructuredOutput
 from kvmesh.load_tests.server_metrics import parse_prometheus_sample
+from kvmesh.load_tests.structured_workload import http_fields
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +44,17 @@ class TargetRequest:
     api_key: str | None = None
     attempt: int = 1  # 1 = first attempt
     stop: tuple[str, ...] = ()  # stop strings: the output ends at the first (EOS counts too)
+    structured: StructuredOutput | None = None  # the output ends where the constraint is complete
+
+    @property
+    def exact_length(self) -> bool:
+        """Exactly max_tokens (ignore_eos), or up to max_tokens ending at a stop or the grammar's end."""
+        return not self.stop and self.structured is None
 
     def sampling(self) -> SamplingParams:
         """Greedy; exactly max_tokens, or up to max_tokens ending at a stop string or EOS."""
-        return SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=not self.stop, stop=self.stop)
+        return SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=self.exact_length,
+                              stop=self.stop, structured=self.structured)
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,7 @@ class StreamChunk:
 
     num_tokens: int  # tokens carried by this delta (0 for a usage-only final chunk)
     finished: bool = False
+    text: str = ""  # the delta's text (the driver keeps it for structured-output checks)
     completion_tokens: int | None = None  # the server's count, on the final chunk
     cached_tokens: int | None = None
     degraded: bool = False  # the server's degradation ladder capped it or sent it to its fallback pool
@@ -135,7 +144,7 @@ class EngineTarget(Target):
                 if delta.finish_reason == FinishReason.ERROR:
                     raise WorkerFailedError(delta.error or "engine error")
                 usage = delta.usage if delta.finished else None
-                yield StreamChunk(num_tokens=len(delta.token_ids), finished=delta.finished,
+                yield StreamChunk(num_tokens=len(delta.token_ids), finished=delta.finished, text=delta.text,
                                   completion_tokens=usage.completion_tokens if usage else None,
                                   cached_tokens=usage.cached_tokens if usage else None)
 
@@ -194,10 +203,12 @@ class OpenAIHttpTarget(Target):
 
     def _body(self, request: TargetRequest) -> dict:
         body = {"prompt": list(request.prompt_token_ids) if self.send_token_ids else request.prompt_text,
-                "max_tokens": request.max_tokens, "temperature": 0.0, "stream": True, "ignore_eos": not request.stop,
-                "stream_options": {"include_usage": True}}
+                "max_tokens": request.max_tokens, "temperature": 0.0, "stream": True,
+                "ignore_eos": request.exact_length, "stream_options": {"include_usage": True}}
         if request.stop:
             body["stop"] = list(request.stop)
+        if request.structured is not None:
+            body |= http_fields(request.structured)
         if self.model:
             body["model"] = self.model
         return body
@@ -254,7 +265,8 @@ def parse_sse_line(line: str) -> StreamChunk | None:
     if usage:
         details = usage.get("prompt_tokens_details") or {}
         return StreamChunk(num_tokens=1 if text else 0, finished=True, completion_tokens=usage.get("completion_tokens"),
-                           cached_tokens=details.get("cached_tokens"), degraded=bool(usage.get("kvmesh_degraded")))
+                           cached_tokens=details.get("cached_tokens"), degraded=bool(usage.get("kvmesh_degraded")),
+                           text=text)
     if not text and not finished:
         return None
-    return StreamChunk(num_tokens=1 if text else 0, finished=finished)
+    return StreamChunk(num_tokens=1 if text else 0, finished=finished, text=text)

@@ -16,6 +16,9 @@ Kinds (the `kind` field of a workload spec in a campaign):
                  (SGLang's generated-shared-prefix dataset)
   long_short     a fraction of long prompts among short ones (head-of-line blocking)
   trace          requests replayed from a JSONL trace file (see trace_format.py)
+
+Any generated kind may carry structured-output constraints (`constraints_path`,
+structured_workload.py): each output then ends where its grammar is complete.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvmesh.core.seams import StructuredOutput
 from kvmesh.load_tests.corpus import TokenCorpus
+from kvmesh.load_tests.structured_workload import read_constraints
 from kvmesh.load_tests.trace_format import TraceRecord, read_trace
 from kvmesh.core.errors import InvalidRequestError
 
@@ -108,6 +113,9 @@ class WorkloadRequest:
     cancel_after_tokens: int | None = None  # client cancels after this many output tokens
     stop: tuple[str, ...] = ()  # set: output_tokens is the max_tokens asked, the text ends it sooner
     arrival_offset_s: float | None = None  # only for traces: when to send, from run start
+    # structured output (structured_workload.py): output_tokens is then a ceiling, the
+    # grammar's end (EOS) ends the output
+    structured: StructuredOutput | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -137,6 +145,9 @@ class WorkloadSpec:
     # natural output ends: every request asks max_tokens and stops at the first of `stop`
     stop: tuple[str, ...] = ()
     max_tokens: int | None = None
+    # structured output: a JSON list of constraints, request i carries entry i mod len
+    # (load_tests/structured_workload.py); synthetic, shared_prefix and long_short kinds
+    constraints_path: str | None = None
 
     def validate(self) -> None:
         if self.kind not in ("synthetic", "shared_prefix", "long_short", "trace"):
@@ -149,6 +160,8 @@ class WorkloadSpec:
             raise InvalidRequestError("shared_prefix needs num_families >= 1 and prefix_tokens >= 1")
         if self.kind == "trace" and not self.trace_path:
             raise InvalidRequestError("a trace workload needs trace_path")
+        if self.kind == "trace" and self.constraints_path:
+            raise InvalidRequestError("constraints_path applies to generated workloads, not traces")
         if bool(self.stop) != (self.max_tokens is not None) or (self.max_tokens is not None and self.max_tokens < 1):
             raise InvalidRequestError("workload.stop and workload.max_tokens (>= 1) go together")
         for dist in (self.input, self.output, self.long_input):
@@ -178,13 +191,15 @@ def generate_workload(spec: WorkloadSpec, corpus: TokenCorpus, tenant_id: str = 
         is_long = rng.random(n) < spec.long_fraction
         inputs = np.where(is_long, spec.long_input.scaled(spec.scale).sample(rng, n), inputs)
     cancel_points = _cancel_points(rng, outputs, spec.cancel_fraction)
+    constraints = read_constraints(spec.constraints_path) if spec.constraints_path else ()
     requests = []
     for i in range(n):
         ids, text = corpus.sample_prompt(int(inputs[i]), rng, prefix_ids=prefixes[i])
         requests.append(WorkloadRequest(index=i, prompt_token_ids=ids, prompt_text=text,
                                         output_tokens=int(outputs[i]), tenant_id=tenant_id, api_key=api_key,
                                         family=families[i], cancel_after_tokens=cancel_points[i],
-                                        stop=tuple(spec.stop)))
+                                        stop=tuple(spec.stop),
+                                        structured=constraints[i % len(constraints)] if constraints else None))
     return requests
 
 

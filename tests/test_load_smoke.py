@@ -3,6 +3,7 @@ peer, on a tiny random Llama with a tokenizer trained on the bundled corpus."""
 
 import asyncio
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,9 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("kvmesh.worker.runtime.async_engine") is None,
                        reason="kvmesh.worker.runtime.async_engine (the in-process engine) is not available"),
 ]
+
+
+CONSTRAINTS = str(Path(__file__).resolve().parents[1] / "load_tests" / "data" / "structured-constraints.json")
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +62,12 @@ def test_engine_campaign_cancel_storm_prefix_and_peer(tiny, tmp_path):
             {"name": "static-4", "target": {"kind": "hf_static", "batch_size": 4}},
             {"name": "hf-continuous", "target": {"kind": "hf_continuous", "max_batch_tokens": 128}},
             {"name": "llama-cpp", "target": {"kind": "llama_cpp"}, "optional": True},
+            {"name": "structured", "workload": {  # outputs end with their grammar; 240 is a ceiling
+                "num_requests": 6, "scale": 1.0, "constraints_path": CONSTRAINTS,
+                "input": {"kind": "fixed", "mean": 8, "p99": None}, "output": {"kind": "fixed", "mean": 240, "p99": None}}},
         ],
-        "checks": [{"run": "cancel-storm", "metric": "final.kv_tokens_used", "op": "==", "value": 0}],
+        "checks": [{"run": "cancel-storm", "metric": "final.kv_tokens_used", "op": "==", "value": 0},
+                   {"run": "structured", "metric": "structured_valid_rate", "op": "==", "value": 1.0}],
     })
     results = run_campaign(campaign, tmp_path, tokenizer=tokenizer, progress=False)
     runs = {r["name"]: r for r in results["runs"]}
@@ -87,9 +95,19 @@ def test_engine_campaign_cancel_storm_prefix_and_peer(tiny, tmp_path):
     if importlib.util.find_spec("llama_cpp") is None:  # optional peer: skipped, and the report says so
         assert [s["name"] for s in results["skipped"]] == ["llama-cpp"]
 
+    # Each constrained output (random weights: valid only because of the masks) is checked
+    # against its constraint by the driver: JSON Schemas, a regex, a choice.
+    structured = runs["structured"]
+    assert structured["summary"]["completed"] == 6 and structured["summary"]["structured_valid_rate"] == 1.0
+    assert [r["structured_valid"] for r in structured["records"]] == [True] * 6
+    assert all(r["structured_valid"] is None for r in storm["records"])  # free text: not checked
+    assert structured["final_server_sample"]["kv_tokens_used"] == 0
+
     for name in ("results.json", "report.html", "summary.md"):
         assert (tmp_path / name).stat().st_size > 0
-    assert "PASS: cancel-storm: final.kv_tokens_used == 0" in (tmp_path / "summary.md").read_text()
+    summary_md = (tmp_path / "summary.md").read_text()
+    assert "PASS: cancel-storm: final.kv_tokens_used == 0" in summary_md
+    assert "PASS: structured: structured_valid_rate == 1" in summary_md
 
 
 def test_overload_naive_retries_are_counted(tiny, tmp_path):
@@ -199,40 +217,45 @@ def test_cluster_target_over_grpc_and_openai_http(tiny, tmp_path):
     from kvmesh.load_tests.grpc_target import ClusterTarget
     from kvmesh.load_tests.metrics import summarize
     from kvmesh.load_tests.targets import OpenAIHttpTarget
-    from kvmesh.load_tests.workloads import WorkloadSpec, generate_workload
+    from kvmesh.load_tests.workloads import LengthDistribution, WorkloadSpec, generate_workload
 
     model_dir, tokenizer = tiny
     config = _defaults(model_dir)["config"]
     config["parallel"].update(num_workers=1, worker_num_cpus=0.5)
     config["router"] = {"host": "127.0.0.1", "stats_refresh_s": 0.1}
     requests = tuple(generate_workload(WorkloadSpec(num_requests=6, scale=0.04, seed=3), TokenCorpus(tokenizer)))
-    streams = [TenantStream(requests, ArrivalSpec("poisson", rate=20, seed=3))]
+    # structured output through the router: gRPC's proto field, HTTP's structured_outputs
+    constrained = tuple(generate_workload(WorkloadSpec(
+        num_requests=6, seed=4, input=LengthDistribution("fixed", 8, None), output=LengthDistribution("fixed", 240, None),
+        constraints_path=CONSTRAINTS), TokenCorpus(tokenizer)))
 
-    async def drive(target):
+    async def drive(target, requests=requests):
         return await RunDriver(target, DriverRetryPolicy("backoff", max_attempts=5), progress=False,
-                               sample_interval_s=0.1).run(streams)
+                               sample_interval_s=0.1).run([TenantStream(requests, ArrivalSpec("poisson", rate=20, seed=3))])
 
     async def scenario():
         cluster = ClusterTarget(config, app_name="kvmesh-load-smoke")
         await cluster.start()
         try:
             grpc_result = await drive(cluster)
+            structured = [await drive(cluster, constrained)]
             router = cluster.config.router
             http = OpenAIHttpTarget(f"http://127.0.0.1:{router.http_port}",
                                     metrics_url=f"http://127.0.0.1:{router.http_port}/metrics")
             await http.start()
             try:
                 http_result = await drive(http)
+                structured.append(await drive(http, constrained))
             finally:
                 await http.close()
         finally:
             await cluster.close()
-        return grpc_result, http_result
+        return grpc_result, http_result, structured
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        grpc_result, http_result = asyncio.run(scenario())
+        grpc_result, http_result, structured = asyncio.run(scenario())
     finally:
         ray.shutdown()
     expected = sum(r.output_tokens for r in requests)
@@ -244,3 +267,6 @@ def test_cluster_target_over_grpc_and_openai_http(tiny, tmp_path):
     assert any("num_running" in s for s in grpc_result.server_samples)  # GetStats samples
     assert grpc_result.final_server_sample["kv_tokens_used"] == 0
     assert any("kv_usage" in s for s in http_result.server_samples)  # parsed from /metrics
+    for result in structured:  # gRPC, then HTTP: every output meets its constraint
+        summary = summarize(result.records)
+        assert summary.completed == 6 and summary.structured_valid_rate == 1.0

@@ -2,6 +2,7 @@
 fitted length distribution, seeding, and the JSONL trace round trip."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -182,3 +183,36 @@ def test_a_stop_workload_asks_the_same_ceiling_and_lets_the_text_end_each_output
     for bad in ({"stop": (".",)}, {"max_tokens": 200}, {"stop": (".",), "max_tokens": 0}):
         with pytest.raises(InvalidRequestError):
             generate_workload(WorkloadSpec(num_requests=2, **bad), corpus)
+
+
+def test_a_structured_workload_carries_its_constraints_and_checks_each_output(corpus, tmp_path):
+    import json
+
+    from kvmesh.load_tests.structured_workload import http_fields, output_is_valid
+    from kvmesh.load_tests.targets import TargetRequest
+
+    shipped = "load_tests/data/structured-constraints.json"
+    path = str(Path(__file__).resolve().parents[1] / shipped)
+    reqs = generate_workload(WorkloadSpec(num_requests=8, scale=0.05, seed=3, constraints_path=path), corpus)
+    kinds = [r.structured.kind for r in reqs]
+    assert kinds == ["json_schema"] * 4 + ["regex", "choice", "json_schema", "json_schema"]  # cycled
+    assert reqs[0].structured == reqs[6].structured
+    sent = TargetRequest("r", (1,), "", 96, structured=reqs[4].structured).sampling()
+    assert (sent.structured, sent.ignore_eos) == (reqs[4].structured, False)  # the grammar ends it
+    assert http_fields(reqs[5].structured) == {"structured_outputs": {"choice": list(reqs[5].structured.choices)}}
+
+    person = reqs[0].structured
+    assert output_is_valid(person, '{"name":"Ada","age":36,"tags":["vip"]}')
+    assert not output_is_valid(person, '{"name":"Ada","age":360,"tags":[]}')  # out of bounds
+    assert not output_is_valid(person, '{"name":"Ada","age":3')  # cut at max_tokens
+    assert output_is_valid(reqs[4].structured, "AB-1234") and not output_is_valid(reqs[4].structured, "AB-12345")
+    assert output_is_valid(reqs[5].structured, "reject") and not output_is_valid(reqs[5].structured, "rejected")
+    assert json.loads(json.dumps(http_fields(person)))["structured_outputs"]["json"]["required"] == ["name", "age", "tags"]
+
+    for i, bad in enumerate(([], [{"xml": "<a/>"}], [{"regex": "a", "choice": ["b"]}], [{"choice": []}], "{")):
+        bad_path = tmp_path / f"bad-{i}.json"
+        bad_path.write_text(bad if isinstance(bad, str) else json.dumps(bad))
+        with pytest.raises(InvalidRequestError):
+            generate_workload(WorkloadSpec(num_requests=2, constraints_path=str(bad_path)), corpus)
+    with pytest.raises(InvalidRequestError, match="traces"):
+        WorkloadSpec(kind="trace", trace_path="t.jsonl", constraints_path=path).validate()

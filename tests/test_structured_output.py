@@ -247,7 +247,14 @@ def test_speculation_skips_constrained_requests_counts_it_and_keeps_greedy_outpu
         max_tokens=24, temperature=0.0, ignore_eos=True))
     texts, _ = _run(spec, [_greedy_constrained(i) for i in range(3)] + [free])
     assert {k: v for k, v in texts.items() if k != "free"} == reference
-    assert spec.structured.figures().num_spec_skipped > 0
+    skipped = spec.structured.figures().num_spec_skipped
+    assert skipped > 0
+    # the reason is counted where operators read it: kvmesh_spec_skipped_total{reason=...}
+    from kvmesh.core.structured_output_metrics import StructuredOutputCollector
+
+    samples = {(s.name, s.labels.get("reason")): s.value
+               for family in StructuredOutputCollector("w0", spec.structured.figures).collect() for s in family.samples}
+    assert samples[("kvmesh_spec_skipped_total", "structured_output")] == skipped
     spec.close()
 
 

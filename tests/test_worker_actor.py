@@ -169,6 +169,7 @@ def test_a_resumption_takes_its_id_over_and_a_stale_abort_leaves_it_alone(worker
                                       resume_text_chars=sum(len(d.text) for d in streamed))
         assert isinstance(await worker.submit.remote("replica-new", resumed), str)
         assert await worker.abort.remote("taken", "replica-old") is False
+        await worker.abort_many.remote(["taken"], "replica-old")  # the router's batched form
         rest = []
         while not (rest and rest[-1].finished):
             rest += [d for d in await (await new.__anext__()) if d.request_id == "taken"]

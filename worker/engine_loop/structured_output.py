@@ -26,11 +26,26 @@ Compiled grammars: a pristine matcher per key (LRU, `MAX_CACHED_GRAMMARS`), deep
 each request (microseconds); n > 1 samples share one compile. The compile thread builds the
 matcher (llguidance drops the GIL while it does) and computes its first mask, which is when
 llguidance builds most of its lexer, so the step thread's first mask is as cheap as any.
+
+What a never-seen schema must not cost the others (the step thread is the engine's only
+owner; vLLM's StructuredOutputManager and SGLang's grammar backend compile in a thread too):
+  * CPU: the compile thread runs at the lowest CPU priority (`_yield_cpu`): on a CPU worker
+    the forward's threads own every core, and a compile at equal priority took a core from
+    a whole step's matrix products; at the lowest it runs in the step's single-threaded
+    gaps (scheduling, sampling, detokenizing) and on idle cores.
+  * the GIL: llguidance drops it for compiles, masks and validation; building its view of the
+    tokenizer (`LLTokenizer`: ~0.35 s of CPU for a 50k vocabulary, 2 s on a loaded 2-core
+    box) holds it throughout, so it is built before the step thread starts (`prepare`,
+    called by AsyncEngine; once per process: grammar.ll_tokenizer) instead of at the first
+    constrained request, which would freeze every step for that long.
+  * the step: masks of all constrained rows are computed in one call on llguidance's thread
+    pool with the GIL dropped (`LLExecutor`), matchers advanced the same way.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -50,7 +65,22 @@ logger = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 256
 COMPILE_THREADS = 1  # compiles are milliseconds; one thread keeps them off the step's cores
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def _yield_cpu() -> None:
+    """The compile thread's initializer: this thread only (its Linux thread id) to the lowest
+    CPU priority, so a compile never takes a core the forward's threads are using (module
+    doc). Best effort: where the OS refuses, the thread keeps the default priority."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+    except (AttributeError, OSError):
+        logger.debug("the grammar compile thread keeps the default CPU priority")
 
 
 @dataclass
@@ -70,7 +100,7 @@ class GrammarCache:
         self._tokenizer = tokenizer
         self._max_cached = max_cached
         self._compiled: OrderedDict[str, Future] = OrderedDict()
-        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="kvmesh-grammar")
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="kvmesh-grammar", initializer=_yield_cpu)
         self._lock = threading.Lock()
         self.num_hits = 0
         self.num_misses = 0
@@ -113,20 +143,33 @@ class StructuredOutputs:
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], tokenizer_id: str):
         self.vocab_size = vocab_size
+        self._words = (vocab_size + 31) // 32  # int32 words of one row's bitmask
         self._tokenizer_id = tokenizer_id
         self._hf_tokenizer = hf_tokenizer
         self._eos_token_ids = eos_token_ids
-        self._cache: GrammarCache | None = None  # built with the first constraint (~1 s)
+        self._cache: GrammarCache | None = None  # built by prepare() or the first constraint
+        self._executor: "llguidance.LLExecutor | None" = None
         self._constraints: dict[str, _Constraint] = {}
         self.num_requests: dict[str, int] = {}  # kind -> constrained requests added
         self.num_spec_skipped = 0  # request-steps a constrained request did not speculate
         self.mask_s_total = 0.0
         self._broken: dict[str, str] = {}  # request id -> why its matcher cannot go on
 
+    def prepare(self) -> None:
+        """Build llguidance's tokenizer view now (~0.35 s holding the GIL: module doc), before
+        a step thread runs; without it the first constrained request builds it. A tokenizer
+        llguidance cannot read (not a fast tokenizer) is left to fail that request instead."""
+        try:
+            _ = self.cache
+        except Exception as exc:  # noqa: BLE001 - the engine serves free text all the same
+            logger.warning("structured output unavailable with this tokenizer: %s", exc)
+
     @property
     def cache(self) -> GrammarCache:
         if self._cache is None:
             self._cache = GrammarCache(ll_tokenizer(self._hf_tokenizer, self.vocab_size, self._eos_token_ids))
+            # The masks' pool: as many threads as the forward has (they run between forwards).
+            self._executor = llguidance.LLExecutor(max(1, torch.get_num_threads()))
         return self._cache
 
     def add(self, request: Request) -> None:
@@ -169,28 +212,49 @@ class StructuredOutputs:
         if not active:
             return {}
         started = time.perf_counter()
-        words = (self.vocab_size + 31) // 32
-        bitmask = torch.empty((len(active), words), dtype=torch.int32)
-        for i, (request, c) in enumerate(active):
-            problem = self._sync(request, c)
+        bitmask = np.zeros((len(active), self._words), dtype=np.int32)
+        fill: list[tuple[llguidance.LLMatcher, int]] = []
+        for i, (request, problem) in enumerate(zip((r for r, _ in active), self._sync_all(active))):
             if problem is None:
-                c.matcher.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), words * 4)
+                fill.append((self._constraints[request.request_id].matcher, i))
             else:  # EOS only this step; the engine fails it with the problem right after
                 self._broken[request.request_id] = problem
-                bitmask[i] = 0
+                words = bitmask.view(np.uint32)
                 for eos in self._eos_token_ids:
-                    bitmask[i, eos // 32] |= 1 << (eos % 32)
-        # [N, words] int32 -> [N, words, 32] bits, little-endian within a word -> [N, V] bool
-        allowed = ((bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1).bool().reshape(len(active), words * 32)
-        allowed = allowed[:, :self.vocab_size]
+                    words[i, eos // 32] |= np.uint32(1 << (eos % 32))
+        if fill:  # every row at once on llguidance's pool, the GIL dropped
+            self._executor.unsafe_compute_mask_ptr(fill, bitmask.ctypes.data, self._words * 4, len(active))
+        # bit j of word w is token 32 w + j (little-endian words): unpack to one byte per token
+        allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab_size]
+        allowed = torch.from_numpy(allowed).view(torch.bool)
         self.mask_s_total += time.perf_counter() - started
         return {r.request_id: allowed[i] for i, (r, _) in enumerate(active)}
 
+    def _sync_all(self, active: list[tuple[Request, _Constraint]]) -> list[str | None]:
+        """Bring every matcher to exactly its request's output tokens (module doc); per row,
+        the problem when it cannot (None: in sync). The usual case, one new token, is
+        consumed for all rows in one call on llguidance's pool."""
+        problems: list[str | None] = [None] * len(active)
+        one_new: list[int] = []
+        for i, (request, c) in enumerate(active):
+            if c.matcher is None:
+                c.matcher = c.compiled.result().deep_copy()
+            if len(request.output_token_ids) == c.num_consumed + 1:
+                one_new.append(i)
+            else:
+                problems[i] = self._sync(request, c)
+        if one_new:
+            pairs = [(active[i][1].matcher, active[i][0].output_token_ids[-1]) for i in one_new]
+            for i, ok in zip(one_new, self._executor.consume_token_par(pairs)):
+                c = active[i][1]
+                c.num_consumed += 1
+                if not ok:
+                    problems[i] = _left_grammar(c.matcher)
+        return problems
+
     def _sync(self, request: Request, c: _Constraint) -> str | None:
-        """Bring the matcher to exactly the request's output tokens (module doc); the problem
-        when it cannot."""
-        if c.matcher is None:
-            c.matcher = c.compiled.result().deep_copy()
+        """One matcher brought to its request's output: rolled back over what the output lost
+        (stop truncation, a failover's different suffix), then the new tokens consumed."""
         output = request.output_token_ids
         if c.num_consumed > len(output):
             c.matcher.rollback(c.num_consumed - len(output))
@@ -198,9 +262,7 @@ class StructuredOutputs:
         if c.num_consumed < len(output):
             new = output[c.num_consumed:]
             if not c.matcher.consume_tokens(new):
-                # Only a token the mask forbade gets here (a bug, or an output resumed from a
-                # run without this constraint): the request cannot continue under it.
-                return f"the output left its structured-output grammar: {c.matcher.get_error()}"
+                return _left_grammar(c.matcher)
             c.num_consumed = len(output)
         return None
 
@@ -214,3 +276,9 @@ class StructuredOutputs:
     def close(self) -> None:
         if self._cache is not None:
             self._cache.close()
+
+
+def _left_grammar(matcher: "llguidance.LLMatcher") -> str:
+    # Only a token the mask forbade gets here (a bug, or an output resumed from a run without
+    # this constraint): the request cannot continue under it.
+    return f"the output left its structured-output grammar: {matcher.get_error()}"

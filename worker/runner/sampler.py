@@ -80,9 +80,14 @@ def _apply_allowed(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     constrained = [i for i, r in enumerate(rows) if r.allowed is not None]
     if not constrained:
         return
-    allowed = torch.stack([rows[i].allowed for i in constrained])  # [C, V_mask]
+    # [C, V_mask]; masks are built on the CPU (llguidance), the logits may be on a GPU
+    allowed = torch.stack([rows[i].allowed for i in constrained]).to(logits.device, non_blocking=True)
     width = min(allowed.shape[1], logits.shape[1])
-    index = torch.tensor(constrained)
+    if len(constrained) == len(rows):  # every row constrained: in place, no gather / scatter
+        logits[:, :width].masked_fill_(~allowed[:, :width], float("-inf"))
+        logits[:, width:] = float("-inf")
+        return
+    index = torch.tensor(constrained, device=logits.device)
     masked = logits[index]
     masked[:, :width].masked_fill_(~allowed[:, :width], float("-inf"))
     masked[:, width:] = float("-inf")
