@@ -151,7 +151,12 @@ def test_a_resumption_takes_its_id_over_and_a_stale_abort_leaves_it_alone(worker
 
     import ray
 
+    from kvmesh.core import delta_wire
+
     _wait_idle(worker)
+
+    def deltas_of(message: bytes) -> list[RequestDelta]:
+        return [d for d in delta_wire.to_request_deltas(delta_wire.decode(message)) if d.request_id == "taken"]
 
     async def scenario():
         old = worker.open_channel.options(num_returns="streaming").remote("replica-old")
@@ -161,7 +166,7 @@ def test_a_resumption_takes_its_id_over_and_a_stale_abort_leaves_it_alone(worker
         assert isinstance(await worker.submit.remote("replica-old", _request("taken", LONG)), str)
         streamed = []
         while len(streamed) < 3:
-            streamed += [d for d in await (await old.__anext__()) if d.request_id == "taken"]
+            streamed += deltas_of(await (await old.__anext__()))
         token_ids = tuple(t for d in streamed for t in d.token_ids)
         refused = await worker.submit.remote("replica-new", _request("taken", LONG))
         assert isinstance(refused, RequestDelta) and refused.error_type == "InvalidRequestError"
@@ -172,7 +177,7 @@ def test_a_resumption_takes_its_id_over_and_a_stale_abort_leaves_it_alone(worker
         await worker.abort_many.remote(["taken"], "replica-old")  # the router's batched form
         rest = []
         while not (rest and rest[-1].finished):
-            rest += [d for d in await (await new.__anext__()) if d.request_id == "taken"]
+            rest += deltas_of(await (await new.__anext__()))
         ray.cancel(old)
         ray.cancel(new)
         return rest
