@@ -9,13 +9,15 @@ stack around the engine (ingress, router, worker channels, Ray) is what a run me
 deployed; the router replicas' `start_workers` then finds them by name (get_if_exists) and
 serves them as it would real workers. load_tests/bench_stack.py uses it.
 
-A request's first token comes at once (no prefill), then one a step; the step thread checks
-for due requests every ~2 ms (AsyncEngine's blocked wait), so the per-stream rate is at most
-1 / step_s and the whole worker's is streams / step_s.
+A request's first token comes at once (no prefill), then one a step, the steps on one clock
+for every request (as one batch); the step thread checks for a due step every ~2 ms
+(AsyncEngine's blocked wait), so the per-stream rate is at most 1 / step_s and the whole
+worker's is streams / step_s.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -47,6 +49,13 @@ class _NullScheduler:
         return None
 
 
+class _NoStructuredOutput:
+    """No constrained decoding: nothing to prepare before the step thread starts."""
+
+    def prepare(self) -> None:
+        return None
+
+
 class NullEngine:
     """The Engine surface AsyncEngine uses, emitting NULL_TOKEN_ID at a fixed step."""
 
@@ -59,10 +68,15 @@ class NullEngine:
         self.tokenizer = None
         self.max_model_len = 1 << 20
         self.scheduler = _NullScheduler()
+        self.structured = _NoStructuredOutput()
         self.last_step_idle = False
         self._running: dict[str, _Running] = {}
         self._max_running = config.scheduler.max_num_seqs
         self._tokens_out = 0
+        # When the next request is due: AsyncEngine calls `step` every ~2 ms while requests
+        # run, and a pass over every request each time would count this null engine's own
+        # polling as the stack's CPU (a real engine's step is its forward, not a poll).
+        self._next_due_s = float("inf")
 
     def validate(self, request: GenerateRequest) -> list[int]:
         return list(request.prompt_token_ids)
@@ -79,6 +93,7 @@ class NullEngine:
         now = time.monotonic()
         self._running[request.request_id] = _Running(request, len(prompt_ids), time.time(), now,
                                                       [request.sampling.max_tokens] * request.sampling.n)
+        self._next_due_s = now
 
     def abort(self, request_id: str) -> list[RequestDelta]:
         running = self._running.pop(request_id, None)
@@ -92,11 +107,17 @@ class NullEngine:
 
     def step(self) -> list[RequestDelta]:
         now = time.monotonic()
+        if now < self._next_due_s:
+            self.last_step_idle = True
+            return []
         deltas: list[RequestDelta] = []
+        next_due_s = float("inf")
         for request_id, running in list(self._running.items()):
             if running.next_due_s > now:
+                next_due_s = min(next_due_s, running.next_due_s)
                 continue
-            running.next_due_s = max(now, running.next_due_s + self.step_s)
+            running.next_due_s = self._next_step_s(now)
+            next_due_s = min(next_due_s, running.next_due_s)
             for index, left in enumerate(running.sample_left):
                 if left <= 0:
                     continue
@@ -104,9 +125,16 @@ class NullEngine:
                 deltas.append(self._delta(running, index, final=left == 1))
             if not any(running.sample_left):
                 del self._running[request_id]
+        self._next_due_s = next_due_s
         self._tokens_out += len(deltas)
         self.last_step_idle = not deltas
         return deltas
+
+    def _next_step_s(self, now: float) -> float:
+        """The first step boundary after `now`: every running request's tokens after its first
+        come on one clock, one step for all, as a real engine's batch does (and its deltas leave
+        in one channel message), not each on its own phase."""
+        return (math.floor(now / self.step_s) + 1) * self.step_s
 
     def _delta(self, running: _Running, index: int, final: bool) -> RequestDelta:
         request = running.request

@@ -1,15 +1,18 @@
 """The worker side of the router channels (worker/runtime/delta_channel.py), no Ray: one
 message per engine step for all of a replica's requests, merged and bounded when the reader
-lags, ended requests released; and the machine-fit topology of `kvmesh serve`."""
+lags, ended requests released; the message format (core/delta_wire.py); the worker actor's
+batched submits and aborts; and the machine-fit topology of `kvmesh serve`."""
 
 import asyncio
+import random
 
 import pytest
 
+from kvmesh.core import delta_wire
 from kvmesh.core.config import KvmeshConfig
-from kvmesh.core.seams import FinishReason, GenerateRequest, RequestDelta, SamplingParams
+from kvmesh.core.seams import FinishReason, GenerateRequest, RequestDelta, SamplingParams, Usage
 from kvmesh.router.launch import machine_topology
-from kvmesh.load_tests.null_engine import NullEngine
+from kvmesh.load_tests.null_engine import NullEngine, NullWorkerActor
 from kvmesh.worker.runtime.async_engine import AsyncEngine
 from kvmesh.worker.runtime.delta_channel import DeltaChannel
 
@@ -34,7 +37,7 @@ def test_a_lagging_reader_gets_one_merged_delta_per_sample_and_ended_requests_ar
                                  finish_reason=FinishReason.ERROR, finished=True, sample_index=1))
         channel.put(RequestDelta("a", text="late"))  # after its end: dropped
         batches = channel.batches()
-        message = await anext(batches)
+        message = delta_wire.to_request_deltas(delta_wire.decode(await anext(batches)))
         await batches.aclose()
         return message, ended, channel.request_ids()
 
@@ -66,7 +69,7 @@ def test_every_step_of_all_a_replica_s_requests_leaves_as_one_message():
             while len(ended) < 8:
                 message = await asyncio.wait_for(anext(batches), 10)
                 messages += 1
-                for delta in message:
+                for delta in delta_wire.decode(message):
                     tokens[delta.request_id] = tokens.get(delta.request_id, 0) + len(delta.token_ids)
             await batches.aclose()
             await engine.submit(_request("r0", max_tokens=1), channel)  # the id is free again
@@ -96,6 +99,90 @@ def test_a_refused_submit_leaves_nothing_on_the_channel():
 
     refused, live = asyncio.run(scenario())
     assert refused == "OverloadedError" and "two" not in live
+
+
+def _random_stream(rng: random.Random, rid: str, n: int) -> list[RequestDelta]:
+    """Deltas of an n-sample request as an engine emits them: samples interleaved, some with
+    logprobs, each sample's last delta final (one may end with an error instead)."""
+    left = {i: rng.randint(1, 6) for i in range(n)}
+    logprobs = rng.random() < 0.3
+    out = []
+    while left:
+        i = rng.choice(sorted(left))
+        left[i] -= 1
+        token = rng.randint(0, 99)
+        lp = (-0.5,) if logprobs else None
+        if left[i]:
+            out.append(RequestDelta(rid, text=f"t{token}", token_ids=(token,), logprobs=lp, sample_index=i))
+            continue
+        del left[i]
+        if rng.random() < 0.1:
+            out.append(RequestDelta(rid, finished=True, finish_reason=FinishReason.ERROR, error="boom",
+                                    error_type="WorkerFailedError", sample_index=i))
+        else:
+            out.append(RequestDelta(rid, text=f"t{token}", token_ids=(token,), logprobs=lp, finished=True,
+                                    finish_reason=FinishReason.LENGTH, usage=Usage(3, 4), sample_index=i))
+    return out
+
+
+def _per_sample(deltas: list[RequestDelta]) -> dict[int, tuple]:
+    """What a client reads of each sample: its text, token ids, logprobs and how it ended."""
+    out: dict[int, tuple] = {}
+    for d in deltas:
+        text, ids, lps, end = out.get(d.sample_index, ("", (), (), None))
+        out[d.sample_index] = (text + d.text, ids + d.token_ids, lps + (d.logprobs or ()),
+                               (d.finish_reason, d.error_type, d.usage) if d.finished else end)
+    return out
+
+
+def test_packed_messages_carry_every_token_and_final_in_order_whatever_the_split():
+    """Any split of a request's deltas into messages (the reader keeping up, or lagging by any
+    number of steps), packed, encoded, decoded and read back, gives each sample the same text,
+    tokens, logprobs and ending as the deltas themselves; plain increments travel as TokenDelta."""
+    rng = random.Random(7)
+    for case in range(300):
+        deltas = _random_stream(rng, f"t/r{case}", rng.randint(1, 3))
+        cuts = sorted(rng.sample(range(1, len(deltas)), rng.randint(0, len(deltas) - 1))) if len(deltas) > 1 else []
+        read: list[RequestDelta] = []
+        for start, end in zip([0] + cuts, cuts + [len(deltas)]):
+            items = delta_wire.decode(delta_wire.encode(delta_wire.pack(deltas[start:end])))
+            assert all(isinstance(i, RequestDelta) or type(i) is delta_wire.TokenDelta for i in items)
+            assert all(not delta_wire.is_plain(i) for i in items if isinstance(i, RequestDelta))
+            read += delta_wire.to_request_deltas(items)
+        assert _per_sample(read) == _per_sample(deltas), case
+
+
+def test_submit_many_answers_each_request_in_order_and_abort_many_ends_them():
+    """The worker actor's batched calls, over the null engine without Ray: one call's answers
+    are per request (accepted = this incarnation, a duplicate id refused as a value), they
+    reach the engine in order, and `abort_many` ends the accepted ones with ABORT on the channel."""
+    config = KvmeshConfig.from_dict({"scheduler": {"max_num_seqs": 16}})
+
+    async def scenario():
+        actor = NullWorkerActor(config.to_dict(), "worker-0", step_s=0.05)
+        incarnation = actor._info.incarnation
+        channel = actor.open_channel("replica-a")
+        try:
+            assert await anext(channel) == incarnation  # the handshake
+            answers = await actor.submit_many("replica-a", [_request("a", 1000), _request("a", 5),
+                                                            _request("b", 1000, n=2)])
+            await actor.abort_many(["a", "b"])
+            ended: dict[str, list] = {}
+            while len(ended.get("a", [])) < 1 or len(ended.get("b", [])) < 2:
+                items = delta_wire.decode(await asyncio.wait_for(anext(channel), 10))
+                for delta in delta_wire.to_request_deltas(items):
+                    if delta.finished:
+                        ended.setdefault(delta.request_id, []).append(delta.finish_reason)
+            return incarnation, answers, ended, actor._streaming
+        finally:
+            await channel.aclose()
+            await actor._engine.shutdown()
+
+    incarnation, answers, ended, streaming = asyncio.run(scenario())
+    assert answers[0] == incarnation and answers[2] == incarnation
+    assert isinstance(answers[1], RequestDelta) and answers[1].error_type == "InvalidRequestError"
+    assert ended == {"a": [FinishReason.ABORT], "b": [FinishReason.ABORT, FinishReason.ABORT]}
+    assert not streaming
 
 
 @pytest.mark.parametrize("cpus,expected", [(1, (1, 1)), (2, (1, 2)), (4, (1, 4)), (8, (1, 7)), (9, (2, 4)),

@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator
 
 from kvmesh.core import telemetry
+from kvmesh.core.delta_wire import to_request_deltas
 from kvmesh.core.errors import DeadlineExceededError, OverloadedError, WorkerFailedError
 from kvmesh.core.seams import ErrorReport, FinishReason, RequestDelta, Usage, merge_deltas, request_usage
 from kvmesh.router import degradation, tracing
@@ -200,11 +201,11 @@ class RequestStream:
         core, worker_id, request = self._core, self.worker_id, self._request
         channels = core.channels
         subscription = channels.subscribe(worker_id, request.request_id)
-        submitted = channels.submit(worker_id, request)
+        channels.submit(worker_id, request)
         finished = False
         try:
             while True:
-                for delta in _merged(await _next_batch(subscription.queue, request.deadline_s)):
+                for delta in _merged(to_request_deltas(await subscription.take(request.deadline_s))):
                     if isinstance(delta, ChannelFailure):
                         finished = delta.actor_failed  # a dead actor runs nothing: no abort to send
                         if delta.actor_failed:
@@ -222,9 +223,8 @@ class RequestStream:
                 await _pace(subscription, core.stream_pace_s(), request.deadline_s)
         finally:
             channels.unsubscribe(worker_id, request.request_id)
-            submitted.cancel()
             if not finished:  # client gone, deadline, error: the engine must stop and free its blocks
-                _abort_on_worker(core.pool.handle(worker_id), request.request_id)
+                channels.abort(worker_id, request.request_id)
 
 
 def _merged(items: list) -> list:
@@ -238,12 +238,12 @@ def _merged(items: list) -> list:
             continue
         out += merge_deltas(run) + [item]
         run = []
-    return out + merge_deltas(run)
+    return out + merge_deltas(run) if run else out
 
 
 async def _pace(subscription, pace_s: float, deadline_s: float | None) -> None:
     """Wait a stream's share of the replica's message budget before its next message, unless
-    its last delta (or a failure) is already queued; the deadline is left to _next_batch."""
+    its last delta (or a failure) is already queued; the deadline is left to Subscription.take."""
     if pace_s <= 0 or subscription.ended.is_set():
         return
     if deadline_s is not None:
@@ -253,27 +253,3 @@ async def _pace(subscription, pace_s: float, deadline_s: float | None) -> None:
             await subscription.ended.wait()
     except TimeoutError:
         pass
-
-
-def _abort_on_worker(handle, worker_request_id: str) -> None:
-    try:
-        handle.abort.remote(worker_request_id)
-    except Exception as exc:  # the actor is gone: nothing left to stop
-        logger.debug("abort of %s: %s", worker_request_id, exc)
-
-
-async def _next_batch(queue: asyncio.Queue, deadline_s: float | None) -> list:
-    """Everything on the request's queue (at least one item: deltas, or a ChannelFailure),
-    DeadlineExceededError at `deadline_s`. One timer per wait, not asyncio.wait_for's task:
-    this runs once per message."""
-    try:
-        if deadline_s is None:
-            batch = [await queue.get()]
-        else:
-            async with asyncio.timeout(max(0.0, deadline_s - time.time())):
-                batch = [await queue.get()]
-    except TimeoutError:
-        raise DeadlineExceededError("the request's deadline passed") from None
-    while not queue.empty():
-        batch.append(queue.get_nowait())
-    return batch

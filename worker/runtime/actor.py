@@ -182,10 +182,11 @@ class WorkerActor:
 
     # ---- the router replicas' channels (worker/runtime/delta_channel.py) ----------------------
 
-    async def open_channel(self, replica_id: str) -> AsyncIterator[list[RequestDelta]]:
+    async def open_channel(self, replica_id: str) -> AsyncIterator[bytes]:
         """Router replica `replica_id`'s channel, called once with num_returns="streaming": one
-        message per engine step holding every delta of that replica's requests here. When the
-        stream ends (the replica closed it or is gone), the replica's requests are aborted.
+        message per engine step holding every delta of that replica's requests here (encoded:
+        core/delta_wire.py). When the stream ends (the replica closed it or is gone), the
+        replica's requests are aborted.
         The first message is this incarnation's id (the router fails the requests of an
         incarnation that died: router/worker_channels.py)."""
         channel = self._channel(replica_id)
@@ -203,6 +204,20 @@ class WorkerActor:
         """Start `request`, its deltas going out on `replica_id`'s channel; returns once the
         engine accepted it (this incarnation's id) or with the refusal as an error delta
         (errors as values, as `generate`'s), which the router raises as the typed error."""
+        return (await self.submit_many(replica_id, [request]))[0]
+
+    async def submit_many(self, replica_id: str, requests: list[GenerateRequest]) -> list[str | RequestDelta]:
+        """`submit` for several requests in one actor call (a router replica sends what one
+        tick of its event loop submitted to this worker: router/worker_channels.py), one
+        answer each, in order. They reach the engine in this order, before any abort the
+        router sent after this call."""
+        started = [self._start(replica_id, request) for request in requests]
+        return [answer if isinstance(answer, (str, RequestDelta)) else await self._answer(request, answer)
+                for request, answer in zip(requests, started)]
+
+    def _start(self, replica_id: str, request: GenerateRequest):
+        """A refusal (error delta) now, or what to await for the engine's answer; the request
+        is queued for the engine before this returns unless its prefix is pulled first."""
         if self._draining:  # as in `generate`: retryable, the router re-routes it
             return ErrorReport("OverloadedError", "worker is draining",
                                retry_after_s=DRAIN_RETRY_AFTER_S).as_delta(request.request_id)
@@ -217,18 +232,32 @@ class WorkerActor:
             self._streaming.discard(request.request_id)
             self._record_spans(request, last if last.finished and not last.error_type else None, arrived_at)
 
+        if request.kv_source and request.kv_source != self._info.actor_name:
+            return asyncio.ensure_future(self._pull_and_submit(request, channel, ended))
         try:
-            if request.kv_source and request.kv_source != self._info.actor_name:
-                await self._puller.pull(request, self._engine.engine.tokenize(request))
-            await self._engine.submit(request, channel, on_end=ended)
-        except errors.KvmeshError as exc:
-            self._streaming.discard(request.request_id)
-            return ErrorReport.from_exception(exc).as_delta(request.request_id)
-        except Exception as exc:  # a model failure: report it, keep the actor alive
-            self._streaming.discard(request.request_id)
-            logger.exception("request %s failed in the engine", request.request_id)
-            return ErrorReport("WorkerFailedError", f"engine failure: {exc!r}").as_delta(request.request_id)
+            accepted = self._engine.submit_nowait(request, channel, on_end=ended)
+        except Exception as exc:
+            return self._refusal(request, exc)
+        return self._engine.accepted(request.request_id, channel, accepted)
+
+    async def _pull_and_submit(self, request: GenerateRequest, channel: DeltaChannel, ended) -> None:
+        await self._puller.pull(request, self._engine.engine.tokenize(request))
+        await self._engine.submit(request, channel, on_end=ended)
+
+    async def _answer(self, request: GenerateRequest, pending) -> str | RequestDelta:
+        try:
+            await pending
+        except Exception as exc:
+            return self._refusal(request, exc)
         return self._info.incarnation
+
+    def _refusal(self, request: GenerateRequest, exc: Exception) -> RequestDelta:
+        self._streaming.discard(request.request_id)
+        if isinstance(exc, errors.KvmeshError):
+            return ErrorReport.from_exception(exc).as_delta(request.request_id)
+        # A model failure: reported as the request's error, the actor stays up.
+        logger.error("request %s failed in the engine", request.request_id, exc_info=exc)
+        return ErrorReport("WorkerFailedError", f"engine failure: {exc!r}").as_delta(request.request_id)
 
     def _channel(self, replica_id: str) -> DeltaChannel:
         """The replica's channel; made by whichever of open_channel and submit comes first
@@ -267,6 +296,11 @@ class WorkerActor:
         known = request_id in self._streaming
         await self._engine.abort(request_id)
         return known
+
+    async def abort_many(self, request_ids: list[str]) -> None:
+        """`abort` for what one tick of a router replica's event loop gave up on here."""
+        for request_id in request_ids:
+            await self._engine.abort(request_id)
 
     async def stats(self) -> WorkerStats:
         stats = await self._engine.stats_async()

@@ -179,12 +179,20 @@ class AsyncEngine:
         scheduler accepted it, raises its refusal (nothing then reaches the channel). The
         request ends with its final deltas, or with `abort`; `on_end(last_delta)` then runs
         on the channel's loop."""
+        await self.accepted(request.request_id, channel, self.submit_nowait(request, channel, on_end))
+
+    def submit_nowait(self, request: GenerateRequest, channel, on_end=None) -> asyncio.Future:
+        """`submit`'s first half, with no await: validates (raises InvalidRequestError), queues
+        the request for the step thread and returns the future `accepted` waits on. Requests
+        queued one after another reach the scheduler in that order, in the same step (the
+        worker actor's `submit_many`)."""
         request_id = request.request_id
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
         prompt_ids = self.engine.validate(request)
         loop = asyncio.get_running_loop()
         self._streams[request_id] = channel
+
         def ended(last: RequestDelta) -> None:
             self._streams.pop(request_id, None)
             if on_end is not None:
@@ -194,6 +202,11 @@ class AsyncEngine:
         accepted = loop.create_future()
         self._inbox.put(_Add(request, prompt_ids, loop, accepted))
         self._wakeup.set()
+        return accepted
+
+    async def accepted(self, request_id: str, channel, accepted: asyncio.Future) -> None:
+        """`submit`'s second half: wait for the scheduler's answer to `submit_nowait`; a
+        refusal is raised and leaves nothing behind."""
         try:
             await accepted
         except BaseException as exc:
@@ -214,7 +227,7 @@ class AsyncEngine:
         wait_s = self.pace_s()
         if wait_s <= 0 or stream.final_ready.is_set():
             return
-        try:  # a timer, not wait_for's task: this runs once per message (router/stages/stream.py, _next_batch)
+        try:  # a timer, not wait_for's task: this runs once per message (as Subscription.take)
             async with asyncio.timeout(wait_s):
                 await stream.final_ready.wait()
         except TimeoutError:

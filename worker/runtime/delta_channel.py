@@ -14,9 +14,9 @@ is one message a step whatever the batch, and the router fans the deltas out to 
 
 Backpressure, bounded: the router opens the stream with Ray's generator backpressure, so when
 a slow replica has that many messages unread the generator waits at its `yield`. Meanwhile
-the step thread keeps calling `put`, and what arrives is merged per request and sample
-(`merge_deltas`): the buffer holds at most one pending delta per live sample, however long
-the replica stalls, never a growing list of messages.
+the step thread keeps calling `put`, and what arrives waits per request, to leave as one
+merged item per sample run (core/delta_wire.py's `pack`) in the next message: the replica
+gets one message however long it stalled, never a growing list of messages.
 
 Lives on the actor's event loop: `put` is called there (AsyncEngine's dispatch hands it the
 step's deltas with one call_soon_threadsafe per step), and so is `batches`.
@@ -27,7 +27,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from kvmesh.core.seams import RequestDelta, merge_deltas
+from kvmesh.core import delta_wire
+from kvmesh.core.seams import RequestDelta
 
 
 class DeltaChannel:
@@ -78,9 +79,9 @@ class DeltaChannel:
         self._closed = True
         self._ready.set()
 
-    async def batches(self) -> AsyncIterator[list[RequestDelta]]:
+    async def batches(self) -> AsyncIterator[bytes]:
         """Everything that arrived since the previous message, as one message (at least one
-        delta each); ends after `close`."""
+        delta each, packed and encoded: core/delta_wire.py); ends after `close`."""
         while True:
             await self._ready.wait()
             self._ready.clear()
@@ -88,4 +89,7 @@ class DeltaChannel:
                 return
             pending, self._pending = self._pending, {}
             if pending:
-                yield [merged for deltas in pending.values() for merged in merge_deltas(deltas)]
+                items: list = []
+                for deltas in pending.values():
+                    items += delta_wire.pack(deltas)
+                yield delta_wire.encode(items)
