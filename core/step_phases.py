@@ -42,6 +42,7 @@ class StepRow:
     is_prefill: bool  # prompt (or recomputed) tokens, not the one decode token
     num_draft_tokens: int = 0  # speculative decoding: drafts scored in this row (in num_tokens)
     num_accepted_tokens: int = 0  # of those, kept
+    adapter: str = ""  # the LoRA adapter the row runs with; "" = the base model
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,19 @@ class StepReport:
         return sum(r.num_tokens for r in self.rows if not r.is_prefill)
 
     @property
+    def lora_rows(self) -> int:
+        """Token rows of the step that carry a LoRA adapter."""
+        return sum(r.num_tokens for r in self.rows if r.adapter)
+
+    @property
     def token_fill_ratio(self) -> float:
         """Tokens in the step / the step's token budget (0..1)."""
         return (self.prefill_tokens + self.decode_tokens) / self.token_budget if self.token_budget else 0.0
+
+
+def _adapter_name(request) -> str:
+    adapter = getattr(request, "adapter", None)  # AdapterRef; draft rows have none
+    return adapter.name if adapter is not None else ""
 
 
 def is_out_of_memory(exc: BaseException | None) -> bool:
@@ -105,7 +116,8 @@ class StepPhaseClock:
         rows = tuple(StepRow(e.request_id, e.request.tenant_id, e.num_scheduled_tokens,
                              e.num_scheduled_tokens - len(e.spec_token_ids) > 1
                              or e.num_computed_tokens < e.request.num_prompt_tokens,
-                             len(e.spec_token_ids), len(accepted_drafts.get(e.request_id, ())))
+                             len(e.spec_token_ids), len(accepted_drafts.get(e.request_id, ())),
+                             _adapter_name(e.request))
                      for e in sched_out.scheduled)
         report = StepReport(self._started_at, dict(self._laps), rows, sched_out.token_budget, failure,
                             self.speculative_method)

@@ -447,6 +447,10 @@ class EngineMetrics:
         self.step_fill = Histogram(METRICS_PREFIX + "step_token_fill_ratio",
                                    "Tokens in the step / the step's token budget (max_num_batched_tokens).", w,
                                    buckets=FILL_BUCKETS, registry=r)
+        self.lora_rows = Histogram(METRICS_PREFIX + "lora_rows",
+                                   "Token rows carrying a LoRA adapter in one engine step (steps with at least "
+                                   "one; _sum / _count = adapter rows per such step).", w,
+                                   buckets=STEP_TOKEN_BUCKETS, registry=r)
         self.oom = Counter(METRICS_PREFIX + "oom", "Engine steps that failed out of memory.", w, registry=r)
         self.oom.labels(worker_id)
         self.tenant_compute = Counter(METRICS_PREFIX + "tenant_compute_seconds",
@@ -518,6 +522,8 @@ class EngineMetrics:
         if decode:
             self.step_tokens.labels(self.worker_id, "decode").observe(decode)
         self.step_fill.labels(self.worker_id).observe(report.token_fill_ratio)
+        if report.lora_rows:
+            self.lora_rows.labels(self.worker_id).observe(report.lora_rows)
         self._observe_speculation(report)
         if prefill + decode:
             # A step's cost is shared by its rows in proportion to their tokens.

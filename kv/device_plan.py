@@ -7,6 +7,7 @@
     ├── activations        the profiled peak of one forward of max_num_batched_tokens
     ├── CUDA graphs        the captured decode graphs' private pool + their static inputs
     ├── sampler            logits and the sampler's temporaries for the largest sampled batch
+    ├── LoRA slots         lora.max_loras adapter slots at lora.max_rank on every projection
     ├── KV pool            num_blocks x bytes per block                       <- sized here
     └── draft KV pool      num_draft_blocks x the draft's bytes per block     <- sized here
 
@@ -43,6 +44,7 @@ class DeviceParts:
     activation_bytes: int = 0
     cuda_graph_bytes: int = 0
     sampler_bytes: int = 0
+    lora_slot_bytes: int = 0  # worker/runner/lora_slots.py AdapterSlots.max_bytes: allocated as adapters arrive
 
     @property
     def total_bytes(self) -> int:
@@ -75,6 +77,7 @@ class DevicePlan:
         p = self.parts
         return {"runtime": p.runtime_bytes, "weights": p.weight_bytes, "draft_weights": p.draft_weight_bytes,
                 "activations": p.activation_bytes, "cuda_graphs": p.cuda_graph_bytes, "sampler": p.sampler_bytes,
+                "lora_slots": p.lora_slot_bytes,
                 "kv_pool": self.kv_pool_bytes, "draft_kv_pool": self.draft_kv_pool_bytes}
 
 

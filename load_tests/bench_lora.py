@@ -37,7 +37,8 @@ import torch
 
 from kvmesh.core.config import KvmeshConfig, ModelConfig
 from kvmesh.core.seams import AdapterRef, FinishReason, GenerateRequest, SamplingParams
-from kvmesh.load_tests.lora_campaign import write_random_adapters, zipf_adapter_choices
+from kvmesh.load_tests.lora_campaign import write_random_adapters
+from kvmesh.load_tests.workloads import zipf_adapter_choices
 
 
 @dataclass

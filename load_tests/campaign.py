@@ -223,7 +223,13 @@ async def execute_run(plan: RunPlan, corpus: TokenCorpus, allow_remote: bool = F
     """Build the target, warm it up, drive the streams, summarize. Returns the run's result."""
     streams = [TenantStream(requests=tuple(generate_workload(s.workload, corpus, s.tenant, s.api_key)),
                              arrival=s.arrival) for s in plan.streams]
-    target = build_target(plan.target_kind, plan.target_options, plan.config, allow_remote)
+    config = plan.config
+    adapters = sorted({r.adapter for s in streams for r in s.requests if r.adapter})
+    if adapters and plan.target_kind in ("engine", "cluster"):  # targets this process starts: give them the adapters
+        from kvmesh.load_tests.lora_campaign import campaign_adapters_config  # torch: LoRA runs only
+
+        config = campaign_adapters_config(config, adapters, max(s.workload.adapter_rank for s in plan.streams))
+    target = build_target(plan.target_kind, plan.target_options, config, allow_remote)
     if plan.torch_threads is not None:
         import torch
         torch.set_num_threads(plan.torch_threads)
@@ -261,7 +267,8 @@ async def _warm_up(target, requests, count: int) -> None:
         treq = TargetRequest(request_id=f"warmup-{i}-{time.monotonic_ns()}", prompt_token_ids=req.prompt_token_ids,
                              prompt_text=req.prompt_text, tenant_id=req.tenant_id, api_key=req.api_key,
                              # stop workloads: whole requests, which also teach expected-output estimates
-                             max_tokens=req.output_tokens if req.stop else min(4, req.output_tokens), stop=req.stop)
+                             max_tokens=req.output_tokens if req.stop else min(4, req.output_tokens), stop=req.stop,
+                             adapter=req.adapter)
         try:
             async for _ in target.stream(treq):
                 pass

@@ -200,7 +200,8 @@ class RunDriver:
             treq = TargetRequest(request_id=f"{self.run_id}-s{stream_no}-r{req.index}-a{attempt_no}",
                                  prompt_token_ids=req.prompt_token_ids, prompt_text=req.prompt_text,
                                  max_tokens=req.output_tokens, tenant_id=req.tenant_id, api_key=req.api_key,
-                                 attempt=attempt_no, stop=req.stop, structured=req.structured)
+                                 attempt=attempt_no, stop=req.stop, structured=req.structured,
+                                 adapter=req.adapter)
             seen = _Attempt()
             try:
                 if self.retry.timeout_s is None:

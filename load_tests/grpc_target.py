@@ -45,6 +45,7 @@ def cluster_sample(stats) -> dict[str, float]:
         "num_outgrown_estimates": float(sum(w.num_outgrown_estimates for w in healthy)),
         "prefix_cache_hit_rate": (sum(w.prefix_cache_hit_rate for w in healthy) / len(healthy)) if healthy else 0.0,
         "num_healthy_workers": float(len(healthy)),
+        "num_adapter_loads": float(sum(w.num_adapter_loads for w in healthy)),
     }
 
 
@@ -77,7 +78,7 @@ class GrpcTarget(Target):
         sampling = request.sampling()
         deltas = self._client(request.api_key).generate(prompt_token_ids=request.prompt_token_ids,
                                                         sampling=sampling, request_id=request.request_id,
-                                                        timeout_s=self.timeout_s)
+                                                        model=request.adapter or "", timeout_s=self.timeout_s)
         async with contextlib.aclosing(deltas) as stream:
             async for delta in stream:
                 if isinstance(delta, StreamRestart):  # only with restart_mid_stream, which we never set

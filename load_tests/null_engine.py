@@ -49,6 +49,13 @@ class _NullScheduler:
         return None
 
 
+class _NoStructuredOutput:
+    """No constrained decoding: nothing to prepare before the step thread starts."""
+
+    def prepare(self) -> None:
+        return None
+
+
 class NullEngine:
     """The Engine surface AsyncEngine uses, emitting NULL_TOKEN_ID at a fixed step."""
 
@@ -61,6 +68,7 @@ class NullEngine:
         self.tokenizer = None
         self.max_model_len = 1 << 20
         self.scheduler = _NullScheduler()
+        self.structured = _NoStructuredOutput()
         self.last_step_idle = False
         self._running: dict[str, _Running] = {}
         self._max_running = config.scheduler.max_num_seqs

@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 from kvmesh.core.errors import (InvalidRequestError, KvmeshError, OverloadedError, QuotaExceededError,
                                   UnauthenticatedError, WorkerFailedError)
 from kvmesh.core.config import KvmeshConfig
-from kvmesh.core.seams import FinishReason, GenerateRequest, SamplingParams, StructuredOutput
+from kvmesh.core.seams import AdapterRef, FinishReason, GenerateRequest, SamplingParams, StructuredOutput
 from kvmesh.load_tests.server_metrics import parse_prometheus_sample
 from kvmesh.load_tests.structured_workload import http_fields
 
@@ -45,6 +45,7 @@ class TargetRequest:
     attempt: int = 1  # 1 = first attempt
     stop: tuple[str, ...] = ()  # stop strings: the output ends at the first (EOS counts too)
     structured: StructuredOutput | None = None  # the output ends where the constraint is complete
+    adapter: str | None = None  # a LoRA adapter's name (None = the base model)
 
     @property
     def exact_length(self) -> bool:
@@ -115,6 +116,7 @@ def engine_stats_sample(stats) -> dict[str, float]:
         "num_priority_preemptions_kv": float(stats.num_preemptions_priority_kv),
         "num_outgrown_estimates": float(stats.num_outgrown_estimates),
         "prefix_cache_hit_rate": float(stats.prefix_cache_hit_rate),
+        "num_adapter_loads": float(stats.num_adapter_loads),
     }
 
 
@@ -127,18 +129,25 @@ class EngineTarget(Target):
         self.config_dict = config
         self.worker_id = worker_id
         self.engine = None
+        self.adapter_paths: dict[str, str] = {}  # lora.adapters: name -> folder
 
     async def start(self) -> None:
         from kvmesh.worker.engine_api import AsyncEngine  # torch: only for an engine target
 
         config = KvmeshConfig.from_dict(self.config_dict)
+        self.adapter_paths = {a.name: a.path for a in config.lora.adapters}
         # Model loading blocks for seconds: keep it off the event loop.
         self.engine = await asyncio.to_thread(AsyncEngine.from_config, config, self.worker_id)
 
     async def stream(self, request: TargetRequest) -> AsyncIterator[StreamChunk]:
+        adapter = None
+        if request.adapter is not None:
+            if request.adapter not in self.adapter_paths:
+                raise InvalidRequestError(f"adapter {request.adapter!r} is not in the engine's lora.adapters")
+            adapter = AdapterRef(request.adapter, self.adapter_paths[request.adapter])
         req = GenerateRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                               sampling=request.sampling(),
-                              tenant_id=request.tenant_id, attempt=request.attempt)
+                              tenant_id=request.tenant_id, attempt=request.attempt, adapter=adapter)
         async with contextlib.aclosing(self.engine.generate(req)) as deltas:
             async for delta in deltas:
                 if delta.finish_reason == FinishReason.ERROR:
@@ -209,7 +218,9 @@ class OpenAIHttpTarget(Target):
             body["stop"] = list(request.stop)
         if request.structured is not None:
             body |= http_fields(request.structured)
-        if self.model:
+        if request.adapter:  # "base:adapter" as OpenAI clients name an adapter of a base model
+            body["model"] = f"{self.model}:{request.adapter}" if self.model else request.adapter
+        elif self.model:
             body["model"] = self.model
         return body
 

@@ -8,7 +8,8 @@
 Fields: `arrival_s` (seconds from the start of the run, non-decreasing), `output_tokens`
 (exact; sent with ignore_eos), and one of `prompt` (text), `prompt_token_ids` or
 `prompt_tokens` (a length: the prompt is cut from the corpus, seeded). Optional: `tenant`
-(default "default"), `api_key`, `cancel_after_tokens`, `family`. Lines starting with '#'
+(default "default"), `api_key`, `cancel_after_tokens`, `family`, `adapter` (a LoRA adapter's
+name). Lines starting with '#'
 and blank lines are skipped. Users export their own traffic into this shape to replay it.
 """
 
@@ -32,6 +33,7 @@ class TraceRecord:
     api_key: str | None = None
     cancel_after_tokens: int | None = None
     family: int | None = None
+    adapter: str | None = None
 
 
 _FIELDS = set(TraceRecord.__dataclass_fields__)
@@ -92,7 +94,7 @@ def write_trace(path: str | Path, requests: list, arrivals_s: list[float],
                 rec["prompt_token_ids"] = list(req.prompt_token_ids)
             else:
                 rec["prompt_tokens"] = req.prompt_tokens
-            for name in ("api_key", "cancel_after_tokens", "family"):
+            for name in ("api_key", "cancel_after_tokens", "family", "adapter"):
                 if getattr(req, name) is not None:
                     rec[name] = getattr(req, name)
             fh.write(json.dumps(rec) + "\n")

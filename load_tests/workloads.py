@@ -17,12 +17,20 @@ Kinds (the `kind` field of a workload spec in a campaign):
   long_short     a fraction of long prompts among short ones (head-of-line blocking)
   trace          requests replayed from a JSONL trace file (see trace_format.py)
 
+Any kind may spread its requests over LoRA adapters (`adapters: N`): request i runs with
+adapter `adapter-k`, k drawn with Zipf popularity (`adapter_zipf_s`; 0 = uniform) from its own
+seeded generator, so the prompts and lengths are those of the same workload without adapters
+(the base-model run of a campaign compares like with like). For in-process and cluster targets
+the campaign runner writes random PEFT adapters of `adapter_rank` under those names
+(load_tests/lora_campaign.py); other targets must serve adapters of those names.
+
 Any generated kind may carry structured-output constraints (`constraints_path`,
 structured_workload.py): each output then ends where its grammar is complete.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -113,6 +121,7 @@ class WorkloadRequest:
     cancel_after_tokens: int | None = None  # client cancels after this many output tokens
     stop: tuple[str, ...] = ()  # set: output_tokens is the max_tokens asked, the text ends it sooner
     arrival_offset_s: float | None = None  # only for traces: when to send, from run start
+    adapter: str | None = None  # the LoRA adapter the request asks for (None = the base model)
     # structured output (structured_workload.py): output_tokens is then a ceiling, the
     # grammar's end (EOS) ends the output
     structured: StructuredOutput | None = None
@@ -145,6 +154,11 @@ class WorkloadSpec:
     # natural output ends: every request asks max_tokens and stops at the first of `stop`
     stop: tuple[str, ...] = ()
     max_tokens: int | None = None
+    # LoRA: spread the requests over `adapters` adapters (adapter-0 .. adapter-{N-1}) with Zipf
+    # popularity of exponent adapter_zipf_s (0 = uniform); 0 adapters = the base model
+    adapters: int = 0
+    adapter_zipf_s: float = 1.1
+    adapter_rank: int = 16  # of the random adapters the runner writes for engine / cluster targets
     # structured output: a JSON list of constraints, request i carries entry i mod len
     # (load_tests/structured_workload.py); synthetic, shared_prefix and long_short kinds
     constraints_path: str | None = None
@@ -166,12 +180,41 @@ class WorkloadSpec:
             raise InvalidRequestError("workload.stop and workload.max_tokens (>= 1) go together")
         for dist in (self.input, self.output, self.long_input):
             dist.validate()
+        if self.adapters < 0 or self.adapter_zipf_s < 0 or self.adapter_rank < 1:
+            raise InvalidRequestError("workload.adapters >= 0, adapter_zipf_s >= 0 and adapter_rank >= 1 are needed")
+
+    def adapter_names(self) -> list[str]:
+        return [adapter_name(i) for i in range(self.adapters)]
+
+
+def adapter_name(index: int) -> str:
+    """The name of a workload's adapter `index` (the random adapters' folder names too)."""
+    return f"adapter-{index}"
+
+
+def zipf_adapter_choices(num_requests: int, num_adapters: int, s: float = 1.1, seed: int = 0) -> list[int]:
+    """Adapter index per request, index k drawn with probability proportional to 1 / (k + 1)^s."""
+    weights = 1.0 / np.arange(1, num_adapters + 1) ** s
+    rng = np.random.default_rng(seed)
+    return rng.choice(num_adapters, size=num_requests, p=weights / weights.sum()).tolist()
+
+
+def with_adapters(requests: list[WorkloadRequest], spec: WorkloadSpec) -> list[WorkloadRequest]:
+    """Each request given its adapter by Zipf popularity (spec.adapters > 0), prompts unchanged."""
+    if not spec.adapters:
+        return requests
+    choices = zipf_adapter_choices(len(requests), spec.adapters, spec.adapter_zipf_s, seed=spec.seed)
+    return [dataclasses.replace(r, adapter=adapter_name(c)) for r, c in zip(requests, choices)]
 
 
 def generate_workload(spec: WorkloadSpec, corpus: TokenCorpus, tenant_id: str = "default",
                       api_key: str | None = None) -> list[WorkloadRequest]:
     """The seeded request list for `spec` (same spec, same tokenizer -> same requests)."""
     spec.validate()
+    return with_adapters(_generate(spec, corpus, tenant_id, api_key), spec)
+
+
+def _generate(spec: WorkloadSpec, corpus: TokenCorpus, tenant_id: str, api_key: str | None) -> list[WorkloadRequest]:
     if spec.kind == "trace":
         return trace_to_workload(read_trace(spec.trace_path), corpus, seed=spec.seed, scale=spec.scale)
     rng = np.random.default_rng(spec.seed)
@@ -228,5 +271,6 @@ def trace_to_workload(records: list[TraceRecord], corpus: TokenCorpus, seed: int
         out.append(WorkloadRequest(index=i, prompt_token_ids=tuple(ids), prompt_text=text,
                                    output_tokens=max(1, round(rec.output_tokens * scale)), tenant_id=rec.tenant,
                                    api_key=rec.api_key, family=rec.family,
-                                   cancel_after_tokens=rec.cancel_after_tokens, arrival_offset_s=rec.arrival_s))
+                                   cancel_after_tokens=rec.cancel_after_tokens, arrival_offset_s=rec.arrival_s,
+                                   adapter=rec.adapter))
     return out

@@ -3,7 +3,7 @@ business; here: every request finishes, the adapter rows really ran eagerly, ada
 loaded into slots and evicted through the 4 slots)."""
 
 from kvmesh.load_tests.bench_lora import bench_throughput
-from kvmesh.load_tests.lora_campaign import zipf_adapter_choices
+from kvmesh.load_tests.workloads import zipf_adapter_choices
 
 
 def test_throughput_part_runs_every_request(tiny_model_dir):

@@ -97,6 +97,9 @@ def test_engine_plan_stays_inside_the_utilization_target(monkeypatch, method, cu
     assert split["weights"] == 2 * GIB and split["runtime"] == 300 * MIB and split["activations"] == 700 * MIB
     assert split["sampler"] == 64 * (1 + (config.speculative.num_tokens if method != "none" else 0)) * 128256 * 30
     assert (split["cuda_graphs"] > 0) == cuda_graphs
+    # LoRA slots (lora.max_loras 4 at lora.max_rank 64 by default), reserved at rank 64 on all 7
+    # projections of the 16 layers: sum of (in + out) = q 4096 + k 2560 + v 2560 + o 4096 + 3 x 10240
+    assert split["lora_slots"] == 4 * 64 * 16 * 44032 * 2
     if method == "self_draft":
         assert split["draft_weights"] == GIB and plan.num_draft_blocks == plan.num_blocks
         assert split["draft_kv_pool"] == split["kv_pool"]  # same geometry, same dtype here

@@ -62,6 +62,8 @@ def test_engine_campaign_cancel_storm_prefix_and_peer(tiny, tmp_path):
             {"name": "static-4", "target": {"kind": "hf_static", "batch_size": 4}},
             {"name": "hf-continuous", "target": {"kind": "hf_continuous", "max_batch_tokens": 128}},
             {"name": "llama-cpp", "target": {"kind": "llama_cpp"}, "optional": True},
+            # LoRA: 3 random adapters (Zipf) through 2 slots: loads, evictions, nothing failed
+            {"name": "lora-zipf", "workload": {"adapters": 3, "adapter_rank": 4}, "config": {"lora": {"max_loras": 2}}},
             {"name": "structured", "workload": {  # outputs end with their grammar; 240 is a ceiling
                 "num_requests": 6, "scale": 1.0, "constraints_path": CONSTRAINTS,
                 "input": {"kind": "fixed", "mean": 8, "p99": None}, "output": {"kind": "fixed", "mean": 240, "p99": None}}},
@@ -92,6 +94,9 @@ def test_engine_campaign_cancel_storm_prefix_and_peer(tiny, tmp_path):
         summary, records = runs[peer]["summary"], runs[peer]["records"]
         assert summary["completed"] == 12 and summary["ttft"]["count"] == 12
         assert summary["total_output_tokens"] == sum(r["expected_output_tokens"] for r in records)
+    lora = runs["lora-zipf"]
+    assert lora["summary"]["completed"] == 12 and lora["summary"]["failed"] == 0
+    assert lora["final_server_sample"]["num_adapter_loads"] >= 3  # every adapter used was loaded
     if importlib.util.find_spec("llama_cpp") is None:  # optional peer: skipped, and the report says so
         assert [s["name"] for s in results["skipped"]] == ["llama-cpp"]
 

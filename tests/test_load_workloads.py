@@ -1,6 +1,8 @@
 """Workload generators: exact token lengths under a real tokenizer, prefix sharing, the
 fitted length distribution, seeding, and the JSONL trace round trip."""
 
+import collections
+import dataclasses
 import math
 from pathlib import Path
 
@@ -118,6 +120,27 @@ def test_trace_round_trip_replays_the_same_requests(corpus, tmp_path):
     assert [r.arrival_offset_s for r in replay] == arrivals
 
 
+def test_adapters_keep_the_prompts_and_follow_zipf_popularity(corpus, tmp_path):
+    spec = WorkloadSpec(num_requests=200, scale=0.02, seed=3)
+    base = generate_workload(spec, corpus)
+    lora = generate_workload(dataclasses.replace(spec, adapters=8, adapter_zipf_s=1.1), corpus)
+    assert [r.prompt_token_ids for r in lora] == [r.prompt_token_ids for r in base]  # like for like
+    assert [r.output_tokens for r in lora] == [r.output_tokens for r in base]
+    assert all(r.adapter is None for r in base)
+    counts = collections.Counter(r.adapter for r in lora)
+    assert set(counts) <= {f"adapter-{i}" for i in range(8)} and len(counts) >= 6
+    assert counts["adapter-0"] > 2 * counts["adapter-7"]  # Zipf: the hot adapter, a long tail
+    uniform = collections.Counter(r.adapter for r in generate_workload(
+        dataclasses.replace(spec, adapters=2, adapter_zipf_s=0.0), corpus))
+    assert abs(uniform["adapter-0"] - uniform["adapter-1"]) < 40
+    path = tmp_path / "lora.jsonl"  # a trace carries each request's adapter
+    write_trace(path, lora[:5], [0.0] * 5)
+    replay = generate_workload(WorkloadSpec(kind="trace", trace_path=str(path)), corpus)
+    assert [r.adapter for r in replay] == [r.adapter for r in lora[:5]]
+    with pytest.raises(InvalidRequestError):
+        generate_workload(dataclasses.replace(spec, adapters=-1), corpus)
+
+
 def test_trace_with_lengths_and_texts(corpus, tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text('# my traffic\n{"arrival_s": 0, "tenant": "a", "prompt_tokens": 17, "output_tokens": 3}\n\n'
@@ -153,7 +176,11 @@ def test_shipped_campaigns_parse_and_bad_ones_are_rejected():
         with pytest.raises(InvalidRequestError, match="routing_campaign"):
             campaign_mod.load_campaign(path)
     names = {p.stem: campaign_mod.load_campaign(p) for p in folder.glob("*.yaml") if p not in own_driver}
-    assert {"seed-table", "peers", "prefix-routing", "overload", "tenants", "cancel-storm"} <= set(names)
+    assert {"seed-table", "peers", "prefix-routing", "overload", "tenants", "cancel-storm", "lora"} <= set(names)
+    lora = {r.name: r for r in names["lora"].runs}
+    assert lora["base"].streams[0].workload.adapters == 0 and lora["adapters"].streams[0].workload.adapters == 8
+    assert lora["cluster-adapter-aware"].config["router"]["policy"] == "prefix_aware"
+    assert lora["cluster-round-robin"].config["router"]["policy"] == "round_robin"
     assert [r.name for r in names["seed-table"].runs] == [
         "static-batch-8", "continuous", "continuous-preemption", "continuous-max-4", "stop-max-tokens",
         "stop-expected-preemption", "stop-max-tokens-poisson", "stop-expected-preemption-poisson"]

@@ -8,9 +8,11 @@ requests in ONE continuous batch (the batched update: worker/kernels/lora_ops.py
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import AdapterRef, FinishReason, GenerateRequest, SamplingParams
+from kvmesh.core.telemetry import EngineMetrics
 from kvmesh.worker.engine_loop.engine import Engine
 from kvmesh.worker.kernels.lora_ops import LoraStep, add_lora_reference
 from lora_adapters import hf_peft_greedy, make_adapter
@@ -81,10 +83,17 @@ def test_mixed_batch_of_three_adapters_and_base_equals_hf_peft_merged(tiny_model
         for i, prompt in enumerate(PROMPTS):
             engine.add_request(GenerateRequest(f"{name}-{i}", prompt_token_ids=tuple(prompt), sampling=_greedy(),
                                                adapter=ref))
+    metrics = EngineMetrics("w0")
+    engine.phase_clock.observers.append(metrics.observe_step_report)
     mixes: list[set] = []
     results = _run(engine, lambda e: mixes.append({r.adapter and r.adapter.name for r in e.scheduler.running}))
     assert {None, *ADAPTERS} in mixes, "base rows and all three adapters must share a step"
     assert engine.runner.eager_step_reasons["lora_rows"] > 0
+    # every adapter row the model ran (prompt + all but the last output token), per step in the metric
+    lora_rows = {s.name: s.value for f in text_string_to_metric_families(metrics.snapshot().decode())
+                 for s in f.samples if s.name.startswith("kvmesh_lora_rows")}
+    assert lora_rows["kvmesh_lora_rows_sum"] == len(ADAPTERS) * sum(len(p) + NEW_TOKENS - 1 for p in PROMPTS)
+    assert 0 < lora_rows["kvmesh_lora_rows_count"] <= len(mixes)
     for name in (None, *ADAPTERS):
         for i in range(len(PROMPTS)):
             got, final = results[f"{name}-{i}"]
@@ -176,25 +185,32 @@ def test_bad_adapter_is_refused_with_the_reason(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_stacked_lora_matches_the_per_row_reference(dtype):
-    """The engine's two-GEMM update over slots packed by AdapterSlots (ranks 8, 16, 4 and one
-    adapter not targeting the projection) against the per-row definition."""
+def test_segmented_lora_matches_the_per_row_reference(dtype):
+    """The engine's segmented update over slots installed by AdapterSlots (ranks 8, 16, 4 and
+    one adapter not targeting the group; one adapter also on up_proj, sharing the group's
+    shrink) against the per-row definition, rows in any order (interleaved: many segments)
+    and sorted by slot as the runner orders them (one segment per slot)."""
     from types import SimpleNamespace
 
+    from kvmesh.worker.kernels.lora_ops import segments_of
     from kvmesh.worker.model.lora_weights import LoraWeights
     from kvmesh.worker.runner.lora_slots import AdapterSlots
 
     gen = torch.Generator().manual_seed(0)
     hf = SimpleNamespace(hidden_size=24, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2,
                          num_hidden_layers=1)
-    d_in, d_out = 24, 40  # gate_proj: [inter, hidden]
+    d_in, d_out = 24, 40  # gate_proj / up_proj: [inter, hidden]
     ranks = {"r8": 8, "r16": 16, "none": 0, "r4": 4}
+
+    def pair(r, rows, cols):
+        return torch.randn(r, cols, generator=gen).to(dtype), torch.randn(rows, r, generator=gen).to(dtype)
 
     def read(ref):
         r = ranks[ref.name]
-        modules = {} if r == 0 else {(0, "gate_proj"): (torch.randn(r, d_in, generator=gen).to(dtype),
-                                                        torch.randn(d_out, r, generator=gen).to(dtype))}
-        modules[(0, "q_proj")] = (torch.randn(2, 24, generator=gen).to(dtype), torch.randn(24, 2, generator=gen).to(dtype))
+        modules = {} if r == 0 else {(0, "gate_proj"): pair(r, d_out, d_in)}
+        if ref.name == "r8":
+            modules[(0, "up_proj")] = pair(8, d_out, d_in)
+        modules[(0, "q_proj")] = pair(2, 24, 24)
         return LoraWeights(ref.name, ref.path, max(r, 2), modules)
 
     slots = AdapterSlots(hf, 4, 16, dtype, torch.device("cpu"), reader=read)
@@ -204,21 +220,28 @@ def test_stacked_lora_matches_the_per_row_reference(dtype):
         slots.wait_loads(10)
         slots.poll()
     slot = {ref.name: slots.slot_of(ref) for ref in refs}
+    assert slots.allocated_bytes <= AdapterSlots.max_bytes(hf, 4, 16, dtype)
     # base rows, one request's prefill chunk, interleaved decode rows of several adapters
     names = [None, "r16", "r16", "r16", "r8", None, "r4", "r8", "none", "r16", None, "r4"]
-    row_slots = [None if n is None else slot[n] for n in names]
-    x = torch.randn(len(row_slots), d_in, generator=gen).to(dtype)
-    base = torch.randn(len(row_slots), d_out, generator=gen).to(dtype)
-    x_before, base_before = x.clone(), base.clone()
-    key = (0, "gate_proj")
-    want = add_lora_reference(base, x, slots.a[key], slots.b[key], slots.ranks[key], row_slots)
-    assert torch.equal(x, x_before) and torch.equal(base, base_before), "the reference modifies nothing"
-    assert slots.packed[key][2] == 16, "packed at the largest resident rank"
-    got = base.clone()
-    LoraStep(slots.packed, row_slots, 4, dtype, torch.device("cpu")).add(0, "gate_proj", x, got)
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * 10)
-    for i, name in enumerate(names):  # base rows and rows whose adapter skips it are untouched, bit for bit
-        if name in (None, "none"):
-            assert torch.equal(got[i], base[i])
-    assert not torch.equal(got, base)
+    x = torch.randn(len(names), d_in, generator=gen).to(dtype)
+    base = torch.randn(len(names), 2 * d_out, generator=gen).to(dtype)
+    for order in (list(range(len(names))), sorted(range(len(names)), key=lambda i: slot.get(names[i], -1))):
+        row_slots = [None if names[i] is None else slot[names[i]] for i in order]
+        xs, bases = x[order], base[order]
+        x_before, base_before = xs.clone(), bases.clone()
+        want = torch.cat([add_lora_reference(half, xs, [slots.module_weights(0, module, s) for s in range(4)],
+                                             row_slots) for half, module in zip(bases.chunk(2, dim=-1),
+                                                                                 ("gate_proj", "up_proj"))], dim=-1)
+        assert torch.equal(xs, x_before) and torch.equal(bases, base_before), "the reference modifies nothing"
+        got = bases.clone()
+        segments = segments_of(row_slots)
+        LoraStep(slots.groups, segments).add(0, "gate_up", xs, got.chunk(2, dim=-1))
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * 10)
+        for i, s in enumerate(row_slots):  # base rows and rows whose adapter skips the group: untouched, bit for bit
+            if s is None or s == slot["none"]:
+                assert torch.equal(got[i], bases[i])
+            if s != slot["r8"]:  # only r8 targets up_proj
+                assert torch.equal(got[i, d_out:], bases[i, d_out:])
+        assert not torch.equal(got, bases)
+    assert len(segments) == 4, "rows sorted by slot: one segment per adapter that has rows"

@@ -167,7 +167,7 @@ def _simulated_loads(policy: str, choices: list[int], num_workers: int = 2, num_
 
 
 def test_adapter_affinity_needs_at_most_half_the_loads_of_round_robin_on_zipf_traffic():
-    from kvmesh.load_tests.lora_campaign import zipf_adapter_choices
+    from kvmesh.load_tests.workloads import zipf_adapter_choices
 
     choices = zipf_adapter_choices(400, 8, s=1.1, seed=0)
     aware, round_robin = _simulated_loads("prefix_aware", choices), _simulated_loads("round_robin", choices)

@@ -135,7 +135,9 @@ def _plan_memory(config: KvmeshConfig, model, hf_config, device, kv_dtype_name: 
             weight_bytes=weight_bytes, draft_weight_bytes=draft_weight_bytes, activation_bytes=peak,
             cuda_graph_bytes=_graph_bytes(config, hf_config, next(model.parameters()).element_size(), peak,
                                           max_model_len, tensor_parallel),
-            sampler_bytes=_sampler_bytes(config, hf_config))
+            sampler_bytes=_sampler_bytes(config, hf_config),
+            lora_slot_bytes=0 if tensor_parallel or not config.lora.max_loras else AdapterSlots.max_bytes(
+                hf_config, config.lora.max_loras, config.lora.max_rank, next(model.parameters()).dtype))
         dplan = plan_device(int(total * cache_cfg.gpu_memory_utilization), parts, per_block,
                             draft_kv_bytes_per_block=draft_per_block, draft_num_blocks=draft_blocks,
                             num_blocks=cache_cfg.num_blocks)

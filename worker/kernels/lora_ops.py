@@ -6,89 +6,116 @@ For a projection y = x W^T with adapter s on row i:
 
     y[i] += (x[i] A_s^T) B_s^T          A_s: [r_s, in]  (shrink)   B_s: [out, r_s]  (expand)
 
-with the adapter's scaling (lora_alpha / r) already folded into B_s at load time. The adapter
-weights of a worker live in slot stacks (worker/runner/lora_slots.py), padded to the largest
-rank, and packed side by side per projection (R = the largest rank resident there):
+with the adapter's scaling (lora_alpha / r) already folded into B_s at load time.
 
-    a_stack  [S, R_max, in]   slot s holds A_s in rows 0 .. r_s - 1, zeros after
-    b_stack  [S, out, R_max]  slot s holds B_s in columns 0 .. r_s - 1, zeros after
-    a_cat    [S * R, in]      = a_stack[:, :R] flattened: slot s in rows s*R .. s*R + R - 1
-    b_cat    [out, S * R]     = b_stack[:, :, :R] side by side: slot s in columns s*R ..
+Segments. The runner orders a step's requests by adapter slot (base rows first), so each
+slot's rows are one contiguous run of the flat token batch, a segment (SGMV's layout: vLLM's
+`sgmv_shrink` / `sgmv_expand`, S-LoRA's segments):
 
-`add_lora_stacked` is the path the engine runs (CPU and GPU alike): one shrink GEMM of every
-row against every slot, a mask keeping each row's own slot (segmented by slot without a
-loop), one expand GEMM. A first version looped over adapter groups (index_select, two small
-GEMMs, index_add per group and projection): about 4x slower at 64 decode rows over 4 adapters
-on this CPU, the loop's launches dominating. `add_lora_reference` loops over rows one at a
-time: the plain definition the tests hold the stacked path to.
+    rows   [ base | base | s0 s0 s0 | s2 | s2 s2 ]      segments ((0, 2, 5), (2, 5, 8))
+                                                          (slot, first row, past the last row)
+
+and the update is two GEMMs per segment at the adapter's own rank, written in place into the
+segment's rows of the projection's output (`addmm_`: no temporary of the output's width, no
+copy). Base rows cost nothing. Projections that read the same input (q/k/v, gate/up) shrink
+together: the slot pool keeps their A matrices stacked (worker/runner/lora_slots.py), so one
+GEMM gives every member's low-rank activations and each member expands its own columns.
+
+Measured against the update it replaced (docs/benchmarks.md, "LoRA"): one shrink of every row
+against all slots side by side, masked to the row's own slot, then one expand: four times
+the FLOPs at 4 slots, and the base rows paid it too. Correctness never depends on the order:
+any order gives more, shorter segments, never a wrong row. `add_lora_reference` is the per-row
+definition the tests hold the segmented path to.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
-
-def slot_mask(row_slots: torch.Tensor, num_slots: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
-    """[T, S * rank]: 1 where column j belongs to row i's slot (j // rank == slot), else 0;
-    row_slots [T] int64 with -1 for base rows (all zeros)."""
-    col_slot = torch.arange(num_slots * rank, device=row_slots.device) // rank
-    return (row_slots[:, None] == col_slot[None, :]).to(dtype)
-
-
-def add_lora_stacked(out: torch.Tensor, x: torch.Tensor, a_cat: torch.Tensor, b_cat: torch.Tensor,
-                     mask: torch.Tensor) -> None:
-    """out [T, out] += ((x a_cat^T) * mask) b_cat^T, every slot's update in two GEMMs.
-
-    a_cat [S * R, in] and b_cat [out, S * R] hold all slots side by side (slot s in columns
-    s*R .. s*R + R - 1, zero-padded past its rank); `mask` (slot_mask) keeps each row's own
-    slot's R columns of the shrink, so the expand adds exactly that slot's update (zeros for
-    base rows). S * R extra columns of work instead of one small GEMM pair per adapter: on
-    CPU at decode sizes, fewer, larger GEMMs beat a Python loop over adapter groups."""
-    out += ((x @ a_cat.t()) * mask) @ b_cat.t()
+# Projections that read the same input and whose outputs the model computes side by side:
+# their updates share one shrink GEMM. Keyed by group name, members in output column order.
+LORA_GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+GROUP_OF: dict[str, tuple[str, int]] = {m: (g, i) for g, members in LORA_GROUPS.items() for i, m in enumerate(members)}
 
 
-def add_lora_reference(out: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-                       ranks: list[int], row_slots: list[int | None]) -> torch.Tensor:
-    """The definition, one row at a time; returns a new tensor (never modifies its inputs)."""
+@dataclass(frozen=True)
+class GroupSlot:
+    """One slot's adapter on one projection group of one layer (views into the slot stacks).
+
+    a:        [sum of member ranks, in]  the members' A matrices stacked (one shrink GEMM)
+    members:  (member index in the group, first row of its A in `a`, B^T [rank, out]) for each
+              member the adapter targets"""
+
+    a: torch.Tensor
+    members: tuple[tuple[int, int, torch.Tensor], ...]
+
+
+def segments_of(row_slots: Sequence[int | None]) -> tuple[tuple[int, int, int], ...]:
+    """Runs of equal adapter slot over a step's rows: ((slot, start, stop), ...); base rows
+    (None) belong to none."""
+    segments: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(row_slots) + 1):
+        if i == len(row_slots) or row_slots[i] != row_slots[start]:
+            if row_slots[start] is not None:
+                segments.append((row_slots[start], start, i))
+            start = i
+    return tuple(segments)
+
+
+def add_lora_segments(outs: Sequence[torch.Tensor], x: torch.Tensor, per_slot: Sequence[GroupSlot | None],
+                      segments: Sequence[tuple[int, int, int]]) -> None:
+    """outs[j] [T, out_j] (views allowed) += each segment's adapter update of group member j.
+
+    x [T, in]: the group's input; per_slot[s]: the group's weights in slot s (None: the slot's
+    adapter does not target the group)."""
+    for slot, start, stop in segments:
+        group = per_slot[slot]
+        if group is None:
+            continue
+        low_rank = x[start:stop] @ group.a.t()  # [rows, sum of ranks]: every member's shrink at once
+        for member, offset, b_t in group.members:
+            outs[member][start:stop].addmm_(low_rank[:, offset:offset + b_t.shape[0]], b_t)
+
+
+def add_lora_reference(out: torch.Tensor, x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
+                       row_slots: Sequence[int | None]) -> torch.Tensor:
+    """The definition, one row at a time; weights[s] = (A [r, in], B [out, r]) of slot s or
+    None; returns a new tensor (never modifies its inputs)."""
     result = out.clone()
     for i, slot in enumerate(row_slots):
-        if slot is None or ranks[slot] == 0:
+        if slot is None or weights[slot] is None:
             continue
-        r = ranks[slot]
-        a, b = a_stack[slot, :r], b_stack[slot, :, :r]
+        a, b = weights[slot]
         result[i] += (x[i:i + 1] @ a.t() @ b.t())[0]
     return result
 
 
 class LoraStep:
-    """What one step's forward needs to add its rows' adapter updates: the worker's packed
-    slot weights (worker/runner/lora_slots.py `packed`: per (layer, projection) all slots side
-    by side) and each row's slot. The model calls `add` after each base projection."""
+    """What one step's forward needs to add its rows' adapter updates: the worker's slot
+    weights per (layer, group) (worker/runner/lora_slots.py `groups`) and the step's segments.
+    The model calls `add` after each base projection (group)."""
 
-    def __init__(self, packed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, int]],
-                 row_slots: list[int | None], num_slots: int, dtype: torch.dtype, device: torch.device):
-        self.packed = packed
-        self.num_slots = num_slots
-        self._row_slots = torch.tensor([-1 if s is None else s for s in row_slots], dtype=torch.long, device=device)
-        self._dtype = dtype
-        self._masks: dict[int, torch.Tensor] = {}  # padded rank -> slot_mask, built once per step
+    def __init__(self, groups: dict[tuple[int, str], list[GroupSlot | None]],
+                 segments: Sequence[tuple[int, int, int]]):
+        self.groups = groups
+        self.segments = segments
 
-    def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out [T, out_features] += the update of projection `module` of layer `layer`."""
-        packed = self.packed.get((layer, module))
-        if packed is None:
-            return
-        a_cat, b_cat, rank = packed
-        mask = self._masks.get(rank)
-        if mask is None:
-            mask = self._masks[rank] = slot_mask(self._row_slots, self.num_slots, rank, self._dtype)
-        add_lora_stacked(out, x, a_cat, b_cat, mask)
+    @property
+    def num_rows(self) -> int:
+        return sum(stop - start for _, start, stop in self.segments)
 
-    def add_fused(self, layer: int, modules: tuple[str, ...], sizes: list[int], x: torch.Tensor,
-                  out: torch.Tensor) -> None:
-        """Projections run as one GEMM (merged QKV, gate-up): `out` holds them side by side,
-        sizes[i] columns each; each member's update goes to its own columns."""
-        start = 0
-        for module, size in zip(modules, sizes):
-            self.add(layer, module, x, out[:, start:start + size])
-            start += size
+    def add(self, layer: int, group: str, x: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+        """outs: the group's member outputs (LORA_GROUPS order; column views of one fused
+        output are fine) += their updates."""
+        per_slot = self.groups.get((layer, group))
+        if per_slot is not None:
+            add_lora_segments(outs, x, per_slot, self.segments)

@@ -208,8 +208,8 @@ class LlamaAttention(nn.Module):
         else:  # unfused (hooked, replaced): one concatenation, so the rest is the same
             qkv = torch.cat([lin(x) for lin in projections], dim=-1)
         if lora is not None:  # the base GEMM ran once for every row; each adapter row adds its update
-            lora.add_fused(self.layer_idx, ("q_proj", "k_proj", "v_proj"),
-                           [nq * self.head_dim, nkv * self.head_dim, nkv * self.head_dim], x, qkv)
+            lora.add(self.layer_idx, "qkv", x,
+                     qkv.split([nq * self.head_dim, nkv * self.head_dim, nkv * self.head_dim], dim=-1))
         qkv = qkv.view(t, nq + 2 * nkv, self.head_dim)  # q | k | v heads
         qk = qkv[:, :nq + nkv]
         if self.q_norm is not None:
@@ -221,7 +221,7 @@ class LlamaAttention(nn.Module):
                              logit_softcap=self.logit_softcap).reshape(t, -1)  # [T, Hq * D]
         y = _run_projection(self.o, self.o_proj, out)
         if lora is not None:
-            lora.add(self.layer_idx, "o_proj", out, y)
+            lora.add(self.layer_idx, "o_proj", out, (y,))
         return self.coll.all_reduce(y)
 
 
@@ -249,18 +249,16 @@ class LlamaMLP(nn.Module):
         if self.gate_up is not None and self.gate_up.usable(pair):
             gate_up = self.gate_up(x)
             if lora is not None:
-                half = gate_up.shape[-1] // 2
-                lora.add_fused(self.layer_idx, ("gate_proj", "up_proj"), [half, half], x, gate_up)
+                lora.add(self.layer_idx, "gate_up", x, gate_up.chunk(2, dim=-1))
             act = self._gelu_mul(*gate_up.chunk(2, dim=-1)) if self.gelu else ops.silu_and_mul(gate_up)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
             if lora is not None:
-                lora.add(self.layer_idx, "gate_proj", x, gate)
-                lora.add(self.layer_idx, "up_proj", x, up)
+                lora.add(self.layer_idx, "gate_up", x, (gate, up))
             act = self._gelu_mul(gate, up) if self.gelu else ops.silu_mul(gate, up)
         y = _run_projection(self.down, self.down_proj, act)
         if lora is not None:
-            lora.add(self.layer_idx, "down_proj", act, y)
+            lora.add(self.layer_idx, "down_proj", act, (y,))
         return self.coll.all_reduce(y)
 
 

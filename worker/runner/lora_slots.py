@@ -11,14 +11,19 @@ Loading has two halves so the step thread never reads a file:
                       slot, or the least recently used unpinned one (an eviction); a read with
                       no slot to take waits for a pin to drop
 
-The weights of all slots live in stacks per (layer, projection), padded to lora.max_rank,
-the layout batched LoRA kernels index by slot (worker/kernels/lora_ops.py):
+The weights of all slots live in stacks, A per (layer, projection group) and B^T per (layer,
+projection), each slot at its adapter's own rank (the layout the segmented update reads,
+worker/kernels/lora_ops.py):
 
-    a[(layer, proj)]  [S, R, in]     b[(layer, proj)]  [S, out, R]     ranks[(layer, proj)]  [S]
+    a[(layer, group)]    [S, members x R, in]   slot s: the members' A stacked, rank after rank
+    b_t[(layer, proj)]   [S, R, out]            slot s: B^T in rows 0 .. r - 1
+    groups[(layer, group)][s]   GroupSlot: views of slot s's rows at their ranks, None if untargeted
 
-A stack is allocated the first time an adapter targets its projection, so projections no
-adapter touches cost no memory. Not thread-safe except start_load: the engine's step thread
-owns it.
+(R = lora.max_rank). A stack is allocated the first time an adapter targets its projection,
+so projections no adapter touches cost no memory; `max_bytes` is what all of them would take,
+what the device plan reserves (kv/device_plan.py). Rows past a slot's ranks are never read,
+so a slot is reused without clearing. Not thread-safe except start_load: the engine's step
+thread owns it.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.core.seams import AdapterRef
+from kvmesh.worker.kernels.lora_ops import GROUP_OF, LORA_GROUPS, GroupSlot
 from kvmesh.worker.model.lora_weights import LoraWeights, load_peft_adapter, projection_shapes
 
 logger = logging.getLogger(__name__)
@@ -58,13 +64,10 @@ class AdapterSlots:
         self.device = device
         self._shapes = projection_shapes(hf_config)
         self._read = reader or (lambda ref: load_peft_adapter(ref.name, ref.path, hf_config, dtype, max_rank))
-        self.a: dict[tuple[int, str], torch.Tensor] = {}
-        self.b: dict[tuple[int, str], torch.Tensor] = {}
-        self.ranks: dict[tuple[int, str], list[int]] = {}
-        # All slots side by side per projection, for the two-GEMM update (lora_ops.add_lora_stacked):
-        # (a_cat [S * R, in], b_cat [out, S * R], R) with R the largest rank resident there;
-        # rebuilt when an install changes that projection.
-        self.packed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self.a: dict[tuple[int, str], torch.Tensor] = {}  # (layer, group) -> [S, members x R, in]
+        self.b_t: dict[tuple[int, str], torch.Tensor] = {}  # (layer, projection) -> [S, R, out]
+        # (layer, group) -> per slot its GroupSlot (views at the adapter's ranks) or None
+        self.groups: dict[tuple[int, str], list[GroupSlot | None]] = {}
         self._slot_of: dict[AdapterRef, int] = {}
         self._ref_in: list[AdapterRef | None] = [None] * num_slots
         self._pins = [0] * num_slots
@@ -154,46 +157,64 @@ class AdapterSlots:
         return slot
 
     def _install(self, slot: int, ref: AdapterRef, weights: LoraWeights) -> None:
-        changed = set(weights.modules)
-        for key, ranks in self.ranks.items():  # clear what the slot's previous adapter left:
-            if ranks[slot]:  # the packed update reads every slot up to the largest rank
-                ranks[slot] = 0
-                self.a[key][slot].zero_()
-                self.b[key][slot].zero_()
-                changed.add(key)
-        for key, (a, b) in weights.modules.items():
-            a_stack, b_stack = self._stacks(key)
-            r = a.shape[0]
-            a_stack[slot].zero_()
-            b_stack[slot].zero_()
-            a_stack[slot, :r].copy_(a)
-            b_stack[slot, :, :r].copy_(b)
-            self.ranks[key][slot] = r
-        for key in changed:
-            self._pack(key)
+        for per_slot in self.groups.values():  # what the slot's previous adapter targeted
+            per_slot[slot] = None
+        by_group: dict[tuple[int, str], list[tuple[int, str]]] = collections.defaultdict(list)
+        for layer, module in weights.modules:
+            by_group[(layer, GROUP_OF[module][0])].append((layer, module))
+        for (layer, group), keys in by_group.items():
+            a_stack = self._a_stack(layer, group)
+            members, offset = [], 0
+            for key in sorted(keys, key=lambda k: GROUP_OF[k[1]][1]):  # member order, as the output columns
+                a, b = weights.modules[key]
+                r = a.shape[0]
+                a_stack[slot, offset:offset + r].copy_(a)
+                b_t = self._b_stack(key)[slot, :r]
+                b_t.copy_(b.t())
+                members.append((GROUP_OF[key[1]][1], offset, b_t))
+                offset += r
+            self.groups[(layer, group)][slot] = GroupSlot(a_stack[slot, :offset], tuple(members))
         self._ref_in[slot] = ref
         self._slot_of[ref] = slot
         self._lru[slot] = None
         self.num_loads += 1
 
-    def _pack(self, key: tuple[int, str]) -> None:
-        rank = max(self.ranks[key])
-        if rank == 0:
-            self.packed.pop(key, None)
-            return
-        a, b = self.a[key], self.b[key]  # [S, R_max, in], [S, out, R_max]
-        a_cat = a[:, :rank].reshape(-1, a.shape[-1]).contiguous()
-        b_cat = b[:, :, :rank].permute(1, 0, 2).reshape(b.shape[1], -1).contiguous()
-        self.packed[key] = (a_cat, b_cat, rank)
-
-    def _stacks(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _a_stack(self, layer: int, group: str) -> torch.Tensor:
+        key = (layer, group)
         if key not in self.a:
-            out_features, in_features = self._shapes[key[1]]
-            s, r = self.num_slots, self.max_rank
-            self.a[key] = torch.zeros(s, r, in_features, dtype=self.dtype, device=self.device)
-            self.b[key] = torch.zeros(s, out_features, r, dtype=self.dtype, device=self.device)
-            self.ranks[key] = [0] * s
-        return self.a[key], self.b[key]
+            members = LORA_GROUPS[group]
+            in_features = self._shapes[members[0]][1]
+            self.a[key] = torch.zeros(self.num_slots, len(members) * self.max_rank, in_features, dtype=self.dtype,
+                                      device=self.device)
+            self.groups[key] = [None] * self.num_slots
+        return self.a[key]
+
+    def _b_stack(self, key: tuple[int, str]) -> torch.Tensor:
+        if key not in self.b_t:
+            out_features = self._shapes[key[1]][0]
+            self.b_t[key] = torch.zeros(self.num_slots, self.max_rank, out_features, dtype=self.dtype,
+                                        device=self.device)
+        return self.b_t[key]
+
+    def module_weights(self, layer: int, module: str, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A [r, in], B [out, r]) of `module` in `slot`, views; None where untargeted (tests)."""
+        group, index = GROUP_OF[module]
+        entry = self.groups.get((layer, group), [None] * self.num_slots)[slot]
+        for member, offset, b_t in () if entry is None else entry.members:
+            if member == index:
+                return entry.a[offset:offset + b_t.shape[0]], b_t.t()
+        return None
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(t.nbytes for t in (*self.a.values(), *self.b_t.values()))
+
+    @staticmethod
+    def max_bytes(hf_config, num_slots: int, max_rank: int, dtype: torch.dtype) -> int:
+        """The stacks' bytes once adapters have targeted every projection of every layer: the
+        most this pool allocates (the device plan reserves it before sizing the KV pool)."""
+        per_rank = sum(out_features + in_features for out_features, in_features in projection_shapes(hf_config).values())
+        return num_slots * max_rank * hf_config.num_hidden_layers * per_rank * torch.empty((), dtype=dtype).element_size()
 
     # ---- figures --------------------------------------------------------------------------
 

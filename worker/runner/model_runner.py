@@ -123,9 +123,19 @@ class StepInputs:
                    tuple(tuple(e.block_ids) for e in scheduled), tuple(sample_at),
                    lora_slots if any(s is not None for s in lora_slots) else ())
 
-    def lora_row_slots(self) -> list[int | None]:
-        """[T] the adapter slot of each token row (a request's slot repeated over its rows)."""
-        return [slot for slot, n in zip(self.lora_slots, self.query_lens) for _ in range(n)]
+    def lora_segments(self) -> tuple[tuple[int, int, int], ...]:
+        """(slot, first row, past the last row) of each run of token rows with one adapter
+        (worker/kernels/lora_ops.py); one per slot when the requests come ordered by slot."""
+        segments: list[tuple[int, int, int]] = []
+        row = 0
+        for slot, n in zip(self.lora_slots, self.query_lens):
+            if slot is not None:
+                if segments and segments[-1][0] == slot and segments[-1][2] == row:
+                    segments[-1] = (slot, segments[-1][1], row + n)
+                else:
+                    segments.append((slot, row, row + n))
+            row += n
+        return tuple(segments)
 
     def block_table_tensor(self) -> torch.Tensor:
         """[B, longest table] int32 on the host, each request's row padded with block 0
@@ -174,6 +184,13 @@ def prefill_logits(model, input_ids: torch.Tensor, kv_caches: list[LayerKVCache]
     meta = AttentionMetadata.single_prefill(t, block_size, device)
     hidden = model(input_ids.to(device), torch.arange(t, device=device), kv_caches, meta, backend)
     return model.compute_logits(hidden)
+
+
+def by_adapter_slot(scheduled) -> list:
+    """The step's requests ordered by LoRA adapter slot, base requests first (a stable sort):
+    each adapter's token rows become one segment of the batch (worker/kernels/lora_ops.py).
+    Nothing else depends on the order: results are keyed by request, logits rows follow it."""
+    return sorted(scheduled, key=lambda e: -1 if e.request.lora_slot is None else e.request.lora_slot)
 
 
 def _split_logit_rows(scheduled) -> tuple[list[int], list[int]]:
@@ -233,6 +250,8 @@ class ModelRunner:
         if self.fault_hook is not None:
             self.fault_hook()
         clock = self.phase_clock
+        if any(e.request.lora_slot is not None for e in scheduled):
+            scheduled = by_adapter_slot(scheduled)
         inputs = StepInputs.build(scheduled, self.block_size)
         if clock is not None:
             clock.lap("prepare")
@@ -284,8 +303,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden[torch.tensor(inputs.sample_at, device=self.device)]).cpu()
 
     def _lora_step(self, inputs: StepInputs) -> LoraStep:
-        pool = self.lora_slots
-        return LoraStep(pool.packed, inputs.lora_row_slots(), pool.num_slots, pool.dtype, self.device)
+        return LoraStep(self.lora_slots.groups, inputs.lora_segments())
 
     def _eager_forward(self, inputs: StepInputs, lora: LoraStep | None = None) -> torch.Tensor:
         dev = self.device
