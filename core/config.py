@@ -304,6 +304,12 @@ class RouterConfig:
     # resumed on a survivor (prompt + the tokens streamed so far) at most this many times;
     # 0 = the client gets a retryable WorkerFailedError instead.
     max_stream_resumptions: int = 1
+    # Drain: a router replica being removed (`serve deploy` of a new config, a scale-down,
+    # `kvmesh serve` stopping) closes its gRPC listener at once, lets the streams it carries
+    # finish for up to this long, then ends the rest retryably (UNAVAILABLE replica_stopping)
+    # for clients to resume on another replica. `kvmesh serve` on SIGTERM and `kvmesh drain`
+    # give a drained worker the same grace before its streams move to another worker.
+    drain_grace_s: float = 30.0
     # The absolute imbalance margin is at least this many mean requests, in the load's unit
     # (what recent admissions cost their workers: a cache hit its uncached tail): a fixed
     # token count below one request lets a single queued request break affinity (long
@@ -359,6 +365,7 @@ class RouterConfig:
         _check(self.stats_refresh_s > 0, "router.stats_refresh_s must be > 0")
         _check(self.max_queue_wait_s > 0, "router.max_queue_wait_s must be > 0")
         _check(self.max_stream_resumptions >= 0, "router.max_stream_resumptions must be >= 0")
+        _check(self.drain_grace_s >= 0, "router.drain_grace_s must be >= 0")
         _check(self.imbalance_margin_requests >= 0, "router.imbalance_margin_requests must be >= 0")
         _check(self.affinity_wait_s >= 0, "router.affinity_wait_s must be >= 0")
         for name in ("step_overhead_s", "prefill_s_per_token", "decode_s_per_token", "latency_tie_ratio",

@@ -80,6 +80,14 @@ class WorkerFailedError(KvmeshError):
     retryable = True
 
 
+class RouterReplicaStoppingError(KvmeshError):
+    """The router replica serving the request is being removed (a rolling update, a
+    scale-down) and its drain grace ran out: the request ends retryably, and a client
+    continues it on another replica (a stream: from the tokens it received, docs/api.md)."""
+
+    retryable = True
+
+
 class RequestBudgetMismatchError(KvmeshError):
     """A worker was sent a request whose carried budget (seams.RequestBudget) does not match
     the request itself: the router and the worker disagree (block size, tokenizer) or the

@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "trace",
     "load",
     "serve",
+    "drain",
     "chat",
 ]
 

@@ -8,7 +8,10 @@
 Flags map onto the KvmeshConfig fields (`--set section.field=value` reaches any of them);
 the precedence is defaults < --config < flags < --set. It starts a local Ray cluster unless
 `--address` is given, deploys the Serve application, prints the endpoints and blocks until
-Ctrl-C / SIGTERM, then deletes the application and kills the detached worker actors.
+Ctrl-C / SIGTERM, then drains (every worker leaves the routable set, so new requests are
+refused retryably at once, and the streams running get router.drain_grace_s to finish; what
+is left ends retryably), deletes the application and kills the detached worker actors. A
+second Ctrl-C skips what is left of the drain.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import sys
 import threading
 
 from kvmesh.core.config import ConfigError, KvmeshConfig, apply_overrides
-from kvmesh.router.launch import machine_topology, start_serving, stop_serving
+from kvmesh.router.launch import drain_serving, machine_topology, start_serving, stop_serving
 
 # Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
 # (and `--help` answers) without loading torch, Ray or transformers.
@@ -74,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvmesh serve: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     stop = threading.Event()
+    started = False
     router = config.router
     parallel = config.parallel
     print(f"kvmesh serve: {os.cpu_count()} CPU(s): {parallel.num_workers} worker(s) x "
@@ -85,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError as exc:  # found once Ray reported the machine: nothing was deployed
             print(f"kvmesh serve: {exc}", file=sys.stderr)
             return EXIT_CONFIG_ERROR
+        started = True
         # After ray.init, which installs a SIGTERM handler that exits at once: ours lets the
         # finally below delete the app and kill the detached workers first.
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -97,6 +102,12 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        if started:
+            print(f"kvmesh serve: draining (streams get up to {router.drain_grace_s:g} s) ...", flush=True)
+            try:
+                drain_serving(config, args.app_name)
+            except KeyboardInterrupt:  # a second Ctrl-C: stop now
+                pass
         print("kvmesh serve: shutting down ...", flush=True)
         stop_serving(config, args.app_name)
         import ray

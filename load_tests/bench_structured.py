@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="A/B pairs (A B then B A)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="8 concurrent, 1 round (tests)")
+    p.add_argument("--new-schema-only", type=int, default=0, metavar="PAIRS",
+                   help="only the new-schema figure, over this many A/B pairs")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     # the served default dtype (auto: bf16 on AMX CPUs, where steps run as one native call whose
@@ -193,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     engine.structured.prepare()  # as AsyncEngine does before its step thread starts
     # warm-up: the schemas' compiles, the forward paths
     throughput_round(engine, min(concurrent, 4), 16, {}, -2)
+    if args.new_schema_only:
+        print(json.dumps(new_schema_delay(engine, args.new_schema_only), indent=1))
+        engine.close()
+        return 0
     ratios, lengths, mask_shares, cpu_ratios = [], {}, [], []
     for r in range(2 * rounds):
         c, f, mask_share, cpu_ratio = throughput_round(engine, concurrent, args.max_tokens, lengths, r)

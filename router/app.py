@@ -33,7 +33,7 @@ from ray import serve
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.resources import resolve_worker_num_cpus
 from kvmesh.router import openai_http
-from kvmesh.router.grpc_ingress import start_grpc_server, stop_grpc_server
+from kvmesh.router.grpc_ingress import HANDOFF_FLUSH_S, drain_grpc_server, start_grpc_server, stop_grpc_server
 from kvmesh.router.grpc_service import ReplicaGrpcServicer
 from kvmesh.router import tracing
 from kvmesh.router.auth import Authenticator
@@ -61,6 +61,12 @@ ROUTER_REPLICA_RESOURCE = 0.01
 # engine's lockstep threads win, and a token's delivery waits a little instead of every thread
 # of the step waiting at the next barrier for the one the router preempted (docs/deploy.md).
 ROUTER_NICE_INCREMENT = 10
+# Serve's wait between its counts of a stopping replica's HTTP requests (its default, 2 s, is
+# spent once even by an idle replica); the drain of gRPC streams follows it (router/grpc_ingress.py).
+GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.5
+# Serve kills a stopping replica this long after router.drain_grace_s: its wait loop, the
+# hand-off's flush, closing the worker channels.
+SHUTDOWN_MARGIN_S = GRACEFUL_SHUTDOWN_WAIT_LOOP_S + HANDOFF_FLUSH_S + 5.0
 # How often a replica publishes its metrics snapshot for its peers' /metrics: a scrape may
 # lag a peer's latest counts by this much (Prometheus scrapes every 10-60 s).
 METRICS_PUBLISH_INTERVAL_S = 2.0
@@ -116,7 +122,8 @@ class KvmeshRouter:
         self.board = get_or_create_board()
         self._publisher = start_publishing(self.board, metrics, METRICS_PUBLISH_INTERVAL_S)
         self.core = RouterCore(config, self.pool, tokenizer, authenticator, quota, model_name, metrics, tracer)
-        self._grpc_server = await start_grpc_server(ReplicaGrpcServicer(self.core), config.router)
+        self._servicer = ReplicaGrpcServicer(self.core)
+        self._grpc_server = await start_grpc_server(self._servicer, config.router)
         logger.info("router replica ready: model %s, %d workers", model_name, len(self.pool.worker_ids))
 
     # ---- OpenAI-compatible HTTP (router/openai_http.py) ------------------------------------
@@ -145,7 +152,10 @@ class KvmeshRouter:
         # Each part only if __init__ got that far (a replica that failed to start is destroyed too).
         if hasattr(self, "_publisher"):
             self._publisher.cancel()
-        await stop_grpc_server(getattr(self, "_grpc_server", None))
+        if hasattr(self, "_servicer"):  # it served: drain (router/grpc_ingress.py)
+            await drain_grpc_server(self._grpc_server, self._servicer, self.core.config.router.drain_grace_s)
+        else:
+            await stop_grpc_server(getattr(self, "_grpc_server", None))
         if hasattr(self, "core"):
             await self.core.channels.close()
         if hasattr(self, "pool"):
@@ -174,4 +184,6 @@ def build_router_app(config: KvmeshConfig):
     if config.router.replica_resource:  # only where clients reach router.grpc_port (core/config.py)
         actor_options["resources"] = {config.router.replica_resource: ROUTER_REPLICA_RESOURCE}
     return KvmeshRouter.options(num_replicas=config.router.num_replicas, max_ongoing_requests=max_ongoing,
+                                graceful_shutdown_wait_loop_s=GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
+                                graceful_shutdown_timeout_s=config.router.drain_grace_s + SHUTDOWN_MARGIN_S,
                                 ray_actor_options=actor_options).bind(config.to_dict())

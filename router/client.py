@@ -94,14 +94,15 @@ class _Call:
                                     trace_context=self.trace_context)
         return convert.call_metadata_to_grpc(meta)
 
-    def on_failure(self, error: grpc.RpcError, tokens_received: int = 0, restart_mid_stream: bool = False) -> float:
+    def on_failure(self, error: grpc.RpcError, tokens_received: int = 0, restart_mid_stream: bool = False,
+                   resuming: bool = False) -> float:
         """Seconds to wait before the next attempt, or raise the typed error."""
         code, details, trailing = error.code(), error.details(), error.trailing_metadata()
         retry_after_s = status_map.retry_after_from_status(trailing, details)
         left = None if self.deadline is None else self.deadline - time.monotonic()
         decision = decide_retry(code, self.attempt, retry_after_s, self.client.policy, self.client.budget,
                                 self.client.rng, tokens_received=tokens_received,
-                                restart_mid_stream=restart_mid_stream, time_left_s=left)
+                                restart_mid_stream=restart_mid_stream, resuming=resuming, time_left_s=left)
         if not decision.retry:
             typed = status_map.error_from_grpc(code, details, trailing)
             typed.attempts = self.attempt
@@ -196,7 +197,7 @@ class KvmeshClient(_ClientBase):
                 self.budget.record_success()
                 return
             except grpc.RpcError as error:
-                delay_s = call.on_failure(error, received, self.restart_mid_stream or resumption.enabled)
+                delay_s = call.on_failure(error, received, self.restart_mid_stream, resumption.enabled)
             finally:
                 stream.cancel()  # no-op once finished; aborts the request if the caller stopped early
             self._sleep(delay_s)
@@ -267,7 +268,7 @@ class AsyncKvmeshClient(_ClientBase):
                 self.budget.record_success()
                 return
             except grpc.RpcError as error:
-                delay_s = call.on_failure(error, received, self.restart_mid_stream or resumption.enabled)
+                delay_s = call.on_failure(error, received, self.restart_mid_stream, resumption.enabled)
             finally:
                 stream.cancel()
             await asyncio.sleep(delay_s)

@@ -49,8 +49,10 @@ class ReplicaGrpcServicer:
 
     def __init__(self, core: RouterCore):
         self.core = core
+        self.num_active_streams = 0  # Generate calls in progress (what a drain waits for)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        self.num_active_streams += 1
         try:
             _check_decoded(request)
             stream = await self.core.start(inbound_from_pb(request, _invocation_metadata(context)))
@@ -66,6 +68,8 @@ class ReplicaGrpcServicer:
                 yield convert.delta_to_pb(delta)
         except Exception as exc:
             await _fail(context, exc)
+        finally:
+            self.num_active_streams -= 1
 
     async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:  # noqa: N802
         try:

@@ -8,6 +8,8 @@ local cluster they then use through the client, as any client would.
                                   the worker actors)
     redeploy_router(config)       the same app name, a new router config; the detached
                                   workers stay up (their models stay loaded)
+    drain_serving(config)         before stop_serving: every worker leaves the routable set
+                                  and gets router.drain_grace_s to finish its streams
     stop_serving(config)          delete the app, kill its workers and the fallback pool's,
                                   stop Serve (best effort, in that order)
 
@@ -91,6 +93,21 @@ def redeploy_router(config: KvmeshConfig, app_name: str = "kvmesh") -> None:
     from kvmesh.router.app import build_router_app  # Ray Serve: as above
 
     serve.run(build_router_app(config), name=app_name, route_prefix="/")
+
+
+def drain_serving(config: KvmeshConfig, app_name: str = "kvmesh") -> dict[str, int]:
+    """Drain every worker of the app (and of its fallback pool) at once with
+    router.drain_grace_s: new requests are refused retryably at once (no routable worker), the
+    streams running finish within the grace, and what is left ends retryably (UNAVAILABLE with
+    retry-after: a client resumes it once the service is back). Returns {worker: requests
+    ended}; {} when the drain itself failed (stop_serving follows either way)."""
+    from kvmesh.worker.public_api import drain_workers  # Ray: only where a cluster runs
+
+    try:
+        return drain_workers((app_name, fallback_app_name(app_name)), config.router.drain_grace_s)
+    except Exception as exc:
+        logger.warning("drain before stopping failed: %s", exc)
+        return {}
 
 
 def stop_serving(config: KvmeshConfig, app_name: str = "kvmesh") -> None:

@@ -22,6 +22,12 @@ Only RESOURCE_EXHAUSTED (overload, quota) and UNAVAILABLE (worker failed, connec
 refused) are retried; never INVALID_ARGUMENT, UNAUTHENTICATED, DEADLINE_EXCEEDED or
 CANCELLED. Streaming: a stream that already delivered tokens is not retried unless the
 caller opted into restarting from scratch (see router/client.py).
+
+Resumption is not throttled: a stream continued from the tokens it delivered (its router
+replica or worker went away mid-stream) asks for the rest of work the server had accepted,
+not for refused work again, and a replica that stops or dies breaks all its streams at once:
+one client carrying 16 of them would otherwise spend the budget on the first 5 and fail the
+rest. It takes no budget token and is not gated by it; max_attempts still bounds it.
 """
 
 from __future__ import annotations
@@ -95,17 +101,21 @@ class RetryDecision:
 
 def decide_retry(code: grpc.StatusCode, attempt: int, retry_after_s: float | None, policy: RetryPolicy,
                  budget: RetryBudget, rng: random.Random, *, tokens_received: int = 0,
-                 restart_mid_stream: bool = False, time_left_s: float | None = None) -> RetryDecision:
+                 restart_mid_stream: bool = False, resuming: bool = False,
+                 time_left_s: float | None = None) -> RetryDecision:
     """Whether attempt `attempt` (which just failed with `code`) gets another try, and when.
-    Records the failure in the budget when the code is retryable."""
+    Records the failure in the budget when the code is retryable, unless the next attempt
+    resumes the stream from the tokens it delivered (`resuming`: see the module docstring)."""
     if not status_map.is_retryable(code):
         return RetryDecision(False, reason=f"{code.name} is not retryable")
-    budget.record_retryable_failure()
-    if tokens_received and not restart_mid_stream:
+    resumption = resuming and tokens_received > 0
+    if not resumption:
+        budget.record_retryable_failure()
+    if tokens_received and not (restart_mid_stream or resumption):
         return RetryDecision(False, reason="the stream already delivered tokens")
     if attempt >= policy.max_attempts:
         return RetryDecision(False, reason=f"{policy.max_attempts} attempts made")
-    if not budget.allows_retry():
+    if not resumption and not budget.allows_retry():
         return RetryDecision(False, reason="retry budget exhausted")
     delay_s = backoff_s(attempt, policy, rng, retry_after_s)
     if time_left_s is not None and delay_s >= time_left_s:

@@ -54,6 +54,7 @@ from kvmesh.core.errors import (
     PermissionDeniedError,
     QueueSlotTakenError,
     QuotaExceededError,
+    RouterReplicaStoppingError,
     UnauthenticatedError,
 )
 
@@ -133,6 +134,8 @@ class RouterCore:
         Spans: kvmesh.request (ended by the stream) with auth, quota, admission and route
         children; the worker process records its own spans below kvmesh.stream, from the
         carrier in GenerateRequest.trace_context (worker/runtime/actor.py)."""
+        if self.channels.handing_off:  # stopping: the client's next connection reaches another replica
+            raise RouterReplicaStoppingError("the router replica is stopping; retry on another replica")
         arrived_s = time.time()  # TTFT and e2e latency start here, not at the worker
         root = self._tracer.start_span(tracing.SPAN_REQUEST, context=tracing.extract_context(inbound.trace_context),
                                        kind=tracing.SpanKind.SERVER)

@@ -8,6 +8,7 @@
     QuotaExceededError             RESOURCE_EXHAUSTED   429   rate_limit_error       yes
     OverloadedError                RESOURCE_EXHAUSTED   429   overloaded_error       yes
     WorkerFailedError              UNAVAILABLE          503   server_error           yes (0.1 s)
+    RouterReplicaStoppingError     UNAVAILABLE          503   server_error           yes (0 s)
     DeadlineExceededError          DEADLINE_EXCEEDED    504   timeout_error          -
     RequestCancelledError          CANCELLED            499   request_cancelled      -
     anything else                  INTERNAL             500   server_error           -
@@ -42,6 +43,7 @@ from kvmesh.core.errors import (
     PermissionDeniedError,
     QuotaExceededError,
     RequestCancelledError,
+    RouterReplicaStoppingError,
     UnauthenticatedError,
     WorkerFailedError,
 )
@@ -57,6 +59,9 @@ INTERNAL_ERROR_MESSAGE = "internal server error"
 # UNAVAILABLE after a worker failure: the router has already marked the worker failed and
 # routes a retry elsewhere, so a client may come back almost at once.
 WORKER_FAILED_RETRY_AFTER_S = 0.1
+# UNAVAILABLE from a router replica that is stopping: its listener is already closed, so a
+# client's next connection reaches another replica at once.
+REPLICA_STOPPING_RETRY_AFTER_S = 0.0
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,7 @@ _RULES: tuple[_Rule, ...] = (
     _Rule(QuotaExceededError, "quota_exceeded", grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
     _Rule(OverloadedError, "overloaded", grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "overloaded_error"),
     _Rule(WorkerFailedError, "worker_failed", grpc.StatusCode.UNAVAILABLE, 503, "server_error"),
+    _Rule(RouterReplicaStoppingError, "replica_stopping", grpc.StatusCode.UNAVAILABLE, 503, "server_error"),
     _Rule(DeadlineExceededError, "deadline_exceeded", grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout_error"),
     _Rule(RequestCancelledError, "cancelled", grpc.StatusCode.CANCELLED, HTTP_CLIENT_CLOSED_REQUEST,
           "request_cancelled"),
@@ -107,6 +113,8 @@ def status_for(error: BaseException) -> ErrorStatus:
     retry_after_s = getattr(error, "retry_after_s", None) if rule is not _INTERNAL else None
     if retry_after_s is None and rule.error_type is WorkerFailedError:
         retry_after_s = WORKER_FAILED_RETRY_AFTER_S
+    if retry_after_s is None and rule.error_type is RouterReplicaStoppingError:
+        retry_after_s = REPLICA_STOPPING_RETRY_AFTER_S
     return ErrorStatus(kind=rule.kind, grpc_code=rule.grpc_code, http_status=rule.http_status,
                        openai_type=rule.openai_type, message=message,
                        retry_after_s=None if retry_after_s is None else max(0.0, float(retry_after_s)))

@@ -20,6 +20,10 @@ every request subscribed on it gets `ChannelFailure` (the RequestStream re-route
 router/router_core.py) and the reader opens the channel again. A submit the worker refused
 comes back as its error delta on the request's subscription.
 
+Drain: a replica that is stopping hands its streams back to their clients (`hand_off_all`):
+every subscribed request, and any that subscribes later, gets `ReplicaStopping` on its queue;
+the RequestStream aborts it on its worker and ends it retryably (router/router_core.py).
+
 Backpressure: the stream is opened with Ray's generator backpressure
 (`CHANNEL_BACKPRESSURE_MESSAGES`), so a replica that falls behind makes the worker's channel
 wait at its `yield` while it merges the deltas that keep coming (one message for all of
@@ -57,6 +61,14 @@ class ChannelFailure:
     actor_failed: bool  # the actor died (RayActorError), not a bug in a call
     # The worker incarnation that failed; None = unknown (a submit that never reached one).
     incarnation: str | None = None
+
+
+@dataclass(frozen=True)
+class ReplicaStopping:
+    """Put on every request's queue when this replica hands its streams off (it is stopping)."""
+
+
+REPLICA_STOPPING = ReplicaStopping()
 
 
 class Subscription:
@@ -112,6 +124,7 @@ class WorkerChannels:
         self._readers: dict[str, asyncio.Task] = {}
         self._pending_submits: set[asyncio.Task] = set()
         self._dead: dict[str, set[str]] = {}  # worker id -> incarnations whose channel broke
+        self.handing_off = False  # set by hand_off_all: this replica takes no stream any more
         # What this tick of the event loop submitted to / gave up on each worker: sent as one
         # actor call per worker when the tick ends (call_soon), not one call per request.
         self._submits: dict[str, list[tuple[GenerateRequest, Subscription]]] = {}
@@ -124,7 +137,18 @@ class WorkerChannels:
             self._readers[worker_id] = asyncio.get_running_loop().create_task(self._read(worker_id))
         sub = Subscription()
         self._subs[worker_id][request_id] = sub
+        if self.handing_off:  # admitted after the hand-off: it ends before it starts
+            sub.put(REPLICA_STOPPING)
         return sub
+
+    def hand_off_all(self) -> int:
+        """End every request on this replica's channels, now and later, with ReplicaStopping;
+        returns how many were live."""
+        self.handing_off = True
+        subs = [sub for by_request in self._subs.values() for sub in by_request.values()]
+        for sub in subs:
+            sub.put(REPLICA_STOPPING)
+        return len(subs)
 
     def unsubscribe(self, worker_id: str, request_id: str) -> None:
         self._subs.get(worker_id, {}).pop(request_id, None)
@@ -175,7 +199,9 @@ class WorkerChannels:
     def _send_aborts(self, worker_id: str) -> None:
         request_ids = self._aborts.pop(worker_id)
         try:
-            self._pool.handle(worker_id).abort_many.remote(request_ids)
+            # Scoped to this replica's channel: a client's resumption through another replica
+            # may hold the id there by now (WorkerActor.abort_many).
+            self._pool.handle(worker_id).abort_many.remote(request_ids, self.replica_id)
         except Exception as exc:  # the actor is gone: nothing left to stop
             logger.debug("abort of %d requests on %s: %s", len(request_ids), worker_id, exc)
 

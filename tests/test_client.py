@@ -368,6 +368,25 @@ def test_decide_retry_rules():
     assert not late.retry and "deadline" in late.reason
 
 
+def test_resumptions_neither_spend_nor_wait_for_the_retry_budget():
+    """A replica that stops breaks all its streams at once: one client carrying 16 of them
+    resumes every one (a restart from scratch, or a failure before any token, still pays)."""
+    policy, rng, budget = FAST, random.Random(0), RetryBudget(max_tokens=10.0)
+    for _ in range(16):
+        assert decide_retry(grpc.StatusCode.UNAVAILABLE, 1, None, policy, budget, rng, tokens_received=3,
+                            resuming=True).retry
+    assert budget.tokens == 10.0
+    assert not decide_retry(grpc.StatusCode.UNAVAILABLE, 4, None, policy, budget, rng, tokens_received=3,
+                            resuming=True).retry  # max_attempts still bounds it
+    for _ in range(5):
+        decide_retry(grpc.StatusCode.UNAVAILABLE, 1, None, policy, budget, rng, resuming=True)  # nothing received
+    assert budget.tokens == 5.0
+    assert not decide_retry(grpc.StatusCode.UNAVAILABLE, 1, None, policy, budget, rng, tokens_received=3,
+                            restart_mid_stream=True).retry  # a restart is refused work again: throttled
+    assert decide_retry(grpc.StatusCode.UNAVAILABLE, 1, None, policy, budget, rng, tokens_received=3,
+                        resuming=True).retry
+
+
 def test_sampling_and_delta_conversions_round_trip():
     sampling = SamplingParams(max_tokens=7, temperature=0.0, top_k=5, top_p=0.9, seed=123, stop=("\n",),
                               stop_token_ids=(2,), logprobs=True, n=2, min_tokens=1, ignore_eos=True)

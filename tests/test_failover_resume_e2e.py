@@ -1,11 +1,20 @@
-"""End to end (real Ray, the Serve app, two workers running the tiny random Llama): a worker
-killed mid-stream under load. Every stream it was serving resumes on the survivor: the client
-sees one uninterrupted stream whose text and tokens equal the same request's greedy output
-without the failure, and the router counts the resumptions."""
+"""End to end (real Ray, the Serve app, two router replicas, two workers running the tiny
+random Llama): the cluster changing under load loses nothing.
+
+* a worker killed mid-stream: every stream it was serving resumes on the survivor; the client
+  sees one uninterrupted stream whose text and tokens equal the same request's greedy output
+  without the failure, and the router counts the resumptions;
+* a worker drained: it leaves the routable set, what it still runs moves to the other worker;
+* `serve deploy` of a changed config: Serve replaces the router replicas one at a time, each
+  drains (listener closed, its streams handed to the clients' resumption: the module's
+  drain_grace_s is 0, so whatever a replica carries when it stops moves);
+* a router replica killed: the kvmesh client resumes each of its streams on the other one.
+Each stream equals its greedy reference: no token repeated or missing."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -25,7 +34,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
     config = tiny_cluster_config(tiny_model_dir, num_workers=2, num_blocks=256,
-                                 router={"policy": "least_loaded"})
+                                 router={"policy": "least_loaded", "num_replicas": 2, "drain_grace_s": 0.0})
     with serving(config, APP_NAME) as served:
         yield served
 
@@ -43,7 +52,16 @@ def _request(prompt: str) -> pb.GenerateRequest:
 
 
 def _healthy(stub) -> list[str]:
-    return [w.worker_id for w in stub.GetStats(pb.GetStatsRequest()).workers if w.healthy]
+    """The routable workers as a router replica sees them. The module's channel may have been
+    on a replica that was replaced or killed since: asked again until a replica answers."""
+    def workers():
+        try:
+            return list(stub.GetStats(pb.GetStatsRequest(), timeout=10).workers)
+        except grpc.RpcError:
+            return None
+
+    return [w.worker_id for w in wait_for(workers, timeout_s=120, what="a router replica answering GetStats")
+            if w.healthy]
 
 
 def test_streams_of_a_killed_worker_resume_on_the_survivor_with_the_same_text(cluster, stub):
@@ -103,6 +121,16 @@ DRAIN_ROUNDS = 3  # a fast machine can finish a worker's streams before the drai
 DRAIN_PROMPTS = [f"Drain {i}: the ledger of the east harbour records" for i in range(DRAIN_STREAMS)]
 
 
+@pytest.fixture(scope="module")
+def reference(stub):
+    """Each of the 16 DRAIN_PROMPTS' greedy output (text, token ids) with nothing failing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    wait_for(lambda: len(_healthy(stub)) == 2, timeout_s=120, what="two healthy workers")
+    with ThreadPoolExecutor(DRAIN_STREAMS) as pool:
+        return list(pool.map(lambda p: _stream(stub, p), DRAIN_PROMPTS))
+
+
 def _stream(stub, prompt: str, started: threading.Event | None = None) -> tuple[str, list[int]]:
     text, tokens = [], []
     try:
@@ -119,7 +147,7 @@ def _stream(stub, prompt: str, started: threading.Event | None = None) -> tuple[
     return "".join(text), tokens
 
 
-def test_draining_a_worker_under_16_streams_moves_its_leftovers_and_fails_nothing(cluster, stub):
+def test_draining_a_worker_under_16_streams_moves_its_leftovers_and_fails_nothing(cluster, stub, reference):
     """Drain 1 of 2 workers while 16 streams run: it leaves the routable set at once (reported
     unhealthy), and the streams it still holds continue on the other worker from what they
     streamed: all 16 complete, each equal to its greedy reference. The drain has no grace, so
@@ -131,9 +159,6 @@ def test_draining_a_worker_under_16_streams_moves_its_leftovers_and_fails_nothin
 
     from kvmesh.worker.runtime.actor import WORKER_NAMESPACE, worker_actor_name
 
-    wait_for(lambda: len(_healthy(stub)) == 2, timeout_s=120, what="two healthy workers")
-    with ThreadPoolExecutor(DRAIN_STREAMS) as pool:
-        reference = list(pool.map(lambda p: _stream(stub, p), DRAIN_PROMPTS))
     moves = []
     for _ in range(DRAIN_ROUNDS):
         with ThreadPoolExecutor(DRAIN_STREAMS) as pool:
@@ -162,3 +187,157 @@ def test_draining_a_worker_under_16_streams_moves_its_leftovers_and_fails_nothin
         if moved:
             break
     assert moves[-1] >= 1, f"every round's streams finished before the drain landed (moved {moves})"
+
+
+def _client_stream(target: str, prompt: str, started: threading.Event) -> tuple[tuple[str, list[int]], int]:
+    """One stream through the kvmesh client on a connection of its own (gRPC shares one
+    connection among a process's channels to a target unless told not to), so the 16 spread
+    over both router replicas (SO_REUSEPORT) -> ((text, token ids), how many times it went
+    back to the server)."""
+    from kvmesh.core.seams import SamplingParams
+    from kvmesh.router.client import KvmeshClient
+
+    waits = []
+
+    def sleep(delay_s: float) -> None:  # the client's wait before another attempt: counted
+        waits.append(delay_s)
+        time.sleep(delay_s)
+
+    text, tokens = [], []
+    try:
+        channel = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+        with KvmeshClient(target, sleep=sleep, channel=channel) as client:
+            sampling = SamplingParams(max_tokens=DRAIN_MAX_TOKENS, temperature=0.0, ignore_eos=True)
+            for delta in client.generate(prompt, sampling=sampling, timeout_s=240):
+                text.append(delta.text)
+                tokens.extend(delta.token_ids)
+                if len(tokens) >= 3:
+                    started.set()
+    finally:
+        started.set()
+    return ("".join(text), tokens), len(waits)
+
+
+def _router_replicas() -> dict[str, int]:
+    from ray import serve
+
+    deployments = serve.status().applications[APP_NAME].deployments.values()
+    states: dict[str, int] = {}
+    for deployment in deployments:
+        for state, count in deployment.replica_states.items():
+            states[str(state)] = states.get(str(state), 0) + count
+    return {state: count for state, count in states.items() if count}
+
+
+def _replica_actors() -> list[dict]:
+    """The router replicas' live actors ({name, namespace})."""
+    import ray
+
+    return [a for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("SERVE_REPLICA::") and APP_NAME in a["name"]]
+
+
+def _two_running_replicas() -> bool:
+    """Serve says two replicas run and no other exists, and two replica actors live (Serve's
+    status lags a killed actor by its health check)."""
+    return _router_replicas() == {"RUNNING": 2} and len(_replica_actors()) == 2
+
+
+def _streams_under(cluster, reference, fault) -> list[int]:
+    """16 client streams; `fault()` once each has streamed a few tokens. Every stream must
+    equal its greedy reference. A round where no stream went back to the server (they all
+    ended, or none ran on the replica hit, before the fault landed) is run again. Returns the
+    number of streams that went back, per round."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    target = f"127.0.0.1:{cluster.router.grpc_port}"
+    went_back = []
+    for _ in range(DRAIN_ROUNDS):
+        wait_for(_two_running_replicas, timeout_s=120, what="two running router replicas")
+        with ThreadPoolExecutor(DRAIN_STREAMS) as pool:
+            started = [threading.Event() for _ in DRAIN_PROMPTS]
+            futures = [pool.submit(_client_stream, target, p, e) for p, e in zip(DRAIN_PROMPTS, started)]
+            for event in started:
+                assert event.wait(120), "a stream never started"
+            fault()
+            results = [f.result(timeout=240) for f in futures]
+        for i, (output, _) in enumerate(results):
+            assert output == reference[i], f"stream {i} differs from its greedy reference"
+        went_back.append(sum(1 for _, waits in results if waits))
+        print(f"round {len(went_back)}: {went_back[-1]} of {DRAIN_STREAMS} streams went back to the server")
+        if went_back[-1]:
+            break
+    assert went_back[-1] >= 1, f"every round's streams ended before the fault landed ({went_back})"
+    return went_back
+
+
+def _workers_idle() -> bool:
+    """Both workers run and queue nothing and hold no KV block outside the prefix cache."""
+    import ray
+
+    from kvmesh.worker.runtime.actor import WORKER_NAMESPACE, worker_actor_name
+
+    for index in range(2):
+        stats = ray.get(ray.get_actor(worker_actor_name(APP_NAME, index), namespace=WORKER_NAMESPACE).stats.remote())
+        if stats.num_running or stats.num_waiting or stats.num_blocks_used:
+            return False
+    return True
+
+
+def test_serve_deploy_of_a_changed_config_under_16_streams_fails_nothing(cluster, reference):
+    """`serve deploy` of a changed router config while 16 streams run: Serve replaces both
+    router replicas, one at a time; each being replaced drains (drain_grace_s 0: the streams it
+    carries end retryably at once) and its clients resume on the other replica. 0 failed, each
+    stream equal to its greedy reference, and the workers hold nothing afterwards."""
+    from kvmesh.router.launch import redeploy_router
+
+    deployed = [cluster]
+
+    def redeploy() -> None:
+        changed = deployed[-1].replace(router={"max_queue_len": deployed[-1].router.max_queue_len + 1})
+        redeploy_router(changed, APP_NAME)
+        deployed.append(changed)
+        wait_for(_two_running_replicas, timeout_s=120, what="the old router replicas to stop")
+
+    _streams_under(cluster, reference, redeploy)
+    wait_for(_workers_idle, timeout_s=60, what="both workers idle after the redeploy")
+
+
+def test_a_router_replica_killed_under_16_streams_loses_no_token(cluster, reference):
+    """SIGKILL-like death of one of the two router replicas (ray.kill) while 16 client streams
+    run: the streams it carried break UNAVAILABLE and the kvmesh client resumes each on the
+    other replica from the tokens it received (a resumption that reaches a worker still running
+    the cut stream supersedes it there). 0 failed, no token repeated or missing, and the
+    workers end with nothing running (Serve starts a replacement replica)."""
+    import ray
+
+    def kill_a_replica() -> None:
+        replicas = _replica_actors()
+        assert len(replicas) == 2, (replicas, _router_replicas())
+        ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
+
+    _streams_under(cluster, reference, kill_a_replica)
+    wait_for(_two_running_replicas, timeout_s=120, what="Serve's replacement for the killed replica")
+    wait_for(_workers_idle, timeout_s=60, what="both workers idle after the replica's death")
+
+
+def test_draining_the_whole_app_takes_every_worker_out_of_the_routable_set(cluster, stub):
+    """What `kvmesh serve` runs on SIGTERM before it deletes the app (router/launch.py
+    drain_serving) and `kvmesh drain` runs in a worker pod's preStop (drain_workers, here
+    filtered to a node that runs none): the workers are found by name, each drained at once."""
+    import ray
+
+    from kvmesh.router.launch import drain_serving
+    from kvmesh.worker.public_api import drain_workers
+    from kvmesh.worker.runtime.actor import WORKER_NAMESPACE, worker_actor_name
+
+    wait_for(lambda: len(_healthy(stub)) == 2, timeout_s=120, what="two healthy workers")
+    assert drain_workers([APP_NAME], 0.0, node_id="f" * 56) == {}
+    assert len(_healthy(stub)) == 2
+    names = [worker_actor_name(APP_NAME, i) for i in range(2)]
+    try:
+        assert drain_serving(cluster.replace(router={"drain_grace_s": 1.0}), APP_NAME) == dict.fromkeys(names, 0)
+        wait_for(lambda: not _healthy(stub), what="both workers out of the routable set")
+    finally:
+        ray.get([ray.get_actor(name, namespace=WORKER_NAMESPACE).undrain.remote() for name in names])
+    wait_for(lambda: len(_healthy(stub)) == 2, what="both workers routable again after undrain")

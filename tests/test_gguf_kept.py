@@ -56,7 +56,7 @@ def _config(path, weight: str) -> KvmeshConfig:
     })
 
 
-def _greedy(config: KvmeshConfig) -> list[list[int]]:
+def _greedy(config: KvmeshConfig) -> tuple[list[list[int]], Engine]:
     engine = Engine.from_config(config)
     for i, ids in enumerate(PROMPTS):
         engine.add_request(GenerateRequest(f"r{i}", prompt_token_ids=tuple(ids), sampling=SamplingParams(
@@ -65,7 +65,7 @@ def _greedy(config: KvmeshConfig) -> list[list[int]]:
     while engine.has_unfinished():
         for delta in engine.step():
             tokens[delta.request_id].extend(delta.token_ids)
-    return [tokens[f"r{i}"] for i in range(len(PROMPTS))]
+    return [tokens[f"r{i}"] for i in range(len(PROMPTS))], engine
 
 
 def test_projections_stay_quantized_and_dequantize_as_gguf_does(gguf_file):
@@ -112,10 +112,18 @@ def test_capacity_counts_the_bytes_the_loaded_model_holds(gguf_file):
 
 def test_greedy_equals_the_gguf_dequantized_model(gguf_file):
     type_name, path = gguf_file
-    want = _greedy(_config(path, "none"))  # transformers' GGUF loader: fp32 weights from gguf.dequantize
-    got = _greedy(_config(path, "gguf"))
+    want, dequantized = _greedy(_config(path, "none"))  # transformers' GGUF loader: fp32 weights from gguf.dequantize
+    got, kept = _greedy(_config(path, "gguf"))
     assert all(len(w) == NEW_TOKENS for w in want)
     assert got == want, f"{type_name}: kept-quantized tokens differ from the dequantized model's"
+    # memory by part on CPU (kvmesh_memory_planned_bytes{part}): the weights the engine holds,
+    # the step workspace and the KV pool, each reported; the kept weights are the smaller
+    for engine in (dequantized, kept):
+        plan = engine.parts.plan
+        split = plan.device.split()
+        assert split["weights"] == plan.weight_bytes > 0 and split["kv_pool"] == plan.kv_cache_bytes > 0
+        assert split["activations"] > 0 and split["sampler"] > 0
+    assert kept.parts.plan.weight_bytes < dequantized.parts.plan.weight_bytes
 
 
 def test_a_type_without_an_exact_layout_is_refused_by_name(tmp_path, cache_dir):

@@ -597,6 +597,28 @@ def test_pdb_covers_exactly_the_workers(rendered):
     assert pdb["spec"]["maxUnavailable"] == rendered.values["podDisruptionBudget"]["maxUnavailable"]
 
 
+def test_worker_pods_drain_before_they_stop(chart):
+    """A worker pod's preStop drains its engines (kvmesh drain --node-local, with the router's
+    drain grace), and Kubernetes waits the grace plus the margin before it kills the pod; the
+    head, where the router replicas run, is left to Serve's own graceful shutdown."""
+    out = _render(chart, {"kvmesh": {"router": {"drain_grace_s": 12.5}}, "drain": {"terminationMarginSeconds": 20}})
+    errors = list(_rayservice_validator().iter_errors(out.one("RayService")))
+    assert not errors, [f"{list(e.path)}: {e.message}" for e in errors[:5]]
+    head, workers = _groups(out)
+    pod = workers["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 13 + 20
+    command = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert command == ["kvmesh", "drain", "--address", "auto", "--node-local", "--app-name", "kvmesh",
+                       "--grace-s", "12.5"]
+    from kvmesh.deploy.cli import build_parser  # the hook's arguments parse as the CLI's
+
+    args = build_parser().parse_args(command[1:])
+    assert (args.node_local, args.grace_s, args.app_name) == (True, 12.5, "kvmesh")
+    assert "lifecycle" not in head["template"]["spec"]["containers"][0]
+    off = _groups(_render(chart, {"drain": {"enabled": False}}))[1]["template"]["spec"]
+    assert "terminationGracePeriodSeconds" not in off and "lifecycle" not in off["containers"][0]
+
+
 def test_redis_modes(rendered):
     redis = rendered.values["redis"]
     kinds = {(d["kind"], d["metadata"]["name"]) for d in rendered.docs()}

@@ -13,6 +13,7 @@ from kvmesh.core.errors import (
     OverloadedError,
     QuotaExceededError,
     RequestCancelledError,
+    RouterReplicaStoppingError,
     UnauthenticatedError,
     WorkerFailedError,
 )
@@ -25,6 +26,7 @@ CASES = [
     (OverloadedError("KV budget exhausted", retry_after_s=0.2), grpc.StatusCode.RESOURCE_EXHAUSTED, 429,
      "overloaded_error"),
     (WorkerFailedError("no healthy worker"), grpc.StatusCode.UNAVAILABLE, 503, "server_error"),
+    (RouterReplicaStoppingError("router replica stopping"), grpc.StatusCode.UNAVAILABLE, 503, "server_error"),
     (DeadlineExceededError("deadline passed"), grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout_error"),
     (RequestCancelledError("client went away"), grpc.StatusCode.CANCELLED, 499, "request_cancelled"),
 ]

@@ -142,6 +142,52 @@ def test_cancelling_the_ray_stream_aborts_the_request(worker):
 
 
 @pytest.mark.e2e
+def test_a_resumption_takes_its_id_over_and_a_stale_abort_leaves_it_alone(worker):
+    """A client resumes a stream through another router replica while the run it continues
+    still streams here (its replica stopped or died before the abort landed): the resumption
+    aborts that run and takes the id; the old replica's late abort, scoped to its channel, is
+    a no-op. The same id without resume tokens is still refused."""
+    import dataclasses
+
+    import ray
+
+    from kvmesh.core import delta_wire
+
+    _wait_idle(worker)
+
+    def deltas_of(message: bytes) -> list[RequestDelta]:
+        return [d for d in delta_wire.to_request_deltas(delta_wire.decode(message)) if d.request_id == "taken"]
+
+    async def scenario():
+        old = worker.open_channel.options(num_returns="streaming").remote("replica-old")
+        new = worker.open_channel.options(num_returns="streaming").remote("replica-new")
+        await (await old.__anext__())
+        await (await new.__anext__())  # the handshakes: this incarnation's id
+        assert isinstance(await worker.submit.remote("replica-old", _request("taken", LONG)), str)
+        streamed = []
+        while len(streamed) < 3:
+            streamed += deltas_of(await (await old.__anext__()))
+        token_ids = tuple(t for d in streamed for t in d.token_ids)
+        refused = await worker.submit.remote("replica-new", _request("taken", LONG))
+        assert isinstance(refused, RequestDelta) and refused.error_type == "InvalidRequestError"
+        resumed = dataclasses.replace(_request("taken", len(token_ids) + 8), resume_token_ids=token_ids,
+                                      resume_text_chars=sum(len(d.text) for d in streamed))
+        assert isinstance(await worker.submit.remote("replica-new", resumed), str)
+        assert await worker.abort.remote("taken", "replica-old") is False
+        await worker.abort_many.remote(["taken"], "replica-old")  # the router's batched form
+        rest = []
+        while not (rest and rest[-1].finished):
+            rest += deltas_of(await (await new.__anext__()))
+        ray.cancel(old)
+        ray.cancel(new)
+        return rest
+
+    rest = asyncio.run(scenario())
+    assert rest[-1].finish_reason is FinishReason.LENGTH and sum(len(d.token_ids) for d in rest) == 8
+    assert _wait_idle(worker).num_blocks_used == 0
+
+
+@pytest.mark.e2e
 def test_poll_and_extra_keys(worker, actor_config):
     import ray
 

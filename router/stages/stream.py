@@ -24,12 +24,12 @@ from collections.abc import AsyncIterator
 
 from kvmesh.core import telemetry
 from kvmesh.core.delta_wire import to_request_deltas
-from kvmesh.core.errors import DeadlineExceededError, OverloadedError, WorkerFailedError
+from kvmesh.core.errors import DeadlineExceededError, OverloadedError, RouterReplicaStoppingError, WorkerFailedError
 from kvmesh.core.seams import ErrorReport, FinishReason, RequestDelta, Usage, merge_deltas, request_usage
 from kvmesh.router import degradation, tracing
 from kvmesh.router.metrics import FINISH_TIMEOUT
 from kvmesh.router.stages.context import RequestContext
-from kvmesh.router.worker_channels import ChannelFailure
+from kvmesh.router.worker_channels import ChannelFailure, ReplicaStopping
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +206,8 @@ class RequestStream:
         try:
             while True:
                 for delta in _merged(to_request_deltas(await subscription.take(request.deadline_s))):
+                    if isinstance(delta, ReplicaStopping):  # this replica is stopping: the client resumes elsewhere
+                        raise RouterReplicaStoppingError("the router replica is stopping; resume on another replica")
                     if isinstance(delta, ChannelFailure):
                         finished = delta.actor_failed  # a dead actor runs nothing: no abort to send
                         if delta.actor_failed:

@@ -46,9 +46,10 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from kvmesh.core.config import KvmeshConfig
@@ -68,6 +69,10 @@ logger = logging.getLogger(__name__)
 WORKER_NAMESPACE = "kvmesh"
 DRAIN_POLL_S = 0.05  # how often a draining worker checks whether its requests have finished
 DRAIN_RETRY_AFTER_S = 0.05  # a request sent to a draining worker: re-routed about at once
+# A client's resumption may reach this worker while the run it continues still streams here
+# under the same id (its router replica stopped or died before the abort landed): the earlier
+# run is aborted, and the resumption waits this long for it to end before it is refused.
+SUPERSEDE_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -211,7 +216,14 @@ class WorkerActor:
         tick of its event loop submitted to this worker: router/worker_channels.py), one
         answer each, in order. They reach the engine in this order, before any abort the
         router sent after this call."""
-        started = [self._start(replica_id, request) for request in requests]
+        # A resumption of a run still streaming here (its router replica stopped or died before
+        # the abort came) first ends that run and takes the id over; the others start at once.
+        superseding = [r.request_id in self._streaming and bool(r.resume_token_ids) for r in requests]
+        started = [None if waits else self._start(replica_id, r) for r, waits in zip(requests, superseding)]
+        for i, request in enumerate(requests):
+            if superseding[i]:
+                await self._superseded(request.request_id)
+                started[i] = self._start(replica_id, request)
         return [answer if isinstance(answer, (str, RequestDelta)) else await self._answer(request, answer)
                 for request, answer in zip(requests, started)]
 
@@ -290,17 +302,35 @@ class WorkerActor:
         return WorkerPoll(self._info, stats, await self._engine.prefix_events_async(since_prefix_seq),
                           self._metrics.snapshot())
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, replica_id: str | None = None) -> bool:
         """Abort a request; True when this worker was streaming it (its stream then ends
-        with finish_reason ABORT). Unknown ids are a no-op."""
+        with finish_reason ABORT). Unknown ids are a no-op. With `replica_id`, only while the
+        request streams to that router replica: a late abort from a replica that gave the
+        stream up must not end the client's resumption of it, which took the id since."""
+        if replica_id is not None:
+            channel = self._channels.get(replica_id)
+            if channel is None or request_id not in channel.request_ids():
+                return False
         known = request_id in self._streaming
         await self._engine.abort(request_id)
         return known
 
-    async def abort_many(self, request_ids: list[str]) -> None:
-        """`abort` for what one tick of a router replica's event loop gave up on here."""
+    async def _superseded(self, request_id: str) -> bool:
+        """Abort the run streaming under `request_id` for a resumption of it; True once it ended."""
+        logger.info("a resumption of request %s supersedes its run still streaming here", request_id)
+        await self._engine.abort(request_id)
+        deadline = time.monotonic() + SUPERSEDE_WAIT_S
+        while request_id in self._streaming:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(DRAIN_POLL_S)
+        return True
+
+    async def abort_many(self, request_ids: list[str], replica_id: str | None = None) -> None:
+        """`abort` for what one tick of a router replica's event loop gave up on here (with
+        `replica_id`: only what still streams to that replica, as `abort`)."""
         for request_id in request_ids:
-            await self._engine.abort(request_id)
+            await self.abort(request_id, replica_id)
 
     async def stats(self) -> WorkerStats:
         stats = await self._engine.stats_async()
@@ -403,6 +433,24 @@ def start_workers(config: KvmeshConfig, app_name: str, worker_id_prefix: str = "
         options = worker_actor_options(config, app_name, index, group)
         handles.append(remote_class.options(**options).remote(config.to_dict(), f"{worker_id_prefix}-{index}"))
     return handles
+
+
+def drain_workers(app_names: Sequence[str], grace_s: float, node_id: str | None = None) -> dict[str, int]:
+    """Drain every worker of the apps `app_names`, or only those on Ray node `node_id`, all at
+    once, each with `grace_s` (WorkerActor.drain); returns {actor name: requests moved} once
+    every drain returned. Found by name, so no worker count is needed (a pod's preStop hook
+    has no config)."""
+    import ray
+
+    pattern = re.compile("|".join(re.escape(worker_actor_name(app, 0)).removesuffix("0") + r"\d+" for app in app_names))
+    handles = {actor["name"]: ray.get_actor(actor["name"], namespace=WORKER_NAMESPACE)
+               for actor in ray.util.list_named_actors(all_namespaces=True)
+               if actor["namespace"] == WORKER_NAMESPACE and pattern.fullmatch(actor["name"])}
+    if node_id is not None:
+        infos = ray.get([handle.info.remote() for handle in handles.values()])
+        handles = {name: h for (name, h), info in zip(handles.items(), infos) if info.node_id == node_id}
+    moved = ray.get([handle.drain.remote(grace_s) for handle in handles.values()])
+    return dict(zip(handles, moved))
 
 
 def kill_workers(config: KvmeshConfig, app_name: str) -> int:
