@@ -136,8 +136,14 @@ def test_two_replicas_share_one_concurrency_limit_exactly(cluster, channel, http
     """16 concurrent long requests of one tenant through both replicas: exactly the limit is
     admitted, every other one gets RESOURCE_EXHAUSTED (429 with Retry-After over HTTP)."""
     stub = kvmesh_pb2_grpc.KvmeshStub(channel)
+    # Each request on a connection of its own (a subchannel pool of its own: gRPC otherwise
+    # shares one connection between channels to one target), so the kernel spreads them over
+    # both replicas sharing the gRPC port (SO_REUSEPORT); one connection stays on one replica.
+    burst_channels = [grpc.insecure_channel(f"127.0.0.1:{cluster.router.grpc_port}",
+                                            options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(16)]
     with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(lambda _: _first_delta_or_error(stub, KEYS["conc"], LONG_TOKENS), range(16)))
+        results = list(pool.map(lambda c: _first_delta_or_error(kvmesh_pb2_grpc.KvmeshStub(c), KEYS["conc"],
+                                                                LONG_TOKENS), burst_channels))
     admitted = [stream for kind, stream in results if kind == "ok"]
     errors = [exc for kind, exc in results if kind == "error"]
     try:
@@ -151,6 +157,8 @@ def test_two_replicas_share_one_concurrency_limit_exactly(cluster, channel, http
     finally:
         for stream in admitted:
             stream.cancel()
+        for burst_channel in burst_channels:
+            burst_channel.close()
     # Both replicas took part: each one admitted or rejected some of the burst.
     wait_for(lambda: len(_per_replica("kvmesh_rejections_total")) == 2, what="both replicas publishing")
     def burst_per_replica() -> list[float]:
