@@ -116,6 +116,13 @@ def kvmesh_greedy(folder: Path, prompts: list[list[int]], new_tokens: int, dtype
         "parallel": {"attention_backend": backend, "device": "cpu"},
     })
     engine = Engine.from_config(config)
+    return greedy_continuations(engine, prompts, new_tokens, check_integrity=True), engine.stats()
+
+
+def greedy_continuations(engine, prompts: list[list[int]], new_tokens: int,
+                         check_integrity: bool = False) -> list[list[int]]:
+    """Every prompt added to `engine` at once, stepped to the end: each one's `new_tokens`
+    greedy tokens (EOS ignored), in prompt order; `check_integrity` after every step."""
     for i, ids in enumerate(prompts):
         engine.add_request(GenerateRequest(f"r{i}", prompt_token_ids=tuple(ids), sampling=SamplingParams(
             max_tokens=new_tokens, min_tokens=new_tokens, temperature=0)))
@@ -123,8 +130,9 @@ def kvmesh_greedy(folder: Path, prompts: list[list[int]], new_tokens: int, dtype
     while engine.has_unfinished():
         for delta in engine.step():
             tokens[delta.request_id].extend(delta.token_ids)
-        engine.check_integrity()
-    return [tokens[f"r{i}"] for i in range(len(prompts))], engine.stats()
+        if check_integrity:
+            engine.check_integrity()
+    return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 
 def hf_prompt_logits(folder: Path, ids: list[int]) -> torch.Tensor:

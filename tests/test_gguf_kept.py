@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from kvmesh.core.config import ConfigError, KvmeshConfig
-from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.load_tests import gguf_checkpoints as gc
+from kvmesh.load_tests.family_checkpoints import greedy_continuations
 from kvmesh.quant.gguf_layouts import UnsupportedGgufTypeError
 from kvmesh.quant.linear import Int4WeightOnlyLinear, Int8GroupWeightOnlyLinear
 from kvmesh.worker.engine_api import Engine
@@ -58,14 +58,7 @@ def _config(path, weight: str) -> KvmeshConfig:
 
 def _greedy(config: KvmeshConfig) -> tuple[list[list[int]], Engine]:
     engine = Engine.from_config(config)
-    for i, ids in enumerate(PROMPTS):
-        engine.add_request(GenerateRequest(f"r{i}", prompt_token_ids=tuple(ids), sampling=SamplingParams(
-            max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)))
-    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
-    while engine.has_unfinished():
-        for delta in engine.step():
-            tokens[delta.request_id].extend(delta.token_ids)
-    return [tokens[f"r{i}"] for i in range(len(PROMPTS))], engine
+    return greedy_continuations(engine, PROMPTS, NEW_TOKENS), engine
 
 
 def test_projections_stay_quantized_and_dequantize_as_gguf_does(gguf_file):
