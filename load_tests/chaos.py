@@ -64,8 +64,11 @@ async def _do_fault(fault, plan: FaultPlan, cluster: ChaosCluster, driver: RunDr
     except Exception as exc:  # a fault that could not be done is reported, and broke nothing
         logger.warning("fault %s could not be done: %r", fault.kind, exc)
         return FaultOutcome(fault.index, fault.kind, fault.at_s, at_s, "", None, f"{type(exc).__name__}: {exc}")
+    # A drain's hold is the fault itself: its recovery runs from the undrain. Every other
+    # fault's runs from the moment it was done (a redeploy's includes Serve's rollout).
+    since_s = driver.now_s() if fault.kind == "drain_worker" else at_s
     recovery = await asyncio.to_thread(cluster.wait_whole, plan.recovery_timeout_s)
-    recovery_s = None if recovery is None else driver.now_s() - at_s
+    recovery_s = None if recovery is None else driver.now_s() - since_s
     return FaultOutcome(fault.index, fault.kind, fault.at_s, at_s, target, recovery_s)
 
 
