@@ -61,16 +61,20 @@ def _aligned(got: list[int], g: int, reference: list[int], r: int) -> bool:
 
 def greedy_references(config, prompts: dict[tuple[int, ...], int]) -> dict[tuple[int, ...], list[int]]:
     """{prompt token ids: its first `n` greedy tokens (EOS ignored)} from an engine of the
-    same config in this process (the model the cluster's workers serve)."""
+    same config in this process (the model the cluster's workers serve), max_num_seqs prompts
+    at a time, its KV pool made large enough for them (only the pool's size differs)."""
     from kvmesh.load_tests.family_checkpoints import greedy_continuations  # torch: the engine
     from kvmesh.worker.engine_api import Engine  # as above
 
-    engine = Engine.from_config(config)
+    batch = config.scheduler.max_num_seqs
+    items = sorted(prompts.items(), key=lambda item: item[1])  # like lengths together
+    block = config.cache.block_size
+    worst = max((-(-(len(p) + n) // block) + 1 for p, n in items), default=1)
+    engine = Engine.from_config(config.replace(cache={"num_blocks": max(config.cache.num_blocks, batch * worst)}))
     out: dict[tuple[int, ...], list[int]] = {}
-    by_length: dict[int, list[tuple[int, ...]]] = {}
-    for prompt, n in prompts.items():
-        by_length.setdefault(n, []).append(prompt)
-    for n, group in sorted(by_length.items()):
-        for prompt, tokens in zip(group, greedy_continuations(engine, [list(p) for p in group], n)):
-            out[prompt] = tokens
+    for start in range(0, len(items), batch):
+        chunk = items[start:start + batch]
+        longest = max(n for _, n in chunk)  # greedy is a prefix property: cut each to its own n
+        for (prompt, n), tokens in zip(chunk, greedy_continuations(engine, [list(p) for p, _ in chunk], longest)):
+            out[prompt] = tokens[:n]
     return out
