@@ -13,12 +13,10 @@ tested over real sockets in tests/test_tls.py."""
 
 from __future__ import annotations
 
-import socket
-import ssl
-
 import grpc
 import httpx
 import pytest
+from test_tls import _served_cert_der  # the certificate a new connection is shown
 from tls_certs import ThrowawayPki
 
 from e2e_cluster import serving, tiny_cluster_config, wait_for
@@ -62,15 +60,6 @@ def _generate(target: str, credentials: grpc.ChannelCredentials | None) -> list[
     return [t for d in deltas for t in d.token_ids]
 
 
-def _served_cert_der(port: int, ca_file) -> bytes:
-    """The certificate a new TLS connection to the port is shown (h2: what gRPC negotiates)."""
-    context = ssl.create_default_context(cafile=str(ca_file))
-    context.set_alpn_protocols(["h2"])
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
-        with context.wrap_socket(raw, server_hostname="localhost") as conn:
-            return conn.getpeercert(binary_form=True)
-
-
 def test_grpc_over_tls_streams_and_a_plaintext_or_untrusting_client_is_refused(cluster, pki):
     target = _grpc_target(cluster)
     assert len(_generate(target, tls.grpc_channel_credentials(str(pki.ca_file)))) == 4
@@ -107,8 +96,8 @@ def test_a_certificate_rewritten_in_place_reaches_new_grpc_connections(cluster, 
     port = cluster.router.grpc_port
     credentials = tls.grpc_channel_credentials(str(pki.ca_file))
     before = _generate(_grpc_target(cluster), credentials)
-    assert _served_cert_der(port, pki.ca_file) == pki.server_cert_der
+    assert _served_cert_der(port, pki) == pki.server_cert_der
     rotated = pki.rotate_server_cert()
-    wait_for(lambda: _served_cert_der(port, pki.ca_file) == rotated, timeout_s=30,
+    wait_for(lambda: _served_cert_der(port, pki) == rotated, timeout_s=30,
              what="the rewritten certificate on a new gRPC connection")
     assert _generate(_grpc_target(cluster), credentials) == before
