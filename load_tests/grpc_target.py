@@ -147,8 +147,12 @@ class ClusterTarget(GrpcTarget):
 
         if self.wants_redis:
             self._start_redis()
-        _init_ray_on_this_thread()
-        await asyncio.to_thread(start_serving, self.config, self.app_name)
+        try:
+            _init_ray_on_this_thread()
+            await asyncio.to_thread(start_serving, self.config, self.app_name)
+        except BaseException:
+            self._stop_redis()  # close() is only called on a started target
+            raise
         await super().start()
 
     def _start_redis(self) -> None:
@@ -165,6 +169,9 @@ class ClusterTarget(GrpcTarget):
 
         await super().close()
         await asyncio.to_thread(stop_serving, self.config, self.app_name)
+        self._stop_redis()
+
+    def _stop_redis(self) -> None:
         if self.redis is not None:
             self.redis.stop()
             self._redis_dir.cleanup()
