@@ -52,7 +52,7 @@ NUM_FAMILIES = 4
 WORKER_KEY = "x-kvmesh-worker"
 
 # e2e: a Ray cluster with the Serve app (`pytest -m "not e2e"` skips the module)
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.shared_ray, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

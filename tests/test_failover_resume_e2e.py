@@ -28,7 +28,7 @@ NUM_STREAMS = 4
 MAX_TOKENS = 240  # long enough to be mid-stream when the worker dies
 PROMPTS = [f"Stream {i}: the inventory of the north warehouse lists" for i in range(NUM_STREAMS)]
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.shared_ray, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from kvmesh.proto import kvmesh_pb2_grpc
 from kvmesh.router.tenants import generate_api_key, hash_api_key
 
 # e2e: a Ray cluster with the Serve app (`pytest -m "not e2e"` skips the module)
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.shared_ray, pytest.mark.timeout(300)]
 
 APP_NAME = "kvmesh-tenants"
 # "stored" is added at run time through the tenant store, as `kvmesh tenants add` does.
@@ -118,9 +118,9 @@ def _per_replica(name: str, **labels) -> list[float]:
     import ray
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvmesh.router.metrics import METRICS_BOARD_ACTOR
+    from kvmesh.router.metrics import get_board
 
-    board = ray.get_actor(METRICS_BOARD_ACTOR)
+    board = get_board(APP_NAME)
     out = []
     for blob in ray.get(board.snapshots.remote()):
         value = 0.0
