@@ -33,7 +33,7 @@ import grpc
 import pytest
 
 from kvmesh.core.config import KvmeshConfig
-from kvmesh.router.client import KvmeshClient
+from kvmesh.router.client import KvmeshClient, open_channel
 from kvmesh.router.retry import RetryPolicy
 from kvmesh.core.seams import SamplingParams
 from kvmesh.load_tests.routing_campaign import computed_tokens_per_worker
@@ -282,9 +282,9 @@ def test_two_router_replicas_keep_each_family_on_its_worker(cluster):
     served, replicas = [], collections.Counter()
     for i, (family, prompt) in enumerate(workload):
         recorder = _WorkerRecorder()
-        # A subchannel pool of its own: gRPC otherwise shares one connection between channels.
-        channel = grpc.intercept_channel(grpc.insecure_channel(
-            f"127.0.0.1:{config.router.grpc_port}", options=[("grpc.use_local_subchannel_pool", 1)]), recorder)
+        # A connection of its own: gRPC otherwise shares one connection between channels.
+        channel = grpc.intercept_channel(open_channel(f"127.0.0.1:{config.router.grpc_port}", own_connection=True),
+                                         recorder)
         with KvmeshClient("", channel=channel, retry_policy=RetryPolicy(max_attempts=8)) as client:
             served.append(_send(client, recorder, f"two-{i}", family, prompt))
             replicas[dict(recorder.calls[f"two-{i}"][-1].trailing_metadata())[REPLICA_KEY]] += 1
