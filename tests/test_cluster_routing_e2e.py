@@ -482,8 +482,10 @@ def test_a_request_waits_for_room_on_its_prefix_worker_instead_of_spilling(clust
         # One after the other, so the router's view of the first is its worker's report, not
         # also its own ticket: the ticket is counted until a report one refresh (20 ms) later
         # ("In-flight accounting", router/admission.py), and the second would spill on that.
+        # Waited for, not slept: on a loaded machine the report takes as long as it takes.
         long_ones = _start_streams(client, [prefix + [3000] * SUFFIX_TOKENS], long_max_tokens, f"long-{seed}-0")
-        time.sleep(0.5)
+        _wait_for(lambda: any(w.worker_id == home and w.num_running >= 1 for w in client.get_stats(timeout_s=10).workers),
+                  what="the router to see the first long request in its worker's report")
         long_ones += _start_streams(client, [prefix + [3001] * SUFFIX_TOKENS], long_max_tokens, f"long-{seed}-1")
         served = _send(client, recorder, f"affinity-{seed}", 0, prefix + list(range(2000, 2000 + SUFFIX_TOKENS)))
         for thread in long_ones:
