@@ -115,8 +115,7 @@ def stop_serving(config: KvmeshConfig, app_name: str = "kvmesh") -> None:
     in that order)."""
     from ray import serve  # Ray Serve: only where a cluster runs
 
-    from kvmesh.router.metrics import kill_board
-
+    from kvmesh.router.metrics import kill_board  # Ray: as above
     from kvmesh.worker.public_api import kill_workers  # Ray: as above
 
     for step, action in (("delete app", lambda: serve.delete(app_name)),
