@@ -17,7 +17,7 @@ from e2e_cluster import serving, tiny_cluster_config
 
 APP_NAME = "kvmesh-chaos"
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.shared_ray, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
