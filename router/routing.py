@@ -409,11 +409,12 @@ def _predicted_latency(by_id: dict[str, WorkerStats], loads: dict[str, int], foo
     best = min((w for w in family if predicted[w] <= predicted[soonest] * (1 + config.latency_tie_ratio)),
                key=lambda w: (work[w], predicted[w], w))
     min_load = min(loads.values())
+    mean_load = sum(loads.values()) / len(ids)
     mean_work = sum(work.values()) / len(ids)
     family_work = state.family_work.value(key) if key is not None else 0.0
     if key is not None:
         held_tokens = matched_blocks.get(soonest, 0) * request.block_size
-        grown = _grow(key, family, members, soonest, ids, loads, min_load, work, mean_work, family_work,
+        grown = _grow(key, family, members, soonest, ids, loads, min_load, mean_load, work, mean_work, family_work,
                       state.family_hit_work.value(key), predicted, config, margin,
                       lambda w: held_tokens - matched_blocks.get(w, 0) * request.block_size)
         if grown is not None:
@@ -445,7 +446,7 @@ def _work_ahead(lightest: float, family_share: float, mean_work: float, ratio: f
 
 
 def _grow(key: bytes, family: list[str], members: list[str], best: str, ids: list[str], loads: dict[str, int],
-          min_load: int, work: dict[str, float], mean_work: float, family_work: float, family_hit_work: float,
+          min_load: int, mean_load: float, work: dict[str, float], mean_work: float, family_work: float, family_hit_work: float,
           predicted: dict[str, float],
           config: RouterConfig, margin: int, recompute_tokens: Callable[[str], int]) -> SpreadAction | None:
     """One more worker for the family when its best worker runs ahead, by the load guard's
@@ -464,7 +465,7 @@ def _grow(key: bytes, family: list[str], members: list[str], best: str, ids: lis
     the prefix it would compute
     (`recompute_tokens`). A family with little traffic gains nothing from a second copy of its
     prefix; its request waits out the queue at home."""
-    queue_ahead = is_imbalanced(loads[best], min_load, config, margin)
+    queue_ahead = is_imbalanced(loads[best], mean_load, config, margin)
     work_ahead = _work_ahead(min(work[w] for w in family), family_work / len(family), mean_work,
                              config.spread_work_ratio, config.imbalance_abs_tokens)
     if not (queue_ahead or work_ahead):
