@@ -64,7 +64,8 @@ Policies (RouterConfig.policy):
                    request's prompt tokens not cached there, the step-cost model) among the
                    family's workers: the workers holding its longest cached prefix, or, for a
                    spread family, its members (router/hot_spread.py). When the best of them
-                   runs ahead of the least loaded worker by the load guard's thresholds, the
+                   runs ahead of the mean load by the load guard's thresholds (a hot spot;
+                   past capacity one worker idling for a moment is none), the
                    family grows by the first worker of its rendezvous order within the same
                    bound, if that one would serve the request sooner (path prefix_spread),
                    or when its workers' recent work runs spread_work_ratio ahead of the mean
@@ -450,9 +451,10 @@ def _grow(key: bytes, family: list[str], members: list[str], best: str, ids: lis
           predicted: dict[str, float],
           config: RouterConfig, margin: int, recompute_tokens: Callable[[str], int]) -> SpreadAction | None:
     """One more worker for the family when its best worker runs ahead, by the load guard's
-    thresholds, of the least loaded worker's queue (and the newcomer would serve this
-    request sooner), or when its workers run ahead of the mean recent work because of the
-    family itself (`_work_ahead`: a hot family computing far more than the others while nobody
+    thresholds, of the mean load (a hot spot: against the least loaded worker, past capacity
+    the moment one worker emptied spread the hot families, each copy a whole prefix's prefill
+    more for a saturated cluster), and the newcomer would serve this request sooner; or when
+    its workers run ahead of the mean recent work because of the family itself (`_work_ahead`: a hot family computing far more than the others while nobody
     queues yet): the first worker of the family's rendezvous order within the bound (neither
     its queue nor its recent work, counting the prefix it would compute, ahead by those
     thresholds: a newcomer near the bound went past it with the prefix, and the family grew

@@ -126,6 +126,21 @@ def test_a_family_does_not_spread_when_the_bounded_worker_would_not_serve_it_soo
     assert state.spread.members(KEY) == ()
 
 
+def test_a_family_grows_for_queue_only_when_its_worker_is_a_hot_spot_not_when_one_worker_idles():
+    """Past capacity every worker queues; one that has just emptied is not a reason to copy a
+    prefix there: the family's best worker must run ahead of the mean load, not the minimum."""
+    state = PredictedLatencyState(CONFIG, 512, Clock())
+    state.family_hit_work.observe(KEY, 10_000)  # a second copy would pay for itself
+    order = preference_order(KEY, ["w0", "w1", "w2", "w3"])
+    home, idle = order[3], order[2]
+    saturated = [stats(w, 0 if w == idle else 3000) for w in order]  # mean 2,250: home 1.33x
+    decision = route(state, {home: 62}, saturated)
+    assert (decision.worker_id, decision.path) == (home, RoutingPath.PREFIX_MATCH)
+    hot_spot = [stats(w, {home: 3000, idle: 0}.get(w, 1000)) for w in order]  # mean 1,250: 2.4x
+    decision = route(state, {home: 62}, hot_spot)
+    assert decision.path is RoutingPath.PREFIX_SPREAD and decision.worker_id != home
+
+
 def test_a_family_with_little_traffic_waits_at_home_rather_than_copy_its_prefix():
     """Its worker's queue runs ahead and an idle worker would serve this request sooner, but
     the family's recent cache hits (1,500 tokens, 750 a worker after growing) are less than the
