@@ -447,15 +447,15 @@ def _work_ahead(lightest: float, family_share: float, mean_work: float, ratio: f
 
 
 def _grow(key: bytes, family: list[str], members: list[str], best: str, ids: list[str], loads: dict[str, int],
-          min_load: int, mean_load: float, work: dict[str, float], mean_work: float, family_work: float, family_hit_work: float,
-          predicted: dict[str, float],
+          min_load: int, mean_load: float, work: dict[str, float], mean_work: float, family_work: float,
+          family_hit_work: float, predicted: dict[str, float],
           config: RouterConfig, margin: int, recompute_tokens: Callable[[str], int]) -> SpreadAction | None:
     """One more worker for the family when its best worker runs ahead, by the load guard's
     thresholds, of the mean load (a hot spot: against the least loaded worker, past capacity
     the moment one worker emptied spread the hot families, each copy a whole prefix's prefill
     more for a saturated cluster), and the newcomer would serve this request sooner; or when
-    its workers run ahead of the mean recent work because of the family itself (`_work_ahead`: a hot family computing far more than the others while nobody
-    queues yet): the first worker of the family's rendezvous order within the bound (neither
+    its workers run ahead of the mean recent work because of the family itself (`_work_ahead`:
+    a hot family computing far more than the others while nobody queues yet): the first worker of the family's rendezvous order within the bound (neither
     its queue nor its recent work, counting the prefix it would compute, ahead by those
     thresholds: a newcomer near the bound went past it with the prefix, and the family grew
     again at once, five times in a second on the 64-worker table). The work test takes the family's
