@@ -46,7 +46,7 @@ def test_preferred_workers_are_the_longest_matches_left_after_exclusion():
 
 
 def test_holds_only_when_budget_alone_would_spill_and_only_for_affinity_wait_s():
-    rng, clock, config = random.Random(0), FakeClock(), RouterConfig(affinity_wait_s=1.0)
+    rng, clock, config = random.Random(0), FakeClock(), RouterConfig(policy="prefix_aware", affinity_wait_s=1.0)
     w0, w1 = stats("w0", reserved=950), stats("w1")
     hold = AffinityHold(MATCHED, config, clock=clock)
     view = lambda: ([w0, w1], {}, 0.0)  # noqa: E731 - the cluster as the load guard sees it
@@ -63,7 +63,7 @@ def test_holds_only_when_budget_alone_would_spill_and_only_for_affinity_wait_s()
     hold = AffinityHold(MATCHED, config, clock=clock)
     assert not hold.holds([w1], lambda: ([busy, w1], {}, 0.0), rng) and hold.outcome("w1") is None
     # switched off; nothing cached; the prefix's worker excluded (it refused this request)
-    assert not AffinityHold(MATCHED, RouterConfig(affinity_wait_s=0.0), clock=clock).holds([w1], view, rng)
+    assert not AffinityHold(MATCHED, RouterConfig(policy="prefix_aware", affinity_wait_s=0.0), clock=clock).holds([w1], view, rng)
     assert not AffinityHold({}, config, clock=clock).holds([w1], view, rng)
     assert not AffinityHold(MATCHED, config, frozenset({"w0"}), clock=clock).holds([w1], view, rng)
 
@@ -144,7 +144,7 @@ def test_under_predicted_latency_the_wait_tracks_the_drain_of_the_prefix_worker(
 
 def _controller(workers, **router):
     clock = FakeClock()
-    config = RouterConfig(**{"max_queue_wait_s": 5.0, "affinity_wait_s": 1.0, **router})
+    config = RouterConfig(**{"policy": "prefix_aware", "max_queue_wait_s": 5.0, "affinity_wait_s": 1.0, **router})
     admission = RouterAdmission(config, clock=clock)
     admission.update_stats(workers)
     return admission, clock, config
