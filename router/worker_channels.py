@@ -214,16 +214,19 @@ class WorkerChannels:
                 connection = await ChannelConnection.open(self._pool.handle(worker_id), self.replica_id)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # the actor is gone (Ray's error) or the socket failed
-                actor_failed = isinstance(exc, ray.exceptions.RayActorError)
+            except Exception as exc:  # the actor is gone or restarting (Ray's error), or the socket failed
+                # Only a death Ray declared marks the worker failed: a restart in progress
+                # (ActorUnavailableError) ends with a new incarnation the pool routes to again.
+                actor_failed = isinstance(exc, ray.exceptions.ActorDiedError)
                 logger.warning("channel of worker %s did not open: %r", worker_id, exc)
                 self._fail_outbox(worker_id, ChannelFailure(type(exc).__name__, actor_failed))
                 await asyncio.sleep(wait_s)
                 wait_s = min(_MAX_REOPEN_WAIT_S, 2 * wait_s)  # a worker gone for good is not retried in a tight loop
                 continue
             attached, wait_s = connection.incarnation, _REOPEN_WAIT_S
-            self._fail_where(worker_id, lambda inc: inc is not None and inc != attached,
-                             ChannelFailure("worker restarted", True, None))
+            for sub in self._subs[worker_id].values():  # sent to an incarnation that is gone
+                if sub.incarnation is not None and sub.incarnation != attached:
+                    sub.put(ChannelFailure("worker restarted", True, sub.incarnation))
             self._connections[worker_id] = connection
             self._flush(worker_id)
             try:
