@@ -105,7 +105,9 @@ def run(args: argparse.Namespace) -> int:
         if started:
             print(f"kvmesh serve: draining (streams get up to {router.drain_grace_s:g} s) ...", flush=True)
             try:
-                drain_serving(config, args.app_name)
+                ended = drain_serving(config, args.app_name)
+                print(f"kvmesh serve: drained {len(ended)} worker(s); {sum(ended.values())} request(s) "
+                      f"outlived the grace and ended retryably", flush=True)
             except KeyboardInterrupt:  # a second Ctrl-C: stop now
                 pass
         print("kvmesh serve: shutting down ...", flush=True)

@@ -28,7 +28,8 @@ api.md), and the server sends exactly the missing rest, so the caller sees one s
 no token repeated or missing (`resume_mid_stream=False` turns this off: the error is raised,
 carrying `tokens_received`). Otherwise (n > 1, or resumption off) `restart_mid_stream=True`
 restarts such a stream from scratch, and the generator first yields a `StreamRestart` marker:
-discard everything received so far.
+discard everything received so far. A stream whose final message (every sample's) arrived is
+complete, whatever status its call ends with afterwards: nothing is retried or resumed then.
 
 Stopping early (breaking out of the loop, closing the generator, cancelling the consuming
 task) cancels the RPC, and the server aborts the request and frees its KV blocks.
@@ -120,14 +121,26 @@ class _Resumption:
 
     def __init__(self, request: pb.GenerateRequest, enabled: bool):
         self.request = request  # what the next attempt sends
-        self.enabled = enabled and request.sampling.n <= 1  # proto 0 = unset = 1
+        self.num_samples = max(1, request.sampling.n)  # proto 0 = unset = 1
+        self.enabled = enabled and self.num_samples == 1
         self.token_ids: list[int] = list(request.resume_token_ids)
         self.text_chars = request.resume_text_chars
+        self.finished_samples: set[int] = set()
 
     def observe(self, delta: RequestDelta) -> None:
         if not delta.error:
             self.token_ids.extend(delta.token_ids)
             self.text_chars += len(delta.text)
+        if delta.finished:
+            self.finished_samples.add(delta.sample_index)
+
+    @property
+    def complete(self) -> bool:
+        """Every sample's final message arrived: the output is whole. The call can still end
+        with an error after it (the router replica dies, or is stopped, between sending the
+        last message and the call's OK status, while it settles the request's accounting);
+        that error is not the stream's, and resuming would ask for more than max_tokens."""
+        return len(self.finished_samples) >= self.num_samples
 
     def after_failure(self, received: int) -> None:
         """The next attempt continues after what arrived (when this attempt delivered any)."""
@@ -197,6 +210,10 @@ class KvmeshClient(_ClientBase):
                 self.budget.record_success()
                 return
             except grpc.RpcError as error:
+                if resumption.complete:
+                    logger.debug("stream complete; its call then ended %s", error.code().name)
+                    self.budget.record_success()
+                    return
                 delay_s = call.on_failure(error, received, self.restart_mid_stream, resumption.enabled)
             finally:
                 stream.cancel()  # no-op once finished; aborts the request if the caller stopped early
@@ -268,6 +285,10 @@ class AsyncKvmeshClient(_ClientBase):
                 self.budget.record_success()
                 return
             except grpc.RpcError as error:
+                if resumption.complete:
+                    logger.debug("stream complete; its call then ended %s", error.code().name)
+                    self.budget.record_success()
+                    return
                 delay_s = call.on_failure(error, received, self.restart_mid_stream, resumption.enabled)
             finally:
                 stream.cancel()

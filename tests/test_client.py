@@ -42,7 +42,7 @@ FAST = RetryPolicy(max_attempts=4, initial_backoff_s=0.001, max_backoff_s=0.01)
 
 class ScriptedKvmesh(pb_grpc.KvmeshServicer):
     """Behaviour chosen by the prompt: ok | overload:N | unavailable_mid | unavailable_first |
-    invalid | slow | hang | quota."""
+    unavailable_after_final | invalid | slow | hang | quota."""
 
     def __init__(self):
         self.calls: dict[str, list] = collections.defaultdict(list)  # request_id -> [(attempt, meta, t)]
@@ -80,6 +80,9 @@ class ScriptedKvmesh(pb_grpc.KvmeshServicer):
             yield convert.delta_to_pb(RequestDelta(
                 inp.request_id, finished=True, finish_reason=FinishReason.LENGTH,
                 usage=Usage(prompt_tokens=3, completion_tokens=len(WORDS), cached_tokens=1)))
+            if script == "unavailable_after_final" and attempt == 1:
+                # The replica went away after the last message, before the call's OK status.
+                await status_map.abort_grpc(context, WorkerFailedError("router replica died"))
         except asyncio.CancelledError:
             self.server_cancelled.add(inp.request_id)
             raise
@@ -208,6 +211,23 @@ def test_mid_stream_failure_resumes_with_what_was_received_no_token_twice(server
     with KvmeshClient(server.target, retry_policy=FAST) as client:
         with pytest.raises(WorkerFailedError):
             list(client.generate("unavailable_mid", request_id="r-resume-n2", sampling=SamplingParams(n=2)))
+
+
+def test_an_error_after_the_final_message_leaves_the_stream_complete(server):
+    """The call ends UNAVAILABLE after the final message arrived (the router replica died
+    while settling the request): the output is whole, so nothing is resumed or retried (a
+    resumption would carry all max_tokens tokens, which the server refuses)."""
+    with KvmeshClient(server.target, retry_policy=FAST) as client:
+        deltas = list(client.generate("unavailable_after_final", request_id="r-after-final"))
+    assert [t for d in deltas for t in d.token_ids] == list(range(len(WORDS)))
+    assert [d.finished for d in deltas] == [False] * len(WORDS) + [True]
+    assert len(server.servicer.calls["r-after-final"]) == 1
+
+    async def main():
+        async with AsyncKvmeshClient(server.target, retry_policy=FAST) as client:
+            return [d async for d in client.generate("unavailable_after_final", request_id="a-after-final")]
+    assert collect_text(asyncio.run(main())) == "".join(WORDS)
+    assert len(server.servicer.calls["a-after-final"]) == 1
 
 
 def test_mid_stream_failure_raises_without_resumption_and_restarts_when_asked(server):
