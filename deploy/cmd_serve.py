@@ -110,9 +110,12 @@ def run(args: argparse.Namespace) -> int:
                       f"outlived the grace and ended retryably", flush=True)
             except KeyboardInterrupt:  # a second Ctrl-C: stop now
                 pass
-        print("kvmesh serve: shutting down ...", flush=True)
-        stop_serving(config, args.app_name)
         import ray
 
-        ray.shutdown()
+        # A Ray that never came up (its start timed out) has nothing to stop, and Serve's calls
+        # in stop_serving would start a local Ray of their own just to find nothing there.
+        if ray.is_initialized():
+            print("kvmesh serve: shutting down ...", flush=True)
+            stop_serving(config, args.app_name)
+            ray.shutdown()
     return 0

@@ -57,12 +57,22 @@ from kvmesh.core.errors import DeadlineExceededError, KvmeshError
 logger = logging.getLogger(__name__)
 
 
-def _open_channel(module, target: str, credentials: grpc.ChannelCredentials | None):
-    """`module` is grpc or grpc.aio. With credentials (router/tls.py grpc_channel_credentials:
-    the CA to trust, and a client certificate for mutual TLS) the channel speaks TLS."""
+def open_channel(target: str, credentials: grpc.ChannelCredentials | None = None, *,
+                 own_connection: bool = False, aio: bool = False):
+    """A gRPC channel to the router (grpc.aio's when `aio`). With credentials (router/tls.py
+    grpc_channel_credentials: the CA to trust, and a client certificate for mutual TLS) it
+    speaks TLS.
+
+    `own_connection`: router replicas on one node share the gRPC port, and the kernel spreads
+    connections, not calls, over them; gRPC shares one connection among all of a process's
+    channels to one target, so without this every channel lands on one replica. A channel
+    with a subchannel pool of its own opens its own connection (load generators, and tests
+    that need both replicas to take part, want this)."""
+    module = grpc.aio if aio else grpc
+    options = [("grpc.use_local_subchannel_pool", 1)] if own_connection else None
     if credentials is None:
-        return module.insecure_channel(target)
-    return module.secure_channel(target, credentials)
+        return module.insecure_channel(target, options=options)
+    return module.secure_channel(target, credentials, options=options)
 
 
 @dataclass(frozen=True)
@@ -184,10 +194,11 @@ class KvmeshClient(_ClientBase):
     def __init__(self, target: str, *, api_key: str | None = None, retry_policy: RetryPolicy | None = None,
                  rng: random.Random | None = None, restart_mid_stream: bool = False,
                  channel: grpc.Channel | None = None, sleep: Callable[[float], None] = time.sleep,
-                 credentials: grpc.ChannelCredentials | None = None, resume_mid_stream: bool = True):
+                 credentials: grpc.ChannelCredentials | None = None, resume_mid_stream: bool = True,
+                 own_connection: bool = False):
         super().__init__(api_key, retry_policy, rng, restart_mid_stream, resume_mid_stream)
         self._sleep = sleep  # the wait between attempts (tests inject one to see the delays)
-        self._channel = channel or _open_channel(grpc, target, credentials)
+        self._channel = channel or open_channel(target, credentials, own_connection=own_connection)
         self._stub = pb_grpc.KvmeshStub(self._channel)
 
     def generate(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
@@ -260,9 +271,9 @@ class AsyncKvmeshClient(_ClientBase):
     def __init__(self, target: str, *, api_key: str | None = None, retry_policy: RetryPolicy | None = None,
                  rng: random.Random | None = None, restart_mid_stream: bool = False,
                  channel: grpc.aio.Channel | None = None, credentials: grpc.ChannelCredentials | None = None,
-                 resume_mid_stream: bool = True):
+                 resume_mid_stream: bool = True, own_connection: bool = False):
         super().__init__(api_key, retry_policy, rng, restart_mid_stream, resume_mid_stream)
-        self._channel = channel or _open_channel(grpc.aio, target, credentials)
+        self._channel = channel or open_channel(target, credentials, own_connection=own_connection, aio=True)
         self._stub = pb_grpc.KvmeshStub(self._channel)
 
     async def generate(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,

@@ -48,6 +48,7 @@ class ScriptedKvmesh(pb_grpc.KvmeshServicer):
         self.calls: dict[str, list] = collections.defaultdict(list)  # request_id -> [(attempt, meta, t)]
         self.server_cancelled: set[str] = set()
         self.cancel_events: dict[str, asyncio.Event] = {}
+        self.list_models_peers: list[str] = []  # the client address ("ipv4:127.0.0.1:PORT") of each call
 
     async def Generate(self, request, context):
         meta = convert.call_metadata_from_grpc(context.invocation_metadata())
@@ -94,6 +95,7 @@ class ScriptedKvmesh(pb_grpc.KvmeshServicer):
         return pb.CancelResponse(found=event is not None)
 
     async def ListModels(self, request, context):
+        self.list_models_peers.append(context.peer())
         return convert.models_to_pb([convert.ModelInfo("smollm2", max_model_len=2048, block_size=16)])
 
     async def Health(self, request, context):
@@ -296,6 +298,24 @@ def test_unary_rpcs_convert_and_retry_unavailable(server):
     assert stats.workers == (_worker_stats("w0", True), _worker_stats("w1", False))
     assert stats.totals.num_healthy_workers == 1 and stats.totals.kv_tokens_capacity == 1600
     assert (stats.totals.router_queue_len, stats.totals.router_in_flight) == (3, 5)
+
+
+def test_own_connection_channels_reach_the_server_from_connections_of_their_own(server):
+    """Router replicas share the gRPC port and the kernel spreads connections over them: a
+    client with its own connection is what lets a load generator reach more than one."""
+    peers = server.servicer.list_models_peers
+
+    def peers_of(**kwargs) -> set[str]:
+        del peers[:]
+        clients = [KvmeshClient(server.target, **kwargs) for _ in range(3)]
+        for client in clients:
+            client.list_models()
+        for client in clients:
+            client.close()
+        return set(peers)
+
+    assert len(peers_of()) == 1  # gRPC's shared subchannel pool: one connection for all three
+    assert len(peers_of(own_connection=True)) == 3
 
 
 def test_connection_refused_is_unavailable_and_typed():

@@ -28,7 +28,7 @@ NUM_STREAMS = 4
 MAX_TOKENS = 240  # long enough to be mid-stream when the worker dies
 PROMPTS = [f"Stream {i}: the inventory of the north warehouse lists" for i in range(NUM_STREAMS)]
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.shared_ray, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
@@ -205,8 +205,7 @@ def _client_stream(target: str, prompt: str, started: threading.Event) -> tuple[
 
     text, tokens = [], []
     try:
-        channel = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
-        with KvmeshClient(target, sleep=sleep, channel=channel) as client:
+        with KvmeshClient(target, sleep=sleep, own_connection=True) as client:
             sampling = SamplingParams(max_tokens=DRAIN_MAX_TOKENS, temperature=0.0, ignore_eos=True)
             for delta in client.generate(prompt, sampling=sampling, timeout_s=240):
                 text.append(delta.text)
