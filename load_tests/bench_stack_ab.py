@@ -29,6 +29,7 @@ _FIGURES = (  # (name, pattern over a round's summary lines, group)
     ("tokens/message 1024", r"streams\s+1024: .*? ([\d.]+) tokens a message", 1),
     ("short req/s per core", r"short requests: \d+ req/s, (\d+) req/s per stack core", 1),
     ("TTFT added ms", r"added ([-\d.]+) ms", 1),
+    ("unary gRPC round trip ms", r"round trip to the replica: ([-\d.]+) ms", 1),
 )
 
 
