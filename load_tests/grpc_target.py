@@ -105,20 +105,22 @@ class GrpcTarget(Target):
         self._clients.clear()
 
 
-def _init_ray_on_this_thread() -> None:
+def _init_ray_on_this_thread() -> bool:
     """ray.init from the event loop's (main) thread, once per process. A driver initialised
     inside a worker thread (as start_serving would in asyncio.to_thread) loses its cluster when
     that thread's executor shuts down at the end of the run. Blocks the loop for the few
-    seconds of a local start, before any request is sent."""
+    seconds of a local start, before any request is sent. True when it started one."""
     import os
 
     import ray
 
-    if not ray.is_initialized():
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster
-        # address="local": always a new cluster, never one some other process on this machine
-        # started (a plain ray.init() joins the latest one it finds).
-        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster
+    # address="local": always a new cluster, never one some other process on this machine
+    # started (a plain ray.init() joins the latest one it finds).
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    return True
 
 
 class ClusterTarget(GrpcTarget):
@@ -140,6 +142,7 @@ class ClusterTarget(GrpcTarget):
         self.wants_redis = redis
         self.redis = None  # the RedisServer this target owns, once started
         self._redis_dir = None
+        self._started_ray = False
         super().__init__(f"127.0.0.1:{self.config.router.grpc_port}", **grpc_options)
 
     async def start(self) -> None:
@@ -148,7 +151,7 @@ class ClusterTarget(GrpcTarget):
         if self.wants_redis:
             self._start_redis()
         try:
-            _init_ray_on_this_thread()
+            self._started_ray = _init_ray_on_this_thread()
             await asyncio.to_thread(start_serving, self.config, self.app_name)
         except BaseException:
             self._stop_redis()  # close() is only called on a started target
@@ -170,6 +173,14 @@ class ClusterTarget(GrpcTarget):
         await super().close()
         await asyncio.to_thread(stop_serving, self.config, self.app_name)
         self._stop_redis()
+        if self._started_ray:
+            # The next run gets a Ray of its own: Serve started again on the Ray it has just
+            # shut down on raced its own teardown (the new proxy actor killed by the old
+            # shutdown: a campaign's second cluster run failed so).
+            import ray
+
+            ray.shutdown()
+            self._started_ray = False
 
     def _stop_redis(self) -> None:
         if self.redis is not None:
