@@ -120,12 +120,15 @@ def kvmesh_greedy(folder: Path, prompts: list[list[int]], new_tokens: int, dtype
 
 
 def greedy_continuations(engine, prompts: list[list[int]], new_tokens: int,
-                         check_integrity: bool = False) -> list[list[int]]:
+                         check_integrity: bool = False, ignore_eos: bool = False) -> list[list[int]]:
     """Every prompt added to `engine` at once, stepped to the end: each one's `new_tokens`
-    greedy tokens (EOS ignored), in prompt order; `check_integrity` after every step."""
+    greedy tokens, in prompt order; `check_integrity` after every step. EOS is masked until
+    `new_tokens` (min_tokens), or with `ignore_eos` sampled like any token and generation goes
+    on past it (what a load test's exact-length request gets)."""
     for i, ids in enumerate(prompts):
-        engine.add_request(GenerateRequest(f"r{i}", prompt_token_ids=tuple(ids), sampling=SamplingParams(
-            max_tokens=new_tokens, min_tokens=new_tokens, temperature=0)))
+        sampling = (SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True) if ignore_eos
+                    else SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0))
+        engine.add_request(GenerateRequest(f"r{i}", prompt_token_ids=tuple(ids), sampling=sampling))
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     while engine.has_unfinished():
         for delta in engine.step():

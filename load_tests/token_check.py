@@ -60,7 +60,9 @@ def _aligned(got: list[int], g: int, reference: list[int], r: int) -> bool:
 
 
 def greedy_references(config, prompts: dict[tuple[int, ...], int]) -> dict[tuple[int, ...], list[int]]:
-    """{prompt token ids: its first `n` greedy tokens (EOS ignored)} from an engine of the
+    """{prompt token ids: its first `n` greedy tokens, EOS sampled and passed like any token
+    (ignore_eos, as the load's requests: masking it instead changes the stream wherever the
+    model would end)} from an engine of the
     same config in this process (the model the cluster's workers serve), max_num_seqs prompts
     at a time, its KV pool made large enough for them (only the pool's size differs)."""
     from kvmesh.load_tests.family_checkpoints import greedy_continuations  # torch: the engine
@@ -75,6 +77,7 @@ def greedy_references(config, prompts: dict[tuple[int, ...], int]) -> dict[tuple
     for start in range(0, len(items), batch):
         chunk = items[start:start + batch]
         longest = max(n for _, n in chunk)  # greedy is a prefix property: cut each to its own n
-        for (prompt, n), tokens in zip(chunk, greedy_continuations(engine, [list(p) for p, _ in chunk], longest)):
+        for (prompt, n), tokens in zip(chunk, greedy_continuations(engine, [list(p) for p, _ in chunk], longest,
+                                                                ignore_eos=True)):
             out[prompt] = tokens[:n]
     return out
