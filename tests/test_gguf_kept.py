@@ -7,7 +7,8 @@ one per kept type (Q8_0, Q4_0, Q4_1, Q4_K):
   and each layer's dequantized weight equals gguf's own `gguf.quants.dequantize` of the file's
   tensor bit for bit (q / k rows un-permuted as transformers does);
 - greedy tokens through the engine equal those of the same file served with quant.weight none
-  (transformers' GGUF loader: gguf-dequantized fp32 weights), with chunked prefill;
+  (transformers' GGUF loader: gguf-dequantized fp32 weights), with chunked prefill; the int4
+  types run the native step's int4 path by default, and its tokens equal the eager kept path's;
 - `kvmesh capacity --weight-dtype gguf` counts exactly the bytes the loaded layers hold;
 - a projection of another type (Q5_0) is refused at load with the type and tensor named.
 """
@@ -24,6 +25,7 @@ from kvmesh.load_tests.family_checkpoints import greedy_continuations
 from kvmesh.quant.gguf_layouts import UnsupportedGgufTypeError
 from kvmesh.quant.linear import Int4WeightOnlyLinear, Int8GroupWeightOnlyLinear
 from kvmesh.worker.engine_api import Engine
+from kvmesh.worker.kernels import cpu_native_step
 from kvmesh.worker.model.gguf_loader import _unpermute_rows
 from kvmesh.worker.runner.model_setup import load_model, resolve_model
 
@@ -46,9 +48,9 @@ def gguf_file(request, tmp_path_factory, cache_dir):
                                                   request.param)
 
 
-def _config(path, weight: str) -> KvmeshConfig:
+def _config(path, weight: str, native: int | None = None) -> KvmeshConfig:
     return KvmeshConfig.from_dict({
-        "model": {"path": str(path), "dtype": "fp32"},
+        "model": {"path": str(path), "dtype": "fp32", "cpu_native_max_tokens": native},
         "quant": {"weight": weight},
         "cache": {"num_blocks": 32, "block_size": 8},
         "scheduler": {"max_num_batched_tokens": 32, "max_prefill_tokens_per_step": 16, "max_queue_time_s": 3600},
@@ -106,9 +108,13 @@ def test_capacity_counts_the_bytes_the_loaded_model_holds(gguf_file):
 def test_greedy_equals_the_gguf_dequantized_model(gguf_file):
     type_name, path = gguf_file
     want, dequantized = _greedy(_config(path, "none"))  # transformers' GGUF loader: fp32 weights from gguf.dequantize
-    got, kept = _greedy(_config(path, "gguf"))
+    got, kept = _greedy(_config(path, "gguf"))  # int4 types: the native step's int4 path by default
     assert all(len(w) == NEW_TOKENS for w in want)
     assert got == want, f"{type_name}: kept-quantized tokens differ from the dequantized model's"
+    if type_name != "Q8_0" and cpu_native_step.unavailable_reason() is None:
+        assert kept.runner.cpu_step.path == "int4_avx2" and kept.runner.native_decoder.steps_run >= NEW_TOKENS
+        eager_kept, _ = _greedy(_config(path, "gguf", native=0))
+        assert got == eager_kept, f"{type_name}: the native int4 step's tokens differ from the eager kept path's"
     # memory by part on CPU (kvmesh_memory_planned_bytes{part}): the weights the engine holds,
     # the step workspace and the KV pool, each reported; the kept weights are the smaller
     for engine in (dequantized, kept):
