@@ -355,9 +355,9 @@ def test_int4_kernel_equals_torch_on_every_scale_dtype_and_min(tiny_model_dir):
     engine = _engine(tiny_model_dir, quant="int4", native=0)
     runner = engine.runner
     generator = torch.Generator().manual_seed(3)
-    for scale_dtype, zero_dtype, with_mins in ((torch.float16, torch.float16, True),
-                                               (torch.float32, torch.float16, True),
-                                               (torch.bfloat16, torch.bfloat16, False)):
+    for i, (scale_dtype, zero_dtype, with_mins) in enumerate(((torch.float16, torch.float16, True),
+                                                              (torch.float32, torch.float16, True),
+                                                              (torch.bfloat16, torch.bfloat16, False))):
         for model_layer in runner.model.model.layers:
             attn, mlp = model_layer.self_attn, model_layer.mlp
             for layer, first in ((attn.qkv.merged, attn.q_proj), (attn.o_proj, None), (mlp.gate_up.merged, mlp.gate_proj),
@@ -371,7 +371,8 @@ def test_int4_kernel_equals_torch_on_every_scale_dtype_and_min(tiny_model_dir):
         runner.native_decoder = cpu_native_step.NativeDecoder.build(runner.model, runner.kv_caches, 13)
         diffs = _check_each_step_against_eager(engine, lambda n, e, inputs: (_relative(n, e, inputs),
                                                                              len(inputs.input_ids)))
-        tokens = generate_all_greedy(engine, [tuple(range(100, 111))], 6)  # its prompt: one 11-token step
+        # a new prompt each round (no cached prefix): one 11-token step, then decode rows
+        tokens = generate_all_greedy(engine, [tuple(range(100 + 20 * i, 111 + 20 * i))], 6)
         assert all(len(t) == 6 for t in tokens.values())
         assert diffs and max(d for d, _ in diffs) < 1e-5, (scale_dtype, zero_dtype, with_mins, max(diffs))
         assert max(size for _, size in diffs) > 8, "a pass of 8 tokens and a tail"
