@@ -321,37 +321,54 @@ def test_amx_packed_layout_is_tdpbf16ps_b_operand():
     assert cpu_native_step.amx_packed(torch.randn(8, 64).to(torch.bfloat16)) is None  # not one whole block
 
 
+def _int4_engine(model_dir: str, group: int, native: int | None) -> Engine:
+    return Engine.from_config(KvmeshConfig.from_dict({
+        "model": {"path": model_dir, "dtype": "fp32", "max_model_len": 512, "cpu_native_max_tokens": native},
+        "quant": {"weight": "int4", "group_size": group},
+        "cache": {"num_blocks": 64, "block_size": 8},
+        "scheduler": {"max_num_batched_tokens": 64, "max_prefill_tokens_per_step": 16,
+                      "max_total_kv_tokens": 1 << 20, "max_queue_time_s": 3600},
+        "parallel": {"device": "cpu"}}))
+
+
 @pytest.mark.parametrize("group", [32, 128])
 def test_int4_groups_give_the_eager_logits_and_tokens(tiny_model_dir, group):
-    """quant.weight int4 (scale + zero per group, in the model dtype): the native step
-    dequantizes each group in registers as the eager layer does (bit for bit), so the logits
-    are eager's to fp32 summation order and the greedy tokens are eager's, with prefill chunks
-    and decode batches; fp32 int4 takes the native step by default (auto: 64 tokens)."""
-    def engine(native):
-        return Engine.from_config(KvmeshConfig.from_dict({
-            "model": {"path": tiny_model_dir, "dtype": "fp32", "max_model_len": 512, "cpu_native_max_tokens": native},
-            "quant": {"weight": "int4", "group_size": group},
-            "cache": {"num_blocks": 64, "block_size": 8},
-            "scheduler": {"max_num_batched_tokens": 64, "max_prefill_tokens_per_step": 16,
-                          "max_total_kv_tokens": 1 << 20, "max_queue_time_s": 3600},
-            "parallel": {"device": "cpu"}}))
+    """quant.weight int4 (scale + zero per group, in the model dtype). By default (auto: steps
+    of up to 64 tokens in fp32) the native step runs int4 x int8 activations per 32-input
+    block: the eager logits to the activations' int8 rounding, the greedy tokens nearly all
+    eager's. With fp32 activations it dequantizes each group in registers as the eager layer
+    does (bit for bit): the logits are eager's to fp32 summation order, the tokens eager's,
+    with prefill chunks and decode batches."""
+    eager = _generate(_int4_engine(tiny_model_dir, group, 0))
+    engine = _int4_engine(tiny_model_dir, group, None)
+    runner = engine.runner
+    assert runner.native_decoder.path == "int4_avx2_a8" and runner.native_decoder.max_tokens == 64
+    a8 = _check_each_step_against_eager(engine, lambda n, e, inputs: (_relative(n, e, inputs),
+                                                                      (n.argmax(-1) == e.argmax(-1)).float().mean()))
+    _generate(engine)
+    worst, argmax_same = max(d for d, _ in a8), sum(same for _, same in a8) / len(a8)
+    assert 1e-4 < worst < 0.05, f"int4 x int8 logits differ from eager by {worst}"
+    # every step's greedy token on the same inputs (the tiny random model's logits are nearly
+    # flat, so free-running sequences part at the first near-tie)
+    assert argmax_same >= 0.9, f"the same greedy token as eager in {argmax_same:.0%} of the steps"
 
-    eager = _generate(engine(0))
-    native = engine(None)
-    decoder = native.runner.native_decoder
-    assert decoder is not None and decoder.path == "int4_avx2" and decoder.max_tokens == 64
-    diffs = _check_each_step_against_eager(native, lambda n, e, inputs: (_relative(n, e, inputs),
-                                                                         len(inputs.input_ids)))
-    assert _generate(native) == eager
+    exact = _int4_engine(tiny_model_dir, group, 0)
+    exact.runner.native_decoder = cpu_native_step.NativeDecoder.build(exact.runner.model, exact.runner.kv_caches, 64)
+    assert exact.runner.native_decoder.path == "int4_avx2"
+    diffs = _check_each_step_against_eager(exact, lambda n, e, inputs: (_relative(n, e, inputs),
+                                                                        len(inputs.input_ids)))
+    assert _generate(exact) == eager
     assert max(size for _, size in diffs) >= 6, "batched decode / prefill steps ran natively"
     worst = max(diff for diff, _ in diffs)
     assert worst < 1e-5, f"int4 logits differ from eager by {worst}"
 
 
-def test_int4_kernel_equals_torch_on_every_scale_dtype_and_min(tiny_model_dir):
+@pytest.mark.parametrize("int8_activations,tolerance", [(False, 1e-5), (True, 0.05)])
+def test_int4_kernel_equals_torch_on_every_scale_dtype_and_min(tiny_model_dir, int8_activations, tolerance):
     """Scales / zeros / mins in fp16 (GGUF Q4_0 / Q4_1), fp32 (Q4_K) and bf16, with and without
-    a min term, odd token counts (the 8-token passes and their tail): one layer's int4 weights
-    rewritten in place, the native step's logits against the eager forward's."""
+    a min term, odd token counts (the 8-token passes and their tail): every int4 layer's
+    metadata rewritten, the native step's logits against the eager forward's (dequantize +
+    F.linear), for both activation paths."""
     engine = _engine(tiny_model_dir, quant="int4", native=0)
     runner = engine.runner
     generator = torch.Generator().manual_seed(3)
@@ -364,16 +381,17 @@ def test_int4_kernel_equals_torch_on_every_scale_dtype_and_min(tiny_model_dir):
                                  (mlp.down_proj, None)):
                 shape = layer.scales.shape
                 layer.scales = (torch.rand(shape, generator=generator) * 0.05 + 0.01).to(scale_dtype)
-                layer.zeros = torch.randint(0, 16, shape, generator=generator).to(zero_dtype)
+                layer.zeros = torch.randint(5, 11, shape, generator=generator).to(zero_dtype)  # as quantizers place them
                 layer.mins = (torch.randn(shape, generator=generator) * 0.02).to(scale_dtype) if with_mins else None
                 if first is not None:  # a fused group stays usable while its first member views the merged rows
                     first.scales = layer.scales[:first.out_features]
-        runner.native_decoder = cpu_native_step.NativeDecoder.build(runner.model, runner.kv_caches, 13)
+        runner.native_decoder = cpu_native_step.NativeDecoder.build(runner.model, runner.kv_caches, 13,
+                                                                      int8_activations=int8_activations)
         diffs = _check_each_step_against_eager(engine, lambda n, e, inputs: (_relative(n, e, inputs),
                                                                              len(inputs.input_ids)))
         # a new prompt each round (no cached prefix): one 11-token step, then decode rows
         tokens = generate_all_greedy(engine, [tuple(range(100 + 20 * i, 111 + 20 * i))], 6)
         assert all(len(t) == 6 for t in tokens.values())
-        assert diffs and max(d for d, _ in diffs) < 1e-5, (scale_dtype, zero_dtype, with_mins, max(diffs))
+        assert diffs and max(d for d, _ in diffs) < tolerance, (scale_dtype, zero_dtype, with_mins, max(diffs))
         assert max(size for _, size in diffs) > 8, "a pass of 8 tokens and a tail"
-        assert runner.native_decoder.path == "int4_avx2"
+        assert runner.native_decoder.path == ("int4_avx2_a8" if int8_activations else "int4_avx2")

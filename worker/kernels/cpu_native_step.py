@@ -329,7 +329,7 @@ class NativeDecoder:
         # what the layers' projections run on: AMX tiles, VDPBF16PS or FMAs (fp32, or widened)
         # what the layers' projections run on: AMX tiles, VDPBF16PS, AVX-512 FMAs ("fma", fp32 or
         # widened), AVX2 FMAs ("avx2", the avx2 build), or int4 groups dequantized in AVX2 registers
-        self.path = ("int4_avx2" if kind == _W_I4 else
+        self.path = (("int4_avx2_a8" if int8_activations else "int4_avx2") if kind == _W_I4 else
                      "amx" if self.amx_packed_bytes or self.int8_amx else
                      "avx512_bf16" if kind == _W_BF16 and kernels.features & _FEATURE_DPBF16 else
                      "fma" if kernels.features & _FEATURE_AVX512 else "avx2")

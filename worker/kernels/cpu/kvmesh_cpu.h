@@ -212,11 +212,12 @@ static inline kvmesh_int4 int4_rows(kvmesh_int4 p, int64_t row0, int64_t K) {
     return p;
 }
 
-/* projections_avx2.c: y[b * ldy + n] = W[n] . x[b] for the int4 projection p, n in [n0, n1):
-   each weight dequantized in registers exactly as quant/primitives.dequantize_int4_groupwise
-   computes it (fp32), fp32 activations. Every variant. */
+/* projections_avx2.c: y[b * ldy + n] = W[n] . x[b] for the int4 projection p, n in [n0, n1).
+   a8 = 0: each weight dequantized in registers exactly as quant/primitives.dequantize_int4_groupwise
+   computes it, fp32 activations; a8 = 1: activations quantized to int8 per 32-input block and
+   int8 x u4 products (llama.cpp's Q4_1 x Q8_1 scheme). Every variant. */
 KVMESH_INTERNAL void kvmesh_gemv_int4(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, const float *x,
-                                      int64_t ldx, int64_t B, float *y, int64_t ldy);
+                                      int64_t ldx, int64_t B, float *y, int64_t ldy, const int a8);
 
 /* The calling thread's AMX tile configuration for a step, and its release (no-ops without AMX). */
 KVMESH_INTERNAL void kvmesh_amx_tiles_begin(void);

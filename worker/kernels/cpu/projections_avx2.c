@@ -133,24 +133,134 @@ static inline __attribute__((always_inline)) void int4_row(const kvmesh_int4 *p,
     for (int j = 0; j < C; j++) res[j] = hsum8(acc[j]);
 }
 
+/* int4 against int8 activations, as llama.cpp's AVX2 ggml_vec_dot_q4_1_q8_1: each token's row
+   is quantized per 32-input block (one fp32 scale a block, its fp32 sum kept), laid out so a
+   block's 16 code bytes line up with it unshuffled: the low nibbles (even inputs) then the high
+   ones (odd inputs). A block's dot product is then one VPMADDUBSW (u8 codes x s8 activations)
+   and one VPMADDWD, against the ~30 instructions of dequantizing 32 weights to fp32: with
+   (code - zero) * scale + min, sum_k x_k w_k = scale * sum_k x_k (code_k - 8) + (min + (8 - zero)
+   * scale) * sum_k x_k, the first from the int8 products, the second from the block's fp32 sum. */
+typedef struct {
+    int8_t *q;       /* [B][K] the blocks' inputs: even inputs then odd ones */
+    float *scale;    /* [B][K / 32] */
+    float *sum;      /* [B][K / 32] the fp32 inputs' sum */
+} Int8Rows;
+
+static Int8Rows int8_rows(const float *x, int64_t ldx, int64_t B, int64_t K) {
+    static __thread void *buf;
+    static __thread size_t cap;
+    const size_t need = (size_t)(B * K) + sizeof(float) * (size_t)(2 * B * (K / 32)) + 64;
+    if (cap < need) {
+        free(buf);
+        buf = malloc(need);
+        cap = buf ? need : 0;
+    }
+    Int8Rows r = {0, 0, 0};
+    if (!buf) return r;
+    r.scale = (float *)buf;
+    r.sum = r.scale + B * (K / 32);
+    r.q = (int8_t *)(r.sum + B * (K / 32));
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i evens = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t k = 0; k < K; k += 32) {
+            const float *xb = x + b * ldx + k;
+            __m256 v[4], amax = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xb + 8 * i);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+                total = _mm256_add_ps(total, v[i]);
+            }
+            __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            m = _mm_max_ss(m, _mm_movehdup_ps(m));
+            const float top = _mm_cvtss_f32(m), scale = top > 0.0f ? top / 127.0f : 1.0f;
+            const int64_t at = b * (K / 32) + k / 32;
+            r.scale[at] = scale;
+            r.sum[at] = hsum8(total);
+            const __m256 inv = _mm256_set1_ps(1.0f / scale);
+            __m256i qi[4];
+            for (int i = 0; i < 4; i++)
+                qi[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv),
+                                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            /* 32 int32 -> 32 int8 in input order, then evens before odds */
+            const __m256i w01 = _mm256_packs_epi32(qi[0], qi[1]), w23 = _mm256_packs_epi32(qi[2], qi[3]);
+            __m256i bytes = _mm256_packs_epi16(w01, w23);  /* lanes interleaved: 0-3 8-11 16-19 24-27 | 4-7 ... */
+            bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  /* input order */
+            const __m256i pick = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                  0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+            bytes = _mm256_shuffle_epi8(bytes, pick);  /* each 16: 8 evens then 8 odds */
+            bytes = _mm256_permutevar8x32_epi32(bytes, evens);  /* 16 evens, then 16 odds */
+            _mm256_storeu_si256((__m256i *)(r.q + b * K + k), bytes);
+        }
+    return r;
+}
+
+/* One int4 row against C tokens' int8 rows: res[j] = W[n] . x[j] */
+static inline __attribute__((always_inline)) void int4_row_i8(const kvmesh_int4 *p, int64_t n, int64_t K,
+                                                              const Int8Rows *xr, const int64_t b0, const int C,
+                                                              const int prefetch, float *res) {
+    const int64_t groups = K / p->group, blocks = K / 32;
+    const uint8_t *codes = p->codes + n * (K / 2);
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1), eight = _mm256_set1_epi8(8);
+    __m256 acc[MAX_TOKENS_A_PASS];
+    float offset[MAX_TOKENS_A_PASS];
+    #pragma GCC unroll 8
+    for (int j = 0; j < C; j++) { acc[j] = _mm256_setzero_ps(); offset[j] = 0.0f; }
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t at = n * groups + g;
+        const float scale = load_meta(p->scales, at, p->scale_dtype);
+        const float shift = (p->mins ? load_meta(p->mins, at, p->min_dtype) : 0.0f)
+                            + (8.0f - load_meta(p->zeros, at, p->zero_dtype)) * scale;
+        for (int64_t k = g * p->group; k < (g + 1) * p->group; k += 32) {
+            if (prefetch && (k & 127) == 0) _mm_prefetch((const char *)codes + PREFETCH_ROWS * (K / 2) + k / 2, _MM_HINT_T0);
+            const __m128i v = _mm_loadu_si128((const __m128i *)(codes + k / 2));
+            /* codes - 8, evens | odds: centred, so the int8 products' sum and the fp32 offset term
+               stay small beside the result (codes 0..15 against a zero near 8 would make them
+               both large and cancel) */
+            const __m256i q = _mm256_sub_epi8(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4),
+                                              eight);
+            const __m256i aq = _mm256_sign_epi8(q, q);  /* |q| for VPMADDUBSW's unsigned operand */
+            const int64_t blk = k / 32;
+            #pragma GCC unroll 8
+            for (int j = 0; j < C; j++) {
+                const int64_t row = (b0 + j) * blocks + blk;
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(xr->q + (b0 + j) * K + k));
+                const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(xq, q)), ones);
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale * xr->scale[row]), acc[j]);
+                offset[j] += shift * xr->sum[row];
+            }
+        }
+    }
+    #pragma GCC unroll 8
+    for (int j = 0; j < C; j++) res[j] = hsum8(acc[j]) + offset[j];
+}
+
 void kvmesh_gemv_int4(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, const float *x, int64_t ldx,
-                      int64_t B, float *y, int64_t ldy) {
+                      int64_t B, float *y, int64_t ldy, const int a8) {
     float res[MAX_TOKENS_A_PASS];
+    Int8Rows xr = {0, 0, 0};
+    if (a8) xr = int8_rows(x, ldx, B, K);
+    const int int8 = xr.q != 0;  /* no memory for the int8 rows: the fp32 path */
     for (int64_t n = n0; n < n1; n++)
         for (int64_t b = 0; b < B; b += MAX_TOKENS_A_PASS) {
             const int64_t c = B - b < MAX_TOKENS_A_PASS ? B - b : MAX_TOKENS_A_PASS;
             const float *xb = x + b * ldx;
             const int pf = b == 0;
+#define INT4_ROW(C) do { if (int8) int4_row_i8(p, n, K, &xr, b, C, pf, res); \
+                         else int4_row(p, n, K, xb, ldx, C, pf, res); } while (0)
             switch (c) {
-                case 8: int4_row(p, n, K, xb, ldx, 8, pf, res); break;
-                case 7: int4_row(p, n, K, xb, ldx, 7, pf, res); break;
-                case 6: int4_row(p, n, K, xb, ldx, 6, pf, res); break;
-                case 5: int4_row(p, n, K, xb, ldx, 5, pf, res); break;
-                case 4: int4_row(p, n, K, xb, ldx, 4, pf, res); break;
-                case 3: int4_row(p, n, K, xb, ldx, 3, pf, res); break;
-                case 2: int4_row(p, n, K, xb, ldx, 2, pf, res); break;
-                default: int4_row(p, n, K, xb, ldx, 1, pf, res);
+                case 8: INT4_ROW(8); break;
+                case 7: INT4_ROW(7); break;
+                case 6: INT4_ROW(6); break;
+                case 5: INT4_ROW(5); break;
+                case 4: INT4_ROW(4); break;
+                case 3: INT4_ROW(3); break;
+                case 2: INT4_ROW(2); break;
+                default: INT4_ROW(1);
             }
+#undef INT4_ROW
             for (int64_t j = 0; j < c; j++) y[(b + j) * ldy + n] = res[j];
         }
 }
