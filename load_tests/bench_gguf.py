@@ -2,7 +2,7 @@
 and resident memory dequantized (quant.weight none, the default) against kept (quant.weight gguf).
 
     python -m kvmesh.load_tests.bench_gguf [--rounds 4] [--tokens 48] [--batch 1,8]
-        [--llama-python /path/to/venv/bin/python] [--skip-memory]
+        [--threads 2] [--llama-python /path/to/venv/bin/python] [--skip-memory]
 
 Speed: every mode's engine lives in one process and they decode in alternating rounds (the
 order reversed every other round), so the shared box's drift hits all alike; it prints
@@ -30,7 +30,6 @@ import subprocess
 import sys
 import time
 
-import torch
 
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import GenerateRequest, SamplingParams
@@ -42,9 +41,10 @@ SPEED_MODES = {"eager-fp32": ("none", 0), "native-fp32": ("none", 24), "native-i
 PROMPT_TOKENS = 32
 
 
-def _config(mode: str, kv_gib: float = 0.25, native: int | None = None) -> KvmeshConfig:
+def _config(mode: str, kv_gib: float = 0.25, native: int | None = None, threads: int | None = None) -> KvmeshConfig:
     return KvmeshConfig.from_dict({"quant": {"weight": mode}, "cache": {"cpu_kv_cache_gib": kv_gib},
-                                   "model": {"cpu_native_max_tokens": native}, "parallel": {"device": "cpu"}})
+                                   "model": {"cpu_native_max_tokens": native},
+                                   "parallel": {"device": "cpu", "cpu_threads": threads}})
 
 
 def _decode_tok_s(engine: Engine, batch: int, tokens: int, tag: str) -> float:
@@ -102,17 +102,17 @@ class LlamaCpp:
         self.proc.wait(timeout=30)
 
 
-def bench_speed(rounds: int, tokens: int, batches: list[int], llama_python: str | None) -> None:
+def bench_speed(rounds: int, tokens: int, batches: list[int], llama_python: str | None, threads: int) -> None:
     from kvmesh.worker.model.loader import embedded_gguf_path
 
-    engines = {name: Engine.from_config(_config(weight, native=native))
+    engines = {name: Engine.from_config(_config(weight, native=native, threads=threads))
                for name, (weight, native) in SPEED_MODES.items()}
     for name, engine in engines.items():
         print(f"{name}: CPU step {engine.runner.cpu_step.describe()}")
     runners = {name: (lambda b, t, tag, e=e: _decode_tok_s(e, b, t, tag)) for name, e in engines.items()}
     llama = None
     if llama_python:
-        llama = LlamaCpp(llama_python, str(embedded_gguf_path()), torch.get_num_threads())
+        llama = LlamaCpp(llama_python, str(embedded_gguf_path()), threads)
         runners["llama.cpp"] = lambda b, t, tag: llama.decode_tok_s(t) if b == 1 else None
     rates: dict[tuple[str, int], list[float]] = {}
     try:
@@ -126,7 +126,7 @@ def bench_speed(rounds: int, tokens: int, batches: list[int], llama_python: str 
     finally:
         if llama is not None:
             llama.close()
-    print(f"\n{torch.get_num_threads()} threads, {rounds} rounds of {tokens} tokens, median tok/s (alternating)")
+    print(f"\n{threads} threads, {rounds} rounds of {tokens} tokens, median tok/s (alternating)")
     print("mode          batch   tok/s   / eager-fp32   / llama.cpp (batch 1)   rounds")
     med = {key: sorted(v)[len(v) // 2] for key, v in rates.items()}
     for batch in batches:
@@ -173,6 +173,7 @@ def main() -> None:
     parser.add_argument("--load-only", choices=MODES, help="(child process) load one mode, print its memory")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--threads", type=int, default=2, help="engine threads (parallel.cpu_threads) and llama.cpp's")
     parser.add_argument("--llama-python", help="an interpreter with llama_cpp installed: llama.cpp on the same file")
     args = parser.parse_args()
     if args.load_only:
@@ -181,7 +182,7 @@ def main() -> None:
     if not args.skip_memory:
         bench_memory()
     if not args.skip_speed:
-        bench_speed(args.rounds, args.tokens, [int(b) for b in args.batch.split(",")], args.llama_python)
+        bench_speed(args.rounds, args.tokens, [int(b) for b in args.batch.split(",")], args.llama_python, args.threads)
 
 
 if __name__ == "__main__":

@@ -142,7 +142,7 @@ def test_each_variant_this_cpu_runs_reads_the_model_descriptor(bf16_engine, vari
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_the_cpu_runner_reports_what_serves_its_small_steps(tiny_model_dir, dtype):
     """worker/runner/cpu_model_runner.py owns the choice: the native step's projections
-    (amx / avx512_bf16 / fma) where it takes the model, else torch with the reason; the same
+    (amx / avx512_bf16 / fma / avx2) where it takes the model, else torch with the reason; the same
     reaches kvmesh_model_info's forward_path through EngineParts."""
     from kvmesh.core.telemetry import ModelInfoLabels
 
@@ -157,7 +157,7 @@ def test_the_cpu_runner_reports_what_serves_its_small_steps(tiny_model_dir, dtyp
         assert step.path == "torch" and step.reason == unavailable and engine.runner.native_decoder is None
     else:
         decoder = engine.runner.native_decoder
-        assert step.path == decoder.path in ("amx", "avx512_bf16", "fma") and step.reason == ""
+        assert step.path == decoder.path in ("amx", "avx512_bf16", "fma", "avx2") and step.reason == ""
         assert step.variant == cpu_build.load().variant.name and step.max_tokens == decoder.max_tokens
     assert step.path in step.describe() and (step.reason in step.describe())
     info = ModelInfoLabels.of_engine(engine, config)

@@ -25,13 +25,18 @@ attends causally to its request through its own position), speculative verify ro
 projections read each weight row once per step, in place, for all its tokens: on a CPU with
 AMX, bf16 weights go through AMX tiles (16 tokens times a 16-row weight block per instruction,
 so up to 64 tokens cost about what reading the weights costs); otherwise GEMVs (fp32 FMA, int8
-and bf16 widened in registers, bf16 pairs by VDPBF16PS where the CPU has it), memory-bound at a
+and bf16 widened in registers, bf16 pairs by VDPBF16PS where the CPU has it; AVX2 + FMA in the
+avx2 build, for CPUs without AVX-512), memory-bound at a
 handful of tokens, where the packed GEMMs are not yet efficient. Larger steps run eagerly
 (oneDNN / AMX GEMMs). Weights it takes: plain fp32 / bf16 (the fused QKV and gate-up weights, o, down, the LM head) and
-weight-only int8 with one scale per row (quant.weight: int8, and the self-draft's int8 head).
-Not taken (eager runs every step, one log line says why): int4, AWQ input scales, biases,
-quantized KV, tensor parallelism, non-CPU devices, widths not a multiple of 16, CPUs without
-AVX-512, no C compiler.
+weight-only int8 with one scale per row (quant.weight: int8, and the self-draft's int8 head),
+and int4 groups as stored (quant.weight: int4, GGUF Q4_0 / Q4_1 / Q4_K kept): by one AVX2
+kernel in every build, int4 x int8 activations per 32-input block (llama.cpp's Q4_1 x Q8_1
+scheme; int8_activations, what int4 models run) or each weight dequantized in registers as
+the eager layer does (fp32 activations: token-exact, the tests' reference).
+Not taken (eager runs every step, one log line says why): AWQ input scales, biases, int8-group
+layers (GGUF Q8_0), quantized KV, tensor parallelism, non-CPU devices, widths not a multiple
+of 16, no C compiler.
 
 Numerics: activations stay fp32 through the whole step (eager rounds each op's output to the
 model dtype), K/V are rounded to the cache dtype as they are stored, and the attention reads
@@ -40,8 +45,9 @@ projection's input rounded to bf16 (VDPBF16PS or AMX, fp32 sums), as oneDNN's bf
 In fp32 the step is the eager one up to the order of fp32 sums (tests/test_cpu_native_step.py:
 logits within 1e-5, greedy tokens identical with chunked prefill and preemption); in bf16 it is closer to the fp32 model than eager bf16 is.
 On by default for 16-bit models (`model.cpu_native_max_tokens`: auto = steps of up to 64
-tokens with AMX, else 12 tokens per thread up to 24; fp32 stays eager unless asked, it is the
-token-exact reference path), and for the
+tokens with AMX, else 12 tokens per thread up to 24; fp32 float weights stay eager unless
+asked, the token-exact reference path; fp32 int8 / int4 weights take it, see max_tokens_for),
+and for the
 self-draft's small steps (worker/engine_loop/self_draft.py), where only acceptance can change.
 """
 
@@ -384,7 +390,7 @@ class NativeDecoder:
         b.num_threads, b.logits = torch.get_num_threads(), logits.data_ptr()
         failed = self._step(self._model, self._batch_ptr)
         if failed == _STEP_NOT_BUILT:
-            raise RuntimeError("native step: the library was built without AVX-512")
+            raise RuntimeError("native step: the library was built without it")
         if failed:
             raise MemoryError("native step: no memory for its workspace")
         self.steps_run += 1
