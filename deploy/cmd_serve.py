@@ -105,12 +105,17 @@ def run(args: argparse.Namespace) -> int:
         if started:
             print(f"kvmesh serve: draining (streams get up to {router.drain_grace_s:g} s) ...", flush=True)
             try:
-                drain_serving(config, args.app_name)
+                ended = drain_serving(config, args.app_name)
+                print(f"kvmesh serve: drained {len(ended)} worker(s); {sum(ended.values())} request(s) "
+                      f"outlived the grace and ended retryably", flush=True)
             except KeyboardInterrupt:  # a second Ctrl-C: stop now
                 pass
-        print("kvmesh serve: shutting down ...", flush=True)
-        stop_serving(config, args.app_name)
         import ray
 
-        ray.shutdown()
+        # A Ray that never came up (its start timed out) has nothing to stop, and Serve's calls
+        # in stop_serving would start a local Ray of their own just to find nothing there.
+        if ray.is_initialized():
+            print("kvmesh serve: shutting down ...", flush=True)
+            stop_serving(config, args.app_name)
+            ray.shutdown()
     return 0

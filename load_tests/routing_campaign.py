@@ -218,7 +218,7 @@ def run_campaign(spec: dict, out_dir: Path) -> list[RoutingRunFigures]:
     import ray
 
     from kvmesh.core.config import KvmeshConfig
-    from kvmesh.router.client import KvmeshClient
+    from kvmesh.router.client import KvmeshClient, open_channel
     from kvmesh.router.launch import redeploy_router, start_serving, stop_serving
     from kvmesh.router.retry import RetryPolicy
     from kvmesh.load_tests.grpc_target import free_port
@@ -247,8 +247,8 @@ def run_campaign(spec: dict, out_dir: Path) -> list[RoutingRunFigures]:
                 recorder = _CallRecorder()
                 # client_connections > 1: each its own connection (a subchannel pool of its own),
                 # which the kernel spreads over the router replicas sharing the port.
-                clients = [KvmeshClient("", channel=grpc.intercept_channel(grpc.insecure_channel(
-                    target, options=[("grpc.use_local_subchannel_pool", 1)]), recorder.interceptor),
+                clients = [KvmeshClient("", channel=grpc.intercept_channel(open_channel(target, own_connection=True),
+                                                                          recorder.interceptor),
                     retry_policy=RetryPolicy(max_attempts=20)) for _ in range(spec.get("client_connections", 1))]
                 started = time.perf_counter()
                 with contextlib.ExitStack() as stack, concurrent.futures.ThreadPoolExecutor(concurrency) as pool:

@@ -20,13 +20,15 @@ one of the workers with room (router/stages/admit_route.py, on arrival and at ev
 - then it holds out: the request waits in the admission queue at its place, stepped over by
   the waiters behind it (they may take the other workers), until a preferred worker has
   room (taken at once), or `router.affinity_wait_s` has passed since it first held out
-  (under predicted_latency at least the prefill the spill would add, `_recompute_s`; never
-  more than half the time left before its deadline), after which it is routed as before (a
-  spill). A degradation ladder's try-now step never holds, nor does a request the
-  queue has no slot for.
+  (under predicted_latency at least the prefill the spill would add, `_recompute_s`, and then
+  as long as the preferred worker is predicted to drain and serve it sooner than the spill
+  would, `_home_sooner`; never more than half the time left before its deadline, nor half of
+  `max_queue_wait_s`), after which it is routed as before (a spill). A degradation ladder's
+  try-now step never holds, nor does a request the queue has no slot for.
 
-So a hold costs at most `affinity_wait_s` (plus one stats refresh, the next pump) of TTFT and
-saves the other worker a whole-prompt prefill and a second copy of the prefix. 0 turns it off.
+So a hold costs at most `affinity_wait_s` (plus one stats refresh, the next pump) of TTFT,
+or under predicted_latency what the prediction says a spill would cost anyway, and saves the
+other worker a whole-prompt prefill and a second copy of the prefix. 0 turns it off.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class AffinityHold:
         self._wall_clock = wall_clock
         self._preferred = preferred_workers(matched_blocks, exclude) if config.affinity_wait_s > 0 else set()
         self._until: float | None = None  # when the hold runs out; -inf once it never applies
+        self._longest_s = 0.0  # the longest it may hold (set with `_until`)
         self.started_at: float | None = None  # when it first held out (None: it never did)
 
     def holds(self, offered: Sequence[WorkerStats], view: Callable[[], ClusterLoad], rng: random.Random) -> bool:
@@ -86,13 +89,39 @@ class AffinityHold:
                                      mean_request_tokens, request=self._request, state=self._state)
             if decision.path is RoutingPath.PREFIX_MATCH and decision.worker_id in self._preferred:
                 wait_s = max(self._config.affinity_wait_s, self._recompute_s(offered))
-                if self._deadline_s is not None:  # half the time left at most: a spill must still make it
-                    wait_s = min(wait_s, (self._deadline_s - self._wall_clock()) / 2)
+                # Half the time left at most (a spill must still make it), and half the queue's
+                # own bound (a holder is refused as overloaded past it).
+                self._longest_s = self._config.max_queue_wait_s / 2
+                if self._deadline_s is not None:
+                    self._longest_s = min(self._longest_s, (self._deadline_s - self._wall_clock()) / 2)
+                wait_s = min(wait_s, self._longest_s)
                 self._until = now + wait_s if wait_s > 0 else -math.inf
                 self.started_at = now if wait_s > 0 else None
             else:
                 self._until = -math.inf  # the load guard moves it anyway: waiting only delays the spill
-        return now < self._until
+        if now < self._until:
+            return True
+        return self.started_at is not None and now - self.started_at < self._longest_s \
+            and self._home_sooner(offered, view)
+
+    def _home_sooner(self, offered: Sequence[WorkerStats], view: Callable[[], ClusterLoad]) -> bool:
+        """predicted_latency, once the wait above has run out: keep waiting while the prefix's
+        worker is predicted to drain and serve the request sooner than the best worker with
+        room would serve it, the prefix it would compute counted (the wait tracks the home's
+        drain instead of a fixed bound). Past capacity every worker queues for seconds: a
+        spill then waits out a queue of its own and adds a whole prefix's prefill to a
+        saturated cluster. False for the other policies."""
+        if self._request is None or self._state is None or not offered:
+            return False
+        healthy, in_flight_tokens, _ = view()
+        prompt, block = self._request.num_prompt_tokens, self._request.block_size
+
+        def predicted_s(worker: WorkerStats) -> float:
+            uncached = uncached_prompt_tokens(prompt, self._matched.get(worker.worker_id, 0), block)
+            return self._state.predict_s(worker, in_flight_tokens.get(worker.worker_id, 0), uncached)
+
+        home = [max(predicted_s(w), _decode_drain_s(w)) for w in healthy if w.worker_id in self._preferred]
+        return bool(home) and min(home) < min(predicted_s(w) for w in offered)
 
     def _recompute_s(self, offered: Sequence[WorkerStats]) -> float:
         """predicted_latency: the prefill a spill would add, the prompt tokens cached on the
@@ -112,3 +141,12 @@ class AffinityHold:
         if self.started_at is None:
             return None
         return AffinityWaitOutcome.ROOM if chosen in self._preferred else AffinityWaitOutcome.TIMED_OUT
+
+
+def _decode_drain_s(stats: WorkerStats) -> float:
+    """Seconds until a worker's running requests have produced their output at its measured
+    decode rate (0.0 before it has one). Its budget frees only as they finish, and the TTFT
+    prediction counts output at the prefill rate: with long outputs the hold would wait for a
+    drain far later than predicted."""
+    output_to_come = max(0, stats.tokens_to_compute - stats.queued_prompt_tokens)
+    return output_to_come / stats.output_tokens_per_s if stats.output_tokens_per_s > 0 else 0.0

@@ -119,7 +119,7 @@ class KvmeshRouter:
         await authenticator.start()
         # Serve sends a scrape to any one replica: each publishes its own request-level
         # metrics to the cluster's board and renders its peers' alongside its own.
-        self.board = get_or_create_board()
+        self.board = get_or_create_board(app_name)
         self._publisher = start_publishing(self.board, metrics, METRICS_PUBLISH_INTERVAL_S)
         self.core = RouterCore(config, self.pool, tokenizer, authenticator, quota, model_name, metrics, tracer)
         self._servicer = ReplicaGrpcServicer(self.core)

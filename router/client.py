@@ -28,7 +28,8 @@ api.md), and the server sends exactly the missing rest, so the caller sees one s
 no token repeated or missing (`resume_mid_stream=False` turns this off: the error is raised,
 carrying `tokens_received`). Otherwise (n > 1, or resumption off) `restart_mid_stream=True`
 restarts such a stream from scratch, and the generator first yields a `StreamRestart` marker:
-discard everything received so far.
+discard everything received so far. A stream whose final message (every sample's) arrived is
+complete, whatever status its call ends with afterwards: nothing is retried or resumed then.
 
 Stopping early (breaking out of the loop, closing the generator, cancelling the consuming
 task) cancels the RPC, and the server aborts the request and frees its KV blocks.
@@ -56,12 +57,22 @@ from kvmesh.core.errors import DeadlineExceededError, KvmeshError
 logger = logging.getLogger(__name__)
 
 
-def _open_channel(module, target: str, credentials: grpc.ChannelCredentials | None):
-    """`module` is grpc or grpc.aio. With credentials (router/tls.py grpc_channel_credentials:
-    the CA to trust, and a client certificate for mutual TLS) the channel speaks TLS."""
+def open_channel(target: str, credentials: grpc.ChannelCredentials | None = None, *,
+                 own_connection: bool = False, aio: bool = False):
+    """A gRPC channel to the router (grpc.aio's when `aio`). With credentials (router/tls.py
+    grpc_channel_credentials: the CA to trust, and a client certificate for mutual TLS) it
+    speaks TLS.
+
+    `own_connection`: router replicas on one node share the gRPC port, and the kernel spreads
+    connections, not calls, over them; gRPC shares one connection among all of a process's
+    channels to one target, so without this every channel lands on one replica. A channel
+    with a subchannel pool of its own opens its own connection (load generators, and tests
+    that need both replicas to take part, want this)."""
+    module = grpc.aio if aio else grpc
+    options = [("grpc.use_local_subchannel_pool", 1)] if own_connection else None
     if credentials is None:
-        return module.insecure_channel(target)
-    return module.secure_channel(target, credentials)
+        return module.insecure_channel(target, options=options)
+    return module.secure_channel(target, credentials, options=options)
 
 
 @dataclass(frozen=True)
@@ -120,14 +131,26 @@ class _Resumption:
 
     def __init__(self, request: pb.GenerateRequest, enabled: bool):
         self.request = request  # what the next attempt sends
-        self.enabled = enabled and request.sampling.n <= 1  # proto 0 = unset = 1
+        self.num_samples = max(1, request.sampling.n)  # proto 0 = unset = 1
+        self.enabled = enabled and self.num_samples == 1
         self.token_ids: list[int] = list(request.resume_token_ids)
         self.text_chars = request.resume_text_chars
+        self.finished_samples: set[int] = set()
 
     def observe(self, delta: RequestDelta) -> None:
         if not delta.error:
             self.token_ids.extend(delta.token_ids)
             self.text_chars += len(delta.text)
+        if delta.finished:
+            self.finished_samples.add(delta.sample_index)
+
+    @property
+    def complete(self) -> bool:
+        """Every sample's final message arrived: the output is whole. The call can still end
+        with an error after it (the router replica dies, or is stopped, between sending the
+        last message and the call's OK status, while it settles the request's accounting);
+        that error is not the stream's, and resuming would ask for more than max_tokens."""
+        return len(self.finished_samples) >= self.num_samples
 
     def after_failure(self, received: int) -> None:
         """The next attempt continues after what arrived (when this attempt delivered any)."""
@@ -171,10 +194,11 @@ class KvmeshClient(_ClientBase):
     def __init__(self, target: str, *, api_key: str | None = None, retry_policy: RetryPolicy | None = None,
                  rng: random.Random | None = None, restart_mid_stream: bool = False,
                  channel: grpc.Channel | None = None, sleep: Callable[[float], None] = time.sleep,
-                 credentials: grpc.ChannelCredentials | None = None, resume_mid_stream: bool = True):
+                 credentials: grpc.ChannelCredentials | None = None, resume_mid_stream: bool = True,
+                 own_connection: bool = False):
         super().__init__(api_key, retry_policy, rng, restart_mid_stream, resume_mid_stream)
         self._sleep = sleep  # the wait between attempts (tests inject one to see the delays)
-        self._channel = channel or _open_channel(grpc, target, credentials)
+        self._channel = channel or open_channel(target, credentials, own_connection=own_connection)
         self._stub = pb_grpc.KvmeshStub(self._channel)
 
     def generate(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
@@ -197,6 +221,10 @@ class KvmeshClient(_ClientBase):
                 self.budget.record_success()
                 return
             except grpc.RpcError as error:
+                if resumption.complete:
+                    logger.debug("stream complete; its call then ended %s", error.code().name)
+                    self.budget.record_success()
+                    return
                 delay_s = call.on_failure(error, received, self.restart_mid_stream, resumption.enabled)
             finally:
                 stream.cancel()  # no-op once finished; aborts the request if the caller stopped early
@@ -243,9 +271,9 @@ class AsyncKvmeshClient(_ClientBase):
     def __init__(self, target: str, *, api_key: str | None = None, retry_policy: RetryPolicy | None = None,
                  rng: random.Random | None = None, restart_mid_stream: bool = False,
                  channel: grpc.aio.Channel | None = None, credentials: grpc.ChannelCredentials | None = None,
-                 resume_mid_stream: bool = True):
+                 resume_mid_stream: bool = True, own_connection: bool = False):
         super().__init__(api_key, retry_policy, rng, restart_mid_stream, resume_mid_stream)
-        self._channel = channel or _open_channel(grpc.aio, target, credentials)
+        self._channel = channel or open_channel(target, credentials, own_connection=own_connection, aio=True)
         self._stub = pb_grpc.KvmeshStub(self._channel)
 
     async def generate(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
@@ -268,6 +296,10 @@ class AsyncKvmeshClient(_ClientBase):
                 self.budget.record_success()
                 return
             except grpc.RpcError as error:
+                if resumption.complete:
+                    logger.debug("stream complete; its call then ended %s", error.code().name)
+                    self.budget.record_success()
+                    return
                 delay_s = call.on_failure(error, received, self.restart_mid_stream, resumption.enabled)
             finally:
                 stream.cancel()

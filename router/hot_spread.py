@@ -130,6 +130,7 @@ class WorkMeter:
         self._rate = math.log(2) / half_life_s
         self._clock = clock
         self._scaled: collections.OrderedDict[Hashable, float] = collections.OrderedDict()
+        self._first_seen: dict[Hashable, float] = {}  # when each key kept was first observed
         self._epoch = clock()
         self._total_scaled = 0.0
         self._max_keys = max_keys
@@ -146,12 +147,16 @@ class WorkMeter:
 
     def observe(self, key: Hashable, tokens: int) -> None:
         scaled = tokens / self._decay()
+        if key not in self._scaled:
+            self._first_seen[key] = self._clock()
         self._scaled[key] = self._scaled.get(key, 0.0) + scaled
         self._total_scaled += scaled
         if self._max_keys is not None:
             self._scaled.move_to_end(key)
             while len(self._scaled) > self._max_keys:
-                self._total_scaled -= self._scaled.popitem(last=False)[1]
+                old, value = self._scaled.popitem(last=False)
+                self._total_scaled -= value
+                self._first_seen.pop(old, None)
 
     def value(self, key: Hashable) -> float:
         return self._scaled.get(key, 0.0) * self._decay()
@@ -164,5 +169,17 @@ class WorkMeter:
         """Sum over every worker observed (forgotten ones excluded)."""
         return self._total_scaled * self._decay()
 
+    def age_s(self, key: Hashable) -> float | None:
+        """Seconds since the key was first observed (None: not kept)."""
+        first = self._first_seen.get(key)
+        return None if first is None else self._clock() - first
+
+    def steady_value(self, value: float, age_s: float) -> float:
+        """What a meter reading `value` for a key observed for `age_s` seconds would read had
+        the key run at the same rate for ever: a decayed sum started `age_s` ago holds only
+        (1 - e^(-rate x age)) of its steady value (the bias correction of a young mean)."""
+        return value / -math.expm1(-self._rate * age_s) if age_s > 0 else math.inf
+
     def forget(self, key: Hashable) -> None:
         self._total_scaled -= self._scaled.pop(key, 0.0)
+        self._first_seen.pop(key, None)

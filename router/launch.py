@@ -111,14 +111,17 @@ def drain_serving(config: KvmeshConfig, app_name: str = "kvmesh") -> dict[str, i
 
 
 def stop_serving(config: KvmeshConfig, app_name: str = "kvmesh") -> None:
-    """Delete the app, kill its detached workers, stop Serve (best effort, in that order)."""
+    """Delete the app, kill its detached workers and metrics board, stop Serve (best effort,
+    in that order)."""
     from ray import serve  # Ray Serve: only where a cluster runs
 
+    from kvmesh.router.metrics import kill_board  # Ray: as above
     from kvmesh.worker.public_api import kill_workers  # Ray: as above
 
     for step, action in (("delete app", lambda: serve.delete(app_name)),
                          ("kill workers", lambda: kill_workers(config, app_name)),
                          ("kill fallback workers", lambda: _kill_fallback_workers(config, app_name)),
+                         ("kill metrics board", lambda: kill_board(app_name)),
                          ("shutdown serve", serve.shutdown)):
         try:
             action()

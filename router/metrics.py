@@ -42,12 +42,15 @@ dashboard agent running. With prometheus_client every process owns a private
   one named Ray actor: each replica publishes its snapshot every few seconds and, on a
   scrape, renders its own live registry plus the others' latest snapshots:
 
-      board = get_or_create_board()                          # named, detached actor
+      board = get_or_create_board(app_name)                  # named, detached, one per app
       task = start_publishing(board, metrics, interval_s=2)  # asyncio task per replica
       body = metrics.render(await board.snapshots.remote(exclude=metrics.replica_id))
 
   A replica that stops publishing (scaled down, crashed) drops out after `stale_after_s`;
   its counters then leave the sum, which Prometheus' rate() treats as a counter reset.
+  The board belongs to its app (two apps on one cluster never sum each other's metrics) and
+  goes with it (`kill_board`, called by stop_serving), so a new deployment of the same name
+  does not render the old one's replicas for a minute.
 
 Histograms are one observation per request; `inter_token_latency_seconds` observes the
 request's mean gap (decode time / (completion tokens - 1)), like vLLM's per-request
@@ -73,13 +76,15 @@ from kvmesh.core.telemetry import EngineMetrics  # re-exported: the worker side 
 from kvmesh.router.degradation import STEPS as DEGRADATION_STEPS  # cap | fallback | reject, in order
 from kvmesh.router.routing import RoutingPath
 
-__all__ = ["CONTENT_TYPE", "EngineMetrics", "MetricsBoard", "RouterMetrics", "get_or_create_board",
+__all__ = ["CONTENT_TYPE", "EngineMetrics", "MetricsBoard", "RouterMetrics", "get_or_create_board", "get_board", "kill_board", "metrics_board_name",
            "render_merged", "start_publishing", "worker_families"]
 
 logger = logging.getLogger(__name__)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-METRICS_BOARD_ACTOR = "kvmesh-metrics-board"
+# The board's named actor lives in this namespace, whichever namespace its creator ran in, so
+# the driver that stops the app finds it.
+METRICS_BOARD_NAMESPACE = "kvmesh"
 PREFIX = "kvmesh_"
 # deadline: refused on arrival, its expected queue wait already past its deadline (admission.py);
 # evicted: refused while queued, its slot given to a more important request (admission.py)
@@ -481,13 +486,45 @@ class MetricsBoard:
         return [snap for source_id, (_, snap) in sorted(self._latest.items()) if source_id != exclude]
 
 
-def get_or_create_board(stale_after_s: float = 60.0):
-    """The cluster's MetricsBoard actor handle (created by the first caller). Needs ray.init."""
+def metrics_board_name(app_name: str) -> str:
+    return f"kvmesh-{app_name}-metrics-board"
+
+
+def get_or_create_board(app_name: str, stale_after_s: float = 60.0):
+    """The app's MetricsBoard actor handle (created by the first caller). Needs ray.init."""
     import ray
 
     board_actor = ray.remote(num_cpus=0)(MetricsBoard)
-    return board_actor.options(name=METRICS_BOARD_ACTOR, get_if_exists=True, lifetime="detached").remote(
-        stale_after_s=stale_after_s)
+    return board_actor.options(name=metrics_board_name(app_name), namespace=METRICS_BOARD_NAMESPACE,
+                               get_if_exists=True, lifetime="detached").remote(stale_after_s=stale_after_s)
+
+
+def get_board(app_name: str):
+    """The app's running MetricsBoard (ValueError when there is none)."""
+    import ray
+
+    return ray.get_actor(metrics_board_name(app_name), namespace=METRICS_BOARD_NAMESPACE)
+
+
+def kill_board(app_name: str, release_timeout_s: float = 10.0) -> bool:
+    """Kill the app's board (its replicas are gone) and wait until its name is free, so an app
+    deployed next under the same name gets a live board, not the dying one; False when it had
+    none."""
+    import ray
+
+    try:
+        board = get_board(app_name)
+    except ValueError:
+        return False
+    ray.kill(board, no_restart=True)
+    deadline = time.monotonic() + release_timeout_s
+    while time.monotonic() < deadline:
+        try:
+            get_board(app_name)
+        except ValueError:
+            break
+        time.sleep(0.05)
+    return True
 
 
 def start_publishing(board, metrics: RouterMetrics, interval_s: float) -> asyncio.Task:

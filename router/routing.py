@@ -64,7 +64,8 @@ Policies (RouterConfig.policy):
                    request's prompt tokens not cached there, the step-cost model) among the
                    family's workers: the workers holding its longest cached prefix, or, for a
                    spread family, its members (router/hot_spread.py). When the best of them
-                   runs ahead of the least loaded worker by the load guard's thresholds, the
+                   runs ahead of the mean load by the load guard's thresholds (a hot spot;
+                   past capacity one worker idling for a moment is none), the
                    family grows by the first worker of its rendezvous order within the same
                    bound, if that one would serve the request sooner (path prefix_spread),
                    or when its workers' recent work runs spread_work_ratio ahead of the mean
@@ -172,6 +173,20 @@ class PredictedLatencyState:
         self.family_work = WorkMeter(config.work_half_life_s, clock, max_keys=max_families)
         self.family_hit_work = WorkMeter(config.work_half_life_s, clock, max_keys=max_families)
         self.calibration = TtftCalibration()
+
+    def movable_work(self, key: bytes) -> float:
+        """The family's recent cache-hit work (what would move if it spread), for a family
+        younger than the meter's memory extrapolated to what it would read at the family's
+        current rate (`WorkMeter.steady_value`): a hot family that has just appeared looked as
+        cold as its few seconds of hits, and its home took every request until they had added
+        up (the hottest family's home took 25 of its first 36 on the 64-worker table). The age
+        counts from its first request, and at least one `spread_cooldown_s` (a newcomer stays
+        that long), so a family seen for a moment is not judged on one or two hits."""
+        value = self.family_hit_work.value(key)
+        age_s = self.family_work.age_s(key)
+        if value <= 0 or age_s is None:
+            return value
+        return self.family_hit_work.steady_value(value, max(age_s, self.spread.cooldown_s))
 
     def predict_s(self, stats: WorkerStats, extra_tokens: int, uncached_tokens: int) -> float:
         return predict_ttft_s(self.cost, stats, extra_tokens, uncached_tokens, self.max_num_batched_tokens)
@@ -409,12 +424,13 @@ def _predicted_latency(by_id: dict[str, WorkerStats], loads: dict[str, int], foo
     best = min((w for w in family if predicted[w] <= predicted[soonest] * (1 + config.latency_tie_ratio)),
                key=lambda w: (work[w], predicted[w], w))
     min_load = min(loads.values())
+    mean_load = sum(loads.values()) / len(ids)
     mean_work = sum(work.values()) / len(ids)
     family_work = state.family_work.value(key) if key is not None else 0.0
     if key is not None:
         held_tokens = matched_blocks.get(soonest, 0) * request.block_size
-        grown = _grow(key, family, members, soonest, ids, loads, min_load, work, mean_work, family_work,
-                      state.family_hit_work.value(key), predicted, config, margin,
+        grown = _grow(key, family, members, soonest, ids, loads, min_load, mean_load, work, mean_work, family_work,
+                      state.movable_work(key), predicted, config, margin,
                       lambda w: held_tokens - matched_blocks.get(w, 0) * request.block_size)
         if grown is not None:
             return decide(grown.members[-1], RoutingPath.PREFIX_SPREAD, grown)
@@ -445,14 +461,15 @@ def _work_ahead(lightest: float, family_share: float, mean_work: float, ratio: f
 
 
 def _grow(key: bytes, family: list[str], members: list[str], best: str, ids: list[str], loads: dict[str, int],
-          min_load: int, work: dict[str, float], mean_work: float, family_work: float, family_hit_work: float,
-          predicted: dict[str, float],
+          min_load: int, mean_load: float, work: dict[str, float], mean_work: float, family_work: float,
+          family_hit_work: float, predicted: dict[str, float],
           config: RouterConfig, margin: int, recompute_tokens: Callable[[str], int]) -> SpreadAction | None:
     """One more worker for the family when its best worker runs ahead, by the load guard's
-    thresholds, of the least loaded worker's queue (and the newcomer would serve this
-    request sooner), or when its workers run ahead of the mean recent work because of the
-    family itself (`_work_ahead`: a hot family computing far more than the others while nobody
-    queues yet): the first worker of the family's rendezvous order within the bound (neither
+    thresholds, of the mean load (a hot spot: against the least loaded worker, past capacity
+    the moment one worker emptied spread the hot families, each copy a whole prefix's prefill
+    more for a saturated cluster), and the newcomer would serve this request sooner; or when
+    its workers run ahead of the mean recent work because of the family itself (`_work_ahead`:
+    a hot family computing far more than the others while nobody queues yet): the first worker of the family's rendezvous order within the bound (neither
     its queue nor its recent work, counting the prefix it would compute, ahead by those
     thresholds: a newcomer near the bound went past it with the prefix, and the family grew
     again at once, five times in a second on the 64-worker table). The work test takes the family's
@@ -460,11 +477,12 @@ def _grow(key: bytes, family: list[str], members: list[str], best: str, ids: lis
     is not followed by another while its members' past work decays.
 
     Either way a growth must pay for itself: the newcomer's share of the family's recent work
-    that would move (`family_hit_work`, its cache hits' tickets, over one more worker) at least
+    that would move (`family_hit_work`, its cache hits' tickets, over one more worker; a young
+    family's extrapolated to its current rate, `PredictedLatencyState.movable_work`) at least
     the prefix it would compute
     (`recompute_tokens`). A family with little traffic gains nothing from a second copy of its
     prefix; its request waits out the queue at home."""
-    queue_ahead = is_imbalanced(loads[best], min_load, config, margin)
+    queue_ahead = is_imbalanced(loads[best], mean_load, config, margin)
     work_ahead = _work_ahead(min(work[w] for w in family), family_work / len(family), mean_work,
                              config.spread_work_ratio, config.imbalance_abs_tokens)
     if not (queue_ahead or work_ahead):

@@ -77,3 +77,15 @@ def pytest_collection_modifyitems(config, items):
     if unmarked:
         raise pytest.UsageError(f"tests using a Ray fixture ({', '.join(sorted(RAY_FIXTURES))}) without the e2e "
                                 f"marker: {unmarked}")
+    # The tests marked `shared_ray` run last and together (in their own order), so the Ray
+    # cluster they share (tests/e2e_cluster.py) starts once and never idles beside the rest.
+    shared = [item for item in items if item.get_closest_marker("shared_ray")]
+    if shared:
+        items[:] = [item for item in items if not item.get_closest_marker("shared_ray")] + shared
+    # `slow` tests (a cluster of their own, past the suite's time budget) run only when a -m
+    # expression names them: `pytest -m slow`. A plain `pytest` (CI) skips them.
+    if "slow" not in (config.getoption("markexpr") or ""):
+        skip = pytest.mark.skip(reason="slow: run with `pytest -m slow`")
+        for item in items:
+            if item.get_closest_marker("slow") is not None:
+                item.add_marker(skip)

@@ -1,9 +1,16 @@
 """Helpers for end-to-end modules that run the real Serve app on a private local Ray cluster
-(tenants, observability, fairness). Each module starts one cluster and shares it.
+(tenants, observability, fairness).
 
     config = tiny_cluster_config(tiny_model_dir, num_workers=1, router={"num_replicas": 2}, ...)
-    with serving(config, "kvmesh-obs"):
+    with serving(config, "kvmesh-obs"):      # the app, on the session's shared Ray cluster
         ...
+
+Starting Ray costs 5-20 s on a 2-core machine, so the modules marked `shared_ray` share one
+cluster (`shared_ray()`: started by the first, kept until the session ends; conftest.py runs
+those modules last and together, so it is not idling beside the rest of the suite). Each
+module still deploys and deletes its own Serve app, workers and metrics board. A module that
+needs a cluster of its own shape (several nodes, fake GPUs, another CPU count) takes
+`own_ray(...)`, which stops the shared one first.
 """
 
 from __future__ import annotations
@@ -44,21 +51,77 @@ def tiny_cluster_config(model_dir: str, *, num_workers: int = 1, max_num_seqs: i
 
 @contextlib.contextmanager
 def serving(config: KvmeshConfig, app_name: str, env: dict[str, str] | None = None):
-    """ray.init (num_cpus=4: the actors ask for fractions) + the Serve app; torn down after.
-    `env` is set before ray.init, so every Ray process (router replicas, workers) inherits it."""
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ.update(env or {})
-    import ray
-
+    """The Serve app on the shared Ray cluster; the app, its workers and Serve are torn down
+    after (the cluster stays). `env` must be part of SHARED_RAY_ENV (Ray processes inherit
+    the environment the cluster started with); anything else gets a cluster of its own."""
     from kvmesh.router.launch import start_serving, stop_serving
 
-    # address="local": always a private cluster, never another engineer's running one.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    if env and not env.items() <= SHARED_RAY_ENV.items():
+        with own_ray(num_cpus=SHARED_RAY_CPUS, env=env):
+            with _app(config, app_name, start_serving, stop_serving):
+                yield config
+        return
+    shared_ray()
+    with _app(config, app_name, start_serving, stop_serving):
+        yield config
+
+
+@contextlib.contextmanager
+def _app(config, app_name, start_serving, stop_serving):
     try:
         start_serving(config, app_name)
-        yield config
+        yield
     finally:
         stop_serving(config, app_name)
+
+
+# The shared cluster: the CPU count the actors' fractions were sized for, and the environment
+# every module's Ray processes may need (Ray processes inherit it when the cluster starts).
+SHARED_RAY_CPUS = 4
+SHARED_RAY_ENV = {"RAY_AUTH_MODE": "disabled", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+_shared_ray_running = False
+
+
+def shared_ray():
+    """The session's shared private Ray cluster (started on first use); returns `ray`."""
+    global _shared_ray_running
+    import ray
+
+    if ray.is_initialized() and _shared_ray_running:
+        return ray
+    if ray.is_initialized():
+        ray.shutdown()
+    os.environ.update(SHARED_RAY_ENV)
+    # address="local": always a private cluster, never another engineer's running one.
+    ray.init(address="local", num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=False)
+    _shared_ray_running = True
+    return ray
+
+
+def stop_shared_ray() -> None:
+    """Shut down whatever Ray this process runs (the shared cluster), before a module that
+    starts a cluster of its own shape by hand."""
+    global _shared_ray_running
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    _shared_ray_running = False
+
+
+@contextlib.contextmanager
+def own_ray(env: dict[str, str] | None = None, **init_kwargs):
+    """A private Ray cluster of this module's own shape (ray.init's `init_kwargs`), stopping
+    the shared one first; shut down after. `env` is set before it starts."""
+    import ray
+
+    stop_shared_ray()
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ.update(env or {})
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, **init_kwargs)
+    try:
+        yield ray
+    finally:
         ray.shutdown()
 
 

@@ -409,7 +409,7 @@ def test_a_follower_of_a_family_in_flight_is_charged_only_its_tail_where_the_fir
         ticket = await admission.acquire(
             request_cost_tokens(552, sampling, block_size=16),
             cost_for=lambda w: cost_with_cached_prefix(552, sampling, 16, matched.get(w, 0)),
-            route=lambda eligible, in_flight: choose_worker(matched, eligible, RouterConfig(), random.Random(0),
+            route=lambda eligible, in_flight: choose_worker(matched, eligible, RouterConfig(policy="prefix_aware"), random.Random(0),
                                                             None, in_flight).worker_id)
         assert ticket.worker_id == "w0" and ticket.cost_tokens == 560 - 34 * 16  # the tail block: 8 prompt + 8 output
     asyncio.run(main())
@@ -456,7 +456,7 @@ def test_a_full_preferred_worker_spills_to_one_with_room_and_only_none_means_ove
         chosen = []
 
         def route(eligible, in_flight):
-            decision = choose_worker(matched, eligible, RouterConfig(), random.Random(0), None, in_flight)
+            decision = choose_worker(matched, eligible, RouterConfig(policy="prefix_aware"), random.Random(0), None, in_flight)
             chosen.append((decision.worker_id, is_spill(matched, eligible, decision.worker_id)))
             return decision.worker_id
 

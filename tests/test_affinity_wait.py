@@ -46,7 +46,7 @@ def test_preferred_workers_are_the_longest_matches_left_after_exclusion():
 
 
 def test_holds_only_when_budget_alone_would_spill_and_only_for_affinity_wait_s():
-    rng, clock, config = random.Random(0), FakeClock(), RouterConfig(affinity_wait_s=1.0)
+    rng, clock, config = random.Random(0), FakeClock(), RouterConfig(policy="prefix_aware", affinity_wait_s=1.0)
     w0, w1 = stats("w0", reserved=950), stats("w1")
     hold = AffinityHold(MATCHED, config, clock=clock)
     view = lambda: ([w0, w1], {}, 0.0)  # noqa: E731 - the cluster as the load guard sees it
@@ -63,7 +63,7 @@ def test_holds_only_when_budget_alone_would_spill_and_only_for_affinity_wait_s()
     hold = AffinityHold(MATCHED, config, clock=clock)
     assert not hold.holds([w1], lambda: ([busy, w1], {}, 0.0), rng) and hold.outcome("w1") is None
     # switched off; nothing cached; the prefix's worker excluded (it refused this request)
-    assert not AffinityHold(MATCHED, RouterConfig(affinity_wait_s=0.0), clock=clock).holds([w1], view, rng)
+    assert not AffinityHold(MATCHED, RouterConfig(policy="prefix_aware", affinity_wait_s=0.0), clock=clock).holds([w1], view, rng)
     assert not AffinityHold({}, config, clock=clock).holds([w1], view, rng)
     assert not AffinityHold(MATCHED, config, frozenset({"w0"}), clock=clock).holds([w1], view, rng)
 
@@ -76,7 +76,8 @@ def test_under_predicted_latency_the_wait_is_at_least_the_prefill_a_spill_would_
 
     rng, clock = random.Random(0), FakeClock()
     config = RouterConfig(policy="predicted_latency", affinity_wait_s=1.0, prefill_s_per_token=0.0004)
-    w0, w1 = stats("w0", reserved=950), stats("w1")
+    # w0 has 7,000 tokens to compute first (2.8 s): no sooner than a spill, once the wait is over
+    w0, w1 = stats("w0", reserved=950, to_compute=7000), stats("w1")
     state = PredictedLatencyState(config, 512, clock)
     hold = AffinityHold({"w0": 375}, config, clock=clock, request=RouteRequest(6010, 16, b"family"), state=state)
     view = lambda: ([w0, w1], {}, 0.0)  # noqa: E731
@@ -91,9 +92,59 @@ def test_under_predicted_latency_the_wait_is_at_least_the_prefill_a_spill_would_
     clock.now += 1.1
     assert not short.holds([w1], view, rng)
 
+def test_under_predicted_latency_the_wait_tracks_the_drain_of_the_prefix_worker():
+    """Past the 2.4 s a spill would add, the request keeps waiting while its prefix's worker,
+    full but predicted to drain sooner than the spill would serve it, is still the better bet;
+    it spills once that changes, once the home's running requests would decode for longer,
+    and at half the queue's wait bound whatever the prediction."""
+    import dataclasses
+
+    from kvmesh.router.routing import PredictedLatencyState, RouteRequest
+
+    rng, clock = random.Random(0), FakeClock()
+    config = RouterConfig(policy="predicted_latency", affinity_wait_s=1.0, prefill_s_per_token=0.0004,
+                          max_queue_wait_s=10.0)
+    state = PredictedLatencyState(config, 512, clock)
+
+    def full(prompt_tokens=0, output_tokens=0):  # w0: no budget left, this much still to compute
+        return dataclasses.replace(stats("w0", reserved=950, to_compute=prompt_tokens + output_tokens),
+                                   queued_prompt_tokens=prompt_tokens, output_tokens_per_s=100.0)
+
+    cluster = {"w0": full(prompt_tokens=3000), "w1": stats("w1")}
+    view = lambda: (list(cluster.values()), {}, 0.0)  # noqa: E731
+
+    def hold():
+        return AffinityHold({"w0": 375}, config, clock=clock, request=RouteRequest(6010, 16, b"family"), state=state)
+
+    waiting = hold()
+    assert waiting.holds([cluster["w1"]], view, rng)
+    clock.now += 3.0  # past the 2.4 s floor: w0 (1.2 s of work) still beats a spill (2.4 s)
+    assert waiting.holds([cluster["w1"]], view, rng)
+    cluster["w0"] = full(prompt_tokens=7000)  # now 2.8 s: the spill is sooner
+    assert not waiting.holds([cluster["w1"]], view, rng)
+    assert waiting.outcome("w1") is AffinityWaitOutcome.TIMED_OUT
+
+    # 1,000 output tokens to come at 100 tokens/s: its budget frees in 10 s, not the 0.4 s
+    # the prediction (output at the prefill rate) says
+    cluster["w0"] = full(output_tokens=1000)
+    decoding = hold()
+    assert decoding.holds([cluster["w1"]], view, rng)
+    clock.now += 2.5
+    assert not decoding.holds([cluster["w1"]], view, rng)
+
+    # never past half of max_queue_wait_s (a holder is refused as overloaded past it)
+    cluster["w0"] = full()
+    bounded = hold()
+    assert bounded.holds([cluster["w1"]], view, rng)
+    clock.now += 4.9
+    assert bounded.holds([cluster["w1"]], view, rng)
+    clock.now += 0.2
+    assert not bounded.holds([cluster["w1"]], view, rng)
+
+
 def _controller(workers, **router):
     clock = FakeClock()
-    config = RouterConfig(**{"max_queue_wait_s": 5.0, "affinity_wait_s": 1.0, **router})
+    config = RouterConfig(**{"policy": "prefix_aware", "max_queue_wait_s": 5.0, "affinity_wait_s": 1.0, **router})
     admission = RouterAdmission(config, clock=clock)
     admission.update_stats(workers)
     return admission, clock, config

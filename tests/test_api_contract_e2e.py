@@ -35,7 +35,7 @@ from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc
 from e2e_cluster import scrape, serving, tiny_cluster_config, total, wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.shared_ray, pytest.mark.timeout(600)]
 
 APP_NAME = "kvmesh-contract"
 NUM_WORKERS = 2

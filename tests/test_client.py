@@ -42,12 +42,13 @@ FAST = RetryPolicy(max_attempts=4, initial_backoff_s=0.001, max_backoff_s=0.01)
 
 class ScriptedKvmesh(pb_grpc.KvmeshServicer):
     """Behaviour chosen by the prompt: ok | overload:N | unavailable_mid | unavailable_first |
-    invalid | slow | hang | quota."""
+    unavailable_after_final | invalid | slow | hang | quota."""
 
     def __init__(self):
         self.calls: dict[str, list] = collections.defaultdict(list)  # request_id -> [(attempt, meta, t)]
         self.server_cancelled: set[str] = set()
         self.cancel_events: dict[str, asyncio.Event] = {}
+        self.list_models_peers: list[str] = []  # the client address ("ipv4:127.0.0.1:PORT") of each call
 
     async def Generate(self, request, context):
         meta = convert.call_metadata_from_grpc(context.invocation_metadata())
@@ -80,6 +81,9 @@ class ScriptedKvmesh(pb_grpc.KvmeshServicer):
             yield convert.delta_to_pb(RequestDelta(
                 inp.request_id, finished=True, finish_reason=FinishReason.LENGTH,
                 usage=Usage(prompt_tokens=3, completion_tokens=len(WORDS), cached_tokens=1)))
+            if script == "unavailable_after_final" and attempt == 1:
+                # The replica went away after the last message, before the call's OK status.
+                await status_map.abort_grpc(context, WorkerFailedError("router replica died"))
         except asyncio.CancelledError:
             self.server_cancelled.add(inp.request_id)
             raise
@@ -91,6 +95,7 @@ class ScriptedKvmesh(pb_grpc.KvmeshServicer):
         return pb.CancelResponse(found=event is not None)
 
     async def ListModels(self, request, context):
+        self.list_models_peers.append(context.peer())
         return convert.models_to_pb([convert.ModelInfo("smollm2", max_model_len=2048, block_size=16)])
 
     async def Health(self, request, context):
@@ -210,6 +215,23 @@ def test_mid_stream_failure_resumes_with_what_was_received_no_token_twice(server
             list(client.generate("unavailable_mid", request_id="r-resume-n2", sampling=SamplingParams(n=2)))
 
 
+def test_an_error_after_the_final_message_leaves_the_stream_complete(server):
+    """The call ends UNAVAILABLE after the final message arrived (the router replica died
+    while settling the request): the output is whole, so nothing is resumed or retried (a
+    resumption would carry all max_tokens tokens, which the server refuses)."""
+    with KvmeshClient(server.target, retry_policy=FAST) as client:
+        deltas = list(client.generate("unavailable_after_final", request_id="r-after-final"))
+    assert [t for d in deltas for t in d.token_ids] == list(range(len(WORDS)))
+    assert [d.finished for d in deltas] == [False] * len(WORDS) + [True]
+    assert len(server.servicer.calls["r-after-final"]) == 1
+
+    async def main():
+        async with AsyncKvmeshClient(server.target, retry_policy=FAST) as client:
+            return [d async for d in client.generate("unavailable_after_final", request_id="a-after-final")]
+    assert collect_text(asyncio.run(main())) == "".join(WORDS)
+    assert len(server.servicer.calls["a-after-final"]) == 1
+
+
 def test_mid_stream_failure_raises_without_resumption_and_restarts_when_asked(server):
     with KvmeshClient(server.target, retry_policy=FAST, resume_mid_stream=False) as client:
         received = []
@@ -276,6 +298,24 @@ def test_unary_rpcs_convert_and_retry_unavailable(server):
     assert stats.workers == (_worker_stats("w0", True), _worker_stats("w1", False))
     assert stats.totals.num_healthy_workers == 1 and stats.totals.kv_tokens_capacity == 1600
     assert (stats.totals.router_queue_len, stats.totals.router_in_flight) == (3, 5)
+
+
+def test_own_connection_channels_reach_the_server_from_connections_of_their_own(server):
+    """Router replicas share the gRPC port and the kernel spreads connections over them: a
+    client with its own connection is what lets a load generator reach more than one."""
+    peers = server.servicer.list_models_peers
+
+    def peers_of(**kwargs) -> set[str]:
+        del peers[:]
+        clients = [KvmeshClient(server.target, **kwargs) for _ in range(3)]
+        for client in clients:
+            client.list_models()
+        for client in clients:
+            client.close()
+        return set(peers)
+
+    assert len(peers_of()) == 1  # gRPC's shared subchannel pool: one connection for all three
+    assert len(peers_of(own_connection=True)) == 3
 
 
 def test_connection_refused_is_unavailable_and_typed():

@@ -33,7 +33,7 @@ import grpc
 import pytest
 
 from kvmesh.core.config import KvmeshConfig
-from kvmesh.router.client import KvmeshClient
+from kvmesh.router.client import KvmeshClient, open_channel
 from kvmesh.router.retry import RetryPolicy
 from kvmesh.core.seams import SamplingParams
 from kvmesh.load_tests.routing_campaign import computed_tokens_per_worker
@@ -52,7 +52,7 @@ NUM_FAMILIES = 4
 WORKER_KEY = "x-kvmesh-worker"
 
 # e2e: a Ray cluster with the Serve app (`pytest -m "not e2e"` skips the module)
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.shared_ray, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
@@ -282,9 +282,9 @@ def test_two_router_replicas_keep_each_family_on_its_worker(cluster):
     served, replicas = [], collections.Counter()
     for i, (family, prompt) in enumerate(workload):
         recorder = _WorkerRecorder()
-        # A subchannel pool of its own: gRPC otherwise shares one connection between channels.
-        channel = grpc.intercept_channel(grpc.insecure_channel(
-            f"127.0.0.1:{config.router.grpc_port}", options=[("grpc.use_local_subchannel_pool", 1)]), recorder)
+        # A connection of its own: gRPC otherwise shares one connection between channels.
+        channel = grpc.intercept_channel(open_channel(f"127.0.0.1:{config.router.grpc_port}", own_connection=True),
+                                         recorder)
         with KvmeshClient("", channel=channel, retry_policy=RetryPolicy(max_attempts=8)) as client:
             served.append(_send(client, recorder, f"two-{i}", family, prompt))
             replicas[dict(recorder.calls[f"two-{i}"][-1].trailing_metadata())[REPLICA_KEY]] += 1
@@ -482,8 +482,10 @@ def test_a_request_waits_for_room_on_its_prefix_worker_instead_of_spilling(clust
         # One after the other, so the router's view of the first is its worker's report, not
         # also its own ticket: the ticket is counted until a report one refresh (20 ms) later
         # ("In-flight accounting", router/admission.py), and the second would spill on that.
+        # Waited for, not slept: on a loaded machine the report takes as long as it takes.
         long_ones = _start_streams(client, [prefix + [3000] * SUFFIX_TOKENS], long_max_tokens, f"long-{seed}-0")
-        time.sleep(0.5)
+        _wait_for(lambda: any(w.worker_id == home and w.num_running >= 1 for w in client.get_stats(timeout_s=10).workers),
+                  what="the router to see the first long request in its worker's report")
         long_ones += _start_streams(client, [prefix + [3001] * SUFFIX_TOKENS], long_max_tokens, f"long-{seed}-1")
         served = _send(client, recorder, f"affinity-{seed}", 0, prefix + list(range(2000, 2000 + SUFFIX_TOKENS)))
         for thread in long_ones:

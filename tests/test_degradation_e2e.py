@@ -38,7 +38,7 @@ from kvmesh.router import status_map
 from kvmesh.router.client import KvmeshClient
 from kvmesh.router.degradation import DEGRADED_KEY
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.shared_ray, pytest.mark.timeout(600)]
 
 APP_NAME = "kvmesh-degradation-e2e"
 PROMPT_TOKENS = 16

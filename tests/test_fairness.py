@@ -153,6 +153,8 @@ def overtaken(light: _Record, heavy: list[_Record]) -> int:
 
 
 @pytest.mark.e2e
+@pytest.mark.e2e
+@pytest.mark.shared_ray
 def test_light_tenant_overtakes_the_heavy_backlog_while_heavy_floods(cluster):
     run = asyncio.run(_run_load(cluster.router.grpc_port))
     client = run["client"]

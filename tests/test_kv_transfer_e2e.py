@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from e2e_cluster import shared_ray
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.worker.runtime.actor import kill_workers, start_workers
@@ -18,12 +19,11 @@ APP_NAME = "kvmesh-transfer"
 FAMILY = "Family {i} runbook: page the on-call, freeze deploys, open the incident doc, and post updates " \
          "every half hour until the all-clear from the incident commander. "
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.shared_ray, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
 def workers(tiny_model_dir):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
 
     config = KvmeshConfig.from_dict({
@@ -32,14 +32,13 @@ def workers(tiny_model_dir):
         "scheduler": {"max_num_seqs": 4},
         "parallel": {"num_workers": 2, "device": "cpu", "worker_num_cpus": 0.5},
     })
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    shared_ray()
     try:
         handles = start_workers(config, APP_NAME)
         infos = ray.get([h.info.remote() for h in handles], timeout=240)
         yield list(zip(handles, infos))
     finally:
         kill_workers(config, APP_NAME)
-        ray.shutdown()
 
 
 def _run(handle, rid: str, prompt: str, kv_source: str | None = None, salt: str | None = None):

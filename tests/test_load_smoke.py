@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from e2e_cluster import shared_ray
 from kvmesh.load_tests.campaign import parse_campaign, run_campaign
 from kvmesh.load_tests.tiny_tokenizer import train_corpus_tokenizer
 
@@ -208,6 +209,7 @@ def test_trace_requests_are_sent_at_their_offsets(tiny):
 
 
 @pytest.mark.e2e
+@pytest.mark.shared_ray
 def test_cluster_target_over_grpc_and_openai_http(tiny, tmp_path):
     """A real 1-worker cluster (Ray Serve): the grpc target (client library) and the http
     target (OpenAI SSE + /metrics scrape) measure the same exact-length requests."""
@@ -257,12 +259,8 @@ def test_cluster_target_over_grpc_and_openai_http(tiny, tmp_path):
             await cluster.close()
         return grpc_result, http_result, structured
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        grpc_result, http_result, structured = asyncio.run(scenario())
-    finally:
-        ray.shutdown()
+    shared_ray()
+    grpc_result, http_result, structured = asyncio.run(scenario())
     expected = sum(r.output_tokens for r in requests)
     for result in (grpc_result, http_result):
         summary = summarize(result.records)

@@ -21,7 +21,7 @@ from kvmesh.proto import kvmesh_pb2_grpc
 from kvmesh.router.tenants import generate_api_key, hash_api_key
 from lora_adapters import hf_peft_greedy, make_adapter
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.e2e, pytest.mark.shared_ray, pytest.mark.timeout(400)]
 
 APP_NAME = "kvmesh-lora"
 ACME_KEY = generate_api_key()

@@ -4,15 +4,15 @@ parser; and `kvmesh stats` scraping a real HTTP /metrics endpoint."""
 import argparse
 import asyncio
 import http.server
-import os
 import threading
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from e2e_cluster import shared_ray
 from kvmesh.deploy import cmd_stats
-from kvmesh.router.metrics import (METRICS_BOARD_ACTOR, EngineMetrics, MetricsBoard, RouterMetrics,
-                                   get_or_create_board, start_publishing)
+from kvmesh.router.metrics import (EngineMetrics, MetricsBoard, RouterMetrics,
+                                   get_board, get_or_create_board, kill_board, start_publishing)
 from kvmesh.core.seams import FinishReason, RequestTimings, Usage, WorkerStats
 
 # (tenant, timings as offsets from arrival (scheduled, first token, finished), usage, finish)
@@ -227,11 +227,10 @@ def test_metrics_board_keeps_fresh_snapshots_and_excludes_the_caller():
 
 
 @pytest.mark.e2e
+@pytest.mark.shared_ray
 def test_two_replicas_render_the_same_cluster_totals_through_a_ray_board():
-    ray = pytest.importorskip("ray")
-    # address="local": a private cluster, never one another process on the machine started.
-    ray.init(address="local", num_cpus=1, include_dashboard=False, namespace=f"kvmesh-metrics-{os.getpid()}",
-             log_to_driver=False)
+    pytest.importorskip("ray")
+    shared_ray()
     try:
         replicas = [RouterMetrics(replica_id="r0"), RouterMetrics(replica_id="r1")]
         run_workload(replicas[0])
@@ -239,14 +238,16 @@ def test_two_replicas_render_the_same_cluster_totals_through_a_ray_board():
         replicas[1].observe_request_end("acme", None, Usage(prompt_tokens=5, completion_tokens=2), "stop")
 
         async def scenario():
-            board = get_or_create_board()
-            assert ray.get_actor(METRICS_BOARD_ACTOR) is not None
+            board = get_or_create_board("app-a")
+            assert get_board("app-a") is not None
             tasks = [start_publishing(board, m, interval_s=0.05) for m in replicas]
             while len(await board.snapshots.remote()) < 2:
                 await asyncio.sleep(0.05)
             bodies = [m.render(await board.snapshots.remote(exclude=m.replica_id)) for m in replicas]
             for task in tasks:
                 task.cancel()
+            # Another app on the same cluster has a board of its own: it sums nothing of app-a.
+            assert await get_or_create_board("app-b").snapshots.remote() == []
             return bodies
 
         for body in asyncio.run(scenario()):
@@ -254,8 +255,14 @@ def test_two_replicas_render_the_same_cluster_totals_through_a_ray_board():
             assert value(s, "kvmesh_prompt_tokens_total", tenant="acme") == 305
             assert value(s, "kvmesh_requests_total", finish_reason="stop", tenant="acme") == 3
             assert value(s, "kvmesh_time_to_first_token_seconds_count") == 6
+        # The app's board goes with it (stop_serving), so a new deployment starts from nothing.
+        assert kill_board("app-a") and kill_board("app-b")
+        with pytest.raises(ValueError):
+            get_board("app-a")
+        assert not kill_board("app-a")
     finally:
-        ray.shutdown()
+        kill_board("app-a")
+        kill_board("app-b")
 
 
 # ---- the worker's engine metrics from real engine steps (tiny random Llama) -------------

@@ -32,7 +32,7 @@ import pytest
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc
-from e2e_cluster import tiny_cluster_config
+from e2e_cluster import stop_shared_ray, tiny_cluster_config
 
 APP_NAME = "kvmesh-multinode"
 GPU_RESOURCE = "kvmesh_gpu"
@@ -74,6 +74,7 @@ def ray_cluster(multinode_config):
 
     from kvmesh.router.launch import start_serving, stop_serving
 
+    stop_shared_ray()
     with pytest.MonkeyPatch.context() as env:  # read by the node processes Ray starts
         env.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep every node on loopback
         env.setenv("RAY_AUTH_MODE", "disabled")  # a private test cluster

@@ -25,7 +25,7 @@ from kvmesh.router.tenants import generate_api_key, hash_api_key
 from kvmesh.core.otlp_file import request_to_json_line
 
 # e2e: a Ray cluster with the Serve app (`pytest -m "not e2e"` skips the module)
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.shared_ray, pytest.mark.timeout(300)]
 
 APP_NAME = "kvmesh-obs"
 KEY = generate_api_key()

@@ -59,7 +59,7 @@ RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 ARRIVAL_REFUSALS = ("admission queue full", "no room now")
 
 # e2e: a Ray cluster with the Serve app (`pytest -m "not e2e"` skips the module)
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.shared_ray, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

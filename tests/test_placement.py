@@ -12,7 +12,7 @@ import pytest
 
 from kvmesh.core.config import ConfigError, KvmeshConfig, ParallelConfig
 from kvmesh.core.seams import GenerateRequest, SamplingParams
-from e2e_cluster import wait_for
+from e2e_cluster import own_ray, wait_for
 from kvmesh.worker.parallel.placement import (actor_resource_options, engine_bundles, engine_total,
                                               missing_resources, rank_bundle)
 
@@ -58,11 +58,8 @@ def two_gpu_cluster():
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
 
-    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
-    try:
+    with own_ray(num_cpus=4, num_gpus=2):
         yield ray
-    finally:
-        ray.shutdown()
 
 
 def _tp_config(model_dir: str, tp: int) -> KvmeshConfig:

@@ -126,6 +126,21 @@ def test_a_family_does_not_spread_when_the_bounded_worker_would_not_serve_it_soo
     assert state.spread.members(KEY) == ()
 
 
+def test_a_family_grows_for_queue_only_when_its_worker_is_a_hot_spot_not_when_one_worker_idles():
+    """Past capacity every worker queues; one that has just emptied is not a reason to copy a
+    prefix there: the family's best worker must run ahead of the mean load, not the minimum."""
+    state = PredictedLatencyState(CONFIG, 512, Clock())
+    state.family_hit_work.observe(KEY, 10_000)  # a second copy would pay for itself
+    order = preference_order(KEY, ["w0", "w1", "w2", "w3"])
+    home, idle = order[3], order[2]
+    saturated = [stats(w, 0 if w == idle else 3000) for w in order]  # mean 2,250: home 1.33x
+    decision = route(state, {home: 62}, saturated)
+    assert (decision.worker_id, decision.path) == (home, RoutingPath.PREFIX_MATCH)
+    hot_spot = [stats(w, {home: 3000, idle: 0}.get(w, 1000)) for w in order]  # mean 1,250: 2.4x
+    decision = route(state, {home: 62}, hot_spot)
+    assert decision.path is RoutingPath.PREFIX_SPREAD and decision.worker_id != home
+
+
 def test_a_family_with_little_traffic_waits_at_home_rather_than_copy_its_prefix():
     """Its worker's queue runs ahead and an idle worker would serve this request sooner, but
     the family's recent cache hits (1,500 tokens, 750 a worker after growing) are less than the
@@ -138,6 +153,29 @@ def test_a_family_with_little_traffic_waits_at_home_rather_than_copy_its_prefix(
     assert (decision.worker_id, decision.path) == (home, RoutingPath.PREFIX_MATCH)
     state.family_hit_work.observe(KEY, 500)  # 2,000 tokens: 1,000 a worker, more than the prefix
     decision = route(state, {home: 62}, [stats(home, 3000), stats(order[0]), stats(order[1])])
+    assert (decision.worker_id, decision.path) == (order[0], RoutingPath.PREFIX_SPREAD)
+
+
+def test_a_young_familys_hits_count_at_the_rate_they_came_not_as_the_few_seconds_they_add_up_to():
+    """1,200 tokens of cache hits pay for no second copy of a 992-token prefix from a family
+    seen for 100 s (1,330 at its steady rate, 665 a worker), but do from one seen for 2 s:
+    judged over at least the 10 s cooldown, they are the start of 5,800 (2,900 a worker)."""
+    def family_seen_for(age_s):
+        clock = Clock()
+        state = PredictedLatencyState(CONFIG, 512, clock)
+        state.family_work.observe(KEY, PROMPT)  # its first request, which computed the prefix
+        clock.now += age_s
+        state.family_hit_work.observe(KEY, 1200)
+        return state
+
+    order = preference_order(KEY, ["w0", "w1", "w2"])
+    home = order[2]
+    hot = [stats(home, 3000), stats(order[0]), stats(order[1])]
+    old, young = family_seen_for(100.0), family_seen_for(2.0)
+    assert old.movable_work(KEY) == pytest.approx(1200 / (1 - 2 ** (-100 / 30)))
+    assert young.movable_work(KEY) == pytest.approx(1200 / (1 - 2 ** (-10 / 30)))
+    assert route(old, {home: 62}, hot).path is RoutingPath.PREFIX_MATCH
+    decision = route(young, {home: 62}, hot)
     assert (decision.worker_id, decision.path) == (order[0], RoutingPath.PREFIX_SPREAD)
 
 
@@ -227,6 +265,10 @@ def test_spread_state_and_recent_work_are_bounded_and_decay():
         families.observe(key, tokens)
     assert families.value(b"b") == 0.0 and families.value(b"a") == pytest.approx(200.0)
     assert families.total() == pytest.approx(600.0)
+    # ... and its age with it (a key seen again starts young)
+    assert families.age_s(b"b") is None and families.age_s(b"a") == 0.0
+    clock.now += 3.0
+    assert families.age_s(b"c") == 3.0
     # A family's work counts every ticket; the work that would move only its cache hits (its
     # prefix, computed once, would not).
     state = PredictedLatencyState(CONFIG, 512, clock)

@@ -223,6 +223,25 @@ def test_worker_cpus_are_derived_from_the_machine_or_refused_naming_the_setting(
     assert resolve_worker_num_cpus(explicit, 8.0, 0.5) is explicit  # given and it fits: kept
 
 
+def test_serve_whose_ray_never_started_stops_nothing(monkeypatch):
+    """Ray's start failing (a raylet that never registered on a loaded machine) leaves nothing
+    to stop: `kvmesh serve` raises it, and does not call Serve's shutdown, whose calls would
+    start a local Ray of their own just to find nothing there."""
+    import ray
+
+    from kvmesh.deploy import cmd_serve
+
+    def start_serving(*_):
+        raise RuntimeError("The current node timed out during startup")
+
+    stopped = []
+    monkeypatch.setattr(cmd_serve, "start_serving", start_serving)
+    monkeypatch.setattr(cmd_serve, "stop_serving", lambda *args: stopped.append(args))
+    with pytest.raises(RuntimeError, match="timed out during startup"):
+        cmd_serve.run(cli.build_parser().parse_args(["serve", "--workers", "1"]))
+    assert stopped == [] and not ray.is_initialized()
+
+
 def test_tls_reaches_serve_s_http_proxy_and_a_plaintext_grpc_proxy_is_refused():
     config = KvmeshConfig().replace(router={"tls": {"cert_file": "/tls/tls.crt", "key_file": "/tls/tls.key"}})
     serve = build_serve_config(config, ServeOptions(grpc_servicer_functions=()))

@@ -17,7 +17,7 @@ import pytest
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc
-from e2e_cluster import tiny_cluster_config
+from e2e_cluster import own_ray, tiny_cluster_config
 
 APP_NAME = "kvmesh-e2e"
 # max_tokens of requests that must still be running when the test acts on them: far more
@@ -71,13 +71,12 @@ def cluster(e2e_config):
 
     from kvmesh.router.launch import start_serving, stop_serving
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # a 2-CPU machine
-    try:
-        start_serving(e2e_config, APP_NAME)
-        yield e2e_config
-    finally:
-        stop_serving(e2e_config, APP_NAME)
-        ray.shutdown()
+    with own_ray(num_cpus=2):  # a 2-CPU machine
+        try:
+            start_serving(e2e_config, APP_NAME)
+            yield e2e_config
+        finally:
+            stop_serving(e2e_config, APP_NAME)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from structured_schemas import HELD_OUT_SCHEMAS
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.shared_ray, pytest.mark.timeout(600)]
 
 REGEX = r"[0-9]{3}-[a-z]{2,4}"
 CHOICES = ["yes", "no", "maybe later"]

@@ -21,10 +21,11 @@ import pytest
 from e2e_cluster import TEST_HASH_ITERATIONS, scrape, serving, settled_scrape, tiny_cluster_config, total, wait_for
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc
+from kvmesh.router.client import open_channel
 from kvmesh.router.tenants import generate_api_key, hash_api_key
 
 # e2e: a Ray cluster with the Serve app (`pytest -m "not e2e"` skips the module)
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.shared_ray, pytest.mark.timeout(300)]
 
 APP_NAME = "kvmesh-tenants"
 # "stored" is added at run time through the tenant store, as `kvmesh tenants add` does.
@@ -118,9 +119,9 @@ def _per_replica(name: str, **labels) -> list[float]:
     import ray
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvmesh.router.metrics import METRICS_BOARD_ACTOR
+    from kvmesh.router.metrics import get_board
 
-    board = ray.get_actor(METRICS_BOARD_ACTOR)
+    board = get_board(APP_NAME)
     out = []
     for blob in ray.get(board.snapshots.remote()):
         value = 0.0
@@ -136,11 +137,9 @@ def test_two_replicas_share_one_concurrency_limit_exactly(cluster, channel, http
     """16 concurrent long requests of one tenant through both replicas: exactly the limit is
     admitted, every other one gets RESOURCE_EXHAUSTED (429 with Retry-After over HTTP)."""
     stub = kvmesh_pb2_grpc.KvmeshStub(channel)
-    # Each request on a connection of its own (a subchannel pool of its own: gRPC otherwise
-    # shares one connection between channels to one target), so the kernel spreads them over
-    # both replicas sharing the gRPC port (SO_REUSEPORT); one connection stays on one replica.
-    burst_channels = [grpc.insecure_channel(f"127.0.0.1:{cluster.router.grpc_port}",
-                                            options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(16)]
+    # Each request on a connection of its own, so the kernel spreads them over both replicas
+    # sharing the gRPC port (SO_REUSEPORT); one connection stays on one replica.
+    burst_channels = [open_channel(f"127.0.0.1:{cluster.router.grpc_port}", own_connection=True) for _ in range(16)]
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(lambda c: _first_delta_or_error(kvmesh_pb2_grpc.KvmeshStub(c), KEYS["conc"],
                                                                 LONG_TOKENS), burst_channels))
@@ -285,7 +284,7 @@ class _SpreadStub:
         self._target = f"127.0.0.1:{cluster.router.grpc_port}"
 
     def Generate(self, request, metadata=None, timeout=None):  # noqa: N802 (the stub's name)
-        channel = grpc.insecure_channel(self._target, options=[("grpc.use_local_subchannel_pool", 1)])
+        channel = open_channel(self._target, own_connection=True)
         try:
             yield from kvmesh_pb2_grpc.KvmeshStub(channel).Generate(request, metadata=metadata, timeout=timeout)
         finally:

@@ -7,13 +7,13 @@ block pool small enough to force preemption, as tests/test_engine_exact.py does.
 """
 
 import dataclasses
-import os
 import threading
 import time
 
 import pytest
 import torch
 
+from e2e_cluster import own_ray
 from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.core.seams import FinishReason, GenerateRequest, SamplingParams
 from kvmesh.worker.parallel.distributed import single_rank
@@ -33,10 +33,8 @@ PROMPTS = [
 def ray_cluster():
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    with own_ray(num_cpus=8):
+        yield ray
 
 
 def _config(model_dir, tp, *, num_blocks, new_tokens_budget=1 << 20, **extra):

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from e2e_cluster import shared_ray
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.kv.hashing import block_extra_keys
 from kvmesh.core.seams import ErrorReport
@@ -20,7 +21,7 @@ from kvmesh.core.errors import InvalidRequestError, OverloadedError, WorkerFaile
 APP_NAME = "kvmesh-actor-test"
 LONG = 900  # decode steps no machine finishes before the test acts on the request
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.shared_ray]
 
 
 def test_error_report_round_trip():
@@ -51,17 +52,15 @@ def actor_config(tiny_model_dir) -> KvmeshConfig:
 
 @pytest.fixture(scope="module")
 def worker(actor_config):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    shared_ray()
     try:
         [handle] = start_workers(actor_config, APP_NAME)
         ray.get(handle.info.remote(), timeout=240)
         yield handle
     finally:
         kill_workers(actor_config, APP_NAME)
-        ray.shutdown()
 
 
 def _request(request_id: str, max_tokens: int, prompt: str = "a tiny worker test prompt " * 3) -> GenerateRequest:
