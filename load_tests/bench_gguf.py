@@ -33,7 +33,7 @@ import time
 
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import GenerateRequest, SamplingParams
-from kvmesh.worker.engine_api import Engine
+from kvmesh.worker.engine_api import Engine, embedded_gguf_path
 
 MODES = ("none", "gguf")  # memory: dequantized against kept
 SPEED_MODES = {"eager-fp32": ("none", 0), "native-fp32": ("none", 24), "native-int8": ("int8", None),
@@ -103,8 +103,6 @@ class LlamaCpp:
 
 
 def bench_speed(rounds: int, tokens: int, batches: list[int], llama_python: str | None, threads: int) -> None:
-    from kvmesh.worker.model.loader import embedded_gguf_path
-
     engines = {name: Engine.from_config(_config(weight, native=native, threads=threads))
                for name, (weight, native) in SPEED_MODES.items()}
     for name, engine in engines.items():
