@@ -473,6 +473,17 @@ def start_workers(config: KvmeshConfig, app_name: str, worker_id_prefix: str = "
     return handles
 
 
+def find_workers(app_names: Sequence[str]) -> dict:
+    """{actor name: handle} of every live worker actor of the apps `app_names`, found by name
+    (sorted by name: worker 0 first)."""
+    import ray
+
+    pattern = re.compile("|".join(re.escape(worker_actor_name(app, 0)).removesuffix("0") + r"\d+" for app in app_names))
+    names = sorted(actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+                   if actor["namespace"] == WORKER_NAMESPACE and pattern.fullmatch(actor["name"]))
+    return {name: ray.get_actor(name, namespace=WORKER_NAMESPACE) for name in names}
+
+
 def drain_workers(app_names: Sequence[str], grace_s: float, node_id: str | None = None) -> dict[str, int]:
     """Drain every worker of the apps `app_names`, or only those on Ray node `node_id`, all at
     once, each with `grace_s` (WorkerActor.drain); returns {actor name: requests moved} once
@@ -480,10 +491,7 @@ def drain_workers(app_names: Sequence[str], grace_s: float, node_id: str | None 
     has no config)."""
     import ray
 
-    pattern = re.compile("|".join(re.escape(worker_actor_name(app, 0)).removesuffix("0") + r"\d+" for app in app_names))
-    handles = {actor["name"]: ray.get_actor(actor["name"], namespace=WORKER_NAMESPACE)
-               for actor in ray.util.list_named_actors(all_namespaces=True)
-               if actor["namespace"] == WORKER_NAMESPACE and pattern.fullmatch(actor["name"])}
+    handles = find_workers(app_names)
     if node_id is not None:
         infos = ray.get([handle.info.remote() for handle in handles.values()])
         handles = {name: h for (name, h), info in zip(handles.items(), infos) if info.node_id == node_id}
