@@ -23,6 +23,9 @@ one after another against fresh targets, written to a result directory.
         streams:                  # one stream per tenant; each inherits workload/arrival
           - {tenant: heavy, api_key: k1, arrival: {rate: 4}}
           - {tenant: light, api_key: k2, workload: {num_requests: 8}}
+      - name: chaos               # faults done to the cluster during the load (load_tests/faults.py)
+        target: {kind: cluster, redis: true, client_retries: true}
+        faults: {kinds: [kill_worker, redis_stop, redis_restart], every_s: 30}
     checks:                       # the shape the campaign must show (reported, not asserted)
       - {run: continuous, metric: output_token_throughput, op: ">=", baseline: static-batch-8, ratio: 2.0}
       - {run: cancel, metric: final.kv_tokens_used, op: "==", value: 0}
@@ -44,8 +47,9 @@ import yaml
 from kvmesh.load_tests.arrivals import ArrivalSpec
 from kvmesh.load_tests.corpus import TokenCorpus
 from kvmesh.load_tests.driver import DriverRetryPolicy, RunDriver, TenantStream
+from kvmesh.load_tests.faults import FaultPlan
 from kvmesh.load_tests.metrics import SLO, summarize
-from kvmesh.load_tests import peer_targets
+from kvmesh.load_tests import chaos, peer_targets
 from kvmesh.load_tests.grpc_target import ClusterTarget, GrpcTarget
 from kvmesh.load_tests.targets import EngineTarget, OpenAIHttpTarget, Target, TargetRequest
 from kvmesh.load_tests.workloads import LengthDistribution, WorkloadSpec, generate_workload
@@ -57,7 +61,7 @@ from kvmesh.load_tests.report import write_reports
 logger = logging.getLogger(__name__)
 
 _RUN_KEYS = {"name", "target", "config", "workload", "arrival", "retry", "slo", "streams", "warmup_requests",
-             "sample_interval_s", "label", "torch_threads", "optional"}
+             "sample_interval_s", "label", "torch_threads", "optional", "faults"}
 _DEFAULT_SAMPLE_INTERVAL_S = 0.25
 _STREAM_KEYS = {"tenant", "api_key", "workload", "arrival"}
 
@@ -88,6 +92,7 @@ class RunPlan:
     # are fair); None = torch's default. On a shared CPU, 1 avoids OpenMP oversubscription.
     torch_threads: int | None = None
     optional: bool = False  # a target that cannot be built here (llama_cpp missing) is skipped
+    faults: FaultPlan | None = None  # a chaos run (load_tests/faults.py): cluster targets only
 
 
 @dataclass(frozen=True)
@@ -163,6 +168,11 @@ def _plan_run(run: dict, where: str) -> RunPlan:
     _check_config(run.get("config") or {}, f"{where}.config")
     target = dict(run.get("target") or {"kind": "engine"})
     kind = target.pop("kind", "engine")
+    faults = None if run.get("faults") is None else _dataclass_from(FaultPlan, run["faults"], f"{where}.faults")
+    if faults is not None and kind != "cluster":
+        raise InvalidRequestError(f"{where}.faults: faults are done to a cluster the run starts (target.kind: cluster)")
+    if faults is not None and faults.needs_redis and not target.get("redis"):
+        raise InvalidRequestError(f"{where}.faults: redis kinds need a Redis the target owns (target.redis: true)")
     stream_dicts = run.get("streams") or [{}]
     streams = []
     for i, s in enumerate(stream_dicts):
@@ -182,7 +192,7 @@ def _plan_run(run: dict, where: str) -> RunPlan:
                    sample_interval_s=float(run.get("sample_interval_s", _DEFAULT_SAMPLE_INTERVAL_S)),
                    label=str(run.get("label") or run["name"]),
                    torch_threads=None if run.get("torch_threads") is None else int(run["torch_threads"]),
-                   optional=bool(run.get("optional", False)))
+                   optional=bool(run.get("optional", False)), faults=faults)
 
 
 def parse_campaign(data: dict, where: str = "campaign") -> Campaign:
@@ -234,14 +244,20 @@ async def execute_run(plan: RunPlan, corpus: TokenCorpus, allow_remote: bool = F
         import torch
         torch.set_num_threads(plan.torch_threads)
     started = time.time()
+    chaos_part = None
     await target.start()
     try:
         await _warm_up(target, streams[0].requests, plan.warmup_requests)
         driver = RunDriver(target, plan.retry, run_id=plan.name, sample_interval_s=plan.sample_interval_s,
                            progress=progress)
-        result = await driver.run(streams)
+        if plan.faults is None:
+            result = await driver.run(streams)
+        else:
+            result, chaos_part = await chaos.run_on_target(driver, streams, plan.faults, target)
     finally:
         await target.close()
+    if chaos_part is not None:  # greedy references in this process, once the cluster is gone
+        chaos_part = await asyncio.to_thread(chaos.finish, target.config, streams, result.records, chaos_part)
     summary = summarize(result.records, plan.slo)
     tenants = sorted({s.tenant for s in plan.streams})
     by_tenant = ({t: summarize([r for r in result.records if r.tenant_id == t], plan.slo).to_json() for t in tenants}
@@ -252,7 +268,7 @@ async def execute_run(plan: RunPlan, corpus: TokenCorpus, allow_remote: bool = F
             "slo": {"ttft_ms": plan.slo.ttft_ms, "tpot_ms": plan.slo.tpot_ms, "e2e_ms": plan.slo.e2e_ms},
             "started_at": started, "summary": summary.to_json(), "summary_by_tenant": by_tenant,
             "records": [r.to_json() for r in result.records], "server_samples": result.server_samples,
-            "final_server_sample": result.final_server_sample}
+            "final_server_sample": result.final_server_sample, "chaos": chaos_part}
 
 
 def _arrival_json(spec: ArrivalSpec) -> dict:

@@ -98,6 +98,7 @@ class _Attempt:
         self.cancelled = False
         self.degraded = False  # the final delta said the server's ladder degraded it
         self.text_parts: list[str] = []  # kept only for a structured-output request
+        self.token_ids: list[int] | None = None  # None until the target reports ids
 
 
 class RunDriver:
@@ -117,9 +118,19 @@ class RunDriver:
         self.progress = progress
         self._t0 = 0.0
         self._bar = None
+        self._stop_sending = False
 
     def _now_s(self) -> float:
         return self._clock() - self._t0
+
+    def now_s(self) -> float:
+        """Seconds since the run started, on the clock every record's times use."""
+        return self._now_s()
+
+    def stop_sending(self) -> None:
+        """End the load early: no request is sent after this; those under way finish (a chaos
+        run whose faults are all done)."""
+        self._stop_sending = True
 
     async def run(self, streams: list[TenantStream]) -> RunResult:
         """Send every stream's requests; returns when all have finished."""
@@ -172,6 +183,8 @@ class RunDriver:
         tasks = []
         for req, offset in zip(reqs, offsets):
             await self._sleep(max(0.0, offset - self._now_s()))
+            if self._stop_sending:
+                break
             tasks.append(asyncio.create_task(self._send(stream_no, req)))
         return list(await asyncio.gather(*tasks))
 
@@ -181,7 +194,7 @@ class RunDriver:
 
         async def client() -> None:
             for req in pending:  # a shared iterator: each request goes to one client
-                if spec.duration_s is not None and self._now_s() >= spec.duration_s:
+                if self._stop_sending or (spec.duration_s is not None and self._now_s() >= spec.duration_s):
                     return
                 out.append(await self._send(stream_no, req))
 
@@ -237,6 +250,10 @@ class RunDriver:
                         seen.first_token_s = t
                     seen.delta_times_s.append(t)
                     seen.num_tokens += chunk.num_tokens
+                if chunk.token_ids is not None:
+                    if seen.token_ids is None:
+                        seen.token_ids = []
+                    seen.token_ids.extend(chunk.token_ids)
                 if chunk.completion_tokens is not None:
                     seen.completion_tokens = chunk.completion_tokens
                 if chunk.cached_tokens is not None:
@@ -265,7 +282,8 @@ class RunDriver:
                              attempts=attempts, error_code=code, error_message=message,
                              retry_error_codes=tuple(retry_codes), retry_after_s=tuple(advised_s),
                              retry_delay_s=tuple(waited_s), degraded=seen.degraded,
-                             family=req.family, structured_valid=valid)
+                             family=req.family, structured_valid=valid,
+                             output_token_ids=None if seen.token_ids is None else tuple(seen.token_ids))
 
 
 def _planned_count(stream: TenantStream) -> int:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from typing import AsyncIterator
 
+from kvmesh.load_tests.ports import free_port  # noqa: F401 (tests and campaigns import it from here)
 from kvmesh.load_tests.targets import StreamChunk, Target, TargetRequest, check_loopback
 from kvmesh.core.errors import InvalidRequestError, WorkerFailedError
 from kvmesh.router.client import AsyncKvmeshClient
@@ -87,7 +87,8 @@ class GrpcTarget(Target):
                 yield StreamChunk(len(delta.token_ids), finished=delta.finished, text=delta.text,
                                   completion_tokens=usage.completion_tokens if usage else None,
                                   cached_tokens=usage.cached_tokens if usage else None,
-                                  degraded=bool(delta.finished and delta.degraded))
+                                  degraded=bool(delta.finished and delta.degraded),
+                                  token_ids=tuple(delta.token_ids))
 
     async def server_sample(self) -> dict[str, float] | None:
         try:
@@ -102,22 +103,6 @@ class GrpcTarget(Target):
             await self._channel.close()
             self._channel = None
         self._clients.clear()
-
-
-def free_port() -> int:
-    """A port free on every address at this moment. Serve's gRPC proxy binds [::]:port
-    whatever router.host says, and Ray's own servers hold random ports on the node's address:
-    a port probed on 127.0.0.1 alone was free there yet taken on the node's address, and the
-    proxy failed to bind (seen once in a suite run)."""
-    family = socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET
-    try:
-        with socket.socket(family) as s:
-            s.bind(("::" if family == socket.AF_INET6 else "", 0))  # dual-stack wildcard
-            return s.getsockname()[1]
-    except OSError:  # no IPv6 on this host
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
 
 
 def _init_ray_on_this_thread() -> None:
@@ -137,11 +122,14 @@ def _init_ray_on_this_thread() -> None:
 
 
 class ClusterTarget(GrpcTarget):
-    """Start kvmesh (Ray + Serve, local) from the run's config, test it over gRPC, stop it."""
+    """Start kvmesh (Ray + Serve, local) from the run's config, test it over gRPC, stop it.
+    `redis: true` starts a redis-server of its own on a free loopback port (a temp dir, the
+    append-only file on) and points tenants.redis_url at it: the Redis the chaos campaign
+    stops and restarts (load_tests/faults.py)."""
 
     name = "cluster"
 
-    def __init__(self, config: dict, app_name: str = "kvmesh-load", **grpc_options):
+    def __init__(self, config: dict, app_name: str = "kvmesh-load", redis: bool = False, **grpc_options):
         router = dict(config.get("router") or {})
         if router.get("host", "127.0.0.1") not in ("127.0.0.1", "localhost"):
             raise InvalidRequestError("a cluster target serves on loopback only (router.host: 127.0.0.1)")
@@ -149,17 +137,42 @@ class ClusterTarget(GrpcTarget):
         router.setdefault("http_port", free_port())
         self.config = KvmeshConfig.from_dict({**config, "router": router})
         self.app_name = app_name
+        self.wants_redis = redis
+        self.redis = None  # the RedisServer this target owns, once started
+        self._redis_dir = None
         super().__init__(f"127.0.0.1:{self.config.router.grpc_port}", **grpc_options)
 
     async def start(self) -> None:
         from kvmesh.router.launch import start_serving  # Ray Serve: only for a cluster target
 
-        _init_ray_on_this_thread()
-        await asyncio.to_thread(start_serving, self.config, self.app_name)
+        if self.wants_redis:
+            self._start_redis()
+        try:
+            _init_ray_on_this_thread()
+            await asyncio.to_thread(start_serving, self.config, self.app_name)
+        except BaseException:
+            self._stop_redis()  # close() is only called on a started target
+            raise
         await super().start()
+
+    def _start_redis(self) -> None:
+        import tempfile
+
+        from kvmesh.load_tests.redis_server import RedisServer  # a subprocess: only with target.redis
+
+        self._redis_dir = tempfile.TemporaryDirectory(prefix="kvmesh-load-redis-")
+        self.redis = RedisServer.start(self._redis_dir.name)
+        self.config = self.config.replace(tenants={"redis_url": self.redis.url})
 
     async def close(self) -> None:
         from kvmesh.router.launch import stop_serving  # Ray Serve: only for a cluster target
 
         await super().close()
         await asyncio.to_thread(stop_serving, self.config, self.app_name)
+        self._stop_redis()
+
+    def _stop_redis(self) -> None:
+        if self.redis is not None:
+            self.redis.stop()
+            self._redis_dir.cleanup()
+            self.redis = None

@@ -67,6 +67,9 @@ class RequestRecord:
     # a structured-output request that completed: whether its output meets its constraint
     # (load_tests/structured_workload.py); None = free text, not completed, or not checked
     structured_valid: bool | None = None
+    # every token id the request received, in order, across the client's own resumptions
+    # (None: the target streams text only); checked against greedy references (token_check.py)
+    output_token_ids: tuple[int, ...] | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -120,6 +123,8 @@ class RequestRecord:
         kwargs = {k: v for k, v in data.items() if k in names}
         for k in ("delta_times_s", "retry_error_codes", "retry_after_s", "retry_delay_s"):
             kwargs[k] = tuple(kwargs.get(k, ()))
+        if kwargs.get("output_token_ids") is not None:
+            kwargs["output_token_ids"] = tuple(kwargs["output_token_ids"])
         return cls(**kwargs)
 
 

@@ -3,7 +3,7 @@ stack around the engine (ingress, router, worker channels, Ray) is what a run me
 
     NullEngine       the Engine surface AsyncEngine drives (add_request, step, abort, stats, ...)
     NullWorkerActor  a WorkerActor over AsyncEngine(NullEngine): the router's own actor code
-                     (submit, open_channel, poll, abort), only the engine is null
+                     (channel socket, submit, poll, abort), only the engine is null
 
 `start_null_workers` creates the named, detached worker actors before the Serve app is
 deployed; the router replicas' `start_workers` then finds them by name (get_if_exists) and
@@ -26,6 +26,7 @@ from kvmesh.core.errors import OverloadedError
 from kvmesh.core.seams import (FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta, RequestTimings, Usage,
                                WorkerStats)
 from kvmesh.worker.runtime.actor import WorkerActor, WorkerInfo, WorkerPoll, worker_actor_options
+from kvmesh.worker.runtime.channel_server import ChannelServer
 from kvmesh.worker.engine_api import AsyncEngine
 
 NULL_MODEL_NAME = "null"
@@ -178,6 +179,7 @@ class NullWorkerActor(WorkerActor):
                                 block_size=_BLOCK_SIZE, max_model_len=self._engine.engine.max_model_len)
         self._streaming: set[str] = set()
         self._channels: dict = {}
+        self._channel_server = ChannelServer(self._info.incarnation, self)
         self._draining = False
 
     async def poll(self, since_prefix_seq: int) -> WorkerPoll:

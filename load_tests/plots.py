@@ -122,6 +122,33 @@ def server_timeline(results: dict) -> str | None:
     return _png(fig)
 
 
+def fault_timeline(results: dict) -> str | None:
+    """Per chaos run: tokens the clients received per second, each fault a line, its recovery
+    (fault -> whole again) a shaded span."""
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in results["runs"] if r.get("chaos")]
+    if not runs:
+        return None
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 3.2 * len(runs)), squeeze=False)
+    for ax, run in zip(axes[:, 0], runs):
+        times = [t for rec in run["records"] for t in rec.get("delta_times_s") or ()]
+        if times:
+            ax.hist(times, bins=np.arange(0, max(times) + 1.0, 1.0), color="#4477aa", label="deltas received / s")
+        for row in run["chaos"]["faults"]:
+            if row.get("at_s") is None:
+                continue
+            ax.axvline(row["at_s"], color="#b00", lw=1)
+            if row.get("recovery_s") is not None:
+                ax.axvspan(row["at_s"], row["at_s"] + row["recovery_s"], color="#b00", alpha=0.12)
+            ax.annotate(row["kind"], (row["at_s"], 1), xycoords=("data", "axes fraction"), rotation=90,
+                        va="top", ha="right", fontsize=6)
+        ax.set(title=f"{run['name']}: faults (red) and recovery (shaded)", xlabel="s since run start",
+               ylabel="deltas / s")
+        ax.grid(alpha=0.3)
+    return _png(fig)
+
+
 def all_plots(results: dict) -> list[tuple[str, str]]:
     """[(title, base64 png)] for every plot that has data; [] without matplotlib."""
     try:
@@ -133,7 +160,8 @@ def all_plots(results: dict) -> list[tuple[str, str]]:
     out = []
     for title, fn in (("Latency CDFs", latency_cdfs), ("Throughput and goodput vs request rate", throughput_vs_rate),
                       ("TTFT / TPOT percentiles per run", percentile_bars),
-                      ("KV usage and queue length over time", server_timeline)):
+                      ("KV usage and queue length over time", server_timeline),
+                      ("Faults and recovery over time", fault_timeline)):
         png = fn(results)
         if png:
             out.append((title, png))

@@ -140,6 +140,7 @@ def markdown_summary(results: dict) -> str:
     errors = [(run["name"], run["summary"]["errors_by_code"]) for run in results["runs"] if run["summary"]["errors_by_code"]]
     if errors:
         lines += ["", "Errors by code: " + "; ".join(f"{n}: {e}" for n, e in errors)]
+    lines += _chaos_tables(results)
     for skipped in results.get("skipped", []):
         lines += ["", f"Skipped run {skipped['name']}: {skipped['reason']}"]
     checks = evaluate_checks(results)
@@ -172,13 +173,55 @@ def _tenant_table(results: dict) -> list[str]:
     return ["", "## Per tenant", "", head, "|" + "---|" * (len(TENANT_COLUMNS) + 2), *rows]
 
 
-def _markdown_table_to_html(lines: list[str]) -> str:
+# The chaos table (load_tests/chaos.py): one row per fault of a run with a `faults` section.
+CHAOS_COLUMNS = (("#", "index", "{}"), ("fault", "kind", "{}"), ("at s", "at_s", "{:.1f}"), ("hit", "target", "{}"),
+                 ("in flight", "in_flight", "{}"), ("failed", "failed", "{}"), ("missing", "missing", "{}"),
+                 ("repeated", "repeated", "{}"), ("diverged", "diverged", "{}"),
+                 ("recovered in s", "recovery_s", "{:.1f}"), ("error", "error", "{}"))
+
+
+def _chaos_tables(results: dict) -> list[str]:
+    """Per chaos run: its faults, one row each, and the totals line (markdown; [] when none)."""
+    lines = []
+    for run in results["runs"]:
+        chaos = run.get("chaos")
+        if not chaos:
+            continue
+        t = chaos["totals"]
+        lines += ["", f"## Faults: {run['name']}", "",
+                  f"{t['faults']} faults ({t['faults_not_done']} not done, {t['not_recovered']} not recovered in "
+                  f"time), {t['requests']} requests: {t['failed']} failed after the client's retries; "
+                  f"{t['checked']} streams checked against greedy references: {t['ok']} exact, {t['missing']} "
+                  f"missing tokens, {t['repeated']} repeated tokens, {t['diverged']} diverged; KV blocks in use at "
+                  f"the end {t['kv_blocks_used_end']}; slowest recovery {_fmt(t['max_recovery_s'], '{:.1f}')} s.",
+                  "", "| " + " | ".join(c[0] for c in CHAOS_COLUMNS) + " |", "|" + "---|" * len(CHAOS_COLUMNS)]
+        for row in chaos["faults"]:
+            lines.append("| " + " | ".join(_fmt(row.get(key), fmt) for _, key, fmt in CHAOS_COLUMNS) + " |")
+    return lines
+
+
+def _markdown_table_to_html(lines: list[str], title: str = "Per tenant") -> str:
     rows = [line.strip("|").split("|") for line in lines if line.startswith("| ")]
     if not rows:
         return ""
     cells = lambda row, tag: "".join(f"<{tag}>{html.escape(c.strip())}</{tag}>" for c in row)  # noqa: E731
     body = "".join(f"<tr>{cells(r, 'td')}</tr>" for r in rows[1:])
-    return f"<h2>Per tenant</h2><table><thead><tr>{cells(rows[0], 'th')}</tr></thead><tbody>{body}</tbody></table>"
+    return f"<h2>{html.escape(title)}</h2><table><thead><tr>{cells(rows[0], 'th')}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _chaos_html(results: dict) -> str:
+    """Each chaos run's totals line and fault table."""
+    out, block = [], []
+    for line in _chaos_tables(results) + [""]:
+        if line.startswith("## ") or (not line and block and block[-1].startswith("| ")):
+            if block:
+                title = block[0][3:]
+                prose = "".join(f"<p>{html.escape(b)}</p>" for b in block[1:] if b and not b.startswith("|"))
+                out.append(_markdown_table_to_html(block, title).replace("</h2>", "</h2>" + prose, 1))
+            block = [line] if line.startswith("## ") else []
+        elif line or block:
+            block.append(line)
+    return "".join(out)
 
 
 def html_report(results: dict) -> str:
@@ -200,6 +243,7 @@ figure{{display:inline-block;margin:1em}} img{{max-width:640px}}</style></head>
 <p>Metric definitions: docs/load-testing.md (TTFT, TPOT=(E2E-TTFT)/(output-1), ITL, E2E; ms).</p>
 <table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>
 {_markdown_table_to_html(_tenant_table(results))}
+{_chaos_html(results)}
 {''.join(f"<p>Skipped run {esc(s['name'])}: {esc(s['reason'])}</p>" for s in results.get('skipped', []))}
 <h2>Checks</h2><ul>{checks or '<li>none</li>'}</ul>
 <h2>Plots</h2>{figures or '<p>no plots (matplotlib missing or no data)</p>'}

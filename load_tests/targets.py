@@ -68,6 +68,9 @@ class StreamChunk:
     completion_tokens: int | None = None  # the server's count, on the final chunk
     cached_tokens: int | None = None
     degraded: bool = False  # the server's degradation ladder capped it or sent it to its fallback pool
+    # the delta's token ids, where the target sees them (engine, gRPC; the OpenAI HTTP stream
+    # carries text only): what the chaos campaign compares with each prompt's greedy output
+    token_ids: tuple[int, ...] | None = None
 
 
 class Target(ABC):
@@ -155,7 +158,8 @@ class EngineTarget(Target):
                 usage = delta.usage if delta.finished else None
                 yield StreamChunk(num_tokens=len(delta.token_ids), finished=delta.finished, text=delta.text,
                                   completion_tokens=usage.completion_tokens if usage else None,
-                                  cached_tokens=usage.cached_tokens if usage else None)
+                                  cached_tokens=usage.cached_tokens if usage else None,
+                                  token_ids=tuple(delta.token_ids))
 
     async def server_sample(self) -> dict[str, float] | None:
         if self.engine is None:

@@ -10,8 +10,10 @@
 * HTTP stays on Serve's proxy (router/openai_http.py, a FastAPI ingress): Serve 2.60's direct
   ingress gives each replica a port of its own from a range and needs HAProxy in front for
   one address, which a `kvmesh serve` machine does not have (docs/deploy.md).
-* Workers stream to the replica over one channel per worker (router/worker_channels.py): one
-  message per engine step holding the deltas of all of this replica's requests there.
+* Workers stream to the replica over one channel per worker (router/worker_channels.py), a
+  plain authenticated socket (router/channel_connection.py): one message per engine step
+  holding the deltas of all of this replica's requests there; submits and aborts go the
+  other way on it. Ray places, restarts and watches the workers.
 * one `RouterCore` per replica serves both protocols, so auth, quotas, admission, routing and
   error mapping are the same code path whichever protocol a client speaks.
 

@@ -110,6 +110,14 @@ def drain_serving(config: KvmeshConfig, app_name: str = "kvmesh") -> dict[str, i
         return {}
 
 
+def worker_actors(app_name: str = "kvmesh") -> dict:
+    """{actor name: handle} of the app's live worker actors (what an operator, or the chaos
+    campaign, kills, drains or asks for stats)."""
+    from kvmesh.worker.public_api import find_workers  # Ray: only where a cluster runs
+
+    return find_workers([app_name])
+
+
 def stop_serving(config: KvmeshConfig, app_name: str = "kvmesh") -> None:
     """Delete the app, kill its detached workers and metrics board, stop Serve (best effort,
     in that order)."""

@@ -1,7 +1,7 @@
 """The worker side of the router channels (worker/runtime/delta_channel.py), no Ray: one
 message per engine step for all of a replica's requests, merged and bounded when the reader
-lags, ended requests released; the message format (core/delta_wire.py); the worker actor's
-batched submits and aborts; and the machine-fit topology of `kvmesh serve`."""
+lags, ended requests released; the message format (core/delta_wire.py); and the machine-fit
+topology of `kvmesh serve`. The channel's socket: tests/test_channel_socket.py."""
 
 import asyncio
 import random
@@ -12,7 +12,7 @@ from kvmesh.core import delta_wire
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import FinishReason, GenerateRequest, RequestDelta, SamplingParams, Usage
 from kvmesh.router.launch import machine_topology
-from kvmesh.load_tests.null_engine import NullEngine, NullWorkerActor
+from kvmesh.load_tests.null_engine import NullEngine
 from kvmesh.worker.runtime.async_engine import AsyncEngine
 from kvmesh.worker.runtime.delta_channel import DeltaChannel
 
@@ -150,39 +150,6 @@ def test_packed_messages_carry_every_token_and_final_in_order_whatever_the_split
             assert all(not delta_wire.is_plain(i) for i in items if isinstance(i, RequestDelta))
             read += delta_wire.to_request_deltas(items)
         assert _per_sample(read) == _per_sample(deltas), case
-
-
-def test_submit_many_answers_each_request_in_order_and_abort_many_ends_them():
-    """The worker actor's batched calls, over the null engine without Ray: one call's answers
-    are per request (accepted = this incarnation, a duplicate id refused as a value), they
-    reach the engine in order, and `abort_many` ends the accepted ones with ABORT on the channel."""
-    config = KvmeshConfig.from_dict({"scheduler": {"max_num_seqs": 16}})
-
-    async def scenario():
-        actor = NullWorkerActor(config.to_dict(), "worker-0", step_s=0.05)
-        incarnation = actor._info.incarnation
-        channel = actor.open_channel("replica-a")
-        try:
-            assert await anext(channel) == incarnation  # the handshake
-            answers = await actor.submit_many("replica-a", [_request("a", 1000), _request("a", 5),
-                                                            _request("b", 1000, n=2)])
-            await actor.abort_many(["a", "b"])
-            ended: dict[str, list] = {}
-            while len(ended.get("a", [])) < 1 or len(ended.get("b", [])) < 2:
-                items = delta_wire.decode(await asyncio.wait_for(anext(channel), 10))
-                for delta in delta_wire.to_request_deltas(items):
-                    if delta.finished:
-                        ended.setdefault(delta.request_id, []).append(delta.finish_reason)
-            return incarnation, answers, ended, actor._streaming
-        finally:
-            await channel.aclose()
-            await actor._engine.shutdown()
-
-    incarnation, answers, ended, streaming = asyncio.run(scenario())
-    assert answers[0] == incarnation and answers[2] == incarnation
-    assert isinstance(answers[1], RequestDelta) and answers[1].error_type == "InvalidRequestError"
-    assert ended == {"a": [FinishReason.ABORT], "b": [FinishReason.ABORT, FinishReason.ABORT]}
-    assert not streaming
 
 
 @pytest.mark.parametrize("cpus,expected", [(1, (1, 1)), (2, (1, 2)), (4, (1, 4)), (8, (1, 7)), (9, (2, 4)),

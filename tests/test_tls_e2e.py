@@ -30,7 +30,7 @@ APP_NAME = "kvmesh-tls"
 NO_RETRY = RetryPolicy(max_attempts=1)
 RELOAD_CHECK_S = 0.2  # how soon the gRPC edge notices a rotation (router.tls.reload_check_s)
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.shared_ray, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

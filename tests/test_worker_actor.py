@@ -148,37 +148,48 @@ def test_a_resumption_takes_its_id_over_and_a_stale_abort_leaves_it_alone(worker
     a no-op. The same id without resume tokens is still refused."""
     import dataclasses
 
-    import ray
-
     from kvmesh.core import delta_wire
+    from kvmesh.router.channel_connection import ChannelConnection
 
     _wait_idle(worker)
 
-    def deltas_of(message: bytes) -> list[RequestDelta]:
-        return [d for d in delta_wire.to_request_deltas(delta_wire.decode(message)) if d.request_id == "taken"]
+    def deltas_of(message: bytes, request_id: str = "taken") -> list[RequestDelta]:
+        return delta_wire.to_request_deltas([i for i in delta_wire.decode(message)
+                                             if delta_wire.request_id_of(i) == request_id])
 
     async def scenario():
-        old = worker.open_channel.options(num_returns="streaming").remote("replica-old")
-        new = worker.open_channel.options(num_returns="streaming").remote("replica-new")
-        await (await old.__anext__())
-        await (await new.__anext__())  # the handshakes: this incarnation's id
-        assert isinstance(await worker.submit.remote("replica-old", _request("taken", LONG)), str)
+        old = await ChannelConnection.open(worker, "replica-old")
+        new = await ChannelConnection.open(worker, "replica-new")
+        assert old.incarnation == new.incarnation  # the handshakes: this incarnation's id
+        olds, news = old.messages(), new.messages()
+        old.send([("s", _request("taken", LONG))])
         streamed = []
         while len(streamed) < 3:
-            streamed += deltas_of(await (await old.__anext__()))
+            streamed += deltas_of(await anext(olds))
+        new.send([("s", _request("taken", LONG))])  # the same id, no resume tokens
+        refused = []
+        while not refused:
+            refused += deltas_of(await anext(news))
+        assert refused[0].error_type == "InvalidRequestError"
         token_ids = tuple(t for d in streamed for t in d.token_ids)
-        refused = await worker.submit.remote("replica-new", _request("taken", LONG))
-        assert isinstance(refused, RequestDelta) and refused.error_type == "InvalidRequestError"
         resumed = dataclasses.replace(_request("taken", len(token_ids) + 8), resume_token_ids=token_ids,
                                       resume_text_chars=sum(len(d.text) for d in streamed))
-        assert isinstance(await worker.submit.remote("replica-new", resumed), str)
+        new.send([("s", resumed)])
+        while not (streamed and streamed[-1].finished):  # the old run ends: superseded
+            streamed += deltas_of(await anext(olds))
+        assert streamed[-1].finish_reason is FinishReason.ABORT
         assert await worker.abort.remote("taken", "replica-old") is False
-        await worker.abort_many.remote(["taken"], "replica-old")  # the router's batched form
+        # The router's form of the late abort: an op on the old replica's socket, then a probe
+        # behind it, so the abort has been handled once the probe's final comes back.
+        old.send([("a", "taken"), ("s", _request("probe", 1))])
+        probe = []
+        while not (probe and probe[-1].finished):
+            probe += deltas_of(await anext(olds), "probe")
         rest = []
         while not (rest and rest[-1].finished):
-            rest += deltas_of(await (await new.__anext__()))
-        ray.cancel(old)
-        ray.cancel(new)
+            rest += deltas_of(await anext(news))
+        old.close()
+        new.close()
         return rest
 
     rest = asyncio.run(scenario())

@@ -10,6 +10,6 @@ the bottom layer, kvmesh.core. tests/test_layers.py enforces the rule.
 
 from kvmesh.worker.model.grammar import check_structured_output
 from kvmesh.worker.model.tokenizer import load_tokenizer, render_chat
-from kvmesh.worker.runtime.actor import WorkerInfo, WorkerPoll, drain_workers, kill_workers, start_workers
+from kvmesh.worker.runtime.actor import WorkerInfo, WorkerPoll, drain_workers, find_workers, kill_workers, start_workers
 
-__all__ = ["check_structured_output", "WorkerInfo", "WorkerPoll", "drain_workers", "kill_workers", "load_tokenizer", "render_chat", "start_workers"]
+__all__ = ["check_structured_output", "WorkerInfo", "WorkerPoll", "drain_workers", "find_workers", "kill_workers", "load_tokenizer", "render_chat", "start_workers"]

@@ -57,6 +57,8 @@ from kvmesh.core.resources import resolve_worker_num_cpus
 from kvmesh.core import errors
 from kvmesh.core import telemetry
 from kvmesh.core.kv_tier_metrics import KVTierCollector, KVTierFigures
+from kvmesh.core.channel_frames import ChannelAddress
+from kvmesh.worker.runtime.channel_server import ChannelServer
 from kvmesh.worker.runtime.delta_channel import DeltaChannel
 from kvmesh.core.structured_output_metrics import StructuredOutputCollector
 from kvmesh.worker.parallel.placement import (actor_resource_options, engine_placement_group, rank_bundle,
@@ -123,7 +125,8 @@ class WorkerActor:
                                 node_id=_current_node_id(), max_model_len=self._engine.engine.max_model_len,
                                 actor_name=_current_actor_name())
         self._streaming: set[str] = set()  # request ids with a live `generate` stream or channel request
-        self._channels: dict[str, DeltaChannel] = {}  # router replica id -> its channel
+        self._channels: dict[str, DeltaChannel] = {}  # router replica id -> its connection's channel
+        self._channel_server = ChannelServer(self._info.incarnation, self)
         self._draining = False  # leaving the routable set (drain): reported unhealthy, refuses new work
         self._tracer = telemetry.get_tracer(telemetry.setup_tracing(self._config.observability, "kvmesh-worker"))
         engine = self._engine.engine
@@ -185,49 +188,72 @@ class WorkerActor:
             self._streaming.discard(request.request_id)
             self._record_spans(request, final, arrived_at)
 
-    # ---- the router replicas' channels (worker/runtime/delta_channel.py) ----------------------
+    # ---- the router replicas' channels (worker/runtime/channel_server.py) --------------------
 
-    async def open_channel(self, replica_id: str) -> AsyncIterator[bytes]:
-        """Router replica `replica_id`'s channel, called once with num_returns="streaming": one
-        message per engine step holding every delta of that replica's requests here (encoded:
-        core/delta_wire.py). When the stream ends (the replica closed it or is gone), the
-        replica's requests are aborted.
-        The first message is this incarnation's id (the router fails the requests of an
-        incarnation that died: router/worker_channels.py)."""
-        channel = self._channel(replica_id)
-        try:
-            yield self._info.incarnation
-            async for batch in channel.batches():
-                yield batch
-        finally:
-            if self._channels.get(replica_id) is channel:
-                del self._channels[replica_id]
-            for request_id in channel.request_ids():
-                await self._engine.abort(request_id)
+    async def channel_address(self) -> ChannelAddress:
+        """Where router replicas connect for their channel (one socket each: every step's
+        deltas of that replica's requests out, its submits and aborts in), and the token
+        they must send first; the server starts at the first call, on the node's IP."""
+        return await self._channel_server.start(_current_node_ip())
 
-    async def submit(self, replica_id: str, request: GenerateRequest) -> str | RequestDelta:
-        """Start `request`, its deltas going out on `replica_id`'s channel; returns once the
-        engine accepted it (this incarnation's id) or with the refusal as an error delta
-        (errors as values, as `generate`'s), which the router raises as the typed error."""
-        return (await self.submit_many(replica_id, [request]))[0]
+    async def channel_watch(self, connection_id: str) -> None:
+        """Returns when the channel connection `connection_id` ends. The replica keeps this
+        call pending while its connection is open, so Ray tells it of this actor's or its
+        node's loss even when no FIN reaches the socket (a node gone, a process frozen)."""
+        await self._channel_server.wait_closed(connection_id)
 
-    async def submit_many(self, replica_id: str, requests: list[GenerateRequest]) -> list[str | RequestDelta]:
-        """`submit` for several requests in one actor call (a router replica sends what one
-        tick of its event loop submitted to this worker: router/worker_channels.py), one
-        answer each, in order. They reach the engine in this order, before any abort the
-        router sent after this call."""
-        # A resumption of a run still streaming here (its router replica stopped or died before
-        # the abort came) first ends that run and takes the id over; the others start at once.
+    # channel_opened / channel_ops / channel_closed: called by the ChannelServer on this
+    # actor's event loop (a DeltaChannel does not cross Ray).
+
+    def channel_opened(self, replica_id: str, channel: DeltaChannel) -> None:
+        self._channels[replica_id] = channel
+
+    def channel_ops(self, replica_id: str, channel: DeltaChannel, ops: list[tuple[str, object]]) -> None:
+        """One OPS frame from a replica, in order: ("s", GenerateRequest) submits, ("a", id)
+        aborts (only of what streams on this channel: a client's resumption through another
+        replica may hold the id). Consecutive submits start as one batch (`_submit_on`);
+        a refusal reaches the replica as the request's error delta on the channel."""
+        batch: list[GenerateRequest] = []
+        for kind, arg in ops:
+            if kind == "s":
+                batch.append(arg)
+                continue
+            if batch:
+                self._submit_on(channel, batch).add_done_callback(_refusals_to(channel, batch))
+                batch = []
+            if arg in channel:
+                self._engine.abort_nowait(arg)
+        if batch:
+            self._submit_on(channel, batch).add_done_callback(_refusals_to(channel, batch))
+
+    def channel_closed(self, replica_id: str, channel: DeltaChannel) -> None:
+        """The replica's connection ended (closed, stopped, or gone): its requests here stop."""
+        if self._channels.get(replica_id) is channel:
+            del self._channels[replica_id]
+        for request_id in channel.request_ids():
+            self._engine.abort_nowait(request_id)
+
+    def _submit_on(self, channel: DeltaChannel, requests: list[GenerateRequest]) -> asyncio.Future:
+        """Start `requests` with their deltas going to `channel`; they reach the engine in this
+        order before this returns (so before any abort that follows them), except a
+        resumption of a run still streaming here (its router replica stopped or died before
+        the abort came), which first ends that run and takes the id over. The future
+        resolves to one answer each, in order: this incarnation's id once the engine
+        accepted it, or the refusal as an error delta (errors as values)."""
         superseding = [r.request_id in self._streaming and bool(r.resume_token_ids) for r in requests]
-        started = [None if waits else self._start(replica_id, r) for r, waits in zip(requests, superseding)]
+        started = [None if waits else self._start(channel, r) for r, waits in zip(requests, superseding)]
+        return asyncio.ensure_future(self._answers(channel, requests, superseding, started))
+
+    async def _answers(self, channel, requests, superseding, started) -> list[str | RequestDelta]:
         for i, request in enumerate(requests):
             if superseding[i]:
                 await self._superseded(request.request_id)
-                started[i] = self._start(replica_id, request)
+                started[i] = (self._start(channel, request) if not channel.closed else
+                              ErrorReport("WorkerFailedError", "channel closed").as_delta(request.request_id))
         return [answer if isinstance(answer, (str, RequestDelta)) else await self._answer(request, answer)
                 for request, answer in zip(requests, started)]
 
-    def _start(self, replica_id: str, request: GenerateRequest):
+    def _start(self, channel: DeltaChannel, request: GenerateRequest):
         """A refusal (error delta) now, or what to await for the engine's answer; the request
         is queued for the engine before this returns unless its prefix is pulled first."""
         if self._draining:  # as in `generate`: retryable, the router re-routes it
@@ -236,7 +262,6 @@ class WorkerActor:
         if request.request_id in self._streaming:
             return ErrorReport("InvalidRequestError",
                                f"request id {request.request_id!r} is already in flight").as_delta(request.request_id)
-        channel = self._channel(replica_id)
         arrived_at = time.time()
         self._streaming.add(request.request_id)
 
@@ -271,14 +296,6 @@ class WorkerActor:
         logger.error("request %s failed in the engine", request.request_id, exc_info=exc)
         return ErrorReport("WorkerFailedError", f"engine failure: {exc!r}").as_delta(request.request_id)
 
-    def _channel(self, replica_id: str) -> DeltaChannel:
-        """The replica's channel; made by whichever of open_channel and submit comes first
-        (a submit may overtake a reopened channel's stream: its deltas wait in the buffer)."""
-        channel = self._channels.get(replica_id)
-        if channel is None:
-            channel = self._channels[replica_id] = DeltaChannel(asyncio.get_running_loop())
-        return channel
-
     def _record_spans(self, request: GenerateRequest, final: RequestDelta | None, arrived_at: float) -> None:
         """kvmesh.worker.* spans for the request, in this process; a request that never got a
         final delta (cancelled, refused) still gets its generate span, marked abort/error."""
@@ -309,7 +326,7 @@ class WorkerActor:
         stream up must not end the client's resumption of it, which took the id since."""
         if replica_id is not None:
             channel = self._channels.get(replica_id)
-            if channel is None or request_id not in channel.request_ids():
+            if channel is None or request_id not in channel:
                 return False
         known = request_id in self._streaming
         await self._engine.abort(request_id)
@@ -325,12 +342,6 @@ class WorkerActor:
                 return False
             await asyncio.sleep(DRAIN_POLL_S)
         return True
-
-    async def abort_many(self, request_ids: list[str], replica_id: str | None = None) -> None:
-        """`abort` for what one tick of a router replica's event loop gave up on here (with
-        `replica_id`: only what still streams to that replica, as `abort`)."""
-        for request_id in request_ids:
-            await self.abort(request_id, replica_id)
 
     async def stats(self) -> WorkerStats:
         stats = await self._engine.stats_async()
@@ -385,7 +396,34 @@ class WorkerActor:
         return self._engine.block_extra_keys(cache_salt, adapter)
 
     async def shutdown(self) -> None:
+        self._channel_server.close()
         await self._engine.shutdown()
+
+
+def _refusals_to(channel: DeltaChannel, requests: list[GenerateRequest]):
+    """A done-callback of `_submit_on`'s future: each refusal onto the channel as its
+    request's error delta."""
+    def put(answers: asyncio.Future) -> None:
+        if answers.cancelled():
+            return
+        exc = answers.exception()
+        if exc is not None:  # a bug, not a refusal: the replica must not wait for ever
+            logger.error("submitting on a channel failed", exc_info=exc)
+            report = ErrorReport("WorkerFailedError", f"submit failed: {exc!r}")
+            refusals = [report.as_delta(r.request_id) for r in requests]
+        else:
+            refusals = [a for a in answers.result() if isinstance(a, RequestDelta)]
+        for refusal in refusals:
+            channel.refuse(refusal)
+    return put
+
+
+def _current_node_ip() -> str:
+    """The IP Ray uses for this node (the channel server listens there, never on every
+    interface); loopback outside Ray."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
 def _current_actor_name() -> str:
@@ -435,6 +473,17 @@ def start_workers(config: KvmeshConfig, app_name: str, worker_id_prefix: str = "
     return handles
 
 
+def find_workers(app_names: Sequence[str]) -> dict:
+    """{actor name: handle} of every live worker actor of the apps `app_names`, found by name
+    (sorted by name: worker 0 first)."""
+    import ray
+
+    pattern = re.compile("|".join(re.escape(worker_actor_name(app, 0)).removesuffix("0") + r"\d+" for app in app_names))
+    names = sorted(actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+                   if actor["namespace"] == WORKER_NAMESPACE and pattern.fullmatch(actor["name"]))
+    return {name: ray.get_actor(name, namespace=WORKER_NAMESPACE) for name in names}
+
+
 def drain_workers(app_names: Sequence[str], grace_s: float, node_id: str | None = None) -> dict[str, int]:
     """Drain every worker of the apps `app_names`, or only those on Ray node `node_id`, all at
     once, each with `grace_s` (WorkerActor.drain); returns {actor name: requests moved} once
@@ -442,10 +491,7 @@ def drain_workers(app_names: Sequence[str], grace_s: float, node_id: str | None 
     has no config)."""
     import ray
 
-    pattern = re.compile("|".join(re.escape(worker_actor_name(app, 0)).removesuffix("0") + r"\d+" for app in app_names))
-    handles = {actor["name"]: ray.get_actor(actor["name"], namespace=WORKER_NAMESPACE)
-               for actor in ray.util.list_named_actors(all_namespaces=True)
-               if actor["namespace"] == WORKER_NAMESPACE and pattern.fullmatch(actor["name"])}
+    handles = find_workers(app_names)
     if node_id is not None:
         infos = ray.get([handle.info.remote() for handle in handles.values()])
         handles = {name: h for (name, h), info in zip(handles.items(), infos) if info.node_id == node_id}

@@ -185,7 +185,7 @@ class AsyncEngine:
         """`submit`'s first half, with no await: validates (raises InvalidRequestError), queues
         the request for the step thread and returns the future `accepted` waits on. Requests
         queued one after another reach the scheduler in that order, in the same step (the
-        worker actor's `submit_many`)."""
+        worker actor's `_submit_on`)."""
         request_id = request.request_id
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
@@ -234,6 +234,10 @@ class AsyncEngine:
             pass
 
     async def abort(self, request_id: str) -> None:
+        self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """`abort` without an await: queued for the step thread behind everything queued before."""
         self._inbox.put(_Abort(request_id))
         self._wakeup.set()
 

@@ -2,24 +2,24 @@
 replica's requests in one message, as vLLM v1's engine core sends one EngineCoreOutputs per step.
 
     router replica R                          worker actor W
-      open_channel(R)  ──Ray streaming call──>  DeltaChannel(R).batches()   (one, long-lived)
-      submit(R, request) ─────────────────────>  AsyncEngine.submit(request, channel R)
-                          <── [deltas of step k for every request of R on W] ──
-                          <── [deltas of step k+1 ...] ──
-      abort(request_id)  ─────────────────────>  engine abort -> its ABORT delta on the channel
+      connect (socket: worker/runtime/channel_server.py)  ──>  DeltaChannel(R).batches()   (one per connection)
+      OPS [submit request, ...] ──────────────────────────>  AsyncEngine.submit(request, channel R)
+                          <── DELTAS [deltas of step k for every request of R on W] ──
+                          <── DELTAS [deltas of step k+1 ...] ──
+      OPS [abort request_id] ─────────────────────────────>  engine abort -> its ABORT delta on the channel
 
 A message per request per step made the stack's CPU grow with the batch (at batch 64, 64
 messages a step crossing Ray, the router and the ingress: docs/deploy.md); on the channel it
 is one message a step whatever the batch, and the router fans the deltas out to its streams.
 
-Backpressure, bounded: the router opens the stream with Ray's generator backpressure, so when
-a slow replica has that many messages unread the generator waits at its `yield`. Meanwhile
+Backpressure, bounded: when a slow replica leaves the socket's buffer full, the server's writer
+waits at `drain` (TCP flow control) between two messages of `batches`. Meanwhile
 the step thread keeps calling `put`, and what arrives waits per request, to leave as one
 merged item per sample run (core/delta_wire.py's `pack`) in the next message: the replica
 gets one message however long it stalled, never a growing list of messages.
 
 Lives on the actor's event loop: `put` is called there (AsyncEngine's dispatch hands it the
-step's deltas with one call_soon_threadsafe per step), and so is `batches`.
+step's deltas with one call_soon_threadsafe per step), and so is `batches` (the connection's writer).
 """
 
 from __future__ import annotations
@@ -53,6 +53,16 @@ class DeltaChannel:
         self._samples_left.pop(request_id, None)
         self._on_end.pop(request_id, None)
 
+    def __contains__(self, request_id: str) -> bool:
+        """True while `request_id` is live on this channel."""
+        return request_id in self._samples_left
+
+    def refuse(self, refusal: RequestDelta) -> None:
+        """A request the worker refused (never opened here, or forgotten): its error delta
+        goes out in the next message, as the last word on it."""
+        self._pending.setdefault(refusal.request_id, []).append(refusal)
+        self._ready.set()
+
     def request_ids(self) -> list[str]:
         """The live requests on this channel."""
         return list(self._samples_left)
@@ -74,6 +84,10 @@ class DeltaChannel:
     def put_all(self, deltas: list[RequestDelta]) -> None:
         for delta in deltas:
             self.put(delta)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         self._closed = True
