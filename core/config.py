@@ -285,7 +285,7 @@ class RouterConfig:
     grpc_port: int = 50051
     http_port: int = 8000
     num_replicas: int = 1
-    policy: str = "prefix_aware"  # prefix_aware | predicted_latency | least_loaded | round_robin
+    policy: str = "predicted_latency"  # predicted_latency | prefix_aware | least_loaded | round_robin
     # Prefix affinity yields to load when the preferred worker's load exceeds the least
     # loaded worker's by both of these (load: tokens still to compute, router/routing.py).
     imbalance_ratio: float = 1.5
