@@ -102,9 +102,10 @@ class LlamaCpp:
         self.proc.wait(timeout=30)
 
 
-def bench_speed(rounds: int, tokens: int, batches: list[int], llama_python: str | None, threads: int) -> None:
+def bench_speed(rounds: int, tokens: int, batches: list[int], llama_python: str | None, threads: int,
+                modes: list[str]) -> None:
     engines = {name: Engine.from_config(_config(weight, native=native, threads=threads))
-               for name, (weight, native) in SPEED_MODES.items()}
+               for name, (weight, native) in SPEED_MODES.items() if name in modes}
     for name, engine in engines.items():
         print(f"{name}: CPU step {engine.runner.cpu_step.describe()}")
     runners = {name: (lambda b, t, tag, e=e: _decode_tok_s(e, b, t, tag)) for name, e in engines.items()}
@@ -131,9 +132,10 @@ def bench_speed(rounds: int, tokens: int, batches: list[int], llama_python: str 
         for name in runners:
             if (name, batch) not in med:
                 continue
-            base, ref = med[("eager-fp32", batch)], med.get(("llama.cpp", 1))
+            base, ref = med.get(("eager-fp32", batch)), med.get(("llama.cpp", 1))
+            vs_eager = f"{med[(name, batch)] / base:10.2f}" if base else "         -"
             vs_llama = f"{med[(name, batch)] / ref:8.2f}" if ref and batch == 1 else "       -"
-            print(f"{name:12s} {batch:6d}  {med[(name, batch)]:6.1f}   {med[(name, batch)] / base:10.2f}   "
+            print(f"{name:12s} {batch:6d}  {med[(name, batch)]:6.1f}   {vs_eager}   "
                   f"{vs_llama}               {' '.join(f'{v:.1f}' for v in rates[(name, batch)])}")
 
 
@@ -171,6 +173,7 @@ def main() -> None:
     parser.add_argument("--load-only", choices=MODES, help="(child process) load one mode, print its memory")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--modes", default=",".join(SPEED_MODES), help="a subset of " + ", ".join(SPEED_MODES))
     parser.add_argument("--threads", type=int, default=2, help="engine threads (parallel.cpu_threads) and llama.cpp's")
     parser.add_argument("--llama-python", help="an interpreter with llama_cpp installed: llama.cpp on the same file")
     args = parser.parse_args()
@@ -180,7 +183,8 @@ def main() -> None:
     if not args.skip_memory:
         bench_memory()
     if not args.skip_speed:
-        bench_speed(args.rounds, args.tokens, [int(b) for b in args.batch.split(",")], args.llama_python, args.threads)
+        bench_speed(args.rounds, args.tokens, [int(b) for b in args.batch.split(",")], args.llama_python, args.threads,
+                    args.modes.split(","))
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ import torch
 
 from kvmesh.core.config import CPU_NATIVE_MAX_TOKENS
 from kvmesh.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from kvmesh.quant.primitives import quantize_int8_per_channel
 from kvmesh.worker.kernels import cpu_abi, cpu_build
 
 logger = logging.getLogger(__name__)
@@ -235,6 +236,7 @@ class ModelDescription:
     keep: list[torch.Tensor]
     weight_kind: int
     amx_packed_bytes: int
+    int8_head_bytes: int = 0  # the quantized step's int8 copy of a float LM head
 
 
 def describe(model, kv_caches: list, int8_activations: bool = False,
@@ -274,6 +276,15 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
         raise NotTaken("projections of mixed kinds (or int4 groups / scale dtypes)")
     (first,) = layouts.values()
     head = _lm_head(model.lm_head, dtype)
+    head_copy_bytes = 0
+    if first.kind == _W_I4 and int8_activations and head.kind != _W_I8:
+        # The quantized step's LM head: the float head (SmolLM2's is the tied embedding, 113 MB
+        # in fp32, twice its int4 layers' bytes) read as int8 rows with one scale each, a copy
+        # made once: at batch 1 the head's bytes, not the int4 layers', were the step's largest
+        # read. Its activations stay fp32 (the step's final hidden state).
+        codes, scales = quantize_int8_per_channel(head.weight)
+        head = Projection(_W_I8, codes, scales.to(dtype))
+        head_copy_bytes = codes.nbytes + head.scales.nbytes
     lm_kind, lm, lm_scales = head.kind, head.weight, head.scales
     final_norm = model.model.norm.weight
     cos, sin = model.rotary.cos, model.rotary.sin_signed
@@ -304,7 +315,8 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
         rms_norm_eps=float(cfg.rms_norm_eps), embed=_ptr(embed), final_norm=_ptr(final_norm), rope_cos=_ptr(cos),
         rope_sin=_ptr(sin), lm_head_weight=_ptr(lm), lm_head_scales=_ptr(lm_scales), lm_head_packed=_ptr(packed[-1]),
         layers=ctypes.addressof(array))
-    return ModelDescription(descriptor, array, keep, weight_kind, sum(t.nbytes for t in packed if t is not None))
+    return ModelDescription(descriptor, array, keep, weight_kind, sum(t.nbytes for t in packed if t is not None),
+                            head_copy_bytes)
 
 
 class NativeDecoder:
@@ -332,6 +344,7 @@ class NativeDecoder:
         # int8 weights as int8 x int8 AMX products (the self-draft's layers)
         self.int8_amx = int8_activations and bool(kernels.features & _FEATURE_AMX_INT8) and kind == _W_I8
         self.amx_packed_bytes = description.amx_packed_bytes  # bf16 weights re-laid for AMX tiles
+        self.int8_head_bytes = description.int8_head_bytes
         # what the layers' projections run on: AMX tiles, VDPBF16PS or FMAs (fp32, or widened)
         # what the layers' projections run on: AMX tiles, VDPBF16PS, AVX-512 FMAs ("fma", fp32 or
         # widened), AVX2 FMAs ("avx2", the avx2 build), or int4 groups dequantized in AVX2 registers

@@ -86,10 +86,12 @@ class CpuModelRunner(ModelRunner):
             logger.warning("native step not taken for %s (%s): eager forward", what, why)
             return CpuStepPath("torch", str(why))
         self.native_decoder = decoder
-        logger.info("native step on for %s, steps of <= %d tokens, projections by %s (%s build)%s%s", what,
+        logger.info("native step on for %s, steps of <= %d tokens, projections by %s (%s build)%s%s%s", what,
                     max_tokens, decoder.path, decoder.variant,
                     f", {decoder.amx_packed_bytes / 2**20:.0f} MiB of weights re-laid for its tiles"
                     if decoder.amx_packed_bytes else "",
+                    f", the LM head as an int8 copy ({decoder.int8_head_bytes / 2**20:.0f} MiB)"
+                    if decoder.int8_head_bytes else "",
                     ", int8 projections as int8 x int8 AMX products" if decoder.int8_amx else "")
         return CpuStepPath(decoder.path, "", max_tokens, decoder.variant)
 

@@ -144,22 +144,25 @@ typedef struct {
     int8_t *q;       /* [B][K] the blocks' inputs: even inputs then odd ones */
     float *scale;    /* [B][K / 32] */
     float *sum;      /* [B][K / 32] the fp32 inputs' sum */
+    float *meta;     /* [2 + MAX_TOKENS_A_PASS][K / 32]: one row's block scales, shifts, scale products */
 } Int8Rows;
 
 static Int8Rows int8_rows(const float *x, int64_t ldx, int64_t B, int64_t K) {
     static __thread void *buf;
     static __thread size_t cap;
-    const size_t need = (size_t)(B * K) + sizeof(float) * (size_t)(2 * B * (K / 32)) + 64;
+    /* + the row's block scales and shifts, and MAX_TOKENS_A_PASS rows of scale products */
+    const size_t need = (size_t)(B * K) + sizeof(float) * (size_t)((2 * B + 2 + MAX_TOKENS_A_PASS) * (K / 32)) + 64;
     if (cap < need) {
         free(buf);
         buf = malloc(need);
         cap = buf ? need : 0;
     }
-    Int8Rows r = {0, 0, 0};
+    Int8Rows r = {0, 0, 0, 0};
     if (!buf) return r;
     r.scale = (float *)buf;
     r.sum = r.scale + B * (K / 32);
-    r.q = (int8_t *)(r.sum + B * (K / 32));
+    r.meta = r.sum + B * (K / 32);
+    r.q = (int8_t *)(r.meta + (2 + MAX_TOKENS_A_PASS) * (K / 32));
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i evens = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
     for (int64_t b = 0; b < B; b++)
@@ -196,59 +199,97 @@ static Int8Rows int8_rows(const float *x, int64_t ldx, int64_t B, int64_t K) {
     return r;
 }
 
-/* One int4 row against C tokens' int8 rows: res[j] = W[n] . x[j] */
+/* Row n's per-block scale and shift (min + (8 - zero) * scale, what the centred codes leave out)
+   into meta[0 .. blocks) and meta[blocks .. 2 blocks): eight groups a vector where each block
+   is a group with fp16 metadata (GGUF Q4_0 / Q4_1), else one group at a time. */
+static void int4_block_meta(const kvmesh_int4 *p, int64_t n, int64_t K, float *meta) {
+    const int64_t groups = K / p->group, blocks = K / 32, per = p->group / 32;
+    float *scale = meta, *shift = meta + blocks;
+    int64_t g = 0;
+    if (per == 1 && p->scale_dtype == META_F16 && p->zero_dtype == META_F16 && (!p->mins || p->min_dtype == META_F16))
+        for (; g + 8 <= groups; g += 8) {
+            const int64_t at = n * groups + g;
+            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p->scales + at)));
+            const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p->zeros + at)));
+            const __m256 m = p->mins ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p->mins + at)))
+                                     : _mm256_setzero_ps();
+            _mm256_storeu_ps(scale + g, s);
+            _mm256_storeu_ps(shift + g, _mm256_fmadd_ps(_mm256_sub_ps(_mm256_set1_ps(8.0f), z), s, m));
+        }
+    for (; g < groups; g++) {
+        const int64_t at = n * groups + g;
+        const float s = load_meta(p->scales, at, p->scale_dtype);
+        const float shifted = (p->mins ? load_meta(p->mins, at, p->min_dtype) : 0.0f)
+                              + (8.0f - load_meta(p->zeros, at, p->zero_dtype)) * s;
+        for (int64_t b = g * per; b < (g + 1) * per; b++) { scale[b] = s; shift[b] = shifted; }
+    }
+}
+
+/* sum of a[i] * b[i], i < n */
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float total = hsum8(acc);
+    for (; i < n; i++) total += a[i] * b[i];
+    return total;
+}
+
+/* One int4 row against C tokens' int8 rows: res[j] = W[n] . x[j]. meta: the row's block scales
+   and shifts (int4_block_meta); sx: room for C x blocks products of the block scale and each
+   token's block scale, so the inner loop broadcasts one float from memory a block and token. */
 static inline __attribute__((always_inline)) void int4_row_i8(const kvmesh_int4 *p, int64_t n, int64_t K,
                                                               const Int8Rows *xr, const int64_t b0, const int C,
-                                                              const int prefetch, float *res) {
-    const int64_t groups = K / p->group, blocks = K / 32;
+                                                              const int prefetch, const float *meta, float *sx,
+                                                              float *res) {
+    const int64_t blocks = K / 32;
     const uint8_t *codes = p->codes + n * (K / 2);
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     const __m256i ones = _mm256_set1_epi16(1), eight = _mm256_set1_epi8(8);
     __m256 acc[MAX_TOKENS_A_PASS];
-    float offset[MAX_TOKENS_A_PASS];
     #pragma GCC unroll 8
-    for (int j = 0; j < C; j++) { acc[j] = _mm256_setzero_ps(); offset[j] = 0.0f; }
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t at = n * groups + g;
-        const float scale = load_meta(p->scales, at, p->scale_dtype);
-        const float shift = (p->mins ? load_meta(p->mins, at, p->min_dtype) : 0.0f)
-                            + (8.0f - load_meta(p->zeros, at, p->zero_dtype)) * scale;
-        for (int64_t k = g * p->group; k < (g + 1) * p->group; k += 32) {
-            if (prefetch && (k & 127) == 0) _mm_prefetch((const char *)codes + PREFETCH_ROWS * (K / 2) + k / 2, _MM_HINT_T0);
-            const __m128i v = _mm_loadu_si128((const __m128i *)(codes + k / 2));
-            /* codes - 8, evens | odds: centred, so the int8 products' sum and the fp32 offset term
-               stay small beside the result (codes 0..15 against a zero near 8 would make them
-               both large and cancel) */
-            const __m256i q = _mm256_sub_epi8(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4),
-                                              eight);
-            const __m256i aq = _mm256_sign_epi8(q, q);  /* |q| for VPMADDUBSW's unsigned operand */
-            const int64_t blk = k / 32;
-            #pragma GCC unroll 8
-            for (int j = 0; j < C; j++) {
-                const int64_t row = (b0 + j) * blocks + blk;
-                const __m256i xq = _mm256_loadu_si256((const __m256i *)(xr->q + (b0 + j) * K + k));
-                const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(xq, q)), ones);
-                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale * xr->scale[row]), acc[j]);
-                offset[j] += shift * xr->sum[row];
-            }
+    for (int j = 0; j < C; j++) {
+        acc[j] = _mm256_setzero_ps();
+        const float *xs = xr->scale + (b0 + j) * blocks;
+        int64_t b = 0;
+        for (; b + 8 <= blocks; b += 8)
+            _mm256_storeu_ps(sx + j * blocks + b, _mm256_mul_ps(_mm256_loadu_ps(meta + b), _mm256_loadu_ps(xs + b)));
+        for (; b < blocks; b++) sx[j * blocks + b] = meta[b] * xs[b];
+    }
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const int64_t k = blk * 32;
+        if (prefetch && (k & 127) == 0) _mm_prefetch((const char *)codes + PREFETCH_ROWS * (K / 2) + k / 2, _MM_HINT_T0);
+        const __m128i v = _mm_loadu_si128((const __m128i *)(codes + k / 2));
+        /* codes - 8, evens | odds: centred, so the int8 products' sum and the fp32 shift term
+           stay small beside the result (codes 0..15 against a zero near 8 would make them
+           both large and cancel) */
+        const __m256i q = _mm256_sub_epi8(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4), eight);
+        const __m256i aq = _mm256_sign_epi8(q, q);  /* |q| for VPMADDUBSW's unsigned operand */
+        #pragma GCC unroll 8
+        for (int j = 0; j < C; j++) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(xr->q + (b0 + j) * K + k));
+            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(xq, q)), ones);
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(sx + j * blocks + blk), acc[j]);
         }
     }
     #pragma GCC unroll 8
-    for (int j = 0; j < C; j++) res[j] = hsum8(acc[j]) + offset[j];
+    for (int j = 0; j < C; j++) res[j] = hsum8(acc[j]) + dot_f32(meta + blocks, xr->sum + (b0 + j) * blocks, blocks);
 }
 
 void kvmesh_gemv_int4(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, const float *x, int64_t ldx,
                       int64_t B, float *y, int64_t ldy, const int a8) {
     float res[MAX_TOKENS_A_PASS];
-    Int8Rows xr = {0, 0, 0};
+    Int8Rows xr = {0, 0, 0, 0};
     if (a8) xr = int8_rows(x, ldx, B, K);
     const int int8 = xr.q != 0;  /* no memory for the int8 rows: the fp32 path */
-    for (int64_t n = n0; n < n1; n++)
+    const int64_t blocks = K / 32;
+    for (int64_t n = n0; n < n1; n++) {
+        if (int8) int4_block_meta(p, n, K, xr.meta);
         for (int64_t b = 0; b < B; b += MAX_TOKENS_A_PASS) {
             const int64_t c = B - b < MAX_TOKENS_A_PASS ? B - b : MAX_TOKENS_A_PASS;
             const float *xb = x + b * ldx;
             const int pf = b == 0;
-#define INT4_ROW(C) do { if (int8) int4_row_i8(p, n, K, &xr, b, C, pf, res); \
+#define INT4_ROW(C) do { if (int8) int4_row_i8(p, n, K, &xr, b, C, pf, xr.meta, xr.meta + 2 * blocks, res); \
                          else int4_row(p, n, K, xb, ldx, C, pf, res); } while (0)
             switch (c) {
                 case 8: INT4_ROW(8); break;
@@ -263,4 +304,5 @@ void kvmesh_gemv_int4(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, c
 #undef INT4_ROW
             for (int64_t j = 0; j < c; j++) y[(b + j) * ldy + n] = res[j];
         }
+    }
 }
