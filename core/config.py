@@ -71,13 +71,14 @@ class ModelConfig:
     # system C compiler; worker/kernels/cpu_paged_attention.py), instead of gathering each
     # row's blocks and running SDPA per group. false = always the gather + SDPA path.
     cpu_decode_kernel: bool = True
-    # CPU, AVX-512: steps of at most this many tokens (small decode batches, short prefill
+    # CPU: steps of at most this many tokens (small decode batches, short prefill
     # chunks, speculative verify rows) run the whole layer stack and the LM head as one native
-    # call (worker/kernels/cpu_native_step.py: GEMVs over the model's own fp32 / bf16 / int8
-    # weights, the same paged KV cache); larger steps and what it does not take run eagerly.
+    # call (worker/kernels/cpu_native_step.py: GEMVs over the model's own fp32 / bf16 / int8 /
+    # int4 weights, the same paged KV cache); larger steps and what it does not take run eagerly.
     # None = auto: for 16-bit models 64 on CPUs with AMX (its projections are AMX tiles too),
     # else 12 tokens per torch thread, at most 24 (where it measured faster than eager's GEMMs);
-    # 0 (off) for fp32, the token-exact reference path; 0 = off for any dtype.
+    # 0 (off) for fp32 float weights, the token-exact reference path; fp32 int8 as 16-bit,
+    # fp32 int4 64 (eager dequantizes every call); 0 = off for any dtype.
     cpu_native_max_tokens: int | None = None
 
     def validate(self) -> None:
@@ -284,7 +285,7 @@ class RouterConfig:
     grpc_port: int = 50051
     http_port: int = 8000
     num_replicas: int = 1
-    policy: str = "prefix_aware"  # prefix_aware | predicted_latency | least_loaded | round_robin
+    policy: str = "predicted_latency"  # predicted_latency | prefix_aware | least_loaded | round_robin
     # Prefix affinity yields to load when the preferred worker's load exceeds the least
     # loaded worker's by both of these (load: tokens still to compute, router/routing.py).
     imbalance_ratio: float = 1.5

@@ -1,13 +1,25 @@
-"""The embedded GGUF served dequantized (quant.weight none, the default) against kept in its
-own quantization (quant.weight gguf): decode speed A/B and resident memory by mode.
+"""The embedded GGUF by mode: decode speed of the CPU step's paths, llama.cpp on the same file,
+and resident memory dequantized (quant.weight none, the default) against kept (quant.weight gguf).
 
     python -m kvmesh.load_tests.bench_gguf [--rounds 4] [--tokens 48] [--batch 1,8]
+        [--threads 2] [--llama-python /path/to/venv/bin/python] [--skip-memory]
 
-Speed: both engines live in one process and decode in alternating rounds (A B A B ...), so
-the shared box's drift hits both alike; it prints tokens/s per mode and batch and the ratio
-gguf / none. Memory: each mode loads in a fresh child process (`--load-only MODE`), which
-reports its RSS after the imports, after the engine is up, and the engine's weight / KV
-pool bytes, so RSS growth can be held against what the engine says it holds.
+Speed: every mode's engine lives in one process and they decode in alternating rounds (the
+order reversed every other round), so the shared box's drift hits all alike; it prints
+tokens/s per mode and batch (medians of rounds) and each mode's ratio to eager fp32 and to
+llama.cpp. The modes (the model in fp32, as `kvmesh serve` picks on a CPU without bf16):
+
+    eager-fp32    quant.weight none, the eager forward (the default here: fp32 float weights
+                  stay on the token-exact eager path)
+    native-fp32   quant.weight none, the native step (model.cpu_native_max_tokens 24)
+    native-int8   quant.weight int8 (per-row int8), the native step (auto)
+    native-int4   quant.weight gguf (the file's Q4_1 kept), the native step (auto)
+    llama.cpp     llama-cpp-python's Llama on the same .gguf, batch 1 only, in a child process
+                  run by --llama-python (an interpreter with llama_cpp installed), 2 threads
+
+Memory: each of none / gguf loads in a fresh child process (`--load-only MODE`), which reports
+its RSS after the imports, after the engine is up, and the engine's weight / KV pool bytes, so
+RSS growth can be held against what the engine says it holds.
 """
 
 from __future__ import annotations
@@ -18,22 +30,27 @@ import subprocess
 import sys
 import time
 
+
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import GenerateRequest, SamplingParams
-from kvmesh.worker.engine_api import Engine
+from kvmesh.worker.engine_api import Engine, embedded_gguf_path
 
-MODES = ("none", "gguf")
+MODES = ("none", "gguf")  # memory: dequantized against kept
+SPEED_MODES = {"eager-fp32": ("none", 0), "native-fp32": ("none", 24), "native-int8": ("int8", None),
+               "native-int4": ("gguf", None)}  # name: (quant.weight, model.cpu_native_max_tokens)
+PROMPT_TOKENS = 32
 
 
-def _config(mode: str, kv_gib: float = 0.25) -> KvmeshConfig:
+def _config(mode: str, kv_gib: float = 0.25, native: int | None = None, threads: int | None = None) -> KvmeshConfig:
     return KvmeshConfig.from_dict({"quant": {"weight": mode}, "cache": {"cpu_kv_cache_gib": kv_gib},
-                                   "parallel": {"device": "cpu"}})
+                                   "model": {"cpu_native_max_tokens": native},
+                                   "parallel": {"device": "cpu", "cpu_threads": threads}})
 
 
 def _decode_tok_s(engine: Engine, batch: int, tokens: int, tag: str) -> float:
     """Decode tokens / s of `batch` requests (32-token prompts), timed from their first token."""
     for i in range(batch):
-        engine.add_request(GenerateRequest(f"{tag}-{i}", prompt_token_ids=tuple(range(10 + i, 42 + i)),
+        engine.add_request(GenerateRequest(f"{tag}-{i}", prompt_token_ids=tuple(range(10 + i, 10 + PROMPT_TOKENS + i)),
                                            sampling=SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0)))
     produced, start = 0, None
     while engine.has_unfinished():
@@ -45,18 +62,81 @@ def _decode_tok_s(engine: Engine, batch: int, tokens: int, tag: str) -> float:
     return produced / (time.perf_counter() - start)
 
 
-def bench_speed(rounds: int, tokens: int, batches: list[int]) -> None:
-    engines = {mode: Engine.from_config(_config(mode)) for mode in MODES}
+# The child that runs llama.cpp: one Llama on the file, then one line of tok/s per line read.
+_LLAMA_CHILD = """
+import sys, time
+from llama_cpp import Llama
+path, threads = sys.argv[1], int(sys.argv[2])
+llm = Llama(model_path=path, n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+for i, line in enumerate(sys.stdin):
+    tokens = int(line)
+    prompt = list(range(10 + i % 8, 10 + i % 8 + PROMPT_TOKENS))
+    gen = llm.generate(prompt, temp=0.0, reset=True)
+    next(gen)
+    start, n = time.perf_counter(), 0
+    for _ in gen:
+        n += 1
+        if n == tokens:
+            break
+    print(n / (time.perf_counter() - start), flush=True)
+""".replace("PROMPT_TOKENS", str(PROMPT_TOKENS))
+
+
+class LlamaCpp:
+    """llama.cpp's decode of the same file in a child interpreter (batch 1, greedy)."""
+
+    def __init__(self, python: str, path: str, threads: int):
+        self.proc = subprocess.Popen([python, "-c", _LLAMA_CHILD, path, str(threads)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def decode_tok_s(self, tokens: int) -> float:
+        self.proc.stdin.write(f"{tokens}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the llama.cpp child exited")
+        return float(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def bench_speed(rounds: int, tokens: int, batches: list[int], llama_python: str | None, threads: int,
+                modes: list[str]) -> None:
+    engines = {name: Engine.from_config(_config(weight, native=native, threads=threads))
+               for name, (weight, native) in SPEED_MODES.items() if name in modes}
+    for name, engine in engines.items():
+        print(f"{name}: CPU step {engine.runner.cpu_step.describe()}")
+    runners = {name: (lambda b, t, tag, e=e: _decode_tok_s(e, b, t, tag)) for name, e in engines.items()}
+    llama = None
+    if llama_python:
+        llama = LlamaCpp(llama_python, str(embedded_gguf_path()), threads)
+        runners["llama.cpp"] = lambda b, t, tag: llama.decode_tok_s(t) if b == 1 else None
     rates: dict[tuple[str, int], list[float]] = {}
-    for r in range(rounds):
-        for batch in batches:
-            for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-                rate = _decode_tok_s(engines[mode], batch, tokens, f"{mode}-{r}-{batch}")
-                rates.setdefault((mode, batch), []).append(rate)
-    print("batch  none tok/s  gguf tok/s  gguf/none (median of rounds, alternating A/B)")
+    try:
+        for r in range(rounds):
+            for batch in batches:
+                order = list(runners) if r % 2 == 0 else list(runners)[::-1]
+                for name in order:
+                    rate = runners[name](batch, tokens, f"{name}-{r}-{batch}")
+                    if rate is not None:
+                        rates.setdefault((name, batch), []).append(rate)
+    finally:
+        if llama is not None:
+            llama.close()
+    print(f"\n{threads} threads, {rounds} rounds of {tokens} tokens, median tok/s (alternating)")
+    print("mode          batch   tok/s   / eager-fp32   / llama.cpp (batch 1)   rounds")
+    med = {key: sorted(v)[len(v) // 2] for key, v in rates.items()}
     for batch in batches:
-        med = {m: sorted(rates[(m, batch)])[len(rates[(m, batch)]) // 2] for m in MODES}
-        print(f"{batch:5d}  {med['none']:10.1f}  {med['gguf']:10.1f}  {med['gguf'] / med['none']:9.2f}")
+        for name in runners:
+            if (name, batch) not in med:
+                continue
+            base, ref = med.get(("eager-fp32", batch)), med.get(("llama.cpp", 1))
+            vs_eager = f"{med[(name, batch)] / base:10.2f}" if base else "         -"
+            vs_llama = f"{med[(name, batch)] / ref:8.2f}" if ref and batch == 1 else "       -"
+            print(f"{name:12s} {batch:6d}  {med[(name, batch)]:6.1f}   {vs_eager}   "
+                  f"{vs_llama}               {' '.join(f'{v:.1f}' for v in rates[(name, batch)])}")
 
 
 def load_only(mode: str) -> None:
@@ -92,13 +172,19 @@ def main() -> None:
     parser.add_argument("--batch", default="1,8")
     parser.add_argument("--load-only", choices=MODES, help="(child process) load one mode, print its memory")
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--modes", default=",".join(SPEED_MODES), help="a subset of " + ", ".join(SPEED_MODES))
+    parser.add_argument("--threads", type=int, default=2, help="engine threads (parallel.cpu_threads) and llama.cpp's")
+    parser.add_argument("--llama-python", help="an interpreter with llama_cpp installed: llama.cpp on the same file")
     args = parser.parse_args()
     if args.load_only:
         load_only(args.load_only)
         return
-    bench_memory()
+    if not args.skip_memory:
+        bench_memory()
     if not args.skip_speed:
-        bench_speed(args.rounds, args.tokens, [int(b) for b in args.batch.split(",")])
+        bench_speed(args.rounds, args.tokens, [int(b) for b in args.batch.split(",")], args.llama_python, args.threads,
+                    args.modes.split(","))
 
 
 if __name__ == "__main__":

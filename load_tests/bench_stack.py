@@ -99,6 +99,21 @@ class Client:
                 ttft_s = time.perf_counter() - t0
         return tokens, messages, ttft_s or 0.0
 
+    async def ttft_split(self, max_tokens: int = 4) -> tuple[float, float, float]:
+        """(TTFT, out, back) seconds of one request: out = the client's send to the engine's
+        arrival stamp (ingress, the router's stages, the submit frame, the worker's loop), back
+        = that stamp to the first response here (the step, the channel frame, the fan-out, the
+        gRPC write). Wall clocks of one machine; the null engine's first token comes at the
+        step right after its arrival."""
+        request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=PROMPT_TOKEN_IDS),
+                                     sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        sent, first, arrival = time.time(), None, None
+        async for response in self._stub.Generate(request):
+            first = first or time.time()
+            if response.HasField("timings"):
+                arrival = response.timings.arrival_time
+        return first - sent, arrival - sent, first - arrival
+
     async def health_round_trip(self) -> float:
         """Seconds of one unary Health call: the ingress's share of a request (gRPC both ways,
         the replica's loop), without routing, the worker or its channel."""
@@ -172,13 +187,15 @@ async def run_one_cluster(args, replicas: int) -> list[str]:
         rps, rps_core = await run_short(client, args.short)
         lines.append(f"replicas {replicas}  short requests: {rps:.0f} req/s, {rps_core:.0f} req/s per stack core")
         print(lines[-1], flush=True)
-        ttfts = [(await client.generate(4))[2] for _ in range(args.ttft_requests)]
-        served = statistics.median(ttfts)
+        splits = [await client.ttft_split() for _ in range(args.ttft_requests)]
+        served = statistics.median(s[0] for s in splits)
+        out_s, back_s = statistics.median(s[1] for s in splits), statistics.median(s[2] for s in splits)
         ingress = statistics.median([await client.health_round_trip() for _ in range(args.ttft_requests)])
         local = await ttft_in_process(args.step_ms / 1000, args.ttft_requests)
         lines.append(f"replicas {replicas}  TTFT P50 at 1 in flight: served {served * 1e3:.2f} ms, in-process "
                      f"{local * 1e3:.2f} ms, added {(served - local) * 1e3:.2f} ms (of which a unary gRPC "
-                     f"round trip to the replica: {ingress * 1e3:.2f} ms)")
+                     f"round trip to the replica: {ingress * 1e3:.2f} ms); client to engine arrival "
+                     f"{out_s * 1e3:.2f} ms, engine arrival to first response {back_s * 1e3:.2f} ms")
         print(lines[-1], flush=True)
     finally:
         await client.close()

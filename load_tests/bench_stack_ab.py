@@ -30,6 +30,8 @@ _FIGURES = (  # (name, pattern over a round's summary lines, group)
     ("short req/s per core", r"short requests: \d+ req/s, (\d+) req/s per stack core", 1),
     ("TTFT added ms", r"added ([-\d.]+) ms", 1),
     ("unary gRPC round trip ms", r"round trip to the replica: ([-\d.]+) ms", 1),
+    ("TTFT client->engine ms", r"client to engine arrival ([-\d.]+) ms", 1),
+    ("TTFT engine->client ms", r"engine arrival to first response ([-\d.]+) ms", 1),
 )
 
 

@@ -273,9 +273,10 @@ def test_two_router_replicas_keep_each_family_on_its_worker(cluster):
     """router.num_replicas 2: both replicas learn the same prefix events from the same
     workers, so a family placed through one replica is routed home by the other too. Each
     request goes out on a new connection; the replicas share the gRPC port (SO_REUSEPORT), so
-    the kernel spreads the connections over both (x-kvmesh-router-replica says which)."""
+    the kernel spreads the connections over both (x-kvmesh-router-replica says which). The
+    default policy, predicted_latency: each replica keeps its own recent work and spread state."""
     seed = 31
-    config = _deploy(cluster, policy="prefix_aware", num_replicas=2)
+    config = _deploy(cluster, policy="predicted_latency", num_replicas=2)
     warm = _warm_up(config, seed)
     home = {s.family: s.worker_id for s in warm}
     workload = _workload(seed, [1] * NUM_FAMILIES, 24)

@@ -87,10 +87,10 @@ def test_the_header_declares_the_structs_python_passes():
     assert cpu_abi.header_block(cpu_abi.HEADER.read_text()) == cpu_abi.c_declarations()
     for struct in cpu_abi.STRUCTS:
         assert [name for name, _ in struct._fields_] == [name for name, _ in struct.c_fields]
-    assert ctypes.sizeof(cpu_abi.LayerDescriptor) == 16 * 8
-    # 15 int64 fields, the float padded to 8 bytes, 8 pointers
-    assert ctypes.sizeof(cpu_abi.ModelDescriptor) == (15 + 1 + 8) * 8
-    assert cpu_abi.ModelDescriptor.embed.offset == 16 * 8
+    assert ctypes.sizeof(cpu_abi.LayerDescriptor) == 24 * 8
+    # 19 int64 fields, the float padded to 8 bytes, 8 pointers
+    assert ctypes.sizeof(cpu_abi.ModelDescriptor) == (19 + 1 + 8) * 8
+    assert cpu_abi.ModelDescriptor.embed.offset == 20 * 8
 
 
 @needs_compiler
@@ -142,7 +142,7 @@ def test_each_variant_this_cpu_runs_reads_the_model_descriptor(bf16_engine, vari
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_the_cpu_runner_reports_what_serves_its_small_steps(tiny_model_dir, dtype):
     """worker/runner/cpu_model_runner.py owns the choice: the native step's projections
-    (amx / avx512_bf16 / fma) where it takes the model, else torch with the reason; the same
+    (amx / avx512_bf16 / fma / avx2) where it takes the model, else torch with the reason; the same
     reaches kvmesh_model_info's forward_path through EngineParts."""
     from kvmesh.core.telemetry import ModelInfoLabels
 
@@ -157,7 +157,7 @@ def test_the_cpu_runner_reports_what_serves_its_small_steps(tiny_model_dir, dtyp
         assert step.path == "torch" and step.reason == unavailable and engine.runner.native_decoder is None
     else:
         decoder = engine.runner.native_decoder
-        assert step.path == decoder.path in ("amx", "avx512_bf16", "fma") and step.reason == ""
+        assert step.path == decoder.path in ("amx", "avx512_bf16", "fma", "avx2") and step.reason == ""
         assert step.variant == cpu_build.load().variant.name and step.max_tokens == decoder.max_tokens
     assert step.path in step.describe() and (step.reason in step.describe())
     info = ModelInfoLabels.of_engine(engine, config)

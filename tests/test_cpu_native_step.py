@@ -21,6 +21,12 @@ from engine_runs import generate_all_greedy
 
 pytestmark = pytest.mark.skipif(cpu_native_step.unavailable_reason() is not None,
                                 reason=f"native decode unavailable: {cpu_native_step.unavailable_reason()}")
+# Where only the avx2 build runs (AVX2-only CPUs, the CI machine among them), a subset runs: the
+# fp32 token identity, each weight kind's logits and int4; the runner logic and the AVX-512
+# paths' cases (16-bit steps up to 64 tokens, AMX, thread counts) run where the CPU has AVX-512,
+# which keeps this file's CI time on AVX2 machines to a few engines.
+AVX512_CPU = any(v.native_step and v is not cpu_build.AVX2 for v in cpu_build.runnable_variants())
+avx512_cpu_only = pytest.mark.skipif(not AVX512_CPU, reason="runner / AVX-512 case: run on AVX-512 CPUs only")
 
 PROMPTS = [tuple(range(100, 100 + n)) for n in (5, 37, 12, 50, 1, 23)]
 NEW_TOKENS = 20
@@ -68,7 +74,8 @@ def _relative(native: torch.Tensor, eager: torch.Tensor, inputs) -> float:
     return ((native - eager).abs().max() / eager.abs().max()).item()
 
 
-@pytest.mark.parametrize("native,preemption", [(4, "recompute"), (4, "swap"), (16, "recompute")])
+@pytest.mark.parametrize("native,preemption", [pytest.param(4, "recompute", marks=avx512_cpu_only),
+                                               pytest.param(4, "swap", marks=avx512_cpu_only), (16, "recompute")])
 def test_fp32_tokens_equal_eager_with_chunked_prefill_and_preemption(tiny_model_dir, native, preemption):
     """max_tokens 4: decode batches of up to 4 rows; 16: whole prefill chunks too (a 16-token
     chunk over cached context, a request's tokens split over the step's threads)."""
@@ -87,7 +94,8 @@ def test_fp32_tokens_equal_eager_with_chunked_prefill_and_preemption(tiny_model_
     assert tokens == eager
 
 
-@pytest.mark.parametrize("dtype,quant,tolerance", [("fp32", "int8", 1e-5), ("bf16", "none", 0.02),
+@pytest.mark.parametrize("dtype,quant,tolerance", [("fp32", "int8", 1e-5),
+                                                   pytest.param("bf16", "none", 0.02, marks=avx512_cpu_only),
                                                    ("bf16", "int8", 0.02)])
 def test_other_weight_kinds_give_the_eager_logits(tiny_model_dir, dtype, quant, tolerance):
     """int8 per-row weights (quant.weight: int8) and bf16 weights: the same logits as eager,
@@ -100,6 +108,7 @@ def test_other_weight_kinds_give_the_eager_logits(tiny_model_dir, dtype, quant, 
     assert max(diffs) < tolerance, f"{dtype}/{quant}: logits differ from eager by up to {max(diffs)}"
 
 
+@avx512_cpu_only
 def test_bf16_steps_of_up_to_64_tokens_give_the_eager_logits(tiny_model_dir):
     """Steps of 17-64 tokens (up to 58 prompt tokens, decode rows beside them): on an AMX CPU
     two to four 16-token tiles per weight block, else the GEMV row groups."""
@@ -135,6 +144,7 @@ def test_bf16_steps_of_up_to_64_tokens_give_the_eager_logits(tiny_model_dir):
     assert len(tokens) == len(prompts) and all(len(t) == NEW_TOKENS for t in tokens.values())
 
 
+@avx512_cpu_only
 def test_mid_prompt_chunks_run_natively_and_return_no_logits(tiny_model_dir):
     """A step where no request samples (a prompt's middle chunk) runs natively too (its K/V
     into the cache, no LM head); the runner returns None for it, as the eager forward does."""
@@ -155,6 +165,7 @@ def test_mid_prompt_chunks_run_natively_and_return_no_logits(tiny_model_dir):
     assert seen and all(shape == (0, engine.runner.native_decoder.vocab) for shape in seen)
 
 
+@avx512_cpu_only
 def test_int8_activations_for_the_self_draft_stay_near_the_eager_int8_logits(tiny_model_dir):
     """int8_activations (what the self-draft asks for): on an AMX CPU the int8 layers run as
     int8 x int8 AMX products over per-row quantized activations, so their logits differ from
@@ -173,11 +184,12 @@ def test_int8_activations_for_the_self_draft_stay_near_the_eager_int8_logits(tin
         assert max(diffs) > 1e-4, "the activations were quantized (else this would be the FMA path)"
 
 
+@avx512_cpu_only
 @pytest.mark.parametrize("variant", [v for v in cpu_build.VARIANTS if v.native_step], ids=lambda v: v.name)
 @pytest.mark.parametrize("dtype,tolerance", [("fp32", 1e-5), ("bf16", 0.02)])
 def test_every_variant_this_cpu_runs_gives_the_eager_logits(tiny_model_dir, variant, dtype, tolerance):
-    """Each AVX-512 build of the step (not only the one picked for this CPU): on an AMX CPU
-    the AMX, VDPBF16PS and FMA projections each against eager; every variant compiles in
+    """Each build of the step (not only the one picked for this CPU): on an AMX CPU the AMX,
+    VDPBF16PS, AVX-512 FMA and AVX2 projections each against eager; every variant compiles in
     tests/test_cpu_kernels.py."""
     if variant not in cpu_build.runnable_variants():
         pytest.skip(f"this CPU does not run the {variant.name} build")
@@ -191,6 +203,7 @@ def test_every_variant_this_cpu_runs_gives_the_eager_logits(tiny_model_dir, vari
     assert len(diffs) >= 20 and max(diffs) < tolerance, (variant.name, dtype, max(diffs))
 
 
+@avx512_cpu_only
 def test_threads_do_not_change_a_bit(tiny_model_dir):
     engine = _engine(tiny_model_dir, dtype="bf16", native=8)
     runner = engine.runner
@@ -216,6 +229,7 @@ def test_threads_do_not_change_a_bit(tiny_model_dir):
     assert len(checked) >= 20 and all(checked)
 
 
+@avx512_cpu_only
 def test_steps_over_max_tokens_run_eagerly(tiny_model_dir):
     """Steps of more than max_tokens tokens go to the eager forward; smaller ones, prefill
     chunks included, run natively."""
@@ -236,8 +250,8 @@ def test_steps_over_max_tokens_run_eagerly(tiny_model_dir):
         assert taken == (tokens <= 2), (tokens, longest, taken)
 
 
-@pytest.mark.parametrize("overrides,reason", [({"quant": "int4"}, "Int4WeightOnlyLinear"),
-                                              ({"kv": "int8"}, "quantized")])
+@avx512_cpu_only
+@pytest.mark.parametrize("overrides,reason", [({"kv": "int8"}, "quantized")])
 def test_what_it_does_not_implement_falls_back_with_the_reason(tiny_model_dir, caplog, overrides, reason):
     with caplog.at_level(logging.WARNING, logger=cpu_model_runner.__name__):
         engine = _engine(tiny_model_dir, native=4, **overrides)
@@ -246,6 +260,7 @@ def test_what_it_does_not_implement_falls_back_with_the_reason(tiny_model_dir, c
     assert all(len(t) == NEW_TOKENS for t in _generate(engine).values())
 
 
+@avx512_cpu_only
 def test_switched_off_by_the_environment(tiny_model_dir, monkeypatch, caplog):
     monkeypatch.setenv("KVMESH_NATIVE_DECODE", "0")
     with caplog.at_level(logging.WARNING, logger=cpu_model_runner.__name__):
@@ -265,7 +280,7 @@ def test_bf16_projections_take_the_cpu_s_fastest_bf16_instructions(tiny_model_di
     engine = _engine(tiny_model_dir, dtype="bf16", native=8)
     flags = cpu_build.cpu_flags()
     expected = ("amx" if cpu_native_step.amx_available() else
-                "avx512_bf16" if "avx512_bf16" in flags else "fma")
+                "avx512_bf16" if "avx512_bf16" in flags else "fma" if AVX512_CPU else "avx2")
     decoder = engine.runner.native_decoder
     assert decoder.path == expected and decoder.variant == cpu_build.runnable_variants()[0].name
     if cpu_build.AMX in cpu_build.runnable_variants():
@@ -276,7 +291,8 @@ def test_bf16_projections_take_the_cpu_s_fastest_bf16_instructions(tiny_model_di
         layer.self_attn.qkv.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up.weight,
         layer.mlp.down_proj.weight)]
     assert decoder.amx_packed_bytes == (sum(w.nbytes for w in weights) if expected == "amx" else 0)
-    assert _engine(tiny_model_dir, dtype="fp32", native=8).runner.native_decoder.path == "fma"
+    assert _engine(tiny_model_dir, dtype="fp32", native=8).runner.native_decoder.path == ("fma" if AVX512_CPU
+                                                                                          else "avx2")
 
 
 def test_auto_step_size_follows_the_measured_crossover_with_eager():
@@ -286,6 +302,9 @@ def test_auto_step_size_follows_the_measured_crossover_with_eager():
     assert [cpu_native_step.max_tokens_for(None, torch.bfloat16, t) for t in (1, 2, 4)] == expected
     assert cpu_native_step.max_tokens_for(None, torch.float32, 2) == 0
     assert cpu_native_step.max_tokens_for(5, torch.float32, 2) == 5
+    # fp32 with quantized weights: eager dequantizes every call, so native by default
+    assert cpu_native_step.max_tokens_for(None, torch.float32, 2, "int4") == 64
+    assert cpu_native_step.max_tokens_for(None, torch.float32, 2, "int8") == expected[1]
 
 
 def test_amx_packed_layout_is_tdpbf16ps_b_operand():
@@ -300,3 +319,79 @@ def test_amx_packed_layout_is_tdpbf16ps_b_operand():
     assert cpu_native_step.amx_packed(torch.randn(32, 48).to(torch.bfloat16)) is None  # K not a multiple of 32
     assert cpu_native_step.amx_packed(torch.randn(32, 64)) is None  # fp32
     assert cpu_native_step.amx_packed(torch.randn(8, 64).to(torch.bfloat16)) is None  # not one whole block
+
+
+def _int4_engine(model_dir: str, group: int, native: int | None) -> Engine:
+    return Engine.from_config(KvmeshConfig.from_dict({
+        "model": {"path": model_dir, "dtype": "fp32", "max_model_len": 512, "cpu_native_max_tokens": native},
+        "quant": {"weight": "int4", "group_size": group},
+        "cache": {"num_blocks": 64, "block_size": 8},
+        "scheduler": {"max_num_batched_tokens": 64, "max_prefill_tokens_per_step": 16,
+                      "max_total_kv_tokens": 1 << 20, "max_queue_time_s": 3600},
+        "parallel": {"device": "cpu"}}))
+
+
+@pytest.mark.parametrize("group", [128])  # group 32 with GGUF's fp16 metadata: tests/test_gguf_kept.py
+def test_int4_groups_give_the_eager_logits_and_tokens(tiny_model_dir, group):
+    """quant.weight int4 (scale + zero per group, in the model dtype). By default (auto: steps
+    of up to 64 tokens in fp32) the native step runs int4 x int8 activations per 32-input
+    block: the eager logits to the activations' int8 rounding, the greedy tokens nearly all
+    eager's. With fp32 activations it dequantizes each group in registers as the eager layer
+    does (bit for bit): the logits are eager's to fp32 summation order, the tokens eager's,
+    with prefill chunks and decode batches."""
+    eager = _generate(_int4_engine(tiny_model_dir, group, 0))
+    engine = _int4_engine(tiny_model_dir, group, None)
+    runner = engine.runner
+    assert runner.native_decoder.path == "int4_avx2_a8" and runner.native_decoder.max_tokens == 64
+    a8 = _check_each_step_against_eager(engine, lambda n, e, inputs: (_relative(n, e, inputs),
+                                                                      (n.argmax(-1) == e.argmax(-1)).float().mean()))
+    _generate(engine)
+    worst, argmax_same = max(d for d, _ in a8), sum(same for _, same in a8) / len(a8)
+    assert 1e-4 < worst < 0.05, f"int4 x int8 logits differ from eager by {worst}"
+    # every step's greedy token on the same inputs (the tiny random model's logits are nearly
+    # flat, so free-running sequences part at the first near-tie)
+    assert argmax_same >= 0.9, f"the same greedy token as eager in {argmax_same:.0%} of the steps"
+
+    exact = _int4_engine(tiny_model_dir, group, 0)
+    exact.runner.native_decoder = cpu_native_step.NativeDecoder.build(exact.runner.model, exact.runner.kv_caches, 64)
+    assert exact.runner.native_decoder.path == "int4_avx2"
+    diffs = _check_each_step_against_eager(exact, lambda n, e, inputs: (_relative(n, e, inputs),
+                                                                        len(inputs.input_ids)))
+    assert _generate(exact) == eager
+    assert max(size for _, size in diffs) >= 6, "batched decode / prefill steps ran natively"
+    worst = max(diff for diff, _ in diffs)
+    assert worst < 1e-5, f"int4 logits differ from eager by {worst}"
+
+
+@pytest.mark.parametrize("int8_activations,tolerance", [(False, 1e-5), (True, 0.05)])
+def test_int4_kernel_equals_torch_on_every_scale_dtype_and_min(tiny_model_dir, int8_activations, tolerance):
+    """Scales / zeros / mins in fp16 (GGUF Q4_0 / Q4_1), fp32 (Q4_K) and bf16, with and without
+    a min term, odd token counts (the 8-token passes and their tail): every int4 layer's
+    metadata rewritten, the native step's logits against the eager forward's (dequantize +
+    F.linear), for both activation paths."""
+    engine = _engine(tiny_model_dir, quant="int4", native=0)
+    runner = engine.runner
+    generator = torch.Generator().manual_seed(3)
+    for i, (scale_dtype, zero_dtype, with_mins) in enumerate(((torch.float16, torch.float16, True),
+                                                              (torch.float32, torch.float16, True),
+                                                              (torch.bfloat16, torch.bfloat16, False))):
+        for model_layer in runner.model.model.layers:
+            attn, mlp = model_layer.self_attn, model_layer.mlp
+            for layer, first in ((attn.qkv.merged, attn.q_proj), (attn.o_proj, None), (mlp.gate_up.merged, mlp.gate_proj),
+                                 (mlp.down_proj, None)):
+                shape = layer.scales.shape
+                layer.scales = (torch.rand(shape, generator=generator) * 0.05 + 0.01).to(scale_dtype)
+                layer.zeros = torch.randint(5, 11, shape, generator=generator).to(zero_dtype)  # as quantizers place them
+                layer.mins = (torch.randn(shape, generator=generator) * 0.02).to(scale_dtype) if with_mins else None
+                if first is not None:  # a fused group stays usable while its first member views the merged rows
+                    first.scales = layer.scales[:first.out_features]
+        runner.native_decoder = cpu_native_step.NativeDecoder.build(runner.model, runner.kv_caches, 13,
+                                                                      int8_activations=int8_activations)
+        diffs = _check_each_step_against_eager(engine, lambda n, e, inputs: (_relative(n, e, inputs),
+                                                                             len(inputs.input_ids)))
+        # a new prompt each round (no cached prefix): one 11-token step, then decode rows
+        tokens = generate_all_greedy(engine, [tuple(range(100 + 20 * i, 111 + 20 * i))], 6)
+        assert all(len(t) == 6 for t in tokens.values())
+        assert diffs and max(d for d, _ in diffs) < tolerance, (scale_dtype, zero_dtype, with_mins, max(diffs))
+        assert max(size for _, size in diffs) > 8, "a pass of 8 tokens and a tail"
+        assert runner.native_decoder.path == ("int4_avx2_a8" if int8_activations else "int4_avx2")

@@ -16,6 +16,7 @@ import torch
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.worker.engine_loop.engine import Engine
+from kvmesh.worker.kernels import cpu_native_step
 
 NEW_TOKENS = 32
 PROMPTS = [
@@ -52,16 +53,18 @@ def hf_reference(smollm2_dir):
     return outputs
 
 
-def _run_engine(smollm2_dir, backend, **sched):
+def _run_engine(smollm2_dir, backend, native: int | None = None, **sched):
     device = "cuda" if backend == "triton" else "cpu"
     config = KvmeshConfig.from_dict({
-        "model": {"path": smollm2_dir, "dtype": "fp32"},
+        "model": {"path": smollm2_dir, "dtype": "fp32", "cpu_native_max_tokens": native},
         "cache": {"num_blocks": 12, "block_size": 16},
         "scheduler": {"max_num_batched_tokens": 64, "max_prefill_tokens_per_step": 16,
                       "max_total_kv_tokens": 1 << 20, "max_queue_time_s": 3600, **sched},
         "parallel": {"attention_backend": backend, "device": device},
     })
     engine = Engine.from_config(config)
+    if native:
+        assert engine.runner.native_decoder is not None, engine.runner.cpu_step.describe()
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(GenerateRequest(f"r{i}", prompt=prompt,
                                            sampling=SamplingParams(max_tokens=NEW_TOKENS, temperature=0)))
@@ -74,6 +77,8 @@ def _run_engine(smollm2_dir, backend, **sched):
         max_running = max(max_running, engine.scheduler.stats().num_running)
     stats = engine.stats()
     assert stats.num_blocks_used == 0, "every finished request returns its blocks"
+    if native:
+        assert engine.runner.native_decoder.steps_run >= NEW_TOKENS, "the native step served the decode steps"
     return [tokens[f"r{i}"] for i in range(len(PROMPTS))], stats, max_running
 
 
@@ -86,5 +91,17 @@ def test_greedy_equals_hf_under_chunking_and_preemption(smollm2_dir, hf_referenc
     assert preemptions > 0, "the small pool must force preemption"
     if mode == "swap":
         assert stats.num_preemptions_swap > 0
+    for i, (got, want) in enumerate(zip(ours, hf_reference)):
+        assert got == want, f"prompt {i} diverged from HF at token {next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))}"
+
+
+@pytest.mark.skipif(cpu_native_step.unavailable_reason() is not None,
+                    reason=f"no native CPU step here: {cpu_native_step.unavailable_reason()}")
+def test_the_native_cpu_step_in_fp32_equals_hf(smollm2_dir, hf_reference):
+    """The native step (AVX2 or AVX-512 build, whichever this CPU runs) on the real weights:
+    decode batches and 16-token prefill chunks as one C call each, preemption by recompute,
+    the same greedy tokens as HF."""
+    ours, stats, _ = _run_engine(smollm2_dir, "cpu", native=16, preemption_mode="recompute")
+    assert stats.num_preemptions_recompute > 0
     for i, (got, want) in enumerate(zip(ours, hf_reference)):
         assert got == want, f"prompt {i} diverged from HF at token {next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))}"

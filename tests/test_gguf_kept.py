@@ -7,7 +7,9 @@ one per kept type (Q8_0, Q4_0, Q4_1, Q4_K):
   and each layer's dequantized weight equals gguf's own `gguf.quants.dequantize` of the file's
   tensor bit for bit (q / k rows un-permuted as transformers does);
 - greedy tokens through the engine equal those of the same file served with quant.weight none
-  (transformers' GGUF loader: gguf-dequantized fp32 weights), with chunked prefill;
+  (transformers' GGUF loader: gguf-dequantized fp32 weights), with chunked prefill; the int4
+  types run the native step's int4 x int8 path by default, and its greedy tokens agree with the
+  eager kept path's (the exact fp32-activation path: tests/test_cpu_native_step.py);
 - `kvmesh capacity --weight-dtype gguf` counts exactly the bytes the loaded layers hold;
 - a projection of another type (Q5_0) is refused at load with the type and tensor named.
 """
@@ -24,6 +26,7 @@ from kvmesh.load_tests.family_checkpoints import greedy_continuations
 from kvmesh.quant.gguf_layouts import UnsupportedGgufTypeError
 from kvmesh.quant.linear import Int4WeightOnlyLinear, Int8GroupWeightOnlyLinear
 from kvmesh.worker.engine_api import Engine
+from kvmesh.worker.kernels import cpu_native_step
 from kvmesh.worker.model.gguf_loader import _unpermute_rows
 from kvmesh.worker.runner.model_setup import load_model, resolve_model
 
@@ -46,9 +49,9 @@ def gguf_file(request, tmp_path_factory, cache_dir):
                                                   request.param)
 
 
-def _config(path, weight: str) -> KvmeshConfig:
+def _config(path, weight: str, native: int | None = None) -> KvmeshConfig:
     return KvmeshConfig.from_dict({
-        "model": {"path": str(path), "dtype": "fp32"},
+        "model": {"path": str(path), "dtype": "fp32", "cpu_native_max_tokens": native},
         "quant": {"weight": weight},
         "cache": {"num_blocks": 32, "block_size": 8},
         "scheduler": {"max_num_batched_tokens": 32, "max_prefill_tokens_per_step": 16, "max_queue_time_s": 3600},
@@ -106,9 +109,11 @@ def test_capacity_counts_the_bytes_the_loaded_model_holds(gguf_file):
 def test_greedy_equals_the_gguf_dequantized_model(gguf_file):
     type_name, path = gguf_file
     want, dequantized = _greedy(_config(path, "none"))  # transformers' GGUF loader: fp32 weights from gguf.dequantize
-    got, kept = _greedy(_config(path, "gguf"))
+    got, kept = _greedy(_config(path, "gguf", native=0))  # the eager kept path
     assert all(len(w) == NEW_TOKENS for w in want)
     assert got == want, f"{type_name}: kept-quantized tokens differ from the dequantized model's"
+    if type_name != "Q8_0" and cpu_native_step.unavailable_reason() is None:
+        _native_int4_agrees_with_eager_kept(path, type_name)
     # memory by part on CPU (kvmesh_memory_planned_bytes{part}): the weights the engine holds,
     # the step workspace and the KV pool, each reported; the kept weights are the smaller
     for engine in (dequantized, kept):
@@ -117,6 +122,31 @@ def test_greedy_equals_the_gguf_dequantized_model(gguf_file):
         assert split["weights"] == plan.weight_bytes > 0 and split["kv_pool"] == plan.kv_cache_bytes > 0
         assert split["activations"] > 0 and split["sampler"] > 0
     assert kept.parts.plan.weight_bytes < dequantized.parts.plan.weight_bytes
+
+
+def _native_int4_agrees_with_eager_kept(path, type_name: str) -> None:
+    """The default for int4 types: the native step, int4 x int8 activations per 32 inputs. Each
+    step it serves is re-run by the eager kept path on the same inputs: logits within the
+    activations' int8 rounding, the same greedy token in nearly every row (teacher-forced: the
+    tiny random model's near-flat logits part free-running sequences at the first near-tie)."""
+    engine = Engine.from_config(_config(path, "gguf"))
+    runner = engine.runner
+    assert runner.cpu_step.path == "int4_avx2_a8"
+    real_run, rows = runner.native_decoder.run, []
+
+    def checked(inputs):
+        logits = real_run(inputs)
+        if logits is not None and inputs.sample_at:
+            eager = runner.model.compute_logits(runner._eager_forward(inputs)[torch.tensor(inputs.sample_at)]).float()
+            rows.append(((logits - eager).abs().max() / eager.abs().max()).item())
+            rows[-1] = (rows[-1], (logits.argmax(-1) == eager.argmax(-1)).float().mean().item())
+        return logits
+
+    runner.native_decoder.run = checked
+    greedy_continuations(engine, PROMPTS, NEW_TOKENS)
+    assert runner.native_decoder.steps_run >= NEW_TOKENS
+    worst, same = max(d for d, _ in rows), sum(s for _, s in rows) / len(rows)
+    assert worst < 0.05 and same >= 0.9, f"{type_name}: native int4 vs eager kept: logits {worst}, argmax {same:.0%}"
 
 
 def test_a_type_without_an_exact_layout_is_refused_by_name(tmp_path, cache_dir):

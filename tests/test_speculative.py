@@ -214,13 +214,14 @@ def test_quantized_self_draft_is_token_identical_and_frees_its_pool(tiny_model_d
     assert counters.num_draft_tokens > 0 and counters.acceptance_rate > 0.5, counters
     assert engine.speculator.proposer.num_held_blocks == 0, "the draft pool is whole again"
     assert engine.scheduler.stats().num_preemptions_recompute > 0
-    # int8 drafts run their small steps as one native call (worker/kernels/cpu_native_step.py);
-    # int4 is not taken there and stays eager
+    # quantized drafts run their small steps as one native call (worker/kernels/cpu_native_step.py;
+    # int4 as int4 x int8 activations)
     native = engine.speculator.proposer.runner.native_decoder
-    if draft_quant == "int4" or cpu_native_step.unavailable_reason() is not None:
+    if cpu_native_step.unavailable_reason() is not None:
         assert native is None
     else:
         assert native.steps_run > 0
+        assert (native.path == "int4_avx2_a8") == (draft_quant == "int4")
         # with int8 x int8 AMX products where the CPU has them (the outputs above are still the
         # target's own: only acceptance can change)
         assert native.int8_amx == (cpu_native_step.amx_available()
@@ -237,7 +238,7 @@ def test_a_long_draft_catch_up_is_read_in_native_sized_steps(tiny_model_dir):
     runner = engine.speculator.proposer.runner
     if cpu_native_step.unavailable_reason() is not None:
         pytest.skip(f"no native step here ({cpu_native_step.unavailable_reason()})")
-    assert runner.native_decoder is not None, "with a compiler and AVX-512 the int8 draft runs natively"
+    assert runner.native_decoder is not None, "with a compiler the int8 draft runs natively"
     runner.native_decoder.max_tokens = 4
     sizes = []
     real_forward = runner.forward

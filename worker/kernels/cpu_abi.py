@@ -42,7 +42,8 @@ def _struct(name: str, c_name: str, doc: str, fields: tuple[tuple[str, str], ...
 
 LayerDescriptor = _struct("LayerDescriptor", "kvmesh_layer", (
     "One decoder layer: norms, the four projections (weight, per-row scales for int8 or NULL,\n"
-    "   the AMX-packed copy or NULL), its K/V cache."), (
+    "   the AMX-packed copy or NULL), its K/V cache; int4 projections: the weight is the packed\n"
+    "   codes [N][K/2], scales / zeros / mins (mins NULL where none) [N][K/group]."), (
     ("input_norm", "const void *"), ("post_attention_norm", "const void *"),
     ("qkv_weight", "const void *"), ("qkv_scales", "const void *"),
     ("o_weight", "const void *"), ("o_scales", "const void *"),
@@ -50,7 +51,10 @@ LayerDescriptor = _struct("LayerDescriptor", "kvmesh_layer", (
     ("down_weight", "const void *"), ("down_scales", "const void *"),
     ("key_cache", "void *"), ("value_cache", "void *"),
     ("qkv_packed", "const void *"), ("o_packed", "const void *"),
-    ("gate_up_packed", "const void *"), ("down_packed", "const void *")))
+    ("gate_up_packed", "const void *"), ("down_packed", "const void *"),
+    ("qkv_zeros", "const void *"), ("qkv_mins", "const void *"), ("o_zeros", "const void *"),
+    ("o_mins", "const void *"), ("gate_up_zeros", "const void *"), ("gate_up_mins", "const void *"),
+    ("down_zeros", "const void *"), ("down_mins", "const void *")))
 
 ModelDescriptor = _struct("ModelDescriptor", "kvmesh_model", (
     "The model the native step runs, built once at load (cpu_native_step.NativeDecoder.build)."), (
@@ -60,6 +64,8 @@ ModelDescriptor = _struct("ModelDescriptor", "kvmesh_model", (
     ("block_size", "int64_t"),  # K/V cache [num_blocks, block_size, Hkv, D], strides in elements:
     ("cache_block_stride", "int64_t"), ("cache_slot_stride", "int64_t"), ("cache_head_stride", "int64_t"),
     ("vocab", "int64_t"), ("lm_head_kind", "int64_t"), ("int8_activations", "int64_t"),
+    ("int4_group", "int64_t"),  # int4 layers: inputs per scale / zero / min, a multiple of 32
+    ("int4_scale_dtype", "int64_t"), ("int4_zero_dtype", "int64_t"), ("int4_min_dtype", "int64_t"),  # META_*
     ("rms_norm_eps", "float"),
     ("embed", "const void *"), ("final_norm", "const void *"),
     ("rope_cos", "const float *"), ("rope_sin", "const float *"),  # [max positions, D] fp32
@@ -79,13 +85,16 @@ StepBatch = _struct("StepBatch", "kvmesh_step_batch", (
 STRUCTS = (LayerDescriptor, ModelDescriptor, StepBatch)
 
 # The constants both sides read, as C enums: (comment, {name: value})
-WEIGHT_KINDS = {"W_F32": 0, "W_BF16": 1, "W_I8": 2}
+WEIGHT_KINDS = {"W_F32": 0, "W_BF16": 1, "W_I8": 2, "W_I4": 3}
+META_DTYPES = {"META_F32": 0, "META_BF16": 1, "META_F16": 2}  # int4 scales / zeros / mins as stored
 STEP_ANSWERS = {"KVMESH_STEP_OK": 0, "KVMESH_STEP_NO_MEMORY": 1, "KVMESH_STEP_NOT_BUILT": 2}
 FEATURES = {"KVMESH_FEATURE_DPBF16": 1,  # bf16 projections by VDPBF16PS
             "KVMESH_FEATURE_AMX": 2,  # ... by AMX tiles (the tile state granted)
             "KVMESH_FEATURE_AMX_INT8": 4,  # int8 x int8 AMX products (the self-draft's)
-            "KVMESH_FEATURE_NATIVE_STEP": 8}  # the native step itself (AVX-512)
-ENUMS = (("kvmesh_model.weight_kind and lm_head_kind", WEIGHT_KINDS), ("kvmesh_native_step's answers", STEP_ANSWERS),
+            "KVMESH_FEATURE_NATIVE_STEP": 8,  # the native step itself (every build)
+            "KVMESH_FEATURE_AVX512": 16}  # its fp32 / bf16 / int8 projections in AVX-512
+ENUMS = (("kvmesh_model.weight_kind and lm_head_kind", WEIGHT_KINDS),
+         ("kvmesh_model.int4_*_dtype", META_DTYPES), ("kvmesh_native_step's answers", STEP_ANSWERS),
          ("kvmesh_cpu_features() bits", FEATURES))
 
 

@@ -5,8 +5,9 @@ loaded through ctypes.
     variant       adds to AVX2 + FMA + F16C          native step projections
     amx           AVX-512 BF16 + AMX tiles           AMX tiles (bf16; the self-draft's int8)
     avx512_bf16   AVX-512 F/BW/VL/DQ + BF16          VDPBF16PS
-    avx512        AVX-512 F/BW/VL/DQ                 FMA
-    avx2          -                                  no native step (the paged attention only)
+    avx512        AVX-512 F/BW/VL/DQ                 AVX-512 FMA
+    avx2          -                                  AVX2 FMA
+    (every variant: int4 weights by the AVX2 int4 GEMV, the same code in each)
 
 As llama.cpp builds ggml-cpu once per instruction set and picks one at run time: the CPU's
 flags are read from /proc/cpuinfo (never -march=native: VMs that advertise AMX have died with
@@ -54,10 +55,10 @@ class IsaVariant:
     name: str
     cpu_flags: frozenset[str]  # what /proc/cpuinfo must list for the library to run here
     cflags: tuple[str, ...]  # after COMMON_FLAGS
-    native_step: bool  # the native step is compiled in (it needs AVX-512)
+    native_step: bool  # the native step is compiled in (every variant now; kept for the tests' parametrisation)
 
 
-AVX2 = IsaVariant("avx2", frozenset({"avx2", "fma", "f16c"}), (), False)
+AVX2 = IsaVariant("avx2", frozenset({"avx2", "fma", "f16c"}), (), True)
 AVX512 = IsaVariant("avx512", AVX2.cpu_flags | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, _AVX512, True)
 AVX512_BF16 = IsaVariant("avx512_bf16", AVX512.cpu_flags | {"avx512_bf16"}, _AVX512 + ("-mavx512bf16",), True)
 AMX = IsaVariant("amx", AVX512_BF16.cpu_flags | {"amx_tile", "amx_bf16", "amx_int8"},

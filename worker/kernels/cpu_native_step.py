@@ -25,13 +25,18 @@ attends causally to its request through its own position), speculative verify ro
 projections read each weight row once per step, in place, for all its tokens: on a CPU with
 AMX, bf16 weights go through AMX tiles (16 tokens times a 16-row weight block per instruction,
 so up to 64 tokens cost about what reading the weights costs); otherwise GEMVs (fp32 FMA, int8
-and bf16 widened in registers, bf16 pairs by VDPBF16PS where the CPU has it), memory-bound at a
+and bf16 widened in registers, bf16 pairs by VDPBF16PS where the CPU has it; AVX2 + FMA in the
+avx2 build, for CPUs without AVX-512), memory-bound at a
 handful of tokens, where the packed GEMMs are not yet efficient. Larger steps run eagerly
 (oneDNN / AMX GEMMs). Weights it takes: plain fp32 / bf16 (the fused QKV and gate-up weights, o, down, the LM head) and
-weight-only int8 with one scale per row (quant.weight: int8, and the self-draft's int8 head).
-Not taken (eager runs every step, one log line says why): int4, AWQ input scales, biases,
-quantized KV, tensor parallelism, non-CPU devices, widths not a multiple of 16, CPUs without
-AVX-512, no C compiler.
+weight-only int8 with one scale per row (quant.weight: int8, and the self-draft's int8 head),
+and int4 groups as stored (quant.weight: int4, GGUF Q4_0 / Q4_1 / Q4_K kept): by one AVX2
+kernel in every build, int4 x int8 activations per 32-input block (llama.cpp's Q4_1 x Q8_1
+scheme; int8_activations, what int4 models run) or each weight dequantized in registers as
+the eager layer does (fp32 activations: token-exact, the tests' reference).
+Not taken (eager runs every step, one log line says why): AWQ input scales, biases, int8-group
+layers (GGUF Q8_0), quantized KV, tensor parallelism, non-CPU devices, widths not a multiple
+of 16, no C compiler.
 
 Numerics: activations stay fp32 through the whole step (eager rounds each op's output to the
 model dtype), K/V are rounded to the cache dtype as they are stored, and the attention reads
@@ -40,8 +45,9 @@ projection's input rounded to bf16 (VDPBF16PS or AMX, fp32 sums), as oneDNN's bf
 In fp32 the step is the eager one up to the order of fp32 sums (tests/test_cpu_native_step.py:
 logits within 1e-5, greedy tokens identical with chunked prefill and preemption); in bf16 it is closer to the fp32 model than eager bf16 is.
 On by default for 16-bit models (`model.cpu_native_max_tokens`: auto = steps of up to 64
-tokens with AMX, else 12 tokens per thread up to 24; fp32 stays eager unless asked, it is the
-token-exact reference path), and for the
+tokens with AMX, else 12 tokens per thread up to 24; fp32 float weights stay eager unless
+asked, the token-exact reference path; fp32 int8 / int4 weights take it, see max_tokens_for),
+and for the
 self-draft's small steps (worker/engine_loop/self_draft.py), where only acceptance can change.
 """
 
@@ -55,22 +61,28 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.core.config import CPU_NATIVE_MAX_TOKENS
-from kvmesh.quant.linear import Int8WeightOnlyLinear
+from kvmesh.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from kvmesh.quant.primitives import quantize_int8_per_channel
 from kvmesh.worker.kernels import cpu_abi, cpu_build
 
 logger = logging.getLogger(__name__)
 
-_W_F32, _W_BF16, _W_I8 = (cpu_abi.WEIGHT_KINDS[k] for k in ("W_F32", "W_BF16", "W_I8"))
+_W_F32, _W_BF16, _W_I8, _W_I4 = (cpu_abi.WEIGHT_KINDS[k] for k in ("W_F32", "W_BF16", "W_I8", "W_I4"))
+_META_DTYPES = {torch.float32: cpu_abi.META_DTYPES["META_F32"], torch.bfloat16: cpu_abi.META_DTYPES["META_BF16"],
+                torch.float16: cpu_abi.META_DTYPES["META_F16"]}
 _STEP_NOT_BUILT = cpu_abi.STEP_ANSWERS["KVMESH_STEP_NOT_BUILT"]
 _FEATURE_DPBF16 = cpu_abi.FEATURES["KVMESH_FEATURE_DPBF16"]
 _FEATURE_AMX = cpu_abi.FEATURES["KVMESH_FEATURE_AMX"]
 _FEATURE_AMX_INT8 = cpu_abi.FEATURES["KVMESH_FEATURE_AMX_INT8"]
 _FEATURE_NATIVE_STEP = cpu_abi.FEATURES["KVMESH_FEATURE_NATIVE_STEP"]
+_FEATURE_AVX512 = cpu_abi.FEATURES["KVMESH_FEATURE_AVX512"]
 # kvmesh_native_step_check's answers
 CHECK_FAILURES = {1: "a width not a multiple of 16", 2: "query heads not a multiple of KV heads",
                   3: "an unknown weight kind", 4: "a dtype flag other than 0 / 1",
                   5: "no embedding, final norm, RoPE table or LM head (or its scales)", 6: "no layers",
-                  7: "a layer without a norm, weight or cache", 8: "int8 scales missing (or float ones given)"}
+                  7: "a layer without a norm, weight or cache", 8: "int8 / int4 scales missing (or float ones given)",
+                  9: "int4 groups not a multiple of 32 dividing every width (or an unknown scale dtype)",
+                  10: "int4 zeros missing (or given for other kinds)"}
 
 
 class NotTaken(Exception):
@@ -90,34 +102,61 @@ def _float_kind(dtype: torch.dtype) -> int:
     raise NotTaken(f"weights in {dtype}")
 
 
-def _projection(fused, members: tuple, dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor | None]:
-    """(kind, [N, K] weight, per-row scales or None) of one projection (a fused group, or one
-    linear), read in place; NotTaken for anything but plain float and per-row int8."""
+@dataclass(frozen=True)
+class Projection:
+    """One projection as the native step reads it, in place: [N, K] weight (int4: the packed
+    codes [N, K/2]), per-row int8 scales or int4 group scales, and int4's zeros / mins."""
+
+    kind: int
+    weight: torch.Tensor
+    scales: torch.Tensor | None = None
+    zeros: torch.Tensor | None = None
+    mins: torch.Tensor | None = None
+    group: int = 0
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.weight, self.scales, self.zeros, self.mins) if t is not None]
+
+
+def _int4(layer: Int4WeightOnlyLinear) -> Projection:
+    if layer.bias is not None or layer.input_inv_scale is not None:
+        raise NotTaken("int4 projection with a bias or AWQ input scales")
+    for t in (layer.scales, layer.zeros) + (() if layer.mins is None else (layer.mins,)):
+        if t.dtype not in _META_DTYPES:
+            raise NotTaken(f"int4 scales / zeros / mins in {t.dtype}")
+    return Projection(_W_I4, layer.qweight, layer.scales, layer.zeros, layer.mins, layer.group_size)
+
+
+def _projection(fused, members: tuple, dtype: torch.dtype) -> Projection:
+    """One projection (a fused group, or one linear), read in place; NotTaken for anything but
+    plain float, per-row int8 and group int4."""
     if fused is not None and fused.usable(members):
         layer = getattr(fused, "merged", None)
         if layer is None:  # FusedLinears: the concatenated float weight
             if fused.bias is not None:
                 raise NotTaken("a projection with a bias")
-            return _float_kind(fused.weight.dtype), fused.weight, None
+            return Projection(_float_kind(fused.weight.dtype), fused.weight)
     elif len(members) == 1:
         layer = members[0]
     else:
         raise NotTaken("unfused q/k/v or gate/up projections")
+    if isinstance(layer, Int4WeightOnlyLinear):
+        return _int4(layer)
     if isinstance(layer, Int8WeightOnlyLinear):
         if layer.bias is not None or layer.input_inv_scale is not None:
             raise NotTaken("int8 projection with a bias or AWQ input scales")
         if layer.scales.dtype != dtype:
             raise NotTaken(f"int8 scales in {layer.scales.dtype}, model in {dtype}")
-        return _W_I8, layer.weight_int8, layer.scales
+        return Projection(_W_I8, layer.weight_int8, layer.scales)
     weight = getattr(layer, "weight", None)
     if not isinstance(layer, torch.nn.Linear) or weight is None or layer.bias is not None:
         raise NotTaken(f"projection {type(layer).__name__}")
     if layer._forward_hooks or layer._forward_pre_hooks:
         raise NotTaken("a hooked projection")
-    return _float_kind(weight.dtype), weight, None
+    return Projection(_float_kind(weight.dtype), weight)
 
 
-def _lm_head(head, dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+def _lm_head(head, dtype: torch.dtype) -> Projection:
     """The LM head's rows: the model's float head, or an int8 head (the self-draft's,
     worker/engine_loop/self_draft.py, keeps its weight-only int8 layer as `linear`)."""
     inner = getattr(head, "linear", None)
@@ -128,7 +167,7 @@ def _lm_head(head, dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor 
         raise NotTaken(f"LM head {type(head).__name__}")
     if weight.dtype != dtype:
         raise NotTaken(f"LM head in {weight.dtype}, model in {dtype}")
-    return _float_kind(weight.dtype), weight, None
+    return Projection(_float_kind(weight.dtype), weight)
 
 
 def amx_packed(weight: torch.Tensor) -> torch.Tensor | None:
@@ -144,10 +183,11 @@ def amx_packed(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _layer_fields(layer, cache, dtype: torch.dtype,
-                  strides: tuple) -> tuple[dict[str, int], list[torch.Tensor], int, list[torch.Tensor | None]]:
+                  strides: tuple) -> tuple[dict[str, int], list[torch.Tensor], Projection, list[torch.Tensor | None]]:
     """One layer's LayerDescriptor fields but the packed copies (norms, the four projections'
-    weights and scales, its K/V cache), the tensors behind them, the projections' weight kind,
-    and the four projection weights the AMX kernel could take packed (None where not bf16)."""
+    weights, scales, zeros and mins, its K/V cache), the tensors behind them, its QKV projection
+    (the kind and int4 layout every projection of the layer shares), and the four projection
+    weights the AMX kernel could take packed (None where not bf16)."""
     attn, mlp = layer.self_attn, layer.mlp
     if cache.quantized or cache.key_cache.dtype != dtype or cache.value_cache.dtype != dtype:
         raise NotTaken(f"KV cache in {cache.key_cache.dtype}{' (quantized)' if cache.quantized else ''}")
@@ -160,18 +200,27 @@ def _layer_fields(layer, cache, dtype: torch.dtype,
                    "o": _projection(attn.o, (attn.o_proj,), dtype),
                    "gate_up": _projection(mlp.gate_up, (mlp.gate_proj, mlp.up_proj), dtype),
                    "down": _projection(mlp.down, (mlp.down_proj,), dtype)}
-    if len({kind for kind, _, _ in projections.values()}) != 1:
-        raise NotTaken("projections of mixed kinds")
+    if len({_layout(p) for p in projections.values()}) != 1:
+        raise NotTaken("projections of mixed kinds (or int4 groups / scale dtypes)")
     fields = {"input_norm": _ptr(norms[0]), "post_attention_norm": _ptr(norms[1]),
               "key_cache": _ptr(cache.key_cache), "value_cache": _ptr(cache.value_cache)}
     tensors = [*norms, cache.key_cache, cache.value_cache]
-    for name, (_, weight, scales) in projections.items():
-        if not weight.is_contiguous() or (scales is not None and not scales.is_contiguous()):
+    for name, p in projections.items():
+        if not all(t.is_contiguous() for t in p.tensors()):
             raise NotTaken("a non-contiguous projection weight")
-        fields[f"{name}_weight"], fields[f"{name}_scales"] = _ptr(weight), _ptr(scales)
-        tensors += [weight] + ([scales] if scales is not None else [])
-    kind = projections["qkv"][0]
-    return fields, tensors, kind, [w if k == _W_BF16 else None for k, w, _ in projections.values()]
+        fields.update({f"{name}_weight": _ptr(p.weight), f"{name}_scales": _ptr(p.scales),
+                       f"{name}_zeros": _ptr(p.zeros), f"{name}_mins": _ptr(p.mins)})
+        tensors += p.tensors()
+    return fields, tensors, projections["qkv"], [p.weight if p.kind == _W_BF16 else None
+                                                  for p in projections.values()]
+
+
+def _layout(p: Projection) -> tuple:
+    """What must be the same for every projection the step runs: the kind, and for int4 the
+    group and the scale / zero / min dtypes."""
+    if p.kind != _W_I4:
+        return (p.kind,)
+    return (p.kind, p.group, p.scales.dtype, p.zeros.dtype, None if p.mins is None else p.mins.dtype)
 
 
 _PACKED_FIELDS = ("qkv_packed", "o_packed", "gate_up_packed", "down_packed")
@@ -187,6 +236,7 @@ class ModelDescription:
     keep: list[torch.Tensor]
     weight_kind: int
     amx_packed_bytes: int
+    int8_head_bytes: int = 0  # the quantized step's int8 copy of a float LM head
 
 
 def describe(model, kv_caches: list, int8_activations: bool = False,
@@ -215,16 +265,27 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
     keep: list[torch.Tensor] = []
     layers: list[dict[str, int]] = []
     to_pack: list[torch.Tensor | None] = []  # four a layer, then the LM head
-    kinds: set[int] = set()
+    layouts: dict[tuple, Projection] = {}
     for layer, cache in zip(model.model.layers, kv_caches, strict=True):
-        fields, tensors, kind, bf16_weights = _layer_fields(layer, cache, dtype, strides)
+        fields, tensors, qkv, bf16_weights = _layer_fields(layer, cache, dtype, strides)
         layers.append(fields)
         keep += tensors
         to_pack += bf16_weights
-        kinds.add(kind)
-    if len(kinds) != 1:
-        raise NotTaken("projections of mixed kinds")
-    lm_kind, lm, lm_scales = _lm_head(model.lm_head, dtype)
+        layouts.setdefault(_layout(qkv), qkv)
+    if len(layouts) != 1:
+        raise NotTaken("projections of mixed kinds (or int4 groups / scale dtypes)")
+    (first,) = layouts.values()
+    head = _lm_head(model.lm_head, dtype)
+    head_copy_bytes = 0
+    if first.kind == _W_I4 and int8_activations and head.kind != _W_I8:
+        # The quantized step's LM head: the float head (SmolLM2's is the tied embedding, 113 MB
+        # in fp32, twice its int4 layers' bytes) read as int8 rows with one scale each, a copy
+        # made once: at batch 1 the head's bytes, not the int4 layers', were the step's largest
+        # read. Its activations stay fp32 (the step's final hidden state).
+        codes, scales = quantize_int8_per_channel(head.weight)
+        head = Projection(_W_I8, codes, scales.to(dtype))
+        head_copy_bytes = codes.nbytes + head.scales.nbytes
+    lm_kind, lm, lm_scales = head.kind, head.weight, head.scales
     final_norm = model.model.norm.weight
     cos, sin = model.rotary.cos, model.rotary.sin_signed
     for t in (embed, lm, final_norm, cos, sin) + (() if lm_scales is None else (lm_scales,)):
@@ -241,8 +302,12 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
         fields.update(zip(_PACKED_FIELDS, map(_ptr, packed[4 * i:4 * i + 4])))
         for name, value in fields.items():
             setattr(array[i], name, value)
-    weight_kind = kinds.pop()
-    descriptor = cpu_abi.ModelDescriptor(
+    weight_kind = first.kind
+    int4 = {} if weight_kind != _W_I4 else {
+        "int4_group": first.group, "int4_scale_dtype": _META_DTYPES[first.scales.dtype],
+        "int4_zero_dtype": _META_DTYPES[first.zeros.dtype],
+        "int4_min_dtype": _META_DTYPES[first.mins.dtype] if first.mins is not None else 0}
+    descriptor = cpu_abi.ModelDescriptor(**int4,
         num_layers=len(layers), hidden=hidden, intermediate=inter, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
         weight_kind=weight_kind, bf16=int(dtype == torch.bfloat16), block_size=k0.shape[1],
         cache_block_stride=strides[0], cache_slot_stride=strides[1], cache_head_stride=strides[2],
@@ -250,7 +315,8 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
         rms_norm_eps=float(cfg.rms_norm_eps), embed=_ptr(embed), final_norm=_ptr(final_norm), rope_cos=_ptr(cos),
         rope_sin=_ptr(sin), lm_head_weight=_ptr(lm), lm_head_scales=_ptr(lm_scales), lm_head_packed=_ptr(packed[-1]),
         layers=ctypes.addressof(array))
-    return ModelDescription(descriptor, array, keep, weight_kind, sum(t.nbytes for t in packed if t is not None))
+    return ModelDescription(descriptor, array, keep, weight_kind, sum(t.nbytes for t in packed if t is not None),
+                            head_copy_bytes)
 
 
 class NativeDecoder:
@@ -278,9 +344,14 @@ class NativeDecoder:
         # int8 weights as int8 x int8 AMX products (the self-draft's layers)
         self.int8_amx = int8_activations and bool(kernels.features & _FEATURE_AMX_INT8) and kind == _W_I8
         self.amx_packed_bytes = description.amx_packed_bytes  # bf16 weights re-laid for AMX tiles
+        self.int8_head_bytes = description.int8_head_bytes
         # what the layers' projections run on: AMX tiles, VDPBF16PS or FMAs (fp32, or widened)
-        self.path = ("amx" if self.amx_packed_bytes or self.int8_amx else
-                     "avx512_bf16" if kind == _W_BF16 and kernels.features & _FEATURE_DPBF16 else "fma")
+        # what the layers' projections run on: AMX tiles, VDPBF16PS, AVX-512 FMAs ("fma", fp32 or
+        # widened), AVX2 FMAs ("avx2", the avx2 build), or int4 groups dequantized in AVX2 registers
+        self.path = (("int4_avx2_a8" if int8_activations else "int4_avx2") if kind == _W_I4 else
+                     "amx" if self.amx_packed_bytes or self.int8_amx else
+                     "avx512_bf16" if kind == _W_BF16 and kernels.features & _FEATURE_DPBF16 else
+                     "fma" if kernels.features & _FEATURE_AVX512 else "avx2")
 
     @classmethod
     def build(cls, model, kv_caches: list, max_tokens: int, int8_activations: bool = False,
@@ -297,7 +368,7 @@ class NativeDecoder:
         if kernels is None:
             raise NotTaken(f"no CPU kernels ({cpu_build.load_failure()})")
         if not kernels.features & _FEATURE_NATIVE_STEP:
-            raise NotTaken(f"the {kernels.variant.name} build has no native step (it needs AVX-512)")
+            raise NotTaken(f"the {kernels.variant.name} build has no native step")
         description = describe(model, kv_caches, int8_activations, pack_for_amx=bool(kernels.features & _FEATURE_AMX))
         failure = kernels.native_step_check(ctypes.pointer(description.model))
         if failure:
@@ -332,7 +403,7 @@ class NativeDecoder:
         b.num_threads, b.logits = torch.get_num_threads(), logits.data_ptr()
         failed = self._step(self._model, self._batch_ptr)
         if failed == _STEP_NOT_BUILT:
-            raise RuntimeError("native step: the library was built without AVX-512")
+            raise RuntimeError("native step: the library was built without it")
         if failed:
             raise MemoryError("native step: no memory for its workspace")
         self.steps_run += 1
@@ -343,12 +414,7 @@ def unavailable_reason() -> str | None:
     """Why the native step cannot run here, without building anything; None where it may."""
     if os.environ.get("KVMESH_NATIVE_DECODE", "1") == "0":
         return "disabled by KVMESH_NATIVE_DECODE=0"
-    reason = cpu_build.unavailable_reason()
-    if reason is not None:
-        return reason
-    if not any(v.native_step for v in cpu_build.runnable_variants()):
-        return "the CPU lists no AVX-512 F/BW/VL/DQ in /proc/cpuinfo (the native step needs it)"
-    return None
+    return cpu_build.unavailable_reason()
 
 
 # model.cpu_native_max_tokens auto for 16-bit models: native steps up to where the eager
@@ -374,10 +440,21 @@ def auto_max_tokens(threads: int) -> int:
     return min(GEMV_MAX_TOKENS_CAP, GEMV_TOKENS_PER_THREAD * max(1, threads))
 
 
-def max_tokens_for(configured: int | None, dtype: torch.dtype, threads: int) -> int:
+def quantized_weights(model) -> str | None:
+    """"int4" / "int8" where the model's projections are weight-only quantized, else None."""
+    kinds = {type(m) for m in model.modules()}
+    return "int4" if Int4WeightOnlyLinear in kinds else "int8" if Int8WeightOnlyLinear in kinds else None
+
+
+def max_tokens_for(configured: int | None, dtype: torch.dtype, threads: int, quantized: str | None = None) -> int:
     """model.cpu_native_max_tokens resolved: auto (None) is auto_max_tokens(threads) for
-    16-bit models and 0 for fp32, which stays the eager, token-exact reference path unless
-    asked."""
+    16-bit models and 0 for fp32 float weights, which stay the eager, token-exact reference
+    path unless asked. fp32 models with quantized weights take the native step by default:
+    their eager forward dequantizes every weight on every call (int4 at batch 1: 0.05x the
+    float model, docs/quantization.md); int4 to the largest step (a 64-token native step costs
+    less than dequantizing the weights once), int8 as 16-bit models."""
     if configured is not None:
         return configured
-    return 0 if dtype == torch.float32 else auto_max_tokens(threads)
+    if dtype == torch.float32 and quantized == "int4":
+        return CPU_NATIVE_MAX_TOKENS
+    return 0 if dtype == torch.float32 and quantized is None else auto_max_tokens(threads)

@@ -8,12 +8,18 @@ made here, once, at construction, and kept as `cpu_step` (the worker's start lin
     path         what runs the steps of <= max_tokens tokens
     amx          the native step, projections by AMX tiles
     avx512_bf16  the native step, bf16 projections by VDPBF16PS
-    fma          the native step, projections by FMAs (fp32, int8, or bf16 without AVX512_BF16)
-    torch        no native step: every step eager; `reason` says why (fp32 models by default,
-                 what the step does not implement, a CPU without AVX-512, no kernels)
+    fma          the native step, projections by AVX-512 FMAs (fp32, int8, or bf16 without AVX512_BF16)
+    avx2         the native step, projections by AVX2 FMAs (the avx2 build: fp32, bf16, int8)
+    int4_avx2_a8 the native step, int4 groups x int8 activations per 32-input block (llama.cpp's
+                 Q4 x Q8 scheme, AVX2 in any build): what int4 models run
+    int4_avx2    the same with fp32 activations, each weight dequantized in registers exactly as
+                 the eager layer does (asked for with int8_activations=False: tests)
+    torch        no native step: every step eager; `reason` says why (fp32 float models by
+                 default, what the step does not implement, no kernels)
 
 model.cpu_native_max_tokens: auto (None) is steps of up to 64 tokens with AMX, else 12 tokens
-a thread up to 24, for 16-bit models; fp32 stays eager unless asked (the token-exact path).
+a thread up to 24, for 16-bit models and fp32 int8 models; 64 for fp32 int4 models (eager
+dequantizes every call); fp32 float weights stay eager unless asked (the token-exact path).
 The self-draft (worker/engine_loop/self_draft.py) asks for the auto size whatever its dtype, and
 int8 x int8 AMX products for its int8 layers: only its acceptance can change.
 """
@@ -36,7 +42,7 @@ logger = logging.getLogger(__name__)
 class CpuStepPath:
     """What serves a CPU runner's small steps (see the module doc)."""
 
-    path: str  # amx | avx512_bf16 | fma | torch
+    path: str  # amx | avx512_bf16 | fma | avx2 | int4_avx2_a8 | int4_avx2 | torch
     reason: str = ""  # why torch; empty otherwise
     max_tokens: int = 0  # the largest step the native step takes (0: torch)
     variant: str = ""  # the CPU kernels' build the native step runs (worker/kernels/cpu_build.py)
@@ -61,26 +67,31 @@ class CpuModelRunner(ModelRunner):
         what = "the self-draft" if self_draft else "the model"
         threads = torch.get_num_threads()
         dtype = next(self.model.parameters()).dtype
+        quantized = cpu_native_step.quantized_weights(self.model)
         if self_draft:
             max_tokens = configured if configured is not None else cpu_native_step.auto_max_tokens(threads)
         else:
-            max_tokens = cpu_native_step.max_tokens_for(configured, dtype, threads)
+            max_tokens = cpu_native_step.max_tokens_for(configured, dtype, threads, quantized)
         if not max_tokens:
-            reason = "model.cpu_native_max_tokens 0" + (" (auto for fp32: the token-exact eager path)"
+            reason = "model.cpu_native_max_tokens 0" + (" (auto for fp32 float weights: the token-exact eager path)"
                                                         if dtype == torch.float32 and configured is None else "")
             logger.info("CPU step for %s: torch (%s)", what, reason)
             return CpuStepPath("torch", reason)
         try:
+            # int4 layers take int8 activations (per 32-input block) as llama.cpp's Q4 x Q8 dot
+            # products do: 2.4x the fp32-activation path at batch 1 (docs/benchmarks.md)
             decoder = cpu_native_step.NativeDecoder.build(self.model, self.kv_caches, max_tokens,
-                                                          int8_activations=self_draft)
+                                                          int8_activations=self_draft or quantized == "int4")
         except cpu_native_step.NotTaken as why:
             logger.warning("native step not taken for %s (%s): eager forward", what, why)
             return CpuStepPath("torch", str(why))
         self.native_decoder = decoder
-        logger.info("native step on for %s, steps of <= %d tokens, projections by %s (%s build)%s%s", what,
+        logger.info("native step on for %s, steps of <= %d tokens, projections by %s (%s build)%s%s%s", what,
                     max_tokens, decoder.path, decoder.variant,
                     f", {decoder.amx_packed_bytes / 2**20:.0f} MiB of weights re-laid for its tiles"
                     if decoder.amx_packed_bytes else "",
+                    f", the LM head as an int8 copy ({decoder.int8_head_bytes / 2**20:.0f} MiB)"
+                    if decoder.int8_head_bytes else "",
                     ", int8 projections as int8 x int8 AMX products" if decoder.int8_amx else "")
         return CpuStepPath(decoder.path, "", max_tokens, decoder.variant)
 

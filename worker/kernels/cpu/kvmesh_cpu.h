@@ -3,9 +3,9 @@
 
    Built by worker/kernels/cpu_build.py into one shared library per instruction set (avx2,
    avx512, avx512_bf16, amx: the same sources, different -m flags), loaded through ctypes.
-   The code below __AVX512F__ / __AVX512BF16__ / __AMX_TILE__ guards is what a variant adds;
-   the entry points exist in every variant (a variant without the native step answers
-   KVMESH_STEP_NOT_BUILT). */
+   Every variant has AVX2 + FMA + F16C (the native step with AVX2 projections, int4 in every
+   variant); the code below __AVX512F__ / __AVX512BF16__ / __AMX_TILE__ guards is what a
+   variant adds. */
 #ifndef KVMESH_CPU_H
 #define KVMESH_CPU_H
 
@@ -13,9 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef __AVX512F__
 #include <immintrin.h>
-#endif
 
 /* Symbols one source file calls in another, not part of the library's interface. */
 #define KVMESH_INTERNAL __attribute__((visibility("hidden")))
@@ -25,7 +23,8 @@
    edit by hand. */
 
 /* One decoder layer: norms, the four projections (weight, per-row scales for int8 or NULL,
-   the AMX-packed copy or NULL), its K/V cache. */
+   the AMX-packed copy or NULL), its K/V cache; int4 projections: the weight is the packed
+   codes [N][K/2], scales / zeros / mins (mins NULL where none) [N][K/group]. */
 typedef struct {
     const void *input_norm;
     const void *post_attention_norm;
@@ -43,6 +42,14 @@ typedef struct {
     const void *o_packed;
     const void *gate_up_packed;
     const void *down_packed;
+    const void *qkv_zeros;
+    const void *qkv_mins;
+    const void *o_zeros;
+    const void *o_mins;
+    const void *gate_up_zeros;
+    const void *gate_up_mins;
+    const void *down_zeros;
+    const void *down_mins;
 } kvmesh_layer;
 
 /* The model the native step runs, built once at load (cpu_native_step.NativeDecoder.build). */
@@ -62,6 +69,10 @@ typedef struct {
     int64_t vocab;
     int64_t lm_head_kind;
     int64_t int8_activations;
+    int64_t int4_group;
+    int64_t int4_scale_dtype;
+    int64_t int4_zero_dtype;
+    int64_t int4_min_dtype;
     float rms_norm_eps;
     const void *embed;
     const void *final_norm;
@@ -93,13 +104,16 @@ typedef struct {
 } kvmesh_step_batch;
 
 /* kvmesh_model.weight_kind and lm_head_kind */
-enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
+enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_I4 = 3 };
+
+/* kvmesh_model.int4_*_dtype */
+enum { META_F32 = 0, META_BF16 = 1, META_F16 = 2 };
 
 /* kvmesh_native_step's answers */
 enum { KVMESH_STEP_OK = 0, KVMESH_STEP_NO_MEMORY = 1, KVMESH_STEP_NOT_BUILT = 2 };
 
 /* kvmesh_cpu_features() bits */
-enum { KVMESH_FEATURE_DPBF16 = 1, KVMESH_FEATURE_AMX = 2, KVMESH_FEATURE_AMX_INT8 = 4, KVMESH_FEATURE_NATIVE_STEP = 8 };
+enum { KVMESH_FEATURE_DPBF16 = 1, KVMESH_FEATURE_AMX = 2, KVMESH_FEATURE_AMX_INT8 = 4, KVMESH_FEATURE_NATIVE_STEP = 8, KVMESH_FEATURE_AVX512 = 16 };
 
 /* END GENERATED ABI */
 
@@ -172,6 +186,39 @@ int kvmesh_paged_decode_bf16(KVMESH_PAGED_DECODE_ARGS);
 KVMESH_INTERNAL void kvmesh_gemv(const void *w, const void *wp, const int kind, const void *scale, const int sbf16,
                                  int64_t K, int64_t n0, int64_t n1, const float *x, int64_t ldx, int64_t B, float *y,
                                  int64_t ldy, uint16_t *x16, const int x_ready, const int a8);
+/* The same for fp32 / bf16 / int8 weights in AVX2 + FMA (projections_avx2.c): the avx2 build's path. */
+KVMESH_INTERNAL void kvmesh_gemv_avx2(const void *w, const int kind, const void *scale, const int sbf16, int64_t K,
+                                      int64_t n0, int64_t n1, const float *x, int64_t ldx, int64_t B, float *y,
+                                      int64_t ldy);
+
+/* One int4 projection as stored: codes [N][K/2] (input k in the low nibble of byte k/2 when k is
+   even, the high one when odd), scales / zeros / mins [N][K/group] (mins NULL: none), each
+   in its META_* dtype; weight = (code - zero) * scale + min. */
+typedef struct {
+    const uint8_t *codes;
+    const void *scales, *zeros, *mins;
+    int64_t group;
+    int scale_dtype, zero_dtype, min_dtype;
+} kvmesh_int4;
+
+/* The int4 projection's rows [row0, ...) as a projection of its own (gate / up halves). */
+static inline kvmesh_int4 int4_rows(kvmesh_int4 p, int64_t row0, int64_t K) {
+    static const int64_t meta_size[] = {4, 2, 2};  /* META_F32, META_BF16, META_F16 */
+    const int64_t groups = K / p.group;
+    p.codes += row0 * (K / 2);
+    p.scales = (const char *)p.scales + row0 * groups * meta_size[p.scale_dtype];
+    p.zeros = (const char *)p.zeros + row0 * groups * meta_size[p.zero_dtype];
+    if (p.mins) p.mins = (const char *)p.mins + row0 * groups * meta_size[p.min_dtype];
+    return p;
+}
+
+/* projections_avx2.c: y[b * ldy + n] = W[n] . x[b] for the int4 projection p, n in [n0, n1).
+   a8 = 0: each weight dequantized in registers exactly as quant/primitives.dequantize_int4_groupwise
+   computes it, fp32 activations; a8 = 1: activations quantized to int8 per 32-input block and
+   int8 x u4 products (llama.cpp's Q4_1 x Q8_1 scheme). Every variant. */
+KVMESH_INTERNAL void kvmesh_gemv_int4(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, const float *x,
+                                      int64_t ldx, int64_t B, float *y, int64_t ldy, const int a8);
+
 /* The calling thread's AMX tile configuration for a step, and its release (no-ops without AMX). */
 KVMESH_INTERNAL void kvmesh_amx_tiles_begin(void);
 KVMESH_INTERNAL void kvmesh_amx_tiles_end(void);

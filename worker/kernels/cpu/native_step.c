@@ -8,14 +8,13 @@
     final residual + RMSNorm -> LM head rows (this thread's share of the vocabulary) for the
     tokens that sample -> fp32 logits
 
-   The projections are projections.c's. Needs AVX-512: other builds answer
-   KVMESH_STEP_NOT_BUILT. */
+   The projections are projections.c's (AVX-512 builds) or projections_avx2.c's (the avx2
+   build; int4 weights in every build). Every variant has the step. */
 #include <math.h>
 #include <omp.h>
 
 #include "kvmesh_cpu.h"
 
-#ifdef __AVX512F__
 /* out = weight * (x / sqrt(mean(x^2) + eps)), as HF's LlamaRMSNorm in fp32 */
 static void rms_norm_rows(const float *x, const void *weight, const int bf16, int64_t B, int64_t H, float eps,
                           float *out) {
@@ -67,6 +66,22 @@ static inline int64_t share(int64_t n, int64_t tid, int64_t threads, int64_t ali
     return at < n ? at : n;
 }
 
+/* One projection's rows [n0, n1): int4 weights by kvmesh_gemv_int4 (w: the codes; scales,
+   zeros, mins and the group as the model describes them), every other kind by kvmesh_gemv. */
+static inline void project(const kvmesh_model *m, const int kind, const void *w, const void *wp, const void *scales,
+                           const void *zeros, const void *mins, const int sbf16, int64_t K, int64_t n0, int64_t n1,
+                           const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy, uint16_t *x16,
+                           const int x_ready, const int a8) {
+    if (kind == W_I4) {
+        if (n0 >= n1 || B == 0) return;
+        const kvmesh_int4 p = {(const uint8_t *)w, scales, zeros, mins, m->int4_group, (int)m->int4_scale_dtype,
+                               (int)m->int4_zero_dtype, (int)m->int4_min_dtype};
+        kvmesh_gemv_int4(&p, K, n0, n1, x, ldx, B, y, ldy, a8);
+    } else {
+        kvmesh_gemv(w, wp, kind, scales, sbf16, K, n0, n1, x, ldx, B, y, ldy, x16, x_ready, a8);
+    }
+}
+
 /* Thread tid of T inside the step's OpenMP team (torch's own pool: the library links the
    libgomp torch has loaded, so no second set of threads spins against torch's). */
 static void step_thread(Step *s, const int64_t tid, const int64_t T) {
@@ -105,9 +120,8 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
             for (int64_t i = 0; i < B * H; i++) res[i] += s->down_out[i];
         }
         rms_norm_rows(res, lp->input_norm, bf16, B, H, s->eps, h);
-        kvmesh_gemv(lp->qkv_weight, lp->qkv_packed, wk, lp->qkv_scales, bf16, H, share(nqkv, tid, T, 16),
-             share(nqkv, tid + 1, T, 16),
-             h, H, B, s->qkv, nqkv, x16, 0, a8);
+        project(m, wk, lp->qkv_weight, lp->qkv_packed, lp->qkv_scales, lp->qkv_zeros, lp->qkv_mins, bf16, H,
+                share(nqkv, tid, T, 16), share(nqkv, tid + 1, T, 16), h, H, B, s->qkv, nqkv, x16, 0, a8);
         #pragma omp barrier
         /* RoPE on q and k heads, K/V into the cache, then attention: this thread's rows only */
         for (int64_t b = r0; b < r1; b++) {
@@ -143,9 +157,8 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
         #pragma omp barrier
         #pragma omp simd
         for (int64_t i = 0; i < B * hq * D; i++) attn[i] = load_elem(s->attn_out, i, bf16);
-        kvmesh_gemv(lp->o_weight, lp->o_packed, wk, lp->o_scales, bf16, hq * D, share(H, tid, T, 16),
-             share(H, tid + 1, T, 16),
-             attn, hq * D, B, s->o_out, H, x16, 0, a8);
+        project(m, wk, lp->o_weight, lp->o_packed, lp->o_scales, lp->o_zeros, lp->o_mins, bf16, hq * D,
+                share(H, tid, T, 16), share(H, tid + 1, T, 16), attn, hq * D, B, s->o_out, H, x16, 0, a8);
         #pragma omp barrier
         #pragma omp simd
         for (int64_t i = 0; i < B * H; i++) res[i] += s->o_out[i];
@@ -157,14 +170,23 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
             float *gu = (float *)scratch(1, sizeof(float) * (size_t)(2 * B * (w > 0 ? w : 1)));
             if (!gu) __atomic_store_n(&s->failed, 1, __ATOMIC_RELAXED);
             else if (w > 0) {
-                const char *gw = (const char *)lp->gate_up_weight;
-                const char *gs = (const char *)lp->gate_up_scales, *us = gs;
-                if (gs) { gs += i0 * esz; us += (I + i0) * esz; }
-                const char *gp = (const char *)lp->gate_up_packed;  /* packed: same element offsets */
-                kvmesh_gemv(gw + i0 * H * es, gp ? gp + i0 * H * es : 0, wk, gs, bf16, H, 0, w, h, H, B, gu, w,
-                            x16, 0, a8);
-                kvmesh_gemv(gw + (I + i0) * H * es, gp ? gp + (I + i0) * H * es : 0, wk, us, bf16, H, 0, w, h, H, B,
-                            gu + B * w, w, x16, 1, a8);
+                if (wk == W_I4) {  /* rows i0.. and I + i0.. of the codes and their groups */
+                    const kvmesh_int4 all = {(const uint8_t *)lp->gate_up_weight, lp->gate_up_scales,
+                                             lp->gate_up_zeros, lp->gate_up_mins, m->int4_group,
+                                             (int)m->int4_scale_dtype, (int)m->int4_zero_dtype, (int)m->int4_min_dtype};
+                    const kvmesh_int4 gate = int4_rows(all, i0, H), up = int4_rows(all, I + i0, H);
+                    kvmesh_gemv_int4(&gate, H, 0, w, h, H, B, gu, w, a8);
+                    kvmesh_gemv_int4(&up, H, 0, w, h, H, B, gu + B * w, w, a8);
+                } else {
+                    const char *gw = (const char *)lp->gate_up_weight;
+                    const char *gs = (const char *)lp->gate_up_scales, *us = gs;
+                    if (gs) { gs += i0 * esz; us += (I + i0) * esz; }
+                    const char *gp = (const char *)lp->gate_up_packed;  /* packed: same element offsets */
+                    kvmesh_gemv(gw + i0 * H * es, gp ? gp + i0 * H * es : 0, wk, gs, bf16, H, 0, w, h, H, B, gu, w,
+                                x16, 0, a8);
+                    kvmesh_gemv(gw + (I + i0) * H * es, gp ? gp + (I + i0) * H * es : 0, wk, us, bf16, H, 0, w, h,
+                                H, B, gu + B * w, w, x16, 1, a8);
+                }
                 for (int64_t b = 0; b < B; b++) {
                     const float *gb = gu + b * w, *ub = gu + B * w + b * w;
                     float *ab = s->act + b * I + i0;
@@ -179,9 +201,8 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
             }
         }
         #pragma omp barrier
-        kvmesh_gemv(lp->down_weight, lp->down_packed, wk, lp->down_scales, bf16, I, share(H, tid, T, 16),
-             share(H, tid + 1, T, 16),
-             s->act, I, B, s->down_out, H, x16, 0, a8);
+        project(m, wk, lp->down_weight, lp->down_packed, lp->down_scales, lp->down_zeros, lp->down_mins, bf16, I,
+                share(H, tid, T, 16), share(H, tid + 1, T, 16), s->act, I, B, s->down_out, H, x16, 0, a8);
         #pragma omp barrier
     }
     for (int64_t i = 0; i < B * H; i++) res[i] += s->down_out[i];
@@ -220,12 +241,6 @@ int kvmesh_native_step(const kvmesh_model *m, const kvmesh_step_batch *batch) {
     step_thread(&s, omp_get_thread_num(), omp_get_num_threads());
     return s.failed ? KVMESH_STEP_NO_MEMORY : KVMESH_STEP_OK;
 }
-#else
-int kvmesh_native_step(const kvmesh_model *m, const kvmesh_step_batch *batch) {
-    (void)m; (void)batch;
-    return KVMESH_STEP_NOT_BUILT;
-}
-#endif
 
 int kvmesh_native_step_check(const kvmesh_model *m) {
     /* the step's own assumptions (cpu_native_step.py's CHECK_FAILURES names each number) */
@@ -233,22 +248,33 @@ int kvmesh_native_step_check(const kvmesh_model *m) {
     for (int i = 0; i < 4; i++)
         if (widths[i] <= 0 || widths[i] % 16) return 1;
     if (m->num_kv_heads <= 0 || m->num_q_heads % m->num_kv_heads) return 2;
-    if (m->weight_kind < W_F32 || m->weight_kind > W_I8 || m->lm_head_kind < W_F32 || m->lm_head_kind > W_I8)
+    if (m->weight_kind < W_F32 || m->weight_kind > W_I4 || m->lm_head_kind < W_F32 || m->lm_head_kind > W_I8)
         return 3;
     if (m->bf16 != 0 && m->bf16 != 1) return 4;
     if (!m->embed || !m->final_norm || !m->rope_cos || !m->rope_sin || !m->lm_head_weight || m->vocab <= 0
         || (m->lm_head_kind == W_I8) != (m->lm_head_scales != NULL))
         return 5;
     if (m->num_layers <= 0 || !m->layers || m->block_size <= 0) return 6;
+    const int i4 = m->weight_kind == W_I4;
+    if (i4) {  /* kvmesh_gemv_int4 walks whole groups of 32-input blocks */
+        const int64_t g = m->int4_group, dts[] = {m->int4_scale_dtype, m->int4_zero_dtype, m->int4_min_dtype};
+        if (g <= 0 || g % 32 || m->hidden % g || m->intermediate % g || (m->num_q_heads * m->head_dim) % g)
+            return 9;
+        for (int i = 0; i < 3; i++)
+            if (dts[i] < META_F32 || dts[i] > META_F16) return 9;
+    }
     for (int64_t l = 0; l < m->num_layers; l++) {
         const kvmesh_layer *lp = &m->layers[l];
-        const int i8 = m->weight_kind == W_I8;
+        const int scaled = m->weight_kind == W_I8 || i4;
         if (!lp->input_norm || !lp->post_attention_norm || !lp->qkv_weight || !lp->o_weight || !lp->gate_up_weight
             || !lp->down_weight || !lp->key_cache || !lp->value_cache)
             return 7;
-        if (i8 != (lp->qkv_scales != NULL) || i8 != (lp->o_scales != NULL) || i8 != (lp->gate_up_scales != NULL)
-            || i8 != (lp->down_scales != NULL))
+        if (scaled != (lp->qkv_scales != NULL) || scaled != (lp->o_scales != NULL)
+            || scaled != (lp->gate_up_scales != NULL) || scaled != (lp->down_scales != NULL))
             return 8;
+        if (i4 != (lp->qkv_zeros != NULL) || i4 != (lp->o_zeros != NULL) || i4 != (lp->gate_up_zeros != NULL)
+            || i4 != (lp->down_zeros != NULL))
+            return 10;
     }
     return 0;
 }

@@ -7,7 +7,8 @@
      VDPBF16PS GEMVs     bf16 weights with AVX512_BF16
      FMA GEMVs           every kind, widened to fp32 in registers (any AVX-512 CPU)
 
-   Everything here needs AVX-512: the avx2 build has none of it (nor the native step). */
+   Everything above the #else needs AVX-512; the avx2 build runs projections_avx2.c's AVX2 + FMA
+   GEMVs instead, and int4 weights go to projections_avx2.c in every build. */
 #include "kvmesh_cpu.h"
 
 #ifdef __AVX512F__
@@ -419,6 +420,15 @@ void kvmesh_gemv(const void *w, const void *wp, const int kind, const void *scal
     else gemv_kind(w, scale, sbf16, K, n0, n1, x, ldx, B, y, ldy, W_F32);
 }
 
+#else
+/* The avx2 build: projections_avx2.c's GEMVs for every float and int8 kind. */
+void kvmesh_gemv(const void *w, const void *wp, const int kind, const void *scale, const int sbf16, int64_t K,
+                 int64_t n0, int64_t n1, const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy,
+                 uint16_t *x16, const int x_ready, const int a8) {
+    (void)wp; (void)x16; (void)x_ready; (void)a8;
+    if (n0 >= n1 || B == 0) return;
+    kvmesh_gemv_avx2(w, kind, scale, sbf16, K, n0, n1, x, ldx, B, y, ldy);
+}
 #endif /* __AVX512F__ */
 
 void kvmesh_amx_tiles_begin(void) {
@@ -434,9 +444,9 @@ void kvmesh_amx_tiles_end(void) {
 }
 
 int kvmesh_cpu_features(void) {
-    int features = 0;
+    int features = KVMESH_FEATURE_NATIVE_STEP;
 #ifdef __AVX512F__
-    features |= KVMESH_FEATURE_NATIVE_STEP;
+    features |= KVMESH_FEATURE_AVX512;
 #endif
 #ifdef HAVE_DPBF16
     features |= KVMESH_FEATURE_DPBF16;
