@@ -331,7 +331,7 @@ def _int4_engine(model_dir: str, group: int, native: int | None) -> Engine:
         "parallel": {"device": "cpu"}}))
 
 
-@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("group", [128])  # group 32 with GGUF's fp16 metadata: tests/test_gguf_kept.py
 def test_int4_groups_give_the_eager_logits_and_tokens(tiny_model_dir, group):
     """quant.weight int4 (scale + zero per group, in the model dtype). By default (auto: steps
     of up to 64 tokens in fp32) the native step runs int4 x int8 activations per 32-input
