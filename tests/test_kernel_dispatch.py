@@ -75,7 +75,9 @@ def _greedy(tiny_model_dir, weight: str, triton: bool) -> dict[str, list[int]]:
     from kvmesh.worker.engine_loop.engine import Engine
 
     engine = Engine.from_config(KvmeshConfig.from_dict({
-        "model": {"path": tiny_model_dir, "dtype": "fp32", "max_model_len": 128},
+        # cpu_native_max_tokens 0: every step through the decoder's layers (torch or Triton),
+        # never the native CPU step that fp32 int8 / int4 models take by default.
+        "model": {"path": tiny_model_dir, "dtype": "fp32", "max_model_len": 128, "cpu_native_max_tokens": 0},
         "quant": {"weight": weight, "group_size": 32},
         "cache": {"num_blocks": 16, "block_size": 8},
         "parallel": {"device": DEVICE, "attention_backend": "torch"}}))

@@ -330,7 +330,7 @@ def test_engine_metrics_from_real_engine_steps(tiny_model_dir):
     assert info == [{"worker": "w0", "model": engine.model_name, "revision": "main", "dtype": "float32",
                      "weight_quant": "none", "kv_cache_dtype": engine.parts.kv_cache_dtype,
                      "version": info[0]["version"], "model_type": "llama", "forward_path": "eager",
-                     "forward_path_reason": "native step not taken: model.cpu_native_max_tokens 0 (auto for fp32: "
+                     "forward_path_reason": "native step not taken: model.cpu_native_max_tokens 0 (auto for fp32 float weights: "
                                             "the token-exact eager path)"}] and info[0]["version"] != "unknown"
     assert value(s, "kvmesh_oom_total", worker="w0") == 0
 
