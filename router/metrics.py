@@ -76,8 +76,8 @@ from kvmesh.core.telemetry import EngineMetrics  # re-exported: the worker side 
 from kvmesh.router.degradation import STEPS as DEGRADATION_STEPS  # cap | fallback | reject, in order
 from kvmesh.router.routing import RoutingPath
 
-__all__ = ["CONTENT_TYPE", "EngineMetrics", "MetricsBoard", "RouterMetrics", "get_or_create_board", "get_board", "kill_board", "metrics_board_name",
-           "render_merged", "start_publishing", "worker_families"]
+__all__ = ["CONTENT_TYPE", "EngineMetrics", "MetricsBoard", "RouterMetrics", "get_board", "get_or_create_board",
+           "kill_board", "metrics_board_name", "render_merged", "start_publishing", "worker_families"]
 
 logger = logging.getLogger(__name__)
 

@@ -56,23 +56,16 @@ def serving(config: KvmeshConfig, app_name: str, env: dict[str, str] | None = No
     the environment the cluster started with); anything else gets a cluster of its own."""
     from kvmesh.router.launch import start_serving, stop_serving
 
-    if env and not env.items() <= SHARED_RAY_ENV.items():
-        with own_ray(num_cpus=SHARED_RAY_CPUS, env=env):
-            with _app(config, app_name, start_serving, stop_serving):
-                yield config
-        return
-    shared_ray()
-    with _app(config, app_name, start_serving, stop_serving):
-        yield config
-
-
-@contextlib.contextmanager
-def _app(config, app_name, start_serving, stop_serving):
-    try:
-        start_serving(config, app_name)
-        yield
-    finally:
-        stop_serving(config, app_name)
+    with contextlib.ExitStack() as stack:
+        if env and not env.items() <= SHARED_RAY_ENV.items():
+            stack.enter_context(own_ray(num_cpus=SHARED_RAY_CPUS, env=env))
+        else:
+            shared_ray()
+        try:
+            start_serving(config, app_name)
+            yield config
+        finally:
+            stop_serving(config, app_name)
 
 
 # The shared cluster: the CPU count the actors' fractions were sized for, and the environment
@@ -89,8 +82,7 @@ def shared_ray():
 
     if ray.is_initialized() and _shared_ray_running:
         return ray
-    if ray.is_initialized():
-        ray.shutdown()
+    stop_shared_ray()  # a Ray of another shape (a module that started its own)
     os.environ.update(SHARED_RAY_ENV)
     # address="local": always a private cluster, never another engineer's running one.
     ray.init(address="local", num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=False)
