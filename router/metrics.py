@@ -378,6 +378,8 @@ def worker_families(stats: Sequence[WorkerStats], max_num_seqs: int | None) -> l
         "batch_size": "Requests in the current batch.",
         "batch_fill_ratio": "Batch size / max_num_seqs.",
         "worker_healthy": "1 if the worker answered its last stats call healthy.",
+        "prefix_index_event_seq": "Newest prefix-cache event of the worker in this replica's last poll, applied to "
+                                  "its prefix index with the poll's figures (behind the worker's own = routing lag).",
     }
     families = {name: Metric(PREFIX + name, doc, "gauge") for name, doc in gauges.items()}
     preemptions = Metric(PREFIX + "preemptions", "Preemptions since the worker started, by mode.", "counter")
@@ -407,6 +409,7 @@ def worker_families(stats: Sequence[WorkerStats], max_num_seqs: int | None) -> l
             "batch_size": s.num_running,
             "batch_fill_ratio": s.num_running / max_num_seqs if max_num_seqs else 0.0,
             "worker_healthy": 1.0 if s.healthy else 0.0,
+            "prefix_index_event_seq": s.prefix_event_seq,
         }
         for name, value in values.items():
             families[name].add_sample(PREFIX + name, labels, float(value))

@@ -38,7 +38,7 @@ from kvmesh.router.retry import RetryPolicy
 from kvmesh.core.seams import SamplingParams
 from kvmesh.load_tests.routing_campaign import computed_tokens_per_worker
 from kvmesh.router.grpc_service import REPLICA_KEY
-from e2e_cluster import serving, settled_scrape, tiny_cluster_config, total
+from e2e_cluster import scrape, serving, settled_scrape, tiny_cluster_config, total, wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -137,29 +137,44 @@ def _warm_up(config: KvmeshConfig, seed: int) -> list[Served]:
             # and idle, and the blocks of every family placed so far counted in its cache
             # footprints (a poll answered late on a loaded machine once left one worker
             # unroutable or its footprint stale, and two families followed the first).
-            _wait_for(lambda: _router_sees(client, cached_families=family),
+            _wait_for(lambda: _router_sees(config, cached_families=family),
                       what="the router to see both workers idle with the placed prefixes' blocks")
-            seen = _event_seq(client)
             prompt = prefix + random.Random(seed * 1000 + family).choices(range(1000, 40000), k=SUFFIX_TOKENS)
             served.append(_send(client, recorder, f"warm-{seed}-{family}", family, prompt))
-            _wait_for(lambda: _event_seq(client) > seen, what="the router to see the new prefix's blocks")
+            _wait_for_router_events(config, client)
     return served
 
 
-def _event_seq(client: KvmeshClient) -> int:
-    """Sum of the workers' newest prefix-event numbers as the router last polled them (the
-    router applies a poll's events and its stats together)."""
-    return sum(w.prefix_event_seq for w in client.get_stats(timeout_s=10).workers)
+def _router_view(config: KvmeshConfig) -> dict[str, dict[str, float]]:
+    """Per worker, the router replica's view as of its last poll (its /metrics worker gauges:
+    the same poll feeds its admission budgets and prefix index), not the engines' live figures
+    that GetStats reads."""
+    view: dict[str, dict[str, float]] = {}
+    for (name, labels), value in scrape(f"http://127.0.0.1:{config.router.http_port}").items():
+        worker = dict(labels).get("worker")
+        if worker is not None and name.startswith("kvmesh_"):
+            view.setdefault(worker, {})[name.removeprefix("kvmesh_")] = value
+    return view
 
 
-def _router_sees(client: KvmeshClient, cached_families: int) -> bool:
+def _wait_for_router_events(config: KvmeshConfig, client: KvmeshClient) -> None:
+    """Wait until the router's prefix index has applied every prefix event the workers have
+    emitted by now (read live), so the next request is routed on the blocks placed so far."""
+    emitted = {w.worker_id: w.prefix_event_seq for w in client.get_stats(timeout_s=10).workers}
+    _wait_for(lambda: all(_router_view(config).get(w, {}).get("prefix_index_event_seq", -1) >= seq
+                          for w, seq in emitted.items()),
+              what="the router to apply the workers' prefix events")
+
+
+def _router_sees(config: KvmeshConfig, cached_families: int) -> bool:
     """The router's latest poll shows both workers healthy and idle, their caches holding at
     least the prefix blocks of `cached_families` families placed in this phase (a phase's
     fresh families come on top of what earlier phases left cached)."""
-    workers = client.get_stats(timeout_s=10).workers
-    if len(workers) != 2 or not all(w.healthy and w.num_running == 0 and w.num_waiting == 0 for w in workers):
+    workers = list(_router_view(config).values())
+    if len(workers) != 2 or not all(w.get("worker_healthy") == 1 and w.get("num_requests_running") == 0
+                                    and w.get("num_requests_waiting") == 0 for w in workers):
         return False
-    held = sum(w.num_blocks_cached + w.num_blocks_used for w in workers)
+    held = sum(w.get("kv_blocks_cached", 0) + w.get("kv_blocks_used", 0) for w in workers)
     return held >= min(cached_families * PREFIX_TOKENS // BLOCK_SIZE, 2 * NUM_BLOCKS_PER_WORKER)
 
 
@@ -472,21 +487,29 @@ def test_a_request_waits_for_room_on_its_prefix_worker_instead_of_spilling(clust
     prefix = _families(seed)[0]
     recorder = _WorkerRecorder()
     with _client(config, recorder) as client:  # the family's first request places its prefix
-        _wait_for(lambda: _router_sees(client, cached_families=0), what="the router to see both workers idle")
-        seen = _event_seq(client)
+        _wait_for(lambda: _router_sees(config, cached_families=0), what="the router to see both workers idle")
         home = _send(client, recorder, f"first-{seed}", 0, prefix + list(range(2100, 2100 + SUFFIX_TOKENS))).worker_id
-        _wait_for(lambda: _event_seq(client) > seen, what="the router to see the prefix's blocks")
+        _wait_for_router_events(config, client)
     other = "worker-1" if home == "worker-0" else "worker-0"
     long_max_tokens = 20 * BLOCK_SIZE - len(prefix) - SUFFIX_TOKENS  # 320 tokens = 20 blocks each
     recorder = _WorkerRecorder()
     with _client(config, recorder) as client:
         # One after the other, so the router's view of the first is its worker's report, not
-        # also its own ticket: the ticket is counted until a report one refresh (20 ms) later
-        # ("In-flight accounting", router/admission.py), and the second would spill on that.
-        # Waited for, not slept: on a loaded machine the report takes as long as it takes.
+        # also its own ticket: the ticket is counted until a poll taken one refresh (20 ms)
+        # after it was sent ("In-flight accounting", router/admission_budget.py), and the
+        # second would spill on that double count. Two more blocks of the first one's decode
+        # in the router's view mean polls well past that refresh (waited for, not slept: on a
+        # loaded machine a poll takes as long as it takes). The engines' live GetStats would
+        # not do: the router's polled view can lag it.
         long_ones = _start_streams(client, [prefix + [3000] * SUFFIX_TOKENS], long_max_tokens, f"long-{seed}-0")
-        _wait_for(lambda: any(w.worker_id == home and w.num_running >= 1 for w in client.get_stats(timeout_s=10).workers),
-                  what="the router to see the first long request in its worker's report")
+
+        def polled_running() -> dict[str, float] | None:
+            view = _router_view(config).get(home, {})
+            return view if view.get("num_requests_running", 0) >= 1 else None
+
+        running = wait_for(polled_running, timeout_s=60, what="the router to poll the first long request")
+        _wait_for(lambda: _router_view(config)[home]["kv_blocks_used"] >= min(running["kv_blocks_used"] + 2, 20),
+                  what="the router to poll the first long request's decode two blocks on")
         long_ones += _start_streams(client, [prefix + [3001] * SUFFIX_TOKENS], long_max_tokens, f"long-{seed}-1")
         served = _send(client, recorder, f"affinity-{seed}", 0, prefix + list(range(2000, 2000 + SUFFIX_TOKENS)))
         for thread in long_ones:
