@@ -158,3 +158,47 @@ def test_shutdown_closes_the_listener_and_lets_a_stream_in_flight_finish(servers
     stopping.result(30)
     assert ingress.num_in_flight == 0
     servers.ingresses.remove(ingress)
+
+
+class _HandOff:
+    """Stands in for the replica's RouterCore in the drain: `channels.hand_off_all()` ends the
+    streams in flight (here: releases the app's one stream, as the real hand-off's
+    replica_stopping error ends an SSE stream)."""
+
+    def __init__(self, release: threading.Event):
+        self.channels = self
+        self.release = release
+        self.num_hand_offs = 0
+
+    def hand_off_all(self) -> None:
+        self.num_hand_offs += 1
+        self.release.set()
+
+
+def test_replica_drain_waits_the_grace_then_hands_off_the_http_stream(servers):
+    from kvmesh.router.replica_drain import drain_replica
+
+    release = threading.Event()
+    router = _router()
+    ingress = servers.start(router, release)
+    grpc_server = servers.run(_started_grpc_server())
+    servicer = type("Servicer", (), {"num_active_streams": 0, "core": _HandOff(release)})()
+    base = f"http://127.0.0.1:{router.http_port}"
+    with httpx.Client(timeout=30) as client, client.stream("GET", f"{base}/stream") as response:
+        lines = response.iter_lines()
+        assert next(lines) == "data: first"
+        draining = asyncio.run_coroutine_threadsafe(drain_replica(grpc_server, servicer, ingress, 0.5), servers.loop)
+        assert [line for line in lines if line] == ["data: last"]  # ended by the hand-off, after the grace
+    assert draining.result(30) == 1 and servicer.core.num_hand_offs == 1
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{base}/ping", timeout=2)
+    servers.ingresses.remove(ingress)
+
+
+async def _started_grpc_server():
+    import grpc
+
+    server = grpc.aio.server()
+    server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server
