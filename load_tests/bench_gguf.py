@@ -1,5 +1,9 @@
 """The embedded GGUF by mode: decode speed of the CPU step's paths, llama.cpp on the same file,
 and resident memory dequantized (quant.weight none, the default) against kept (quant.weight gguf).
+The issue's ratio lines, batch 1 on 2 threads, as one paired run:
+
+    python -m kvmesh.load_tests.bench_gguf --skip-memory --batch 1 --threads 2 \
+        --modes default,native-int4x,native-int4 --llama-python /path/to/venv/bin/python
 
     python -m kvmesh.load_tests.bench_gguf [--rounds 4] [--tokens 48] [--batch 1,8]
         [--threads 2] [--llama-python /path/to/venv/bin/python] [--skip-memory]
@@ -9,9 +13,9 @@ order reversed every other round), so the shared box's drift hits all alike; it 
 tokens/s per mode and batch (medians of rounds) and each mode's ratio to eager fp32 and to
 llama.cpp. The modes (the model in fp32, as `kvmesh serve` picks on a CPU without bf16):
 
-    eager-fp32    quant.weight none, the eager forward (the default here: fp32 float weights
-                  stay on the token-exact eager path)
-    native-fp32   quant.weight none, the native step (model.cpu_native_max_tokens 24)
+    eager-fp32    quant.weight none, the eager forward (model.cpu_native_max_tokens 0)
+    default       quant.weight none, every setting its default: on CPUs without bf16 the model
+                  in fp32 and the native step (fp32 GEMVs, token-exact: HF's tokens)
     native-int8   quant.weight int8 (per-row int8), the native step (auto)
     native-int4x  quant.weight gguf (the file's Q4_1 kept), the native step (auto), int4 layers
                   exact (quant.int4_activations fp32: greedy tokens those of the dequantized model)
@@ -39,7 +43,7 @@ from kvmesh.worker.engine_api import Engine, embedded_gguf_path
 
 MODES = ("none", "gguf")  # memory: dequantized against kept
 # name: (quant.weight, model.cpu_native_max_tokens, quant.int4_activations)
-SPEED_MODES = {"eager-fp32": ("none", 0, "fp32"), "native-fp32": ("none", 24, "fp32"),
+SPEED_MODES = {"eager-fp32": ("none", 0, "fp32"), "default": ("none", None, "fp32"),
                "native-int8": ("int8", None, "fp32"), "native-int4x": ("gguf", None, "fp32"),
                "native-int4": ("gguf", None, "int8")}
 PROMPT_TOKENS = 32
