@@ -269,6 +269,7 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
     hashes_prompts = policy in PREFIX_POLICIES
     workers = {f"worker-{i}": _SimWorker(f"worker-{i}", cluster, clock) for i in range(cluster.num_workers)}
     index = PrefixIndex(linger_s=4 * cluster.stats_refresh_s, clock=clock)
+    index.on_stored = latency_state.observe_stored  # as router_core
     rng, cursor, sizes = random.Random(workload.seed + 1), RoundRobinCursor(), RequestSizeMeter()
     stats = {w: worker_stats(sim.scheduler, w) for w, sim in workers.items()}
     sent_since_poll: dict[str, int] = collections.Counter()  # the router's pending tickets per worker
