@@ -254,26 +254,26 @@ def test_a_request_its_prefix_worker_refused_waits_for_that_workers_next_report(
     within affinity_wait_s it spills; a refuser not holding the prefix is not waited for."""
     async def main():
         admission, clock, config = _controller([stats("w0", reserved=100, to_compute=20_000), stats("w1")])
-        admission.note_refusal("w0")
-        chosen = []
-        affinity, route, hold = _family(admission, clock, config, chosen, refused_by="w0",
-                                        awaiting_report=admission.awaiting_report)
-        retry = asyncio.create_task(admission.acquire(580, cost_for=cost_for, route=route, hold=hold))
-        await asyncio.sleep(0.01)
-        assert not retry.done() and chosen == []  # w1 had room: it waits for w0's report
+
+        async def refused_by_w0():
+            """The family's request, just refused by w0, re-admitted: held, though w1 has room."""
+            admission.note_refusal("w0")
+            chosen = []
+            affinity, route, hold = _family(admission, clock, config, chosen, refused_by="w0",
+                                            awaiting_report=admission.awaiting_report)
+            retry = asyncio.create_task(admission.acquire(580, cost_for=cost_for, route=route, hold=hold))
+            await asyncio.sleep(0.01)
+            assert not retry.done() and chosen == []
+            return affinity, retry, chosen
+
+        affinity, retry, chosen = await refused_by_w0()
         clock.now += 0.5
         admission.update_stats([stats("w0", reserved=100), stats("w1")])  # the report: w0 drained
         ticket = await asyncio.wait_for(retry, 1.0)
         assert ticket.worker_id == "w0" and chosen == ["w0"] and affinity.outcome("w0") is AffinityWaitOutcome.ROOM
         ticket.release()
 
-        admission.note_refusal("w0")
-        chosen = []
-        affinity, route, hold = _family(admission, clock, config, chosen, refused_by="w0",
-                                        awaiting_report=admission.awaiting_report)
-        retry = asyncio.create_task(admission.acquire(580, cost_for=cost_for, route=route, hold=hold))
-        await asyncio.sleep(0.01)
-        assert not retry.done()
+        affinity, retry, _ = await refused_by_w0()
         clock.now += 1.1
         # a report of w0 requested before its refusal (so no report since): it spills
         admission.update_stats([stats("w0", reserved=100, to_compute=20_000), stats("w1")], taken_at=clock.now - 1.2)
