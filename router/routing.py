@@ -543,8 +543,10 @@ def _place_by_rendezvous(by_id: dict[str, WorkerStats], loads: dict[str, int], e
       against round robin's 2.9 at P90 on the llm-d shape at 4 qps), counting what this
       replica sent since the workers' reports; with several router replicas
       (router.num_replicas) from the reports alone, and within latency_tie_ratio of the lowest;
-    - its queue with this replica's in-flight tokens not ahead of the least loaded worker's
-      by the load guard's thresholds;
+    - its queue not ahead of the least loaded worker's by the load guard's thresholds, with
+      this replica's in-flight tokens; with several replicas as reported (at 16 in flight on
+      the two-replica campaign one replica's own burst tripped the guard there and not in the
+      other, which sent the same new family to the other worker);
     - its recent work within spread_work_ratio, or the smaller of imbalance_abs_tokens and
       half the prompt, of the least busy worker's: a deadband around the least, not a cap over
       the mean (a cap alone, as consistent hashing with bounded loads, left the workers no
@@ -569,6 +571,8 @@ def _place_by_rendezvous(by_id: dict[str, WorkerStats], loads: dict[str, int], e
     fastest = min(reported.values()) * (1 if alone else 1 + config.latency_tie_ratio)
     footprints = {w: kv_footprint_tokens(s) for w, s in by_id.items()}
     mean_footprint = sum(footprints.values()) / len(ids)
+    if not alone:  # the queue as reported too (a burst's own tickets tripped the guard in one replica only)
+        loads = {w: worker_load_tokens(s) for w, s in by_id.items()}
     min_load = min(loads.values())
     if alone:
         work = state.work.values(ids)

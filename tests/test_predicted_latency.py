@@ -104,7 +104,8 @@ def test_a_new_family_goes_to_the_first_worker_of_its_order_within_the_bound():
 def test_two_router_replicas_send_a_new_familys_first_requests_to_the_same_worker():
     """Each replica has its own recent work (the requests it sent) and in-flight tokens; both
     place each new family on the first worker of its rendezvous order, where the least recent
-    work of each replica's own sent them to different workers."""
+    work of each replica's own sent them to different workers, and so did the load guard
+    counting each one's own in-flight tokens."""
     ids = ["w0", "w1", "w2", "w3"]
     workers = [stats(w) for w in ids]
     config = dataclasses.replace(CONFIG, num_replicas=2)
@@ -112,7 +113,8 @@ def test_two_router_replicas_send_a_new_familys_first_requests_to_the_same_worke
     replicas[0].work.observe("w0", 600)  # one replica sent w0 a request, the other w1 and w2
     replicas[1].work.observe("w1", 900)
     replicas[1].work.observe("w2", 300)
-    in_flight = [{"w0": 600}, {"w1": 200, "w2": 300}]
+    # each one's own burst of tickets puts a different worker past the load guard's margin
+    in_flight = [{"w0": 2600}, {"w1": 1500, "w2": 300}]
     for i in range(16):
         key = f"family-{i}".encode()
         request = RouteRequest(PROMPT, BLOCK, key)
