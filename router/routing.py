@@ -73,15 +73,16 @@ Policies (RouterConfig.policy):
                    a growth must move at least the prefix it costs (the family's recent work
                    per worker after it >= the prefix tokens the newcomer computes);
                    it gives the newest member back after router.spread_cooldown_s without
-                   need. A prompt with no cached prefix (a new family) goes to the first
-                   worker of the family's rendezvous order within a bound (`_place_by_rendezvous`:
-                   predicted TTFT within latency_tie_ratio of the lowest, queue within the load
-                   guard, recent work within a deadband of the least busy worker's, KV
-                   footprint near the mean), so router replicas that have not yet heard of
-                   each other's first requests of a family send them to the same worker;
-                   with none within it (or no family key), the lowest prediction, then the
-                   least recent work (WorkMeter), the smaller KV footprint, the rendezvous
-                   order. Needs a `PredictedLatencyState` and a `RouteRequest`.
+                   need. A prompt with no cached prefix goes to the worker with the lowest
+                   prediction; workers within latency_tie_ratio of it are equal, and of those
+                   the one sent the least recent work (WorkMeter) takes it, then the smaller
+                   KV footprint, then the family's rendezvous order. With several router
+                   replicas (router.num_replicas) each one's recent work is its own, and two
+                   replicas sent a new family's first requests to two workers: there it goes
+                   to the first worker of the family's rendezvous order within a bound read
+                   from what every replica sees alike (`_place_by_rendezvous`), the rule
+                   above only when none is within it. Needs a `PredictedLatencyState` and a
+                   `RouteRequest`.
     least_loaded   the lowest load (ties broken by rng).
     round_robin    the next healthy worker in id order; the position lives in a
                    `RoundRobinCursor` the caller keeps (no module state).
@@ -425,7 +426,7 @@ def _predicted_latency(by_id: dict[str, WorkerStats], loads: dict[str, int], foo
     top = max((matched_blocks.get(w, 0) for w in ids), default=0)
     family = members or ([w for w in ids if matched_blocks.get(w, 0) == top] if top else [])
     if not family:
-        chosen = _place_by_rendezvous(by_id, loads, extra, config, margin, state, request)
+        chosen = _place_by_rendezvous(by_id, config, margin, state, request) if config.num_replicas > 1 else None
         return decide(chosen or _place_by_latency(ids, predicted, footprints, config, key, state),
                       RoutingPath.NO_PREFIX)
     work = state.work.values(ids)
@@ -529,55 +530,40 @@ def _place_by_latency(ids: list[str], predicted: dict[str, float], footprints: d
     return preference_order(key, tied)[0]
 
 
-def _place_by_rendezvous(by_id: dict[str, WorkerStats], loads: dict[str, int], extra: Mapping[str, int],
-                         config: RouterConfig, margin: int, state: PredictedLatencyState,
-                         request: RouteRequest) -> str | None:
-    """A new family: the first worker of its rendezvous order (`preference_order`) within
-    the bound, so router replicas that have not yet heard of each other's first requests of
-    the family send them to the same worker. None: no family key, or none within the bound.
+def _place_by_rendezvous(by_id: dict[str, WorkerStats], config: RouterConfig, margin: int,
+                         state: PredictedLatencyState, request: RouteRequest) -> str | None:
+    """A new family with several router replicas: the first worker of its rendezvous order
+    (`preference_order`) within the bound, so replicas that have not yet heard of each other's
+    first requests of the family send them to the same worker (each one's least recent work,
+    the rule with one replica, sent them to two: one family of six split on the two-replica
+    campaign). None: no family key, or none within the bound.
 
-    The bound, on what every replica sees alike where it can (the workers' reports and
-    prefix events):
-    - the lowest predicted TTFT for the prompt (a cold prefix's prefill waits behind no
-      queue another worker does not have: with a band of latency_tie_ratio it did, 3.2 s
-      against round robin's 2.9 at P90 on the llm-d shape at 4 qps), counting what this
-      replica sent since the workers' reports; with several router replicas
-      (router.num_replicas) from the reports alone, and within latency_tie_ratio of the lowest;
-    - its queue not ahead of the least loaded worker's by the load guard's thresholds, with
-      this replica's in-flight tokens; with several replicas as reported (at 16 in flight on
-      the two-replica campaign one replica's own burst tripped the guard there and not in the
-      other, which sent the same new family to the other worker);
+    The bound reads what every replica sees alike, the workers' reports and prefix events;
+    what each replica sent since is its own, and told them apart:
+    - the prompt's predicted TTFT within latency_tie_ratio of the lowest (reports taken at
+      different moments must not tell the replicas apart either);
+    - its queue not ahead of the least loaded worker's by the load guard's thresholds (with
+      each replica's own in-flight tokens, at 16 in flight on the two-replica campaign one
+      replica's burst tripped the guard there only, and the other sent the same new family
+      to the other worker);
     - its recent work within spread_work_ratio, or the smaller of imbalance_abs_tokens and
-      half the prompt, of the least busy worker's: a deadband around the least, not a cap over
-      the mean (a cap alone, as consistent hashing with bounded loads, left the workers no
-      family hashes to first idle: computed max/min 1.8 on 16 workers). Recent work is what
-      this replica sent (WorkMeter); with several replicas, the blocks the workers stored,
-      from the prefix events all of them hear (each replica's own tickets told them apart,
-      and caches full of old prefixes made the footprint no guide);
+      half the prompt, of the least busy worker's: the blocks each worker stored, from the
+      prefix events (`PredictedLatencyState.stored_blocks`). A deadband around the least, not
+      a cap over the mean: a cap alone (consistent hashing with bounded loads) left the
+      workers no family hashes to first idle (16 workers: computed max/min 1.8);
     - its reported KV footprint with the prompt within spread_work_ratio or one prompt of the
       mean, so new prefixes spread over caches that still have room."""
     key, prompt_tokens = request.family_key, request.num_prompt_tokens
     if key is None:
         return None
     ids = list(by_id)
-    if len(ids) == 1:
-        return ids[0]
-    # One replica knows all the workers were sent since their reports: the lowest prediction
-    # counting them. With several, each knows only its own, which would tell them apart:
-    # they judge from the reports alone, and predictions within latency_tie_ratio are equal
-    # (the reports they read were taken at different moments).
-    alone = config.num_replicas == 1
-    reported = {w: state.predict_s(s, extra.get(w, 0) if alone else 0, prompt_tokens) for w, s in by_id.items()}
-    fastest = min(reported.values()) * (1 if alone else 1 + config.latency_tie_ratio)
+    reported = {w: state.predict_s(s, 0, prompt_tokens) for w, s in by_id.items()}
+    fastest = min(reported.values()) * (1 + config.latency_tie_ratio)
+    loads = {w: worker_load_tokens(s) for w, s in by_id.items()}
+    min_load = min(loads.values())
     footprints = {w: kv_footprint_tokens(s) for w, s in by_id.items()}
     mean_footprint = sum(footprints.values()) / len(ids)
-    if not alone:  # the queue as reported too (a burst's own tickets tripped the guard in one replica only)
-        loads = {w: worker_load_tokens(s) for w, s in by_id.items()}
-    min_load = min(loads.values())
-    if alone:
-        work = state.work.values(ids)
-    else:
-        work = {w: blocks * request.block_size for w, blocks in state.stored_blocks.values(ids).items()}
+    work = {w: blocks * request.block_size for w, blocks in state.stored_blocks.values(ids).items()}
     least_work = min(work.values())
     deadband = min(config.imbalance_abs_tokens, prompt_tokens / 2)
     ratio = config.spread_work_ratio

@@ -79,25 +79,38 @@ def test_a_request_goes_to_the_holder_of_its_prefix_with_the_lowest_prediction()
         choose_worker({}, workers, CONFIG, random.Random(0))
 
 
-def test_a_new_family_goes_to_the_first_worker_of_its_order_within_the_bound():
+def test_a_new_prefix_goes_where_less_recent_work_went_among_workers_that_predict_alike():
     clock = Clock()
     state = PredictedLatencyState(CONFIG, 512, clock)
+    workers = [stats("w0"), stats("w1"), stats("w2", 5000)]
+    placed = []
+    for i in range(4):
+        decision = route(state, {}, workers, key=f"new-{i}".encode())
+        placed.append(decision.worker_id)
+        clock.now += 1.0
+    # w2 is busy (its prediction is far above the others); w0 and w1 alternate by recent work.
+    assert decision.path is RoutingPath.NO_PREFIX
+    assert "w2" not in placed and sorted(placed) == ["w0", "w0", "w1", "w1"]
+
+
+def test_with_several_replicas_a_new_family_goes_to_the_first_worker_of_its_order_within_the_bound():
+    config = dataclasses.replace(CONFIG, num_replicas=2)
+    state = PredictedLatencyState(config, 512, Clock())
     ids = ["w0", "w1", "w2", "w3"]
     for i in range(8):
         key = f"new-{i}".encode()
         order = preference_order(key, ids)
-        # its first worker queues far ahead (out of the load guard's bound); the second was
-        # sent far more recent work than the least busy (past the deadband): the third takes it
-        state.work.observe(order[1], 5000 + state.work.value(order[1]))
+        # its first worker queues far ahead (out of the load guard's bound); the second stored
+        # far more blocks than the least busy (past the deadband): the third takes it
+        state.observe_stored(order[1], 300)
         workers = [stats(w, 5000 if w == order[0] else 0) for w in ids]
-        decision = route(state, {}, workers, key=key, commit=False)
+        decision = route(state, {}, workers, key=key, commit=False, config=config)
         assert (decision.worker_id, decision.path) == (order[2], RoutingPath.NO_PREFIX)
-        state.work.forget(order[1])
-        clock.now += 1.0
-    # a worker whose cache has no room for the prompt is passed over for one that has
+        state.stored_blocks.forget(order[1])
+    # a worker whose cache holds far more than the others' is passed over
     full = dataclasses.replace(stats("w0"), num_blocks_used=990)
     key = next(f"room-{i}".encode() for i in range(100) if preference_order(f"room-{i}".encode(), ids)[0] == "w0")
-    assert route(state, {}, [full] + [stats(w) for w in ids[1:]], key=key, commit=False).worker_id \
+    assert route(state, {}, [full] + [stats(w) for w in ids[1:]], key=key, commit=False, config=config).worker_id \
         == preference_order(key, ids)[1]
 
 
@@ -320,7 +333,7 @@ def test_the_family_key_covers_the_first_blocks_and_the_config_is_validated():
 def test_with_several_replicas_recent_work_is_what_the_workers_stored_as_every_replica_hears_it():
     """Two replicas whose own tickets disagree (each sent the other worker more) both see, in
     the prefix events, that the first worker of the family's order computed far more: both
-    pass it over for the second. One replica alone judges by its own tickets."""
+    pass it over for the second."""
     config = dataclasses.replace(CONFIG, num_replicas=2)
     ids = ["w0", "w1", "w2"]
     key = b"family-b"
@@ -334,6 +347,3 @@ def test_with_several_replicas_recent_work_is_what_the_workers_stored_as_every_r
     workers = [stats(w) for w in ids]
     assert {choose_worker({}, workers, config, random.Random(0), request=request, state=s).worker_id
             for s in replicas} == {second}
-    alone = PredictedLatencyState(CONFIG, 512, Clock())
-    alone.observe_stored(first, 400)  # one replica: its own tickets, which sent the first nothing
-    assert choose_worker({}, workers, CONFIG, random.Random(0), request=request, state=alone).worker_id == first
