@@ -93,10 +93,11 @@ def run(args: argparse.Namespace) -> int:
         # After ray.init, which installs a SIGTERM handler that exits at once: ours lets the
         # finally below delete the app and kill the detached workers first.
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        http = f"{'https' if router.tls.enabled else 'http'}://{router.host}:{router.http_port}"
         print(f"kvmesh serve: ready\n  gRPC    {router.host}:{router.grpc_port}  (kvmesh.v1.Kvmesh)\n"
-              f"  HTTP    http://{router.host}:{router.http_port}/v1  (OpenAI-compatible)\n"
-              f"  health  http://{router.host}:{router.http_port}/health\n"
-              f"  metrics http://{router.host}:{router.http_port}/metrics\nCtrl-C to stop.", flush=True)
+              f"  HTTP    {http}/v1  (OpenAI-compatible)\n"
+              f"  health  {http}/health\n"
+              f"  metrics {http}/metrics\nCtrl-C to stop.", flush=True)
         while not stop.wait(timeout=1.0):
             pass
     except KeyboardInterrupt:

@@ -31,14 +31,6 @@ def register(subparsers) -> None:
                         "--set parallel.tensor_parallel_size=2 --set router.host=0.0.0.0")
     serve = p.add_argument_group("Serve plumbing (not part of the KvmeshConfig)")
     serve.add_argument("--app-name", default="kvmesh", help="Serve application name (default kvmesh)")
-    serve.add_argument("--route-prefix", default="/", help="HTTP route prefix (default /)")
-    serve.add_argument("--proxy-location", default="EveryNode", choices=("EveryNode", "HeadOnly", "Disabled"),
-                       help="where Serve runs HTTP proxies (HeadOnly on KubeRay: the router lives on the head)")
-    serve.add_argument("--grpc-servicer", dest="grpc_servicer_functions", action="append", default=[],
-                       metavar="IMPORT_PATH", help="servicer function for Serve's own gRPC proxy on router.grpc_port, "
-                                                   "repeatable (default none: the router replicas serve "
-                                                   "kvmesh.v1 on that port themselves)")
-    serve.add_argument("--no-grpc", action="store_true", help="no Serve gRPC proxy (the default)")
     p.add_argument("--output", "-o", help="write here instead of stdout")
     p.set_defaults(func=run)
 
@@ -65,9 +57,8 @@ def _render(args: argparse.Namespace) -> str:
 
     config = _load_config(args.config) if args.config else KvmeshConfig()
     config = apply_overrides(config, args.overrides)
-    servicers = () if args.no_grpc else tuple(args.grpc_servicer_functions)
-    options = ServeOptions(app_name=args.app_name, route_prefix=args.route_prefix,
-                           proxy_location=args.proxy_location, grpc_servicer_functions=servicers)
+    # No Serve proxies: the router replicas serve HTTP and gRPC themselves (deploy/serve_config.py).
+    options = ServeOptions(app_name=args.app_name)
     return serve_config_yaml(build_serve_config(config, options))
 
 

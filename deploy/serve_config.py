@@ -3,8 +3,7 @@
 The whole KvmeshConfig travels as the ``args`` of one Serve application, so the config file,
 the CLI ``--set`` overrides and the Helm values' ``kvmesh:`` block are one tree:
 
-    proxy_location: EveryNode
-    http_options: {host: <router.host>, port: <router.http_port>}
+    proxy_location: Disabled
     applications:
     - name: kvmesh
       route_prefix: /
@@ -29,40 +28,43 @@ from typing import Any
 import yaml
 
 from kvmesh.core.config import ConfigError, KvmeshConfig
-from kvmesh.router import tls
 
 logger = logging.getLogger(__name__)
 
 SERVE_APP_IMPORT_PATH = "kvmesh.deploy.serve_app:build_app"
 REDIS_URL_ENV = "KVMESH_REDIS_URL"
 API_KEY_HASHES_FILE_ENV = "KVMESH_API_KEY_HASHES_FILE"
-PROXY_LOCATIONS = ("EveryNode", "HeadOnly", "Disabled")
+# Serve's proxies stay off: each router replica serves HTTP on router.http_port and gRPC on
+# router.grpc_port itself (router/http_ingress.py, router/grpc_ingress.py); a Serve proxy would
+# take one of those ports from the replicas, and the app declares no route for it to serve.
+PROXY_LOCATION = "Disabled"
 
 
 @dataclass(frozen=True)
 class ServeOptions:
-    """What the Serve file carries besides the KvmeshConfig (Serve's own plumbing)."""
+    """What the Serve file carries besides the KvmeshConfig (Serve's own plumbing). The Helm
+    values serve.proxyLocation, serve.routePrefix and serve.grpcServicerFunctions map here and
+    are held to what the replicas' own servers do."""
 
     app_name: str = "kvmesh"
+    # The replicas' servers answer at the root ("/v1/...", "/health", "/metrics").
     route_prefix: str = "/"
-    # HeadOnly on KubeRay: proxies only on the head pod (the Service target), none on GPU workers.
-    proxy_location: str = "EveryNode"
-    # Servicers for Serve's own gRPC proxy, on router.grpc_port. Empty by default: the router
-    # replicas serve kvmesh.v1 on that port themselves (router/grpc_ingress.py), and a Serve
-    # gRPC proxy there would take the port from them.
+    proxy_location: str = PROXY_LOCATION
+    # Servicers for Serve's own gRPC proxy: none, as no Serve proxy runs.
     grpc_servicer_functions: tuple[str, ...] = ()
-
-    def servicers(self) -> tuple[str, ...]:
-        return tuple(self.grpc_servicer_functions or ())
 
     def validate(self) -> None:
         if not self.app_name:
             raise ConfigError("serve app_name must be non-empty")
-        if not self.route_prefix.startswith("/"):
-            raise ConfigError(f"serve route_prefix must start with '/', got {self.route_prefix!r}")
-        if self.proxy_location not in PROXY_LOCATIONS:
-            raise ConfigError(f"serve proxy_location must be one of {list(PROXY_LOCATIONS)}, "
-                              f"got {self.proxy_location!r}")
+        if self.route_prefix != "/":
+            raise ConfigError(f"serve route_prefix must be '/': the router replicas serve the API at the root "
+                              f"of router.http_port themselves, got {self.route_prefix!r}")
+        if self.proxy_location != PROXY_LOCATION:
+            raise ConfigError(f"serve proxy_location must be {PROXY_LOCATION!r}: the router replicas serve "
+                              f"router.http_port and router.grpc_port themselves, got {self.proxy_location!r}")
+        if self.grpc_servicer_functions:
+            raise ConfigError("serve grpc_servicer_functions must be empty: no Serve gRPC proxy runs; the router "
+                              "replicas serve kvmesh.v1 on router.grpc_port themselves")
 
 
 # ---- KvmeshConfig -> Serve file -------------------------------------------------------
@@ -71,15 +73,7 @@ class ServeOptions:
 def build_serve_config(config: KvmeshConfig, options: ServeOptions = ServeOptions()) -> dict:
     """The Serve config file (a plain dict) that deploys `config`; checked by Ray's schema."""
     options.validate()
-    serve_config: dict[str, Any] = {
-        "proxy_location": options.proxy_location,
-        "http_options": {"host": config.router.host, "port": config.router.http_port,
-                         **_tls_field(tls.serve_http_ssl_options, config)},
-    }
-    servicers = options.servicers()
-    if servicers:
-        _tls_field(tls.check_serve_grpc_proxy, config)
-        serve_config["grpc_options"] = {"port": config.router.grpc_port, "grpc_servicer_functions": list(servicers)}
+    serve_config: dict[str, Any] = {"proxy_location": options.proxy_location}
     serve_config["applications"] = [{
         "name": options.app_name,
         "route_prefix": options.route_prefix,
@@ -88,14 +82,6 @@ def build_serve_config(config: KvmeshConfig, options: ServeOptions = ServeOption
     }]
     validate_with_ray_schema(serve_config)
     return serve_config
-
-
-def _tls_field(check, config: KvmeshConfig):
-    """router/tls.py's answer for Serve's proxies, its refusals as ConfigError."""
-    try:
-        return check(config.router.tls)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
 
 
 class _IndentedListDumper(yaml.SafeDumper):

@@ -3,6 +3,7 @@ gRPC ingress and worker channels, so what is measured is what carries tokens, no
 
     python -m kvmesh.load_tests.bench_stack                      # 1 and 2 router replicas
     python -m kvmesh.load_tests.bench_stack --replicas 1 --streams 1,64,1024 --tokens 64
+    python -m kvmesh.load_tests.bench_stack --replicas 1 --protocols http --http-streams 64,256
 
 For each number of router replicas (a fresh Serve app each, on one private local Ray):
 
@@ -13,7 +14,10 @@ For each number of router replicas (a fresh Serve app each, on one private local
 * short requests: --short requests of 1 token, 64 in flight: requests/s per stack core;
 * TTFT at 1 in flight: served P50 against the same null engine driven in this process
   (AsyncEngine(NullEngine)): the added TTFT; beside it a unary Health call's round trip, the
-  ingress's share of it (the rest: routing, the submit frame, the channel frame, the write).
+  ingress's share of it (the rest: routing, the submit frame, the channel frame, the write);
+* http streams (`--protocols http`): C concurrent OpenAI completions streamed as SSE over
+  router.http_port (one HTTP/1.1 connection each, aiohttp), the same figures per token as
+  the gRPC streams, and the TTFT P50 at 1 in flight over HTTP.
 
 Targets (docs/deploy.md): >= 20,000 streamed tokens/s per stack core (<= 50 us of stack CPU a
 token), >= 300 short requests/s per stack core, added TTFT P50 <= 5 ms. On a shared or
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -79,6 +84,45 @@ def bench_config(replicas: int, workers: int, max_num_seqs: int) -> KvmeshConfig
     })
 
 
+class HttpClient:
+    """OpenAI completions streamed as SSE over plain HTTP/1.1 (aiohttp: the bench's own CPU is
+    not the stack's); a connection per stream in flight, kept alive between requests."""
+
+    def __init__(self, base_url: str, max_connections: int):
+        import aiohttp  # a Ray Serve dependency; only the HTTP runs need it
+
+        self._url = f"{base_url}/v1/completions"
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_connections),
+                                              timeout=aiohttp.ClientTimeout(total=600))
+
+    async def generate(self, max_tokens: int) -> tuple[int, int, float]:
+        """(tokens, SSE chunks with text, TTFT s) of one streamed completion; the tokens are
+        the final usage's completion_tokens."""
+        body = {"model": "", "prompt": list(PROMPT_TOKEN_IDS), "max_tokens": max_tokens, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        t0 = time.perf_counter()
+        ttft_s, tokens, messages = None, 0, 0
+        async with self._session.post(self._url, json=body) as response:
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+            async for line in response.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"stream error: {chunk['error']}")
+                if chunk["choices"]:
+                    messages += 1
+                    if ttft_s is None:
+                        ttft_s = time.perf_counter() - t0
+                elif chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        return tokens, messages, ttft_s or 0.0
+
+    async def close(self) -> None:
+        await self._session.close()
+
+
 class Client:
     """A plain grpc.aio client (the bench's own CPU is not the stack's)."""
 
@@ -125,7 +169,7 @@ class Client:
         await self._channel.close()
 
 
-async def run_streams(client: Client, streams: int, tokens: int) -> StreamRun:
+async def run_streams(client: Client | HttpClient, streams: int, tokens: int) -> StreamRun:
     before = process_cpu.snapshot()
     t0 = time.perf_counter()
     results = await asyncio.gather(*(client.generate(tokens) for _ in range(streams)))
@@ -169,20 +213,21 @@ async def ttft_in_process(step_s: float, num_requests: int) -> float:
     return statistics.median(ttfts)
 
 
-async def run_one_cluster(args, replicas: int) -> list[str]:
-    config = bench_config(replicas, args.workers, max_num_seqs=max(args.streams_list) + 64)
-    start_null_workers(config, APP_NAME, args.step_ms / 1000)
-    await asyncio.to_thread(start_serving, config, APP_NAME)
+def _stream_line(label: str, run: StreamRun) -> str:
+    return (f"{label} {run.streams:5d}: {run.tokens_per_s:9.0f} tok/s, "
+            f"{run.tokens_per_stack_core_s:9.0f} tok/s per stack core "
+            f"({1e6 / run.tokens_per_stack_core_s:6.1f} us a token), stack {run.stack_cores:.2f} cores, "
+            f"{run.tokens / max(1, run.messages):.2f} tokens a message, TTFT P50 {run.ttft_p50_s * 1e3:.1f} ms")
+
+
+async def run_grpc(args, config: KvmeshConfig, replicas: int) -> list[str]:
     client = Client(f"127.0.0.1:{config.router.grpc_port}")
     lines = []
     try:
         await client.generate(4)  # warm: channels open, connections up
         for streams in args.streams_list:
             run = await run_streams(client, streams, args.tokens)
-            lines.append(f"replicas {replicas}  streams {streams:5d}: {run.tokens_per_s:9.0f} tok/s, "
-                         f"{run.tokens_per_stack_core_s:9.0f} tok/s per stack core "
-                         f"({1e6 / run.tokens_per_stack_core_s:6.1f} us a token), stack {run.stack_cores:.2f} cores, "
-                         f"{run.tokens / max(1, run.messages):.2f} tokens a message, TTFT P50 {run.ttft_p50_s * 1e3:.1f} ms")
+            lines.append(_stream_line(f"replicas {replicas}  streams", run))
             print(lines[-1] + "\n    " + run.account.summary(), flush=True)
         rps, rps_core = await run_short(client, args.short)
         lines.append(f"replicas {replicas}  short requests: {rps:.0f} req/s, {rps_core:.0f} req/s per stack core")
@@ -199,6 +244,41 @@ async def run_one_cluster(args, replicas: int) -> list[str]:
         print(lines[-1], flush=True)
     finally:
         await client.close()
+    return lines
+
+
+async def run_http(args, config: KvmeshConfig, replicas: int) -> list[str]:
+    """The same stream figures over the OpenAI API's SSE on router.http_port (whatever serves
+    that port: the router replicas themselves, or Serve's HTTP proxy in front of them)."""
+    client = HttpClient(f"http://127.0.0.1:{config.router.http_port}", max(args.http_streams_list))
+    lines = []
+    try:
+        await client.generate(4)  # warm
+        for streams in args.http_streams_list:
+            run = await run_streams(client, streams, args.tokens)
+            lines.append(_stream_line(f"replicas {replicas}  http streams", run))
+            print(lines[-1] + "\n    " + run.account.summary(), flush=True)
+        ttfts = [(await client.generate(4))[2] for _ in range(args.ttft_requests)]
+        lines.append(f"replicas {replicas}  http TTFT P50 at 1 in flight: {statistics.median(ttfts) * 1e3:.2f} ms")
+        print(lines[-1], flush=True)
+    finally:
+        await client.close()
+    return lines
+
+
+async def run_one_cluster(args, replicas: int) -> list[str]:
+    config = bench_config(replicas, args.workers,
+                          max_num_seqs=max(args.streams_list + getattr(args, "http_streams_list", [])) + 64)
+    start_null_workers(config, APP_NAME, args.step_ms / 1000)
+    await asyncio.to_thread(start_serving, config, APP_NAME)
+    lines = []
+    try:
+        protocols = getattr(args, "protocols", ("grpc",))
+        if "grpc" in protocols:
+            lines += await run_grpc(args, config, replicas)
+        if "http" in protocols:
+            lines += await run_http(args, config, replicas)
+    finally:
         await asyncio.to_thread(stop_serving, config, APP_NAME)
     return lines
 
@@ -212,8 +292,12 @@ def main(argv: list[str] | None = None) -> list[str]:
     p.add_argument("--workers", type=int, default=1, help="null workers")
     p.add_argument("--short", type=int, default=600, help="1-token requests for the requests/s figure")
     p.add_argument("--ttft-requests", type=int, default=30)
+    p.add_argument("--protocols", default="grpc", help="grpc, http or both (comma-separated)")
+    p.add_argument("--http-streams", default="64,256", help="concurrent SSE streams over HTTP, comma-separated")
     args = p.parse_args(argv)
     args.streams_list = [int(s) for s in args.streams.split(",")]
+    args.http_streams_list = [int(s) for s in args.http_streams.split(",")]
+    args.protocols = tuple(args.protocols.split(","))
     set_local_ray_env()  # as `kvmesh serve` starts one
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     lines = []

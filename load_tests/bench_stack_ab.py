@@ -1,38 +1,61 @@
 """bench_stack on two checkouts, alternating rounds in one run: the stack's before/after as ratios.
 
     python -m kvmesh.load_tests.bench_stack_ab --a /path/to/baseline-checkout --b . --rounds 3
+    python -m kvmesh.load_tests.bench_stack_ab --a /path/to/baseline-checkout --b . --protocol http
 
 Each checkout runs in its own Python (`<checkout>/.venv/bin/python`, where `import kvmesh`
 resolves to that checkout) with one private Ray cluster kept up for the whole run, so a round
 costs a Serve deploy, not a Ray start (on a loaded machine Ray's 30 s node-start limit fails
-often). Rounds alternate A, B, A, B, ...: on a shared machine the load drifts, and a ratio of
-medians over interleaved rounds is what survives it. One round is bench_stack's run for one
-router replica (run_one_cluster).
+often). Both run the benchmark code of this file's checkout (its bench_stack.py, loaded by
+path) against their own stack, so a baseline older than a benchmark mode still runs it.
+Rounds alternate A, B, A, B, ...: on a shared machine the load drifts, and a ratio of medians
+over interleaved rounds is what survives it. One round is bench_stack's run for one router
+replica (run_one_cluster): gRPC streams, short requests and TTFT, or with `--protocol http`
+OpenAI SSE streams over router.http_port (what serves that port is the checkout's: Serve's
+HTTP proxy before the replicas served HTTP themselves).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import re
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 _FIGURES = (  # (name, pattern over a round's summary lines, group)
-    ("tok/s 64 streams", r"streams\s+64: +(\d+) tok/s", 1),
-    ("us/token 64 streams", r"streams\s+64: .*?\(\s*([\d.]+) us a token\)", 1),
-    ("tokens/message 64", r"streams\s+64: .*? ([\d.]+) tokens a message", 1),
-    ("tok/s 1024 streams", r"streams\s+1024: +(\d+) tok/s", 1),
-    ("us/token 1024 streams", r"streams\s+1024: .*?\(\s*([\d.]+) us a token\)", 1),
-    ("tokens/message 1024", r"streams\s+1024: .*? ([\d.]+) tokens a message", 1),
+    ("tok/s 64 streams", r"\d  streams\s+64: +(\d+) tok/s", 1),
+    ("us/token 64 streams", r"\d  streams\s+64: .*?\(\s*([\d.]+) us a token\)", 1),
+    ("tokens/message 64", r"\d  streams\s+64: .*? ([\d.]+) tokens a message", 1),
+    ("tok/s 1024 streams", r"\d  streams\s+1024: +(\d+) tok/s", 1),
+    ("us/token 1024 streams", r"\d  streams\s+1024: .*?\(\s*([\d.]+) us a token\)", 1),
+    ("tokens/message 1024", r"\d  streams\s+1024: .*? ([\d.]+) tokens a message", 1),
     ("short req/s per core", r"short requests: \d+ req/s, (\d+) req/s per stack core", 1),
     ("TTFT added ms", r"added ([-\d.]+) ms", 1),
     ("unary gRPC round trip ms", r"round trip to the replica: ([-\d.]+) ms", 1),
     ("TTFT client->engine ms", r"client to engine arrival ([-\d.]+) ms", 1),
     ("TTFT engine->client ms", r"engine arrival to first response ([-\d.]+) ms", 1),
+    ("http tok/s 64 streams", r"http streams\s+64: +(\d+) tok/s", 1),
+    ("http us/token 64", r"http streams\s+64: .*?\(\s*([\d.]+) us a token\)", 1),
+    ("http tokens/message 64", r"http streams\s+64: .*? ([\d.]+) tokens a message", 1),
+    ("http tok/s 256 streams", r"http streams\s+256: +(\d+) tok/s", 1),
+    ("http us/token 256", r"http streams\s+256: .*?\(\s*([\d.]+) us a token\)", 1),
+    ("http tokens/message 256", r"http streams\s+256: .*? ([\d.]+) tokens a message", 1),
+    ("http TTFT P50 ms", r"http TTFT P50 at 1 in flight: ([-\d.]+) ms", 1),
 )
+HTTP_STREAMS = [64, 256]
+
+
+def _bench_stack():
+    """This checkout's bench_stack.py, whichever checkout's kvmesh the running Python imports."""
+    spec = importlib.util.spec_from_file_location("kvmesh_bench_stack_ab_round", Path(__file__).with_name("bench_stack.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def serve_rounds(args) -> None:
@@ -40,11 +63,11 @@ def serve_rounds(args) -> None:
     # Here, not at the top: the parent only starts the children, each of which imports the
     # stack (and Ray) of its own checkout.
     import ray
-    from kvmesh.load_tests import bench_stack  # this checkout's, as above
-    from kvmesh.router.launch import set_local_ray_env  # this checkout's, as above
+    from kvmesh.router.launch import set_local_ray_env  # the running checkout's, as above
 
+    bench_stack = _bench_stack()
     bench_args = argparse.Namespace(streams_list=[64, 1024], tokens=64, step_ms=20.0, workers=1, short=args.short,
-                                    ttft_requests=30)
+                                    ttft_requests=30, protocols=(args.protocol,), http_streams_list=HTTP_STREAMS)
     set_local_ray_env()
     for attempt in range(5):  # a loaded machine misses Ray's node-start limit now and then
         try:
@@ -88,12 +111,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--b", help="checkout to compare (with its .venv)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--short", type=int, default=1500, help="1-token requests per round")
+    p.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
+                   help="what a round measures: gRPC streams, short requests and TTFT, or OpenAI SSE streams")
     p.add_argument("--serve-rounds", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_rounds:
         return serve_rounds(args)
-    children = {name: subprocess.Popen([f"{tree}/.venv/bin/python", "-P", "-m", "kvmesh.load_tests.bench_stack_ab",
-                                        "--serve-rounds", "--short", str(args.short)],
+    children = {name: subprocess.Popen([f"{tree}/.venv/bin/python", "-P", str(Path(__file__).resolve()),
+                                        "--serve-rounds", "--short", str(args.short), "--protocol", args.protocol],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
                 for name, tree in (("A", args.a), ("B", args.b))}
     for child in children.values():

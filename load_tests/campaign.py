@@ -26,6 +26,8 @@ one after another against fresh targets, written to a result directory.
       - name: chaos               # faults done to the cluster during the load (load_tests/faults.py)
         target: {kind: cluster, redis: true, client_retries: true}
         faults: {kinds: [kill_worker, redis_stop, redis_restart], every_s: 30}
+        rate_of: {run: capacity, fraction: 0.7}   # the open-loop rate: 0.7 x the req/s run
+                                                  # `capacity` (earlier) completed on this machine
     checks:                       # the shape the campaign must show (reported, not asserted)
       - {run: continuous, metric: output_token_throughput, op: ">=", baseline: static-batch-8, ratio: 2.0}
       - {run: cancel, metric: final.kv_tokens_used, op: "==", value: 0}
@@ -39,7 +41,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import yaml
@@ -61,7 +63,7 @@ from kvmesh.load_tests.report import write_reports
 logger = logging.getLogger(__name__)
 
 _RUN_KEYS = {"name", "target", "config", "workload", "arrival", "retry", "slo", "streams", "warmup_requests",
-             "sample_interval_s", "label", "torch_threads", "optional", "faults"}
+             "sample_interval_s", "label", "torch_threads", "optional", "faults", "rate_of"}
 _DEFAULT_SAMPLE_INTERVAL_S = 0.25
 _STREAM_KEYS = {"tenant", "api_key", "workload", "arrival"}
 
@@ -72,6 +74,23 @@ class StreamPlan:
     api_key: str | None
     workload: WorkloadSpec
     arrival: ArrivalSpec
+
+
+@dataclass(frozen=True)
+class RateOf:
+    """A run's `rate_of:` section: its open-loop arrival rate is `fraction` x the requests/s an
+    earlier run of the campaign completed on this machine (a saturated `capacity` run, say),
+    so "70% of capacity" holds wherever the campaign runs instead of on the machine a fixed
+    rate was chosen on."""
+
+    run: str
+    fraction: float
+
+    def validate(self) -> None:
+        if not self.run:
+            raise InvalidRequestError("rate_of.run must name an earlier run")
+        if not (isinstance(self.fraction, (int, float)) and 0 < self.fraction < math.inf):
+            raise InvalidRequestError(f"rate_of.fraction must be a finite number > 0, got {self.fraction!r}")
 
 
 @dataclass(frozen=True)
@@ -93,6 +112,7 @@ class RunPlan:
     torch_threads: int | None = None
     optional: bool = False  # a target that cannot be built here (llama_cpp missing) is skipped
     faults: FaultPlan | None = None  # a chaos run (load_tests/faults.py): cluster targets only
+    rate_of: RateOf | None = None  # the arrival rate, from an earlier run's throughput (resolve_rate)
 
 
 @dataclass(frozen=True)
@@ -174,6 +194,7 @@ def _plan_run(run: dict, where: str) -> RunPlan:
     if faults is not None and faults.needs_redis and not target.get("redis"):
         raise InvalidRequestError(f"{where}.faults: redis kinds need a Redis the target owns (target.redis: true)")
     stream_dicts = run.get("streams") or [{}]
+    rate_of = None if run.get("rate_of") is None else _plan_rate_of(run, stream_dicts, f"{where}.rate_of")
     streams = []
     for i, s in enumerate(stream_dicts):
         bad = sorted(set(s) - _STREAM_KEYS)
@@ -192,7 +213,42 @@ def _plan_run(run: dict, where: str) -> RunPlan:
                    sample_interval_s=float(run.get("sample_interval_s", _DEFAULT_SAMPLE_INTERVAL_S)),
                    label=str(run.get("label") or run["name"]),
                    torch_threads=None if run.get("torch_threads") is None else int(run["torch_threads"]),
-                   optional=bool(run.get("optional", False)), faults=faults)
+                   optional=bool(run.get("optional", False)), faults=faults, rate_of=rate_of)
+
+
+def _plan_rate_of(run: dict, stream_dicts: list, where: str) -> RateOf:
+    """A `rate_of:` section, refused where the rate it sets would be ambiguous or unused (it
+    replaces a rate the defaults give; one the run itself gives is refused in parse_campaign)."""
+    rate_of = _dataclass_from(RateOf, run["rate_of"], where)
+    arrival = run.get("arrival") or {}
+    if len(stream_dicts) > 1:
+        raise InvalidRequestError(f"{where}: a run of several streams has no one rate to set")
+    if arrival.get("process", "poisson") not in ("poisson", "gamma", "constant"):
+        raise InvalidRequestError(f"{where}: needs an open-loop arrival process (poisson, gamma, constant), "
+                                  f"got {arrival.get('process')!r}")
+    if rate_of.run == run.get("name"):
+        raise InvalidRequestError(f"{where}: a run cannot take its rate from itself")
+    return rate_of
+
+
+def resolve_rate(plan: RunPlan, done_runs: list[dict]) -> tuple[RunPlan, dict]:
+    """The plan with its `rate_of` rate filled in from the run it names among `done_runs` (the
+    campaign's results so far), and what was taken (kept in the run's result as `rate_of`)."""
+    if plan.rate_of is None:
+        return plan, {}
+    base = next((r for r in done_runs if r["name"] == plan.rate_of.run), None)
+    if base is None:
+        raise InvalidRequestError(f"run {plan.name} takes its rate from run {plan.rate_of.run!r}, which has not "
+                                  f"run before it (left out with --only, skipped, or later in the campaign)")
+    throughput = base["summary"].get("request_throughput") or 0.0
+    if not throughput > 0:
+        raise InvalidRequestError(f"run {plan.name} takes its rate from run {plan.rate_of.run!r}, which completed "
+                                  f"no request")
+    rate = plan.rate_of.fraction * throughput
+    streams = tuple(replace(s, arrival=replace(s.arrival, rate=rate)) for s in plan.streams)
+    taken = {"run": plan.rate_of.run, "fraction": plan.rate_of.fraction, "baseline_request_throughput": throughput,
+             "rate": rate}
+    return replace(plan, streams=streams), taken
 
 
 def parse_campaign(data: dict, where: str = "campaign") -> Campaign:
@@ -206,11 +262,17 @@ def parse_campaign(data: dict, where: str = "campaign") -> Campaign:
     defaults = data.get("defaults") or {}
     runs: list[RunPlan] = []
     for i, run in enumerate(data["runs"]):
+        if isinstance(run, dict) and run.get("rate_of") is not None and "rate" in (run.get("arrival") or {}):
+            raise InvalidRequestError(f"{where}.runs[{i}]: rate_of sets the arrival rate; leave arrival.rate out")
         for expanded in _expand_sweep(deep_merge(defaults, run)):
             runs.append(_plan_run(expanded, f"{where}.runs[{i}]"))
     names = [r.name for r in runs]
     if len(names) != len(set(names)):
         raise InvalidRequestError(f"{where}: run names must be unique, got {names}")
+    for i, plan in enumerate(runs):
+        if plan.rate_of is not None and plan.rate_of.run not in names[:i]:
+            raise InvalidRequestError(f"{where}: run {plan.name} takes its rate from {plan.rate_of.run!r}, "
+                                      f"which is not a run before it ({names[:i]})")
     tokenizer_model = data.get("tokenizer") or ((defaults.get("config") or {}).get("model") or {})
     return Campaign(name=str(data.get("name", Path(where).stem)), description=str(data.get("description", "")),
                     runs=tuple(runs), checks=tuple(data.get("checks") or ()), tokenizer_model=dict(tokenizer_model),
@@ -306,7 +368,12 @@ def run_campaign(campaign: Campaign, out_dir: str | Path, tokenizer=None, allow_
     for plan in runs:
         logger.info("run %s: target %s", plan.name, plan.target_kind)
         try:
-            results["runs"].append(asyncio.run(execute_run(plan, corpus, allow_remote, progress)))
+            plan, rate_taken = resolve_rate(plan, results["runs"])
+            result = asyncio.run(execute_run(plan, corpus, allow_remote, progress))
+            if rate_taken:
+                achieved = result["summary"]["request_throughput"] / rate_taken["baseline_request_throughput"]
+                result["rate_of"] = {**rate_taken, "achieved_fraction": achieved}
+            results["runs"].append(result)
         except InvalidRequestError as exc:
             if not plan.optional:
                 raise

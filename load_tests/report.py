@@ -137,6 +137,7 @@ def markdown_summary(results: dict) -> str:
     for run in results["runs"]:
         lines.append("| " + " | ".join(_fmt(lookup(run, path), fmt) for _, path, fmt in SUMMARY_COLUMNS) + " |")
     lines += _tenant_table(results)
+    lines += [line for run in results["runs"] for line in ("", rate_of_line(run)) if rate_of_line(run)]
     errors = [(run["name"], run["summary"]["errors_by_code"]) for run in results["runs"] if run["summary"]["errors_by_code"]]
     if errors:
         lines += ["", "Errors by code: " + "; ".join(f"{n}: {e}" for n, e in errors)]
@@ -158,6 +159,17 @@ TENANT_COLUMNS = (("goodput req/s", "goodput", "{:.2f}"), ("shed", "shed_rate", 
                   ("out tok/s", "output_token_throughput", "{:.1f}"), ("TTFT p50 ms", "ttft.p50_ms", "{:.0f}"),
                   ("TTFT p99 ms", "ttft.p99_ms", "{:.0f}"), ("TPOT p50 ms", "tpot.p50_ms", "{:.1f}"),
                   ("E2E p99 ms", "e2e.p99_ms", "{:.0f}"))
+
+
+def rate_of_line(run: dict) -> str:
+    """A run whose rate was taken from an earlier run (campaign.py `rate_of`): what it was
+    offered and what it completed, as fractions of that run's throughput; "" otherwise."""
+    taken = run.get("rate_of")
+    if not taken:
+        return ""
+    return (f"Run {run['name']}: offered {taken['fraction']:g} x run {taken['run']}'s "
+            f"{taken['baseline_request_throughput']:.3f} req/s = {taken['rate']:.3f} req/s; completed "
+            f"{run['summary']['request_throughput']:.3f} req/s = {taken['achieved_fraction']:.2f}x {taken['run']}.")
 
 
 def _tenant_table(results: dict) -> list[str]:
@@ -243,6 +255,7 @@ figure{{display:inline-block;margin:1em}} img{{max-width:640px}}</style></head>
 <p>Metric definitions: docs/load-testing.md (TTFT, TPOT=(E2E-TTFT)/(output-1), ITL, E2E; ms).</p>
 <table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>
 {_markdown_table_to_html(_tenant_table(results))}
+{''.join(f"<p>{esc(rate_of_line(run))}</p>" for run in results["runs"] if rate_of_line(run))}
 {_chaos_html(results)}
 {''.join(f"<p>Skipped run {esc(s['name'])}: {esc(s['reason'])}</p>" for s in results.get('skipped', []))}
 <h2>Checks</h2><ul>{checks or '<li>none</li>'}</ul>

@@ -1,15 +1,14 @@
-"""The Ray Serve application: one router deployment serving gRPC itself and HTTP through Serve.
+"""The Ray Serve application: one router deployment whose replicas serve gRPC and HTTP themselves.
 
     client ──gRPC──> the replica's own grpc.aio server (SO_REUSEPORT) ──┐
                                                                         ├─> KvmeshRouter replica
-    client ──HTTP──> Serve HTTP proxy ──────────────────────────────────┘   (x router.num_replicas)
+    client ──HTTP──> the replica's own uvicorn server (SO_REUSEPORT) ───┘   (x router.num_replicas)
                                                RouterCore ── WorkerPool / WorkerChannels ──> worker actors
 
-* gRPC ends in the replica (router/grpc_ingress.py): a streamed message goes worker ->
-  replica -> client socket, crossing no proxy process; Serve's gRPC proxy is not started.
-* HTTP stays on Serve's proxy (router/openai_http.py, a FastAPI ingress): Serve 2.60's direct
-  ingress gives each replica a port of its own from a range and needs HAProxy in front for
-  one address, which a `kvmesh serve` machine does not have (docs/deploy.md).
+* Both edges end in the replica (router/grpc_ingress.py, router/http_ingress.py): a streamed
+  message or SSE chunk goes worker -> replica -> client socket, crossing no proxy process;
+  Serve's proxies are not started (proxy_location Disabled). Several replicas on a node share
+  each port (the kernel spreads connections), so a node keeps one address per protocol.
 * Workers stream to the replica over one channel per worker (router/worker_channels.py), a
   plain authenticated socket (router/channel_connection.py): one message per engine step
   holding the deltas of all of this replica's requests there; submits and aborts go the
@@ -19,23 +18,21 @@
 
 Workers are detached named actors (worker/runtime/actor.py) that every router replica finds by
 name, so scaling the router out does not multiply engines. Serve's replica health check is
-left to Serve's default (the replica's own liveness): a router whose workers are all down
-is healthy but answers UNAVAILABLE / 503, since restarting it would not bring workers back.
+`check_health`: the replica is alive while its HTTP server runs; a router whose workers are all
+down is healthy but answers UNAVAILABLE / 503, since restarting it would not bring workers back.
 """
 
-# No `from __future__ import annotations`: FastAPI reads the route methods' annotations
-# (`request: Request`) after Serve rebuilds them as class-based views, and string
-# annotations would not resolve there.
 import logging
 import os
 
-from fastapi import Request, Response
 from ray import serve
 
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.resources import resolve_worker_num_cpus
 from kvmesh.router import openai_http
-from kvmesh.router.grpc_ingress import HANDOFF_FLUSH_S, drain_grpc_server, start_grpc_server, stop_grpc_server
+from kvmesh.router.grpc_ingress import start_grpc_server, stop_grpc_server
+from kvmesh.router.http_ingress import HttpIngress
+from kvmesh.router.replica_drain import HANDOFF_FLUSH_S, drain_replica
 from kvmesh.router.grpc_service import ReplicaGrpcServicer
 from kvmesh.router import tracing
 from kvmesh.router.auth import Authenticator
@@ -54,8 +51,8 @@ DEFAULT_APP_NAME = "kvmesh"
 ROUTER_REPLICA_NUM_CPUS = 0.25
 # Model loads (and a first GGUF conversion) happen before the first worker answers.
 WORKER_READY_TIMEOUT_S = 600.0
-# Extra concurrent requests a replica accepts so that overload reaches admission, which
-# rejects it in microseconds with a retry-after (see build_router_app).
+# Extra concurrent calls Serve lets into a replica beyond what the router holds (see
+# build_router_app); clients reach the replicas' own servers, so only handle calls count.
 OVERLOAD_HEADROOM = 1024
 # What a replica takes of router.replica_resource: a node offering 100 holds any replica count.
 ROUTER_REPLICA_RESOURCE = 0.01
@@ -63,8 +60,8 @@ ROUTER_REPLICA_RESOURCE = 0.01
 # engine's lockstep threads win, and a token's delivery waits a little instead of every thread
 # of the step waiting at the next barrier for the one the router preempted (docs/deploy.md).
 ROUTER_NICE_INCREMENT = 10
-# Serve's wait between its counts of a stopping replica's HTTP requests (its default, 2 s, is
-# spent once even by an idle replica); the drain of gRPC streams follows it (router/grpc_ingress.py).
+# Serve's wait between its counts of a stopping replica's handle calls (its default, 2 s, is
+# spent once even by an idle replica); the drain of both edges follows it (router/replica_drain.py).
 GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.5
 # Serve kills a stopping replica this long after router.drain_grace_s: its wait loop, the
 # hand-off's flush, closing the worker channels.
@@ -72,8 +69,6 @@ SHUTDOWN_MARGIN_S = GRACEFUL_SHUTDOWN_WAIT_LOOP_S + HANDOFF_FLUSH_S + 5.0
 # How often a replica publishes its metrics snapshot for its peers' /metrics: a scrape may
 # lag a peer's latest counts by this much (Prometheus scrapes every 10-60 s).
 METRICS_PUBLISH_INTERVAL_S = 2.0
-
-fastapi_app = openai_http.build_openai_app()
 
 
 # Above the deployment class: Serve captures the names its methods use when it is decorated.
@@ -93,7 +88,6 @@ def lower_process_priority(increment: int) -> None:
 
 
 @serve.deployment(name="KvmeshRouter", ray_actor_options={"num_cpus": ROUTER_REPLICA_NUM_CPUS})
-@serve.ingress(fastapi_app)
 class KvmeshRouter:
     async def __init__(self, config_dict: dict):
         quiet_client_errors()  # Serve would log each refused request with a traceback
@@ -126,36 +120,22 @@ class KvmeshRouter:
         self.core = RouterCore(config, self.pool, tokenizer, authenticator, quota, model_name, metrics, tracer)
         self._servicer = ReplicaGrpcServicer(self.core)
         self._grpc_server = await start_grpc_server(self._servicer, config.router)
+        self._http = HttpIngress(openai_http.build_replica_app(self.core, self.board), config.router)
+        await self._http.start()
         logger.info("router replica ready: model %s, %d workers", model_name, len(self.pool.worker_ids))
 
-    # ---- OpenAI-compatible HTTP (router/openai_http.py) ------------------------------------
-
-    @fastapi_app.post("/v1/completions")
-    async def completions(self, request: Request) -> Response:
-        return await openai_http.generate_response(self.core, request, chat=False)
-
-    @fastapi_app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> Response:
-        return await openai_http.generate_response(self.core, request, chat=True)
-
-    @fastapi_app.get("/v1/models")
-    async def models(self, request: Request) -> dict:
-        return openai_http.models_body(self.core, openai_http.bearer_token(request.headers.get("authorization")))
-
-    @fastapi_app.get("/health")
-    async def health(self) -> Response:
-        return openai_http.health_response(self.core)
-
-    @fastapi_app.get("/metrics")
-    async def metrics(self) -> Response:
-        return await openai_http.metrics_response(self.core, self.board)
+    async def check_health(self) -> None:
+        """Serve's periodic health check: a replica whose HTTP server stopped is restarted."""
+        failed = self._http.failed
+        if failed is not None:
+            raise RuntimeError(f"the replica's HTTP server stopped: {failed!r}")
 
     async def __del__(self):
         # Each part only if __init__ got that far (a replica that failed to start is destroyed too).
         if hasattr(self, "_publisher"):
             self._publisher.cancel()
-        if hasattr(self, "_servicer"):  # it served: drain (router/grpc_ingress.py)
-            await drain_grpc_server(self._grpc_server, self._servicer, self.core.config.router.drain_grace_s)
+        if hasattr(self, "_http"):  # it served both edges: drain them (router/replica_drain.py)
+            await drain_replica(self._grpc_server, self._servicer, self._http, self.core.config.router.drain_grace_s)
         else:
             await stop_grpc_server(getattr(self, "_grpc_server", None))
         if hasattr(self, "core"):
@@ -176,10 +156,9 @@ def build_router_app(config: KvmeshConfig):
         import ray
 
         config = resolve_worker_num_cpus(config, ray.cluster_resources().get("CPU", 0.0), router_num_cpus(config))
-    # Beyond what the router holds (its queue plus the workers' running and queued requests),
-    # OVERLOAD_HEADROOM more may be in the replica at once only to be rejected: a request
-    # Serve queued in its proxy instead would wait, unanswered, for a slot and only then get
-    # the router's RESOURCE_EXHAUSTED (measured: seconds, in tests/test_overload_e2e.py).
+    # Serve's cap on calls in a replica applies to handle calls only (clients reach the
+    # replica's own servers): beyond what the router holds, OVERLOAD_HEADROOM more, so that
+    # overload reaches admission, which rejects it in microseconds with a retry-after.
     max_ongoing = (config.router.max_queue_len
                    + 2 * config.scheduler.max_num_seqs * config.parallel.num_workers + OVERLOAD_HEADROOM)
     actor_options = {"num_cpus": ROUTER_REPLICA_NUM_CPUS}

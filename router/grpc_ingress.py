@@ -13,20 +13,14 @@ the same Serve application); Serve's own gRPC proxy is not started for this port
 Server construction is here and only here (`start_grpc_server`); transport security is
 router/tls.py's `add_grpc_port` (router.tls: TLS, mTLS, certificate rotation).
 
-Drain (`drain_grpc_server`, when Serve stops the replica: a rolling update, a scale-down,
-the app deleted): the listener closes and new calls are refused at once, so new connections
-reach the other replicas on the port; the Generate streams in flight get router.drain_grace_s
-to finish; the rest end UNAVAILABLE `replica_stopping` (router/worker_channels.py's hand-off)
-and their clients resume them on another replica from the tokens they received (docs/api.md).
-Serve runs this after its own wait for the HTTP requests it counts (graceful_shutdown_wait_loop_s),
-within graceful_shutdown_timeout_s, which build_router_app sizes from the grace.
+Drain: router/replica_drain.py closes this server's listener and the HTTP one together when
+Serve stops the replica, gives the streams in flight router.drain_grace_s, and hands the rest to
+their clients' resumption.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 
 import grpc
 
@@ -46,10 +40,6 @@ _SERVER_OPTIONS = (
 )
 # Seconds a replica that failed to start lets its calls finish before it cancels them.
 SHUTDOWN_GRACE_S = 5.0
-# After the hand-off: time for the handed-off streams' statuses to reach their clients before
-# the server cancels whatever is left.
-HANDOFF_FLUSH_S = 2.0
-_DRAIN_POLL_S = 0.05
 
 
 async def start_grpc_server(servicer, router: RouterConfig) -> grpc.aio.Server:
@@ -72,22 +62,3 @@ def _address(host: str, port: int) -> str:
 async def stop_grpc_server(server: grpc.aio.Server | None) -> None:
     if server is not None:
         await server.stop(SHUTDOWN_GRACE_S)
-
-
-async def drain_grpc_server(server: grpc.aio.Server, servicer, grace_s: float) -> int:
-    """Stop taking calls, let the Generate streams in flight finish for up to `grace_s`, then
-    hand the rest to their clients' resumption (ended retryably); returns how many were handed
-    off. `servicer` is the ReplicaGrpcServicer (its live stream count and RouterCore)."""
-    # server.stop closes the listener and refuses new calls now; it waits for the calls in
-    # flight until its grace, then cancels them: ours end before that, by the hand-off below.
-    stopping = asyncio.ensure_future(server.stop(grace_s + HANDOFF_FLUSH_S))
-    deadline = time.monotonic() + grace_s
-    while servicer.num_active_streams and time.monotonic() < deadline:
-        await asyncio.sleep(_DRAIN_POLL_S)
-    live = servicer.num_active_streams
-    servicer.core.channels.hand_off_all()  # also refuses whatever is still in admission
-    if live:
-        logger.info("router replica stopping: %d stream(s) still running after the %.1f s drain grace "
-                    "handed to their clients' resumption", live, grace_s)
-    await stopping
-    return live

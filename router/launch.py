@@ -3,9 +3,9 @@ another config, stop it. `kvmesh serve` (deploy/cmd_serve.py) runs these around 
 Ctrl-C; the load tests' cluster targets and campaigns (load_tests/) run them around a private
 local cluster they then use through the client, as any client would.
 
-    start_serving(config)         Ray (local unless `address`), Serve's HTTP proxies, the
-                                  router app (its replicas serve gRPC themselves and start
-                                  the worker actors)
+    start_serving(config)         Ray (local unless `address`), Serve without proxies, the
+                                  router app (its replicas serve HTTP and gRPC themselves and
+                                  start the worker actors)
     redeploy_router(config)       the same app name, a new router config; the detached
                                   workers stay up (their models stay loaded)
     drain_serving(config)         before stop_serving: every worker leaves the routable set
@@ -63,14 +63,12 @@ def set_local_ray_env() -> None:
 
 
 def start_serving(config: KvmeshConfig, app_name: str = "kvmesh", address: str | None = None) -> None:
-    """Init Ray (local unless `address`), start Serve's proxies and deploy the app; returns
-    once the router replicas are up (they wait for the workers' models to load)."""
+    """Init Ray (local unless `address`), start Serve and deploy the app; returns once the
+    router replicas are up (they wait for the workers' models to load)."""
     import ray  # Ray: only where a cluster starts
     from ray import serve
-    from ray.serve.config import HTTPOptions
 
     from kvmesh.router.app import router_num_cpus  # Ray Serve: as above
-    from kvmesh.router.tls import serve_http_ssl_options  # only where a cluster starts
 
     if not ray.is_initialized():
         if address is None:
@@ -78,11 +76,10 @@ def start_serving(config: KvmeshConfig, app_name: str = "kvmesh", address: str |
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     # Every worker must be placeable, or it waits for CPUs forever with the cluster half up.
     config = resolve_worker_num_cpus(config, ray.cluster_resources().get("CPU", 0.0), router_num_cpus(config))
-    router = config.router
-    # No Serve gRPC proxy: the router replicas serve kvmesh.v1 on router.grpc_port themselves,
-    # with router.tls (router/grpc_ingress.py).
-    serve.start(http_options=HTTPOptions(host=router.host, port=router.http_port,
-                                         **serve_http_ssl_options(router.tls)))
+    # No Serve proxies: the router replicas serve the OpenAI API on router.http_port and
+    # kvmesh.v1 on router.grpc_port themselves, with router.tls (router/http_ingress.py,
+    # router/grpc_ingress.py); a proxy would take a port from them.
+    serve.start(proxy_location="Disabled")
     redeploy_router(config, app_name)
 
 

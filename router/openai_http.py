@@ -1,10 +1,13 @@
-"""OpenAI-compatible HTTP API (FastAPI), served through Ray Serve's HTTP ingress.
+"""OpenAI-compatible HTTP API (FastAPI), served by each router replica itself
+(router/http_ingress.py; no proxy process between the client and the replica).
 
     POST /v1/completions        prompt (text or token ids) -> text; SSE when "stream": true
     POST /v1/chat/completions   messages -> assistant message; SSE when "stream": true
     GET  /v1/models             the served model
     GET  /health                200 while at least one worker is routable, else 503
     GET  /metrics               Prometheus text format
+    GET  /-/healthz             200 "success" while the replica serves (the liveness path of
+                                Serve's proxy, which KubeRay probes on the serve port)
 
 Every route goes through the replica's `RouterCore`, the same object the gRPC servicer
 uses. Usage follows OpenAI, including `prompt_tokens_details.cached_tokens` (prompt tokens
@@ -28,7 +31,7 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from kvmesh.router import degradation, status_map
 from kvmesh.router.auth import bearer_token
@@ -55,11 +58,37 @@ _SAMPLING_FIELDS = {
 }
 
 
-def build_openai_app() -> FastAPI:
-    """The FastAPI app the router deployment declares its routes on (router/app.py); the
-    routes are methods of the deployment because Serve hands each replica its own copy of
-    the app, so a replica's `RouterCore` reaches a route only through `self`."""
-    return FastAPI(title="kvmesh", docs_url=None, redoc_url=None)
+def build_replica_app(core: RouterCore, board=None) -> FastAPI:
+    """The ASGI app one router replica serves (router/app.py starts it on its HTTP server):
+    every route over that replica's `RouterCore`; `board` is the MetricsBoard actor whose peer
+    snapshots /metrics merges in."""
+    app = FastAPI(title="kvmesh", docs_url=None, redoc_url=None)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate_response(core, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate_response(core, request, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        return models_body(core, bearer_token(request.headers.get("authorization")))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return health_response(core)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return await metrics_response(core, board)
+
+    @app.get("/-/healthz")
+    async def liveness() -> Response:
+        return PlainTextResponse("success")
+
+    return app
 
 
 def models_body(core: RouterCore, api_key: str | None = None) -> dict:

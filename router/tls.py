@@ -4,7 +4,6 @@ One module that every edge calls, whatever owns its socket:
 
     port = add_grpc_port(server, "0.0.0.0:50051", config.router.tls)   # a grpc(.aio) server
     context = ReloadingSSLContext(config.router.tls)                   # an ssl.SSLContext for HTTP
-    options = serve_http_ssl_options(config.router.tls)                # Serve's HTTPOptions ssl_*
 
 Certificates are PEM files (`router.tls.cert_file`, `key_file`, and `client_ca_file` for
 mTLS), typically a Kubernetes Secret mounted read-only (helm: `tls.secretName`). Rotation
@@ -15,9 +14,8 @@ without a restart:
   handshake; it re-reads the files when their (mtime, size) changed, at most every
   `reload_check_s`, and hands gRPC the new configuration.
 * HTTP: `ReloadingSSLContext.maybe_reload()` loads the new chain into the same context (new
-  handshakes use it; connections already open keep theirs); the edge calls it periodically.
-  Serve's own HTTP proxy builds its context once from file paths (`serve_http_ssl_options`),
-  so there a rotation takes effect when the proxy restarts.
+  handshakes use it; connections already open keep theirs); the replica's HTTP server
+  (router/http_ingress.py) calls it every reload_check_s.
 
 A half-written rotation (key and certificate that do not match yet) is not loaded: the
 previous pair keeps serving and the next check tries again. Keys are never logged.
@@ -182,25 +180,3 @@ class ReloadingSSLContext:
             return False
         self._load()
         return True
-
-
-def serve_http_ssl_options(tls: TlsConfig) -> dict:
-    """Serve's HTTPOptions fields for its HTTP proxy (empty when TLS is off). Serve passes no
-    client-verification mode to uvicorn, so mutual TLS is refused here rather than silently
-    not enforced."""
-    if not tls.enabled:
-        return {}
-    if tls.client_ca_file is not None:
-        raise ValueError("router.tls.client_ca_file (mutual TLS) is not supported on Serve's HTTP proxy; "
-                         "use it on the gRPC edge, or terminate mTLS in front of the HTTP port")
-    return {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
-
-
-def check_serve_grpc_proxy(tls: TlsConfig) -> None:
-    """Serve's gRPC proxy listens in plaintext only (Ray 2.60's gRPCOptions has no TLS): with
-    router.tls set, refuse to start it rather than carry API keys in the clear while the
-    operator believes TLS is on. The replica's own gRPC server binds with add_grpc_port."""
-    if tls.enabled:
-        raise ValueError("router.tls is set but this deployment's gRPC edge is Serve's gRPC proxy, which "
-                         "listens in plaintext only; serve gRPC from the router replica (add_grpc_port) "
-                         "or terminate TLS in front of router.grpc_port")

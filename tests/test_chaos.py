@@ -15,7 +15,7 @@ import pytest
 from kvmesh.core.errors import InvalidRequestError
 from kvmesh.load_tests import chaos
 from kvmesh.load_tests.arrivals import ArrivalSpec
-from kvmesh.load_tests.campaign import load_campaign, parse_campaign
+from kvmesh.load_tests.campaign import RateOf, load_campaign, parse_campaign, resolve_rate
 from kvmesh.load_tests.driver import DriverRetryPolicy, RunDriver, TenantStream
 from kvmesh.load_tests.faults import FAULT_KINDS, FaultOutcome, FaultPlan
 from kvmesh.load_tests.metrics import STATUS_ERROR, STATUS_OK, RequestRecord
@@ -68,6 +68,52 @@ def test_the_shipped_chaos_campaigns_plan_every_kind(name, minutes, each_kind):
     counts = Counter(f.kind for f in run.faults.planned(duration_s))
     assert set(counts) == set(FAULT_KINDS) and min(counts.values()) >= each_kind, counts
     assert run.target_options.get("client_retries") and run.target_options.get("redis")
+    assert run.rate_of == RateOf("capacity", 0.7)  # ~70% of what this machine's capacity run completed
+
+
+def _rate_campaign(chaos_run: dict, arrival: dict | None = None) -> dict:
+    return {"defaults": {"arrival": arrival or {"process": "poisson", "rate": 9.0, "seed": 3}},
+            "runs": [{"name": "capacity", "arrival": {"process": "closed", "concurrency": 4}},
+                     {"name": "chaos", **chaos_run}]}
+
+
+def test_a_run_takes_its_rate_as_a_fraction_of_an_earlier_runs_throughput():
+    campaign = parse_campaign(_rate_campaign({"rate_of": {"run": "capacity", "fraction": 0.7}}))
+    capacity, plan = campaign.runs
+    assert capacity.rate_of is None and plan.rate_of == RateOf("capacity", 0.7)
+    done = [{"name": "capacity", "summary": {"request_throughput": 2.0}}]
+    resolved, taken = resolve_rate(plan, done)
+    assert resolved.streams[0].arrival.rate == pytest.approx(1.4)  # the defaults' 9.0 replaced
+    assert resolved.streams[0].arrival.seed == 3 and resolved.streams[0].arrival.process == "poisson"
+    assert taken == {"run": "capacity", "fraction": 0.7, "baseline_request_throughput": 2.0,
+                     "rate": pytest.approx(1.4)}
+    assert resolve_rate(capacity, done) == (capacity, {})
+    with pytest.raises(InvalidRequestError, match="has not run"):
+        resolve_rate(plan, [])  # capacity left out (--only) or skipped
+    with pytest.raises(InvalidRequestError, match="completed no request"):
+        resolve_rate(plan, [{"name": "capacity", "summary": {"request_throughput": 0.0}}])
+    # The summary says what the run was offered and what it did, as fractions of capacity.
+    run = {"name": "chaos", "summary": {"request_throughput": 1.3},
+           "rate_of": {**taken, "achieved_fraction": 0.65}}
+    assert report_module.rate_of_line(run) == ("Run chaos: offered 0.7 x run capacity's 2.000 req/s = 1.400 "
+                                               "req/s; completed 1.300 req/s = 0.65x capacity.")
+    assert report_module.rate_of_line({"name": "capacity"}) == ""
+
+
+@pytest.mark.parametrize("chaos_run, message", [
+    ({"rate_of": {"run": "later", "fraction": 0.7}}, "not a run before it"),
+    ({"rate_of": {"run": "chaos", "fraction": 0.7}}, "from itself"),
+    ({"rate_of": {"run": "capacity", "fraction": 0}}, "fraction"),
+    ({"rate_of": {"run": "capacity"}}, "fraction"),
+    ({"rate_of": {"run": "capacity", "fraction": 0.7, "of": "x"}}, "unknown field"),
+    ({"rate_of": {"run": "capacity", "fraction": 0.7}, "arrival": {"rate": 2.0}}, "leave arrival.rate out"),
+    ({"rate_of": {"run": "capacity", "fraction": 0.7}, "arrival": {"process": "closed"}}, "open-loop"),
+    ({"rate_of": {"run": "capacity", "fraction": 0.7}, "streams": [{"tenant": "a"}, {"tenant": "b"}]},
+     "several streams"),
+])
+def test_a_bad_rate_of_is_refused_at_load(chaos_run, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        parse_campaign(_rate_campaign(chaos_run))
 
 
 def test_stream_check_names_what_is_wrong():

@@ -316,13 +316,9 @@ def test_serve_config_passes_ray_schema_and_our_loader(rendered):
     config = kvmesh_config_from_serve_config(serve_config)  # ServeDeploySchema, then from_dict
     app = next(a for a in serve_config["applications"] if a["import_path"] == SERVE_APP_IMPORT_PATH)
     assert app["name"] == rendered.values["serve"]["appName"]
-    assert serve_config["http_options"] == {"host": config.router.host, "port": config.router.http_port}
-    assert serve_config["proxy_location"] == rendered.values["serve"]["proxyLocation"]
-    servicers = rendered.values["serve"]["grpcServicerFunctions"]
-    if servicers:
-        assert serve_config["grpc_options"] == {"port": config.router.grpc_port, "grpc_servicer_functions": servicers}
-    else:
-        assert "grpc_options" not in serve_config
+    # No Serve proxies: the router replicas serve router.http_port and router.grpc_port themselves.
+    assert serve_config["proxy_location"] == rendered.values["serve"]["proxyLocation"] == "Disabled"
+    assert "http_options" not in serve_config and "grpc_options" not in serve_config
 
 
 def test_chart_starts_no_serve_grpc_proxy():
@@ -462,8 +458,9 @@ CROSS_FIELD_BAD = [
       "kvmesh": {"tenants": {"tenants": [{"id": "a", "api_key_hashes": ["sha256$s$ab"]}]}}},
      "api_key_hashes must be empty"),
     ({"modelVolume": {"enabled": True}}, "existingClaim"),
-    ({"tls": {"secretName": "router-tls"}, "serve": {"grpcServicerFunctions": ["my.servicer:add"]}},
-     "plaintext only"),  # a Serve gRPC proxy asked for next to TLS
+    ({"serve": {"grpcServicerFunctions": ["my.servicer:add"]}}, "grpcServicerFunctions must be"),
+    ({"serve": {"proxyLocation": "HeadOnly"}}, "proxyLocation must be Disabled"),  # it would take the port
+    ({"serve": {"routePrefix": "/llm"}}, "routePrefix must be /"),
     ({"tls": {"secretName": "router-tls"}, "serve": {"grpcServicerFunctions": []},
       "kvmesh": {"router": {"tls": {"cert_file": "/c", "key_file": "/k"}}}}, "must be null when tls.secretName"),
     ({"gcsFaultTolerance": {"enabled": True}}, "redisAddress"),
@@ -500,11 +497,9 @@ def test_ray_token_auth_is_on_and_tls_comes_from_a_secret(chart):
         mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "tls")
         assert mount == {"name": "tls", "mountPath": "/etc/kvmesh/tls", "readOnly": True}
     serve = out.serve_config()
-    assert serve["http_options"]["ssl_certfile"] == "/etc/kvmesh/tls/tls.crt"
-    assert serve["http_options"]["ssl_keyfile"] == "/etc/kvmesh/tls/tls.key"
     router_tls = serve["applications"][0]["args"]["router"]["tls"]
     assert (router_tls["cert_file"], router_tls["key_file"]) == ("/etc/kvmesh/tls/tls.crt", "/etc/kvmesh/tls/tls.key")
-    assert "grpc_options" not in serve
+    assert "grpc_options" not in serve and "http_options" not in serve  # the replicas' own servers read it
     monitored = _render(chart, {"tls": {"secretName": "router-tls"}, "serve": {"grpcServicerFunctions": []},
                                 "metrics": {"serviceMonitor": {"enabled": True}}})
     [endpoint] = monitored.one("ServiceMonitor", "-router")["spec"]["endpoints"]

@@ -60,6 +60,9 @@ def test_engine_campaign_cancel_storm_prefix_and_peer(tiny, tmp_path):
             {"name": "prefix-closed", "arrival": {"process": "closed", "concurrency": 2},
              "workload": {"kind": "shared_prefix", "num_families": 2, "prefix_tokens": 800,
                           "input": {"kind": "fixed", "mean": 4, "p99": None}}},
+            # its Poisson rate: half of what prefix-closed completed per second, here
+            {"name": "half-of-prefix", "rate_of": {"run": "prefix-closed", "fraction": 0.5},
+             "workload": {"num_requests": 4}},
             {"name": "static-4", "target": {"kind": "hf_static", "batch_size": 4}},
             {"name": "hf-continuous", "target": {"kind": "hf_continuous", "max_batch_tokens": 128}},
             {"name": "llama-cpp", "target": {"kind": "llama_cpp"}, "optional": True},
@@ -90,6 +93,11 @@ def test_engine_campaign_cancel_storm_prefix_and_peer(tiny, tmp_path):
     prefix = runs["prefix-closed"]["summary"]
     assert prefix["completed"] == 12
     assert prefix["prefix_cache_hit_rate"] > 0.3  # 32-token family prefixes are reused
+    half = runs["half-of-prefix"]
+    assert half["arrival"][0]["rate"] == pytest.approx(prefix["request_throughput"] / 2)
+    assert half["rate_of"]["achieved_fraction"] == pytest.approx(
+        half["summary"]["request_throughput"] / prefix["request_throughput"])
+    assert half["summary"]["completed"] == 4
 
     for peer in ("static-4", "hf-continuous"):  # peers generate the same exact lengths
         summary, records = runs[peer]["summary"], runs[peer]["records"]
@@ -114,6 +122,7 @@ def test_engine_campaign_cancel_storm_prefix_and_peer(tiny, tmp_path):
     summary_md = (tmp_path / "summary.md").read_text()
     assert "PASS: cancel-storm: final.kv_tokens_used == 0" in summary_md
     assert "PASS: structured: structured_valid_rate == 1" in summary_md
+    assert "Run half-of-prefix: offered 0.5 x run prefix-closed's" in summary_md
 
 
 def test_overload_naive_retries_are_counted(tiny, tmp_path):

@@ -57,26 +57,19 @@ def test_round_trip_every_field_through_the_serve_yaml():
 
 def test_serve_file_shape():
     config = _custom_config()
-    options = ServeOptions(app_name="llm", route_prefix="/llm", proxy_location="HeadOnly",
-                           grpc_servicer_functions=("kvmesh.proto.kvmesh_pb2_grpc.add_KvmeshServicer_to_server",))
-    serve = build_serve_config(config, options)
+    serve = build_serve_config(config, ServeOptions(app_name="llm"))
     (app,) = serve["applications"]
     assert app["import_path"] == SERVE_APP_IMPORT_PATH == "kvmesh.deploy.serve_app:build_app"
-    assert (app["name"], app["route_prefix"]) == ("llm", "/llm")
+    assert (app["name"], app["route_prefix"]) == ("llm", "/")
     assert app["args"] == config.to_dict()
-    assert serve["http_options"] == {"host": "0.0.0.0", "port": 8080}
-    assert serve["grpc_options"]["port"] == config.router.grpc_port  # Serve's own proxy, only when asked
-    assert serve["proxy_location"] == "HeadOnly"
-    assert "grpc_options" not in build_serve_config(config, ServeOptions(grpc_servicer_functions=()))
+    # No Serve proxies: the router replicas serve router.http_port and router.grpc_port themselves.
+    assert serve["proxy_location"] == "Disabled"
+    assert "http_options" not in serve and "grpc_options" not in serve
 
 
-def test_no_serve_grpc_proxy_by_default():
-    """The router replicas serve kvmesh.v1 on router.grpc_port; a Serve gRPC proxy would take it."""
-    assert "grpc_options" not in build_serve_config(KvmeshConfig())
-
-
-@pytest.mark.parametrize("options", [ServeOptions(app_name=""), ServeOptions(route_prefix="llm"),
-                                     ServeOptions(proxy_location="Everywhere")])
+@pytest.mark.parametrize("options", [ServeOptions(app_name=""), ServeOptions(route_prefix="/llm"),
+                                     ServeOptions(proxy_location="HeadOnly"),
+                                     ServeOptions(grpc_servicer_functions=("my.servicer:add",))])
 def test_bad_serve_options_are_config_errors(options):
     with pytest.raises(ConfigError):
         build_serve_config(KvmeshConfig(), options)
@@ -154,15 +147,12 @@ def test_secret_plumbing_refuses_ambiguity_and_junk(tmp_path):
 
 
 def test_command_prints_a_valid_serve_file(capsys):
-    code, out, _ = _run_command(["--set", "parallel.tensor_parallel_size=2", "--set", "router.host=0.0.0.0",
-                                 "--proxy-location", "HeadOnly"], capsys)
+    code, out, _ = _run_command(["--set", "parallel.tensor_parallel_size=2", "--set", "router.host=0.0.0.0"], capsys)
     assert code == 0
     serve = yaml.safe_load(out)
     config = kvmesh_config_from_serve_config(serve)
     assert config.parallel.tensor_parallel_size == 2 and config.router.host == "0.0.0.0"
-    assert "grpc_options" not in serve  # the router replicas serve gRPC themselves
-    code, out, _ = _run_command(["--no-grpc"], capsys)
-    assert code == 0 and "grpc_options" not in yaml.safe_load(out)
+    assert serve["proxy_location"] == "Disabled" and "grpc_options" not in serve  # the replicas serve both
 
 
 def test_command_reads_a_config_file_and_a_serve_file(tmp_path, capsys):
@@ -189,7 +179,7 @@ def test_example_file_is_valid_and_in_the_command_s_shape():
     added to the config later take their defaults, so the example need not list them)."""
     example = yaml.safe_load(EXAMPLE.read_text())
     config = kvmesh_config_from_serve_config(example)
-    rebuilt = build_serve_config(config, ServeOptions(proxy_location=example["proxy_location"]))
+    rebuilt = build_serve_config(config)
     rebuilt_args = rebuilt["applications"][0].pop("args")
     example_args = example["applications"][0].pop("args")
     assert rebuilt == example
@@ -242,14 +232,10 @@ def test_serve_whose_ray_never_started_stops_nothing(monkeypatch):
     assert stopped == [] and not ray.is_initialized()
 
 
-def test_tls_reaches_serve_s_http_proxy_and_a_plaintext_grpc_proxy_is_refused():
-    config = KvmeshConfig().replace(router={"tls": {"cert_file": "/tls/tls.crt", "key_file": "/tls/tls.key"}})
-    serve = build_serve_config(config, ServeOptions(grpc_servicer_functions=()))
-    assert serve["http_options"]["ssl_certfile"] == "/tls/tls.crt"
-    assert serve["http_options"]["ssl_keyfile"] == "/tls/tls.key"
-    assert "grpc_options" not in build_serve_config(config)  # the replicas serve gRPC, with router.tls
-    with pytest.raises(ConfigError, match="plaintext only"):  # a Serve gRPC proxy asked for next to TLS
-        build_serve_config(config, ServeOptions(grpc_servicer_functions=("my.servicer:add",)))
-    mutual = config.replace(router={"tls": {"cert_file": "/c", "key_file": "/k", "client_ca_file": "/ca"}})
-    with pytest.raises(ConfigError, match="mutual TLS"):
-        build_serve_config(mutual, ServeOptions(grpc_servicer_functions=()))
+def test_tls_and_mutual_tls_stay_in_the_app_s_args():
+    """The replicas' own servers read router.tls (HTTP and gRPC): the Serve file carries it only
+    as the app's args, mutual TLS included."""
+    mutual = KvmeshConfig().replace(router={"tls": {"cert_file": "/c", "key_file": "/k", "client_ca_file": "/ca"}})
+    serve = build_serve_config(mutual)
+    assert "http_options" not in serve and "grpc_options" not in serve
+    assert kvmesh_config_from_serve_config(serve).router.tls == mutual.router.tls

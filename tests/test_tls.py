@@ -141,16 +141,11 @@ def test_http_context_reloads_into_the_same_context(pki):
         listener.close()
 
 
-def test_tls_config_is_validated_and_serve_options_refuse_unenforced_mtls(pki):
+def test_tls_config_is_validated():
     with pytest.raises(ConfigError, match="go together"):
         KvmeshConfig.from_dict({"router": {"tls": {"cert_file": "/c.pem"}}})
     with pytest.raises(ConfigError, match="client_ca_file"):
         KvmeshConfig.from_dict({"router": {"tls": {"client_ca_file": "/ca.pem"}}})
-    assert tls.serve_http_ssl_options(TlsConfig()) == {}
-    assert tls.serve_http_ssl_options(_tls_config(pki)) == {
-        "ssl_certfile": str(pki.server_cert_file), "ssl_keyfile": str(pki.server_key_file)}
-    with pytest.raises(ValueError, match="mutual TLS"):
-        tls.serve_http_ssl_options(_tls_config(pki, mutual=True))
 
 
 def test_plaintext_port_when_tls_is_off():

@@ -198,6 +198,58 @@ def test_a_resumption_takes_its_id_over_and_a_stale_abort_leaves_it_alone(worker
 
 
 @pytest.mark.e2e
+def test_a_retry_through_another_replica_takes_over_its_orphaned_attempt(worker):
+    """A client's first attempt reached this worker through a router replica that then died,
+    before any token reached the client; the worker has not yet seen that replica's socket
+    close, so the attempt still streams here. The client's plain retry (attempt 2, no resume
+    tokens) comes through another replica: it ends the orphan and runs from the start. The
+    same id as a first attempt (a live client's genuine duplicate) is still refused."""
+    import dataclasses
+
+    from kvmesh.core import delta_wire
+    from kvmesh.router.channel_connection import ChannelConnection
+
+    _wait_idle(worker)
+
+    def deltas_of(message: bytes) -> list[RequestDelta]:
+        return delta_wire.to_request_deltas([i for i in delta_wire.decode(message)
+                                             if delta_wire.request_id_of(i) == "retried"])
+
+    async def scenario():
+        dead = await ChannelConnection.open(worker, "replica-dead")
+        alive = await ChannelConnection.open(worker, "replica-alive")
+        orphans, news = dead.messages(), alive.messages()
+        dead.send([("s", _request("retried", LONG))])
+        orphan = []
+        while len(orphan) < 2:  # streaming: it holds the id
+            orphan += deltas_of(await anext(orphans))
+        alive.send([("s", _request("retried", 8))])  # attempt 1: a duplicate, refused
+        refused = []
+        while not refused:
+            refused += deltas_of(await anext(news))
+        assert refused[0].error_type == "InvalidRequestError" and "already in flight" in refused[0].error
+        alive.send([("s", dataclasses.replace(_request("retried", 8), attempt=2))])
+        retried = []
+        while not (retried and retried[-1].finished):
+            retried += deltas_of(await anext(news))
+        assert retried[-1].finish_reason is FinishReason.LENGTH, retried[-1]
+        while not (orphan and orphan[-1].finished):  # the orphan ended: superseded
+            orphan += deltas_of(await anext(orphans))
+        dead.close()
+        alive.close()
+        return orphan, retried
+
+    orphan, retried = asyncio.run(scenario())
+    assert orphan[-1].finish_reason is FinishReason.ABORT
+    retried_ids = [t for d in retried for t in d.token_ids]
+    orphan_ids = [t for d in orphan for t in d.token_ids]
+    assert len(retried_ids) == 8  # the whole output, from the first token (greedy: the orphan's too)
+    shared = min(8, len(orphan_ids))
+    assert retried_ids[:shared] == orphan_ids[:shared]
+    assert _wait_idle(worker).num_blocks_used == 0
+
+
+@pytest.mark.e2e
 def test_poll_and_extra_keys(worker, actor_config):
     import ray
 

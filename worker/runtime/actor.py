@@ -71,9 +71,9 @@ logger = logging.getLogger(__name__)
 WORKER_NAMESPACE = "kvmesh"
 DRAIN_POLL_S = 0.05  # how often a draining worker checks whether its requests have finished
 DRAIN_RETRY_AFTER_S = 0.05  # a request sent to a draining worker: re-routed about at once
-# A client's resumption may reach this worker while the run it continues still streams here
-# under the same id (its router replica stopped or died before the abort landed): the earlier
-# run is aborted, and the resumption waits this long for it to end before it is refused.
+# A client's retry or resumption may reach this worker while the attempt it replaces still
+# streams here under the same id (its router replica stopped or died before the abort landed):
+# the earlier run is aborted, and the new one waits this long for it to end before it is refused.
 SUPERSEDE_WAIT_S = 5.0
 
 
@@ -235,14 +235,26 @@ class WorkerActor:
 
     def _submit_on(self, channel: DeltaChannel, requests: list[GenerateRequest]) -> asyncio.Future:
         """Start `requests` with their deltas going to `channel`; they reach the engine in this
-        order before this returns (so before any abort that follows them), except a
-        resumption of a run still streaming here (its router replica stopped or died before
-        the abort came), which first ends that run and takes the id over. The future
-        resolves to one answer each, in order: this incarnation's id once the engine
-        accepted it, or the refusal as an error delta (errors as values)."""
-        superseding = [r.request_id in self._streaming and bool(r.resume_token_ids) for r in requests]
+        order before this returns (so before any abort that follows them), except one that
+        takes over the id of a run still streaming here (`_takes_over`), which first ends
+        that run. The future resolves to one answer each, in order: this incarnation's id
+        once the engine accepted it, or the refusal as an error delta (errors as values)."""
+        superseding = [self._takes_over(channel, r) for r in requests]
         started = [None if waits else self._start(channel, r) for r, waits in zip(requests, superseding)]
         return asyncio.ensure_future(self._answers(channel, requests, superseding, started))
+
+    def _takes_over(self, channel: DeltaChannel, request: GenerateRequest) -> bool:
+        """Whether `request` replaces the run streaming here under its id instead of being
+        refused as a duplicate. A request id is the client's, and a client sends an id again
+        only after its earlier attempt failed: its resumption (resume tokens) or its retry
+        (attempt > 1) through another router replica than the one still holding that attempt
+        here (the replica died or stopped before this worker saw its socket close or its
+        abort). A retry arriving on the holder's own channel is refused: that replica ended
+        the attempt itself and its abort is already on the way, and it cannot tell the old
+        run's late deltas from the new one's."""
+        if request.request_id not in self._streaming:
+            return False
+        return bool(request.resume_token_ids) or (request.attempt > 1 and request.request_id not in channel)
 
     async def _answers(self, channel, requests, superseding, started) -> list[str | RequestDelta]:
         for i, request in enumerate(requests):
@@ -333,8 +345,8 @@ class WorkerActor:
         return known
 
     async def _superseded(self, request_id: str) -> bool:
-        """Abort the run streaming under `request_id` for a resumption of it; True once it ended."""
-        logger.info("a resumption of request %s supersedes its run still streaming here", request_id)
+        """Abort the run streaming under `request_id` for a retry or resumption of it; True once it ended."""
+        logger.info("a retry or resumption of request %s supersedes its run still streaming here", request_id)
         await self._engine.abort(request_id)
         deadline = time.monotonic() + SUPERSEDE_WAIT_S
         while request_id in self._streaming:

@@ -73,8 +73,14 @@ Checks the JSON schema cannot express (cross-field); they fail the install with 
 {{- end }}
 {{- end }}
 {{- end }}
-{{- if and .Values.tls.secretName .Values.serve.grpcServicerFunctions }}
-{{- fail "tls.secretName: Serve's gRPC proxy listens in plaintext only; set serve.grpcServicerFunctions to [] (HTTP only) or terminate TLS in front of the gRPC port" }}
+{{- if ne .Values.serve.proxyLocation "Disabled" }}
+{{- fail "serve.proxyLocation must be Disabled: the router replicas serve router.http_port and router.grpc_port themselves, and a Serve proxy would take the port" }}
+{{- end }}
+{{- if .Values.serve.grpcServicerFunctions }}
+{{- fail "serve.grpcServicerFunctions must be []: no Serve gRPC proxy runs; the router replicas serve kvmesh.v1 on router.grpc_port themselves" }}
+{{- end }}
+{{- if ne .Values.serve.routePrefix "/" }}
+{{- fail "serve.routePrefix must be /: the router replicas serve the API at the root of router.http_port" }}
 {{- end }}
 {{- if and .Values.tls.secretName (or .Values.kvmesh.router.tls.cert_file .Values.kvmesh.router.tls.key_file) }}
 {{- fail "kvmesh.router.tls.cert_file / key_file must be null when tls.secretName is set: the chart mounts the Secret and sets them" }}
@@ -112,15 +118,8 @@ merges them back inside the pod.
 {{- define "kvmesh.serveConfig" -}}
 {{- $router := .Values.kvmesh.router }}
 {{- $app := dict "name" .Values.serve.appName "route_prefix" .Values.serve.routePrefix "import_path" "kvmesh.deploy.serve_app:build_app" "args" (include "kvmesh.serveArgs" . | fromYaml) }}
-{{- $http := dict "host" $router.host "port" $router.http_port }}
-{{- if .Values.tls.secretName }}
-{{- $_ := set $http "ssl_certfile" (printf "%s/tls.crt" .Values.tls.mountPath) }}
-{{- $_ := set $http "ssl_keyfile" (printf "%s/tls.key" .Values.tls.mountPath) }}
-{{- end }}
-{{- $serve := dict "proxy_location" .Values.serve.proxyLocation "http_options" $http "applications" (list $app) }}
-{{- if .Values.serve.grpcServicerFunctions }}
-{{- $_ := set $serve "grpc_options" (dict "port" $router.grpc_port "grpc_servicer_functions" .Values.serve.grpcServicerFunctions) }}
-{{- end }}
+{{- /* No Serve proxies: the router replicas serve router.http_port and router.grpc_port themselves. */}}
+{{- $serve := dict "proxy_location" .Values.serve.proxyLocation "applications" (list $app) }}
 {{- toYaml $serve }}
 {{- end }}
 
