@@ -77,8 +77,9 @@ class ModelConfig:
     # int4 weights, the same paged KV cache); larger steps and what it does not take run eagerly.
     # None = auto: for 16-bit models 64 on CPUs with AMX (its projections are AMX tiles too),
     # else 12 tokens per torch thread, at most 24 (where it measured faster than eager's GEMMs);
-    # 0 (off) for fp32 float weights, the token-exact reference path; fp32 int8 as 16-bit,
-    # fp32 int4 64 (eager dequantizes every call); 0 = off for any dtype.
+    # fp32 float weights 12 a thread, at most 24 (fp32 GEMVs; token-exact: the eager forward up
+    # to the order of fp32 sums); fp32 int8 as 16-bit, fp32 int4 64 (eager dequantizes every
+    # call); 0 = off for any dtype (every step eager, the reference path).
     cpu_native_max_tokens: int | None = None
 
     def validate(self) -> None:
@@ -247,12 +248,18 @@ class QuantConfig:
     # types refused at load; worker/model/gguf_loader.py). none dequantizes a GGUF at load.
     weight: str = "none"
     group_size: int = 128  # int4 group size
+    # What int4 layers multiply in the CPU native step: fp32 = each weight dequantized in
+    # registers exactly as the eager layer does (greedy tokens those of the dequantized model,
+    # i.e. HF transformers' on a GGUF); int8 = activations quantized to int8 per 32-input block
+    # (llama.cpp's Q4 x Q8 dot products: the fastest mode, logits within ~5 %, not token-exact).
+    int4_activations: str = "fp32"
     # Text file used for AWQ scale search and static fp8 KV scales; None = bundled corpus.
     calibration_path: str | None = None
 
     def validate(self) -> None:
         _one_of("quant.weight", self.weight, ("none", "int8", "int4", "int4_awq", "gguf"))
         _one_of("quant.group_size", self.group_size, (32, 64, 128))
+        _one_of("quant.int4_activations", self.int4_activations, ("fp32", "int8"))
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,9 @@
 """The embedded GGUF by mode: decode speed of the CPU step's paths, llama.cpp on the same file,
 and resident memory dequantized (quant.weight none, the default) against kept (quant.weight gguf).
+The issue's ratio lines, batch 1 on 2 threads, as one paired run:
+
+    python -m kvmesh.load_tests.bench_gguf --skip-memory --batch 1 --threads 2 \
+        --modes default,native-int4x,native-int4 --llama-python /path/to/venv/bin/python
 
     python -m kvmesh.load_tests.bench_gguf [--rounds 4] [--tokens 48] [--batch 1,8]
         [--threads 2] [--llama-python /path/to/venv/bin/python] [--skip-memory]
@@ -9,11 +13,13 @@ order reversed every other round), so the shared box's drift hits all alike; it 
 tokens/s per mode and batch (medians of rounds) and each mode's ratio to eager fp32 and to
 llama.cpp. The modes (the model in fp32, as `kvmesh serve` picks on a CPU without bf16):
 
-    eager-fp32    quant.weight none, the eager forward (the default here: fp32 float weights
-                  stay on the token-exact eager path)
-    native-fp32   quant.weight none, the native step (model.cpu_native_max_tokens 24)
+    eager-fp32    quant.weight none, the eager forward (model.cpu_native_max_tokens 0)
+    default       quant.weight none, every setting its default: on CPUs without bf16 the model
+                  in fp32 and the native step (fp32 GEMVs, token-exact: HF's tokens)
     native-int8   quant.weight int8 (per-row int8), the native step (auto)
-    native-int4   quant.weight gguf (the file's Q4_1 kept), the native step (auto)
+    native-int4x  quant.weight gguf (the file's Q4_1 kept), the native step (auto), int4 layers
+                  exact (quant.int4_activations fp32: greedy tokens those of the dequantized model)
+    native-int4   the same with int8 activations (quant.int4_activations int8, llama.cpp's scheme)
     llama.cpp     llama-cpp-python's Llama on the same .gguf, batch 1 only, in a child process
                   run by --llama-python (an interpreter with llama_cpp installed), 2 threads
 
@@ -36,13 +42,17 @@ from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.worker.engine_api import Engine, embedded_gguf_path
 
 MODES = ("none", "gguf")  # memory: dequantized against kept
-SPEED_MODES = {"eager-fp32": ("none", 0), "native-fp32": ("none", 24), "native-int8": ("int8", None),
-               "native-int4": ("gguf", None)}  # name: (quant.weight, model.cpu_native_max_tokens)
+# name: (quant.weight, model.cpu_native_max_tokens, quant.int4_activations)
+SPEED_MODES = {"eager-fp32": ("none", 0, "fp32"), "default": ("none", None, "fp32"),
+               "native-int8": ("int8", None, "fp32"), "native-int4x": ("gguf", None, "fp32"),
+               "native-int4": ("gguf", None, "int8")}
 PROMPT_TOKENS = 32
 
 
-def _config(mode: str, kv_gib: float = 0.25, native: int | None = None, threads: int | None = None) -> KvmeshConfig:
-    return KvmeshConfig.from_dict({"quant": {"weight": mode}, "cache": {"cpu_kv_cache_gib": kv_gib},
+def _config(mode: str, kv_gib: float = 0.25, native: int | None = None, threads: int | None = None,
+            int4_activations: str = "fp32") -> KvmeshConfig:
+    return KvmeshConfig.from_dict({"quant": {"weight": mode, "int4_activations": int4_activations},
+                                   "cache": {"cpu_kv_cache_gib": kv_gib},
                                    "model": {"cpu_native_max_tokens": native},
                                    "parallel": {"device": "cpu", "cpu_threads": threads}})
 
@@ -104,8 +114,8 @@ class LlamaCpp:
 
 def bench_speed(rounds: int, tokens: int, batches: list[int], llama_python: str | None, threads: int,
                 modes: list[str]) -> None:
-    engines = {name: Engine.from_config(_config(weight, native=native, threads=threads))
-               for name, (weight, native) in SPEED_MODES.items() if name in modes}
+    engines = {name: Engine.from_config(_config(weight, native=native, threads=threads, int4_activations=acts))
+               for name, (weight, native, acts) in SPEED_MODES.items() if name in modes}
     for name, engine in engines.items():
         print(f"{name}: CPU step {engine.runner.cpu_step.describe()}")
     runners = {name: (lambda b, t, tag, e=e: _decode_tok_s(e, b, t, tag)) for name, e in engines.items()}

@@ -145,13 +145,13 @@ ROUTER_COUNTERS = {"kvmesh_routing_spills_total": ("spills", "reason"),
                    "kvmesh_routing_affinity_waits_total": ("affinity_waits", "outcome")}
 
 
-def router_counters(http_base: str, settle_timeout_s: float = 90.0) -> dict[str, float]:
+def router_counters(http_base: str, settle_timeout_s: float = 90.0, num_replicas: int = 1) -> dict[str, float]:
     """What the router saw over a run: its spill and routing-path counters from /metrics, as
-    {"spills:preferred_full": n, "paths:no_prefix": n, "affinity_waits:room": n, ...}. Each run deploys a fresh router
-    replica (counters from 0), but /metrics also sums the previous replicas' last snapshots
+    {"spills:preferred_full": n, "paths:no_prefix": n, "affinity_waits:room": n, ...}. Each run deploys fresh router
+    replicas (counters from 0), but /metrics also sums the previous replicas' last snapshots
     until they go stale (60 s, router/metrics.py MetricsBoard), so this waits until the view
-    holds one replica (each replica's `kvmesh_quota_store_fallback_active` carries its id);
-    "replicas_in_view" says how many it held when it gave up waiting."""
+    holds `num_replicas` replicas (each replica's `kvmesh_quota_store_fallback_active` carries
+    its id); "replicas_in_view" says how many it held when it gave up waiting."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -167,7 +167,7 @@ def router_counters(http_base: str, settle_timeout_s: float = 90.0) -> dict[str,
                 if counted is not None and sample.value:
                     key = f"{counted[0]}:{sample.labels[counted[1]]}"
                     counters[key] = counters.get(key, 0.0) + sample.value
-        if len(replicas) <= 1 or time.monotonic() > deadline:
+        if len(replicas) <= num_replicas or time.monotonic() > deadline:
             counters["replicas_in_view"] = len(replicas)
             return counters
         time.sleep(2.0)
@@ -265,7 +265,8 @@ def run_campaign(spec: dict, out_dir: Path) -> list[RoutingRunFigures]:
                             failed += 1
                 result = figures(policy, concurrency, served, failed, time.perf_counter() - started,
                                  oracle_hit_rate([p for _, p in workload], spec["block_size"]),
-                                 router_counters(f"http://127.0.0.1:{config.router.http_port}"))
+                                 router_counters(f"http://127.0.0.1:{config.router.http_port}",
+                                                 num_replicas=config.router.num_replicas))
                 results.append(result)
                 print(json.dumps(asdict(result)), flush=True)
     finally:
@@ -302,19 +303,40 @@ def markdown_table(results: list[RoutingRunFigures], num_families: int) -> str:
     return "\n".join(lines)
 
 
+def runs_table(results: list[RoutingRunFigures], num_families: int) -> str:
+    """One line per run, any policy: hit rate against the oracle, families split, failures."""
+    lines = ["| in flight | policy | hit rate (oracle) | hit / oracle | families on both workers | failed "
+             "| computed max/min | spills full / refused | affinity waits room / timed out | requests per replica |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        c = r.router_counters
+        lines.append(
+            f"| {r.concurrency} | {r.policy} | {r.hit_rate:.3f} ({r.oracle_hit_rate:.3f}) "
+            f"| {r.hit_rate / r.oracle_hit_rate if r.oracle_hit_rate else float('nan'):.3f}x "
+            f"| {r.families_on_both} of {num_families} | {r.num_failed} | {r.computed_max_over_min:.2f} "
+            f"| {c.get('spills:preferred_full', 0):.0f} / {c.get('spills:worker_refused', 0):.0f} "
+            f"| {c.get('affinity_waits:room', 0):.0f} / {c.get('affinity_waits:timed_out', 0):.0f} "
+            f"| {sorted(r.requests_per_router_replica.values())} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("spec", type=Path)
     parser.add_argument("--out", type=Path, default=Path("routing-campaign-results"))
     parser.add_argument("--num-requests", type=int, help="override the spec's num_requests")
     parser.add_argument("--concurrency", type=int, nargs="+", help="override the spec's concurrency list")
+    parser.add_argument("--policies", nargs="+", help="override the spec's policies")
     args = parser.parse_args(argv)
     spec = yaml.safe_load(args.spec.read_text())
     if args.num_requests:
         spec["num_requests"] = args.num_requests
     if args.concurrency:
         spec["concurrency"] = args.concurrency
+    if args.policies:
+        spec["policies"] = args.policies
     results = run_campaign(spec, args.out)
+    print(runs_table(results, len(spec["family_weights"])))
     print(markdown_table(results, len(spec["family_weights"])))
     return 0
 

@@ -22,8 +22,8 @@ What is real and what is simulated:
 
 A worker that refuses a request (its exact admission disagrees with the router's stale view)
 is left out until the next poll and the request is admitted afresh, as router_core does
-(admission.note_refusal; the router gives up after two such refusals, the simulator never
-does); a request no worker can take waits in the router's queue, in order, stepping over
+(admission.note_refusal; a refuser holding its prefix is waited for until that poll; the
+router gives up after two such refusals, the simulator never does); a request no worker can take waits in the router's queue, in order, stepping over
 requests that hold out for their prefix's worker (the affinity wait, router/affinity_wait.py). Time is simulated (a heap of events), so a
 run of thousands of requests on 64 workers takes seconds to minutes of CPU, not hours.
 
@@ -175,6 +175,7 @@ class _SimRequest:
     oracle_cached_tokens: int = 0  # what the oracle would have found cached (`_oracle_cached_tokens`)
     path: str = ""  # the routing path that placed it, "+spill" / "+refused" as missed_vs_oracle_by_path
     refusals: int = 0
+    refused_by: str | None = None  # the worker that last refused it (it waits for that one's next poll)
 
 
 class _SimWorker:
@@ -268,6 +269,7 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
     hashes_prompts = policy in PREFIX_POLICIES
     workers = {f"worker-{i}": _SimWorker(f"worker-{i}", cluster, clock) for i in range(cluster.num_workers)}
     index = PrefixIndex(linger_s=4 * cluster.stats_refresh_s, clock=clock)
+    index.on_stored = latency_state.observe_stored  # as router_core
     rng, cursor, sizes = random.Random(workload.seed + 1), RoundRobinCursor(), RequestSizeMeter()
     stats = {w: worker_stats(sim.scheduler, w) for w, sim in workers.items()}
     sent_since_poll: dict[str, int] = collections.Counter()  # the router's pending tickets per worker
@@ -315,7 +317,8 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
             return False
         if sim_request.affinity_hold is None:  # as router_core: one per admission, from its first try
             sim_request.affinity_hold = AffinityHold(matched, router, clock=clock, request=route_request,
-                                                     state=latency_state)
+                                                     state=latency_state, refused_by=sim_request.refused_by,
+                                                     awaiting_report=refused_since_poll.__contains__)
         if sim_request.affinity_hold.holds([s for s, _ in eligible],
                                            lambda: (list(stats.values()), dict(sent_since_poll), sizes.mean_tokens()),
                                            rng):
@@ -346,6 +349,7 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
             refused_since_poll.add(worker_id)
             sim_request.affinity_hold = None
             sim_request.refusals += 1
+            sim_request.refused_by = worker_id
             return try_dispatch(sim_request)
         sent_since_poll[worker_id] += costs[worker_id]
         sim_request.sent_at, sim_request.cost_tokens = clock.now, costs[worker_id]
@@ -595,6 +599,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="router.affinity_wait_s (0: spill at once)")
     parser.add_argument("--measure", action="store_true",
                         help="measure the cost model on the real engine (embedded SmolLM2) first and use it")
+    parser.add_argument("--router-replicas-rule", type=int, default=1,
+                        help="router.num_replicas of the one simulated router: > 1 runs the rules the "
+                             "replicas of a several-replica router use (new-family placement), not a second router")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--replay-campaign", metavar="SPEC",
                         help="replay a routing campaign's requests (load_tests/campaigns/routing-under-load.yaml): "
@@ -608,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     loads = [dict(qps=q) for q in args.qps] if args.qps else [dict(concurrency=c) for c in (args.concurrency or [4])]
     router = RouterConfig(imbalance_abs_tokens=args.imbalance_abs_tokens,
                           imbalance_margin_requests=args.imbalance_margin_requests,
-                          affinity_wait_s=args.affinity_wait_s)
+                          affinity_wait_s=args.affinity_wait_s, num_replicas=args.router_replicas_rule)
     results = replay_campaign(args.replay_campaign, cost, router, args.concurrency, args.num_requests) \
         if args.replay_campaign else []
     for num_workers in ([] if args.replay_campaign else args.workers):

@@ -221,6 +221,10 @@ class RouterAdmission:
         there until its next report (WorkerBudgets.note_refusal)."""
         self.budgets.note_refusal(worker_id)
 
+    def awaiting_report(self, worker_id: str) -> bool:
+        """The worker refused a request and nothing goes there until its next report."""
+        return self.budgets.awaiting_report(worker_id)
+
     def cluster_load(self) -> tuple[list[WorkerStats], dict[str, int], float]:
         """The healthy workers' latest reports, the tokens admitted to each since, and the
         mean admitted request: what the load guard weighs (router/affinity_wait.py)."""

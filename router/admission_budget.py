@@ -231,6 +231,10 @@ class WorkerBudgets:
         its next report (requested after now) shows what it really holds."""
         self._refused_at[worker_id] = self._clock()
 
+    def awaiting_report(self, worker_id: str) -> bool:
+        """The worker refused a request and has not reported since (`note_refusal`)."""
+        return worker_id in self._refused_at
+
     def record(self, ticket: AdmissionTicket) -> None:
         """A request just sent to `ticket.worker_id`: counted there until its report does."""
         self._pending[ticket.worker_id].append(ticket)

@@ -25,6 +25,9 @@ one of the workers with room (router/stages/admit_route.py, on arrival and at ev
   would, `_home_sooner`; never more than half the time left before its deadline, nor half of
   `max_queue_wait_s`), after which it is routed as before (a spill). A degradation ladder's
   try-now step never holds, nor does a request the queue has no slot for.
+- a request its prefix's worker refused (that worker's own admission; the router leaves the
+  refuser out until its next report) first waits for that report, up to `affinity_wait_s`,
+  whatever the load guard made of the view the refusal proved stale; then the rule above.
 
 So a hold costs at most `affinity_wait_s` (plus one stats refresh, the next pump) of TTFT,
 or under predicted_latency what the prediction says a spill would cost anyway, and saves the
@@ -61,8 +64,13 @@ class AffinityHold:
     def __init__(self, matched_blocks: Mapping[str, int], config: RouterConfig, exclude: frozenset[str] = frozenset(),
                  deadline_s: float | None = None, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, request: RouteRequest | None = None,
-                 state: PredictedLatencyState | None = None):
+                 state: PredictedLatencyState | None = None, refused_by: str | None = None,
+                 awaiting_report: Callable[[str], bool] | None = None):
         self._matched = matched_blocks
+        # The worker whose own admission refused this request, and whether the router still
+        # waits for that worker's next report (admission.note_refusal): see `_awaits_refuser`.
+        self._refused_by, self._awaiting_report = refused_by, awaiting_report
+        self._report_wait_until: float | None = None
         self._request, self._state = request, state  # the predicted_latency policy's (else None)
         self._config = config
         self._exclude = exclude
@@ -70,6 +78,12 @@ class AffinityHold:
         self._clock = clock
         self._wall_clock = wall_clock
         self._preferred = preferred_workers(matched_blocks, exclude) if config.affinity_wait_s > 0 else set()
+        # A new family with several router replicas: its worker is the one its rendezvous
+        # placement picks from every healthy worker (routing._place_by_rendezvous), and it waits
+        # for room there as a cached prefix's request does (`_place_new_family`).
+        self._placing = (not self._preferred and config.affinity_wait_s > 0 and config.num_replicas > 1
+                         and config.policy == "predicted_latency" and request is not None
+                         and request.family_key is not None and state is not None)
         self._until: float | None = None  # when the hold runs out; -inf once it never applies
         self._longest_s = 0.0  # the longest it may hold (set with `_until`)
         self.started_at: float | None = None  # when it first held out (None: it never did)
@@ -79,21 +93,22 @@ class AffinityHold:
         `view()`: every healthy worker with the router's in-flight tokens and mean admitted
         request, for the load guard's verdict without the budgets (asked only the first time
         the request would spill: the common case, its worker has room, costs a set lookup)."""
+        if self._placing:
+            self._place_new_family(view, rng)
         if not self._preferred or self._preferred & {w.worker_id for w in offered}:
             return False
         now = self._clock()
+        if self._awaits_refuser(now):
+            return True
         if self._until is None:  # first time it would spill: only for budget's sake
             healthy, in_flight_tokens, mean_request_tokens = view()
             candidates = [w for w in healthy if w.worker_id not in self._exclude]
             decision = choose_worker(self._matched, candidates, self._config, rng, None, in_flight_tokens,
                                      mean_request_tokens, request=self._request, state=self._state)
-            if decision.path is RoutingPath.PREFIX_MATCH and decision.worker_id in self._preferred:
+            expected = RoutingPath.NO_PREFIX if self._matched_nothing() else RoutingPath.PREFIX_MATCH
+            if decision.path is expected and decision.worker_id in self._preferred:
                 wait_s = max(self._config.affinity_wait_s, self._recompute_s(offered))
-                # Half the time left at most (a spill must still make it), and half the queue's
-                # own bound (a holder is refused as overloaded past it).
-                self._longest_s = self._config.max_queue_wait_s / 2
-                if self._deadline_s is not None:
-                    self._longest_s = min(self._longest_s, (self._deadline_s - self._wall_clock()) / 2)
+                self._longest_s = self._longest_hold_s()
                 wait_s = min(wait_s, self._longest_s)
                 self._until = now + wait_s if wait_s > 0 else -math.inf
                 self.started_at = now if wait_s > 0 else None
@@ -103,6 +118,50 @@ class AffinityHold:
             return True
         return self.started_at is not None and now - self.started_at < self._longest_s \
             and self._home_sooner(offered, view)
+
+    def _matched_nothing(self) -> bool:
+        return not any(self._matched.get(w, 0) for w in self._matched)
+
+    def _place_new_family(self, view: Callable[[], ClusterLoad], rng: random.Random) -> None:
+        """Once: the worker the several-replica placement picks from every healthy worker
+        becomes the preferred one. Among the workers with room only, one replica whose own
+        burst had filled that worker's budget in its view sent the family elsewhere while the
+        other replica sent it there (3 families of 6 split at 16 in flight on the two-replica
+        campaign)."""
+        self._placing = False
+        healthy, in_flight_tokens, mean_request_tokens = view()
+        candidates = [w for w in healthy if w.worker_id not in self._exclude]
+        if not candidates:
+            return
+        decision = choose_worker(self._matched, candidates, self._config, rng, None, in_flight_tokens,
+                                 mean_request_tokens, request=self._request, state=self._state)
+        if decision.path is RoutingPath.NO_PREFIX:
+            self._preferred = {decision.worker_id}
+
+    def _longest_hold_s(self) -> float:
+        """Half the time left before the deadline at most (a spill must still make it), and
+        half the queue's own bound (a holder is refused as overloaded past it)."""
+        longest_s = self._config.max_queue_wait_s / 2
+        if self._deadline_s is not None:
+            longest_s = min(longest_s, (self._deadline_s - self._wall_clock()) / 2)
+        return longest_s
+
+    def _awaits_refuser(self, now: float) -> bool:
+        """A request its prefix's worker refused (that worker's own admission: the router's
+        view of it was behind) waits for that worker's next report, up to `affinity_wait_s`
+        (within `_longest_hold_s`), whatever the load guard says of the stale view; the
+        report then decides, by the rule above. Left out until that report, the refuser was
+        never offered, and the request spilled at once to a worker that computed its whole
+        prefix: the family then lived on both workers (measured on the 2-worker campaign at
+        16 in flight, one family of six split that way)."""
+        if self._refused_by not in self._preferred or self._awaiting_report is None \
+                or not self._awaiting_report(self._refused_by):
+            return False
+        if self._report_wait_until is None:
+            self._report_wait_until = now + min(self._config.affinity_wait_s, self._longest_hold_s())
+            if self.started_at is None and self._report_wait_until > now:
+                self.started_at = now
+        return now < self._report_wait_until
 
     def _home_sooner(self, offered: Sequence[WorkerStats], view: Callable[[], ClusterLoad]) -> bool:
         """predicted_latency, once the wait above has run out: keep waiting while the prefix's

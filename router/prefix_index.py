@@ -81,6 +81,9 @@ class PrefixIndex:
         # event seq applied, so a batch delivered twice or late is not replayed.
         self._next_seq: dict[str, int] = {}
         self._last_applied_seq: dict[str, int] = {}
+        # Called with (worker, blocks) for each STORED event after a worker's first batch (that
+        # one replays its history): the blocks it computed, as every router replica hears them.
+        self.on_stored: Callable[[str, int], None] | None = None
 
     # ---- feeding ----------------------------------------------------------------------------
 
@@ -95,11 +98,14 @@ class PrefixIndex:
             logger.debug("prefix index: %s reset with %d blocks", worker_id, len(batch.all_hashes))
         self._blocks.setdefault(worker_id, set())
         last = self._last_applied_seq.get(worker_id, -1)
+        on_stored = self.on_stored if worker_id in self._next_seq else None
         for event in sorted(batch.events, key=lambda e: e.seq):
             if event.seq <= last:
                 continue
             if event.kind is PrefixEventKind.STORED:
                 self._add(worker_id, event.block_hashes)
+                if on_stored is not None:
+                    on_stored(worker_id, len(event.block_hashes))
             elif event.kind is PrefixEventKind.EVICTED:
                 self._remove(worker_id, event.block_hashes, evicted=True)
             elif event.kind is PrefixEventKind.CLEARED:

@@ -97,6 +97,7 @@ class RouterCore:
         self._tracer = tracer or tracing.get_tracer()  # the global provider: a no-op until set up
         # The predicted-latency policy's step-cost model, spread families and recent work.
         self.latency = PredictedLatencyState(config.router, config.scheduler.max_num_batched_tokens)
+        pool.prefix_index.on_stored = self.latency.observe_stored  # recent work as every replica hears it
         self.adapters = AdapterRegistry(config.lora, config.tenants.tenant_refresh_s)
         self.adapter_placement = AdapterPlacement()  # which workers hold which adapters (affinity)
         self.in_flight = 0

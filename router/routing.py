@@ -76,8 +76,13 @@ Policies (RouterConfig.policy):
                    need. A prompt with no cached prefix goes to the worker with the lowest
                    prediction; workers within latency_tie_ratio of it are equal, and of those
                    the one sent the least recent work (WorkMeter) takes it, then the smaller
-                   KV footprint, then the family's rendezvous order. Needs a
-                   `PredictedLatencyState` and a `RouteRequest`.
+                   KV footprint, then the family's rendezvous order. With several router
+                   replicas (router.num_replicas) each one's recent work is its own, and two
+                   replicas sent a new family's first requests to two workers: there it goes
+                   to the first worker of the family's rendezvous order within a bound read
+                   from what every replica sees alike (`_place_by_rendezvous`), the rule
+                   above only when none is within it. Needs a `PredictedLatencyState` and a
+                   `RouteRequest`.
     least_loaded   the lowest load (ties broken by rng).
     round_robin    the next healthy worker in id order; the position lives in a
                    `RoundRobinCursor` the caller keeps (no module state).
@@ -172,6 +177,9 @@ class PredictedLatencyState:
         self.work = WorkMeter(config.work_half_life_s, clock)
         self.family_work = WorkMeter(config.work_half_life_s, clock, max_keys=max_families)
         self.family_hit_work = WorkMeter(config.work_half_life_s, clock, max_keys=max_families)
+        # Blocks each worker stored (computed), from the prefix events every replica hears alike
+        # (PrefixIndex.on_stored): recent work as all the router replicas see it.
+        self.stored_blocks = WorkMeter(config.work_half_life_s, clock)
         self.calibration = TtftCalibration()
 
     def movable_work(self, key: bytes) -> float:
@@ -187,6 +195,10 @@ class PredictedLatencyState:
         if value <= 0 or age_s is None:
             return value
         return self.family_hit_work.steady_value(value, max(age_s, self.spread.cooldown_s))
+
+    def observe_stored(self, worker_id: str, num_blocks: int) -> None:
+        """A worker reported `num_blocks` newly stored prefix blocks (PrefixIndex.on_stored)."""
+        self.stored_blocks.observe(worker_id, num_blocks)
 
     def predict_s(self, stats: WorkerStats, extra_tokens: int, uncached_tokens: int) -> float:
         return predict_ttft_s(self.cost, stats, extra_tokens, uncached_tokens, self.max_num_batched_tokens)
@@ -414,7 +426,9 @@ def _predicted_latency(by_id: dict[str, WorkerStats], loads: dict[str, int], foo
     top = max((matched_blocks.get(w, 0) for w in ids), default=0)
     family = members or ([w for w in ids if matched_blocks.get(w, 0) == top] if top else [])
     if not family:
-        return decide(_place_by_latency(ids, predicted, footprints, config, key, state), RoutingPath.NO_PREFIX)
+        chosen = _place_by_rendezvous(by_id, config, margin, state, request) if config.num_replicas > 1 else None
+        return decide(chosen or _place_by_latency(ids, predicted, footprints, config, key, state),
+                      RoutingPath.NO_PREFIX)
     work = state.work.values(ids)
     # Among the family's workers, those within latency_tie_ratio of the soonest are equal and
     # the one sent the least recent work takes it, as for a new prefix: the soonest alone sent
@@ -514,3 +528,52 @@ def _place_by_latency(ids: list[str], predicted: dict[str, float], footprints: d
     if len(tied) == 1 or key is None:
         return tied[0]
     return preference_order(key, tied)[0]
+
+
+def _place_by_rendezvous(by_id: dict[str, WorkerStats], config: RouterConfig, margin: int,
+                         state: PredictedLatencyState, request: RouteRequest) -> str | None:
+    """A new family with several router replicas: the first worker of its rendezvous order
+    (`preference_order`) within the bound, so replicas that have not yet heard of each other's
+    first requests of the family send them to the same worker (each one's least recent work,
+    the rule with one replica, sent them to two: one family of six split on the two-replica
+    campaign). None: no family key, or none within the bound.
+
+    The bound reads what every replica sees alike, the workers' reports and prefix events;
+    what each replica sent since is its own, and told them apart:
+    - the prompt's predicted TTFT within latency_tie_ratio of the lowest (reports taken at
+      different moments must not tell the replicas apart either);
+    - its queue not ahead of the least loaded worker's by the load guard's thresholds (with
+      each replica's own in-flight tokens, at 16 in flight on the two-replica campaign one
+      replica's burst tripped the guard there only, and the other sent the same new family
+      to the other worker);
+    - its recent work within spread_work_ratio, or the smaller of imbalance_abs_tokens and
+      half the prompt, of the least busy worker's: the blocks each worker stored, from the
+      prefix events (`PredictedLatencyState.stored_blocks`). A deadband around the least, not
+      a cap over the mean: a cap alone (consistent hashing with bounded loads) left the
+      workers no family hashes to first idle (16 workers: computed max/min 1.8);
+    - its reported KV footprint with the prompt within spread_work_ratio or one prompt of the
+      mean, so new prefixes spread over caches that still have room."""
+    key, prompt_tokens = request.family_key, request.num_prompt_tokens
+    if key is None:
+        return None
+    ids = list(by_id)
+    reported = {w: state.predict_s(s, 0, prompt_tokens) for w, s in by_id.items()}
+    fastest = min(reported.values()) * (1 + config.latency_tie_ratio)
+    loads = {w: worker_load_tokens(s) for w, s in by_id.items()}
+    min_load = min(loads.values())
+    footprints = {w: kv_footprint_tokens(s) for w, s in by_id.items()}
+    mean_footprint = sum(footprints.values()) / len(ids)
+    work = {w: blocks * request.block_size for w, blocks in state.stored_blocks.values(ids).items()}
+    least_work = min(work.values())
+    deadband = min(config.imbalance_abs_tokens, prompt_tokens / 2)
+    ratio = config.spread_work_ratio
+    for worker_id in preference_order(key, ids):
+        if reported[worker_id] > fastest or is_imbalanced(loads[worker_id], min_load, config, margin):
+            continue
+        if work[worker_id] > least_work * ratio and work[worker_id] - least_work > deadband:
+            continue
+        held = footprints[worker_id] + prompt_tokens
+        if held > mean_footprint * ratio and held - mean_footprint > prompt_tokens:
+            continue
+        return worker_id
+    return None

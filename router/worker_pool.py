@@ -55,6 +55,8 @@ _MAX_POLL_WAIT_S = 300.0  # longer than any model load; then the call is presume
 SLOW_POLL_FACTOR = 4.0
 _SLOW_POLL_CAP_S = 60.0
 _POLL_HISTORY = 32  # recent answered polls' round trips, all workers together
+# A replica waiting for its first routable worker logs why the workers are not, this often.
+WAIT_REPORT_EVERY_S = 30.0
 
 
 def slow_poll_timeout_s(floor_s: float, recent_round_trips_s) -> float:
@@ -134,13 +136,21 @@ class WorkerPool:
                 self._watchers.append(asyncio.get_running_loop().create_task(self._watch(worker_id)))
         self.fallback_ids = frozenset(w for w in self._workers if w.startswith(FALLBACK_WORKER_PREFIX + "-"))
 
-    async def wait_routable(self, timeout_s: float, min_workers: int = 1) -> bool:
-        """Wait until at least `min_workers` workers are routable (model loads take a while)."""
+    async def wait_routable(self, timeout_s: float, min_workers: int = 1,
+                            report_every_s: float = WAIT_REPORT_EVERY_S) -> bool:
+        """Wait until at least `min_workers` workers are routable (model loads take a while).
+        Every `report_every_s` of waiting it logs why each worker is not routable yet
+        (`not_routable_reasons`): a replica waiting on its workers says what for."""
         deadline = time.monotonic() + timeout_s
+        next_report = time.monotonic() + report_every_s
         while len(self.routable_ids()) < min_workers:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                logger.error("no routable worker after %.0fs: %s", timeout_s, self.not_routable_reasons())
                 return False
+            if time.monotonic() >= next_report:
+                logger.warning("waiting for a routable worker (%.0fs left): %s", remaining, self.not_routable_reasons())
+                next_report = time.monotonic() + report_every_s
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=min(remaining, 1.0))
@@ -155,6 +165,23 @@ class WorkerPool:
         self._watchers.clear()
 
     # ---- queries -------------------------------------------------------------------------
+
+    def not_routable_reasons(self) -> dict[str, str]:
+        """worker id -> why it is not routable (routable ones left out)."""
+        reasons = {}
+        for worker_id, state in sorted(self._workers.items()):
+            if state.routable:
+                continue
+            if not state.polled_ok:
+                why = f"no poll answered yet ({state.last_error or 'waiting'})"
+            elif state.stats is None or not state.stats.healthy:
+                why = "reports unhealthy (draining or failed)"
+            elif state.info is not None and state.info.incarnation == state.failed_incarnation:
+                why = f"a stream failed on this incarnation ({state.last_error})"
+            else:
+                why = "unknown"
+            reasons[worker_id] = why + (", late" if state.late else "")
+        return reasons
 
     @property
     def worker_ids(self) -> list[str]:

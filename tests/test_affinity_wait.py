@@ -244,3 +244,71 @@ def test_a_held_request_is_not_shed_for_the_queue_it_chose_to_wait_in():
         assert [t.worker_id for t in tickets] == ["w1"] * 4
 
     asyncio.run(main())
+
+
+def test_a_request_its_prefix_worker_refused_waits_for_that_workers_next_report():
+    """w0 (the prefix's worker) refused the request: the router's view of it was behind. Its
+    stale figures say it has far more to compute (the load guard would move the request), and
+    it is left out until its next report; the request waits for that report instead of
+    spilling at once to w1, and goes home when the report shows room. Without the report
+    within affinity_wait_s it spills; a refuser not holding the prefix is not waited for."""
+    async def main():
+        admission, clock, config = _controller([stats("w0", reserved=100, to_compute=20_000), stats("w1")])
+
+        async def refused_by_w0():
+            """The family's request, just refused by w0, re-admitted: held, though w1 has room."""
+            admission.note_refusal("w0")
+            chosen = []
+            affinity, route, hold = _family(admission, clock, config, chosen, refused_by="w0",
+                                            awaiting_report=admission.awaiting_report)
+            retry = asyncio.create_task(admission.acquire(580, cost_for=cost_for, route=route, hold=hold))
+            await asyncio.sleep(0.01)
+            assert not retry.done() and chosen == []
+            return affinity, retry, chosen
+
+        affinity, retry, chosen = await refused_by_w0()
+        clock.now += 0.5
+        admission.update_stats([stats("w0", reserved=100), stats("w1")])  # the report: w0 drained
+        ticket = await asyncio.wait_for(retry, 1.0)
+        assert ticket.worker_id == "w0" and chosen == ["w0"] and affinity.outcome("w0") is AffinityWaitOutcome.ROOM
+        ticket.release()
+
+        affinity, retry, _ = await refused_by_w0()
+        clock.now += 1.1
+        # a report of w0 requested before its refusal (so no report since): it spills
+        admission.update_stats([stats("w0", reserved=100, to_compute=20_000), stats("w1")], taken_at=clock.now - 1.2)
+        ticket = await asyncio.wait_for(retry, 1.0)
+        assert ticket.worker_id == "w1" and affinity.outcome("w1") is AffinityWaitOutcome.TIMED_OUT
+        ticket.release()
+
+        admission.note_refusal("w1")  # a refuser that does not hold the prefix: nothing to wait for
+        affinity = AffinityHold(MATCHED, config, clock=clock, refused_by="w1", awaiting_report=admission.awaiting_report)
+        assert not affinity.holds([stats("w1")], lambda: ([stats("w0", to_compute=20_000), stats("w1")], {}, 0.0),
+                                  random.Random(0))
+
+    asyncio.run(main())
+
+
+def test_with_several_replicas_a_new_family_waits_for_room_on_the_worker_its_placement_picks():
+    """Two router replicas place a new family on the first worker of its rendezvous order; in
+    one replica its own burst has filled that worker's budget, so only the other worker is
+    offered: the request waits for room there (as a cached prefix's request does) instead of
+    starting the family on the other worker while the other replica sends it home."""
+    from kvmesh.router.hot_spread import preference_order
+    from kvmesh.router.routing import PredictedLatencyState, RouteRequest
+
+    clock = FakeClock()
+    config = RouterConfig(policy="predicted_latency", affinity_wait_s=1.0, num_replicas=2)
+    state = PredictedLatencyState(config, 512, clock)
+    key = next(f"f{i}".encode() for i in range(100) if preference_order(f"f{i}".encode(), ["w0", "w1"])[0] == "w0")
+    request = RouteRequest(560, 16, key)
+    w0, w1 = stats("w0", reserved=950), stats("w1")
+    view = lambda: ([w0, w1], {}, 0.0)  # noqa: E731
+    hold = AffinityHold({}, config, clock=clock, request=request, state=state)
+    assert hold.holds([w1], view, random.Random(0))  # w0 full here: it waits for room there
+    assert not hold.holds([w0, w1], view, random.Random(0))  # room on w0: it goes
+    assert hold.outcome("w0") is AffinityWaitOutcome.ROOM
+    # one replica: no wait for a new prefix (it places among the workers with room)
+    alone = AffinityHold({}, RouterConfig(policy="predicted_latency", affinity_wait_s=1.0), clock=clock,
+                         request=request, state=state)
+    assert not alone.holds([w1], view, random.Random(0))

@@ -25,7 +25,9 @@ NEW_TOKENS = 20
 
 def _run(model_dir: str, compile_mode: str, preemption: str) -> tuple[Engine, dict[str, list[int]], dict]:
     engine = Engine.from_config(KvmeshConfig.from_dict({
-        "model": {"path": model_dir, "dtype": "fp32", "max_model_len": 512, "compile": compile_mode},
+        # native 0: every step through the compiled (or eager) decoder stack, none native
+        "model": {"path": model_dir, "dtype": "fp32", "max_model_len": 512, "compile": compile_mode,
+                  "cpu_native_max_tokens": 0},
         "cache": {"num_blocks": 16, "block_size": 8},  # 128 slots for ~330 tokens: decodes must preempt
         "scheduler": {"max_num_batched_tokens": 64, "max_prefill_tokens_per_step": 16, "preemption_mode": preemption,
                       "max_total_kv_tokens": 1 << 20, "max_queue_time_s": 3600},

@@ -151,17 +151,18 @@ def test_the_cpu_runner_reports_what_serves_its_small_steps(tiny_model_dir, dtyp
     engine = Engine.from_config(config)
     step = engine.runner.cpu_step
     unavailable = cpu_native_step.unavailable_reason()
-    if dtype == "fp32":
-        assert step.path == "torch" and "auto for fp32" in step.reason and engine.runner.native_decoder is None
-    elif unavailable is not None:
+    if unavailable is not None:
         assert step.path == "torch" and step.reason == unavailable and engine.runner.native_decoder is None
-    else:
+    else:  # on by default for both dtypes; fp32 float weights by fp32 GEMVs, token-exact
         decoder = engine.runner.native_decoder
         assert step.path == decoder.path in ("amx", "avx512_bf16", "fma", "avx2") and step.reason == ""
         assert step.variant == cpu_build.load().variant.name and step.max_tokens == decoder.max_tokens
+        assert (step.numerics == "fp32, token-exact") == (dtype == "fp32"), step.numerics
+        assert dtype == "bf16" or step.path in ("fma", "avx2")
     assert step.path in step.describe() and (step.reason in step.describe())
     info = ModelInfoLabels.of_engine(engine, config)
     if step.path == "torch":
         assert info.forward_path == "eager" and info.forward_path_reason == f"native step not taken: {step.reason}"
     else:
         assert info.forward_path == f"native {step.path}" and step.variant in info.forward_path_reason
+        assert info.forward_path_reason.endswith(step.numerics)

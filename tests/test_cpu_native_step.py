@@ -300,8 +300,10 @@ def test_auto_step_size_follows_the_measured_crossover_with_eager():
     up to 24."""
     expected = [64, 64, 64] if cpu_native_step.amx_available() else [12, 24, 24]
     assert [cpu_native_step.max_tokens_for(None, torch.bfloat16, t) for t in (1, 2, 4)] == expected
-    assert cpu_native_step.max_tokens_for(None, torch.float32, 2) == 0
+    # fp32 float weights: fp32 GEMVs whatever the CPU (token-exact, on by default)
+    assert [cpu_native_step.max_tokens_for(None, torch.float32, t) for t in (1, 2, 4)] == [12, 24, 24]
     assert cpu_native_step.max_tokens_for(5, torch.float32, 2) == 5
+    assert cpu_native_step.max_tokens_for(0, torch.float32, 2) == 0
     # fp32 with quantized weights: eager dequantizes every call, so native by default
     assert cpu_native_step.max_tokens_for(None, torch.float32, 2, "int4") == 64
     assert cpu_native_step.max_tokens_for(None, torch.float32, 2, "int8") == expected[1]
@@ -321,10 +323,10 @@ def test_amx_packed_layout_is_tdpbf16ps_b_operand():
     assert cpu_native_step.amx_packed(torch.randn(8, 64).to(torch.bfloat16)) is None  # not one whole block
 
 
-def _int4_engine(model_dir: str, group: int, native: int | None) -> Engine:
+def _int4_engine(model_dir: str, group: int, native: int | None, activations: str = "fp32") -> Engine:
     return Engine.from_config(KvmeshConfig.from_dict({
         "model": {"path": model_dir, "dtype": "fp32", "max_model_len": 512, "cpu_native_max_tokens": native},
-        "quant": {"weight": "int4", "group_size": group},
+        "quant": {"weight": "int4", "group_size": group, "int4_activations": activations},
         "cache": {"num_blocks": 64, "block_size": 8},
         "scheduler": {"max_num_batched_tokens": 64, "max_prefill_tokens_per_step": 16,
                       "max_total_kv_tokens": 1 << 20, "max_queue_time_s": 3600},
@@ -333,16 +335,17 @@ def _int4_engine(model_dir: str, group: int, native: int | None) -> Engine:
 
 @pytest.mark.parametrize("group", [128])  # group 32 with GGUF's fp16 metadata: tests/test_gguf_kept.py
 def test_int4_groups_give_the_eager_logits_and_tokens(tiny_model_dir, group):
-    """quant.weight int4 (scale + zero per group, in the model dtype). By default (auto: steps
-    of up to 64 tokens in fp32) the native step runs int4 x int8 activations per 32-input
-    block: the eager logits to the activations' int8 rounding, the greedy tokens nearly all
-    eager's. With fp32 activations it dequantizes each group in registers as the eager layer
+    """quant.weight int4 (scale + zero per group, in the model dtype), steps of up to 64 tokens
+    in fp32 (auto). quant.int4_activations int8: int4 x int8 activations per 32-input block,
+    the eager logits to the activations' int8 rounding, the greedy tokens nearly all eager's.
+    By default (fp32 activations) it dequantizes each group in registers as the eager layer
     does (bit for bit): the logits are eager's to fp32 summation order, the tokens eager's,
     with prefill chunks and decode batches."""
     eager = _generate(_int4_engine(tiny_model_dir, group, 0))
-    engine = _int4_engine(tiny_model_dir, group, None)
+    engine = _int4_engine(tiny_model_dir, group, None, activations="int8")
     runner = engine.runner
     assert runner.native_decoder.path == "int4_avx2_a8" and runner.native_decoder.max_tokens == 64
+    assert runner.cpu_step.numerics == "int8 activations, not token-exact"
     a8 = _check_each_step_against_eager(engine, lambda n, e, inputs: (_relative(n, e, inputs),
                                                                       (n.argmax(-1) == e.argmax(-1)).float().mean()))
     _generate(engine)
@@ -352,9 +355,8 @@ def test_int4_groups_give_the_eager_logits_and_tokens(tiny_model_dir, group):
     # flat, so free-running sequences part at the first near-tie)
     assert argmax_same >= 0.9, f"the same greedy token as eager in {argmax_same:.0%} of the steps"
 
-    exact = _int4_engine(tiny_model_dir, group, 0)
-    exact.runner.native_decoder = cpu_native_step.NativeDecoder.build(exact.runner.model, exact.runner.kv_caches, 64)
-    assert exact.runner.native_decoder.path == "int4_avx2"
+    exact = _int4_engine(tiny_model_dir, group, None)  # the default
+    assert exact.runner.native_decoder.path == "int4_avx2" and exact.runner.cpu_step.numerics == "fp32, token-exact"
     diffs = _check_each_step_against_eager(exact, lambda n, e, inputs: (_relative(n, e, inputs),
                                                                         len(inputs.input_ids)))
     assert _generate(exact) == eager

@@ -4,8 +4,8 @@ Eight prompts of mixed lengths are served together in one continuous batch, with
 prefill forced small (16 tokens per step) and a block pool small enough that decodes must
 preempt (the KV budget is over-committed on purpose so admission lets them all in). Every
 request must still produce exactly HF `generate`'s greedy tokens, with the torch reference
-attention backend and with the CPU fast path (worker/attention/cpu_backend.py), which are therefore
-token-identical to each other.
+attention backend and with the CPU fast path (worker/attention/cpu_backend.py), both eager, which
+are therefore token-identical to each other, and with the CPU default, the native step.
 """
 
 import os
@@ -63,8 +63,8 @@ def _run_engine(smollm2_dir, backend, native: int | None = None, **sched):
         "parallel": {"attention_backend": backend, "device": device},
     })
     engine = Engine.from_config(config)
-    if native:
-        assert engine.runner.native_decoder is not None, engine.runner.cpu_step.describe()
+    if native is None and device == "cpu":  # the default: the native step where this CPU builds it
+        assert engine.runner.cpu_step.numerics == "fp32, token-exact", engine.runner.cpu_step.describe()
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(GenerateRequest(f"r{i}", prompt=prompt,
                                            sampling=SamplingParams(max_tokens=NEW_TOKENS, temperature=0)))
@@ -77,7 +77,7 @@ def _run_engine(smollm2_dir, backend, native: int | None = None, **sched):
         max_running = max(max_running, engine.scheduler.stats().num_running)
     stats = engine.stats()
     assert stats.num_blocks_used == 0, "every finished request returns its blocks"
-    if native:
+    if native is None and device == "cpu":
         assert engine.runner.native_decoder.steps_run >= NEW_TOKENS, "the native step served the decode steps"
     return [tokens[f"r{i}"] for i in range(len(PROMPTS))], stats, max_running
 
@@ -85,7 +85,8 @@ def _run_engine(smollm2_dir, backend, native: int | None = None, **sched):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_greedy_equals_hf_under_chunking_and_preemption(smollm2_dir, hf_reference, mode, backend):
-    ours, stats, max_running = _run_engine(smollm2_dir, backend, preemption_mode=mode)
+    # native 0: every step through the eager forward and this attention backend (the reference)
+    ours, stats, max_running = _run_engine(smollm2_dir, backend, native=0, preemption_mode=mode)
     assert max_running >= 4, "the prompts must really share a continuous batch"
     preemptions = stats.num_preemptions_recompute + stats.num_preemptions_swap
     assert preemptions > 0, "the small pool must force preemption"
@@ -98,10 +99,10 @@ def test_greedy_equals_hf_under_chunking_and_preemption(smollm2_dir, hf_referenc
 @pytest.mark.skipif(cpu_native_step.unavailable_reason() is not None,
                     reason=f"no native CPU step here: {cpu_native_step.unavailable_reason()}")
 def test_the_native_cpu_step_in_fp32_equals_hf(smollm2_dir, hf_reference):
-    """The native step (AVX2 or AVX-512 build, whichever this CPU runs) on the real weights:
-    decode batches and 16-token prefill chunks as one C call each, preemption by recompute,
-    the same greedy tokens as HF."""
-    ours, stats, _ = _run_engine(smollm2_dir, "cpu", native=16, preemption_mode="recompute")
+    """The default on CPU for fp32 (model.cpu_native_max_tokens auto): the native step (AVX2 or
+    AVX-512 build, whichever this CPU runs) on the real weights, decode batches and 16-token
+    prefill chunks as one C call each, preemption by recompute, the same greedy tokens as HF."""
+    ours, stats, _ = _run_engine(smollm2_dir, "cpu", native=None, preemption_mode="recompute")
     assert stats.num_preemptions_recompute > 0
     for i, (got, want) in enumerate(zip(ours, hf_reference)):
         assert got == want, f"prompt {i} diverged from HF at token {next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))}"

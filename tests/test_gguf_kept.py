@@ -7,9 +7,9 @@ one per kept type (Q8_0, Q4_0, Q4_1, Q4_K):
   and each layer's dequantized weight equals gguf's own `gguf.quants.dequantize` of the file's
   tensor bit for bit (q / k rows un-permuted as transformers does);
 - greedy tokens through the engine equal those of the same file served with quant.weight none
-  (transformers' GGUF loader: gguf-dequantized fp32 weights), with chunked prefill; the int4
-  types run the native step's int4 x int8 path by default, and its greedy tokens agree with the
-  eager kept path's (the exact fp32-activation path: tests/test_cpu_native_step.py);
+  (transformers' GGUF loader: gguf-dequantized fp32 weights), with chunked prefill, eager and
+  through the native step's int4 path (the default, fp32 activations); its int4 x int8 path
+  (quant.int4_activations int8) agrees with the eager kept path's greedy tokens step by step;
 - `kvmesh capacity --weight-dtype gguf` counts exactly the bytes the loaded layers hold;
 - a projection of another type (Q5_0) is refused at load with the type and tensor named.
 """
@@ -49,10 +49,10 @@ def gguf_file(request, tmp_path_factory, cache_dir):
                                                   request.param)
 
 
-def _config(path, weight: str, native: int | None = None) -> KvmeshConfig:
+def _config(path, weight: str, native: int | None = None, int4_activations: str = "fp32") -> KvmeshConfig:
     return KvmeshConfig.from_dict({
         "model": {"path": str(path), "dtype": "fp32", "cpu_native_max_tokens": native},
-        "quant": {"weight": weight},
+        "quant": {"weight": weight, "int4_activations": int4_activations},
         "cache": {"num_blocks": 32, "block_size": 8},
         "scheduler": {"max_num_batched_tokens": 32, "max_prefill_tokens_per_step": 16, "max_queue_time_s": 3600},
         "parallel": {"attention_backend": "cpu", "device": "cpu"},
@@ -108,11 +108,16 @@ def test_capacity_counts_the_bytes_the_loaded_model_holds(gguf_file):
 
 def test_greedy_equals_the_gguf_dequantized_model(gguf_file):
     type_name, path = gguf_file
-    want, dequantized = _greedy(_config(path, "none"))  # transformers' GGUF loader: fp32 weights from gguf.dequantize
+    # transformers' GGUF loader: fp32 weights from gguf.dequantize; both eager (the reference path)
+    want, dequantized = _greedy(_config(path, "none", native=0))
     got, kept = _greedy(_config(path, "gguf", native=0))  # the eager kept path
     assert all(len(w) == NEW_TOKENS for w in want)
     assert got == want, f"{type_name}: kept-quantized tokens differ from the dequantized model's"
     if type_name != "Q8_0" and cpu_native_step.unavailable_reason() is None:
+        # the default for int4 types: the native step, each weight dequantized in registers
+        default, engine = _greedy(_config(path, "gguf"))
+        assert engine.runner.cpu_step.path == "int4_avx2" and engine.runner.native_decoder.steps_run >= NEW_TOKENS
+        assert default == want, f"{type_name}: the native int4 step's tokens differ from the dequantized model's"
         _native_int4_agrees_with_eager_kept(path, type_name)
     # memory by part on CPU (kvmesh_memory_planned_bytes{part}): the weights the engine holds,
     # the step workspace and the KV pool, each reported; the kept weights are the smaller
@@ -125,11 +130,12 @@ def test_greedy_equals_the_gguf_dequantized_model(gguf_file):
 
 
 def _native_int4_agrees_with_eager_kept(path, type_name: str) -> None:
-    """The default for int4 types: the native step, int4 x int8 activations per 32 inputs. Each
-    step it serves is re-run by the eager kept path on the same inputs: logits within the
-    activations' int8 rounding, the same greedy token in nearly every row (teacher-forced: the
-    tiny random model's near-flat logits part free-running sequences at the first near-tie)."""
-    engine = Engine.from_config(_config(path, "gguf"))
+    """quant.int4_activations int8 (the fastest mode): the native step, int4 x int8 activations
+    per 32 inputs. Each step it serves is re-run by the eager kept path on the same inputs:
+    logits within the activations' int8 rounding, the same greedy token in nearly every row
+    (teacher-forced: the tiny random model's near-flat logits part free-running sequences at
+    the first near-tie)."""
+    engine = Engine.from_config(_config(path, "gguf", int4_activations="int8"))
     runner = engine.runner
     assert runner.cpu_step.path == "int4_avx2_a8"
     real_run, rows = runner.native_decoder.run, []

@@ -276,6 +276,7 @@ def test_engine_metrics_from_real_engine_steps(tiny_model_dir):
     from kvmesh.core.seams import GenerateRequest, SamplingParams
     from kvmesh.worker.engine_loop.engine import Engine
     from kvmesh.core.telemetry import ModelInfoLabels, RequestStepLog
+    from kvmesh.worker.kernels import cpu_native_step
 
     config = KvmeshConfig.from_dict({
         "model": {"path": tiny_model_dir, "dtype": "fp32", "max_model_len": 128},
@@ -327,11 +328,16 @@ def test_engine_metrics_from_real_engine_steps(tiny_model_dir):
     assert value(s, "kvmesh_kv_pool_bytes", worker="w0") == plan.kv_cache_bytes > 0
     assert not any(name.startswith("kvmesh_gpu_") for name, _ in s)  # CPU: no NVML gauges
     info = [dict(labels) for name, labels in s if name == "kvmesh_model_info"]
+    path, reason = info[0].pop("forward_path"), info[0].pop("forward_path_reason")
     assert info == [{"worker": "w0", "model": engine.model_name, "revision": "main", "dtype": "float32",
                      "weight_quant": "none", "kv_cache_dtype": engine.parts.kv_cache_dtype,
-                     "version": info[0]["version"], "model_type": "llama", "forward_path": "eager",
-                     "forward_path_reason": "native step not taken: model.cpu_native_max_tokens 0 (auto for fp32 float weights: "
-                                            "the token-exact eager path)"}] and info[0]["version"] != "unknown"
+                     "version": info[0]["version"], "model_type": "llama"}] and info[0]["version"] != "unknown"
+    # fp32 on CPU: the native step by default where this CPU builds it, and it says it is exact
+    why_not = cpu_native_step.unavailable_reason()
+    if why_not is None:
+        assert path in ("native avx2", "native fma") and reason.endswith(", fp32, token-exact"), (path, reason)
+    else:
+        assert path == "eager" and why_not in reason, (path, reason)
     assert value(s, "kvmesh_oom_total", worker="w0") == 0
 
     def out_of_memory():

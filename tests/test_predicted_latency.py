@@ -93,6 +93,49 @@ def test_a_new_prefix_goes_where_less_recent_work_went_among_workers_that_predic
     assert "w2" not in placed and sorted(placed) == ["w0", "w0", "w1", "w1"]
 
 
+def test_with_several_replicas_a_new_family_goes_to_the_first_worker_of_its_order_within_the_bound():
+    config = dataclasses.replace(CONFIG, num_replicas=2)
+    state = PredictedLatencyState(config, 512, Clock())
+    ids = ["w0", "w1", "w2", "w3"]
+    for i in range(8):
+        key = f"new-{i}".encode()
+        order = preference_order(key, ids)
+        # its first worker queues far ahead (out of the load guard's bound); the second stored
+        # far more blocks than the least busy (past the deadband): the third takes it
+        state.observe_stored(order[1], 300)
+        workers = [stats(w, 5000 if w == order[0] else 0) for w in ids]
+        decision = route(state, {}, workers, key=key, commit=False, config=config)
+        assert (decision.worker_id, decision.path) == (order[2], RoutingPath.NO_PREFIX)
+        state.stored_blocks.forget(order[1])
+    # a worker whose cache holds far more than the others' is passed over
+    full = dataclasses.replace(stats("w0"), num_blocks_used=990)
+    key = next(f"room-{i}".encode() for i in range(100) if preference_order(f"room-{i}".encode(), ids)[0] == "w0")
+    assert route(state, {}, [full] + [stats(w) for w in ids[1:]], key=key, commit=False, config=config).worker_id \
+        == preference_order(key, ids)[1]
+
+
+def test_two_router_replicas_send_a_new_familys_first_requests_to_the_same_worker():
+    """Each replica has its own recent work (the requests it sent) and in-flight tokens; both
+    place each new family on the first worker of its rendezvous order, where the least recent
+    work of each replica's own sent them to different workers, and so did the load guard
+    counting each one's own in-flight tokens."""
+    ids = ["w0", "w1", "w2", "w3"]
+    workers = [stats(w) for w in ids]
+    config = dataclasses.replace(CONFIG, num_replicas=2)
+    replicas = [PredictedLatencyState(config, 512, Clock()) for _ in range(2)]
+    replicas[0].work.observe("w0", 600)  # one replica sent w0 a request, the other w1 and w2
+    replicas[1].work.observe("w1", 900)
+    replicas[1].work.observe("w2", 300)
+    # each one's own burst of tickets puts a different worker past the load guard's margin
+    in_flight = [{"w0": 2600}, {"w1": 1500, "w2": 300}]
+    for i in range(16):
+        key = f"family-{i}".encode()
+        request = RouteRequest(PROMPT, BLOCK, key)
+        chosen = {choose_worker({}, workers, config, random.Random(r), extra_load_tokens=in_flight[r],
+                                request=request, state=replicas[r]).worker_id for r in range(2)}
+        assert chosen == {preference_order(key, ids)[0]}
+
+
 def test_a_hot_family_grows_onto_the_first_worker_of_its_order_within_the_bound():
     state = PredictedLatencyState(CONFIG, 512, Clock())
     state.family_hit_work.observe(KEY, 10_000)  # its recent cache hits: a second copy of its prefix pays
@@ -285,3 +328,22 @@ def test_the_family_key_covers_the_first_blocks_and_the_config_is_validated():
     with pytest.raises(ValueError, match="spread_family_blocks"):
         dataclasses.replace(CONFIG, spread_family_blocks=0).validate()
     assert not math.isnan(CONFIG.latency_tie_ratio)
+
+
+def test_with_several_replicas_recent_work_is_what_the_workers_stored_as_every_replica_hears_it():
+    """Two replicas whose own tickets disagree (each sent the other worker more) both see, in
+    the prefix events, that the first worker of the family's order computed far more: both
+    pass it over for the second."""
+    config = dataclasses.replace(CONFIG, num_replicas=2)
+    ids = ["w0", "w1", "w2"]
+    key = b"family-b"
+    first, second = preference_order(key, ids)[:2]
+    replicas = [PredictedLatencyState(config, 512, Clock()) for _ in range(2)]
+    replicas[0].work.observe(second, 9000)
+    replicas[1].work.observe(ids[0] if ids[0] != first else ids[2], 9000)
+    for state in replicas:
+        state.observe_stored(first, 400)  # 6,400 tokens of prefix computed there, as the events say
+    request = RouteRequest(PROMPT, BLOCK, key)
+    workers = [stats(w) for w in ids]
+    assert {choose_worker({}, workers, config, random.Random(0), request=request, state=s).worker_id
+            for s in replicas} == {second}

@@ -229,3 +229,14 @@ def test_prompt_hashes_are_the_workers_block_hashes_and_stay_stable():
     assert hash_full_blocks(list(range(15)), 16) == []
     pinned = hash_full_blocks(list(range(1000, 1040)), 16, ("model=m", "rev=r"))
     assert [h.hex() for h in pinned] == ["548240e63fe924f8424071274cf860a8", "fb8796ce5f6a20c76d8475dd556d1329"]
+
+
+def test_stored_blocks_are_reported_after_a_workers_first_batch_which_replays_its_history():
+    seen = []
+    index = PrefixIndex()
+    index.on_stored = lambda worker, blocks: seen.append((worker, blocks))
+    h = hashes(list(range(3 * BLOCK)))  # 3 blocks
+    index.apply(stored("w0", 0, h[:2]))  # the first poll: the worker's history, not recent work
+    index.apply(stored("w0", 1, h[2:]))
+    index.apply(stored("w0", 1, h[2:]))  # delivered twice: counted once
+    assert seen == [("w0", 1)]

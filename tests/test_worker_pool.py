@@ -41,3 +41,28 @@ def test_a_late_worker_is_routed_to_only_while_no_on_time_worker_of_its_pool_is_
     assert routable_now({"worker-0": _state("worker-0", late=True), fallback: _state(fallback)}) == {"worker-0", fallback}
     # Nothing routable at all stays nothing.
     assert routable_now({"worker-0": _state("worker-0", polled_ok=False)}) == set()
+
+
+def test_a_replica_waiting_for_its_workers_says_why_each_is_not_routable(caplog):
+    import asyncio
+    import dataclasses
+    import logging
+
+    from kvmesh.core.config import KvmeshConfig
+    from kvmesh.router.worker_pool import WorkerPool
+
+    pool = WorkerPool(KvmeshConfig(), "app")
+    silent, unhealthy, late = _state("worker-0", polled_ok=False), _state("worker-1"), _state("worker-2", polled_ok=False)
+    silent.last_error = "no answer to poll within 4.0s"
+    unhealthy.stats = dataclasses.replace(unhealthy.stats, healthy=False)
+    late.late, late.last_error = True, "no answer to poll within 4.0s"
+    pool._workers = {"worker-0": silent, "worker-1": unhealthy, "worker-2": late, "worker-3": _state("worker-3")}
+    assert pool.not_routable_reasons() == {
+        "worker-0": "no poll answered yet (no answer to poll within 4.0s)",
+        "worker-1": "reports unhealthy (draining or failed)",
+        "worker-2": "no poll answered yet (no answer to poll within 4.0s), late"}
+    del pool._workers["worker-3"]
+    with caplog.at_level(logging.WARNING, logger="kvmesh.router.worker_pool"):
+        assert not asyncio.run(pool.wait_routable(0.2, report_every_s=0.0))
+    assert "waiting for a routable worker" in caplog.text and "no routable worker after 0s" in caplog.text
+    assert "reports unhealthy" in caplog.text

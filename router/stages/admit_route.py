@@ -62,10 +62,14 @@ class Admitter:
 
     async def admit(self, request: GenerateRequest, exclude: frozenset[str], parent=None,
                     max_wait_s: float | None = None, fallback: bool = False,
-                    queued_since: float | None = None) -> tuple[RoutingDecision, AdmissionTicket, GenerateRequest]:
+                    queued_since: float | None = None,
+                    refused_by: str | None = None) -> tuple[RoutingDecision, AdmissionTicket, GenerateRequest]:
         """Wait for KV budget on some worker of the main pool (of the fallback pool when
         `fallback`); the routing policy picks among those with room. The third value is the
-        request with the chosen worker's transfer hint set (`kv_source`, see transfer_source)."""
+        request with the chosen worker's transfer hint set (`kv_source`, see transfer_source).
+        `refused_by`: the worker whose own admission refused this request (a re-admission):
+        when it holds the prompt's prefix the request waits for its next report first
+        (router/affinity_wait.py)."""
         other_pool = (frozenset(self.pool.worker_ids) - self.pool.fallback_ids) if fallback else self.pool.fallback_ids
         exclude = exclude | other_pool
         hashes = await self._prefix_hashes(request)
@@ -86,7 +90,8 @@ class Admitter:
 
         route_request = RouteRequest(num_prompt, block_size, family_key(hashes, self.config.router.spread_family_blocks))
         affinity = affinity_wait.AffinityHold(matched, self.config.router, exclude, deadline_s=request.deadline_s,
-                                              request=route_request, state=self.latency)
+                                              request=route_request, state=self.latency, refused_by=refused_by,
+                                              awaiting_report=self.admission.awaiting_report)
 
         def hold(eligible: list[WorkerStats]) -> bool:  # wait in the queue for room on the prefix's worker
             return affinity.holds(eligible, self.admission.cluster_load, self._rng)

@@ -122,7 +122,8 @@ class RequestStream:
                         # as cached there was evicted) is left out only until its next report:
                         # the request goes to another worker with room, or waits at the router
                         # for one (that worker included, once its report shows room), instead of
-                        # bouncing to the client when the other worker is full too.
+                        # bouncing to the client when the other worker is full too. When that
+                        # worker holds its prefix it waits for the report first (affinity_wait.py).
                         if refused:
                             refusals_left -= 1
                             core.admission.note_refusal(self.worker_id)
@@ -134,7 +135,7 @@ class RequestStream:
                     self._ticket.release()
                     self.decision, self._ticket, self._request = await core.admitter.admit(
                         self._request, frozenset() if refused else frozenset({self.worker_id}),
-                        fallback=self._on_fallback)
+                        fallback=self._on_fallback, refused_by=self.worker_id if refused else None)
         finally:
             # Everything synchronous first: a client that goes away cancels this task, and a
             # second cancel arriving during the await below must not skip the metrics or spans.

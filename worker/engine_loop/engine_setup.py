@@ -226,7 +226,8 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
     if group is None:
         if device.type == "cpu":
             runner = CpuModelRunner(model, backend, kv_caches, swap_caches, plan.block_size, seed=config.model.seed,
-                                    native_max_tokens=config.model.cpu_native_max_tokens)
+                                    native_max_tokens=config.model.cpu_native_max_tokens,
+                                    int4_int8_activations=config.quant.int4_activations == "int8")
         else:
             runner = ModelRunner(model, backend, device, kv_caches, swap_caches, plan.block_size,
                                  seed=config.model.seed)
@@ -286,12 +287,14 @@ def build_graph_runner(config: KvmeshConfig, model, backend, kv_caches, device, 
 def _forward_path(runner, model, device: torch.device) -> tuple[str, str]:
     """(which forward serves small steps, why): what the start line and kvmesh_model_info say.
     On CPU the runner chose (worker/runner/cpu_model_runner.py): "native <path>", path the native
-    step's projections (amx | avx512_bf16 | fma), or eager / compiled with the native step's
-    refusal."""
+    step's projections (amx | avx512_bf16 | fma | avx2 | int4_avx2 | int4_avx2_a8) and the reason
+    naming its build, size and numerics (token-exact or not), or eager / compiled with the native
+    step's refusal."""
     if isinstance(runner, CpuModelRunner):
         step = runner.cpu_step
         if step.path != "torch":
-            return f"native {step.path}", f"the {step.variant} build, steps of <= {step.max_tokens} tokens"
+            return (f"native {step.path}",
+                    f"the {step.variant} build, steps of <= {step.max_tokens} tokens, {step.numerics}")
         not_native = step.reason
     else:
         not_native = "tensor parallelism" if isinstance(runner, TensorParallelRunner) else f"device {device.type}"

@@ -44,10 +44,9 @@ the cache dtype as the eager kernel does. bf16 weights on a CPU with AVX512_BF16
 projection's input rounded to bf16 (VDPBF16PS or AMX, fp32 sums), as oneDNN's bf16 GEMMs do.
 In fp32 the step is the eager one up to the order of fp32 sums (tests/test_cpu_native_step.py:
 logits within 1e-5, greedy tokens identical with chunked prefill and preemption); in bf16 it is closer to the fp32 model than eager bf16 is.
-On by default for 16-bit models (`model.cpu_native_max_tokens`: auto = steps of up to 64
-tokens with AMX, else 12 tokens per thread up to 24; fp32 float weights stay eager unless
-asked, the token-exact reference path; fp32 int8 / int4 weights take it, see max_tokens_for),
-and for the
+On by default (`model.cpu_native_max_tokens`: auto = for 16-bit models steps of up to 64
+tokens with AMX, else 12 tokens per thread up to 24; fp32 float weights 12 a thread up to 24;
+fp32 int4 64: see max_tokens_for; 0 = every step eager, the reference path), and for the
 self-draft's small steps (worker/engine_loop/self_draft.py), where only acceptance can change.
 """
 
@@ -345,7 +344,6 @@ class NativeDecoder:
         self.int8_amx = int8_activations and bool(kernels.features & _FEATURE_AMX_INT8) and kind == _W_I8
         self.amx_packed_bytes = description.amx_packed_bytes  # bf16 weights re-laid for AMX tiles
         self.int8_head_bytes = description.int8_head_bytes
-        # what the layers' projections run on: AMX tiles, VDPBF16PS or FMAs (fp32, or widened)
         # what the layers' projections run on: AMX tiles, VDPBF16PS, AVX-512 FMAs ("fma", fp32 or
         # widened), AVX2 FMAs ("avx2", the avx2 build), or int4 groups dequantized in AVX2 registers
         self.path = (("int4_avx2_a8" if int8_activations else "int4_avx2") if kind == _W_I4 else
@@ -448,13 +446,17 @@ def quantized_weights(model) -> str | None:
 
 def max_tokens_for(configured: int | None, dtype: torch.dtype, threads: int, quantized: str | None = None) -> int:
     """model.cpu_native_max_tokens resolved: auto (None) is auto_max_tokens(threads) for
-    16-bit models and 0 for fp32 float weights, which stay the eager, token-exact reference
-    path unless asked. fp32 models with quantized weights take the native step by default:
-    their eager forward dequantizes every weight on every call (int4 at batch 1: 0.05x the
-    float model, docs/quantization.md); int4 to the largest step (a 64-token native step costs
-    less than dequantizing the weights once), int8 as 16-bit models."""
+    16-bit models and fp32 int8 models. fp32 float weights run fp32 GEMVs whatever the CPU (AMX
+    tiles are bf16): 12 tokens a thread, at most 24; in fp32 the step is token-exact (the eager
+    forward up to the order of fp32 sums: tests/test_engine_exact.py, HF's tokens on the
+    embedded model), 1.4x eager at batch 1 and 4.3x at batch 8 on an AVX2 EPYC
+    (docs/benchmarks.md). fp32 int4 to the largest step: their eager forward dequantizes every
+    weight on every call (int4 at batch 1: 0.05x the float model, docs/quantization.md), and a
+    64-token native step costs less than dequantizing the weights once."""
     if configured is not None:
         return configured
     if dtype == torch.float32 and quantized == "int4":
         return CPU_NATIVE_MAX_TOKENS
-    return 0 if dtype == torch.float32 and quantized is None else auto_max_tokens(threads)
+    if dtype == torch.float32 and quantized is None:
+        return min(GEMV_MAX_TOKENS_CAP, GEMV_TOKENS_PER_THREAD * max(1, threads))
+    return auto_max_tokens(threads)

@@ -10,16 +10,19 @@ made here, once, at construction, and kept as `cpu_step` (the worker's start lin
     avx512_bf16  the native step, bf16 projections by VDPBF16PS
     fma          the native step, projections by AVX-512 FMAs (fp32, int8, or bf16 without AVX512_BF16)
     avx2         the native step, projections by AVX2 FMAs (the avx2 build: fp32, bf16, int8)
-    int4_avx2_a8 the native step, int4 groups x int8 activations per 32-input block (llama.cpp's
-                 Q4 x Q8 scheme, AVX2 in any build): what int4 models run
-    int4_avx2    the same with fp32 activations, each weight dequantized in registers exactly as
-                 the eager layer does (asked for with int8_activations=False: tests)
+    int4_avx2    the native step, int4 groups with fp32 activations, each weight dequantized in
+                 registers exactly as the eager layer does (AVX2 in any build): what int4
+                 models run by default (quant.int4_activations fp32: token-exact)
+    int4_avx2_a8 the same with int8 activations per 32-input block (llama.cpp's Q4 x Q8
+                 scheme; quant.int4_activations int8): the fastest mode, not token-exact
     torch        no native step: every step eager; `reason` says why (fp32 float models by
                  default, what the step does not implement, no kernels)
 
 model.cpu_native_max_tokens: auto (None) is steps of up to 64 tokens with AMX, else 12 tokens
-a thread up to 24, for 16-bit models and fp32 int8 models; 64 for fp32 int4 models (eager
-dequantizes every call); fp32 float weights stay eager unless asked (the token-exact path).
+a thread up to 24, for 16-bit models and fp32 int8 models; fp32 float weights 12 a thread up to
+24 (fp32 GEMVs on any CPU; token-exact); 64 for fp32 int4 models (eager dequantizes every call);
+0 = every step eager. `numerics` says what the step's sums are (numerics_of): the start line and
+kvmesh_model_info carry it beside the path.
 The self-draft (worker/engine_loop/self_draft.py) asks for the auto size whatever its dtype, and
 int8 x int8 AMX products for its int8 layers: only its acceptance can change.
 """
@@ -46,24 +49,41 @@ class CpuStepPath:
     reason: str = ""  # why torch; empty otherwise
     max_tokens: int = 0  # the largest step the native step takes (0: torch)
     variant: str = ""  # the CPU kernels' build the native step runs (worker/kernels/cpu_build.py)
+    numerics: str = ""  # its sums against the eager forward (see numerics_of)
 
     def describe(self) -> str:
         if self.path == "torch":
             return f"torch ({self.reason})"
-        return f"{self.path} (the {self.variant} build, steps of <= {self.max_tokens} tokens)"
+        return f"{self.path} (the {self.variant} build, steps of <= {self.max_tokens} tokens, {self.numerics})"
+
+
+def numerics_of(decoder: cpu_native_step.NativeDecoder, dtype: torch.dtype) -> str:
+    """What the native step's sums are against the eager forward: in an fp32 model with fp32
+    activations the same up to the order of fp32 sums (greedy tokens those of HF transformers
+    in fp32, and of a GGUF as HF dequantizes it: tests/test_engine_exact.py); int8 activations
+    are llama.cpp's Q4 x Q8 scheme (logits within ~5 %); a 16-bit model's step keeps fp32
+    activations where eager rounds each op's output to the model dtype."""
+    if decoder.path == "int4_avx2_a8" or decoder.int8_amx:
+        return "int8 activations, not token-exact"
+    if dtype != torch.float32:
+        return f"{str(dtype).removeprefix('torch.')} weights" + (", bf16 inputs" if decoder.path in ("amx", "avx512_bf16")
+                                                                 else ", fp32 activations")
+    return "fp32, token-exact"
 
 
 class CpuModelRunner(ModelRunner):
     def __init__(self, model, backend: AttentionBackend, kv_caches: list[LayerKVCache],
                  swap_caches: list[LayerKVCache] | None, block_size: int, seed: int = 0,
-                 native_max_tokens: int | None = None, self_draft: bool = False):
+                 native_max_tokens: int | None = None, self_draft: bool = False,
+                 int4_int8_activations: bool = False):
         """native_max_tokens: model.cpu_native_max_tokens (None = auto); self_draft: the
-        self-draft's runner (auto size whatever the dtype, int8 activations)."""
+        self-draft's runner (auto size whatever the dtype, int8 activations);
+        int4_int8_activations: quant.int4_activations int8 (else int4 layers are exact)."""
         super().__init__(model, backend, torch.device("cpu"), kv_caches, swap_caches, block_size, seed=seed)
         self.native_decoder: cpu_native_step.NativeDecoder | None = None
-        self.cpu_step = self._choose(native_max_tokens, self_draft)
+        self.cpu_step = self._choose(native_max_tokens, self_draft, int4_int8_activations)
 
-    def _choose(self, configured: int | None, self_draft: bool) -> CpuStepPath:
+    def _choose(self, configured: int | None, self_draft: bool, int4_int8_activations: bool) -> CpuStepPath:
         what = "the self-draft" if self_draft else "the model"
         threads = torch.get_num_threads()
         dtype = next(self.model.parameters()).dtype
@@ -73,27 +93,27 @@ class CpuModelRunner(ModelRunner):
         else:
             max_tokens = cpu_native_step.max_tokens_for(configured, dtype, threads, quantized)
         if not max_tokens:
-            reason = "model.cpu_native_max_tokens 0" + (" (auto for fp32 float weights: the token-exact eager path)"
-                                                        if dtype == torch.float32 and configured is None else "")
+            reason = "model.cpu_native_max_tokens 0"
             logger.info("CPU step for %s: torch (%s)", what, reason)
             return CpuStepPath("torch", reason)
         try:
-            # int4 layers take int8 activations (per 32-input block) as llama.cpp's Q4 x Q8 dot
-            # products do: 2.4x the fp32-activation path at batch 1 (docs/benchmarks.md)
-            decoder = cpu_native_step.NativeDecoder.build(self.model, self.kv_caches, max_tokens,
-                                                          int8_activations=self_draft or quantized == "int4")
+            # quant.int4_activations int8: int4 layers take int8 activations (per 32-input block)
+            # as llama.cpp's Q4 x Q8 dot products do (the fastest mode, not token-exact); the
+            # self-draft always does (only its acceptance can change)
+            int8 = self_draft or (quantized == "int4" and int4_int8_activations)
+            decoder = cpu_native_step.NativeDecoder.build(self.model, self.kv_caches, max_tokens, int8_activations=int8)
         except cpu_native_step.NotTaken as why:
             logger.warning("native step not taken for %s (%s): eager forward", what, why)
             return CpuStepPath("torch", str(why))
         self.native_decoder = decoder
-        logger.info("native step on for %s, steps of <= %d tokens, projections by %s (%s build)%s%s%s", what,
-                    max_tokens, decoder.path, decoder.variant,
+        logger.info("native step on for %s, steps of <= %d tokens, projections by %s (%s build, %s)%s%s%s", what,
+                    max_tokens, decoder.path, decoder.variant, numerics_of(decoder, dtype),
                     f", {decoder.amx_packed_bytes / 2**20:.0f} MiB of weights re-laid for its tiles"
                     if decoder.amx_packed_bytes else "",
                     f", the LM head as an int8 copy ({decoder.int8_head_bytes / 2**20:.0f} MiB)"
                     if decoder.int8_head_bytes else "",
                     ", int8 projections as int8 x int8 AMX products" if decoder.int8_amx else "")
-        return CpuStepPath(decoder.path, "", max_tokens, decoder.variant)
+        return CpuStepPath(decoder.path, "", max_tokens, decoder.variant, numerics_of(decoder, dtype))
 
     @property
     def native_max_tokens(self) -> int:
