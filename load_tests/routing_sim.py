@@ -599,6 +599,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="router.affinity_wait_s (0: spill at once)")
     parser.add_argument("--measure", action="store_true",
                         help="measure the cost model on the real engine (embedded SmolLM2) first and use it")
+    parser.add_argument("--router-replicas-rule", type=int, default=1,
+                        help="router.num_replicas of the one simulated router: > 1 runs the rules the "
+                             "replicas of a several-replica router use (new-family placement), not a second router")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--replay-campaign", metavar="SPEC",
                         help="replay a routing campaign's requests (load_tests/campaigns/routing-under-load.yaml): "
@@ -612,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     loads = [dict(qps=q) for q in args.qps] if args.qps else [dict(concurrency=c) for c in (args.concurrency or [4])]
     router = RouterConfig(imbalance_abs_tokens=args.imbalance_abs_tokens,
                           imbalance_margin_requests=args.imbalance_margin_requests,
-                          affinity_wait_s=args.affinity_wait_s)
+                          affinity_wait_s=args.affinity_wait_s, num_replicas=args.router_replicas_rule)
     results = replay_campaign(args.replay_campaign, cost, router, args.concurrency, args.num_requests) \
         if args.replay_campaign else []
     for num_workers in ([] if args.replay_campaign else args.workers):

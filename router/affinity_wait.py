@@ -78,6 +78,12 @@ class AffinityHold:
         self._clock = clock
         self._wall_clock = wall_clock
         self._preferred = preferred_workers(matched_blocks, exclude) if config.affinity_wait_s > 0 else set()
+        # A new family with several router replicas: its worker is the one its rendezvous
+        # placement picks from every healthy worker (routing._place_by_rendezvous), and it waits
+        # for room there as a cached prefix's request does (`_place_new_family`).
+        self._placing = (not self._preferred and config.affinity_wait_s > 0 and config.num_replicas > 1
+                         and config.policy == "predicted_latency" and request is not None
+                         and request.family_key is not None and state is not None)
         self._until: float | None = None  # when the hold runs out; -inf once it never applies
         self._longest_s = 0.0  # the longest it may hold (set with `_until`)
         self.started_at: float | None = None  # when it first held out (None: it never did)
@@ -87,6 +93,8 @@ class AffinityHold:
         `view()`: every healthy worker with the router's in-flight tokens and mean admitted
         request, for the load guard's verdict without the budgets (asked only the first time
         the request would spill: the common case, its worker has room, costs a set lookup)."""
+        if self._placing:
+            self._place_new_family(view, rng)
         if not self._preferred or self._preferred & {w.worker_id for w in offered}:
             return False
         now = self._clock()
@@ -97,7 +105,8 @@ class AffinityHold:
             candidates = [w for w in healthy if w.worker_id not in self._exclude]
             decision = choose_worker(self._matched, candidates, self._config, rng, None, in_flight_tokens,
                                      mean_request_tokens, request=self._request, state=self._state)
-            if decision.path is RoutingPath.PREFIX_MATCH and decision.worker_id in self._preferred:
+            expected = RoutingPath.NO_PREFIX if self._matched_nothing() else RoutingPath.PREFIX_MATCH
+            if decision.path is expected and decision.worker_id in self._preferred:
                 wait_s = max(self._config.affinity_wait_s, self._recompute_s(offered))
                 self._longest_s = self._longest_hold_s()
                 wait_s = min(wait_s, self._longest_s)
@@ -109,6 +118,25 @@ class AffinityHold:
             return True
         return self.started_at is not None and now - self.started_at < self._longest_s \
             and self._home_sooner(offered, view)
+
+    def _matched_nothing(self) -> bool:
+        return not any(self._matched.get(w, 0) for w in self._matched)
+
+    def _place_new_family(self, view: Callable[[], ClusterLoad], rng: random.Random) -> None:
+        """Once: the worker the several-replica placement picks from every healthy worker
+        becomes the preferred one. Among the workers with room only, one replica whose own
+        burst had filled that worker's budget in its view sent the family elsewhere while the
+        other replica sent it there (3 families of 6 split at 16 in flight on the two-replica
+        campaign)."""
+        self._placing = False
+        healthy, in_flight_tokens, mean_request_tokens = view()
+        candidates = [w for w in healthy if w.worker_id not in self._exclude]
+        if not candidates:
+            return
+        decision = choose_worker(self._matched, candidates, self._config, rng, None, in_flight_tokens,
+                                 mean_request_tokens, request=self._request, state=self._state)
+        if decision.path is RoutingPath.NO_PREFIX:
+            self._preferred = {decision.worker_id}
 
     def _longest_hold_s(self) -> float:
         """Half the time left before the deadline at most (a spill must still make it), and

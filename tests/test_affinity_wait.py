@@ -287,3 +287,28 @@ def test_a_request_its_prefix_worker_refused_waits_for_that_workers_next_report(
                                   random.Random(0))
 
     asyncio.run(main())
+
+
+def test_with_several_replicas_a_new_family_waits_for_room_on_the_worker_its_placement_picks():
+    """Two router replicas place a new family on the first worker of its rendezvous order; in
+    one replica its own burst has filled that worker's budget, so only the other worker is
+    offered: the request waits for room there (as a cached prefix's request does) instead of
+    starting the family on the other worker while the other replica sends it home."""
+    from kvmesh.router.hot_spread import preference_order
+    from kvmesh.router.routing import PredictedLatencyState, RouteRequest
+
+    clock = FakeClock()
+    config = RouterConfig(policy="predicted_latency", affinity_wait_s=1.0, num_replicas=2)
+    state = PredictedLatencyState(config, 512, clock)
+    key = next(f"f{i}".encode() for i in range(100) if preference_order(f"f{i}".encode(), ["w0", "w1"])[0] == "w0")
+    request = RouteRequest(560, 16, key)
+    w0, w1 = stats("w0", reserved=950), stats("w1")
+    view = lambda: ([w0, w1], {}, 0.0)  # noqa: E731
+    hold = AffinityHold({}, config, clock=clock, request=request, state=state)
+    assert hold.holds([w1], view, random.Random(0))  # w0 full here: it waits for room there
+    assert not hold.holds([w0, w1], view, random.Random(0))  # room on w0: it goes
+    assert hold.outcome("w0") is AffinityWaitOutcome.ROOM
+    # one replica: no wait for a new prefix (it places among the workers with room)
+    alone = AffinityHold({}, RouterConfig(policy="predicted_latency", affinity_wait_s=1.0), clock=clock,
+                         request=request, state=state)
+    assert not alone.holds([w1], view, random.Random(0))
