@@ -32,7 +32,10 @@ import torch
 
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.load_tests.bench_engine import MemoryProbe, decode_rate
+from kvmesh.load_tests.tiny_tokenizer import train_corpus_tokenizer
 from kvmesh.worker.engine_api import Engine
+
+# Function-level imports: transformers, only where the checkpoint is built.
 
 # Llama-3.2-1B's config.json, as far as shapes and RoPE go
 LLAMA_32_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -47,8 +50,6 @@ PROMPT = tuple(range(100, 132))
 def write_checkpoint(folder: Path) -> Path:
     """The random-weight checkpoint (HF's own init, bf16) with a small BPE tokenizer."""
     from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from kvmesh.load_tests.tiny_tokenizer import train_corpus_tokenizer
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA_32_1B), dtype=torch.bfloat16)
