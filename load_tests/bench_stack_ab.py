@@ -54,6 +54,7 @@ def _bench_stack():
     """This checkout's bench_stack.py, whichever checkout's kvmesh the running Python imports."""
     spec = importlib.util.spec_from_file_location("kvmesh_bench_stack_ab_round", Path(__file__).with_name("bench_stack.py"))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
