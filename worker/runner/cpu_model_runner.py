@@ -66,8 +66,8 @@ def numerics_of(decoder: cpu_native_step.NativeDecoder, dtype: torch.dtype) -> s
     if decoder.path == "int4_avx2_a8" or decoder.int8_amx:
         return "int8 activations, not token-exact"
     if dtype != torch.float32:
-        return f"{str(dtype).removeprefix('torch.')} weights" + (", bf16 inputs" if decoder.path in ("amx", "avx512_bf16")
-                                                                 else ", fp32 activations")
+        return f"{str(dtype).removeprefix('torch.')} model" + (", bf16 inputs" if decoder.path in ("amx", "avx512_bf16")
+                                                               else ", fp32 activations")
     return "fp32, token-exact"
 
 
