@@ -500,6 +500,7 @@ def test_ray_token_auth_is_on_and_tls_comes_from_a_secret(chart):
     router_tls = serve["applications"][0]["args"]["router"]["tls"]
     assert (router_tls["cert_file"], router_tls["key_file"]) == ("/etc/kvmesh/tls/tls.crt", "/etc/kvmesh/tls/tls.key")
     assert "grpc_options" not in serve and "http_options" not in serve  # the replicas' own servers read it
+    assert "ray.io/serve" not in out.one("Service", f"{RELEASE}-kvmesh")["spec"]["selector"]  # no plain /-/healthz
     monitored = _render(chart, {"tls": {"secretName": "router-tls"}, "serve": {"grpcServicerFunctions": []},
                                 "metrics": {"serviceMonitor": {"enabled": True}}})
     [endpoint] = monitored.one("ServiceMonitor", "-router")["spec"]["endpoints"]
@@ -577,7 +578,12 @@ def test_router_service_reaches_the_head(rendered):
     head, _ = _groups(rendered)
     head_labels = head["template"]["metadata"]["labels"]
     selector = dict(service["spec"]["selector"])
-    assert selector.pop("ray.io/serve") == "true"  # KubeRay labels pods whose Serve proxy is up
+    # KubeRay labels a pod ray.io/serve=true while a plain-HTTP GET /-/healthz on its serve port
+    # answers; a TLS edge never does, so with TLS on the Service must not wait for the label.
+    if rendered.values["tls"]["secretName"]:
+        assert "ray.io/serve" not in selector
+    else:
+        assert selector.pop("ray.io/serve") == "true"
     assert selector.items() <= head_labels.items()
     head_ports = {p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
     assert {router["http_port"], router["grpc_port"]} <= head_ports
