@@ -193,7 +193,9 @@ def _tiny_engine(tiny_model_dir, cuda_graphs: bool):
     from kvmesh.worker.engine_loop.engine import Engine
 
     return Engine.from_config(KvmeshConfig.from_dict({
-        "model": {"path": tiny_model_dir, "dtype": "fp32", "max_model_len": 64},
+        # cpu_native_max_tokens 0: on CPU the native step would take the decode steps this
+        # tests through the graph runner (fp32 models take it by default)
+        "model": {"path": tiny_model_dir, "dtype": "fp32", "max_model_len": 64, "cpu_native_max_tokens": 0},
         "cache": {"num_blocks": 24, "block_size": 8},
         "parallel": {"device": DEVICE.type, "attention_backend": "triton", "cuda_graphs": cuda_graphs}}))
 
