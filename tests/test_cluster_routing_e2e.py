@@ -57,9 +57,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.shared_ray, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def routing_config(tiny_model_dir) -> KvmeshConfig:
+    # The eager step (cpu_native_max_tokens 0): the tests need a running request to stay in the
+    # workers' reports for a few router polls, and the native step decodes the tiny model's
+    # tokens in microseconds.
     return tiny_cluster_config(tiny_model_dir, num_workers=2, max_num_seqs=4, block_size=BLOCK_SIZE,
                                num_blocks=NUM_BLOCKS_PER_WORKER, max_new_tokens=None,
-                               router={"policy": "prefix_aware", "stats_refresh_s": 0.05})
+                               router={"policy": "prefix_aware", "stats_refresh_s": 0.05}).replace(
+        model={"cpu_native_max_tokens": 0})
 
 
 @pytest.fixture(scope="module")
