@@ -505,7 +505,8 @@ def test_a_request_waits_for_room_on_its_prefix_worker_instead_of_spilling(clust
         # also its own ticket: the ticket is counted until a poll taken one refresh (20 ms)
         # after it was sent ("In-flight accounting", router/admission_budget.py). Waited for in
         # the router's polled view (its /metrics worker gauges), not the engines' live GetStats,
-        # which the polled view can lag; by the time a scrape shows it, later polls have run.
+        # which the polled view can lag. The poll that first shows it may still count the
+        # ticket: the race named in the skip above.
         long_ones = _start_streams(client, [prefix + [3000] * SUFFIX_TOKENS], long_max_tokens, f"long-{seed}-0")
         _wait_for(lambda: _router_view(config).get(home, {}).get("num_requests_running", 0) >= 1,
                   what="the router to poll the first long request")
