@@ -350,10 +350,12 @@ static inline __m256 load8_meta(const void *p, int64_t i, const int dtype) {
 }
 
 /* Row n's group scales into meta[0, G) and offsets c into meta[G, 2G); 0 where a group cannot
-   fold exactly. With zero 0, c is the min: (code - 0) * scale + min rounds once either way.
-   Otherwise only with no min and an integer zero whose product with the scale is exact (GGUF
-   Q4_0's 8 x an fp16 scale; kvmesh's int4 in a 16-bit dtype): c = -zero * scale, and the FMA's
-   one rounding of code * scale - zero * scale is eager's one rounding of (code - zero) * scale. */
+   fold exactly. With zero 0, c is the min: the same FMA as the general form (int4_row), whose
+   one rounding is eager's where code * scale is exact (every GGUF type's). Otherwise only with
+   no min and an integer zero whose product with the scale is exact (GGUF Q4_0's 8 x an fp16
+   scale; kvmesh's int4 in a 16-bit dtype): c = -zero * scale, and the FMA's one rounding of
+   code * scale - zero * scale is eager's one rounding of (code - zero) * scale. kvmesh's int4
+   in fp32 (fp32 scales) mostly takes the general form. */
 static int int4_fma_meta(const kvmesh_int4 *p, int64_t n, int64_t G, float *meta) {
     float *sc = meta, *off = meta + G;
     const int64_t at = n * G;
