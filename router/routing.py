@@ -152,6 +152,9 @@ class RouteRequest:
     num_prompt_tokens: int
     block_size: int
     family_key: bytes | None  # `family_key(...)`; None: no full block (no family)
+    # With several router replicas: the worker a shared claim gives this new family
+    # (router/family_claims.py); it takes a prompt nothing matched when it is among the workers.
+    claimed_worker: str | None = None
 
 
 def family_key(block_hashes: Sequence[bytes], family_blocks: int) -> bytes | None:
@@ -310,6 +313,8 @@ def choose_worker(matched_blocks: Mapping[str, int], workers: Sequence[WorkerSta
             raise ValueError("predicted_latency routing needs a RouteRequest and a PredictedLatencyState")
         return _predicted_latency(by_id, loads, footprints, matched_blocks, config, margin, request, state, extra)
     work = state.work.values(ids) if state is not None else {}
+    if request is not None and request.claimed_worker in by_id and not any(matched_blocks.get(w, 0) for w in ids):
+        return decide(request.claimed_worker, RoutingPath.NO_PREFIX)  # the replicas' shared claim
     return _prefix_aware(ids, loads, footprints, work, matched_blocks, config, margin, rng, decide)
 
 
@@ -426,6 +431,8 @@ def _predicted_latency(by_id: dict[str, WorkerStats], loads: dict[str, int], foo
     top = max((matched_blocks.get(w, 0) for w in ids), default=0)
     family = members or ([w for w in ids if matched_blocks.get(w, 0) == top] if top else [])
     if not family:
+        if request.claimed_worker in by_id:  # the replicas' shared claim: every one places it there
+            return decide(request.claimed_worker, RoutingPath.NO_PREFIX)
         chosen = _place_by_rendezvous(by_id, config, margin, state, request) if config.num_replicas > 1 else None
         return decide(chosen or _place_by_latency(ids, predicted, footprints, config, key, state),
                       RoutingPath.NO_PREFIX)
