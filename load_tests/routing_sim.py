@@ -424,7 +424,8 @@ class _SimRouter:
         self.sent_since_poll[worker_id] += costs[worker_id]
         sim_request.sent_at, sim_request.cost_tokens = clock.now, costs[worker_id]
         self.sizes.observe(costs[worker_id])  # as admission: the margin's unit is what each dispatch cost its worker
-        self.latency_state.commit(decision, costs[worker_id])  # as router_core: the state learns what was sent where
+        # As router_core: the state learns what was sent where.
+        self.latency_state.commit(decision, costs[worker_id], prompt_len // cluster.block_size)
         if run.claims is not None and route_request.family_key is not None:
             run.claims.keep_alive(route_request.family_key)
         if grown:

@@ -129,7 +129,7 @@ class Admitter:
                 self.metrics.observe_affinity_wait(waited.value, time.monotonic() - affinity.started_at)
             self.metrics.observe_route(decision.path.value)
             # Every policy's recent work is kept: prefix_aware breaks new-prefix ties by it.
-            self.latency.commit(decision, cost_for(decision.worker_id))
+            self.latency.commit(decision, cost_for(decision.worker_id), num_prompt // block_size)
             if self.claims is not None and route_request.family_key is not None:
                 self.claims.keep_alive(route_request.family_key)  # the family is live: its claim stays
             decisions.append(decision)
