@@ -57,6 +57,7 @@ from kvmesh.kv.kv_cache_manager import KVCacheManager
 from kvmesh.load_tests.routing_campaign import family_workload, oracle_hit_rate
 from kvmesh.router.admission import cost_with_cached_prefix
 from kvmesh.router.affinity_wait import AffinityHold, AffinityWaitOutcome
+from kvmesh.router.family_claims import claim_candidates
 from kvmesh.router.prefix_index import PrefixIndex
 from kvmesh.router.latency import StepCostModel
 from kvmesh.router.routing import (PREFIX_POLICIES, PredictedLatencyState, RequestSizeMeter, RoundRobinCursor, RouteRequest,
@@ -256,17 +257,23 @@ def _oracle_cached_tokens(requests: Sequence[_SimRequest], block_size: int) -> l
 
 
 class SimClaims:
-    """The router replicas' shared new-family claims (router/family_claims.py) as one dict in
-    simulated time: set if absent, renewed by each request of the family, expiring after ttl_s."""
+    """The router replicas' shared new-family claims (router/family_claims.py) in simulated
+    time: an existing claim is renewed and returned, else the first candidate whose live
+    families (claims not expired) leave room for one more is claimed; renewed by each request."""
 
     def __init__(self, ttl_s: float, clock: SimClock):
         self.ttl_s, self._clock = ttl_s, clock
         self._owners: dict[bytes, tuple[str, float]] = {}  # family key -> (worker, expires at)
 
-    def claim(self, key: bytes, proposed: str) -> str:
+    def _live(self, worker_id: str) -> int:
+        now = self._clock()
+        return sum(1 for owner, expires in self._owners.values() if owner == worker_id and expires > now)
+
+    def claim(self, key: bytes, candidates: Sequence[tuple[str, int]]) -> str:
         owner = self._owners.get(key)
         if owner is None or owner[1] <= self._clock():
-            owner = (proposed, 0.0)
+            chosen = next((w for w, room in candidates if self._live(w) < room), candidates[0][0])
+            owner = (chosen, 0.0)
         self._owners[key] = (owner[0], self._clock() + self.ttl_s)
         return owner[0]
 
@@ -356,7 +363,8 @@ class _SimRouter:
         proposal = choose_worker(matched, list(self.stats.values()), self.proposal_config, self.rng, self.cursor,
                                  dict(self.sent_since_poll), self.sizes.mean_tokens(), request=route_request,
                                  state=self.latency_state)
-        owner = self.run.claims.claim(route_request.family_key, proposal.worker_id)
+        owner = self.run.claims.claim(route_request.family_key,
+                                      claim_candidates(proposal.worker_id, list(self.stats.values()), route_request))
         return dataclasses.replace(route_request, claimed_worker=owner)
 
     def try_dispatch(self, sim_request: _SimRequest) -> bool | None:

@@ -29,14 +29,31 @@ def test_two_replicas_claiming_one_new_family_both_get_the_first_proposal(redis_
         first, second = (FamilyClaims(redis_server.url, ttl_s=5.0, namespace="claims-test", on_outcome=outcomes.append)
                          for _ in range(2))
         # Each replica's own rule picked a different worker (its own tickets, its own view).
-        assert await first.claim(b"family-a", "worker-1") == "worker-1"
-        assert await second.claim(b"family-a", "worker-0") == "worker-1"
-        assert await second.claim(b"family-b", "worker-0") == "worker-0"  # another family: its own claim
+        assert await first.claim(b"family-a", [("worker-1", 3), ("worker-0", 3)]) == "worker-1"
+        assert await second.claim(b"family-a", [("worker-0", 3), ("worker-1", 3)]) == "worker-1"
+        assert await second.claim(b"family-b", [("worker-0", 3), ("worker-1", 3)]) == "worker-0"
         assert outcomes == [ClaimOutcome.WON, ClaimOutcome.JOINED, ClaimOutcome.WON]
         # At once, many families from both replicas: every family ends on one worker.
-        owners = await asyncio.gather(*[replica.claim(f"burst-{i}".encode(), f"worker-{r}")
+        owners = await asyncio.gather(*[replica.claim(f"burst-{i}".encode(), [(f"worker-{r}", 100), ("worker-9", 100)])
                                         for i in range(20) for r, replica in enumerate((first, second))])
         assert all(owners[2 * i] == owners[2 * i + 1] for i in range(20))
+        await first.aclose()
+        await second.aclose()
+    asyncio.run(main())
+
+
+def test_a_new_family_is_claimed_where_the_live_families_leave_room_whoever_placed_them(redis_server):
+    """Room for three families a worker (the routing campaign's caches): two replicas place
+    three on worker-1 between them; the fourth goes to worker-0 whichever replica proposes
+    worker-1 first, as neither replica alone has seen all three."""
+    async def main():
+        first, second = (FamilyClaims(redis_server.url, ttl_s=5.0, namespace="claims-room") for _ in range(2))
+        order = [("worker-1", 3), ("worker-0", 3)]
+        assert [await first.claim(b"f0", order), await second.claim(b"f1", order),
+                await first.claim(b"f2", order)] == ["worker-1"] * 3
+        assert await second.claim(b"f3", order) == "worker-0"
+        full = [("worker-1", 1), ("worker-0", 0)]  # room nowhere: the proposal stands
+        assert await first.claim(b"f4", full) == "worker-1"
         await first.aclose()
         await second.aclose()
     asyncio.run(main())
@@ -47,15 +64,15 @@ def test_a_claim_expires_unless_its_family_keeps_coming(redis_server):
         now = [0.0]
         replica = FamilyClaims(redis_server.url, ttl_s=0.3, namespace="claims-expiry", clock=lambda: now[0])
         other = FamilyClaims(redis_server.url, ttl_s=0.3, namespace="claims-expiry")
-        assert await replica.claim(b"live", "worker-1") == "worker-1"
-        assert await replica.claim(b"quiet", "worker-1") == "worker-1"
+        assert await replica.claim(b"live", [("worker-1", 9)]) == "worker-1"
+        assert await replica.claim(b"quiet", [("worker-1", 9)]) == "worker-1"
         for _ in range(4):  # the live family's requests keep coming: its claim is renewed
             await asyncio.sleep(0.15)
             now[0] += 0.15
             replica.keep_alive(b"live")
         await asyncio.sleep(0.05)
-        assert await other.claim(b"live", "worker-0") == "worker-1"
-        assert await other.claim(b"quiet", "worker-0") == "worker-0"  # expired: placed anew
+        assert await other.claim(b"live", [("worker-0", 9)]) == "worker-1"
+        assert await other.claim(b"quiet", [("worker-0", 9)]) == "worker-0"  # expired: placed anew
         await replica.aclose()
         await other.aclose()
     asyncio.run(main())
@@ -68,9 +85,9 @@ def test_with_redis_down_a_replica_places_by_its_own_rule_says_so_and_resumes(re
                                on_fallback_change=fallback.append)
         redis_server.kill()
         try:
-            assert await replica.claim(b"family", "worker-0") is None
+            assert await replica.claim(b"family", [("worker-0", 3)]) is None
             assert replica.fallback_active and fallback == [True]
-            assert await replica.claim(b"family", "worker-1") is None  # no wait on a dead Redis meanwhile
+            assert await replica.claim(b"family", [("worker-1", 3)]) is None  # no wait on a dead Redis meanwhile
         finally:
             redis_server.restart()
         for _ in range(200):
@@ -78,7 +95,7 @@ def test_with_redis_down_a_replica_places_by_its_own_rule_says_so_and_resumes(re
                 break
             await asyncio.sleep(0.05)
         assert fallback == [True, False]
-        assert await replica.claim(b"family", "worker-1") == "worker-1"
+        assert await replica.claim(b"family", [("worker-1", 3)]) == "worker-1"
         await replica.aclose()
     asyncio.run(main())
 

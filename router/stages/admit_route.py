@@ -24,7 +24,7 @@ from kvmesh.router import affinity_wait, tracing
 from kvmesh.router.adapter_affinity import AdapterPlacement
 from kvmesh.router.admission import RouterAdmission
 from kvmesh.router.admission_budget import AdmissionTicket, cost_with_cached_prefix
-from kvmesh.router.family_claims import FamilyClaims
+from kvmesh.router.family_claims import FamilyClaims, claim_candidates
 from kvmesh.router.fairness import TenantBacklog, engine_priority
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.routing import (PREFIX_POLICIES, AdapterRouting, PredictedLatencyState, RoundRobinCursor,
@@ -170,7 +170,8 @@ class Admitter:
             return route_request
         proposal = choose_worker(matched, candidates, self._proposal_config, self._rng, self._cursor, in_flight,
                                  mean_request_tokens, request=route_request, state=self.latency)
-        owner = await self.claims.claim(route_request.family_key, proposal.worker_id)
+        owner = await self.claims.claim(route_request.family_key,
+                                        claim_candidates(proposal.worker_id, candidates, route_request))
         if owner is None or owner not in {w.worker_id for w in candidates}:
             return route_request
         return dataclasses.replace(route_request, claimed_worker=owner)
