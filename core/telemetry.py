@@ -471,7 +471,8 @@ class EngineMetrics:
         self.planned_bytes = Gauge(METRICS_PREFIX + "memory_planned_bytes",
                                    "The engine's memory plan by part (weights, draft weights, activations, CUDA "
                                    "graphs, sampler, runtime, KV pool, draft KV pool): every device allocation "
-                                   "counted before the KV pool was sized (kv/device_plan.py).",
+                                   "counted before the KV pool was sized (kv/device_plan.py); and swap_space, the "
+                                   "host swap space's ceiling (resident only as blocks are swapped out).",
                                    [*w, "part"], registry=r)
         for part, nbytes in (planned_bytes or {}).items():
             self.planned_bytes.labels(worker_id, part).set(nbytes)

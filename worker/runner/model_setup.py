@@ -184,6 +184,7 @@ def allocate_rank_caches(config: KvmeshConfig, spec: ModelSpec, model, num_block
     kv_caches = allocate_kv_caches(layers, num_blocks, bs, hkv, model.head_dim, storage, spec.device)
     swap_caches: list[LayerKVCache] | None = None
     if num_swap_blocks > 0:
+        # resident only as blocks are swapped out (cache.swap_space_gib is a ceiling, not RSS at start)
         swap_caches = allocate_kv_caches(layers, num_swap_blocks, bs, hkv, model.head_dim, storage,
-                                         torch.device("cpu"), pin=spec.device.type == "cuda")
+                                         torch.device("cpu"), pin=spec.device.type == "cuda", initialised=False)
     return kv_caches, swap_caches

@@ -135,7 +135,7 @@ class WorkerActor:
         engine = self._engine.engine
         plan = engine.parts.plan
         swap_bytes = plan.num_swap_blocks * plan.block_size * plan.kv_bytes_per_token
-        split = plan.device.split()
+        split = plan.device.split() | {"swap_space": swap_bytes}  # host memory, resident as blocks swap out
         self._metrics = telemetry.EngineMetrics(
             worker_id, telemetry.ModelInfoLabels.of_engine(engine, self._config), device=engine.parts.device,
             tensor_bytes=split["weights"] + split["draft_weights"] + split["kv_pool"] + split["draft_kv_pool"]
