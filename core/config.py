@@ -243,10 +243,14 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    # none | int8 | int4 | int4_awq | gguf (a .gguf model served in its own quantization:
+    # auto | none | int8 | int4 | int4_awq | gguf (a .gguf model served in its own quantization:
     # Q8_0 -> int8 groups, Q4_0 / Q4_1 / Q4_K -> int4 groups, scales and mins as stored; other
     # types refused at load; worker/model/gguf_loader.py). none dequantizes a GGUF at load.
-    weight: str = "none"
+    # auto = gguf for a .gguf model (the embedded one included) on a CPU whose model dtype is
+    # fp32 and that runs the native step (its exact int4: the dequantized model's tokens, HF's,
+    # at a fraction of the bytes; docs/benchmarks.md), else none
+    # (worker/runner/model_setup.py resolve_weight_quant).
+    weight: str = "auto"
     group_size: int = 128  # int4 group size
     # What int4 layers multiply in the CPU native step: fp32 = each weight dequantized in
     # registers exactly as the eager layer does (greedy tokens those of the dequantized model,
@@ -257,7 +261,7 @@ class QuantConfig:
     calibration_path: str | None = None
 
     def validate(self) -> None:
-        _one_of("quant.weight", self.weight, ("none", "int8", "int4", "int4_awq", "gguf"))
+        _one_of("quant.weight", self.weight, ("auto", "none", "int8", "int4", "int4_awq", "gguf"))
         _one_of("quant.group_size", self.group_size, (32, 64, 128))
         _one_of("quant.int4_activations", self.int4_activations, ("fp32", "int8"))
 

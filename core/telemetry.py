@@ -343,7 +343,7 @@ class ModelInfoLabels:
     model: str
     revision: str
     dtype: str  # the weights' compute dtype, e.g. float32 / bfloat16 ("auto" resolved)
-    weight_quant: str  # none | int8 | int4 | int4_awq
+    weight_quant: str  # as served (quant.weight auto resolved): none | int8 | int4 | int4_awq | gguf
     kv_cache_dtype: str  # the effective KV storage dtype
     version: str  # the kvmesh package version
     model_type: str = ""  # the HF family (llama, qwen2, qwen3, phi3, gemma2, ...)
@@ -363,7 +363,7 @@ class ModelInfoLabels:
         weights = next(engine.runner.model.parameters(), None) if hasattr(engine.runner, "model") else None
         dtype = str(weights.dtype).removeprefix("torch.") if weights is not None else config.model.dtype
         parts = engine.parts
-        return cls(engine.model_name, config.model.revision, dtype, config.quant.weight, parts.kv_cache_dtype,
+        return cls(engine.model_name, config.model.revision, dtype, parts.weight_quant, parts.kv_cache_dtype,
                    kvmesh_version, str(getattr(parts.hf_config, "model_type", "")), parts.forward_path,
                    parts.forward_path_reason)
 
