@@ -331,6 +331,10 @@ class RouterConfig:
     # (and that the load guard would still pick) waits up to this long for room there before
     # it spills to another worker as a whole-prompt miss (router/affinity_wait.py). 0 = spill at once.
     affinity_wait_s: float = 1.0
+    # Several router replicas and tenants.redis_url set: a new prompt family goes to the worker
+    # the first replica to place it claimed in that Redis (router/family_claims.py); the claim
+    # expires this long after its family's last request. 0 = off (each replica's own rule).
+    family_claim_ttl_s: float = 10.0
     # A Ray resource each router replica asks for (0.01 of it), so replicas run only on the
     # nodes that advertise it: the replicas serve gRPC on grpc_port themselves
     # (router/grpc_ingress.py), so they must run where clients reach that port (the Helm
@@ -382,6 +386,7 @@ class RouterConfig:
         _check(self.drain_grace_s >= 0, "router.drain_grace_s must be >= 0")
         _check(self.imbalance_margin_requests >= 0, "router.imbalance_margin_requests must be >= 0")
         _check(self.affinity_wait_s >= 0, "router.affinity_wait_s must be >= 0")
+        _check(self.family_claim_ttl_s >= 0, "router.family_claim_ttl_s must be >= 0")
         for name in ("step_overhead_s", "prefill_s_per_token", "decode_s_per_token", "latency_tie_ratio",
                      "spread_cooldown_s"):
             _check(getattr(self, name) >= 0, f"router.{name} must be >= 0")
