@@ -243,10 +243,14 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    # none | int8 | int4 | int4_awq | gguf (a .gguf model served in its own quantization:
+    # auto | none | int8 | int4 | int4_awq | gguf (a .gguf model served in its own quantization:
     # Q8_0 -> int8 groups, Q4_0 / Q4_1 / Q4_K -> int4 groups, scales and mins as stored; other
     # types refused at load; worker/model/gguf_loader.py). none dequantizes a GGUF at load.
-    weight: str = "none"
+    # auto = gguf for a .gguf model (the embedded one included) on a CPU whose model dtype is
+    # fp32 and that runs the native step (its exact int4: the dequantized model's tokens, HF's,
+    # at a fraction of the bytes; docs/benchmarks.md), else none
+    # (worker/runner/model_setup.py resolve_weight_quant).
+    weight: str = "auto"
     group_size: int = 128  # int4 group size
     # What int4 layers multiply in the CPU native step: fp32 = each weight dequantized in
     # registers exactly as the eager layer does (greedy tokens those of the dequantized model,
@@ -257,7 +261,7 @@ class QuantConfig:
     calibration_path: str | None = None
 
     def validate(self) -> None:
-        _one_of("quant.weight", self.weight, ("none", "int8", "int4", "int4_awq", "gguf"))
+        _one_of("quant.weight", self.weight, ("auto", "none", "int8", "int4", "int4_awq", "gguf"))
         _one_of("quant.group_size", self.group_size, (32, 64, 128))
         _one_of("quant.int4_activations", self.int4_activations, ("fp32", "int8"))
 
@@ -327,6 +331,10 @@ class RouterConfig:
     # (and that the load guard would still pick) waits up to this long for room there before
     # it spills to another worker as a whole-prompt miss (router/affinity_wait.py). 0 = spill at once.
     affinity_wait_s: float = 1.0
+    # Several router replicas and tenants.redis_url set: a new prompt family goes to the worker
+    # the first replica to place it claimed in that Redis (router/family_claims.py); the claim
+    # expires this long after its family's last request. 0 = off (each replica's own rule).
+    family_claim_ttl_s: float = 10.0
     # A Ray resource each router replica asks for (0.01 of it), so replicas run only on the
     # nodes that advertise it: the replicas serve gRPC on grpc_port themselves
     # (router/grpc_ingress.py), so they must run where clients reach that port (the Helm
@@ -378,6 +386,7 @@ class RouterConfig:
         _check(self.drain_grace_s >= 0, "router.drain_grace_s must be >= 0")
         _check(self.imbalance_margin_requests >= 0, "router.imbalance_margin_requests must be >= 0")
         _check(self.affinity_wait_s >= 0, "router.affinity_wait_s must be >= 0")
+        _check(self.family_claim_ttl_s >= 0, "router.family_claim_ttl_s must be >= 0")
         for name in ("step_overhead_s", "prefill_s_per_token", "decode_s_per_token", "latency_tie_ratio",
                      "spread_cooldown_s"):
             _check(getattr(self, name) >= 0, f"router.{name} must be >= 0")

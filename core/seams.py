@@ -320,6 +320,11 @@ class GenerateRequest:
     # Computed once at the edge (router/stages/validate.py) and verified by the worker; None:
     # the engine is the edge (a request handed to it directly) and computes it itself.
     budget: RequestBudget | None = None
+    # (router replica id, that replica's sequence number of its dispatches to this worker),
+    # set by the router as it sends the request: the worker's poll says which of them its
+    # figures hold (`DispatchReport`), so the router stops counting exactly those. None: not
+    # sent by a router replica's channel (the engine's own callers, the simulator).
+    dispatch: tuple[str, int] | None = None
 
 
 class FinishReason(str, enum.Enum):
@@ -440,6 +445,21 @@ class WorkerStats:
     num_adapter_loads: int = 0
     num_adapter_evictions: int = 0
     num_waiting_for_adapter: int = 0
+
+
+@dataclass(frozen=True)
+class DispatchReport:
+    """Which of one router replica's dispatches a worker's figures (its `WorkerStats` of the
+    same poll, read at the same moment) hold. The replica numbers its dispatches to each
+    worker 1, 2, ... in the order its channel sends them (`GenerateRequest.dispatch`).
+
+    `seen_seq`: the highest sequence number the engine has taken in (queued, or refused);
+    `live_seqs`: those of them still running or waiting there, i.e. counted in the figures.
+    A dispatch numbered above `seen_seq` is not in the figures yet; one at or below it is in
+    them exactly when it is live (one not live has ended: nothing of it is left to count)."""
+
+    seen_seq: int = 0
+    live_seqs: frozenset[int] = frozenset()
 
 
 class PrefixEventKind(str, enum.Enum):

@@ -343,7 +343,7 @@ class ModelInfoLabels:
     model: str
     revision: str
     dtype: str  # the weights' compute dtype, e.g. float32 / bfloat16 ("auto" resolved)
-    weight_quant: str  # none | int8 | int4 | int4_awq
+    weight_quant: str  # as served (quant.weight auto resolved): none | int8 | int4 | int4_awq | gguf
     kv_cache_dtype: str  # the effective KV storage dtype
     version: str  # the kvmesh package version
     model_type: str = ""  # the HF family (llama, qwen2, qwen3, phi3, gemma2, ...)
@@ -363,7 +363,7 @@ class ModelInfoLabels:
         weights = next(engine.runner.model.parameters(), None) if hasattr(engine.runner, "model") else None
         dtype = str(weights.dtype).removeprefix("torch.") if weights is not None else config.model.dtype
         parts = engine.parts
-        return cls(engine.model_name, config.model.revision, dtype, config.quant.weight, parts.kv_cache_dtype,
+        return cls(engine.model_name, config.model.revision, dtype, parts.weight_quant, parts.kv_cache_dtype,
                    kvmesh_version, str(getattr(parts.hf_config, "model_type", "")), parts.forward_path,
                    parts.forward_path_reason)
 
@@ -471,7 +471,8 @@ class EngineMetrics:
         self.planned_bytes = Gauge(METRICS_PREFIX + "memory_planned_bytes",
                                    "The engine's memory plan by part (weights, draft weights, activations, CUDA "
                                    "graphs, sampler, runtime, KV pool, draft KV pool): every device allocation "
-                                   "counted before the KV pool was sized (kv/device_plan.py).",
+                                   "counted before the KV pool was sized (kv/device_plan.py); and swap_space, the "
+                                   "host swap space's ceiling (resident only as blocks are swapped out).",
                                    [*w, "part"], registry=r)
         for part, nbytes in (planned_bytes or {}).items():
             self.planned_bytes.labels(worker_id, part).set(nbytes)

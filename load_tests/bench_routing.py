@@ -131,7 +131,7 @@ def run(policy: str, shape: BenchShape, prompts: list[list[int]], hashes: list[l
         decision = choose_worker(matched, list(stats.values()), config, rng, cursor, None, sizes.mean_tokens(),
                                  known, request=request, state=state)
         cost = cost_with_cached_prefix(len(prompt), sampling, shape.block_size, matched.get(decision.worker_id, 0))
-        state.commit(decision, cost)
+        state.commit(decision, cost, len(prompt) // shape.block_size)
         sizes.observe(cost)
         token = index.add_in_flight(decision.worker_id, prompt_hashes)
         timings.append(time.thread_time() - started)

@@ -72,6 +72,7 @@ class RoutingRunFigures:
     requests_per_family_worker: dict[str, int] = field(default_factory=dict)  # "f0@worker-1" -> requests
     router_counters: dict[str, float] = field(default_factory=dict)  # "spills:preferred_full", "paths:no_prefix", ...
     requests_per_router_replica: dict[str, int] = field(default_factory=dict)
+    seed: int = 0  # the run's workload seed (run_cells)
 
 
 def family_workload(spec: dict, seed: int) -> list[tuple[int, list[int]]]:
@@ -117,7 +118,7 @@ def computed_tokens_per_worker(served) -> dict[str, int]:
 
 
 def figures(policy: str, concurrency: int, served: list[Served], num_failed: int, wall_s: float,
-            oracle: float = 0.0, router_counters: dict[str, float] | None = None) -> RoutingRunFigures:
+            oracle: float = 0.0, router_counters: dict[str, float] | None = None, seed: int = 0) -> RoutingRunFigures:
     computed = computed_tokens_per_worker(served)
     families = collections.defaultdict(set)
     for s in served:
@@ -136,13 +137,15 @@ def figures(policy: str, concurrency: int, served: list[Served], num_failed: int
         wall_s=wall_s, oracle_hit_rate=oracle,
         requests_per_family_worker=dict(sorted(collections.Counter(f"f{s.family}@{s.worker_id}" for s in served).items())),
         router_counters=router_counters or {},
-        requests_per_router_replica=dict(collections.Counter(s.router_replica for s in served if s.router_replica)))
+        requests_per_router_replica=dict(collections.Counter(s.router_replica for s in served if s.router_replica)),
+        seed=seed)
 
 
 # The router's counters a run reports: metric name -> (key prefix, its one label).
 ROUTER_COUNTERS = {"kvmesh_routing_spills_total": ("spills", "reason"),
                    "kvmesh_routing_decisions_total": ("paths", "path"),
-                   "kvmesh_routing_affinity_waits_total": ("affinity_waits", "outcome")}
+                   "kvmesh_routing_affinity_waits_total": ("affinity_waits", "outcome"),
+                   "kvmesh_family_claims_total": ("family_claims", "outcome")}
 
 
 def router_counters(http_base: str, settle_timeout_s: float = 90.0, num_replicas: int = 1) -> dict[str, float]:
@@ -212,6 +215,20 @@ def _send(client, recorder: _CallRecorder, spec: dict, request_id: str, family: 
                   recorder.replica_of(request_id))
 
 
+def run_cells(spec: dict) -> list[tuple[int, str, int]]:
+    """(concurrency, policy, seed) of every run in order. Seeds count up from 1 over the runs
+    (the first run of a campaign always draws seed 1); `seeds: N` repeats each (concurrency,
+    policy) cell N times, each with its own seed: runs of one code differ by a family or two,
+    so one run a cell cannot call a line met."""
+    cells, seed = [], 0
+    for concurrency in spec["concurrency"]:
+        for _ in range(spec.get("seeds", 1)):
+            for policy in spec["policies"]:
+                seed += 1
+                cells.append((concurrency, policy, seed))
+    return cells
+
+
 def run_campaign(spec: dict, out_dir: Path) -> list[RoutingRunFigures]:
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import grpc
@@ -233,45 +250,56 @@ def run_campaign(spec: dict, out_dir: Path) -> list[RoutingRunFigures]:
                    **spec.get("router", {})},  # e.g. {affinity_wait_s: 0} for an A/B
     })
     target = f"127.0.0.1:{config.router.grpc_port}"
+    redis_dir = redis = None
+    if spec.get("redis"):  # the Redis the router replicas share (quotas, new-family claims)
+        import tempfile
+
+        from kvmesh.load_tests.redis_server import RedisServer
+
+        redis_dir = tempfile.TemporaryDirectory(prefix="kvmesh-routing-redis-")
+        redis = RedisServer.start(redis_dir.name)
+        config = config.replace(tenants={"redis_url": redis.url})
     ray.init(address="local", num_cpus=spec["cluster_cpus"], include_dashboard=False, log_to_driver=False)
     results: list[RoutingRunFigures] = []
     try:
         start_serving(config, APP_NAME)
-        seed = 0
-        for concurrency in spec["concurrency"]:
-            for policy in spec["policies"]:
-                seed += 1
-                redeploy_router(config.replace(router={"policy": policy}), APP_NAME)
-                workload = family_workload(spec, seed)
-                served, failed = [], 0
-                recorder = _CallRecorder()
-                # client_connections > 1: each its own connection (a subchannel pool of its own),
-                # which the kernel spreads over the router replicas sharing the port.
-                clients = [KvmeshClient("", channel=grpc.intercept_channel(open_channel(target, own_connection=True),
-                                                                          recorder.interceptor),
-                    retry_policy=RetryPolicy(max_attempts=20)) for _ in range(spec.get("client_connections", 1))]
-                started = time.perf_counter()
-                with contextlib.ExitStack() as stack, concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-                    for client in clients:
-                        stack.enter_context(client)
-                    futures = [pool.submit(_send, clients[i % len(clients)], recorder, spec,
-                                           f"c{concurrency}-{policy}-{i}", f, p)
-                               for i, (f, p) in enumerate(workload)]
-                    for future in futures:
-                        try:
-                            served.append(future.result())
-                        except Exception as exc:  # counted, and the run goes on
-                            print(f"request failed: {exc}", flush=True)
-                            failed += 1
-                result = figures(policy, concurrency, served, failed, time.perf_counter() - started,
-                                 oracle_hit_rate([p for _, p in workload], spec["block_size"]),
-                                 router_counters(f"http://127.0.0.1:{config.router.http_port}",
-                                                 num_replicas=config.router.num_replicas))
-                results.append(result)
-                print(json.dumps(asdict(result)), flush=True)
+        # One run per (concurrency, policy, seed): the seed draws the run's fresh family
+        # prefixes, its questions and the order of families (family_workload).
+        for concurrency, policy, seed in run_cells(spec):
+            redeploy_router(config.replace(router={"policy": policy}), APP_NAME)
+            workload = family_workload(spec, seed)
+            served, failed = [], 0
+            recorder = _CallRecorder()
+            # client_connections > 1: each its own connection (a subchannel pool of its own),
+            # which the kernel spreads over the router replicas sharing the port.
+            clients = [KvmeshClient("", channel=grpc.intercept_channel(open_channel(target, own_connection=True),
+                                                                      recorder.interceptor),
+                retry_policy=RetryPolicy(max_attempts=20)) for _ in range(spec.get("client_connections", 1))]
+            started = time.perf_counter()
+            with contextlib.ExitStack() as stack, concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+                for client in clients:
+                    stack.enter_context(client)
+                futures = [pool.submit(_send, clients[i % len(clients)], recorder, spec,
+                                       f"c{concurrency}-{policy}-{i}", f, p)
+                           for i, (f, p) in enumerate(workload)]
+                for future in futures:
+                    try:
+                        served.append(future.result())
+                    except Exception as exc:  # counted, and the run goes on
+                        print(f"request failed: {exc}", flush=True)
+                        failed += 1
+            result = figures(policy, concurrency, served, failed, time.perf_counter() - started,
+                             oracle_hit_rate([p for _, p in workload], spec["block_size"]),
+                             router_counters(f"http://127.0.0.1:{config.router.http_port}",
+                                             num_replicas=config.router.num_replicas), seed=seed)
+            results.append(result)
+            print(json.dumps(asdict(result)), flush=True)
     finally:
         stop_serving(config, APP_NAME)
         ray.shutdown()
+        if redis is not None:
+            redis.stop()
+            redis_dir.cleanup()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "routing_campaign.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
     return results
@@ -305,18 +333,21 @@ def markdown_table(results: list[RoutingRunFigures], num_families: int) -> str:
 
 def runs_table(results: list[RoutingRunFigures], num_families: int) -> str:
     """One line per run, any policy: hit rate against the oracle, families split, failures."""
-    lines = ["| in flight | policy | hit rate (oracle) | hit / oracle | families on both workers | failed "
-             "| computed max/min | spills full / refused | affinity waits room / timed out | requests per replica |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| in flight | policy | seed | hit rate (oracle) | hit / oracle | families on both workers | failed "
+             "| computed max/min | spills full / refused | affinity waits room / timed out | requests per replica "
+             "| family claims won / joined / unavailable |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         c = r.router_counters
         lines.append(
-            f"| {r.concurrency} | {r.policy} | {r.hit_rate:.3f} ({r.oracle_hit_rate:.3f}) "
+            f"| {r.concurrency} | {r.policy} | {r.seed} | {r.hit_rate:.3f} ({r.oracle_hit_rate:.3f}) "
             f"| {r.hit_rate / r.oracle_hit_rate if r.oracle_hit_rate else float('nan'):.3f}x "
             f"| {r.families_on_both} of {num_families} | {r.num_failed} | {r.computed_max_over_min:.2f} "
             f"| {c.get('spills:preferred_full', 0):.0f} / {c.get('spills:worker_refused', 0):.0f} "
             f"| {c.get('affinity_waits:room', 0):.0f} / {c.get('affinity_waits:timed_out', 0):.0f} "
-            f"| {sorted(r.requests_per_router_replica.values())} |")
+            f"| {sorted(r.requests_per_router_replica.values())} "
+            f"| {c.get('family_claims:won', 0):.0f} / {c.get('family_claims:joined', 0):.0f} / "
+            f"{c.get('family_claims:unavailable', 0):.0f} |")
     return "\n".join(lines)
 
 
@@ -327,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, help="override the spec's num_requests")
     parser.add_argument("--concurrency", type=int, nargs="+", help="override the spec's concurrency list")
     parser.add_argument("--policies", nargs="+", help="override the spec's policies")
+    parser.add_argument("--seeds", type=int, help="runs per (concurrency, policy) cell, each its own seed")
     args = parser.parse_args(argv)
     spec = yaml.safe_load(args.spec.read_text())
     if args.num_requests:
@@ -335,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         spec["concurrency"] = args.concurrency
     if args.policies:
         spec["policies"] = args.policies
+    if args.seeds:
+        spec["seeds"] = args.seeds
     results = run_campaign(spec, args.out)
     print(runs_table(results, len(spec["family_weights"])))
     print(markdown_table(results, len(spec["family_weights"])))

@@ -57,6 +57,7 @@ from kvmesh.kv.kv_cache_manager import KVCacheManager
 from kvmesh.load_tests.routing_campaign import family_workload, oracle_hit_rate
 from kvmesh.router.admission import cost_with_cached_prefix
 from kvmesh.router.affinity_wait import AffinityHold, AffinityWaitOutcome
+from kvmesh.router.family_claims import claim_candidates
 from kvmesh.router.prefix_index import PrefixIndex
 from kvmesh.router.latency import StepCostModel
 from kvmesh.router.routing import (PREFIX_POLICIES, PredictedLatencyState, RequestSizeMeter, RoundRobinCursor, RouteRequest,
@@ -145,6 +146,7 @@ class SimResult:
     # its prefix's worker had no budget; "+refused": a worker refused it first). The keys say which rule to look at when the hit rate misses the oracle.
     missed_vs_oracle_by_path: dict[str, int] = field(default_factory=dict)
     spread_growths: dict[str, int] = field(default_factory=dict)  # predicted_latency: families grown, by cause
+    num_routers: int = 1  # router replicas simulated (each its own view and state)
 
 
 class SimClock:
@@ -176,6 +178,8 @@ class _SimRequest:
     path: str = ""  # the routing path that placed it, "+spill" / "+refused" as missed_vs_oracle_by_path
     refusals: int = 0
     refused_by: str | None = None  # the worker that last refused it (it waits for that one's next poll)
+    route_request: RouteRequest | None = None  # as admitted (a claimed worker included), from its first try
+    router: "_SimRouter | None" = None  # the router replica that dispatched it
 
 
 class _SimWorker:
@@ -252,88 +256,162 @@ def _oracle_cached_tokens(requests: Sequence[_SimRequest], block_size: int) -> l
     return cached
 
 
-def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: RouterConfig | None = None,
-             in_flight_claims: bool = True, trace: list | None = None) -> SimResult:
-    """One run. `in_flight_claims=False` routes on the workers' events alone (the behaviour
-    before dispatched prefixes were counted), for comparison. `trace`: a list that gets one
-    dict per request (family, worker, path, times, cached vs oracle tokens) to study a run."""
-    started_wall = time.perf_counter()
-    router = dataclasses.replace(router or RouterConfig(), policy=policy, stats_refresh_s=cluster.stats_refresh_s)
-    clock = SimClock()
-    # The router predicts with the step-cost model the engines run (as a real router is given
-    # the model measured on its engines): its error is then the formula's, not the constants'.
-    router = dataclasses.replace(router, step_overhead_s=cluster.cost.step_overhead_s,
-                                 prefill_s_per_token=cluster.cost.prefill_s_per_token,
-                                 decode_s_per_token=cluster.cost.decode_s_per_token)
-    latency_state = PredictedLatencyState(router, cluster.max_num_batched_tokens, clock)
-    hashes_prompts = policy in PREFIX_POLICIES
-    workers = {f"worker-{i}": _SimWorker(f"worker-{i}", cluster, clock) for i in range(cluster.num_workers)}
-    index = PrefixIndex(linger_s=4 * cluster.stats_refresh_s, clock=clock)
-    index.on_stored = latency_state.observe_stored  # as router_core
-    rng, cursor, sizes = random.Random(workload.seed + 1), RoundRobinCursor(), RequestSizeMeter()
-    stats = {w: worker_stats(sim.scheduler, w) for w, sim in workers.items()}
-    sent_since_poll: dict[str, int] = collections.Counter()  # the router's pending tickets per worker
-    released_since_poll: dict[str, int] = collections.Counter()  # credited tickets (admission's "Released requests")
-    refused_since_poll: set[str] = set()  # workers whose own admission refused since the last poll
-    last_poll_s = -math.inf
-    requests = make_requests(workload, cluster.block_size)
-    for sim_request, oracle in zip(requests, _oracle_cached_tokens(requests, cluster.block_size)):
-        sim_request.oracle_cached_tokens = oracle
-    growths = collections.Counter()
-    by_id: dict[str, _SimRequest] = {}
-    queue: collections.deque[_SimRequest] = collections.deque()
-    events: list = []  # (time, seq, kind, payload)
-    seq = itertools.count()
-    spills = collections.Counter()
-    paths = collections.Counter()  # why each dispatch went where it did (RoutingPath values)
-    finished: list[_SimRequest] = []
+class SimClaims:
+    """The router replicas' shared new-family claims (router/family_claims.py) in simulated
+    time: an existing claim is renewed and returned, else the first candidate whose live
+    families (claims not expired) leave room for one more is claimed; renewed by each request."""
 
-    def push(at: float, kind: str, payload=None) -> None:
-        heapq.heappush(events, (at, next(seq), kind, payload))
+    def __init__(self, ttl_s: float, clock: SimClock):
+        self.ttl_s, self._clock = ttl_s, clock
+        self._owners: dict[bytes, tuple[str, float]] = {}  # family key -> (worker, expires at)
 
-    def kick(worker_id: str) -> None:
-        duration = workers[worker_id].start_step()
+    def _live(self, worker_id: str) -> int:
+        now = self._clock()
+        return sum(1 for owner, expires in self._owners.values() if owner == worker_id and expires > now)
+
+    def claim(self, key: bytes, candidates: Sequence[tuple[str, int]]) -> str:
+        owner = self._owners.get(key)
+        if owner is None or owner[1] <= self._clock():
+            chosen = next((w for w, room in candidates if self._live(w) < room), candidates[0][0])
+            owner = (chosen, 0.0)
+        self._owners[key] = (owner[0], self._clock() + self.ttl_s)
+        return owner[0]
+
+    def keep_alive(self, key: bytes) -> None:
+        owner = self._owners.get(key)
+        if owner is not None and owner[1] > self._clock():
+            self._owners[key] = (owner[0], self._clock() + self.ttl_s)
+
+
+@dataclass
+class _SimRun:
+    """What every simulated router replica shares: the workers, the clock, the event heap and
+    the run's tallies."""
+
+    policy: str
+    cluster: SimCluster
+    workload: SimWorkload
+    router: RouterConfig
+    clock: SimClock
+    workers: dict[str, _SimWorker]
+    in_flight_claims: bool
+    claims: SimClaims | None
+    events: list = field(default_factory=list)  # (time, seq, kind, payload)
+    seq: itertools.count = field(default_factory=itertools.count)
+    by_id: dict[str, _SimRequest] = field(default_factory=dict)
+    finished: list[_SimRequest] = field(default_factory=list)
+    spills: collections.Counter = field(default_factory=collections.Counter)
+    paths: collections.Counter = field(default_factory=collections.Counter)  # RoutingPath values
+    growths: collections.Counter = field(default_factory=collections.Counter)
+
+    def push(self, at: float, kind: str, payload=None) -> None:
+        heapq.heappush(self.events, (at, next(self.seq), kind, payload))
+
+    def kick(self, worker_id: str) -> None:
+        duration = self.workers[worker_id].start_step()
         if duration is not None:
-            push(clock.now + duration, "step_done", worker_id)
+            self.push(self.clock.now + duration, "step_done", worker_id)
 
-    def try_dispatch(sim_request: _SimRequest) -> bool | None:
+
+class _SimRouter:
+    """One router replica: its own prefix index (fed by its own polls of the workers' events),
+    admission view (stats, pending tickets, credits, refusals), policy state and queue, as
+    router_core keeps them per replica."""
+
+    def __init__(self, run: _SimRun, number: int):
+        self.run, self.number = run, number
+        router, cluster = run.router, run.cluster
+        self.latency_state = PredictedLatencyState(router, cluster.max_num_batched_tokens, run.clock)
+        self.proposal_config = dataclasses.replace(router, num_replicas=1)  # as Admitter proposes a claim
+        self.index = PrefixIndex(linger_s=4 * cluster.stats_refresh_s, clock=run.clock)
+        self.index.on_stored = self.latency_state.observe_stored  # as router_core
+        self.rng = random.Random(run.workload.seed + 1 + number)
+        self.cursor, self.sizes = RoundRobinCursor(), RequestSizeMeter()
+        self.stats = {w: worker_stats(sim.scheduler, w) for w, sim in run.workers.items()}
+        self.sent_since_poll: dict[str, int] = collections.Counter()  # pending tickets per worker
+        self.released_since_poll: dict[str, int] = collections.Counter()  # credited tickets ("Released requests")
+        self.refused_since_poll: set[str] = set()  # workers whose own admission refused since the last poll
+        self.last_poll_s = -math.inf
+        self.queue: collections.deque[_SimRequest] = collections.deque()
+
+    def poll(self) -> None:
+        for worker_id, sim in self.run.workers.items():
+            self.index.apply(sim.scheduler.kv.events_since(self.index.next_seq(worker_id)))
+            self.stats[worker_id] = worker_stats(sim.scheduler, worker_id)
+        self.sent_since_poll.clear()
+        self.released_since_poll.clear()
+        self.refused_since_poll.clear()
+        self.last_poll_s = self.run.clock.now
+        self.pump()
+
+    def release(self, done: _SimRequest, worker_id: str) -> None:
+        """As admission releases the ticket: from the pending ones, or credited against the
+        report that counts it (the simulated polls are exact: sent before = counted) with what
+        the worker frees, as router_core reckons it."""
+        if done.sent_at < self.last_poll_s:
+            self.released_since_poll[worker_id] += done.cost_tokens if done.in_flight_token is None else \
+                cost_with_cached_prefix(len(done.prompt), done.request.sampling, self.run.cluster.block_size,
+                                        self.index.shared_with_live_requests(done.in_flight_token))
+        else:
+            self.sent_since_poll[worker_id] -= done.cost_tokens
+        if done.in_flight_token is not None:
+            self.index.end_in_flight(done.in_flight_token)
+
+    def _claimed(self, route_request: RouteRequest, matched: dict[str, int]) -> RouteRequest:
+        """As Admitter._claimed: this replica proposes its own rule's pick from every worker;
+        the family's first proposal stands."""
+        proposal = choose_worker(matched, list(self.stats.values()), self.proposal_config, self.rng, self.cursor,
+                                 dict(self.sent_since_poll), self.sizes.mean_tokens(), request=route_request,
+                                 state=self.latency_state)
+        owner = self.run.claims.claim(route_request.family_key,
+                                      claim_candidates(proposal.worker_id, list(self.stats.values()), route_request))
+        return dataclasses.replace(route_request, claimed_worker=owner)
+
+    def try_dispatch(self, sim_request: _SimRequest) -> bool | None:
         """True: dispatched; False: no worker has room (it queues); None: it holds out for room
         on its prefix's worker (router/affinity_wait.py; it keeps its place in the queue)."""
+        run, router, cluster, clock = self.run, self.run.router, self.run.cluster, self.run.clock
         prompt_len = len(sim_request.prompt)
-        sampling = SamplingParams(max_tokens=workload.max_tokens, ignore_eos=True)
+        sampling = SamplingParams(max_tokens=run.workload.max_tokens, ignore_eos=True)
         # As router_core: only the prefix policies hash prompts; the cost counts the matched
         # prefix (resident or claimed by a request in flight on that worker) as cached.
-        matched = index.longest_prefix(sim_request.hashes, include_in_flight=in_flight_claims) \
-            if hashes_prompts else {}
-        route_request = RouteRequest(prompt_len, cluster.block_size,
-                                     family_key(sim_request.hashes, router.spread_family_blocks))
+        matched = self.index.longest_prefix(sim_request.hashes, include_in_flight=run.in_flight_claims) \
+            if run.policy in PREFIX_POLICIES else {}
         eligible = []
-        for worker_id, s in stats.items():
+        for worker_id, s in self.stats.items():
             cost = cost_with_cached_prefix(prompt_len, sampling, cluster.block_size, matched.get(worker_id, 0))
-            committed = max(0, s.kv_tokens_reserved - released_since_poll[worker_id]) + sent_since_poll[worker_id]
-            if worker_id not in refused_since_poll and committed + cost <= s.kv_tokens_capacity:
+            committed = max(0, s.kv_tokens_reserved - self.released_since_poll[worker_id]) \
+                + self.sent_since_poll[worker_id]
+            if worker_id not in self.refused_since_poll and committed + cost <= s.kv_tokens_capacity:
                 eligible.append((s, cost))
         if not eligible:
             return False
         if sim_request.affinity_hold is None:  # as router_core: one per admission, from its first try
+            route_request = RouteRequest(prompt_len, cluster.block_size,
+                                         family_key(sim_request.hashes, router.spread_family_blocks))
+            if run.claims is not None and route_request.family_key is not None and not any(matched.values()):
+                route_request = self._claimed(route_request, matched)
+            sim_request.route_request = route_request
             sim_request.affinity_hold = AffinityHold(matched, router, clock=clock, request=route_request,
-                                                     state=latency_state, refused_by=sim_request.refused_by,
-                                                     awaiting_report=refused_since_poll.__contains__)
-        if sim_request.affinity_hold.holds([s for s, _ in eligible],
-                                           lambda: (list(stats.values()), dict(sent_since_poll), sizes.mean_tokens()),
-                                           rng):
+                                                     state=self.latency_state, refused_by=sim_request.refused_by,
+                                                     awaiting_report=self.refused_since_poll.__contains__)
+        route_request = sim_request.route_request
+        if sim_request.affinity_hold.holds(
+                [s for s, _ in eligible],
+                lambda: (list(self.stats.values()), dict(self.sent_since_poll), self.sizes.mean_tokens()), self.rng):
             return None
         costs = {s.worker_id: cost for s, cost in eligible}
-        decision = choose_worker(matched, [s for s, _ in eligible], router, rng, cursor, dict(sent_since_poll),
-                                 sizes.mean_tokens(), request=route_request, state=latency_state)
+        decision = choose_worker(matched, [s for s, _ in eligible], router, self.rng, self.cursor,
+                                 dict(self.sent_since_poll), self.sizes.mean_tokens(), request=route_request,
+                                 state=self.latency_state)
         spilled = is_spill(matched, [s for s, _ in eligible], decision.worker_id)
         if spilled:
-            spills["preferred_full"] += 1
+            run.spills["preferred_full"] += 1
         waited = sim_request.affinity_hold.outcome(decision.worker_id)
         if waited is not None:
-            spills["affinity_waits"] += 1
-            spills["affinity_timeouts"] += waited is AffinityWaitOutcome.TIMED_OUT
-        paths[decision.path.value] += 1
+            run.spills["affinity_waits"] += 1
+            run.spills["affinity_timeouts"] += waited is AffinityWaitOutcome.TIMED_OUT
+        run.paths[decision.path.value] += 1
         grown = decision.spread.cause if decision.spread is not None and decision.spread.grown else ""
         sim_request.path = (decision.path.value + (f":{grown}" if grown else "") + ("+spill" if spilled else "")
                             + ("+refused" if sim_request.refusals else ""))
@@ -341,120 +419,142 @@ def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: Ro
         request = Request(f"r{sim_request.index}", sim_request.prompt, sampling, arrival_time=clock.now,
                           extra_keys=EXTRA_KEYS)
         try:
-            workers[worker_id].scheduler.add_request(request)
+            run.workers[worker_id].scheduler.add_request(request)
         except OverloadedError:
-            spills["worker_refused"] += 1
+            run.spills["worker_refused"] += 1
             # As router_core: the refuser is left out until its next report (admission.note_refusal)
             # and the request is admitted afresh (a fresh hold; it may wait for the refuser).
-            refused_since_poll.add(worker_id)
+            self.refused_since_poll.add(worker_id)
             sim_request.affinity_hold = None
             sim_request.refusals += 1
             sim_request.refused_by = worker_id
-            return try_dispatch(sim_request)
-        sent_since_poll[worker_id] += costs[worker_id]
+            return self.try_dispatch(sim_request)
+        self.sent_since_poll[worker_id] += costs[worker_id]
         sim_request.sent_at, sim_request.cost_tokens = clock.now, costs[worker_id]
-        sizes.observe(costs[worker_id])  # as admission: the margin's unit is what each dispatch cost its worker
-        latency_state.commit(decision, costs[worker_id])  # as router_core: the state learns what was sent where
+        self.sizes.observe(costs[worker_id])  # as admission: the margin's unit is what each dispatch cost its worker
+        # As router_core: the state learns what was sent where.
+        self.latency_state.commit(decision, costs[worker_id], prompt_len // cluster.block_size)
+        if run.claims is not None and route_request.family_key is not None:
+            run.claims.keep_alive(route_request.family_key)
         if grown:
-            growths[grown] += 1
-        if policy == "predicted_latency":
+            run.growths[grown] += 1
+        if run.policy == "predicted_latency":
             sim_request.predicted_ttft_s = decision.predicted_ttft_s
-        sim_request.worker_id, sim_request.request = worker_id, request
-        by_id[request.request_id] = sim_request
-        if in_flight_claims and hashes_prompts and sim_request.hashes:
-            sim_request.in_flight_token = index.add_in_flight(worker_id, sim_request.hashes)
-        workers[worker_id].families.add(sim_request.family)
-        kick(worker_id)
+        sim_request.worker_id, sim_request.request, sim_request.router = worker_id, request, self
+        run.by_id[request.request_id] = sim_request
+        if run.in_flight_claims and run.policy in PREFIX_POLICIES and sim_request.hashes:
+            sim_request.in_flight_token = self.index.add_in_flight(worker_id, sim_request.hashes)
+        run.workers[worker_id].families.add(sim_request.family)
+        run.kick(worker_id)
         return True
 
-    def pump() -> None:
+    def pump(self) -> None:
         """In order, as the router's queue: a request holding out is stepped over, the first that
         fits nowhere stops it."""
         index = 0
-        while index < len(queue):
-            outcome = try_dispatch(queue[index])
+        while index < len(self.queue):
+            outcome = self.try_dispatch(self.queue[index])
             if outcome is False:
                 break
             if outcome is None:
                 index += 1
                 continue
-            del queue[index]
+            del self.queue[index]
 
-    def arrive(sim_request: _SimRequest) -> None:
-        sim_request.arrival_s = clock.now
-        queue.append(sim_request)
-        pump()
+    def arrive(self, sim_request: _SimRequest) -> None:
+        sim_request.arrival_s = self.run.clock.now
+        self.queue.append(sim_request)
+        self.pump()
+
+
+def simulate(policy: str, cluster: SimCluster, workload: SimWorkload, router: RouterConfig | None = None,
+             in_flight_claims: bool = True, trace: list | None = None, num_routers: int = 1,
+             claims_ttl_s: float | None = None) -> SimResult:
+    """One run. `in_flight_claims=False` routes on the workers' events alone (the behaviour
+    before dispatched prefixes were counted), for comparison. `trace`: a list that gets one
+    dict per request (family, worker, path, times, cached vs oracle tokens) to study a run.
+
+    `num_routers` > 1: that many router replicas, each its own index, admission view, policy
+    state and queue (router.num_replicas set to match), polling the workers out of phase
+    (replica r at r / num_routers of a refresh period), the requests dealt to them in turn as
+    clients' connections are spread; `claims_ttl_s`: with the replicas' shared new-family
+    claims (router/family_claims.py), expiring after that; None: without (Redis down)."""
+    started_wall = time.perf_counter()
+    router = dataclasses.replace(router or RouterConfig(), policy=policy, stats_refresh_s=cluster.stats_refresh_s)
+    if num_routers > 1:
+        router = dataclasses.replace(router, num_replicas=num_routers)
+    clock = SimClock()
+    # The router predicts with the step-cost model the engines run (as a real router is given
+    # the model measured on its engines): its error is then the formula's, not the constants'.
+    router = dataclasses.replace(router, step_overhead_s=cluster.cost.step_overhead_s,
+                                 prefill_s_per_token=cluster.cost.prefill_s_per_token,
+                                 decode_s_per_token=cluster.cost.decode_s_per_token)
+    workers = {f"worker-{i}": _SimWorker(f"worker-{i}", cluster, clock) for i in range(cluster.num_workers)}
+    claims = SimClaims(claims_ttl_s, clock) if claims_ttl_s is not None and num_routers > 1 else None
+    run = _SimRun(policy, cluster, workload, router, clock, workers, in_flight_claims, claims)
+    routers = [_SimRouter(run, r) for r in range(num_routers)]
+    requests = make_requests(workload, cluster.block_size)
+    for sim_request, oracle in zip(requests, _oracle_cached_tokens(requests, cluster.block_size)):
+        sim_request.oracle_cached_tokens = oracle
+    dealt = itertools.cycle(routers)  # each request to the next replica, as connections spread
 
     pending = collections.deque(requests)
     warm_up_left = workload.warm_up if workload.qps is None else 0
     if warm_up_left:
-        push(0.0, "arrive", pending.popleft())
+        run.push(0.0, "arrive", pending.popleft())
     elif workload.qps is None:
         for _ in range(min(workload.concurrency, len(pending))):
-            push(0.0, "arrive", pending.popleft())
+            run.push(0.0, "arrive", pending.popleft())
     else:
         arrival_rng, at = random.Random(workload.seed + 2), 0.0
         while pending:
             at += arrival_rng.expovariate(workload.qps)
-            push(at, "arrive", pending.popleft())
-    push(0.0, "poll")
-    while events and len(finished) < len(requests):
-        at, _, kind, payload = heapq.heappop(events)
+            run.push(at, "arrive", pending.popleft())
+    for r in routers:
+        run.push(r.number * cluster.stats_refresh_s / num_routers, "poll", r)
+    while run.events and len(run.finished) < len(requests):
+        at, _, kind, payload = heapq.heappop(run.events)
         clock.now = at
         if kind == "arrive":
-            arrive(payload)
+            next(dealt).arrive(payload)
         elif kind == "poll":
-            for worker_id, sim in workers.items():
-                index.apply(sim.scheduler.kv.events_since(index.next_seq(worker_id)))
-                stats[worker_id] = worker_stats(sim.scheduler, worker_id)
-            sent_since_poll.clear()
-            released_since_poll.clear()
-            refused_since_poll.clear()
-            last_poll_s = at
-            pump()
-            push(at + cluster.stats_refresh_s, "poll")
+            payload.poll()
+            run.push(at + cluster.stats_refresh_s, "poll", payload)
         elif kind == "step_done":
             sim = workers[payload]
             for request in sim.finish_step():
-                first = by_id[request.request_id]
+                first = run.by_id[request.request_id]
                 first.first_token_s = clock.now
                 if first.predicted_ttft_s is not None:  # at the worker, as the engine's timings count it
-                    latency_state.calibration.observe(first.predicted_ttft_s, clock.now - first.sent_at)
+                    first.router.latency_state.calibration.observe(first.predicted_ttft_s, clock.now - first.sent_at)
             for request_id in sim.finished_ids:
-                done = by_id.pop(request_id)
-                # As admission releases the ticket: from the pending ones, or credited against
-                # the report that counts it (the simulated polls are exact: sent before = counted)
-                # with what the worker frees, as router_core reckons it.
-                if done.sent_at < last_poll_s:
-                    released_since_poll[payload] += done.cost_tokens if done.in_flight_token is None else \
-                        cost_with_cached_prefix(len(done.prompt), done.request.sampling, cluster.block_size,
-                                                index.shared_with_live_requests(done.in_flight_token))
-                else:
-                    sent_since_poll[payload] -= done.cost_tokens
-                finished.append(done)
-                if done.in_flight_token is not None:
-                    index.end_in_flight(done.in_flight_token)
+                done = run.by_id.pop(request_id)
+                done.router.release(done, payload)
+                run.finished.append(done)
                 if warm_up_left:
                     warm_up_left -= 1
                     settled = clock.now + 2 * cluster.stats_refresh_s
                     for _ in range(min(1 if warm_up_left else workload.concurrency, len(pending))):
-                        push(settled, "arrive", pending.popleft())
+                        run.push(settled, "arrive", pending.popleft())
                 elif workload.qps is None and pending:
-                    push(clock.now, "arrive", pending.popleft())
-            kick(payload)
-            pump()
-    result = _result(policy, cluster, workload, workers, finished, spills, clock.now,
-                     time.perf_counter() - started_wall, paths)
-    result.ttft_prediction_error = latency_state.calibration.mean_abs_relative_error()
-    result.ttft_prediction_factor = latency_state.calibration.factor
-    result.spread_families_at_end = latency_state.spread.num_spread()
-    result.spread_growths = dict(growths)
+                    run.push(clock.now, "arrive", pending.popleft())
+            run.kick(payload)
+            for r in routers:
+                r.pump()
+    result = _result(policy, cluster, workload, workers, run.finished, run.spills, clock.now,
+                     time.perf_counter() - started_wall, run.paths)
+    states = [r.latency_state for r in routers]
+    result.ttft_prediction_error = statistics.mean(s.calibration.mean_abs_relative_error() for s in states)
+    result.ttft_prediction_factor = statistics.mean(s.calibration.factor for s in states)
+    result.spread_families_at_end = sum(s.spread.num_spread() for s in states)
+    result.spread_growths = dict(run.growths)
+    result.num_routers = num_routers
     if trace is not None:
         trace.extend(dict(index=r.index, family=r.family, worker=r.worker_id, path=r.path, arrival_s=r.arrival_s,
                           sent_s=r.sent_at, first_token_s=r.first_token_s, prompt_tokens=len(r.prompt),
                           cached_tokens=r.request.num_cached_tokens, oracle_cached_tokens=r.oracle_cached_tokens,
-                          cost_tokens=r.cost_tokens, predicted_ttft_s=r.predicted_ttft_s)
-                     for r in sorted(finished, key=lambda r: r.index))
+                          cost_tokens=r.cost_tokens, predicted_ttft_s=r.predicted_ttft_s, router=r.router.number)
+                     for r in sorted(run.finished, key=lambda r: r.index))
     return result
 
 
@@ -531,7 +631,8 @@ def measure_cost_model(model: dict | None = None, prefill_tokens: int = 512, dec
 
 
 def replay_campaign(spec_path: str, cost: CostModel, router: RouterConfig,
-                    concurrency: Sequence[int] | None = None, num_requests: int | None = None) -> list[SimResult]:
+                    concurrency: Sequence[int] | None = None, num_requests: int | None = None,
+                    num_routers: int = 1, claims_ttl_s: float | None = None) -> list[SimResult]:
     """The routing campaign's runs, simulated with the same requests (same seeds, in the same
     order of runs) on a simulated cluster of the campaign's shape. `concurrency` and
     `num_requests` override the spec as the campaign's command-line flags do, so pass the
@@ -551,17 +652,18 @@ def replay_campaign(spec_path: str, cost: CostModel, router: RouterConfig,
             prompts = tuple((f, tuple(p)) for f, p in family_workload(spec, seed))
             workload = SimWorkload(num_requests=len(prompts), max_tokens=spec["max_tokens"], concurrency=level,
                                    prompts=prompts, num_families=len(spec["family_weights"]), seed=seed)
-            results.append(simulate(policy, cluster, workload, router))
+            results.append(simulate(policy, cluster, workload, router, num_routers=num_routers,
+                                    claims_ttl_s=claims_ttl_s))
     return results
 
 
 def markdown_table(results: Sequence[SimResult]) -> str:
-    lines = ["| workers | load | policy | hit rate (oracle) | TTFT P50 (ms) | TTFT P90 (ms) | computed max/min "
+    lines = ["| workers | routers | load | policy | hit rate (oracle) | TTFT P50 (ms) | TTFT P90 (ms) | computed max/min "
              "| spills (router / worker) | affinity waits (timed out) | families on >1 worker "
              "| max workers per family |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r.num_workers} | {r.load} | {r.policy} | {r.hit_rate:.3f} ({r.oracle_hit_rate:.3f}) "
+        lines.append(f"| {r.num_workers} | {r.num_routers} | {r.load} | {r.policy} | {r.hit_rate:.3f} ({r.oracle_hit_rate:.3f}) "
                      f"| {r.ttft_p50_ms:.0f} "
                      f"| {r.ttft_p90_ms:.0f} | {r.computed_max_over_min:.2f} | {r.spills_router} / "
                      f"{r.spills_worker_refused} | {r.affinity_waits} ({r.affinity_timeouts}) "
@@ -602,6 +704,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--router-replicas-rule", type=int, default=1,
                         help="router.num_replicas of the one simulated router: > 1 runs the rules the "
                              "replicas of a several-replica router use (new-family placement), not a second router")
+    parser.add_argument("--routers", type=int, default=1,
+                        help="router replicas, each its own index, admission view, policy state and queue, "
+                             "polling out of phase (router.num_replicas follows)")
+    parser.add_argument("--claims-ttl-s", type=float, default=RouterConfig.family_claim_ttl_s,
+                        help="with --routers > 1: the replicas' shared new-family claims, this expiry")
+    parser.add_argument("--no-claims", action="store_true", help="with --routers > 1: no shared claims (Redis down)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--replay-campaign", metavar="SPEC",
                         help="replay a routing campaign's requests (load_tests/campaigns/routing-under-load.yaml): "
@@ -616,8 +724,9 @@ def main(argv: list[str] | None = None) -> int:
     router = RouterConfig(imbalance_abs_tokens=args.imbalance_abs_tokens,
                           imbalance_margin_requests=args.imbalance_margin_requests,
                           affinity_wait_s=args.affinity_wait_s, num_replicas=args.router_replicas_rule)
-    results = replay_campaign(args.replay_campaign, cost, router, args.concurrency, args.num_requests) \
-        if args.replay_campaign else []
+    claims_ttl_s = None if args.no_claims else args.claims_ttl_s
+    results = replay_campaign(args.replay_campaign, cost, router, args.concurrency, args.num_requests,
+                              args.routers, claims_ttl_s) if args.replay_campaign else []
     for num_workers in ([] if args.replay_campaign else args.workers):
         cluster = SimCluster(num_workers, args.num_blocks, args.block_size, args.max_num_seqs,
                              args.max_num_batched_tokens, args.stats_refresh_s, cost=cost)
@@ -628,7 +737,8 @@ def main(argv: list[str] | None = None) -> int:
                                    max_tokens=args.max_tokens, num_requests=args.num_requests or 64, seed=args.seed,
                                    **load)
             for policy in args.policies:
-                results.append(simulate(policy, cluster, workload, router))
+                results.append(simulate(policy, cluster, workload, router, num_routers=args.routers,
+                                        claims_ttl_s=claims_ttl_s))
                 print(json.dumps(dataclasses.asdict(results[-1])), flush=True)
             if args.events_only:
                 result = simulate("prefix_aware", cluster, workload, router, in_flight_claims=False)

@@ -109,6 +109,29 @@ def dequantize_int4_groupwise(q: torch.Tensor, scale: torch.Tensor, zero: torch.
     return w_hat.reshape(n, k).to(dtype)
 
 
+def int8_groups_if_exact(w: torch.Tensor, group_size: int = 32, chunk_rows: int = 4096
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """w [N, K] fp32 -> (codes [N, K] int8, scales [N, K/G] fp32) with codes * scales == w for
+    every element, or None where w is not such a table. A GGUF Q8_0 tensor dequantized to fp32
+    is one: each group's largest |w| is 127 x its fp16 scale (ggml rounds x / (amax / 127)),
+    so amax / 127 gives the scale back exactly and w / scale the codes. Rows in chunks, so the
+    temporaries stay small; the first chunk that fails ends the search."""
+    n, k = w.shape
+    if w.dtype != torch.float32 or k % group_size:
+        return None
+    codes = torch.empty(n, k, dtype=torch.int8)
+    scales = torch.empty(n, k // group_size, dtype=torch.float32)
+    for start in range(0, n, chunk_rows):
+        groups = w[start:start + chunk_rows].reshape(-1, k // group_size, group_size)
+        scale = groups.abs().amax(dim=2) / 127.0
+        q = torch.round(groups / torch.where(scale > 0, scale, 1.0)[..., None])
+        if not torch.equal(q * scale[..., None], groups) or q.abs().max() > 127:
+            return None
+        codes[start:start + chunk_rows] = q.to(torch.int8).reshape(-1, k)
+        scales[start:start + chunk_rows] = scale
+    return codes, scales
+
+
 def dequantize_int8_groupwise(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(q [N, K] int8, scale [N, K/G]) -> w_hat [N, K] in `dtype` (q * scale, exact in fp32 for
     GGUF Q8_0's fp16 scales)."""

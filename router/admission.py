@@ -64,11 +64,11 @@ import collections
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvmesh.core.config import RouterConfig
-from kvmesh.core.seams import WorkerStats
+from kvmesh.core.seams import DispatchReport, WorkerStats
 from kvmesh.router.admission_budget import (AdmissionTicket, CostFn, WorkerBudgets, cost_with_cached_prefix,
                                             request_cost_tokens)
 from kvmesh.router.admission_queue import HELD, Held, HoldFn, RouteFn, Waiter, enqueue, excluding
@@ -126,11 +126,13 @@ class RouterAdmission:
 
     # ---- inputs ---------------------------------------------------------------------------
 
-    def update_stats(self, workers: Sequence[WorkerStats], taken_at: float | None = None) -> None:
+    def update_stats(self, workers: Sequence[WorkerStats], taken_at: float | None = None,
+                     dispatches: Mapping[str, DispatchReport | None] | None = None) -> None:
         """Replace the workers' figures. `taken_at` (this controller's clock) is when the
-        stats were requested: admissions sent before it are assumed counted by the workers."""
+        stats were requested: admissions sent before it are assumed counted by the workers,
+        except where `dispatches` says which are (WorkerBudgets.update_stats)."""
         taken_at = self._clock() if taken_at is None else taken_at
-        self.budgets.update_stats(workers, taken_at)
+        self.budgets.update_stats(workers, taken_at, dispatches)
         self._pump()
 
     def now(self) -> float:

@@ -78,6 +78,19 @@ it (the worker counts a pinned prefix once, to whoever holds it). A credit that 
 large (another router replica's requests) is caught by the worker's own admission, and the
 router re-routes.
 
+Counted exactly where the workers say (`DispatchReport`): each request a replica sends a
+worker carries that replica's next dispatch number for the worker (`AdmissionTicket.
+dispatch_seq`, `GenerateRequest.dispatch`), and a worker's poll says, read with its figures,
+the highest number its engine took in and which of those still run or wait there. A ticket
+numbered at or below it is in the report exactly when it is live there, and is dropped from
+the pending ones either way (not live: it ended, nothing is left to count); one above it is
+not in the report and stays counted, however long the poll took. A ticket released after
+the report that holds it is credited until a report no longer holds it. Only tickets without
+a number (a worker that does not say, a request pulling its prefix first, the simulator) keep
+the time rule above. The time rule's extra period counted a request twice whenever the poll
+came back quickly: the family's worker looked full in the router's view and the family's
+next request spilled to the other worker (the affinity-wait e2e test's control case).
+
 Single-owner state on the replica's event loop: no locks.
 """
 
@@ -85,15 +98,21 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvmesh.core.config import RouterConfig
-from kvmesh.core.seams import SamplingParams, WorkerStats
+from kvmesh.core.seams import DispatchReport, SamplingParams, WorkerStats
 from kvmesh.kv.kv_cost import request_kv_tokens
 from kvmesh.router.routing import RequestSizeMeter
 
 # cost_for(worker id) -> KV tokens the request would newly reserve there (its cached prefix off)
 CostFn = Callable[[str], int]
+
+
+def _numbered(ticket: "AdmissionTicket", report: DispatchReport | None) -> bool:
+    """The ticket's worker says which of this replica's dispatches its report holds, and the
+    ticket has a number: counted as the worker says, not by time."""
+    return report is not None and ticket.dispatch_seq > 0
 
 
 def request_cost_tokens(prompt_tokens: int, sampling: SamplingParams, block_size: int,
@@ -137,6 +156,9 @@ class AdmissionTicket:
         # KV tokens its worker frees when it ends (its blocks less those other requests running
         # there still hold), when the router knows better than the cost; read at release.
         self.freed_on_release: Callable[[], int] | None = None
+        # This replica's number for the dispatch to its worker (0: none, the time rule counts it),
+        # set as the request is sent (router/stages/stream.py); see "Counted exactly".
+        self.dispatch_seq = 0
         self.released = False
         self._on_release: list[Callable[[], None]] = []
 
@@ -191,39 +213,72 @@ class WorkerBudgets:
         # Tickets released after the worker's report surely counted them (see "Released
         # requests"): credited against that report until a report requested after the release.
         self._released: dict[str, list[tuple[float, AdmissionTicket, int]]] = collections.defaultdict(list)
+        # Numbered tickets the worker's current report holds (live there), no longer pending:
+        # released, they are credited against that report ("Counted exactly").
+        self._held: dict[str, set[AdmissionTicket]] = collections.defaultdict(set)
+        # worker id -> which of this replica's dispatches its current report holds (None: it does not say)
+        self._dispatches: Mapping[str, DispatchReport | None] = {}
         # The load guard's unit (routing.imbalance_margin_tokens): the mean cost of recent
         # tickets, the same tokens `in_flight_tokens` adds to a worker's load.
         self._admitted_sizes = RequestSizeMeter()
 
     # ---- inputs ---------------------------------------------------------------------------
 
-    def update_stats(self, workers: Sequence[WorkerStats], taken_at: float) -> None:
+    def update_stats(self, workers: Sequence[WorkerStats], taken_at: float,
+                     dispatches: Mapping[str, DispatchReport | None] | None = None) -> None:
         """Replace the workers' figures. `taken_at` (the admission clock) is when the stats
-        were requested: admissions sent before it are assumed counted by the workers."""
+        were requested: admissions sent before it are assumed counted by the workers, unless
+        `dispatches` (worker id -> which of this replica's dispatches those stats hold, read
+        with them) says exactly which are ("Counted exactly")."""
         for w in workers:  # a worker whose figures did not change keeps its own report time
             if self._stats.get(w.worker_id) is not w:
                 self._reported_at[w.worker_id] = taken_at
         self._stats = {w.worker_id: w for w in workers}
+        self._dispatches = dispatches or {}
         for worker_id in [w for w, at in self._refused_at.items() if at <= taken_at]:
             del self._refused_at[worker_id]
         for worker_id in list(self._released):
             reported_at = self._reported_at.get(worker_id, -math.inf) if worker_id in self._stats else math.inf
-            kept_released = [entry for entry in self._released[worker_id] if entry[0] >= reported_at]
+            report = self._dispatches.get(worker_id)
+            kept_released = [entry for entry in self._released[worker_id]
+                             if (entry[1].dispatch_seq in report.live_seqs if _numbered(entry[1], report)
+                                 else entry[0] >= reported_at)]
             if kept_released:
                 self._released[worker_id] = kept_released
             else:
                 del self._released[worker_id]
+        for worker_id in list(self._held):
+            report = self._dispatches.get(worker_id)
+            held = {t for t in self._held[worker_id] if report is not None and t.dispatch_seq in report.live_seqs}
+            if held and worker_id in self._stats:
+                self._held[worker_id] = held
+            else:
+                del self._held[worker_id]
         for worker_id in list(self._pending):
             if worker_id not in self._stats:
                 del self._pending[worker_id]
                 continue
-            # See "In-flight accounting": forgotten one refresh after the report that surely counts them.
-            counted_before = self._reported_at[worker_id] - self._config.stats_refresh_s
-            kept = [t for t in self._pending[worker_id] if t.sent_at >= counted_before]
-            if kept:
-                self._pending[worker_id] = kept
-            else:
-                del self._pending[worker_id]
+            self._drop_counted(worker_id)
+
+    def _drop_counted(self, worker_id: str) -> None:
+        """Forget the pending tickets the worker's new report counts: numbered ones as it says
+        ("Counted exactly"), the others one refresh after the report that surely counts them
+        ("In-flight accounting")."""
+        report = self._dispatches.get(worker_id)
+        counted_before = self._reported_at[worker_id] - self._config.stats_refresh_s
+        kept = []
+        for ticket in self._pending[worker_id]:
+            if _numbered(ticket, report):
+                if ticket.dispatch_seq > report.seen_seq:
+                    kept.append(ticket)  # not taken in when the figures were read
+                elif ticket.dispatch_seq in report.live_seqs:
+                    self._held[worker_id].add(ticket)
+            elif ticket.sent_at >= counted_before:
+                kept.append(ticket)
+        if kept:
+            self._pending[worker_id] = kept
+        else:
+            del self._pending[worker_id]
 
     def note_refusal(self, worker_id: str) -> None:
         """The worker's own admission refused a request this router sent it: its figures here
@@ -248,6 +303,12 @@ class WorkerBudgets:
             pending.remove(ticket)
             if not pending:
                 del self._pending[ticket.worker_id]
+        elif _numbered(ticket, self._dispatches.get(ticket.worker_id)):
+            held = self._held.get(ticket.worker_id)
+            if held and ticket in held:  # the worker's report holds it: what it frees is credited
+                held.discard(ticket)
+                freed = ticket.freed_on_release() if ticket.freed_on_release is not None else ticket.cost_tokens
+                self._released[ticket.worker_id].append((self._clock(), ticket, freed))
         elif ticket.worker_id in self._stats:  # forgotten: the worker's report surely counts it
             freed = ticket.freed_on_release() if ticket.freed_on_release is not None else ticket.cost_tokens
             self._released[ticket.worker_id].append((self._clock(), ticket, freed))
@@ -312,6 +373,10 @@ class WorkerBudgets:
         eligible = [w for w in self.healthy() if w.worker_id not in self._refused_at
                     and self.fits(w, costs[w.worker_id], priority_class, as_reported)]
         return eligible, costs
+
+    def num_pending(self, worker_id: str) -> int:
+        """Tickets counted on top of the worker's report (tests, and the double count's check)."""
+        return len(self._pending.get(worker_id, ()))
 
     def with_most_room(self, eligible: list[WorkerStats]) -> str:
         """The worker whose capacity less what it has committed is largest (no routing policy)."""

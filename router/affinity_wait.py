@@ -109,6 +109,11 @@ class AffinityHold:
             if decision.path is expected and decision.worker_id in self._preferred:
                 wait_s = max(self._config.affinity_wait_s, self._recompute_s(offered))
                 self._longest_s = self._longest_hold_s()
+                if self._request is not None and self._request.claimed_worker in self._preferred:
+                    # The replicas' shared claim names its worker: sent elsewhere, this request
+                    # starts the family a second home while the other replicas' requests go to
+                    # the claimed one (a split). It waits for room there as long as a hold may.
+                    wait_s = self._longest_s
                 wait_s = min(wait_s, self._longest_s)
                 self._until = now + wait_s if wait_s > 0 else -math.inf
                 self.started_at = now if wait_s > 0 else None

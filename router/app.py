@@ -38,6 +38,7 @@ from kvmesh.router import tracing
 from kvmesh.router.auth import Authenticator
 from kvmesh.router.grpc_edge import quiet_client_errors
 from kvmesh.router.metrics import RouterMetrics, get_or_create_board, start_publishing
+from kvmesh.router.family_claims import make_family_claims
 from kvmesh.router.quota import make_quota_store
 from kvmesh.router.router_core import RouterCore
 from kvmesh.router.worker_pool import WorkerPool
@@ -117,7 +118,8 @@ class KvmeshRouter:
         # metrics to the cluster's board and renders its peers' alongside its own.
         self.board = get_or_create_board(app_name)
         self._publisher = start_publishing(self.board, metrics, METRICS_PUBLISH_INTERVAL_S)
-        self.core = RouterCore(config, self.pool, tokenizer, authenticator, quota, model_name, metrics, tracer)
+        self.core = RouterCore(config, self.pool, tokenizer, authenticator, quota, model_name, metrics, tracer,
+                               make_family_claims(config, app_name, metrics))
         self._servicer = ReplicaGrpcServicer(self.core)
         self._grpc_server = await start_grpc_server(self._servicer, config.router)
         self._http = HttpIngress(openai_http.build_replica_app(self.core, self.board), config.router)

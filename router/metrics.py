@@ -216,6 +216,17 @@ class RouterMetrics:
                                             "LoRA requests routed to a worker not holding their adapter (it loads "
                                             "it), by adapter: the routing's cost in adapter loads.", ["adapter"],
                                             registry=r)
+        self.family_claims = counter_by(
+            "family_claims",
+            "New prompt families placed through the router replicas' shared claim in Redis "
+            "(router.family_claim_ttl_s), by outcome (won: this replica's placement became the claim; joined: "
+            "another replica's claim was followed; unavailable: Redis did not answer, this replica's own rule).",
+            "outcome", ("won", "joined", "unavailable"))
+        self.family_claims_fallback = Gauge(
+            PREFIX + "family_claims_fallback_active",
+            "1 while Redis is unreachable and this replica places new prompt families by its own rule "
+            "(no shared claim: replicas may then place one family on two workers).", ["replica"], registry=r)
+        self.family_claims_fallback.labels(self.replica_id).set(0)
         self.quota_fallback = Gauge(PREFIX + "quota_store_fallback_active",
                                     "1 while Redis is unreachable and local per-replica limits apply.",
                                     ["replica"], registry=r)
@@ -329,6 +340,14 @@ class RouterMetrics:
 
     def observe_stream_resumption(self, resumed: bool) -> None:
         self.stream_resumptions.labels("resumed" if resumed else "not_resumable").inc()
+
+    def observe_family_claim(self, outcome) -> None:
+        """FamilyClaims' on_outcome (a ClaimOutcome)."""
+        self.family_claims.labels(outcome.value).inc()
+
+    def set_family_claims_fallback(self, active: bool) -> None:
+        """FamilyClaims' on_fallback_change."""
+        self.family_claims_fallback.labels(self.replica_id).set(1 if active else 0)
 
     def set_quota_fallback(self, active: bool) -> None:
         self.quota_fallback.labels(self.replica_id).set(1 if active else 0)

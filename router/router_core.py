@@ -30,6 +30,7 @@ from kvmesh.router.admission import RouterAdmission
 from kvmesh.router.auth import Authenticator
 from kvmesh.router.adapters import AdapterRegistry
 from kvmesh.router.convert import InboundRequest, ModelInfo
+from kvmesh.router.family_claims import FamilyClaims
 from kvmesh.router.fairness import TenantBacklog
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.quota import QuotaStore, Reservation
@@ -81,7 +82,9 @@ class ClusterView:
 class RouterCore:
     def __init__(self, config: KvmeshConfig, pool: WorkerPool, tokenizer, authenticator: Authenticator,
                  quota: QuotaStore, model_name: str, metrics: RouterMetrics | None = None,
-                 tracer=None):
+                 tracer=None, claims: FamilyClaims | None = None):
+        """`claims`: the replicas' shared new-family claims (router/family_claims.py), with
+        several replicas and a Redis; None: each replica places new families by its own rule."""
         self.config = config
         self.pool = pool
         self.tokenizer = tokenizer
@@ -110,7 +113,7 @@ class RouterCore:
                                 if s.admission_reserve == "expected" else None)
         self.validator = RequestValidator(config, tokenizer, self.adapters, model_name)
         self.admitter = Admitter(config, pool, self.admission, self.metrics, self._tracer, self.latency,
-                                 self.adapter_placement, self.output_estimate)
+                                 self.adapter_placement, self.output_estimate, claims)
         # One channel per worker for every request of this replica (router/worker_channels.py).
         self.channels = WorkerChannels(pool)
         pool.on_stats = self._on_worker_stats
@@ -121,7 +124,7 @@ class RouterCore:
             self._on_worker_stats(pool.stats_for_routing(), None)
 
     def _on_worker_stats(self, stats: list[WorkerStats], taken_at: float | None) -> None:
-        self.admission.update_stats(stats, taken_at)
+        self.admission.update_stats(stats, taken_at, self.pool.dispatches_seen_by(self.channels.replica_id))
         self.adapter_placement.update(stats)
         self.metrics.update_worker_stats(stats)
         self.metrics.update_engine_snapshots(self.pool.engine_snapshots())

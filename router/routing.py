@@ -105,6 +105,7 @@ from kvmesh.router.adapter_affinity import choose_for_adapter
 from kvmesh.core.seams import WorkerStats
 from kvmesh.core.errors import WorkerFailedError
 from kvmesh.router.hot_spread import FamilySpread, SpreadAction, WorkMeter, preference_order
+from kvmesh.router.live_families import LiveFamilies
 from kvmesh.router.latency import StepCostModel, TtftCalibration, predict_ttft_s, uncached_prompt_tokens
 
 
@@ -152,6 +153,9 @@ class RouteRequest:
     num_prompt_tokens: int
     block_size: int
     family_key: bytes | None  # `family_key(...)`; None: no full block (no family)
+    # With several router replicas: the worker a shared claim gives this new family
+    # (router/family_claims.py); it takes a prompt nothing matched when it is among the workers.
+    claimed_worker: str | None = None
 
 
 def family_key(block_hashes: Sequence[bytes], family_blocks: int) -> bytes | None:
@@ -180,6 +184,9 @@ class PredictedLatencyState:
         # Blocks each worker stored (computed), from the prefix events every replica hears alike
         # (PrefixIndex.on_stored): recent work as all the router replicas see it.
         self.stored_blocks = WorkMeter(config.work_half_life_s, clock)
+        # The prefix blocks of the families routed to each worker within the work half-life
+        # (router/live_families.py): the part of a full cache that new families must not evict.
+        self.live = LiveFamilies(config.work_half_life_s, clock)
         self.calibration = TtftCalibration()
 
     def movable_work(self, key: bytes) -> float:
@@ -200,13 +207,22 @@ class PredictedLatencyState:
         """A worker reported `num_blocks` newly stored prefix blocks (PrefixIndex.on_stored)."""
         self.stored_blocks.observe(worker_id, num_blocks)
 
+    def live_blocks(self, worker_id: str) -> float:
+        """The cache the families in use hold on the worker: those this replica routed there
+        recently (`live`), or, when more, the blocks it stored recently per the prefix events
+        every replica hears (another replica's new families there, not yet routed by this one)."""
+        return max(self.live.blocks(worker_id), self.stored_blocks.value(worker_id))
+
     def predict_s(self, stats: WorkerStats, extra_tokens: int, uncached_tokens: int) -> float:
         return predict_ttft_s(self.cost, stats, extra_tokens, uncached_tokens, self.max_num_batched_tokens)
 
-    def commit(self, decision: RoutingDecision, cost_tokens: int) -> None:
-        """The request went where `decision` says, charged `cost_tokens` there."""
+    def commit(self, decision: RoutingDecision, cost_tokens: int, prompt_blocks: int = 0) -> None:
+        """The request went where `decision` says, charged `cost_tokens` there; its prompt
+        has `prompt_blocks` full blocks (its family's footprint there, `live`)."""
         self.work.observe(decision.worker_id, cost_tokens)
         if decision.family_key is not None:
+            if prompt_blocks:
+                self.live.note(decision.worker_id, decision.family_key, prompt_blocks)
             self.family_work.observe(decision.family_key, cost_tokens)
             if decision.matched_blocks > 0:
                 self.family_hit_work.observe(decision.family_key, cost_tokens)
@@ -310,6 +326,8 @@ def choose_worker(matched_blocks: Mapping[str, int], workers: Sequence[WorkerSta
             raise ValueError("predicted_latency routing needs a RouteRequest and a PredictedLatencyState")
         return _predicted_latency(by_id, loads, footprints, matched_blocks, config, margin, request, state, extra)
     work = state.work.values(ids) if state is not None else {}
+    if request is not None and request.claimed_worker in by_id and not any(matched_blocks.get(w, 0) for w in ids):
+        return decide(request.claimed_worker, RoutingPath.NO_PREFIX)  # the replicas' shared claim
     return _prefix_aware(ids, loads, footprints, work, matched_blocks, config, margin, rng, decide)
 
 
@@ -426,8 +444,10 @@ def _predicted_latency(by_id: dict[str, WorkerStats], loads: dict[str, int], foo
     top = max((matched_blocks.get(w, 0) for w in ids), default=0)
     family = members or ([w for w in ids if matched_blocks.get(w, 0) == top] if top else [])
     if not family:
+        if request.claimed_worker in by_id:  # the replicas' shared claim: every one places it there
+            return decide(request.claimed_worker, RoutingPath.NO_PREFIX)
         chosen = _place_by_rendezvous(by_id, config, margin, state, request) if config.num_replicas > 1 else None
-        return decide(chosen or _place_by_latency(ids, predicted, footprints, config, key, state),
+        return decide(chosen or _place_by_latency(by_id, predicted, footprints, config, request, state),
                       RoutingPath.NO_PREFIX)
     work = state.work.values(ids)
     # Among the family's workers, those within latency_tie_ratio of the soonest are equal and
@@ -516,10 +536,17 @@ def _grow(key: bytes, family: list[str], members: list[str], best: str, ids: lis
     return None
 
 
-def _place_by_latency(ids: list[str], predicted: dict[str, float], footprints: dict[str, int],
-                      config: RouterConfig, key: bytes | None, state: PredictedLatencyState) -> str:
-    """A new prefix: the lowest predicted TTFT; within latency_tie_ratio of it, the least
-    recent work, then the smaller KV footprint, then the family's rendezvous order."""
+def _place_by_latency(by_id: dict[str, WorkerStats], predicted: dict[str, float], footprints: dict[str, int],
+                      config: RouterConfig, request: RouteRequest, state: PredictedLatencyState) -> str:
+    """A new prefix, among the workers where its prompt fits in the cache beside the
+    families in use there (`PredictedLatencyState.live_blocks`; all workers when it fits
+    nowhere): the lowest predicted TTFT; within latency_tie_ratio of it, the least recent
+    work, then the smaller KV footprint, then the family's rendezvous order. Without the fit
+    a full cache (the footprint then says nothing) took a fourth family in use where three
+    fit, and each of its requests evicted another's prefix (the one-replica routing campaign,
+    docs/routing.md): a recomputed prefix costs more than the queue it avoided."""
+    key, prompt_blocks = request.family_key, request.num_prompt_tokens // request.block_size
+    ids = [w for w in by_id if state.live_blocks(w) + prompt_blocks <= by_id[w].num_blocks_total] or list(by_id)
     lowest = min(predicted[w] for w in ids)
     near = [w for w in ids if predicted[w] <= lowest * (1 + config.latency_tie_ratio)]
     work = state.work.values(near)

@@ -126,6 +126,13 @@ class WorkerChannels:
         # socket is attached.
         self._outbox: dict[str, list[tuple[str, object]]] = {}
         self._flush_due: set[str] = set()
+        self._dispatch_seqs: dict[str, int] = {}  # worker id -> the last dispatch number given out
+
+    def next_dispatch_seq(self, worker_id: str) -> int:
+        """The number of this replica's next dispatch to the worker (1, 2, ...), in the order
+        its submits go out: take it just before `submit` (GenerateRequest.dispatch)."""
+        seq = self._dispatch_seqs[worker_id] = self._dispatch_seqs.get(worker_id, 0) + 1
+        return seq
 
     def subscribe(self, worker_id: str, request_id: str) -> Subscription:
         """Where `request_id`'s deltas (and a ChannelFailure) arrive from now on."""

@@ -45,7 +45,7 @@ from kvmesh.core.config import KvmeshConfig
 from kvmesh.router.degradation import FALLBACK_WORKER_PREFIX, fallback_app_name, fallback_pool_config
 from kvmesh.router.prefix_index import PrefixIndex
 from kvmesh.worker.public_api import WorkerInfo, WorkerPoll, start_workers
-from kvmesh.core.seams import WorkerStats
+from kvmesh.core.seams import DispatchReport, WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ _SLOW_POLL_CAP_S = 60.0
 _POLL_HISTORY = 32  # recent answered polls' round trips, all workers together
 # A replica waiting for its first routable worker logs why the workers are not, this often.
 WAIT_REPORT_EVERY_S = 30.0
+_NO_DISPATCHES = DispatchReport()  # a worker that took none of a replica's dispatches (yet)
 
 
 def slow_poll_timeout_s(floor_s: float, recent_round_trips_s) -> float:
@@ -81,6 +82,9 @@ class _WorkerState:
     last_ok_time: float = 0.0
     metrics_snapshot: bytes = b""  # the worker's EngineMetrics, as of its last poll
     late: bool = False  # its current poll is past the slow-poll timeout (not yet the cap)
+    # Per router replica, which of its dispatches `stats` holds (WorkerPoll.dispatches, read
+    # with the stats); None: the worker keeps no such log.
+    dispatches: dict[str, DispatchReport] | None = None
 
     @property
     def routable(self) -> bool:
@@ -204,6 +208,12 @@ class WorkerPool:
         """worker id -> its latest EngineMetrics snapshot (step time), for /metrics."""
         return {w: s.metrics_snapshot for w, s in sorted(self._workers.items()) if s.metrics_snapshot}
 
+    def dispatches_seen_by(self, replica_id: str) -> dict[str, DispatchReport | None]:
+        """worker id -> which of `replica_id`'s dispatches its current stats hold (an empty
+        report: none; None: the worker does not say, the router counts by time)."""
+        return {w: (s.dispatches.get(replica_id, _NO_DISPATCHES) if s.dispatches is not None else None)
+                for w, s in self._workers.items() if s.stats is not None}
+
     def stats_for_routing(self) -> list[WorkerStats]:
         """Latest stats of every worker that has reported, `healthy` as the router sees it
         (a worker whose stream just failed is unhealthy even if its last stats said not)."""
@@ -311,9 +321,11 @@ class WorkerPool:
                            state.info.incarnation, poll.info.incarnation)
             self.prefix_index.remove_worker(state.worker_id)
             state.info, state.stats, state.polled_ok = poll.info, poll.stats, False
+            state.dispatches = getattr(poll, "dispatches", None)
             self._changed.set()
             return
         state.info, state.stats = poll.info, poll.stats
+        state.dispatches = getattr(poll, "dispatches", None)  # a worker of an older version has none
         state.metrics_snapshot = poll.metrics_snapshot
         self.prefix_index.apply(poll.prefix_events)
         state.polled_ok = True

@@ -12,7 +12,7 @@ import pytest
 from kvmesh.core.config import RouterConfig
 from kvmesh.router.admission import RouterAdmission, cost_with_cached_prefix, request_cost_tokens
 from kvmesh.router.routing import choose_worker, is_spill
-from kvmesh.core.seams import SamplingParams, WorkerStats
+from kvmesh.core.seams import DispatchReport, SamplingParams, WorkerStats
 from kvmesh.core.errors import (DeadlineExceededError, DeadlineUnmeetableError, InvalidRequestError,
                                OverloadedError, QueueSlotTakenError, WorkerFailedError)
 
@@ -133,6 +133,64 @@ def test_a_request_ending_after_its_worker_reported_it_frees_its_room_at_once_no
         assert admission.snapshot().committed_tokens == 1000 + 100  # the follower, kept a refresh longer
         follower.release()
         assert admission.snapshot().committed_tokens == 1000
+    asyncio.run(main())
+
+
+def test_a_report_that_names_a_dispatch_stops_its_double_count_at_once_whatever_the_timing():
+    """A report answered within one refresh of the send (a quick poll) used to keep the ticket
+    beside the figures that already held it: the worker looked full and the family's next
+    request spilled. The worker's report now says which of this replica's dispatches it holds
+    (DispatchReport): a held one is dropped at once, a later one stays counted however old."""
+    async def main():
+        clock = FakeClock()
+        admission = controller([stats("w0", capacity=1000)], clock=clock, stats_refresh_s=0.5)
+        first = await admission.acquire(600)
+        first.dispatch_seq = 1
+        second = await admission.acquire(300)
+        second.dispatch_seq = 2
+        clock.now += 0.05  # requested right after the sends: the time rule keeps both
+        admission.update_stats([stats("w0", reserved=600, capacity=1000)], taken_at=clock.now,
+                               dispatches={"w0": DispatchReport(1, frozenset({1}))})
+        assert admission.in_flight_tokens() == {"w0": 300}  # the first is in the figures; the second not yet
+        assert admission.snapshot().committed_tokens == 900
+        clock.now += 5.0  # however long that poll took, a dispatch the report lacks stays counted
+        admission.update_stats([stats("w0", reserved=600, capacity=1000)], taken_at=clock.now,
+                               dispatches={"w0": DispatchReport(1, frozenset({1}))})
+        assert admission.snapshot().committed_tokens == 900
+        # The first ends, then a report held it no longer (answered before its end reached us):
+        # nothing is credited twice, and the second is in that report.
+        admission.update_stats([stats("w0", reserved=300, capacity=1000)], taken_at=clock.now,
+                               dispatches={"w0": DispatchReport(2, frozenset({2}))})
+        first.release()
+        assert admission.snapshot().committed_tokens == 300
+        second.release()  # held by the report: credited against it until one lacks it
+        assert admission.snapshot().committed_tokens == 0
+        admission.update_stats([stats("w0", reserved=0, capacity=1000)], taken_at=clock.now,
+                               dispatches={"w0": DispatchReport(2, frozenset())})
+        assert admission.snapshot().committed_tokens == 0
+    asyncio.run(main())
+
+
+def test_a_dispatch_the_worker_never_took_in_or_an_unnumbered_one_keeps_the_time_rule():
+    async def main():
+        clock = FakeClock()
+        admission = controller([stats("w0", capacity=1000)], clock=clock, stats_refresh_s=0.5)
+        unnumbered = await admission.acquire(200)  # a retry, a resumption, a prefix pull
+        numbered = await admission.acquire(300)
+        numbered.dispatch_seq = 1
+        clock.now += 0.05
+        report = {"w0": DispatchReport(0, frozenset())}  # the poll read the figures before either arrived
+        admission.update_stats([stats("w0", reserved=0, capacity=1000)], taken_at=clock.now, dispatches=report)
+        assert admission.in_flight_tokens() == {"w0": 500}
+        clock.now += 1.0  # a refresh later the unnumbered one is presumed counted; the numbered one is not
+        admission.update_stats([stats("w0", reserved=0, capacity=1000)], taken_at=clock.now, dispatches=report)
+        assert admission.in_flight_tokens() == {"w0": 300}
+        # A worker that does not say (None) counts the numbered one by time too.
+        admission.update_stats([stats("w0", reserved=0, capacity=1000)], taken_at=clock.now + 1.0,
+                               dispatches={"w0": None})
+        assert admission.in_flight_tokens() == {}
+        numbered.release()
+        unnumbered.release()
     asyncio.run(main())
 
 

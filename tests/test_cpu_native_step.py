@@ -374,16 +374,20 @@ def test_int4_kernel_equals_torch_on_every_scale_dtype_and_min(tiny_model_dir, i
     engine = _engine(tiny_model_dir, quant="int4", native=0)
     runner = engine.runner
     generator = torch.Generator().manual_seed(3)
-    for i, (scale_dtype, zero_dtype, with_mins) in enumerate(((torch.float16, torch.float16, True),
-                                                              (torch.float32, torch.float16, True),
-                                                              (torch.bfloat16, torch.bfloat16, False))):
+    # zero None: integers 5..10 (with a min the kernel's general form, each group subtracting its
+    # zero); 0 with fp16 mins is GGUF Q4_1's layout, 8 with no min Q4_0's: the fast form's folds
+    for i, (scale_dtype, zero_dtype, with_mins, fixed_zero) in enumerate((
+            (torch.float16, torch.float16, True, None), (torch.float32, torch.float16, True, None),
+            (torch.bfloat16, torch.bfloat16, False, None), (torch.float16, torch.float16, True, 0.0),
+            (torch.float16, torch.float16, False, 8.0))):
         for model_layer in runner.model.model.layers:
             attn, mlp = model_layer.self_attn, model_layer.mlp
             for layer, first in ((attn.qkv.merged, attn.q_proj), (attn.o_proj, None), (mlp.gate_up.merged, mlp.gate_proj),
                                  (mlp.down_proj, None)):
                 shape = layer.scales.shape
                 layer.scales = (torch.rand(shape, generator=generator) * 0.05 + 0.01).to(scale_dtype)
-                layer.zeros = torch.randint(5, 11, shape, generator=generator).to(zero_dtype)  # as quantizers place them
+                layer.zeros = (torch.randint(5, 11, shape, generator=generator) if fixed_zero is None  # as quantizers do
+                               else torch.full(shape, fixed_zero)).to(zero_dtype)
                 layer.mins = (torch.randn(shape, generator=generator) * 0.02).to(scale_dtype) if with_mins else None
                 if first is not None:  # a fused group stays usable while its first member views the merged rows
                     first.scales = layer.scales[:first.out_features]
@@ -394,6 +398,41 @@ def test_int4_kernel_equals_torch_on_every_scale_dtype_and_min(tiny_model_dir, i
         # a new prompt each round (no cached prefix): one 11-token step, then decode rows
         tokens = generate_all_greedy(engine, [tuple(range(100 + 20 * i, 111 + 20 * i))], 6)
         assert all(len(t) == 6 for t in tokens.values())
-        assert diffs and max(d for d, _ in diffs) < tolerance, (scale_dtype, zero_dtype, with_mins, max(diffs))
+        assert diffs and max(d for d, _ in diffs) < tolerance, (scale_dtype, zero_dtype, with_mins, fixed_zero,
+                                                                max(diffs))
         assert max(size for _, size in diffs) > 8, "a pass of 8 tokens and a tail"
         assert runner.native_decoder.path == ("int4_avx2_a8" if int8_activations else "int4_avx2")
+
+
+def test_an_lm_head_that_is_a_q8_0_table_is_read_as_its_int8_groups(tiny_model_dir):
+    """An fp32 LM head whose every 32-input group is an int8 code times one scale (a GGUF Q8_0
+    embedding dequantized at load, as the embedded model's is) is read as those codes and scales:
+    the same weights bit for bit, so the logits are eager's to fp32 summation order and the
+    greedy tokens eager's; any other fp32 head stays fp32."""
+    from kvmesh.quant.primitives import dequantize_int8_groupwise, int8_groups_if_exact
+
+    engine = _engine(tiny_model_dir, native=8)
+    runner = engine.runner
+    assert not runner.native_decoder.head_q8_0  # random fp32 weights: not such a table
+    head = runner.model.lm_head.weight
+    generator = torch.Generator().manual_seed(5)
+    codes = torch.randint(-127, 128, head.shape, generator=generator, dtype=torch.int8)
+    codes[:, ::32] = 127  # ggml's Q8_0: each group's largest |code| is 127
+    scales = (torch.rand(head.shape[0], head.shape[1] // 32, generator=generator) * 1e-3 + 1e-4).half()
+    scales[3] = 0  # an all-zero group of rows
+    with torch.no_grad():
+        head.copy_(dequantize_int8_groupwise(codes, scales))
+    got = int8_groups_if_exact(head)
+    assert got is not None and torch.equal(got[0][4:], codes[4:]) and torch.equal(got[1], scales.float())
+    runner.native_decoder = cpu_native_step.NativeDecoder.build(runner.model, runner.kv_caches, 8)
+    assert runner.native_decoder.head_q8_0 and runner.native_decoder.int8_head_bytes == head.numel() * 9 // 8
+    diffs = _check_each_step_against_eager(engine, _relative)
+    tokens = _generate(engine)
+    assert len(diffs) >= 20 and max(diffs) < 1e-5, f"the Q8_0 head's logits differ from eager by {max(diffs)}"
+    eager = _engine(tiny_model_dir, native=0)
+    with torch.no_grad():
+        eager.runner.model.lm_head.weight.copy_(head)
+    assert tokens == _generate(eager)
+    with torch.no_grad():
+        head[0, 0] += 1e-7  # one weight off the grid
+    assert int8_groups_if_exact(head) is None

@@ -459,3 +459,26 @@ def test_the_engine_is_built_and_used_on_its_step_thread_only(tiny_model_dir):
 
     with pytest.raises(ValueError, match="no such model"):
         AsyncEngine(build=broken)
+
+
+def test_the_engine_says_which_router_dispatches_its_figures_hold(engine):
+    """Read with its stats, per router replica: the highest dispatch it took in, and those
+    still running or waiting (the router stops counting exactly those: admission_budget.py)."""
+    sampling = SamplingParams(max_tokens=3, temperature=0)
+    engine.add_request(GenerateRequest("d-a", prompt="one two", sampling=sampling, dispatch=("replica-a", 1)))
+    engine.add_request(GenerateRequest("d-b", prompt="three", sampling=SamplingParams(max_tokens=3, n=2),
+                                       dispatch=("replica-b", 5)))
+    engine.add_request(GenerateRequest("d-x", prompt="four", sampling=sampling))  # not a router's dispatch
+    report = engine.dispatch_report()
+    assert report["replica-a"].seen_seq == 1 and report["replica-a"].live_seqs == {1}
+    assert report["replica-b"].seen_seq == 5 and report["replica-b"].live_seqs == {5}
+    assert engine.stats().num_waiting + engine.stats().num_running == 4
+    engine.abort("d-a")
+    while engine.has_unfinished():
+        engine.step()
+    report = engine.dispatch_report()
+    assert report["replica-a"].live_seqs == frozenset() and report["replica-b"].live_seqs == frozenset()
+    assert report["replica-a"].seen_seq == 1 and report["replica-b"].seen_seq == 5
+    with pytest.raises(InvalidRequestError):  # refused before the scheduler: not taken in
+        engine.add_request(GenerateRequest("d-c", prompt="x" * 5000, sampling=sampling, dispatch=("replica-a", 2)))
+    assert engine.dispatch_report()["replica-a"].seen_seq == 1

@@ -54,6 +54,7 @@ def hf_reference(smollm2_dir):
 
 
 def _run_engine(smollm2_dir, backend, native: int | None = None, **sched):
+    """smollm2_dir None: the embedded GGUF itself (its Q4_1 file), not its HF folder."""
     device = "cuda" if backend == "triton" else "cpu"
     config = KvmeshConfig.from_dict({
         "model": {"path": smollm2_dir, "dtype": "fp32", "cpu_native_max_tokens": native},
@@ -65,6 +66,10 @@ def _run_engine(smollm2_dir, backend, native: int | None = None, **sched):
     engine = Engine.from_config(config)
     if native is None and device == "cpu":  # the default: the native step where this CPU builds it
         assert engine.runner.cpu_step.numerics == "fp32, token-exact", engine.runner.cpu_step.describe()
+        # quant.weight auto: the GGUF's own int4 for the .gguf file, fp32 for the HF folder
+        assert engine.parts.weight_quant == ("gguf" if smollm2_dir is None else "none")
+        assert engine.runner.cpu_step.path == ("int4_avx2" if smollm2_dir is None else "avx2"), \
+            engine.runner.cpu_step.describe()
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(GenerateRequest(f"r{i}", prompt=prompt,
                                            sampling=SamplingParams(max_tokens=NEW_TOKENS, temperature=0)))
@@ -98,11 +103,17 @@ def test_greedy_equals_hf_under_chunking_and_preemption(smollm2_dir, hf_referenc
 
 @pytest.mark.skipif(cpu_native_step.unavailable_reason() is not None,
                     reason=f"no native CPU step here: {cpu_native_step.unavailable_reason()}")
-def test_the_native_cpu_step_in_fp32_equals_hf(smollm2_dir, hf_reference):
+@pytest.mark.parametrize("source", ["hf_folder", "gguf"])
+def test_the_native_cpu_step_in_fp32_equals_hf(smollm2_dir, hf_reference, source):
     """The default on CPU for fp32 (model.cpu_native_max_tokens auto): the native step (AVX2 or
     AVX-512 build, whichever this CPU runs) on the real weights, decode batches and 16-token
-    prefill chunks as one C call each, preemption by recompute, the same greedy tokens as HF."""
-    ours, stats, _ = _run_engine(smollm2_dir, "cpu", native=None, preemption_mode="recompute")
+    prefill chunks as one C call each, preemption by recompute, the same greedy tokens as HF.
+    hf_folder: the converted folder, fp32 GEMVs; gguf: the embedded model as `kvmesh serve`
+    starts it, every setting its default (quant.weight auto: its Q4_1 layers kept, each weight
+    dequantized in registers; the Q8_0 head read as its int8 groups). HF's reference is
+    transformers' load of the same GGUF (dequantized to fp32), so both must give its tokens."""
+    ours, stats, _ = _run_engine(smollm2_dir if source == "hf_folder" else None, "cpu", native=None,
+                                 preemption_mode="recompute")
     assert stats.num_preemptions_recompute > 0
     for i, (got, want) in enumerate(zip(ours, hf_reference)):
         assert got == want, f"prompt {i} diverged from HF at token {next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))}"

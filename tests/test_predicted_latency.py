@@ -14,7 +14,8 @@ from kvmesh.core.config import RouterConfig
 from kvmesh.core.seams import WorkerStats
 from kvmesh.router.hot_spread import FamilySpread, WorkMeter, preference_order
 from kvmesh.router.latency import StepCostModel, TtftCalibration, predict_ttft_s, uncached_prompt_tokens
-from kvmesh.router.routing import (PredictedLatencyState, RouteRequest, RoutingPath, choose_worker, family_key)
+from kvmesh.router.routing import (PredictedLatencyState, RouteRequest, RoutingDecision, RoutingPath, choose_worker,
+                                   family_key)
 
 BLOCK = 16
 COST = StepCostModel(step_overhead_s=0.004, prefill_s_per_token=0.0004, decode_s_per_token=0.0025)
@@ -347,3 +348,29 @@ def test_with_several_replicas_recent_work_is_what_the_workers_stored_as_every_r
     workers = [stats(w) for w in ids]
     assert {choose_worker({}, workers, config, random.Random(0), request=request, state=s).worker_id
             for s in replicas} == {second}
+
+
+def test_a_new_family_goes_where_its_prefix_fits_beside_the_families_in_use_not_into_a_full_cache():
+    """One replica, caches full of an earlier workload's blocks (the footprint then says
+    nothing): each worker holds three 33-block prompts in 128 blocks. Three families in use on
+    w0, one on w1; a fourth new family goes to w1 although w0 is predicted sooner, where before
+    it took w0 and each of its requests evicted another family's prefix there."""
+    clock = Clock()
+    state = PredictedLatencyState(CONFIG, 512, clock)
+    full = {"num_blocks_total": 128, "num_blocks_cached": 128, "num_blocks_free": 0}
+    workers = [dataclasses.replace(stats("w0"), **full), dataclasses.replace(stats("w1", tokens_to_compute=300), **full)]
+    prompt = 33 * BLOCK + 10
+
+    def place(key: bytes) -> str:
+        decision = choose_worker({}, workers, CONFIG, random.Random(0), request=RouteRequest(prompt, BLOCK, key),
+                                 state=state)
+        state.commit(decision, prompt, prompt // BLOCK)
+        return decision.worker_id
+
+    for key in (b"f0", b"f1", b"f2"):
+        state.commit(RoutingDecision("w0", 0, RoutingPath.NO_PREFIX, 0, family_key=key), prompt, prompt // BLOCK)
+    state.commit(RoutingDecision("w1", 0, RoutingPath.NO_PREFIX, 0, family_key=b"f3"), prompt, prompt // BLOCK)
+    assert place(b"f4") == "w1"  # w0 sooner (300 tokens less queued), but three in use fill it
+    clock.now += 120.0  # the three went quiet: their blocks are evictable, w0 takes new families again
+    assert place(b"f5") == "w0"
+

@@ -3,6 +3,8 @@ manager driven by simulated engines. Simulated time, seeded: the outcome is dete
 
 from __future__ import annotations
 
+import pytest
+
 from kvmesh.load_tests.routing_sim import CostModel, SimCluster, SimWorkload, markdown_table, simulate
 
 # Six families of a 10-block prefix, one of them 31% of the traffic; each worker's pool holds
@@ -81,3 +83,22 @@ def test_predicted_latency_runs_the_router_s_own_state_and_reports_its_ttft_pred
     assert sum(result.routing_paths.values()) == WORKLOAD.num_requests
     assert 0 < result.ttft_prediction_error < 10 and 0.1 < result.ttft_prediction_factor < 10
     assert robin.ttft_prediction_error == 0.0  # round robin predicts nothing
+
+
+def test_two_router_replicas_split_families_on_their_own_and_agree_through_the_shared_claims():
+    """Two simulated router replicas (each its own index, admission view, state and queue,
+    polling out of phase), the two-replica campaign's shape: placing new families each by its
+    own view they put one family on both workers; with the shared claims they agree, and the
+    claims' live-family room keeps a fourth family off a worker whose cache holds three."""
+    cluster = SimCluster(2, 128, 16, 8, 512, 0.5)
+    for seed, concurrency in ((1, 4), (0, 16), (3, 4)):
+        workload = SimWorkload(num_families=6, family_weights=(31, 18, 15, 13, 12, 11), prefix_tokens=528,
+                               question_tokens=(12, 24), max_tokens=8, num_requests=64, concurrency=concurrency,
+                               seed=seed)
+        alone = simulate("predicted_latency", cluster, workload, num_routers=2, claims_ttl_s=None)
+        agreed = simulate("predicted_latency", cluster, workload, num_routers=2, claims_ttl_s=10.0)
+        assert agreed.num_requests == alone.num_requests == 64 and agreed.num_routers == 2
+        assert agreed.families_on_more_than_one == 0, (seed, concurrency)
+        assert agreed.hit_rate == pytest.approx(agreed.oracle_hit_rate, abs=1e-9), (seed, concurrency)
+        if seed != 3:  # the runs where the replicas' own views split a family
+            assert alone.families_on_more_than_one > 0, (seed, concurrency)

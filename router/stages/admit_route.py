@@ -24,6 +24,7 @@ from kvmesh.router import affinity_wait, tracing
 from kvmesh.router.adapter_affinity import AdapterPlacement
 from kvmesh.router.admission import RouterAdmission
 from kvmesh.router.admission_budget import AdmissionTicket, cost_with_cached_prefix
+from kvmesh.router.family_claims import FamilyClaims, claim_candidates
 from kvmesh.router.fairness import TenantBacklog, engine_priority
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.routing import (PREFIX_POLICIES, AdapterRouting, PredictedLatencyState, RoundRobinCursor,
@@ -47,8 +48,14 @@ class Admitter:
 
     def __init__(self, config: KvmeshConfig, pool: WorkerPool, admission: RouterAdmission, metrics: RouterMetrics,
                  tracer, latency: PredictedLatencyState, adapter_placement: AdapterPlacement,
-                 output_estimate: OutputLengthEstimator | None):
+                 output_estimate: OutputLengthEstimator | None, claims: FamilyClaims | None = None):
         self.config = config
+        # Several router replicas with a shared Redis: new families go where the first replica
+        # to place them did (router/family_claims.py); None: each replica's own rule.
+        self.claims = claims if config.router.policy in PREFIX_POLICIES else None
+        # What this replica proposes for a claim: the one-replica rule (its own recent work and
+        # tickets balance its share of a burst); the claim, not the rule, makes replicas agree.
+        self._proposal_config = dataclasses.replace(config.router, num_replicas=1)
         self.pool = pool
         self.admission = admission
         self.metrics = metrics
@@ -89,6 +96,8 @@ class Admitter:
                                                                                n=budget.n)
 
         route_request = RouteRequest(num_prompt, block_size, family_key(hashes, self.config.router.spread_family_blocks))
+        if self.claims is not None and route_request.family_key is not None and not any(matched.values()):
+            route_request = await self._claimed(route_request, matched, exclude)
         affinity = affinity_wait.AffinityHold(matched, self.config.router, exclude, deadline_s=request.deadline_s,
                                               request=route_request, state=self.latency, refused_by=refused_by,
                                               awaiting_report=self.admission.awaiting_report)
@@ -120,7 +129,9 @@ class Admitter:
                 self.metrics.observe_affinity_wait(waited.value, time.monotonic() - affinity.started_at)
             self.metrics.observe_route(decision.path.value)
             # Every policy's recent work is kept: prefix_aware breaks new-prefix ties by it.
-            self.latency.commit(decision, cost_for(decision.worker_id))
+            self.latency.commit(decision, cost_for(decision.worker_id), num_prompt // block_size)
+            if self.claims is not None and route_request.family_key is not None:
+                self.claims.keep_alive(route_request.family_key)  # the family is live: its claim stays
             decisions.append(decision)
             return decision.worker_id
 
@@ -143,6 +154,27 @@ class Admitter:
         info = self.pool.info(holder) if holder is not None else None
         kv_source = (info.actor_name or None) if info is not None else None
         return decisions[-1], ticket, dataclasses.replace(request, kv_source=kv_source)
+
+    async def _claimed(self, route_request: RouteRequest, matched: dict[str, int],
+                       exclude: frozenset[str]) -> RouteRequest:
+        """A prompt nothing matched here: the worker the replicas' shared claim gives its family
+        (router/family_claims.py). This replica proposes what the one-replica rule picks from
+        every healthy worker, room or not (as the affinity wait places a new family), counting
+        what it sent itself; the first proposal stands. The several-replica rule (rendezvous
+        within a bound) is for agreeing without a claim: from the empty views of a burst it
+        placed by hash alone (5 of 6 families on one worker, simulated). Unchanged when Redis
+        is away or the claimed worker is not routable here."""
+        healthy, in_flight, mean_request_tokens = self.admission.cluster_load()
+        candidates = [w for w in healthy if w.worker_id not in exclude]
+        if not candidates:
+            return route_request
+        proposal = choose_worker(matched, candidates, self._proposal_config, self._rng, self._cursor, in_flight,
+                                 mean_request_tokens, request=route_request, state=self.latency)
+        owner = await self.claims.claim(route_request.family_key,
+                                        claim_candidates(proposal.worker_id, candidates, route_request))
+        if owner is None or owner not in {w.worker_id for w in candidates}:
+            return route_request
+        return dataclasses.replace(route_request, claimed_worker=owner)
 
     def _adapter_routing(self, request: GenerateRequest, eligible: list[WorkerStats]) -> AdapterRouting | None:
         """A LoRA request's affinity inputs (router/adapter_affinity.py); a load is worth

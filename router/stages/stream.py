@@ -202,6 +202,13 @@ class RequestStream:
         core, worker_id, request = self._core, self.worker_id, self._request
         channels = core.channels
         subscription = channels.subscribe(worker_id, request.request_id)
+        if request.kv_source is None and request.attempt == 1 and not request.resume_token_ids:
+            # Numbered as it is sent: the worker's poll says whether its figures hold it, and
+            # admission stops counting the ticket exactly then (router/admission_budget.py).
+            # Not a prefix pull, a retry or a resumption: those can reach the engine after
+            # requests sent later (the pull first; ending the run they take over first).
+            self._ticket.dispatch_seq = channels.next_dispatch_seq(worker_id)
+            request = dataclasses.replace(request, dispatch=(channels.replica_id, self._ticket.dispatch_seq))
         channels.submit(worker_id, request)
         finished = False
         try:

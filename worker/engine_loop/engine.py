@@ -32,11 +32,12 @@ from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.kv_tier_metrics import KVTierFigures
 from kvmesh.kv.hashing import adapter_key, block_extra_keys
 from kvmesh.kv.kv_cost import check_budget, request_budget
-from kvmesh.core.seams import (AdapterRef, FinishReason, GenerateRequest, PrefixEventBatch, RequestBudget, RequestDelta,
-                               WorkerStats, check_fits_context)
+from kvmesh.core.seams import (AdapterRef, DispatchReport, FinishReason, GenerateRequest, PrefixEventBatch,
+                               RequestBudget, RequestDelta, WorkerStats, check_fits_context)
 from kvmesh.worker.engine_loop.engine_setup import EngineParts, build_engine_parts
 from kvmesh.core.errors import InvalidRequestError, KvmeshError
 from kvmesh.worker.engine_loop.adapter_gate import AdapterGate
+from kvmesh.worker.engine_loop.dispatch_log import DispatchLog
 from kvmesh.worker.engine_loop.output_processor import OutputProcessor
 from kvmesh.worker.engine_loop.request import Request, RequestStatus
 from kvmesh.worker.engine_loop.scheduler import Scheduler
@@ -62,6 +63,7 @@ class Engine:
         self.outputs = OutputProcessor(parts.tokenizer, parts.eos_token_ids, parts.max_model_len)
         self._live: dict[str, Request] = {}  # internal id -> request, until its final delta
         self._children: dict[str, list[str]] = {}  # external id -> internal ids (n > 1)
+        self.dispatches = DispatchLog()  # which router dispatches the figures hold (dispatch_log.py)
         self._vocab_size = int(parts.hf_config.vocab_size)
         self._ids = itertools.count()
         self.num_forward_tokens = 0  # tokens run through the model since start (tests count these)
@@ -167,7 +169,9 @@ class Engine:
                 if self.adapters is not None:  # refused: nothing of it stays, its pins included
                     for member in members:
                         self.adapters.release(member)
+                self.dispatches.note_taken(request, queued=False)
                 raise
+        self.dispatches.note_taken(request, queued=True)
         now = time.time()
         for member in members:
             self._live[member.request_id] = member
@@ -387,9 +391,14 @@ class Engine:
             siblings.remove(req.request_id)
             if not siblings:
                 del self._children[ext]
+                self.dispatches.note_ended(ext)
         return delta
 
     # ---- what the router sees ----------------------------------------------------------
+
+    def dispatch_report(self) -> dict[str, DispatchReport]:
+        """Which router replicas' dispatches `stats()`, read in the same step gap, holds."""
+        return self.dispatches.report()
 
     def stats(self) -> WorkerStats:
         stats = worker_stats(self.scheduler, self.worker_id)

@@ -31,7 +31,7 @@ from kvmesh.worker.attention.backend import AttentionMetadata
 from kvmesh.worker.runner.cpu_model_runner import CpuModelRunner
 from kvmesh.worker.runner.model_runner import ModelRunner, allocate_kv_caches, kv_storage_dtype
 from kvmesh.worker.runner.model_setup import (allocate_rank_caches, load_model, pick_backend, require_backend_features,
-                                             resolve_model, with_valid_group_size)
+                                             resolve_model, resolve_weight_quant, with_valid_group_size)
 from kvmesh.worker.model.tokenizer import load_tokenizer
 from kvmesh.worker.runner.tp_group import TensorParallelGroup, TensorParallelRunner
 from kvmesh.worker.engine_loop.self_draft import DraftModel, load_draft
@@ -79,6 +79,7 @@ class EngineParts:
     forward_path: str = "eager"
     forward_path_reason: str = ""
     draft: DraftModel | None = None  # speculative.method self_draft: its model (its pool: plan.num_draft_blocks)
+    weight_quant: str = "none"  # quant.weight as served (auto resolved)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -202,6 +203,7 @@ def _sampler_bytes(config: KvmeshConfig, hf_config) -> int:
 
 
 def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> EngineParts:
+    config = resolve_weight_quant(config)  # quant.weight auto -> what this machine serves best exactly
     spec = resolve_model(config)
     config = with_valid_group_size(config, spec.hf_config)
     require_backend_features(spec.arch, pick_backend(config, spec.device))  # before any weight loads
@@ -265,9 +267,11 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
         plan.peak_activation_bytes / 2**20, device, dtype, backend.name)
     logger.info("device plan (budget %.1f MiB): %s", plan.device.budget_bytes / 2**20,
                 ", ".join(f"{part} {nbytes / 2**20:.1f} MiB" for part, nbytes in plan.device.split().items()))
-    logger.info("serving %s (%s): forward %s (%s)", spec.name, spec.arch.model_type, path, path_reason)
+    logger.info("serving %s (%s), weights %s: forward %s (%s)", spec.name, spec.arch.model_type,
+                config.quant.weight, path, path_reason)
     return EngineParts(runner, kv_manager, tokenizer, hf_config, spec.name, kv_dtype_name, max_model_len,
-                       _eos_ids(hf_config, tokenizer), plan, device, tier_store, path, path_reason, draft)
+                       _eos_ids(hf_config, tokenizer), plan, device, tier_store, path, path_reason, draft,
+                       config.quant.weight)
 
 
 def build_graph_runner(config: KvmeshConfig, model, backend, kv_caches, device, max_model_len: int,

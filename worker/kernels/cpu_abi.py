@@ -85,7 +85,8 @@ StepBatch = _struct("StepBatch", "kvmesh_step_batch", (
 STRUCTS = (LayerDescriptor, ModelDescriptor, StepBatch)
 
 # The constants both sides read, as C enums: (comment, {name: value})
-WEIGHT_KINDS = {"W_F32": 0, "W_BF16": 1, "W_I8": 2, "W_I4": 3}
+# W_I8G: int8 codes with one fp32 scale a 32-input group, the LM head only (a GGUF Q8_0 table)
+WEIGHT_KINDS = {"W_F32": 0, "W_BF16": 1, "W_I8": 2, "W_I4": 3, "W_I8G": 4}
 META_DTYPES = {"META_F32": 0, "META_BF16": 1, "META_F16": 2}  # int4 scales / zeros / mins as stored
 STEP_ANSWERS = {"KVMESH_STEP_OK": 0, "KVMESH_STEP_NO_MEMORY": 1, "KVMESH_STEP_NOT_BUILT": 2}
 FEATURES = {"KVMESH_FEATURE_DPBF16": 1,  # bf16 projections by VDPBF16PS

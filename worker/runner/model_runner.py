@@ -45,19 +45,24 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                       storage: torch.dtype, device: torch.device, pin: bool = False) -> list[LayerKVCache]:
+                       storage: torch.dtype, device: torch.device, pin: bool = False,
+                       initialised: bool = True) -> list[LayerKVCache]:
+    """initialised False: the tensors are left as allocated (the swap space, whose blocks are
+    always written by a swap-out before a swap-in reads them): in host memory the pages then
+    become resident only as blocks are swapped out, not all at start."""
     layout = kv_cache_layout(storage, head_dim)
     caches = []
+    fill = (torch.zeros, torch.ones) if initialised else (torch.empty, torch.empty)
     for _ in range(num_layers):
         shape = (num_blocks, block_size, num_kv_heads, layout.stored_head_dim)
-        k = torch.zeros(shape, dtype=storage, device=device, pin_memory=pin)
-        v = torch.zeros(shape, dtype=storage, device=device, pin_memory=pin)
+        k = fill[0](shape, dtype=storage, device=device, pin_memory=pin)
+        v = fill[0](shape, dtype=storage, device=device, pin_memory=pin)
         ks = vs = None
         if layout.scales_per_head:
             # int8 / fp8: one scale per token-head, [.., Hkv]; int4: one per group, [.., Hkv, D/G]
             scale_shape = shape[:3] + ((layout.scales_per_head,) if storage == torch.uint8 else ())
-            ks = torch.ones(scale_shape, dtype=KV_SCALE_DTYPE, device=device, pin_memory=pin)
-            vs = torch.ones(scale_shape, dtype=KV_SCALE_DTYPE, device=device, pin_memory=pin)
+            ks = fill[1](scale_shape, dtype=KV_SCALE_DTYPE, device=device, pin_memory=pin)
+            vs = fill[1](scale_shape, dtype=KV_SCALE_DTYPE, device=device, pin_memory=pin)
         caches.append(LayerKVCache(k, v, ks, vs))
     return caches
 

@@ -25,6 +25,8 @@ from kvmesh.worker.model.architecture import Architecture, UnsupportedModelError
 from kvmesh.worker.model.llama import LlamaForCausalLM
 from kvmesh.worker.model.gguf_loader import load_gguf_model
 from kvmesh.worker.model.loader import ensure_config_dir, ensure_hf_dir, load_hf_config, load_state_dict
+from kvmesh.worker.model.loader import resolve_model as resolve_hf_source
+from kvmesh.worker.kernels import cpu_native_step
 from kvmesh.worker.runner.model_runner import TORCH_DTYPES, allocate_kv_caches, kv_storage_dtype
 
 logger = logging.getLogger(__name__)
@@ -99,6 +101,33 @@ class ModelSpec:
     max_model_len: int
     arch: Architecture  # the family's switches, validated
     gguf_path: Path | None = None  # quant.weight gguf: the file whose tensors load as stored (hf_dir: its config)
+
+
+def resolve_weight_quant(config: KvmeshConfig) -> KvmeshConfig:
+    """quant.weight auto resolved (every other value as given): gguf for a .gguf model (the
+    embedded one included) when the model runs on a CPU in fp32 and the native step is
+    available there: its int4 layers dequantize each weight in registers (greedy tokens those
+    of the dequantized model, HF's) and read the file's ~4.5 bits a weight instead of fp32's 32
+    (docs/benchmarks.md: the faster exact mode). none elsewhere (bf16 models, CUDA, HF folders,
+    tensor parallelism)."""
+    if config.quant.weight != "auto":
+        return config
+    chosen, why = "none", "not a .gguf model"
+    gguf = resolve_hf_source(config.model).gguf_path is not None
+    if gguf:
+        device = pick_device(config)
+        dtype = pick_dtype(config, device)
+        native = cpu_native_step.unavailable_reason()
+        if config.parallel.tensor_parallel_size > 1:
+            why = "tensor parallelism"
+        elif device.type != "cpu" or dtype != torch.float32:
+            why = f"the model runs on {device.type} in {dtype}, not on a CPU in fp32"
+        elif native is not None:
+            why = f"no native step ({native})"
+        else:
+            chosen, why = "gguf", "a .gguf model on a CPU in fp32: its own int4, exact in the native step"
+    logger.info("quant.weight auto -> %s (%s)", chosen, why)
+    return config.replace(quant={"weight": chosen})
 
 
 def resolve_model(config: KvmeshConfig) -> ModelSpec:
@@ -184,6 +213,7 @@ def allocate_rank_caches(config: KvmeshConfig, spec: ModelSpec, model, num_block
     kv_caches = allocate_kv_caches(layers, num_blocks, bs, hkv, model.head_dim, storage, spec.device)
     swap_caches: list[LayerKVCache] | None = None
     if num_swap_blocks > 0:
+        # resident only as blocks are swapped out (cache.swap_space_gib is a ceiling, not RSS at start)
         swap_caches = allocate_kv_caches(layers, num_swap_blocks, bs, hkv, model.head_dim, storage,
-                                         torch.device("cpu"), pin=spec.device.type == "cuda")
+                                         torch.device("cpu"), pin=spec.device.type == "cuda", initialised=False)
     return kv_caches, swap_caches

@@ -63,7 +63,7 @@ from kvmesh.worker.runtime.delta_channel import DeltaChannel
 from kvmesh.core.structured_output_metrics import StructuredOutputCollector
 from kvmesh.worker.parallel.placement import (actor_resource_options, engine_placement_group, rank_bundle,
                                               remove_engine_placement_group)
-from kvmesh.core.seams import (ErrorReport, FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta,
+from kvmesh.core.seams import (DispatchReport, ErrorReport, FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta,
                                RequestTimings, WorkerStats)
 
 logger = logging.getLogger(__name__)
@@ -104,6 +104,9 @@ class WorkerPoll:
     stats: WorkerStats
     prefix_events: PrefixEventBatch
     metrics_snapshot: bytes = b""  # EngineMetrics.snapshot(): Prometheus text format
+    # Per router replica, which of its dispatches `stats` holds (read with it); None: the
+    # engine keeps no such log (the router then counts its dispatches by time).
+    dispatches: dict[str, DispatchReport] | None = None
 
 
 def worker_actor_name(app_name: str, index: int) -> str:
@@ -132,7 +135,7 @@ class WorkerActor:
         engine = self._engine.engine
         plan = engine.parts.plan
         swap_bytes = plan.num_swap_blocks * plan.block_size * plan.kv_bytes_per_token
-        split = plan.device.split()
+        split = plan.device.split() | {"swap_space": swap_bytes}  # host memory, resident as blocks swap out
         self._metrics = telemetry.EngineMetrics(
             worker_id, telemetry.ModelInfoLabels.of_engine(engine, self._config), device=engine.parts.device,
             tensor_bytes=split["weights"] + split["draft_weights"] + split["kv_pool"] + split["draft_kv_pool"]
@@ -325,11 +328,13 @@ class WorkerActor:
 
     async def poll(self, since_prefix_seq: int) -> WorkerPoll:
         # The *_async reads wait for the engine lock in a thread, never on this event loop.
-        stats = await self.stats()
+        stats, dispatches = await self._engine.stats_with_dispatches_async()
+        if self._draining:  # as `stats`
+            stats = dataclasses.replace(stats, healthy=False)
         window = await self._engine.scheduler_stats_async()
         self._metrics.set_kv_window(window.peak_kv_tokens, window.mean_kv_tokens)
         return WorkerPoll(self._info, stats, await self._engine.prefix_events_async(since_prefix_seq),
-                          self._metrics.snapshot())
+                          self._metrics.snapshot(), dispatches)
 
     async def abort(self, request_id: str, replica_id: str | None = None) -> bool:
         """Abort a request; True when this worker was streaming it (its stream then ends

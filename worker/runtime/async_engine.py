@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvmesh.core.config import KvmeshConfig
-from kvmesh.core.seams import GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats, merge_deltas
+from kvmesh.core.seams import DispatchReport, GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats, merge_deltas
 from kvmesh.worker.engine_loop.engine import Engine
 from kvmesh.core.errors import InvalidRequestError, KvmeshError
 from kvmesh.worker.engine_loop.scheduler import SchedulerStats
@@ -276,6 +276,13 @@ class AsyncEngine:
         with self._lock:
             return self.engine.stats()
 
+    def stats_with_dispatches(self) -> tuple[WorkerStats, dict[str, DispatchReport] | None]:
+        """The figures and which router dispatches they hold, read together (one lock).
+        None: an engine that does not keep the log (the stack benchmark's null engine)."""
+        with self._lock:
+            report = getattr(self.engine, "dispatch_report", None)
+            return self.engine.stats(), (report() if report is not None else None)
+
     def scheduler_stats(self) -> SchedulerStats:
         """The scheduler's own figures (KV peak / mean over its window) for the worker's metrics."""
         with self._lock:
@@ -287,6 +294,9 @@ class AsyncEngine:
 
     async def stats_async(self) -> WorkerStats:
         return await asyncio.to_thread(self.stats)
+
+    async def stats_with_dispatches_async(self) -> tuple[WorkerStats, dict[str, DispatchReport] | None]:
+        return await asyncio.to_thread(self.stats_with_dispatches)
 
     async def scheduler_stats_async(self) -> SchedulerStats:
         return await asyncio.to_thread(self.scheduler_stats)

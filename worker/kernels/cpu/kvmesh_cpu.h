@@ -104,7 +104,7 @@ typedef struct {
 } kvmesh_step_batch;
 
 /* kvmesh_model.weight_kind and lm_head_kind */
-enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_I4 = 3 };
+enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_I4 = 3, W_I8G = 4 };
 
 /* kvmesh_model.int4_*_dtype */
 enum { META_F32 = 0, META_BF16 = 1, META_F16 = 2 };
@@ -218,6 +218,11 @@ static inline kvmesh_int4 int4_rows(kvmesh_int4 p, int64_t row0, int64_t K) {
    int8 x u4 products (llama.cpp's Q4_1 x Q8_1 scheme). Every variant. */
 KVMESH_INTERNAL void kvmesh_gemv_int4(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, const float *x,
                                       int64_t ldx, int64_t B, float *y, int64_t ldy, const int a8);
+
+/* projections_avx2.c: y[b * ldy + n] = W[n] . x[b] for int8 codes w [N][K] with one fp32 scale a
+   32-input group, scales [N][K / 32] (W_I8G: an LM head that is a GGUF Q8_0 table); K % 32 == 0. */
+KVMESH_INTERNAL void kvmesh_gemv_i8g(const int8_t *w, const float *scales, int64_t K, int64_t n0, int64_t n1,
+                                     const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy);
 
 /* The calling thread's AMX tile configuration for a step, and its release (no-ops without AMX). */
 KVMESH_INTERNAL void kvmesh_amx_tiles_begin(void);

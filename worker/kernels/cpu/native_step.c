@@ -214,8 +214,12 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
     /* The LM head keeps fp32 activations: quantizing the final hidden state per row flipped
        the self-draft's argmax often enough to cut its acceptance from 0.90 to 0.85 (bundled
        chat prompts, measured 2026-12-02 on the SPR machine of docs/benchmarks.md). */
-    kvmesh_gemv(m->lm_head_weight, m->lm_head_packed, (int)m->lm_head_kind, m->lm_head_scales, bf16, H,
-                share(V, tid, T, 16), share(V, tid + 1, T, 16), picked, H, s->S, s->logits, V, x16, 0, 0);
+    if (m->lm_head_kind == W_I8G)  /* a GGUF Q8_0 table read as stored */
+        kvmesh_gemv_i8g((const int8_t *)m->lm_head_weight, (const float *)m->lm_head_scales, H, share(V, tid, T, 16),
+                        share(V, tid + 1, T, 16), picked, H, s->S, s->logits, V);
+    else
+        kvmesh_gemv(m->lm_head_weight, m->lm_head_packed, (int)m->lm_head_kind, m->lm_head_scales, bf16, H,
+                    share(V, tid, T, 16), share(V, tid + 1, T, 16), picked, H, s->S, s->logits, V, x16, 0, 0);
     kvmesh_amx_tiles_end();
 }
 
@@ -248,11 +252,13 @@ int kvmesh_native_step_check(const kvmesh_model *m) {
     for (int i = 0; i < 4; i++)
         if (widths[i] <= 0 || widths[i] % 16) return 1;
     if (m->num_kv_heads <= 0 || m->num_q_heads % m->num_kv_heads) return 2;
-    if (m->weight_kind < W_F32 || m->weight_kind > W_I4 || m->lm_head_kind < W_F32 || m->lm_head_kind > W_I8)
+    if (m->weight_kind < W_F32 || m->weight_kind > W_I4 || m->lm_head_kind < W_F32 || m->lm_head_kind > W_I8G
+        || m->lm_head_kind == W_I4 || (m->lm_head_kind == W_I8G && (m->bf16 || m->hidden % 32)))
         return 3;
     if (m->bf16 != 0 && m->bf16 != 1) return 4;
+    const int head_scaled = m->lm_head_kind == W_I8 || m->lm_head_kind == W_I8G;
     if (!m->embed || !m->final_norm || !m->rope_cos || !m->rope_sin || !m->lm_head_weight || m->vocab <= 0
-        || (m->lm_head_kind == W_I8) != (m->lm_head_scales != NULL))
+        || head_scaled != (m->lm_head_scales != NULL))
         return 5;
     if (m->num_layers <= 0 || !m->layers || m->block_size <= 0) return 6;
     const int i4 = m->weight_kind == W_I4;

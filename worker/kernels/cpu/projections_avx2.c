@@ -5,10 +5,14 @@
                         build's path (the AVX-512 builds run projections.c's)
      kvmesh_gemv_int4   int4 groups as stored (quant.weight: int4, GGUF Q4_0 / Q4_1 / Q4_K
                         kept): every build's int4 path
+     kvmesh_gemv_i8g    int8 codes with one fp32 scale a 32-input group (an LM head that is a
+                        GGUF Q8_0 table, read as stored instead of as its fp32 copy)
 
    Both stream each weight row once per step for up to MAX_TOKENS_A_PASS tokens, whose fp32
    accumulators stay in registers (AVX2 has 16), so a batch of up to 8 decode rows reads its
    weights from memory once; more tokens re-read the row from L1. */
+#include <math.h>
+
 #include "kvmesh_cpu.h"
 
 #define MAX_TOKENS_A_PASS 8
@@ -98,7 +102,8 @@ static inline __attribute__((always_inline)) void codes32(const uint8_t *p, __m2
     q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
 }
 
-/* One int4 row against C tokens: res[j] = W[n] . x[j]. Each group's weights are
+/* One int4 row against C tokens, the general exact form (rows whose groups int4_fma_meta
+   cannot fold): res[j] = W[n] . x[j]. Each group's weights are
    (code - zero) * scale + min, the subtraction exact and the rest one FMA: the product of a
    code and a GGUF scale is exact in fp32 (quant/gguf_layouts.py), so this rounds once where
    dequantize_int4_groupwise rounds once (its add of the min), and with no min the product
@@ -276,8 +281,9 @@ static inline __attribute__((always_inline)) void int4_row_i8(const kvmesh_int4 
     for (int j = 0; j < C; j++) res[j] = hsum8(acc[j]) + dot_f32(meta + blocks, xr->sum + (b0 + j) * blocks, blocks);
 }
 
-void kvmesh_gemv_int4(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, const float *x, int64_t ldx,
-                      int64_t B, float *y, int64_t ldy, const int a8) {
+/* Rows [n0, n1) one at a time: int4_row_i8 (a8), else int4_row (a8 = 0, or no memory for the int8 rows). */
+static void int4_rows_one_by_one(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, const float *x,
+                                 int64_t ldx, int64_t B, float *y, int64_t ldy, const int a8) {
     float res[MAX_TOKENS_A_PASS];
     Int8Rows xr = {0, 0, 0, 0};
     if (a8) xr = int8_rows(x, ldx, B, K);
@@ -304,5 +310,239 @@ void kvmesh_gemv_int4(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, c
 #undef INT4_ROW
             for (int64_t j = 0; j < c; j++) y[(b + j) * ldy + n] = res[j];
         }
+    }
+}
+
+/* The exact path's fast form. Each weight is fmadd(code, scale, c) with c = min - zero * scale
+   folded per group: bit for bit dequantize_int4_groupwise's (code - zero) * scale + min where
+   that fold is exact (int4_fma_meta says where), so it keeps the eager weights while spending
+   per 16 weights one widening load, an AND, a shift, two conversions and two FMAs, then two
+   FMAs a token. The 16 codes of 8 bytes widen to 32-bit lanes holding byte i: its low nibble is
+   input 2i, the high one input 2i + 1, so the tokens' rows are laid out once a call as the
+   codes are (each 16 inputs: the 8 even ones, then the 8 odd ones) and no code is shuffled.
+   Several rows a pass share each load of a token's inputs (batch 1: 4 rows); up to 8 tokens a
+   pass share each row's dequantized weights (rows x tokens <= 8 accumulators). */
+#define I4_TILE_ACCUMULATORS 8
+
+/* TILE(R, C) with constant R x C (<= 8 accumulators) for run-time r rows (4, 2 or 1), c tokens */
+#define TILE_BY_SHAPE(TILE, r, c) do {                                                                       \
+    if ((r) == 4) {                                                                                         \
+        if ((c) == 2) TILE(4, 2); else TILE(4, 1);                                                          \
+    } else if ((r) == 2) {                                                                                  \
+        switch (c) { case 4: TILE(2, 4); break; case 3: TILE(2, 3); break; case 2: TILE(2, 2); break;       \
+                     default: TILE(2, 1); }                                                                 \
+    } else {                                                                                                \
+        switch (c) { case 8: TILE(1, 8); break; case 7: TILE(1, 7); break; case 6: TILE(1, 6); break;       \
+                     case 5: TILE(1, 5); break; case 4: TILE(1, 4); break; case 3: TILE(1, 3); break;       \
+                     case 2: TILE(1, 2); break; default: TILE(1, 1); }                                      \
+    }                                                                                                       \
+} while (0)
+
+/* rows a pass for B tokens: 4 at batch 1-2, 2 at 3-4, then 1 (rows x tokens <= 8 accumulators) */
+static inline int rows_a_pass(int64_t B) { return B >= 5 ? 1 : B >= 3 ? 2 : 4; }
+
+static inline __m256 load8_meta(const void *p, int64_t i, const int dtype) {
+    if (dtype == META_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    if (dtype == META_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+/* Row n's group scales into meta[0, G) and offsets c into meta[G, 2G); 0 where a group cannot
+   fold exactly. With zero 0, c is the min: (code - 0) * scale + min rounds once either way.
+   Otherwise only with no min and an integer zero whose product with the scale is exact (GGUF
+   Q4_0's 8 x an fp16 scale; kvmesh's int4 in a 16-bit dtype): c = -zero * scale, and the FMA's
+   one rounding of code * scale - zero * scale is eager's one rounding of (code - zero) * scale. */
+static int int4_fma_meta(const kvmesh_int4 *p, int64_t n, int64_t G, float *meta) {
+    float *sc = meta, *off = meta + G;
+    const int64_t at = n * G;
+    const __m256 zero = _mm256_setzero_ps();
+    __m256 bad = zero;
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8) {
+        const __m256 s = load8_meta(p->scales, at + g, p->scale_dtype), z = load8_meta(p->zeros, at + g, p->zero_dtype);
+        const __m256 m = p->mins ? load8_meta(p->mins, at + g, p->min_dtype) : zero;
+        const __m256 prod = _mm256_mul_ps(z, s), z0 = _mm256_cmp_ps(z, zero, _CMP_EQ_OQ);
+        const __m256 integer = _mm256_cmp_ps(z, _mm256_round_ps(z, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                             _CMP_EQ_OQ);
+        const __m256 exact = _mm256_cmp_ps(_mm256_fmsub_ps(z, s, prod), zero, _CMP_EQ_OQ);
+        const __m256 folds = _mm256_or_ps(z0, _mm256_and_ps(_mm256_and_ps(_mm256_cmp_ps(m, zero, _CMP_EQ_OQ), integer), exact));
+        bad = _mm256_or_ps(bad, _mm256_xor_ps(folds, _mm256_castsi256_ps(_mm256_set1_epi32(-1))));
+        _mm256_storeu_ps(sc + g, s);
+        _mm256_storeu_ps(off + g, _mm256_blendv_ps(_mm256_sub_ps(zero, prod), m, z0));
+    }
+    if (_mm256_movemask_ps(bad)) return 0;
+    for (; g < G; g++) {
+        const float s = load_meta(p->scales, at + g, p->scale_dtype), z = load_meta(p->zeros, at + g, p->zero_dtype);
+        const float m = p->mins ? load_meta(p->mins, at + g, p->min_dtype) : 0.0f, prod = z * s;
+        sc[g] = s;
+        if (z == 0.0f) { off[g] = m; continue; }
+        if (m != 0.0f || z != rintf(z) || fmaf(z, s, -prod) != 0.0f) return 0;
+        off[g] = -prod;
+    }
+    return 1;
+}
+
+/* The tokens' rows in the codes' order (each 16 inputs: 8 even, then 8 odd), in a per-thread
+   buffer with `extra` floats after them for the rows' metadata; NULL: no memory. */
+static float *nibble_ordered_rows(const float *x, int64_t ldx, int64_t B, int64_t K, int64_t extra) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    const size_t need = sizeof(float) * (size_t)(B * K + extra);
+    if (cap < need) {
+        free(buf);
+        buf = malloc(need);
+        cap = buf ? need : 0;
+    }
+    if (!buf) return NULL;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t k = 0; k < K; k += 16) {
+            const __m256 lo = _mm256_loadu_ps(x + b * ldx + k), hi = _mm256_loadu_ps(x + b * ldx + k + 8);
+            /* shuffle_ps picks within 128-bit lanes: lo0 lo2 hi0 hi2 | lo4 lo6 hi4 hi6; the
+               64-bit permute puts the lanes' halves in order */
+            const __m256d even = _mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0x88));
+            const __m256d odd = _mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0xdd));
+            _mm256_storeu_ps(buf + b * K + k, _mm256_castpd_ps(_mm256_permute4x64_pd(even, 0xd8)));
+            _mm256_storeu_ps(buf + b * K + k + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(odd, 0xd8)));
+        }
+    return buf;
+}
+
+/* R rows from `codes` (their metadata: meta + 2 G r) against C nibble-ordered token rows:
+   res[r * C + j]. */
+static inline __attribute__((always_inline)) void int4_tile(const uint8_t *codes, int64_t K, int64_t group,
+                                                            const float *meta, int64_t G, const float *xp, const int R,
+                                                            const int C, const int prefetch, float *res) {
+    __m256 acc[4][I4_TILE_ACCUMULATORS];
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        #pragma GCC unroll 8
+        for (int j = 0; j < C; j++) acc[r][j] = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi32(0x0f);
+    for (int64_t g = 0; g < G; g++) {
+        __m256 s[4], c[4];
+        #pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            s[r] = _mm256_broadcast_ss(meta + 2 * G * r + g);
+            c[r] = _mm256_broadcast_ss(meta + 2 * G * r + G + g);
+            if (prefetch && ((g * group) & 127) == 0)  /* the rows of the next pass */
+                _mm_prefetch((const char *)codes + (r + R) * (K / 2) + g * group / 2, _MM_HINT_T0);
+        }
+        for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
+            __m256 even[4], odd[4];
+            #pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + r * (K / 2) + k / 2)));
+                even[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low4)), s[r], c[r]);
+                odd[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), s[r], c[r]);
+            }
+            #pragma GCC unroll 8
+            for (int j = 0; j < C; j++) {
+                const __m256 xe = _mm256_loadu_ps(xp + j * K + k), xo = _mm256_loadu_ps(xp + j * K + k + 8);
+                #pragma GCC unroll 4
+                for (int r = 0; r < R; r++) acc[r][j] = _mm256_fmadd_ps(odd[r], xo, _mm256_fmadd_ps(even[r], xe, acc[r][j]));
+            }
+        }
+    }
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        #pragma GCC unroll 8
+        for (int j = 0; j < C; j++) res[r * C + j] = hsum8(acc[r][j]);
+}
+
+/* The exact path: rows [n0, n1) in passes of R rows x up to 8 / R tokens; 0 where there was no
+   memory for the reordered rows (nothing written). */
+static int int4_gemv_exact(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, const float *x, int64_t ldx,
+                           int64_t B, float *y, int64_t ldy) {
+    const int64_t G = K / p->group;
+    float *xp = nibble_ordered_rows(x, ldx, B, K, 2 * 4 * G);
+    if (!xp) return 0;
+    float *meta = xp + B * K, res[I4_TILE_ACCUMULATORS];
+    for (int64_t n = n0; n < n1;) {
+        const int R = n1 - n >= rows_a_pass(B) ? rows_a_pass(B) : 1;
+        int folds = 1;
+        for (int r = 0; r < R && folds; r++) folds = int4_fma_meta(p, n + r, G, meta + 2 * G * r);
+        if (!folds) {
+            int4_rows_one_by_one(p, K, n, n + R, x, ldx, B, y, ldy, 0);
+            n += R;
+            continue;
+        }
+        const uint8_t *codes = p->codes + n * (K / 2);
+        for (int64_t b = 0; b < B;) {
+            const int c = (int)(B - b < I4_TILE_ACCUMULATORS / R ? B - b : I4_TILE_ACCUMULATORS / R);
+            const float *xb = xp + b * K;
+#define I4_TILE(R_, C_) int4_tile(codes, K, p->group, meta, G, xb, R_, C_, b == 0, res)
+            TILE_BY_SHAPE(I4_TILE, R, c);
+#undef I4_TILE
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < c; j++) y[(b + j) * ldy + n + r] = res[r * c + j];
+            b += c;
+        }
+        n += R;
+    }
+    return 1;
+}
+
+void kvmesh_gemv_int4(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, const float *x, int64_t ldx,
+                      int64_t B, float *y, int64_t ldy, const int a8) {
+    if (!a8 && int4_gemv_exact(p, K, n0, n1, x, ldx, B, y, ldy)) return;
+    int4_rows_one_by_one(p, K, n0, n1, x, ldx, B, y, ldy, a8);
+}
+
+/* R rows of int8 codes (one fp32 scale a 32-input group) against C fp32 token rows: res[r * C + j].
+   Each weight is code * scale, exact for a GGUF Q8_0 table (a 7-bit code times an fp16 scale),
+   so the weights are those of its fp32 copy, read at a quarter of its bytes. */
+static inline __attribute__((always_inline)) void i8g_tile(const int8_t *codes, const float *scales, int64_t K,
+                                                           const float *x, int64_t ldx, const int R, const int C,
+                                                           float *res) {
+    const int64_t G = K / 32;
+    __m256 acc[4][I4_TILE_ACCUMULATORS];
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        #pragma GCC unroll 8
+        for (int j = 0; j < C; j++) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m256 s[4];
+        #pragma GCC unroll 4
+        for (int r = 0; r < R; r++) s[r] = _mm256_broadcast_ss(scales + r * G + g);
+        #pragma GCC unroll 4
+        for (int64_t k = 32 * g; k < 32 * g + 32; k += 8) {
+            __m256 w[4];
+            #pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                w[r] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(codes + r * K + k)))), s[r]);
+            #pragma GCC unroll 8
+            for (int j = 0; j < C; j++) {
+                const __m256 xv = _mm256_loadu_ps(x + j * ldx + k);
+                #pragma GCC unroll 4
+                for (int r = 0; r < R; r++) acc[r][j] = _mm256_fmadd_ps(w[r], xv, acc[r][j]);
+            }
+        }
+    }
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        #pragma GCC unroll 8
+        for (int j = 0; j < C; j++) res[r * C + j] = hsum8(acc[r][j]);
+}
+
+void kvmesh_gemv_i8g(const int8_t *w, const float *scales, int64_t K, int64_t n0, int64_t n1, const float *x,
+                     int64_t ldx, int64_t B, float *y, int64_t ldy) {
+    float res[I4_TILE_ACCUMULATORS];
+    for (int64_t n = n0; n < n1;) {
+        const int R = n1 - n >= rows_a_pass(B) ? rows_a_pass(B) : 1;
+        const int8_t *codes = w + n * K;
+        const float *sc = scales + n * (K / 32);
+        for (int64_t b = 0; b < B;) {
+            const int c = (int)(B - b < I4_TILE_ACCUMULATORS / R ? B - b : I4_TILE_ACCUMULATORS / R);
+#define I8G_TILE(R_, C_) i8g_tile(codes, sc, K, x + b * ldx, ldx, R_, C_, res)
+            TILE_BY_SHAPE(I8G_TILE, R, c);
+#undef I8G_TILE
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < c; j++) y[(b + j) * ldy + n + r] = res[r * c + j];
+            b += c;
+        }
+        n += R;
     }
 }
