@@ -37,6 +37,7 @@ from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.load_tests import process_cpu
 from kvmesh.load_tests.corpus import TokenCorpus
 from kvmesh.load_tests.workloads import WorkloadRequest, WorkloadSpec, generate_workload
+from kvmesh.router.launch import machine_topology, set_local_ray_env
 
 # OpenMP's wait settings: read once when torch loads its runtime; --env sets them for both sides
 OPENMP_WAIT_ENV = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "KMP_BLOCKTIME")
@@ -57,8 +58,6 @@ class SideFigures:
 
 def serve_config(model: str | None, overrides: tuple[str, ...] = ()) -> KvmeshConfig:
     """The config `kvmesh serve [--model M] [--set ...]` deploys on this machine, on loopback."""
-    from kvmesh.router.launch import machine_topology
-
     workers, threads = machine_topology(os.cpu_count() or 1)
     data = KvmeshConfig().to_dict()
     data["parallel"].update(num_workers=workers, cpu_threads=threads)
@@ -85,7 +84,7 @@ def _generate(r: WorkloadRequest, tag: str) -> GenerateRequest:
 
 def run_in_process(config: KvmeshConfig, requests: list[WorkloadRequest], round_: int) -> SideFigures:
     """A fresh engine from `config` in this process; warm-up, then every request at t=0."""
-    from kvmesh.worker.engine_api import Engine
+    from kvmesh.worker.engine_api import Engine  # torch: loaded after main() applied --env
 
     engine = Engine.from_config(config)
     try:
@@ -116,8 +115,8 @@ def run_in_process(config: KvmeshConfig, requests: list[WorkloadRequest], round_
 def run_served(config: KvmeshConfig, requests: list[WorkloadRequest], round_: int) -> SideFigures:
     """A fresh Serve app of `config` on this process's Ray; warm-up, then every request at t=0
     over gRPC; E2E = when a request's final delta arrives."""
-    from kvmesh.load_tests.grpc_target import ClusterTarget
-    from kvmesh.load_tests.targets import TargetRequest
+    from kvmesh.load_tests.grpc_target import ClusterTarget  # Ray Serve: only for the served side
+    from kvmesh.load_tests.targets import TargetRequest  # with ClusterTarget
 
     async def go() -> SideFigures:
         target = ClusterTarget(config.to_dict(), app_name=f"kvmesh-bench-{round_}")
@@ -150,7 +149,7 @@ def run_served(config: KvmeshConfig, requests: list[WorkloadRequest], round_: in
 
 
 def seed_shaped_requests(config: KvmeshConfig, quick: bool) -> list[WorkloadRequest]:
-    from kvmesh.worker.engine_api import load_tokenizer
+    from kvmesh.worker.engine_api import load_tokenizer  # torch: loaded after main() applied --env
 
     spec = WorkloadSpec(kind="synthetic", num_requests=6 if quick else 64, scale=0.05 if quick else 0.25, seed=0)
     return generate_workload(spec, TokenCorpus(load_tokenizer(config.model)))
@@ -158,9 +157,7 @@ def seed_shaped_requests(config: KvmeshConfig, quick: bool) -> list[WorkloadRequ
 
 def run(config: KvmeshConfig, requests: list[WorkloadRequest], rounds: int,
         only: str | None = None) -> list[SideFigures]:
-    import ray
-
-    from kvmesh.router.launch import set_local_ray_env
+    import ray  # loaded after main() applied --env
 
     if not ray.is_initialized():  # a Ray of its own, as `kvmesh serve` starts one
         set_local_ray_env()
