@@ -21,10 +21,8 @@ Figures per kvmesh mode:
     its rows attend over) at this process's measured read bandwidth, as a share of the step;
   * bf16 only: greedy agreement with HF transformers in bf16 over a fixed prompt set (tokens
     equal up to the first divergence, over all generated tokens).
-With --serve, the same seed-shaped run through a local `kvmesh serve` over gRPC, its ratio to
-the in-process engine, and the cores each part of the cluster used meanwhile (worker actors,
-router replica, Serve's proxy, Ray's own processes, the client; load_tests/process_cpu.py)
-and the cores left idle: on a small machine that account bounds the served ratio.
+The served stack against this engine is load_tests/bench_served.py (the same config on both
+sides, alternating).
 The machine is shared and noisy: compare figures within one run (ratios), not across runs.
 --ab A,B builds both modes' engines in one process and alternates them, round by round, on
 the batch-1 and batch-64 decode figures only (the fairest A/B such a machine allows).
@@ -54,7 +52,6 @@ import torch.nn.functional as F
 
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.load_tests.corpus import TokenCorpus
-from kvmesh.load_tests import process_cpu
 from kvmesh.load_tests.workloads import WorkloadRequest, WorkloadSpec, generate_workload
 from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.worker.engine_api import Engine
@@ -142,8 +139,6 @@ class BenchReport:
     hf_static: EngineRunFigures | None = None
     llama_server: EngineRunFigures | None = None
     llama_server_batch1_tok_s: float | None = None  # its own decode rate, one request alone
-    served: EngineRunFigures | None = None  # --serve: the same requests through a local `kvmesh serve`
-    served_cpu: process_cpu.CpuAccount | None = None  # --serve: the cores each part of the cluster used meanwhile
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -505,64 +500,6 @@ def run_llama_server(binary: str, gguf: str, requests: list[WorkloadRequest], th
         proc.wait(30)
 
 
-def run_served(model: str | None, requests: list[WorkloadRequest], warmup: int = 2,
-               overrides: tuple[str, ...] = ()) -> tuple[EngineRunFigures, process_cpu.CpuAccount]:
-    """The same requests through a private local `kvmesh serve` (Ray Serve router + worker
-    actors, `kvmesh serve`'s own defaults but for the model path and loopback ports: the
-    workers and CPU share it starts without a config; `overrides` as `kvmesh serve --set`)
-    over gRPC, every request sent at t=0 with the client library; E2E = when its final
-    delta arrives. Prints how many messages carried the tokens (streams merge under load);
-    returns the figures and the cores each process role used over the timed window."""
-    import asyncio
-
-    from kvmesh.router.launch import machine_topology, set_local_ray_env
-    from kvmesh.load_tests.grpc_target import ClusterTarget
-    from kvmesh.load_tests.targets import TargetRequest
-
-    config = {"router": {"host": "127.0.0.1"}, **({"model": {"path": model}} if model else {}),
-              "parallel": dict(zip(("num_workers", "cpu_threads"), machine_topology(os.cpu_count() or 1)))}
-    if overrides:
-        from kvmesh.core.config import KvmeshConfig, apply_overrides
-
-        config = apply_overrides(KvmeshConfig.from_dict(config), overrides).to_dict()
-
-    import ray
-
-    if not ray.is_initialized():  # a Ray of its own: never join another cluster on this machine
-        set_local_ray_env()  # as `kvmesh serve` starts one
-        ray.init(address="local", include_dashboard=False, log_to_driver=False)
-
-    async def go() -> tuple[EngineRunFigures, process_cpu.CpuAccount]:
-        target = ClusterTarget(config, app_name="kvmesh-bench")
-        await target.start()
-        try:
-            messages = 0
-
-            async def one(r: WorkloadRequest, tag: str, t0: float, finish: list[float]) -> None:
-                nonlocal messages
-                req = TargetRequest(f"{tag}{r.index}", r.prompt_token_ids, "", r.output_tokens)
-                async for chunk in target.stream(req):
-                    messages += 1
-                    if chunk.finished:
-                        finish.append(time.perf_counter() - t0)
-
-            await asyncio.gather(*(one(r, "warm", 0.0, []) for r in requests[:warmup]))
-            finish: list[float] = []
-            messages, tokens = 0, sum(r.output_tokens for r in requests)
-            cpu_before = process_cpu.snapshot()
-            t0 = time.perf_counter()
-            await asyncio.gather(*(one(r, "w", t0, finish) for r in requests))
-            figures = _run_figures(finish, tokens, time.perf_counter() - t0)
-            cpu = process_cpu.account(cpu_before, process_cpu.snapshot())
-            print(f"[served] {tokens} tokens in {messages} messages ({tokens / max(1, messages):.2f} a message)",
-                  file=sys.stderr, flush=True)
-            return figures, cpu
-        finally:
-            await target.close()
-
-    return asyncio.run(go())
-
-
 # ---- the run -------------------------------------------------------------------------------
 
 
@@ -602,9 +539,6 @@ def run(args) -> BenchReport:
         print(f"[{name}] {json.dumps(asdict(figures))}", file=sys.stderr, flush=True)
     if not args.no_hf:
         report.hf_static = run_hf_static(args.model, requests, torch.float32 if args.quick else torch.bfloat16)
-    if args.serve:
-        report.served, report.served_cpu = run_served(args.model, requests[:2] if args.quick else requests,
-                                                      overrides=tuple(args.serve_set))
     if args.llama_server:
         gguf = args.gguf or str(_gguf_path(args.model))
         report.llama_server, report.llama_server_batch1_tok_s = run_llama_server(
@@ -621,8 +555,8 @@ def _gguf_path(model: str | None):
 
 
 def ratio_lines(report: BenchReport) -> list[str]:
-    """The issue's in-run ratios: best mode vs HF static, served vs the in-process engine in
-    the dtype the server picks (model.dtype auto)."""
+    """The issue's in-run ratios: best mode vs HF static and llama.cpp; the default mode (the
+    dtype the server picks, model.dtype auto) vs HF static."""
     from kvmesh.worker.engine_api import cpu_has_native_bf16
 
     lines = []
@@ -642,12 +576,6 @@ def ratio_lines(report: BenchReport) -> list[str]:
         lines.append(f"seed-shaped run: kvmesh {best.mode} / llama.cpp 8 slots = "
                      f"{best.seed_run.output_tok_s / report.llama_server.output_tok_s:.2f}x throughput, "
                      f"E2E P99 {best.seed_run.e2e_p99_s / report.llama_server.e2e_p99_s:.2f}x")
-    if report.served is not None and in_process is not None:
-        lines.append(f"kvmesh serve / in-process {default} (the served default here) = "
-                     f"{report.served.output_tok_s / in_process.seed_run.output_tok_s:.2f}x throughput, "
-                     f"E2E P99 {report.served.e2e_p99_s / in_process.seed_run.e2e_p99_s:.2f}x")
-    if report.served_cpu is not None:
-        lines.append("kvmesh serve's run: " + report.served_cpu.summary())
     return lines
 
 
@@ -662,8 +590,7 @@ def format_table(report: BenchReport) -> str:
         lines.append(f"| kvmesh {m.mode} | {s.output_tok_s:.1f} | {s.e2e_p50_s:.1f} | {s.e2e_p99_s:.1f} | "
                      f"{m.batch1_decode_tok_s:.1f} | {m.batch64_decode_tok_s:.1f} | "
                      f"{m.gemm_fraction:.0%} ({m.batch64_gflop_s:.0f} / {m.gemm_gflop_s:.0f} GFLOP/s) |")
-    for name, peer in (("HF static batches of 8", report.hf_static), ("llama-server, 8 slots", report.llama_server),
-                       ("kvmesh serve (gRPC, defaults)", report.served)):
+    for name, peer in (("HF static batches of 8", report.hf_static), ("llama-server, 8 slots", report.llama_server)):
         if peer is not None:
             batch1 = report.llama_server_batch1_tok_s if peer is report.llama_server else None
             lines.append(f"| {name} | {peer.output_tok_s:.1f} | {peer.e2e_p50_s:.1f} | {peer.e2e_p99_s:.1f} | "
@@ -695,11 +622,6 @@ def main(argv: list[str] | None = None) -> BenchReport:
     p.add_argument("--modes", help="comma-separated subset of: " + ", ".join(m[0] for m in FULL_MODES + OPTIONAL_MODES))
     p.add_argument("--quick", action="store_true", help="a few tiny requests, two modes: a smoke run in seconds")
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers static batches")
-    p.add_argument("--serve", action="store_true",
-                   help="also send the seed-shaped run through a local `kvmesh serve` (Ray, gRPC, defaults)")
-    p.add_argument("--serve-set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="--serve: a config override for the served cluster, as `kvmesh serve --set` "
-                        "(e.g. scheduler.stream_messages_per_s=25; repeatable)")
     p.add_argument("--llama-server", metavar="PATH", help="llama.cpp llama-server binary to compare against")
     p.add_argument("--gguf", help="GGUF for llama-server (default: the embedded model's)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")

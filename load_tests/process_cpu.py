@@ -3,7 +3,7 @@
 A served run shares the machine's cores between the engine and everything that carries its
 tokens (Serve's proxy, the router replica, Ray's GCS / raylet / log monitor, the client). On a
 small machine that share decides how close served throughput can come to the in-process
-engine's, so `bench_engine --serve` prints it next to the figures: cores used per role over
+engine's, so `bench_served` prints it next to the figures: cores used per role over
 the timed window, and the cores nobody used.
 
 Processes are grouped by their Ray process title (`ray::WorkerActor`, `ray::ProxyActor`,

@@ -42,11 +42,12 @@ are such observers).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -104,27 +105,50 @@ class _EvictAll:
     reason: str
 
 
+@dataclass
+class _Call:
+    """`fn(engine, *args)` on the step thread; its result or error goes to `done`."""
+
+    fn: Callable
+    args: tuple
+    done: concurrent.futures.Future
+
+
 class AsyncEngine:
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.model_name = engine.model_name
-        self.block_size = engine.block_size
-        self.tokenizer = engine.tokenizer
+    def __init__(self, engine: Engine | None = None, build: Callable[[], Engine] | None = None):
+        """Around `engine`, or around the engine `build()` makes on the step thread (from_config):
+        exactly one of them. Blocks until the engine is there; `build`'s error is raised here."""
+        if (engine is None) == (build is None):
+            raise TypeError("AsyncEngine takes an engine or a build function, one of them")
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._lock = threading.Lock()  # held by the step thread while it touches the engine
         self._streams: dict[str, DeltaTarget] = {}
-        self._stream_budget_per_s = engine.config.scheduler.stream_messages_per_s
         self._stop = threading.Event()
-        # Structured output's tokenizer view holds the GIL while it is built: before the step
-        # thread runs, never at the first constrained request (structured_output.py).
-        engine.structured.prepare()
-        self._thread = threading.Thread(target=self._run, name="kvmesh-engine-step", daemon=True)
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        if engine is not None:
+            # Structured output's tokenizer view holds the GIL while it is built: before the
+            # step thread runs, never at the first constrained request (structured_output.py).
+            engine.structured.prepare()
+            built.set_result(engine)
+        self._thread = threading.Thread(target=self._run, args=(built, build), name="kvmesh-engine-step",
+                                        daemon=True)
         self._thread.start()
+        self.engine = built.result()
+        self.model_name = self.engine.model_name
+        self.block_size = self.engine.block_size
+        self.tokenizer = self.engine.tokenizer
+        self._stream_budget_per_s = self.engine.config.scheduler.stream_messages_per_s
 
     @classmethod
     def from_config(cls, config: KvmeshConfig | None = None, worker_id: str = "worker-0") -> "AsyncEngine":
-        return cls(Engine.from_config(config, worker_id))
+        """The engine built on its own step thread: every torch op of the model (load, warm-up,
+        steps, prefix export / import) then runs on that one thread, so the process has one
+        OpenMP thread team. A second team (the model loaded on the caller's thread, stepped on
+        this one) makes libgomp count more threads than cores and cut its spin-wait at every
+        barrier to ~1,000 pauses: the engine's threads then sleep at each barrier and wake
+        behind whatever else runs on the core (docs/benchmarks.md, "Served against in-process")."""
+        return cls(build=lambda: Engine.from_config(config, worker_id))
 
     def block_extra_keys(self, cache_salt: str | None = None, adapter=None) -> tuple[str, ...]:
         return self.engine.block_extra_keys(cache_salt, adapter)
@@ -281,12 +305,20 @@ class AsyncEngine:
         return await asyncio.to_thread(self.prefix_events, since_seq)
 
     def locked(self, fn, *args):
-        """`fn(engine, *args)` between two steps (prefix export / import, worker/engine_loop/kv_transfer.py)."""
-        with self._lock:
+        """`fn(engine, *args)` on the step thread between two steps (prefix export / import,
+        worker/engine_loop/kv_transfer.py): its torch ops stay on the engine's thread team."""
+        if threading.current_thread() is self._thread:
             return fn(self.engine, *args)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Call(fn, args, done))
+        self._wakeup.set()
+        return done.result()
 
     async def locked_async(self, fn, *args):
-        return await asyncio.to_thread(self.locked, fn, *args)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Call(fn, args, done))
+        self._wakeup.set()
+        return await asyncio.wrap_future(done)
 
     async def shutdown(self) -> None:
         self._stop.set()
@@ -296,7 +328,19 @@ class AsyncEngine:
 
     # ---- the step thread ----------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, built: concurrent.futures.Future, build: Callable[[], Engine] | None) -> None:
+        if build is not None:
+            try:
+                engine = build()
+                engine.structured.prepare()  # as __init__ does for an engine it is given
+            except BaseException as exc:
+                built.set_exception(exc)
+                return
+            built.set_result(engine)
+        self.engine = built.result()
+        self._step_loop()
+
+    def _step_loop(self) -> None:
         while not self._stop.is_set():
             with self._lock:
                 deltas = self._drain_inbox()
@@ -330,6 +374,12 @@ class AsyncEngine:
                     cmd.loop.call_soon_threadsafe(_settle, cmd.accepted, None)
             elif isinstance(cmd, _EvictAll):
                 deltas += self.engine.evict_all(cmd.reason)
+            elif isinstance(cmd, _Call):
+                if cmd.done.set_running_or_notify_cancel():
+                    try:
+                        cmd.done.set_result(cmd.fn(self.engine, *cmd.args))
+                    except BaseException as exc:
+                        cmd.done.set_exception(exc)
             else:
                 deltas += self.engine.abort(cmd.request_id)
 
