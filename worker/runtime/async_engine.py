@@ -106,7 +106,7 @@ class _EvictAll:
 
 
 @dataclass
-class _Call:
+class _OnStepThread:
     """`fn(engine, *args)` on the step thread; its result or error goes to `done`."""
 
     fn: Callable
@@ -310,13 +310,13 @@ class AsyncEngine:
         if threading.current_thread() is self._thread:
             return fn(self.engine, *args)
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(_Call(fn, args, done))
+        self._inbox.put(_OnStepThread(fn, args, done))
         self._wakeup.set()
         return done.result()
 
     async def locked_async(self, fn, *args):
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(_Call(fn, args, done))
+        self._inbox.put(_OnStepThread(fn, args, done))
         self._wakeup.set()
         return await asyncio.wrap_future(done)
 
@@ -374,7 +374,7 @@ class AsyncEngine:
                     cmd.loop.call_soon_threadsafe(_settle, cmd.accepted, None)
             elif isinstance(cmd, _EvictAll):
                 deltas += self.engine.evict_all(cmd.reason)
-            elif isinstance(cmd, _Call):
+            elif isinstance(cmd, _OnStepThread):
                 if cmd.done.set_running_or_notify_cancel():
                     try:
                         cmd.done.set_result(cmd.fn(self.engine, *cmd.args))
