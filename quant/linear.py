@@ -381,6 +381,9 @@ def quantize_model(model: nn.Module, cfg: QuantConfig,
     awq: the AWQ search result per module name (quant.awq.search_model_awq, on this model's
     calibration statistics), required for int4_awq and ignored otherwise."""
     cfg.validate()
+    if cfg.weight == "auto":  # a machine-dependent choice the engine makes before it loads the model
+        raise ConfigError("quant.weight auto is resolved before the model loads "
+                          "(worker/runner/model_setup.py resolve_weight_quant)")
     if cfg.weight == "none":
         return QuantReport("none", None, (), 0, 0)
     targets = projection_linears(model)

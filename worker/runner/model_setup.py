@@ -131,6 +131,7 @@ def resolve_weight_quant(config: KvmeshConfig) -> KvmeshConfig:
 
 
 def resolve_model(config: KvmeshConfig) -> ModelSpec:
+    config = resolve_weight_quant(config)  # callers outside the engine (tools, tests) may pass auto
     gguf_kept = config.quant.weight == "gguf"
     resolved = ensure_config_dir(config.model) if gguf_kept else ensure_hf_dir(config.model)
     hf_config = load_hf_config(resolved.hf_dir)
@@ -157,6 +158,7 @@ def load_model(config: KvmeshConfig, spec: ModelSpec, coll=None, awq=None) -> Ll
 
     awq: int4_awq search results (worker/runner/awq_calibration.py); None at world size 1 means
     calibrate this model here (or take the cached results)."""
+    config = resolve_weight_quant(config)  # callers outside the engine (tools, tests) may pass auto
     if config.quant.weight == "gguf":
         model = load_gguf_model(spec.gguf_path, spec.hf_config, spec.max_model_len, spec.dtype, coll,
                                 config.parallel.vocab_parallel)
