@@ -147,7 +147,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[k]
 
 
-def _run_figures(finish_s: list[float], output_tokens: int, wall_s: float) -> EngineRunFigures:
+def run_figures(finish_s: list[float], output_tokens: int, wall_s: float) -> EngineRunFigures:
     return EngineRunFigures(output_tokens / wall_s, percentile(finish_s, 50), percentile(finish_s, 99), wall_s,
                       output_tokens)
 
@@ -187,7 +187,7 @@ def run_engine_workload(engine: Engine, requests: list[WorkloadRequest]) -> Engi
         for delta in engine.step():
             if delta.finished:
                 finish.append(time.perf_counter() - t0)
-    return _run_figures(finish, sum(r.output_tokens for r in requests), time.perf_counter() - t0)
+    return run_figures(finish, sum(r.output_tokens for r in requests), time.perf_counter() - t0)
 
 
 def decode_rate(engine: Engine, prompt_ids: tuple[int, ...], batch: int, new_tokens: int,
@@ -439,7 +439,7 @@ def run_hf_static(model: str | None, requests: list[WorkloadRequest], dtype: tor
         with torch.inference_mode():
             ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
                          do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([_FinishTimer()]))
-    return _run_figures(finish, sum(r.output_tokens for r in requests), time.perf_counter() - t0)
+    return run_figures(finish, sum(r.output_tokens for r in requests), time.perf_counter() - t0)
 
 
 def run_llama_server(binary: str, gguf: str, requests: list[WorkloadRequest], threads: int,
@@ -494,7 +494,7 @@ def run_llama_server(binary: str, gguf: str, requests: list[WorkloadRequest], th
             w.join()
         if errors:
             raise RuntimeError(f"{len(errors)} llama-server requests failed: {errors[0]}")
-        return _run_figures(finish, sum(r.output_tokens for r in requests), time.perf_counter() - t0), batch1
+        return run_figures(finish, sum(r.output_tokens for r in requests), time.perf_counter() - t0), batch1
     finally:
         proc.terminate()
         proc.wait(30)

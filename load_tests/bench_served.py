@@ -31,13 +31,15 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from kvmesh.core.config import KvmeshConfig, apply_overrides
-from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.load_tests import process_cpu
-from kvmesh.load_tests.corpus import TokenCorpus
-from kvmesh.load_tests.workloads import WorkloadRequest, WorkloadSpec, generate_workload
+from kvmesh.load_tests.workloads import WorkloadRequest
 from kvmesh.router.launch import machine_topology, set_local_ray_env
+
+if TYPE_CHECKING:  # bench_engine loads torch: the run imports it only after main() applied --env
+    from kvmesh.load_tests.bench_engine import EngineRunFigures
 
 # OpenMP's wait settings: read once when torch loads its runtime; --env sets them for both sides
 OPENMP_WAIT_ENV = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "KMP_BLOCKTIME")
@@ -49,10 +51,7 @@ WARMUP_REQUESTS = 2
 class SideFigures:
     side: str  # "in-process" | "served"
     round: int
-    output_tok_s: float
-    e2e_p50_s: float
-    e2e_p99_s: float
-    wall_s: float
+    run: EngineRunFigures  # output tok/s, E2E P50 / P99, wall
     cpu: str  # the CPU account's summary line
 
 
@@ -67,45 +66,19 @@ def serve_config(model: str | None, overrides: tuple[str, ...] = ()) -> KvmeshCo
     return apply_overrides(KvmeshConfig.from_dict(data), overrides)
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
-def _figures(side: str, round_: int, finish_s: list[float], tokens: int, wall_s: float, cpu: str) -> SideFigures:
-    return SideFigures(side, round_, tokens / wall_s, statistics.median(finish_s), _percentile(finish_s, 0.99),
-                       wall_s, cpu)
-
-
-def _generate(r: WorkloadRequest, tag: str) -> GenerateRequest:
-    return GenerateRequest(f"{tag}{r.index}", prompt_token_ids=r.prompt_token_ids,
-                           sampling=SamplingParams(max_tokens=r.output_tokens, temperature=0, ignore_eos=True))
-
-
 def run_in_process(config: KvmeshConfig, requests: list[WorkloadRequest], round_: int) -> SideFigures:
     """A fresh engine from `config` in this process; warm-up, then every request at t=0."""
+    from kvmesh.load_tests.bench_engine import run_engine_workload  # torch: loaded after main() applied --env
     from kvmesh.worker.engine_api import Engine  # torch: loaded after main() applied --env
 
     engine = Engine.from_config(config)
     try:
-        for r in requests[:WARMUP_REQUESTS]:
-            engine.add_request(_generate(r, "warm"))
-        while engine.has_unfinished():
-            engine.step()
-        before, t0 = process_cpu.snapshot(), time.perf_counter()
-        for r in requests:
-            engine.add_request(_generate(r, "w"))
-        finish: list[float] = []
-        steps = 0
-        while engine.has_unfinished():
-            steps += 1
-            for delta in engine.step():
-                if delta.finished:
-                    finish.append(time.perf_counter() - t0)
-        wall_s = time.perf_counter() - t0
+        run_engine_workload(engine, requests[:WARMUP_REQUESTS])
+        before, steps_before = process_cpu.snapshot(), engine.scheduler.stats().num_steps
+        figures = run_engine_workload(engine, requests)
+        steps = engine.scheduler.stats().num_steps - steps_before
         cpu = process_cpu.account(before, process_cpu.snapshot()).summary().replace("client", "this process")
-        tokens = sum(r.output_tokens for r in requests)
-        return _figures("in-process", round_, finish, tokens, wall_s, f"{steps} steps; {cpu}")
+        return SideFigures("in-process", round_, figures, f"{steps} steps; {cpu}")
     finally:
         engine.close()
         del engine
@@ -115,6 +88,7 @@ def run_in_process(config: KvmeshConfig, requests: list[WorkloadRequest], round_
 def run_served(config: KvmeshConfig, requests: list[WorkloadRequest], round_: int) -> SideFigures:
     """A fresh Serve app of `config` on this process's Ray; warm-up, then every request at t=0
     over gRPC; E2E = when a request's final delta arrives."""
+    from kvmesh.load_tests.bench_engine import run_figures  # torch: loaded after main() applied --env
     from kvmesh.load_tests.grpc_target import ClusterTarget  # Ray Serve: only for the served side
     from kvmesh.load_tests.targets import TargetRequest  # with ClusterTarget
 
@@ -140,8 +114,8 @@ def run_served(config: KvmeshConfig, requests: list[WorkloadRequest], round_: in
             wall_s = time.perf_counter() - t0
             cpu = process_cpu.account(before, process_cpu.snapshot()).summary()
             tokens = sum(r.output_tokens for r in requests)
-            return _figures("served", round_, finish, tokens, wall_s,
-                            f"{tokens / max(1, messages):.2f} tokens a message; {cpu}")
+            return SideFigures("served", round_, run_figures(finish, tokens, wall_s),
+                               f"{tokens / max(1, messages):.2f} tokens a message; {cpu}")
         finally:
             await target.close()
 
@@ -149,10 +123,10 @@ def run_served(config: KvmeshConfig, requests: list[WorkloadRequest], round_: in
 
 
 def seed_shaped_requests(config: KvmeshConfig, quick: bool) -> list[WorkloadRequest]:
+    from kvmesh.load_tests import bench_engine  # torch: loaded after main() applied --env
     from kvmesh.worker.engine_api import load_tokenizer  # torch: loaded after main() applied --env
 
-    spec = WorkloadSpec(kind="synthetic", num_requests=6 if quick else 64, scale=0.05 if quick else 0.25, seed=0)
-    return generate_workload(spec, TokenCorpus(load_tokenizer(config.model)))
+    return bench_engine.seed_shaped_requests(load_tokenizer(config.model), 6 if quick else 64, 0.05 if quick else 0.25)
 
 
 def run(config: KvmeshConfig, requests: list[WorkloadRequest], rounds: int,
@@ -180,16 +154,16 @@ def format_report(config: KvmeshConfig, figures: list[SideFigures]) -> str:
              f"model {config.model.path or 'embedded'}; {waits}",
              "| round | side | output tok/s | E2E P50 s | E2E P99 s | CPU |", "|---|---|---|---|---|---|"]
     for f in figures:
-        lines.append(f"| {f.round} | {f.side} | {f.output_tok_s:.1f} | {f.e2e_p50_s:.1f} | {f.e2e_p99_s:.1f} | "
-                     f"{f.cpu} |")
+        lines.append(f"| {f.round} | {f.side} | {f.run.output_tok_s:.1f} | {f.run.e2e_p50_s:.1f} | "
+                     f"{f.run.e2e_p99_s:.1f} | {f.cpu} |")
     by_round: dict[int, dict[str, SideFigures]] = {}
     for f in figures:
         by_round.setdefault(f.round, {})[f.side] = f
     paired = [r for r in by_round.values() if len(r) == 2]
     if not paired:  # --only: one side, no ratio
         return "\n".join(lines)
-    tput = [r["served"].output_tok_s / r["in-process"].output_tok_s for r in paired]
-    p99 = [r["served"].e2e_p99_s / r["in-process"].e2e_p99_s for r in paired]
+    tput = [r["served"].run.output_tok_s / r["in-process"].run.output_tok_s for r in paired]
+    p99 = [r["served"].run.e2e_p99_s / r["in-process"].run.e2e_p99_s for r in paired]
     lines.append("")
     lines.append(f"served / in-process: throughput {statistics.median(tput):.2f}x (rounds: "
                  f"{', '.join(f'{x:.2f}' for x in tput)}), E2E P99 {statistics.median(p99):.2f}x (rounds: "

@@ -25,9 +25,11 @@ def test_the_in_process_side_and_the_report(tiny_model_dir):
     config = bench_served.serve_config(tiny_model_dir, ("parallel.cpu_threads=1",))
     requests = bench_served.seed_shaped_requests(config, quick=True)
     figures = bench_served.run_in_process(config, requests, 0)
-    assert figures.side == "in-process" and figures.output_tok_s > 0
-    assert 0 < figures.e2e_p50_s <= figures.e2e_p99_s <= figures.wall_s
-    served = bench_served.SideFigures("served", 0, figures.output_tok_s / 2, 1.0, figures.e2e_p99_s * 3, 2.0, "")
-    later = bench_served.SideFigures("served", 1, figures.output_tok_s, 1.0, figures.e2e_p99_s, 2.0, "")
+    run = figures.run
+    assert figures.side == "in-process" and run.output_tok_s > 0
+    assert 0 < run.e2e_p50_s <= run.e2e_p99_s <= run.wall_s
+    served = bench_served.SideFigures("served", 0, dataclasses.replace(
+        run, output_tok_s=run.output_tok_s / 2, e2e_p99_s=run.e2e_p99_s * 3), "")
+    later = bench_served.SideFigures("served", 1, run, "")
     report = bench_served.format_report(config, [figures, served, later, dataclasses.replace(figures, round=1)])
     assert "throughput 0.75x (rounds: 0.50, 1.00)" in report and "E2E P99 2.00x (rounds: 3.00, 1.00)" in report
