@@ -309,16 +309,16 @@ class AsyncEngine:
         worker/engine_loop/kv_transfer.py): its torch ops stay on the engine's thread team."""
         if threading.current_thread() is self._thread:
             return fn(self.engine, *args)
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(_OnStepThread(fn, args, done))
-        self._wakeup.set()
-        return done.result()
+        return self._on_step_thread(fn, args).result()
 
     async def locked_async(self, fn, *args):
+        return await asyncio.wrap_future(self._on_step_thread(fn, args))
+
+    def _on_step_thread(self, fn, args: tuple) -> concurrent.futures.Future:
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(_OnStepThread(fn, args, done))
         self._wakeup.set()
-        return await asyncio.wrap_future(done)
+        return done
 
     async def shutdown(self) -> None:
         self._stop.set()
