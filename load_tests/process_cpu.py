@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 
@@ -29,6 +29,7 @@ _TITLES = (  # (start of a Ray process title, role), first match wins
     ("ray::MetricsBoard", "metrics board"),
     ("ray::", "other Ray processes"),
 )
+BUSY_THREAD_CORES = 0.25  # a worker actor thread above this is one of the engine's team
 _SCRIPTS = {"log_monitor.py": "Ray log monitor", "dashboard.py": "other Ray processes",
             "monitor.py": "other Ray processes"}  # Ray's helper scripts, by file name
 
@@ -53,6 +54,9 @@ class CpuSnapshot:
     at_s: float
     per_pid: dict[int, tuple[str, float]]  # pid -> (role, user + system seconds so far)
     idle_s: float  # the whole machine's idle seconds so far (all CPUs)
+    # worker actor pid -> thread id -> its user + system seconds so far: the engine's thread
+    # team against the actor's other threads (event loop, Ray's core worker), which share its cores
+    worker_threads: dict[int, dict[int, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -61,11 +65,22 @@ class CpuAccount:
     cores_by_role: dict[str, float]  # mean cores each role used over the window
     idle_cores: float
     cpus: int
+    worker_thread_cores: tuple[float, ...] = ()  # every worker actor thread's cores, busiest first
 
     def summary(self) -> str:
         roles = sorted(self.cores_by_role.items(), key=lambda kv: -kv[1])
-        parts = ", ".join(f"{role} {cores:.2f}" for role, cores in roles if cores >= 0.005)
+        parts = ", ".join(f"{role} {cores:.2f}{self._threads() if role == 'worker actors' else ''}"
+                          for role, cores in roles if cores >= 0.005)
         return f"CPU over the {self.window_s:.1f} s window, in cores of {self.cpus}: {parts}; idle {self.idle_cores:.2f}"
+
+    def _threads(self) -> str:
+        """E.g. " (threads 0.85 + 0.84, the other threads 0.11)": the busy ones (the engine's team),
+        then the rest together."""
+        busy = [c for c in self.worker_thread_cores if c >= BUSY_THREAD_CORES]
+        if not self.worker_thread_cores:
+            return ""
+        rest = sum(self.worker_thread_cores) - sum(busy)
+        return f" (threads {' + '.join(f'{c:.2f}' for c in busy) or 'none busy'}, the other threads {rest:.2f})"
 
 
 def snapshot() -> CpuSnapshot:
@@ -74,6 +89,7 @@ def snapshot() -> CpuSnapshot:
     descendants: on a shared machine other people's Ray clusters run beside it."""
     me = psutil.Process()
     per_pid: dict[int, tuple[str, float]] = {}
+    threads: dict[int, dict[int, float]] = {}
     for proc in [me] + me.children(recursive=True):
         try:
             role = "client" if proc.pid == me.pid else role_of(proc.cmdline())
@@ -81,9 +97,11 @@ def snapshot() -> CpuSnapshot:
                 continue
             times = proc.cpu_times()
             per_pid[proc.pid] = (role, times.user + times.system)
+            if role == "worker actors":
+                threads[proc.pid] = {t.id: t.user_time + t.system_time for t in proc.threads()}
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-    return CpuSnapshot(time.monotonic(), per_pid, psutil.cpu_times().idle)
+    return CpuSnapshot(time.monotonic(), per_pid, psutil.cpu_times().idle, threads)
 
 
 def account(before: CpuSnapshot, after: CpuSnapshot) -> CpuAccount:
@@ -92,5 +110,9 @@ def account(before: CpuSnapshot, after: CpuSnapshot) -> CpuAccount:
     for pid, (role, cpu_s) in after.per_pid.items():
         if pid in before.per_pid:
             used[role] = used.get(role, 0.0) + (cpu_s - before.per_pid[pid][1])
+    thread_cores = [(cpu_s - before.worker_threads[pid][tid]) / window_s
+                    for pid, by_tid in after.worker_threads.items() if pid in before.worker_threads
+                    for tid, cpu_s in by_tid.items() if tid in before.worker_threads[pid]]
     return CpuAccount(window_s, {role: s / window_s for role, s in used.items()},
-                      (after.idle_s - before.idle_s) / window_s, psutil.cpu_count() or 1)
+                      (after.idle_s - before.idle_s) / window_s, psutil.cpu_count() or 1,
+                      tuple(sorted(thread_cores, reverse=True)))

@@ -56,14 +56,34 @@ typedef struct {
     /* shared buffers */
     float *qkv, *o_out, *act, *down_out;
     void *q_attn, *attn_out;
+    int64_t *taken;  /* per phase (PHASES a layer, then the LM head): how far its work is handed out */
     int failed;
 } Step;
 
-static inline int64_t share(int64_t n, int64_t tid, int64_t threads, int64_t align) {
-    /* the start of thread tid's share of n, on a multiple of align */
-    int64_t units = (n + align - 1) / align;
-    int64_t at = units * tid / threads * align;
-    return at < n ? at : n;
+/* A phase's work is handed out in chunks, each thread taking the next one as it gets to it,
+   instead of a fixed share a thread. On a machine whose cores the engine shares with its
+   serving stack (the worker's event loop, Ray, the router), the OS preempts one of the team's
+   threads now and then: with fixed shares the others finish theirs and wait at the barrier for
+   its rows, so every slice the stack takes costs the engine that slice on every core; with
+   chunks they take its rows over and wait only for the chunk it holds. ~4 chunks a thread keep
+   the per-call setup (a projection lays its input rows out once a call) small. */
+#define PHASES 5  /* QKV, attention, O, gate/up, down */
+#define CHUNKS_A_THREAD 4
+
+static inline int64_t chunk_size(int64_t n, int64_t threads, int64_t align) {
+    if (threads == 1) return n > 0 ? n : 1;
+    int64_t c = (n + CHUNKS_A_THREAD * threads - 1) / (CHUNKS_A_THREAD * threads);
+    c = (c + align - 1) / align * align;
+    return c > 0 ? c : align;
+}
+
+/* The next chunk [*c0, *c1) of phase `phase`'s n units, 0 when all are handed out. */
+static inline int take_chunk(const Step *s, int64_t phase, int64_t n, int64_t chunk, int64_t *c0, int64_t *c1) {
+    const int64_t at = __atomic_fetch_add(&s->taken[phase], chunk, __ATOMIC_RELAXED);
+    if (at >= n) return 0;
+    *c0 = at;
+    *c1 = at + chunk < n ? at + chunk : n;
+    return 1;
 }
 
 /* One projection's rows [n0, n1): int4 weights by kvmesh_gemv_int4 (w: the codes; scales,
@@ -120,8 +140,11 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
             for (int64_t i = 0; i < B * H; i++) res[i] += s->down_out[i];
         }
         rms_norm_rows(res, lp->input_norm, bf16, B, H, s->eps, h);
-        project(m, wk, lp->qkv_weight, lp->qkv_packed, lp->qkv_scales, lp->qkv_zeros, lp->qkv_mins, bf16, H,
-                share(nqkv, tid, T, 16), share(nqkv, tid + 1, T, 16), h, H, B, s->qkv, nqkv, x16, 0, a8);
+        const int64_t ph = l * PHASES;
+        int64_t c0, c1;
+        for (int ready = 0; take_chunk(s, ph, nqkv, chunk_size(nqkv, T, 16), &c0, &c1); ready = 1)
+            project(m, wk, lp->qkv_weight, lp->qkv_packed, lp->qkv_scales, lp->qkv_zeros, lp->qkv_mins, bf16, H,
+                    c0, c1, h, H, B, s->qkv, nqkv, x16, ready, a8);
         #pragma omp barrier
         /* RoPE on q and k heads, K/V into the cache, then attention: this thread's rows only */
         for (int64_t b = r0; b < r1; b++) {
@@ -150,59 +173,61 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
             for (int64_t e = 0; e < hq * D; e++) store_elem(s->q_attn, b * hq * D + e, row[e], bf16);
         }
         #pragma omp barrier  /* a request's tokens may sit on two threads: all K/V written first */
-        if (r1 > r0 && (bf16 ? kvmesh_paged_decode_bf16 : kvmesh_paged_decode_f32)(
-                s->q_attn, hq * D, D, lp->key_cache, lp->value_cache, cbs, css, chs, s->tables, s->t_rs, s->seq_lens,
-                s->rows, s->rows, r0, r1, s->attn_out, hq * D, D, hq, hkv, D, bs, scale))
-            __atomic_store_n(&s->failed, 1, __ATOMIC_RELAXED);
+        while (take_chunk(s, ph + 1, B, chunk_size(B, T, 1), &c0, &c1))
+            if ((bf16 ? kvmesh_paged_decode_bf16 : kvmesh_paged_decode_f32)(
+                    s->q_attn, hq * D, D, lp->key_cache, lp->value_cache, cbs, css, chs, s->tables, s->t_rs,
+                    s->seq_lens, s->rows, s->rows, c0, c1, s->attn_out, hq * D, D, hq, hkv, D, bs, scale))
+                __atomic_store_n(&s->failed, 1, __ATOMIC_RELAXED);
         #pragma omp barrier
         #pragma omp simd
         for (int64_t i = 0; i < B * hq * D; i++) attn[i] = load_elem(s->attn_out, i, bf16);
-        project(m, wk, lp->o_weight, lp->o_packed, lp->o_scales, lp->o_zeros, lp->o_mins, bf16, hq * D,
-                share(H, tid, T, 16), share(H, tid + 1, T, 16), attn, hq * D, B, s->o_out, H, x16, 0, a8);
+        for (int ready = 0; take_chunk(s, ph + 2, H, chunk_size(H, T, 16), &c0, &c1); ready = 1)
+            project(m, wk, lp->o_weight, lp->o_packed, lp->o_scales, lp->o_zeros, lp->o_mins, bf16, hq * D,
+                    c0, c1, attn, hq * D, B, s->o_out, H, x16, ready, a8);
         #pragma omp barrier
         #pragma omp simd
         for (int64_t i = 0; i < B * H; i++) res[i] += s->o_out[i];
         rms_norm_rows(res, lp->post_attention_norm, bf16, B, H, s->eps, h);
-        {   /* gate rows i and up rows I + i of this thread's share of the intermediate width,
-               then act = silu(gate) * up for them */
-            const int64_t i0 = share(I, tid, T, 16), i1 = share(I, tid + 1, T, 16), w = i1 - i0;
-            const int64_t es = w_elem_size(wk);
-            float *gu = (float *)scratch(1, sizeof(float) * (size_t)(2 * B * (w > 0 ? w : 1)));
-            if (!gu) __atomic_store_n(&s->failed, 1, __ATOMIC_RELAXED);
-            else if (w > 0) {
-                if (wk == W_I4) {  /* rows i0.. and I + i0.. of the codes and their groups */
-                    const kvmesh_int4 all = {(const uint8_t *)lp->gate_up_weight, lp->gate_up_scales,
-                                             lp->gate_up_zeros, lp->gate_up_mins, m->int4_group,
-                                             (int)m->int4_scale_dtype, (int)m->int4_zero_dtype, (int)m->int4_min_dtype};
-                    const kvmesh_int4 gate = int4_rows(all, i0, H), up = int4_rows(all, I + i0, H);
-                    kvmesh_gemv_int4(&gate, H, 0, w, h, H, B, gu, w, a8);
-                    kvmesh_gemv_int4(&up, H, 0, w, h, H, B, gu + B * w, w, a8);
-                } else {
-                    const char *gw = (const char *)lp->gate_up_weight;
-                    const char *gs = (const char *)lp->gate_up_scales, *us = gs;
-                    if (gs) { gs += i0 * esz; us += (I + i0) * esz; }
-                    const char *gp = (const char *)lp->gate_up_packed;  /* packed: same element offsets */
-                    kvmesh_gemv(gw + i0 * H * es, gp ? gp + i0 * H * es : 0, wk, gs, bf16, H, 0, w, h, H, B, gu, w,
-                                x16, 0, a8);
-                    kvmesh_gemv(gw + (I + i0) * H * es, gp ? gp + (I + i0) * H * es : 0, wk, us, bf16, H, 0, w, h,
-                                H, B, gu + B * w, w, x16, 1, a8);
-                }
-                for (int64_t b = 0; b < B; b++) {
-                    const float *gb = gu + b * w, *ub = gu + B * w + b * w;
-                    float *ab = s->act + b * I + i0;
-                    /* sigmoid(g) = 1 / (1 + e^-g) for g >= 0, e^g / (1 + e^g) below: both from
-                       t = e^-|g| and a select, so the loop vectorises (as many exps as rows) */
-                    #pragma omp simd
-                    for (int64_t i = 0; i < w; i++) {
-                        const float g = gb[i], t = exp_nonpositive(-fabsf(g));
-                        ab[i] = g * ((g >= 0.0f ? 1.0f : t) / (1.0f + t)) * ub[i];
-                    }
+        /* gate rows i and up rows I + i of each chunk of the intermediate width, then
+           act = silu(gate) * up for them */
+        const int64_t gu_chunk = chunk_size(I, T, 16), es = w_elem_size(wk);
+        float *gu = (float *)scratch(1, sizeof(float) * (size_t)(2 * B * gu_chunk));
+        if (!gu) __atomic_store_n(&s->failed, 1, __ATOMIC_RELAXED);
+        for (int ready = 0; gu && take_chunk(s, ph + 3, I, gu_chunk, &c0, &c1); ready = 1) {
+            const int64_t i0 = c0, w = c1 - c0;
+            if (wk == W_I4) {  /* rows i0.. and I + i0.. of the codes and their groups */
+                const kvmesh_int4 all = {(const uint8_t *)lp->gate_up_weight, lp->gate_up_scales,
+                                         lp->gate_up_zeros, lp->gate_up_mins, m->int4_group,
+                                         (int)m->int4_scale_dtype, (int)m->int4_zero_dtype, (int)m->int4_min_dtype};
+                const kvmesh_int4 gate = int4_rows(all, i0, H), up = int4_rows(all, I + i0, H);
+                kvmesh_gemv_int4(&gate, H, 0, w, h, H, B, gu, w, a8);
+                kvmesh_gemv_int4(&up, H, 0, w, h, H, B, gu + B * w, w, a8);
+            } else {
+                const char *gw = (const char *)lp->gate_up_weight;
+                const char *gs = (const char *)lp->gate_up_scales, *us = gs;
+                if (gs) { gs += i0 * esz; us += (I + i0) * esz; }
+                const char *gp = (const char *)lp->gate_up_packed;  /* packed: same element offsets */
+                kvmesh_gemv(gw + i0 * H * es, gp ? gp + i0 * H * es : 0, wk, gs, bf16, H, 0, w, h, H, B, gu, w,
+                            x16, ready, a8);
+                kvmesh_gemv(gw + (I + i0) * H * es, gp ? gp + (I + i0) * H * es : 0, wk, us, bf16, H, 0, w, h,
+                            H, B, gu + B * w, w, x16, 1, a8);
+            }
+            for (int64_t b = 0; b < B; b++) {
+                const float *gb = gu + b * w, *ub = gu + B * w + b * w;
+                float *ab = s->act + b * I + i0;
+                /* sigmoid(g) = 1 / (1 + e^-g) for g >= 0, e^g / (1 + e^g) below: both from
+                   t = e^-|g| and a select, so the loop vectorises (as many exps as rows) */
+                #pragma omp simd
+                for (int64_t i = 0; i < w; i++) {
+                    const float g = gb[i], t = exp_nonpositive(-fabsf(g));
+                    ab[i] = g * ((g >= 0.0f ? 1.0f : t) / (1.0f + t)) * ub[i];
                 }
             }
         }
         #pragma omp barrier
-        project(m, wk, lp->down_weight, lp->down_packed, lp->down_scales, lp->down_zeros, lp->down_mins, bf16, I,
-                share(H, tid, T, 16), share(H, tid + 1, T, 16), s->act, I, B, s->down_out, H, x16, 0, a8);
+        for (int ready = 0; take_chunk(s, ph + 4, H, chunk_size(H, T, 16), &c0, &c1); ready = 1)
+            project(m, wk, lp->down_weight, lp->down_packed, lp->down_scales, lp->down_zeros, lp->down_mins, bf16, I,
+                    c0, c1, s->act, I, B, s->down_out, H, x16, ready, a8);
         #pragma omp barrier
     }
     for (int64_t i = 0; i < B * H; i++) res[i] += s->down_out[i];
@@ -214,12 +239,15 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
     /* The LM head keeps fp32 activations: quantizing the final hidden state per row flipped
        the self-draft's argmax often enough to cut its acceptance from 0.90 to 0.85 (bundled
        chat prompts, measured 2026-12-02 on the SPR machine of docs/benchmarks.md). */
-    if (m->lm_head_kind == W_I8G)  /* a GGUF Q8_0 table read as stored */
-        kvmesh_gemv_i8g((const int8_t *)m->lm_head_weight, (const float *)m->lm_head_scales, H, share(V, tid, T, 16),
-                        share(V, tid + 1, T, 16), picked, H, s->S, s->logits, V);
-    else
-        kvmesh_gemv(m->lm_head_weight, m->lm_head_packed, (int)m->lm_head_kind, m->lm_head_scales, bf16, H,
-                    share(V, tid, T, 16), share(V, tid + 1, T, 16), picked, H, s->S, s->logits, V, x16, 0, 0);
+    int64_t c0, c1;
+    for (int ready = 0; take_chunk(s, L * PHASES, V, chunk_size(V, T, 16), &c0, &c1); ready = 1) {
+        if (m->lm_head_kind == W_I8G)  /* a GGUF Q8_0 table read as stored */
+            kvmesh_gemv_i8g((const int8_t *)m->lm_head_weight, (const float *)m->lm_head_scales, H, c0, c1, picked, H,
+                            s->S, s->logits, V);
+        else
+            kvmesh_gemv(m->lm_head_weight, m->lm_head_packed, (int)m->lm_head_kind, m->lm_head_scales, bf16, H, c0,
+                        c1, picked, H, s->S, s->logits, V, x16, ready, 0);
+    }
     kvmesh_amx_tiles_end();
 }
 
@@ -228,9 +256,13 @@ int kvmesh_native_step(const kvmesh_model *m, const kvmesh_step_batch *batch) {
     const int64_t B = batch->num_tokens;
     const int64_t nqkv = (m->num_q_heads + 2 * m->num_kv_heads) * m->head_dim, qw = m->num_q_heads * m->head_dim;
     const int64_t esz = m->bf16 ? 2 : 4;
-    float *shared = (float *)scratch(2, sizeof(float) * (size_t)(B * (nqkv + 2 * m->hidden + m->intermediate))
-                                    + (size_t)(2 * B * qw * esz));
-    if (!shared) return KVMESH_STEP_NO_MEMORY;
+    const size_t phases = (size_t)(m->num_layers * PHASES + 1);
+    int64_t *taken = (int64_t *)scratch(2, sizeof(int64_t) * phases
+                                       + sizeof(float) * (size_t)(B * (nqkv + 2 * m->hidden + m->intermediate))
+                                       + (size_t)(2 * B * qw * esz));
+    if (!taken) return KVMESH_STEP_NO_MEMORY;
+    memset(taken, 0, sizeof(int64_t) * phases);
+    float *shared = (float *)(taken + phases);
     Step s = {m, m->rms_norm_eps, B, batch->num_threads < 1 ? 1 : batch->num_threads, batch->tokens,
               batch->positions, batch->slots, batch->rows, batch->block_tables, batch->seq_lens,
               batch->block_table_width, batch->sample_rows, batch->num_samples, batch->logits};
@@ -240,6 +272,7 @@ int kvmesh_native_step(const kvmesh_model *m, const kvmesh_step_batch *batch) {
     s.act = s.down_out + B * m->hidden;
     s.q_attn = (void *)(s.act + B * m->intermediate);
     s.attn_out = (char *)s.q_attn + B * qw * esz;
+    s.taken = taken;
     s.failed = 0;
     #pragma omp parallel num_threads((int)s.threads)
     step_thread(&s, omp_get_thread_num(), omp_get_num_threads());
