@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.load_tests.bench_engine import cpu_flags, percentile
+from kvmesh.load_tests.worker_metrics import worker_metric
 from kvmesh.load_tests.bench_kv_tier import print_report
 
 APP_NAME = "kvmesh-bench-transfer"
@@ -94,15 +95,6 @@ async def _first_token(handle, request: GenerateRequest) -> tuple[float, int]:
     return ttft, usage.cached_tokens
 
 
-def _metric(handle, name: str, **labels) -> float:
-    import ray
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = ray.get(handle.poll.remote(0)).metrics_snapshot.decode()
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and labels.items() <= s.labels.items())
-
-
 async def _measure(model: str | None, spec: TransferBenchSpec, holder, other, holder_name: str,
                    vocab: int) -> TransferBenchReport:
     import ray
@@ -140,10 +132,10 @@ async def _measure(model: str | None, spec: TransferBenchSpec, holder, other, ho
     return TransferBenchReport(
         cpu_flags(), model or "embedded SmolLM2", asdict(spec), p50_transfer, p50_recompute,
         p50_recompute / p50_transfer, ttft[True], ttft[False], cached[True], cached[False],
-        _metric(other, "kvmesh_kv_transfer_blocks_total"),
-        _metric(other, "kvmesh_kv_tier_bytes_total", direction="transfer_in"),
-        _metric(other, "kvmesh_kv_tier_copy_seconds_total", kind="transfer"),
-        _metric(other, "kvmesh_kv_transfer_fallbacks_total"), running)
+        worker_metric(other, "kvmesh_kv_transfer_blocks_total"),
+        worker_metric(other, "kvmesh_kv_tier_bytes_total", direction="transfer_in"),
+        worker_metric(other, "kvmesh_kv_tier_copy_seconds_total", kind="transfer"),
+        worker_metric(other, "kvmesh_kv_transfer_fallbacks_total"), running)
 
 
 def run(model: str | None, spec: TransferBenchSpec) -> TransferBenchReport:

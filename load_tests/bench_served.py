@@ -109,17 +109,32 @@ def run_served(config: KvmeshConfig, requests: list[WorkloadRequest], round_: in
             await asyncio.gather(*(one(r, "warm", 0.0, []) for r in requests[:WARMUP_REQUESTS]))
             finish: list[float] = []
             messages = 0
+            steps_before = await asyncio.to_thread(engine_steps, target.app_name)
             before, t0 = process_cpu.snapshot(), time.perf_counter()
             await asyncio.gather(*(one(r, "w", t0, finish) for r in requests))
             wall_s = time.perf_counter() - t0
             cpu = process_cpu.account(before, process_cpu.snapshot()).summary()
+            steps, step_s = (a - b for a, b in zip(await asyncio.to_thread(engine_steps, target.app_name), steps_before))
             tokens = sum(r.output_tokens for r in requests)
             return SideFigures("served", round_, run_figures(finish, tokens, wall_s),
+                               f"{steps:.0f} steps, {step_s:.1f} s of the window inside them; "
                                f"{tokens / max(1, messages):.2f} tokens a message; {cpu}")
         finally:
             await target.close()
 
     return asyncio.run(go())
+
+
+def engine_steps(app_name: str) -> tuple[float, float]:
+    """(steps, seconds inside steps) the app's workers have run so far, from their own metrics:
+    the served engine's steps against the in-process one's, and how much of the window its
+    step thread spent outside them (handing deltas over, waiting for the GIL or a command)."""
+    from kvmesh.load_tests.worker_metrics import worker_metric  # Ray: only for the served side
+    from kvmesh.worker.public_api import find_workers  # Ray: as above
+
+    handles = find_workers((app_name,)).values()
+    return (sum(worker_metric(h, "kvmesh_step_time_seconds_count") for h in handles),
+            sum(worker_metric(h, "kvmesh_step_time_seconds_sum") for h in handles))
 
 
 def seed_shaped_requests(config: KvmeshConfig, quick: bool) -> list[WorkloadRequest]:

@@ -46,7 +46,7 @@ class _Running:
 
 
 class _NullScheduler:
-    def stats(self):  # AsyncEngine.scheduler_stats reads it; the null actor's poll does not
+    def stats(self):  # AsyncEngine.poll_reads_async reads it; the null actor's poll does not
         return None
 
 

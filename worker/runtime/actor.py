@@ -327,14 +327,10 @@ class WorkerActor:
             logger.exception("recording spans of %s failed", request.request_id)
 
     async def poll(self, since_prefix_seq: int) -> WorkerPoll:
-        # The *_async reads wait for the engine lock in a thread, never on this event loop.
-        stats, dispatches = await self._engine.stats_with_dispatches_async()
-        if self._draining:  # as `stats`
-            stats = dataclasses.replace(stats, healthy=False)
-        window = await self._engine.scheduler_stats_async()
-        self._metrics.set_kv_window(window.peak_kv_tokens, window.mean_kv_tokens)
-        return WorkerPoll(self._info, stats, await self._engine.prefix_events_async(since_prefix_seq),
-                          self._metrics.snapshot(), dispatches)
+        reads = await self._engine.poll_reads_async(since_prefix_seq)
+        stats = dataclasses.replace(reads.stats, healthy=False) if self._draining else reads.stats  # as `stats`
+        self._metrics.set_kv_window(reads.window.peak_kv_tokens, reads.window.mean_kv_tokens)
+        return WorkerPoll(self._info, stats, reads.prefix_events, self._metrics.snapshot(), reads.dispatches)
 
     async def abort(self, request_id: str, replica_id: str | None = None) -> bool:
         """Abort a request; True when this worker was streaming it (its stream then ends

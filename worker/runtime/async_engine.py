@@ -276,17 +276,11 @@ class AsyncEngine:
         with self._lock:
             return self.engine.stats()
 
-    def stats_with_dispatches(self) -> tuple[WorkerStats, dict[str, DispatchReport] | None]:
-        """The figures and which router dispatches they hold, read together (one lock).
-        None: an engine that does not keep the log (the stack benchmark's null engine)."""
-        with self._lock:
-            report = getattr(self.engine, "dispatch_report", None)
-            return self.engine.stats(), (report() if report is not None else None)
-
-    def scheduler_stats(self) -> SchedulerStats:
-        """The scheduler's own figures (KV peak / mean over its window) for the worker's metrics."""
-        with self._lock:
-            return self.engine.scheduler.stats()
+    async def poll_reads_async(self, since_prefix_seq: int) -> "PollReads":
+        """Everything a router replica's poll reads, taken in one visit to the step thread
+        between two steps: one hand-over a poll instead of a lock wait in a pool thread per
+        read (each such wait wakes a thread beside the engine's team and stalls its next step)."""
+        return await self.locked_async(_poll_reads, since_prefix_seq)
 
     def prefix_events(self, since_seq: int) -> PrefixEventBatch:
         with self._lock:
@@ -294,12 +288,6 @@ class AsyncEngine:
 
     async def stats_async(self) -> WorkerStats:
         return await asyncio.to_thread(self.stats)
-
-    async def stats_with_dispatches_async(self) -> tuple[WorkerStats, dict[str, DispatchReport] | None]:
-        return await asyncio.to_thread(self.stats_with_dispatches)
-
-    async def scheduler_stats_async(self) -> SchedulerStats:
-        return await asyncio.to_thread(self.scheduler_stats)
 
     async def prefix_events_async(self, since_seq: int) -> PrefixEventBatch:
         return await asyncio.to_thread(self.prefix_events, since_seq)
@@ -394,6 +382,22 @@ class AsyncEngine:
                 by_loop.setdefault(target.loop, []).append((target, delta))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
+
+
+@dataclass(frozen=True)
+class PollReads:
+    """What a router replica's poll reads from the engine, read together between two steps."""
+
+    stats: WorkerStats
+    dispatches: dict[str, DispatchReport] | None  # None: an engine without the log (the stack bench's null engine)
+    window: SchedulerStats  # the scheduler's KV peak / mean over its window, for the worker's metrics
+    prefix_events: PrefixEventBatch
+
+
+def _poll_reads(engine: Engine, since_prefix_seq: int) -> PollReads:
+    report = getattr(engine, "dispatch_report", None)
+    return PollReads(engine.stats(), report() if report is not None else None, engine.scheduler.stats(),
+                     engine.prefix_events(since_prefix_seq))
 
 
 def _put_all(items: list[tuple[DeltaTarget, RequestDelta]]) -> None:
