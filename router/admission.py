@@ -69,8 +69,8 @@ from dataclasses import dataclass
 
 from kvmesh.core.config import RouterConfig
 from kvmesh.core.seams import DispatchReport, WorkerStats
-from kvmesh.router.admission_budget import (AdmissionTicket, CostFn, WorkerBudgets, cost_with_cached_prefix,
-                                            request_cost_tokens)
+from kvmesh.router.admission_budget import (AdmissionTicket, CostFn, WorkerBudgets, cost_on_worker,
+                                            cost_with_cached_prefix, request_cost_tokens)
 from kvmesh.router.admission_queue import HELD, Held, HoldFn, RouteFn, Waiter, enqueue, excluding
 from kvmesh.core.errors import (
     DeadlineExceededError,
@@ -84,7 +84,7 @@ from kvmesh.core.errors import (
 logger = logging.getLogger(__name__)
 
 # The request costs and the ticket live with the budget; importable from here as before.
-__all__ = ["AdmissionSnapshot", "AdmissionTicket", "RouterAdmission", "cost_with_cached_prefix",
+__all__ = ["AdmissionSnapshot", "AdmissionTicket", "RouterAdmission", "cost_on_worker", "cost_with_cached_prefix",
            "request_cost_tokens"]
 
 
@@ -222,6 +222,11 @@ class RouterAdmission:
         """The worker's own admission refused a request this router sent it: nothing goes
         there until its next report (WorkerBudgets.note_refusal)."""
         self.budgets.note_refusal(worker_id)
+
+    def held_blocks(self, worker_id: str, block_hashes) -> int:
+        """Leading blocks of `block_hashes` the worker's live requests hold per its latest
+        report, less those of requests ended since (WorkerBudgets.held_blocks)."""
+        return self.budgets.held_blocks(worker_id, block_hashes)
 
     def awaiting_report(self, worker_id: str) -> bool:
         """The worker refused a request and nothing goes there until its next report."""

@@ -166,6 +166,10 @@ class SchedulerStats:
     # of num_preemptions_priority, KV reservations taken (of waiting requests too, which free no blocks)
     num_preemptions_priority_kv: int = 0
     kv_tokens_reserved_shared: int = 0  # of kv_tokens_reserved, what classes >= kv_reserved_below_class hold
+    # Hashes of the full prompt blocks live requests hold (pinned, in their tables, or to be
+    # computed by them): a newcomer sharing them adds nothing for them to kv_tokens_reserved,
+    # while one reusing a cached block outside this set adds it (pinned, paid by nobody).
+    held_block_hashes: frozenset[bytes] = frozenset()
 
 
 class Scheduler:
@@ -636,7 +640,8 @@ class Scheduler:
             drain_tokens_per_s=self.admission.drain.rate(), num_steps=self._num_steps, kv=kv_stats,
             tokens_to_compute=sum(tokens_left_to_compute(r) for r in self.requests.values()),
             num_preemptions_priority_kv=self.num_priority_preemptions_kv,
-            kv_tokens_reserved_shared=self._shared_class_committed_tokens(shared_tokens))
+            kv_tokens_reserved_shared=self._shared_class_committed_tokens(shared_tokens),
+            held_block_hashes=frozenset(self._prompt_block_claims))
 
     def _shared_class_committed_tokens(self, shared_tokens: int) -> int:
         """What the classes sharing the rest of a kept KV share commit: their reservations,
