@@ -528,6 +528,28 @@ def test_the_router_charges_a_cached_prefix_as_the_worker_commits_it_held_or_let
     assert grew == 32 and cost == grew
 
 
+def test_a_prefix_the_report_holds_stops_counting_as_held_once_its_request_ends_here_until_a_new_report():
+    """The report said w0's live requests hold the family's blocks; this router then saw the
+    request holding them end (credited against that report: the worker may have let them go).
+    Until a report requested after that, the blocks are charged again to the next request."""
+    async def main():
+        clock = FakeClock()
+        hashes = tuple(f"h{i}".encode() for i in range(4))
+        report = dataclasses.replace(stats("w0", reserved=200), held_block_hashes=frozenset(hashes))
+        admission = controller([report], clock=clock)
+        assert admission.held_blocks("w0", hashes) == 4 and admission.held_blocks("w0", (b"x",) + hashes) == 0
+        ticket = await admission.acquire(100)
+        ticket.block_hashes = hashes
+        clock.now += 1.0
+        admission.update_stats([dataclasses.replace(report)], taken_at=clock.now)  # its report holds it
+        ticket.release()  # credited against that report
+        assert admission.held_blocks("w0", hashes) == 0
+        clock.now += 0.1
+        admission.update_stats([dataclasses.replace(report)], taken_at=clock.now)  # requested after the end
+        assert admission.held_blocks("w0", hashes) == 4
+    asyncio.run(main())
+
+
 def test_the_load_guard_s_mean_request_is_what_admissions_cost_their_workers_as_the_load_counts_it():
     """The 16-worker table's shape: a 6,000-token prefix cached on w0 + a 1,200-token question,
     32 output tokens. A cache hit adds 1,232 tokens to w0's load (its tail), a miss 7,232. The
