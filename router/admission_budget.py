@@ -173,6 +173,9 @@ class AdmissionTicket:
         self._release_to = release_to  # the admission that issued it (RouterAdmission._release)
         self.worker_id = worker_id
         self.cost_tokens = cost_tokens
+        # What it adds to its worker's load (the tokens it computes there): its KV cost but for
+        # a cached prefix no live request holds, which costs KV and no work (acquire's load_for).
+        self.load_tokens = cost_tokens
         self.attempt = attempt
         self.sent_at = sent_at  # monotonic clock of the controller
         self.queue_wait_s = queue_wait_s
@@ -347,7 +350,7 @@ class WorkerBudgets:
     def record(self, ticket: AdmissionTicket) -> None:
         """A request just sent to `ticket.worker_id`: counted there until its report does."""
         self._pending[ticket.worker_id].append(ticket)
-        self._admitted_sizes.observe(ticket.cost_tokens)
+        self._admitted_sizes.observe(ticket.load_tokens)
 
     def forget(self, ticket: AdmissionTicket) -> None:
         """A ticket released: no longer counted, or, when the worker's report surely counts it
@@ -374,7 +377,7 @@ class WorkerBudgets:
 
     def in_flight_tokens(self) -> dict[str, int]:
         """Tokens admitted per worker since its stats were taken (add them to its load)."""
-        return {w: sum(t.cost_tokens for t in ts) for w, ts in self._pending.items()}
+        return {w: sum(t.load_tokens for t in ts) for w, ts in self._pending.items()}
 
     def mean_admitted_tokens(self) -> float:
         """Mean cost of the recent tickets (0.0 before any): what one admitted request adds to

@@ -129,13 +129,16 @@ class Admitter:
                 self.metrics.observe_affinity_wait(waited.value, time.monotonic() - affinity.started_at)
             self.metrics.observe_route(decision.path.value)
             # Every policy's recent work is kept: prefix_aware breaks new-prefix ties by it.
-            self.latency.commit(decision, cost_for(decision.worker_id), num_prompt // block_size)
+            self.latency.commit(decision, load_for(decision.worker_id), num_prompt // block_size)
             if self.claims is not None and route_request.family_key is not None:
                 self.claims.keep_alive(route_request.family_key)  # the family is live: its claim stays
             decisions.append(decision)
             return decision.worker_id
 
         priority_class = request.priority if request.priority_class is None else request.priority_class
+
+        def load_for(worker_id: str) -> int:  # what it computes there: its cached prefix is not work
+            return cost_with_cached_prefix(num_prompt, sampling, block_size, matched.get(worker_id, 0), output)
 
         def cost_for(worker_id: str) -> int:
             # Cached blocks no live request holds there the request pins, and the worker adds
@@ -148,7 +151,7 @@ class Admitter:
         ticket = await self.admission.acquire(
             whole_cost, attempt=request.attempt,
             route=route, deadline_s=request.deadline_s, exclude=exclude, priority_class=priority_class,
-            max_wait_s=max_wait_s, queued_since=queued_since, cost_for=cost_for, hold=hold)
+            max_wait_s=max_wait_s, queued_since=queued_since, cost_for=cost_for, hold=hold, load_for=load_for)
         if hashes:  # the family's next request follows this one before the worker reports it
             ticket.block_hashes = tuple(hashes)
             token = index.add_in_flight(ticket.worker_id, hashes)
