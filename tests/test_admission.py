@@ -550,6 +550,19 @@ def test_a_prefix_the_report_holds_stops_counting_as_held_once_its_request_ends_
     asyncio.run(main())
 
 
+def test_a_cached_prefix_nobody_holds_counts_against_the_budget_but_not_the_load():
+    """Its request pins it: the worker's committed KV grows by it, its work does not (the
+    prefix is not computed). Counted as load, a family's request after a pause made its own
+    home look busy with a prefix's worth of work (16 workers simulated: computed max/min 3.76)."""
+    async def main():
+        admission = controller([stats("w0", reserved=0, capacity=2048)])
+        ticket = await admission.acquire(560, cost_for=lambda w: 560, load_for=lambda w: 32)
+        assert ticket.cost_tokens == 560 and ticket.load_tokens == 32
+        assert admission.in_flight_tokens() == {"w0": 32} and admission.mean_admitted_tokens() == 32
+        assert admission.snapshot().committed_tokens == 560
+    asyncio.run(main())
+
+
 def test_the_load_guard_s_mean_request_is_what_admissions_cost_their_workers_as_the_load_counts_it():
     """The 16-worker table's shape: a 6,000-token prefix cached on w0 + a 1,200-token question,
     32 output tokens. A cache hit adds 1,232 tokens to w0's load (its tail), a miss 7,232. The
