@@ -286,6 +286,17 @@ class WorkerBudgets:
         its next report (requested after now) shows what it really holds."""
         self._refused_at[worker_id] = self._clock()
 
+    def describe(self, worker_id: str) -> str:
+        """This router's view of the worker's budget, for a refusal's log line: the worker's
+        own message says what it counted, this what the router did."""
+        stats = self._stats.get(worker_id)
+        if stats is None:
+            return "no report"
+        credited = sum(credit for _, _, credit in self._released.get(worker_id, ()))
+        pending = self._pending.get(worker_id, ())
+        return (f"router's view: {stats.kv_tokens_reserved} reported - {credited} credited + "
+                f"{sum(t.cost_tokens for t in pending)} in {len(pending)} tickets of {stats.kv_tokens_capacity}")
+
     def awaiting_report(self, worker_id: str) -> bool:
         """The worker refused a request and has not reported since (`note_refusal`)."""
         return worker_id in self._refused_at
