@@ -72,6 +72,9 @@ UNQUANTIZED_WEIGHT_BYTES = 2
 # module stays torch-free; tests/test_gguf_kept.py holds it to a loaded model's bytes.
 GGUF_KEPT_GROUP_BYTES = {"Q8_0": (32, 2), "Q4_0": (16, 4), "Q4_1": (16, 6), "Q4_K": (16, 10)}
 GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# A Q8_0 token table is kept as its int8 codes + one fp32 scale a group (the native step reads
+# fp32 scales in place; quant/int8_group_table.py), for the embedding and a tied head alike.
+GGUF_KEPT_TABLE_GROUP_BYTES = {"Q8_0": (32, 4)}
 
 
 @dataclass(frozen=True)
@@ -235,7 +238,7 @@ def estimate_weight_bytes(shape: ModelShape, weight_dtype: str, group_size: int 
 
 
 def _gguf_kept_weight_bytes(shape: ModelShape) -> WeightEstimate:
-    """quant.weight gguf: the projections in the file's own types, the rest 16-bit."""
+    """quant.weight gguf: the projections (and a Q8_0 token table) in the file's own types, the rest 16-bit."""
     kept = shape.gguf_projections
     _require(kept is not None, "weight dtype gguf needs a .gguf model (--model FILE.gguf)")
     _require(not isinstance(kept, str), f"weight dtype gguf: {kept}")
@@ -249,6 +252,11 @@ def _gguf_projections(tensors) -> tuple[int, int, int] | str:
     params = codes = metadata = 0
     for t in tensors:
         parts = t.name.split(".")
+        if t.name == "token_embd.weight" and t.tensor_type.name in GGUF_KEPT_TABLE_GROUP_BYTES:
+            n = int(t.n_elements)
+            code, meta = GGUF_KEPT_TABLE_GROUP_BYTES[t.tensor_type.name]
+            params, codes, metadata = params + n, codes + n // 32 * code, metadata + n // 32 * meta
+            continue
         if len(parts) != 4 or parts[0] != "blk" or parts[2] not in GGUF_PROJECTIONS or parts[3] != "weight":
             continue
         n, kind = int(t.n_elements), t.tensor_type.name

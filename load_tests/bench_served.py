@@ -177,13 +177,17 @@ def format_report(config: KvmeshConfig, figures: list[SideFigures]) -> str:
     paired = [r for r in by_round.values() if len(r) == 2]
     if not paired:  # --only: one side, no ratio
         return "\n".join(lines)
-    tput = [r["served"].run.output_tok_s / r["in-process"].run.output_tok_s for r in paired]
-    p99 = [r["served"].run.e2e_p99_s / r["in-process"].run.e2e_p99_s for r in paired]
     lines.append("")
-    lines.append(f"served / in-process: throughput {statistics.median(tput):.2f}x (rounds: "
-                 f"{', '.join(f'{x:.2f}' for x in tput)}), E2E P99 {statistics.median(p99):.2f}x (rounds: "
-                 f"{', '.join(f'{x:.2f}' for x in p99)})")
+    lines.append(paired_ratio_line("served / in-process", [(r["served"].run, r["in-process"].run) for r in paired]))
     return "\n".join(lines)
+
+
+def paired_ratio_line(label: str, pairs: list[tuple[EngineRunFigures, EngineRunFigures]]) -> str:
+    """A / B of each round's pair (A, B): throughput and E2E P99, their medians and the rounds."""
+    tput = [a.output_tok_s / b.output_tok_s for a, b in pairs]
+    p99 = [a.e2e_p99_s / b.e2e_p99_s for a, b in pairs]
+    return (f"{label}: throughput {statistics.median(tput):.2f}x (rounds: {', '.join(f'{x:.2f}' for x in tput)}), "
+            f"E2E P99 {statistics.median(p99):.2f}x (rounds: {', '.join(f'{x:.2f}' for x in p99)})")
 
 
 def main(argv: list[str] | None = None) -> list[SideFigures]:

@@ -71,6 +71,14 @@ def _int4(codes: np.ndarray, rows: int, scales: torch.Tensor, zero: float, mins:
     return Int4WeightOnlyLinear(packed, scales, zeros, GROUP_SIZE, bias, mins=mins)
 
 
+def q8_0_groups(raw: np.ndarray, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor's rows -> (codes [N, K] int8, scales [N, K/32] fp32): the stored fp16
+    scales widened (exact), so code x scale is gguf's dequantized value in fp32."""
+    b = _blocks(raw, rows, 2 + 32)
+    codes = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, -1))
+    return codes, _f16(b, 0).float()
+
+
 def quantized_linear(tensor_name: str, type_name: str, raw: np.ndarray, rows: int,
                      bias: torch.Tensor | None = None) -> nn.Module:
     """One projection's GGUF rows ([N, row bytes] uint8, rows in output order) -> its layer."""

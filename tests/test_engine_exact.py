@@ -70,6 +70,8 @@ def _run_engine(smollm2_dir, backend, native: int | None = None, **sched):
         assert engine.parts.weight_quant == ("gguf" if smollm2_dir is None else "none")
         assert engine.runner.cpu_step.path == ("int4_avx2" if smollm2_dir is None else "avx2"), \
             engine.runner.cpu_step.describe()
+        if smollm2_dir is None:
+            _token_table_is_kept_as_its_q8_0_groups(engine)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(GenerateRequest(f"r{i}", prompt=prompt,
                                            sampling=SamplingParams(max_tokens=NEW_TOKENS, temperature=0)))
@@ -85,6 +87,22 @@ def _run_engine(smollm2_dir, backend, native: int | None = None, **sched):
     if native is None and device == "cpu":
         assert engine.runner.native_decoder.steps_run >= NEW_TOKENS, "the native step served the decode steps"
     return [tokens[f"r{i}"] for i in range(len(PROMPTS))], stats, max_running
+
+
+def _token_table_is_kept_as_its_q8_0_groups(engine) -> None:
+    """The embedded file's Q8_0 token table (embedding and tied head) is held once, as its int8
+    codes and scales: no float copy of it, in the model or in the native step's own tensors."""
+    from kvmesh.quant.int8_group_table import Int8GroupEmbedding, Int8GroupLMHead
+
+    model, decoder = engine.runner.model, engine.runner.native_decoder
+    table = model.model.embed_tokens
+    assert isinstance(table, Int8GroupEmbedding) and isinstance(model.lm_head, Int8GroupLMHead)
+    assert model.lm_head.table is table and table.codes.dtype == torch.int8
+    vocab_by_hidden = table.codes.numel()
+    held = [*model.parameters(), *model.buffers(), *decoder._description.keep]
+    copies = [tuple(t.shape) for t in held if t.is_floating_point() and t.numel() >= vocab_by_hidden]
+    assert not copies, f"a float copy of the token table is resident: {copies}"
+    assert decoder.head_q8_0 and decoder.int8_head_bytes == 0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -166,3 +166,18 @@ def test_gguf_mode_needs_a_gguf_file(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match="not a .gguf file"):
         resolve_model(_config(tmp_path, "gguf"))
+
+
+def test_quant_weight_auto_is_resolved_once_and_travels_on_the_spec(tmp_path, cache_dir, monkeypatch):
+    """resolve_model resolves quant.weight auto and the ModelSpec carries it; load_model loads
+    what the spec says without resolving again (tools and tests call both directly)."""
+    from kvmesh.worker.runner import model_setup
+
+    path = gc.write_tiny_llama_gguf(tmp_path / "tiny.gguf", "Q4_1")
+    config = _config(path, "auto")
+    spec = resolve_model(config)
+    want = "gguf" if cpu_native_step.unavailable_reason() is None else "none"  # fp32 on a CPU: its own int4
+    assert spec.weight_quant == want
+    monkeypatch.setattr(model_setup, "resolve_weight_quant", lambda c: pytest.fail("resolved a second time"))
+    model = load_model(config, spec)
+    assert isinstance(model.model.layers[0].mlp.up_proj, Int4WeightOnlyLinear) == (want == "gguf")

@@ -120,3 +120,27 @@ def test_unimplemented_configs_are_refused_by_name(family_name, overrides, named
         cfg = AutoConfig.for_model(family_name, **overrides)
     with pytest.raises(UnsupportedModelError, match=named.replace("(", r"\(").replace(")", r"\)")):
         Architecture.from_hf_config(cfg, 512)
+
+
+@pytest.mark.parametrize("family_name, overrides", [
+    ("llama", {}), ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
+    ("qwen3", {}), ("phi3", {}), ("gemma2", {}),
+])
+def test_rope_tables_equal_transformers_rotary_embedding(family_name, overrides):
+    """The RoPE tables are computed without importing a transformers model module (it pulls
+    torch._dynamo and triton into the worker): they must stay transformers' own, bit for bit."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from kvmesh.worker.model.llama import llama_rope_tables
+
+    from transformers import AutoConfig
+
+    cfg = _config(family_name, **overrides) if family_name in fc.FAMILIES else \
+        AutoConfig.for_model(family_name, **{**fc.COMMON, **overrides})
+    positions = torch.arange(300)[None, :]
+    want = LlamaRotaryEmbedding(config=cfg)(torch.zeros(1), positions)
+    got = llama_rope_tables(cfg, positions)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))

@@ -32,7 +32,7 @@ from kvmesh.worker.attention.backend import AttentionMetadata
 from kvmesh.worker.runner.cpu_model_runner import CpuModelRunner
 from kvmesh.worker.runner.model_runner import ModelRunner, allocate_kv_caches, kv_storage_dtype
 from kvmesh.worker.runner.model_setup import (allocate_rank_caches, load_model, pick_backend, require_backend_features,
-                                             resolve_model, resolve_weight_quant, with_valid_group_size)
+                                             resolve_model, with_valid_group_size)
 from kvmesh.worker.model.tokenizer import load_tokenizer
 from kvmesh.worker.runner.tp_group import TensorParallelGroup, TensorParallelRunner
 from kvmesh.worker.engine_loop.self_draft import DraftModel, load_draft
@@ -215,8 +215,8 @@ def _return_freed_heap() -> None:
 
 
 def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> EngineParts:
-    config = resolve_weight_quant(config)  # quant.weight auto -> what this machine serves best exactly
-    spec = resolve_model(config)
+    spec = resolve_model(config)  # quant.weight auto -> what this machine serves best exactly, in the spec
+    config = config.replace(quant={"weight": spec.weight_quant})
     config = with_valid_group_size(config, spec.hf_config)
     require_backend_features(spec.arch, pick_backend(config, spec.device))  # before any weight loads
     hf_config, device, dtype, max_model_len = spec.hf_config, spec.device, spec.dtype, spec.max_model_len

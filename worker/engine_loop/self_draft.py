@@ -149,7 +149,9 @@ def load_draft(config) -> DraftModel:
     model_spec = resolve_model(draft_config)
     draft_config = with_valid_group_size(draft_config, model_spec.hf_config)
     model = load_model(draft_config, model_spec)
-    model.lm_head = _Int8LMHead(model.lm_head.weight, model_spec.hf_config.vocab_size)
+    head = model.lm_head  # a kept int8 group table (GGUF Q8_0) gives its float rows for the per-row copy
+    weight = head.dequantized_weight() if hasattr(head, "dequantized_weight") else head.weight
+    model.lm_head = _Int8LMHead(weight, model_spec.hf_config.vocab_size)
     return DraftModel(model, draft_config, model_spec)
 
 

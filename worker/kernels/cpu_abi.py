@@ -67,7 +67,9 @@ ModelDescriptor = _struct("ModelDescriptor", "kvmesh_model", (
     ("int4_group", "int64_t"),  # int4 layers: inputs per scale / zero / min, a multiple of 32
     ("int4_scale_dtype", "int64_t"), ("int4_zero_dtype", "int64_t"), ("int4_min_dtype", "int64_t"),  # META_*
     ("rms_norm_eps", "float"),
-    ("embed", "const void *"), ("final_norm", "const void *"),
+    ("embed", "const void *"),  # [V, H] in the model dtype, or int8 codes when embed_scales is set
+    ("embed_scales", "const float *"),  # an int8 table's fp32 scales, one a 32-input group (GGUF Q8_0), or NULL
+    ("final_norm", "const void *"),
     ("rope_cos", "const float *"), ("rope_sin", "const float *"),  # [max positions, D] fp32
     ("lm_head_weight", "const void *"), ("lm_head_scales", "const void *"), ("lm_head_packed", "const void *"),
     ("layers", "const kvmesh_layer *")))

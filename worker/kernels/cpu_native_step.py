@@ -60,6 +60,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.core.config import CPU_NATIVE_MAX_TOKENS
+from kvmesh.quant.int8_group_table import Int8GroupEmbedding, Int8GroupLMHead
 from kvmesh.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from kvmesh.quant.primitives import int8_groups_if_exact, quantize_int8_per_channel
 from kvmesh.worker.kernels import cpu_abi, cpu_build
@@ -156,8 +157,11 @@ def _projection(fused, members: tuple, dtype: torch.dtype) -> Projection:
 
 
 def _lm_head(head, dtype: torch.dtype) -> Projection:
-    """The LM head's rows: the model's float head, or an int8 head (the self-draft's,
-    worker/engine_loop/self_draft.py, keeps its weight-only int8 layer as `linear`)."""
+    """The LM head's rows: the model's float head, an int8 head (the self-draft's,
+    worker/engine_loop/self_draft.py, keeps its weight-only int8 layer as `linear`), or a kept
+    GGUF Q8_0 table's groups, read in place."""
+    if isinstance(head, Int8GroupLMHead):
+        return Projection(_W_I8G, head.table.codes, head.table.scales)
     inner = getattr(head, "linear", None)
     if isinstance(inner, Int8WeightOnlyLinear):
         return _projection(None, (inner,), dtype)
@@ -250,8 +254,12 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
     if refusal is not None:  # the C step implements Llama's layer only
         raise NotTaken(refusal)
     cfg = model.config
-    embed = model.model.embed_tokens.weight
-    dtype = embed.dtype
+    table = model.model.embed_tokens
+    if isinstance(table, Int8GroupEmbedding):  # a kept GGUF Q8_0 table: codes and scales in place
+        embed, embed_scales, dtype = table.codes, table.scales, table.dtype
+    else:
+        embed, embed_scales = table.weight, None
+        dtype = embed.dtype
     if embed.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         raise NotTaken(f"model on {embed.device.type} in {dtype}")
     attn0 = model.model.layers[0].self_attn
@@ -276,7 +284,7 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
     (first,) = layouts.values()
     head = _lm_head(model.lm_head, dtype)
     head_copy_bytes = 0
-    if first.kind == _W_I4 and int8_activations and head.kind != _W_I8:
+    if first.kind == _W_I4 and int8_activations and head.kind not in (_W_I8, _W_I8G):
         # The quantized step's LM head: the float head (SmolLM2's is the tied embedding, 113 MB
         # in fp32, twice its int4 layers' bytes) read as int8 rows with one scale each, a copy
         # made once: at batch 1 the head's bytes, not the int4 layers', were the step's largest
@@ -296,12 +304,13 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
     lm_kind, lm, lm_scales = head.kind, head.weight, head.scales
     final_norm = model.model.norm.weight
     cos, sin = model.rotary.cos, model.rotary.sin_signed
-    for t in (embed, lm, final_norm, cos, sin) + (() if lm_scales is None else (lm_scales,)):
+    scale_tensors = tuple(t for t in (lm_scales, embed_scales) if t is not None)
+    for t in (embed, lm, final_norm, cos, sin) + scale_tensors:
         if not t.is_contiguous():
             raise NotTaken("a non-contiguous embedding, LM head or table")
     if final_norm.dtype != dtype or cos.dtype != torch.float32 or lm.shape[1] != hidden:
         raise NotTaken("final norm or RoPE tables in another dtype, or an LM head of another width")
-    keep += [embed, lm, final_norm, cos, sin] + ([] if lm_scales is None else [lm_scales])
+    keep += [embed, lm, final_norm, cos, sin, *scale_tensors]
     to_pack.append(lm if lm_kind == _W_BF16 else None)
     packed = [amx_packed(w) if w is not None and pack_for_amx else None for w in to_pack]
     keep += [t for t in packed if t is not None]
@@ -320,7 +329,8 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
         weight_kind=weight_kind, bf16=int(dtype == torch.bfloat16), block_size=k0.shape[1],
         cache_block_stride=strides[0], cache_slot_stride=strides[1], cache_head_stride=strides[2],
         vocab=lm.shape[0], lm_head_kind=lm_kind, int8_activations=int(int8_activations),
-        rms_norm_eps=float(cfg.rms_norm_eps), embed=_ptr(embed), final_norm=_ptr(final_norm), rope_cos=_ptr(cos),
+        rms_norm_eps=float(cfg.rms_norm_eps), embed=_ptr(embed), embed_scales=_ptr(embed_scales),
+        final_norm=_ptr(final_norm), rope_cos=_ptr(cos),
         rope_sin=_ptr(sin), lm_head_weight=_ptr(lm), lm_head_scales=_ptr(lm_scales), lm_head_packed=_ptr(packed[-1]),
         layers=ctypes.addressof(array))
     return ModelDescription(descriptor, array, keep, weight_kind, sum(t.nbytes for t in packed if t is not None),

@@ -3,8 +3,9 @@
 The model is built with its layer weights on the meta device (no memory), then every tensor
 comes from the file through gguf's memory-mapped reader: each projection straight into the
 quantized layer that holds its type exactly (quant/gguf_layouts.py: Q8_0 -> int8 groups,
-Q4_0 / Q4_1 / Q4_K -> int4 groups with their scales and mins as stored), the norms and the
-embedding table (read by row) in the model dtype. No float copy of a kept projection exists
+Q4_0 / Q4_1 / Q4_K -> int4 groups with their scales and mins as stored), a Q8_0 token table
+as its int8 groups (the embedding and the tied LM head, quant/int8_group_table.py),
+the norms and other tables in the model dtype. No float copy of a kept projection exists
 at any point, and the file's mapping is dropped once loaded.
 
 Tensor names follow gguf's own HF -> GGUF map (gguf.get_tensor_name_map, as transformers and
@@ -26,6 +27,7 @@ from torch import nn
 
 from kvmesh.quant import gguf_layouts
 from kvmesh.worker.model.architecture import UnsupportedModelError
+from kvmesh.quant.int8_group_table import Int8GroupEmbedding, Int8GroupLMHead
 from kvmesh.worker.model.llama import LlamaForCausalLM
 from kvmesh.worker.parallel.distributed import Collectives
 from kvmesh.worker.parallel.layers import _ShardedLinear
@@ -128,6 +130,25 @@ def _materialize(module: nn.Module, attr: str, full: torch.Tensor) -> None:
     setattr(module, attr, new)
 
 
+def _keep_q8_0_table(model: LlamaForCausalLM, tensors: GgufTensors, dtype: torch.dtype) -> bool:
+    """A Q8_0 token table stays its int8 groups (quant/int8_group_table.py): the
+    embedding, and the LM head when tied, with no float copy (the embedded model's fp32 table
+    was 113 MB of a ~500 MB worker). A vocabulary-parallel table keeps the float form."""
+    embed = model.model.embed_tokens
+    tensor = tensors.get("model.embed_tokens.weight")
+    if tensor.tensor_type.name != "Q8_0" or embed.shard.num_shards != 1:
+        return False
+    vocab = model.config.vocab_size
+    codes, scales = gguf_layouts.q8_0_groups(tensor.data, vocab)
+    if tuple(codes.shape) != (embed.num_embeddings, embed.embedding_dim):
+        raise UnsupportedModelError(f"{tensor.name} is {list(codes.shape)}, the model needs "
+                                    f"[{embed.num_embeddings}, {embed.embedding_dim}]")
+    model.model.embed_tokens = table = Int8GroupEmbedding(codes, scales, dtype)
+    if model.tie_word_embeddings:
+        model.lm_head = Int8GroupLMHead(table, vocab)
+    return True
+
+
 def load_gguf_model(path: Path, hf_config, max_model_len: int, dtype: torch.dtype, coll: Collectives | None = None,
                     vocab_parallel: bool = True) -> LlamaForCausalLM:
     tensors = GgufTensors(path, hf_config.num_hidden_layers)
@@ -139,13 +160,16 @@ def load_gguf_model(path: Path, hf_config, max_model_len: int, dtype: torch.dtyp
             if _install_projection(model, name, module, tensors, dtype):
                 type_name = tensors.get(f"{name}.weight").tensor_type.name
                 kept[type_name] = kept.get(type_name, 0) + 1
+    table = _keep_q8_0_table(model, tensors, dtype)
     for name, param in list(model.named_parameters()):  # norms, embeddings, float projections left
         if param.is_meta:
             owner, _, attr = name.rpartition(".")
             _materialize(model.get_submodule(owner), attr, tensors.float_tensor(name).to(dtype))
-    if model.tie_word_embeddings:  # the table was replaced above; the head reads the same rows
+    if model.tie_word_embeddings and not table:  # the table was replaced above; the head reads the same rows
         model.lm_head.weight = model.model.embed_tokens.weight
     del tensors  # closes the file's memory map
-    logger.info("GGUF %s kept quantized: %s projections", path.name,
-                ", ".join(f"{n} {t}" for t, n in sorted(kept.items())) or "no")
+    logger.info("GGUF %s kept quantized: %s projections%s", path.name,
+                ", ".join(f"{n} {t}" for t, n in sorted(kept.items())) or "no",
+                ", the token table as its Q8_0 groups" + (" (also the LM head)" if model.tie_word_embeddings else "")
+                if table else "")
     return model

@@ -78,10 +78,7 @@ class RotaryTables(nn.Module):
         probe = torch.zeros(1, dtype=torch.float32)
         positions = torch.arange(max_positions, dtype=torch.long)[None, :]
         if layer_type is None:
-            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # transformers: load time only
-
-            rope = LlamaRotaryEmbedding(config=hf_config)  # signature differs across versions; config= works in all
-            cos, sin = rope(probe, positions)  # [1, P, D]
+            cos, sin = llama_rope_tables(hf_config, positions)  # [1, P, D]
         else:
             from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding  # as above
 
@@ -100,6 +97,27 @@ class RotaryTables(nn.Module):
         """x: [T, heads, D] (q and k heads side by side) -> rotated, a new contiguous tensor."""
         cos, sin_signed = cos_sin
         return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def llama_rope_tables(hf_config, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' LlamaRotaryEmbedding(config)(x, positions) in fp32 for the static RoPE
+    types, computed as it does (tests/test_model_families.py holds the two equal bit for bit)
+    from transformers' RoPE parameter functions alone: importing a model module pulls in
+    transformers' generation code, torch._dynamo and triton, ~140 MiB of a CPU worker's
+    resident memory that serving never uses."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # transformers: load time only
+
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+        dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        inv_freq, scaling = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+    freqs = positions[..., None].float() * inv_freq.float()  # one product each: matmul over K = 1 is the same
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
 
 
 class FusedLinears:
@@ -378,7 +396,7 @@ class LlamaForCausalLM(nn.Module):
             for owner, attr, lin in ((attn, "o", attn.o_proj), (mlp, "down", mlp.down_proj)):
                 if prepack and FusedLinears.fusable([lin]) and packed_weights.can_pack(lin.weight):
                     setattr(owner, attr, FusedLinears([lin], prepack))
-        if prepack:
+        if prepack and isinstance(self.lm_head, ParallelLMHead):  # a kept int8 table has no float weight
             self.lm_head.packed = packed_weights.PackedWeight.pack(self.lm_head.weight)
         return fused
 

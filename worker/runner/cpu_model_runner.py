@@ -112,7 +112,8 @@ class CpuModelRunner(ModelRunner):
                     if decoder.amx_packed_bytes else "",
                     f", the LM head as an int8 copy ({decoder.int8_head_bytes / 2**20:.0f} MiB"
                     f"{', its exact Q8_0 groups' if decoder.head_q8_0 else ''})"
-                    if decoder.int8_head_bytes else "",
+                    if decoder.int8_head_bytes else
+                    ", the LM head read in place as the model's Q8_0 table" if decoder.head_q8_0 else "",
                     ", int8 projections as int8 x int8 AMX products" if decoder.int8_amx else "")
         return CpuStepPath(decoder.path, "", max_tokens, decoder.variant, numerics_of(decoder, dtype))
 

@@ -101,6 +101,7 @@ class ModelSpec:
     max_model_len: int
     arch: Architecture  # the family's switches, validated
     gguf_path: Path | None = None  # quant.weight gguf: the file whose tensors load as stored (hf_dir: its config)
+    weight_quant: str = "none"  # quant.weight as resolved here (auto -> gguf or none): what load_model loads
 
 
 def resolve_weight_quant(config: KvmeshConfig) -> KvmeshConfig:
@@ -131,7 +132,9 @@ def resolve_weight_quant(config: KvmeshConfig) -> KvmeshConfig:
 
 
 def resolve_model(config: KvmeshConfig) -> ModelSpec:
-    config = resolve_weight_quant(config)  # callers outside the engine (tools, tests) may pass auto
+    """The model's source, config, device, dtype and architecture; quant.weight auto resolved
+    here (once: the spec carries it, load_model loads what it says)."""
+    config = resolve_weight_quant(config)
     gguf_kept = config.quant.weight == "gguf"
     resolved = ensure_config_dir(config.model) if gguf_kept else ensure_hf_dir(config.model)
     hf_config = load_hf_config(resolved.hf_dir)
@@ -148,7 +151,7 @@ def resolve_model(config: KvmeshConfig) -> ModelSpec:
         raise ConfigError(f"model.max_model_len {max_model_len} exceeds the model's {native_len} positions")
     arch = Architecture.from_hf_config(hf_config, max_model_len)  # refuses what is not served, before any weight loads
     return ModelSpec(Path(resolved.hf_dir), resolved.name, hf_config, device, dtype, max_model_len, arch,
-                     resolved.gguf_path if gguf_kept else None)
+                     resolved.gguf_path if gguf_kept else None, config.quant.weight)
 
 
 def load_model(config: KvmeshConfig, spec: ModelSpec, coll=None, awq=None) -> LlamaForCausalLM:
@@ -158,7 +161,8 @@ def load_model(config: KvmeshConfig, spec: ModelSpec, coll=None, awq=None) -> Ll
 
     awq: int4_awq search results (worker/runner/awq_calibration.py); None at world size 1 means
     calibrate this model here (or take the cached results)."""
-    config = resolve_weight_quant(config)  # callers outside the engine (tools, tests) may pass auto
+    if config.quant.weight != spec.weight_quant:  # auto, resolved once by resolve_model
+        config = config.replace(quant={"weight": spec.weight_quant})
     if config.quant.weight == "gguf":
         model = load_gguf_model(spec.gguf_path, spec.hf_config, spec.max_model_len, spec.dtype, coll,
                                 config.parallel.vocab_parallel)

@@ -75,6 +75,7 @@ typedef struct {
     int64_t int4_min_dtype;
     float rms_norm_eps;
     const void *embed;
+    const float *embed_scales;
     const void *final_norm;
     const float *rope_cos;
     const float *rope_sin;

@@ -127,7 +127,16 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
     uint16_t *x16 = (uint16_t *)(picked + s->S * H);  /* a projection's input rows in bf16 */
     const int64_t r0 = B * tid / T, r1 = B * (tid + 1) / T;  /* this thread's tokens */
     const void *embed = m->embed;
-    if (priv) for (int64_t b = 0; b < B; b++)
+    if (priv && m->embed_scales) {  /* an int8 table (GGUF Q8_0): code x scale, exact in fp32, as eager */
+        for (int64_t b = 0; b < B; b++) {
+            const int8_t *row = (const int8_t *)embed + s->tokens[b] * H;
+            const float *sc = m->embed_scales + s->tokens[b] * (H / 32);
+            for (int64_t i = 0; i < H; i++) {
+                const float v = (float)row[i] * sc[i / 32];
+                res[b * H + i] = bf16 ? round_bf16(v) : v;  /* the rows come out in the model dtype */
+            }
+        }
+    } else if (priv) for (int64_t b = 0; b < B; b++)
         for (int64_t i = 0; i < H; i++) res[b * H + i] = load_elem(embed, s->tokens[b] * H + i, bf16);
     #pragma omp barrier  /* everyone has its workspace (or knows someone has none) */
     if (__atomic_load_n(&s->failed, __ATOMIC_RELAXED)) return;
@@ -286,7 +295,7 @@ int kvmesh_native_step_check(const kvmesh_model *m) {
         if (widths[i] <= 0 || widths[i] % 16) return 1;
     if (m->num_kv_heads <= 0 || m->num_q_heads % m->num_kv_heads) return 2;
     if (m->weight_kind < W_F32 || m->weight_kind > W_I4 || m->lm_head_kind < W_F32 || m->lm_head_kind > W_I8G
-        || m->lm_head_kind == W_I4 || (m->lm_head_kind == W_I8G && (m->bf16 || m->hidden % 32)))
+        || m->lm_head_kind == W_I4 || ((m->lm_head_kind == W_I8G || m->embed_scales) && m->hidden % 32))
         return 3;
     if (m->bf16 != 0 && m->bf16 != 1) return 4;
     const int head_scaled = m->lm_head_kind == W_I8 || m->lm_head_kind == W_I8G;
