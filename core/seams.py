@@ -445,6 +445,13 @@ class WorkerStats:
     num_adapter_loads: int = 0
     num_adapter_evictions: int = 0
     num_waiting_for_adapter: int = 0
+    # Hashes of the full prompt blocks the worker's live requests hold (pinned, in their block
+    # tables, or about to be computed by one of them). A request whose cached prefix is among
+    # them adds only its own blocks to kv_tokens_reserved; one reusing cached blocks outside
+    # them adds those too, pinned and paid by nobody (worker/engine_loop/admission.py): the
+    # router charges it the same (router/admission_budget.py, "Cached but not held"). At most
+    # the live requests' prompt blocks, deduplicated.
+    held_block_hashes: frozenset[bytes] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -217,10 +217,11 @@ def _send(client, recorder: _CallRecorder, spec: dict, request_id: str, family: 
 
 def run_cells(spec: dict) -> list[tuple[int, str, int]]:
     """(concurrency, policy, seed) of every run in order. Seeds count up from 1 over the runs
-    (the first run of a campaign always draws seed 1); `seeds: N` repeats each (concurrency,
+    (the first run draws seed `first_seed`, 1 by default: one run of an earlier campaign is
+    drawn again with `--first-seed`); `seeds: N` repeats each (concurrency,
     policy) cell N times, each with its own seed: runs of one code differ by a family or two,
     so one run a cell cannot call a line met."""
-    cells, seed = [], 0
+    cells, seed = [], spec.get("first_seed", 1) - 1
     for concurrency in spec["concurrency"]:
         for _ in range(spec.get("seeds", 1)):
             for policy in spec["policies"]:
@@ -359,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", help="override the spec's concurrency list")
     parser.add_argument("--policies", nargs="+", help="override the spec's policies")
     parser.add_argument("--seeds", type=int, help="runs per (concurrency, policy) cell, each its own seed")
+    parser.add_argument("--first-seed", type=int, help="the first run's seed (1 by default): rerun one cell's workload")
     args = parser.parse_args(argv)
     spec = yaml.safe_load(args.spec.read_text())
     if args.num_requests:
@@ -369,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         spec["policies"] = args.policies
     if args.seeds:
         spec["seeds"] = args.seeds
+    if args.first_seed:
+        spec["first_seed"] = args.first_seed
     results = run_campaign(spec, args.out)
     print(runs_table(results, len(spec["family_weights"])))
     print(markdown_table(results, len(spec["family_weights"])))

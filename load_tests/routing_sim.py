@@ -11,7 +11,8 @@ What is real and what is simulated:
                each worker's real prefix events, polled every stats_refresh_s, with the
                in-flight claims of dispatched requests), the router's admission rule
                (committed + cost on a worker <= capacity, the cost less the prefix the index
-               says is resident or claimed in flight: router/admission.py cost_with_cached_prefix), the worker's
+               says is resident or claimed in flight, cached blocks no live request holds
+               charged: router/admission.py cost_on_worker), the worker's
                scheduler (worker/engine_loop/scheduler.py: admission with pinned prefixes, chunked
                prefill, preemption) over kv/kv_cache_manager.py (block pool, prefix cache,
                LRU eviction, events)
@@ -55,7 +56,7 @@ from kvmesh.core.config import RouterConfig, SchedulerConfig
 from kvmesh.kv.hashing import hash_full_blocks
 from kvmesh.kv.kv_cache_manager import KVCacheManager
 from kvmesh.load_tests.routing_campaign import family_workload, oracle_hit_rate
-from kvmesh.router.admission import cost_with_cached_prefix
+from kvmesh.router.admission import cost_on_worker, cost_with_cached_prefix
 from kvmesh.router.affinity_wait import AffinityHold, AffinityWaitOutcome
 from kvmesh.router.family_claims import claim_candidates
 from kvmesh.router.prefix_index import PrefixIndex
@@ -172,6 +173,7 @@ class _SimRequest:
     in_flight_token: int | None = None
     sent_at: float = 0.0  # when it was dispatched, and what its worker was charged (the ticket)
     cost_tokens: int = 0
+    load_tokens: int = 0  # what it computes there (its cost but for a cached prefix nobody held)
     affinity_hold: AffinityHold | None = None  # its affinity wait, from its first try on
     predicted_ttft_s: float | None = None  # predicted_latency: the prediction it was routed on
     oracle_cached_tokens: int = 0  # what the oracle would have found cached (`_oracle_cached_tokens`)
@@ -328,8 +330,11 @@ class _SimRouter:
         self.rng = random.Random(run.workload.seed + 1 + number)
         self.cursor, self.sizes = RoundRobinCursor(), RequestSizeMeter()
         self.stats = {w: worker_stats(sim.scheduler, w) for w, sim in run.workers.items()}
-        self.sent_since_poll: dict[str, int] = collections.Counter()  # pending tickets per worker
+        self.sent_since_poll: dict[str, int] = collections.Counter()  # pending tickets per worker (KV)
+        self.load_since_poll: dict[str, int] = collections.Counter()  # their load (in_flight_tokens)
         self.released_since_poll: dict[str, int] = collections.Counter()  # credited tickets ("Released requests")
+        # Blocks of those credited tickets: the report no longer proves them held ("Cached but not held")
+        self.let_go_since_poll: dict[str, set] = collections.defaultdict(set)
         self.refused_since_poll: set[str] = set()  # workers whose own admission refused since the last poll
         self.last_poll_s = -math.inf
         self.queue: collections.deque[_SimRequest] = collections.deque()
@@ -339,7 +344,9 @@ class _SimRouter:
             self.index.apply(sim.scheduler.kv.events_since(self.index.next_seq(worker_id)))
             self.stats[worker_id] = worker_stats(sim.scheduler, worker_id)
         self.sent_since_poll.clear()
+        self.load_since_poll.clear()
         self.released_since_poll.clear()
+        self.let_go_since_poll.clear()
         self.refused_since_poll.clear()
         self.last_poll_s = self.run.clock.now
         self.pump()
@@ -349,19 +356,32 @@ class _SimRouter:
         report that counts it (the simulated polls are exact: sent before = counted) with what
         the worker frees, as router_core reckons it."""
         if done.sent_at < self.last_poll_s:
+            self.let_go_since_poll[worker_id].update(done.hashes)
             self.released_since_poll[worker_id] += done.cost_tokens if done.in_flight_token is None else \
                 cost_with_cached_prefix(len(done.prompt), done.request.sampling, self.run.cluster.block_size,
                                         self.index.shared_with_live_requests(done.in_flight_token))
         else:
             self.sent_since_poll[worker_id] -= done.cost_tokens
+            self.load_since_poll[worker_id] -= done.load_tokens
         if done.in_flight_token is not None:
             self.index.end_in_flight(done.in_flight_token)
+
+    def _held_blocks(self, worker_id: str, hashes) -> int:
+        """As admission: held by a request of this replica in flight there, or per the last
+        poll and not of a request credited since (router/admission_budget.py)."""
+        reported, let_go = self.stats[worker_id].held_block_hashes, self.let_go_since_poll.get(worker_id, ())
+        held = 0
+        for block_hash in hashes:
+            if block_hash not in reported or block_hash in let_go:
+                break
+            held += 1
+        return max(held, self.index.held_by_live_requests(worker_id, hashes))
 
     def _claimed(self, route_request: RouteRequest, matched: dict[str, int]) -> RouteRequest:
         """As Admitter._claimed: this replica proposes its own rule's pick from every worker;
         the family's first proposal stands."""
         proposal = choose_worker(matched, list(self.stats.values()), self.proposal_config, self.rng, self.cursor,
-                                 dict(self.sent_since_poll), self.sizes.mean_tokens(), request=route_request,
+                                 dict(self.load_since_poll), self.sizes.mean_tokens(), request=route_request,
                                  state=self.latency_state)
         owner = self.run.claims.claim(route_request.family_key,
                                       claim_candidates(proposal.worker_id, list(self.stats.values()), route_request))
@@ -379,7 +399,9 @@ class _SimRouter:
             if run.policy in PREFIX_POLICIES else {}
         eligible = []
         for worker_id, s in self.stats.items():
-            cost = cost_with_cached_prefix(prompt_len, sampling, cluster.block_size, matched.get(worker_id, 0))
+            cached = matched.get(worker_id, 0)
+            cost = cost_on_worker(prompt_len, sampling, cluster.block_size, cached,
+                                  self._held_blocks(worker_id, sim_request.hashes[:cached]) if cached else 0)
             committed = max(0, s.kv_tokens_reserved - self.released_since_poll[worker_id]) \
                 + self.sent_since_poll[worker_id]
             if worker_id not in self.refused_since_poll and committed + cost <= s.kv_tokens_capacity:
@@ -398,11 +420,11 @@ class _SimRouter:
         route_request = sim_request.route_request
         if sim_request.affinity_hold.holds(
                 [s for s, _ in eligible],
-                lambda: (list(self.stats.values()), dict(self.sent_since_poll), self.sizes.mean_tokens()), self.rng):
+                lambda: (list(self.stats.values()), dict(self.load_since_poll), self.sizes.mean_tokens()), self.rng):
             return None
         costs = {s.worker_id: cost for s, cost in eligible}
         decision = choose_worker(matched, [s for s, _ in eligible], router, self.rng, self.cursor,
-                                 dict(self.sent_since_poll), self.sizes.mean_tokens(), request=route_request,
+                                 dict(self.load_since_poll), self.sizes.mean_tokens(), request=route_request,
                                  state=self.latency_state)
         spilled = is_spill(matched, [s for s, _ in eligible], decision.worker_id)
         if spilled:
@@ -429,11 +451,13 @@ class _SimRouter:
             sim_request.refusals += 1
             sim_request.refused_by = worker_id
             return self.try_dispatch(sim_request)
+        load = cost_with_cached_prefix(prompt_len, sampling, cluster.block_size, matched.get(worker_id, 0))
         self.sent_since_poll[worker_id] += costs[worker_id]
-        sim_request.sent_at, sim_request.cost_tokens = clock.now, costs[worker_id]
-        self.sizes.observe(costs[worker_id])  # as admission: the margin's unit is what each dispatch cost its worker
+        self.load_since_poll[worker_id] += load
+        sim_request.sent_at, sim_request.cost_tokens, sim_request.load_tokens = clock.now, costs[worker_id], load
+        self.sizes.observe(load)  # as admission: the margin's unit is what each dispatch adds to its worker's load
         # As router_core: the state learns what was sent where.
-        self.latency_state.commit(decision, costs[worker_id], prompt_len // cluster.block_size)
+        self.latency_state.commit(decision, load, prompt_len // cluster.block_size)
         if run.claims is not None and route_request.family_key is not None:
             run.claims.keep_alive(route_request.family_key)
         if grown:

@@ -69,8 +69,8 @@ from dataclasses import dataclass
 
 from kvmesh.core.config import RouterConfig
 from kvmesh.core.seams import DispatchReport, WorkerStats
-from kvmesh.router.admission_budget import (AdmissionTicket, CostFn, WorkerBudgets, cost_with_cached_prefix,
-                                            request_cost_tokens)
+from kvmesh.router.admission_budget import (AdmissionTicket, CostFn, WorkerBudgets, cost_on_worker,
+                                            cost_with_cached_prefix, request_cost_tokens)
 from kvmesh.router.admission_queue import HELD, Held, HoldFn, RouteFn, Waiter, enqueue, excluding
 from kvmesh.core.errors import (
     DeadlineExceededError,
@@ -84,7 +84,7 @@ from kvmesh.core.errors import (
 logger = logging.getLogger(__name__)
 
 # The request costs and the ticket live with the budget; importable from here as before.
-__all__ = ["AdmissionSnapshot", "AdmissionTicket", "RouterAdmission", "cost_with_cached_prefix",
+__all__ = ["AdmissionSnapshot", "AdmissionTicket", "RouterAdmission", "cost_on_worker", "cost_with_cached_prefix",
            "request_cost_tokens"]
 
 
@@ -145,12 +145,14 @@ class RouterAdmission:
                       deadline_s: float | None = None, cost_for: CostFn | None = None,
                       exclude: frozenset[str] = frozenset(), priority_class: int = 0,
                       max_wait_s: float | None = None, queued_since: float | None = None,
-                      hold: HoldFn | None = None) -> AdmissionTicket:
+                      hold: HoldFn | None = None, load_for: CostFn | None = None) -> AdmissionTicket:
         """Admit now, wait for room, or raise (OverloadedError, WorkerFailedError,
         InvalidRequestError, DeadlineExceededError). `deadline_s` is absolute time.time().
         `cost_tokens` is the whole cost (nothing cached); `cost_for(worker_id)`, when given,
         the cost on one worker with its cached prefix taken off (never more than the whole).
         Workers in `exclude` (one that already refused this request) are never chosen.
+        `load_for(worker_id)`: the tokens it adds to that worker's load (what it computes
+        there) when not its KV cost: a cached prefix no live request holds costs KV, not work.
         `priority_class` (lower = more important) orders the wait queue. `max_wait_s` bounds
         the wait below router.max_queue_wait_s (the degradation ladder's queue step); 0 admits
         now or raises OverloadedError without queueing (see below for the one exception).
@@ -192,7 +194,8 @@ class RouterAdmission:
         if not ahead and not retry_held:  # admit at once if it fits
             ticket = self._try_admit(cost_tokens, attempt, route, queued_since=queued_since, cost_for=cost_for,
                                      priority_class=priority_class,
-                                     hold=hold if len(lane) < slots else None)  # no slot to hold out in
+                                     hold=hold if len(lane) < slots else None,  # no slot to hold out in
+                                     load_for=load_for)
             if isinstance(ticket, AdmissionTicket):
                 return ticket
             held = ticket is HELD
@@ -203,14 +206,14 @@ class RouterAdmission:
                     and self.budgets.eligible(cost_tokens, cost_for, priority_class, as_reported=True)[0]):
                 raise self._overloaded(cost_tokens, attempt, "no room now")
             return await self._wait(lane, cost_tokens, attempt, route, deadline_s, cost_for, priority_class,
-                                    None, place, exclude, until_settled=True)
+                                    None, place, exclude, until_settled=True, load_for=load_for)
         if len(lane) >= slots and not self._evict_less_important(lane, priority_class):
             raise self._overloaded(cost_tokens, attempt, "admission queue full")
         # A request holding out could run now elsewhere: its wait is its own choice, never shed.
         if deadline_s is not None and self._config.deadline_shedding and not held:
             self._shed_if_deadline_unmeetable(cost_tokens, lane, deadline_s, priority_class)
         return await self._wait(lane, cost_tokens, attempt, route, deadline_s, cost_for, priority_class, max_wait_s,
-                                place, exclude, hold=hold, holding=held)
+                                place, exclude, hold=hold, holding=held, load_for=load_for)
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -222,6 +225,11 @@ class RouterAdmission:
         """The worker's own admission refused a request this router sent it: nothing goes
         there until its next report (WorkerBudgets.note_refusal)."""
         self.budgets.note_refusal(worker_id)
+
+    def held_blocks(self, worker_id: str, block_hashes) -> int:
+        """Leading blocks of `block_hashes` the worker's live requests hold per its latest
+        report, less those of requests ended since (WorkerBudgets.held_blocks)."""
+        return self.budgets.held_blocks(worker_id, block_hashes)
 
     def awaiting_report(self, worker_id: str) -> bool:
         """The worker refused a request and nothing goes there until its next report."""
@@ -263,7 +271,8 @@ class RouterAdmission:
 
     def _try_admit(self, cost_tokens: int, attempt: int, route: RouteFn | None,
                    queued_since: float | None, cost_for: CostFn | None = None,
-                   priority_class: int = 0, hold: HoldFn | None = None) -> AdmissionTicket | Held | None:
+                   priority_class: int = 0, hold: HoldFn | None = None,
+                   load_for: CostFn | None = None) -> AdmissionTicket | Held | None:
         """A ticket, None (it fits nowhere now), or HELD (`hold` said to wait)."""
         if attempt > 1 and not self._retry_budget_allows(cost_tokens):
             return None
@@ -283,6 +292,8 @@ class RouterAdmission:
         ticket = AdmissionTicket(self._release, worker_id, costs[worker_id], attempt, sent_at=now,
                                  queue_wait_s=0.0 if queued_since is None else max(0.0, now - queued_since))
         ticket.shared_class = self.budgets.in_shared_class(priority_class)
+        if load_for is not None:
+            ticket.load_tokens = load_for(worker_id)
         self.budgets.record(ticket)
         self._live.add(ticket)
         if attempt > 1:
@@ -300,10 +311,11 @@ class RouterAdmission:
                     deadline_s: float | None, cost_for: CostFn | None = None,
                     priority_class: int = 0, max_wait_s: float | None = None, place: float | None = None,
                     exclude: frozenset[str] = frozenset(), until_settled: bool = False,
-                    hold: HoldFn | None = None, holding: bool = False) -> AdmissionTicket:
+                    hold: HoldFn | None = None, holding: bool = False,
+                    load_for: CostFn | None = None) -> AdmissionTicket:
         waiter = Waiter(cost_tokens, attempt, route, self._clock() if place is None else place,
                          asyncio.get_running_loop().create_future(), cost_for, priority_class, exclude, until_settled,
-                         hold, holding)
+                         hold, holding, load_for)
         enqueue(lane, waiter)
         if lane[0] is waiter:
             self._pump()  # ahead of everyone waiting: it may fit where the old head did not
@@ -367,7 +379,7 @@ class RouterAdmission:
                     continue
                 try:
                     ticket = self._try_admit(head.cost_tokens, head.attempt, head.route, head.enqueued_at,
-                                             head.cost_for, head.priority_class, head.hold)
+                                             head.cost_for, head.priority_class, head.hold, head.load_for)
                 except Exception as exc:  # a failing route callback fails its own request only
                     del lane[index]
                     head.future.set_exception(exc)

@@ -91,6 +91,18 @@ the time rule above. The time rule's extra period counted a request twice whenev
 came back quickly: the family's worker looked full in the router's view and the family's
 next request spilled to the other worker (the affinity-wait e2e test's control case).
 
+Cached but not held: a prompt block the worker has cached costs a newcomer nothing there only
+while a live request holds it (pinned, in its table, or about to compute it: that one's
+reservation or the shared pins already count it). A cached block nobody holds, the newcomer
+pins, and the worker adds it to its committed total (pinned, paid by nobody). Charged as free,
+a family's request after a pause cost 32 tokens here and 560 on the worker, whose figures then
+passed the router's by a prefix per family woken up: on the 2-worker campaign at 16 in flight
+the workers refused 5-24 requests a run the router had admitted, and the refused requests split
+families. So the cost on a worker (`cost_on_worker`) charges the cached blocks no live request
+holds, where held means: claimed by one of this router's requests in flight there not yet ended
+(its prefix index), or in the worker's report (`WorkerStats.held_block_hashes`) and not of a
+request this router has seen end since.
+
 Single-owner state on the replica's event loop: no locks.
 """
 
@@ -141,6 +153,18 @@ def cost_with_cached_prefix(prompt_tokens: int, sampling: SamplingParams, block_
                              cached_prompt_tokens=cached_blocks * block_size)
 
 
+def cost_on_worker(prompt_tokens: int, sampling: SamplingParams, block_size: int, cached_blocks: int,
+                   held_blocks: int, output_tokens: int | None = None) -> int:
+    """What the worker adds to its committed KV for a request whose first `cached_blocks`
+    prompt blocks it has (cached, or claimed by a request in flight there), of which its live
+    requests hold the first `held_blocks` ("Cached but not held"): the request's own blocks,
+    plus the cached blocks nobody holds, which it pins and nobody's reservation pays for."""
+    cached_blocks = min(cached_blocks, (prompt_tokens - 1) // block_size)
+    unheld_blocks = max(0, cached_blocks - held_blocks)
+    return (cost_with_cached_prefix(prompt_tokens, sampling, block_size, cached_blocks, output_tokens)
+            + unheld_blocks * block_size * sampling.n)
+
+
 class AdmissionTicket:
     """An admitted request's reservation on one worker; release it exactly when it ends."""
 
@@ -149,6 +173,9 @@ class AdmissionTicket:
         self._release_to = release_to  # the admission that issued it (RouterAdmission._release)
         self.worker_id = worker_id
         self.cost_tokens = cost_tokens
+        # What it adds to its worker's load (the tokens it computes there): its KV cost but for
+        # a cached prefix no live request holds, which costs KV and no work (acquire's load_for).
+        self.load_tokens = cost_tokens
         self.attempt = attempt
         self.sent_at = sent_at  # monotonic clock of the controller
         self.queue_wait_s = queue_wait_s
@@ -159,6 +186,9 @@ class AdmissionTicket:
         # This replica's number for the dispatch to its worker (0: none, the time rule counts it),
         # set as the request is sent (router/stages/stream.py); see "Counted exactly".
         self.dispatch_seq = 0
+        # Its prompt's full-block hashes (router/stages/admit_route.py): once it is credited on
+        # release, the worker's report no longer proves them held ("Cached but not held").
+        self.block_hashes: tuple = ()
         self.released = False
         self._on_release: list[Callable[[], None]] = []
 
@@ -286,6 +316,33 @@ class WorkerBudgets:
         its next report (requested after now) shows what it really holds."""
         self._refused_at[worker_id] = self._clock()
 
+    def describe(self, worker_id: str) -> str:
+        """This router's view of the worker's budget, for a refusal's log line: the worker's
+        own message says what it counted, this what the router did."""
+        stats = self._stats.get(worker_id)
+        if stats is None:
+            return "no report"
+        credited = sum(credit for _, _, credit in self._released.get(worker_id, ()))
+        pending = self._pending.get(worker_id, ())
+        return (f"router's view: {stats.kv_tokens_reserved} reported - {credited} credited + "
+                f"{sum(t.cost_tokens for t in pending)} in {len(pending)} tickets of {stats.kv_tokens_capacity}")
+
+    def held_blocks(self, worker_id: str, block_hashes) -> int:
+        """Leading blocks of `block_hashes` the worker's live requests held per its report
+        (`WorkerStats.held_block_hashes`), less those of requests this router has seen end
+        since (credited on release: the worker may have let them go)."""
+        stats = self._stats.get(worker_id)
+        if stats is None or not stats.held_block_hashes:
+            return 0
+        released = self._released.get(worker_id)
+        let_go = {h for _, t, _ in released for h in t.block_hashes} if released else ()
+        held = 0
+        for block_hash in block_hashes:
+            if block_hash not in stats.held_block_hashes or block_hash in let_go:
+                break
+            held += 1
+        return held
+
     def awaiting_report(self, worker_id: str) -> bool:
         """The worker refused a request and has not reported since (`note_refusal`)."""
         return worker_id in self._refused_at
@@ -293,7 +350,7 @@ class WorkerBudgets:
     def record(self, ticket: AdmissionTicket) -> None:
         """A request just sent to `ticket.worker_id`: counted there until its report does."""
         self._pending[ticket.worker_id].append(ticket)
-        self._admitted_sizes.observe(ticket.cost_tokens)
+        self._admitted_sizes.observe(ticket.load_tokens)
 
     def forget(self, ticket: AdmissionTicket) -> None:
         """A ticket released: no longer counted, or, when the worker's report surely counts it
@@ -320,7 +377,7 @@ class WorkerBudgets:
 
     def in_flight_tokens(self) -> dict[str, int]:
         """Tokens admitted per worker since its stats were taken (add them to its load)."""
-        return {w: sum(t.cost_tokens for t in ts) for w, ts in self._pending.items()}
+        return {w: sum(t.load_tokens for t in ts) for w, ts in self._pending.items()}
 
     def mean_admitted_tokens(self) -> float:
         """Mean cost of the recent tickets (0.0 before any): what one admitted request adds to

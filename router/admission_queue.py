@@ -41,6 +41,7 @@ class Waiter:
     until_settled: bool = False
     hold: HoldFn | None = None
     holding: bool = False  # it held out at the last try: it does not hold up those behind it
+    load_for: CostFn | None = None  # what it adds to a worker's load, when not its KV cost (acquire)
 
 
 class Held:

@@ -26,8 +26,9 @@ one of the workers with room (router/stages/admit_route.py, on arrival and at ev
   `max_queue_wait_s`), after which it is routed as before (a spill). A degradation ladder's
   try-now step never holds, nor does a request the queue has no slot for.
 - a request its prefix's worker refused (that worker's own admission; the router leaves the
-  refuser out until its next report) first waits for that report, up to `affinity_wait_s`,
-  whatever the load guard made of the view the refusal proved stale; then the rule above.
+  refuser out until its next report) first waits for that report, whatever the load guard
+  made of the view the refusal proved stale; then the rule above, holding as long as a hold
+  may (as a request of a claimed family does) while the refuser stays the family's worker.
 
 So a hold costs at most `affinity_wait_s` (plus one stats refresh, the next pump) of TTFT,
 or under predicted_latency what the prediction says a spill would cost anyway, and saves the
@@ -109,10 +110,13 @@ class AffinityHold:
             if decision.path is expected and decision.worker_id in self._preferred:
                 wait_s = max(self._config.affinity_wait_s, self._recompute_s(offered))
                 self._longest_s = self._longest_hold_s()
-                if self._request is not None and self._request.claimed_worker in self._preferred:
+                claimed = self._request is not None and self._request.claimed_worker in self._preferred
+                if claimed or self._refused_by in self._preferred:
                     # The replicas' shared claim names its worker: sent elsewhere, this request
                     # starts the family a second home while the other replicas' requests go to
-                    # the claimed one (a split). It waits for room there as long as a hold may.
+                    # the claimed one (a split). Or its home refused it: the home's report since
+                    # still leaves it the family's worker by the load guard, and only its budget
+                    # is short for now. Either way it waits for room there as long as a hold may.
                     wait_s = self._longest_s
                 wait_s = min(wait_s, self._longest_s)
                 self._until = now + wait_s if wait_s > 0 else -math.inf
@@ -153,17 +157,20 @@ class AffinityHold:
 
     def _awaits_refuser(self, now: float) -> bool:
         """A request its prefix's worker refused (that worker's own admission: the router's
-        view of it was behind) waits for that worker's next report, up to `affinity_wait_s`
-        (within `_longest_hold_s`), whatever the load guard says of the stale view; the
-        report then decides, by the rule above. Left out until that report, the refuser was
-        never offered, and the request spilled at once to a worker that computed its whole
-        prefix: the family then lived on both workers (measured on the 2-worker campaign at
-        16 in flight, one family of six split that way)."""
+        view of it was behind) waits for that worker's next report, within `_longest_hold_s`
+        (the request's deadline), whatever the load guard says of the stale view; the report
+        then decides by the rule above, and while it leaves the refuser the family's worker
+        the request waits for room there as long as a hold may. Left out until that report,
+        the refuser was never offered, and the request spilled at once to a worker that
+        computed its whole prefix: the family then lived on both workers (measured on the
+        2-worker campaign at 16 in flight, one family of six split that way); waiting for the
+        report only `affinity_wait_s`, or for room after it only as a full worker's request
+        does, a loaded box's late polls and a home still full for a moment split two."""
         if self._refused_by not in self._preferred or self._awaiting_report is None \
                 or not self._awaiting_report(self._refused_by):
             return False
         if self._report_wait_until is None:
-            self._report_wait_until = now + min(self._config.affinity_wait_s, self._longest_hold_s())
+            self._report_wait_until = now + self._longest_hold_s()
             if self.started_at is None and self._report_wait_until > now:
                 self.started_at = now
         return now < self._report_wait_until

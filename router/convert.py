@@ -292,12 +292,19 @@ def health_from_pb(msg: pb.HealthResponse) -> HealthStatus:
                         num_healthy_workers=msg.num_healthy_workers)
 
 
+# WorkerStats fields the router reads and the API does not carry (block hashes are internal).
+_WORKER_STATS_NOT_IN_API = frozenset({"held_block_hashes"})
+
+
 def worker_stats_to_pb(stats: WorkerStats, age_s: float = 0.0) -> pb.WorkerStats:
-    return pb.WorkerStats(**dataclasses.asdict(stats), stats_age_s=age_s)
+    fields = {f.name: getattr(stats, f.name) for f in dataclasses.fields(WorkerStats)
+              if f.name not in _WORKER_STATS_NOT_IN_API}
+    return pb.WorkerStats(**fields, stats_age_s=age_s)
 
 
 def worker_stats_from_pb(msg: pb.WorkerStats) -> WorkerStats:
-    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(WorkerStats)}
+    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(WorkerStats)
+              if f.name not in _WORKER_STATS_NOT_IN_API}
     fields["resident_adapters"] = tuple(fields["resident_adapters"])
     return WorkerStats(**fields)
 

@@ -29,7 +29,8 @@ it by its prefix index and the claim only matters again if the family is evicted
 Redis down: the claim answers None at once (no request waits on a dead Redis beyond one
 socket timeout) and the replica routes a new family by its own rule, as without Redis; a
 WARNING, `kvmesh_family_claims_fallback_active{replica}` 1, and a probe every
-`tenants.quota_probe_interval_s` until Redis answers again. Outcomes are counted in
+`tenants.quota_probe_interval_s` until Redis answers again (router/redis_outage.py, as the
+quota store's). Outcomes are counted in
 `kvmesh_family_claims_total{outcome}` (won: this replica's choice stands; joined: another
 replica's claim was taken; unavailable: Redis down, own rule).
 """
@@ -39,16 +40,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
-import logging
 import time
 from collections.abc import Callable, Sequence
 
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import WorkerStats
 from kvmesh.router.hot_spread import preference_order
+from kvmesh.router.redis_outage import RedisOutage
 from kvmesh.router.routing import RouteRequest
-
-logger = logging.getLogger(__name__)
 
 _KEY_PREFIX = "kvmesh:family-claim:"
 _MAX_REFRESHED = 4096  # families whose last refresh this replica remembers (least recent dropped)
@@ -126,25 +125,26 @@ class FamilyClaims:
         self._refresh_every_s = ttl_s / 3
         self._prefix = f"{_KEY_PREFIX}{namespace}:" if namespace else _KEY_PREFIX
         self._live_prefix = self._prefix + "live:"  # + worker id: that worker's live families
-        self._probe_interval_s = probe_interval_s
-        self._on_fallback_change = on_fallback_change
+        self._outage = RedisOutage(
+            self._redis.ping, probe_interval_s, on_change=on_fallback_change,
+            away="family claims: Redis unreachable ({exc!r}); new families placed by this replica's own rule "
+                 "until it answers again",
+            back="family claims: Redis is back; new families placed by shared claims again")
         self._on_outcome = on_outcome
         self._clock = clock
-        self._fallback = False
-        self._probe: asyncio.Task | None = None
         self._refreshed: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self._background: set[asyncio.Task] = set()
 
     @property
     def fallback_active(self) -> bool:
-        return self._fallback
+        return self._outage.active
 
     async def claim(self, family_key: bytes, candidates: Sequence[tuple[str, int]]) -> str | None:
         """The worker the family is claimed for: an existing claim's (renewed), else the first
         of `candidates` ((worker, room in families), this replica's order) whose live families
         (claims not expired) leave room for one more, now claimed (the first when none does).
         None while Redis is unreachable."""
-        if self._fallback or not candidates:
+        if self._outage.active or not candidates:
             self._count(ClaimOutcome.UNAVAILABLE)
             return None
         try:
@@ -152,7 +152,7 @@ class FamilyClaims:
                 self._ttl_ms, family_key.hex(), len(candidates), *(w for w, _ in candidates),
                 *(room for _, room in candidates)])
         except Exception as exc:  # ConnectionError, TimeoutError, OSError: Redis is away
-            self._enter_fallback(exc)
+            self._outage.enter(exc)
             self._count(ClaimOutcome.UNAVAILABLE)
             return None
         self._refreshed[family_key] = self._clock()
@@ -165,7 +165,7 @@ class FamilyClaims:
         of the expiry per family, without waiting for Redis."""
         now = self._clock()
         last = self._refreshed.get(family_key)
-        if self._fallback or (last is not None and now - last < self._refresh_every_s):
+        if self._outage.active or (last is not None and now - last < self._refresh_every_s):
             return
         self._refreshed[family_key] = now
         self._refreshed.move_to_end(family_key)
@@ -175,8 +175,7 @@ class FamilyClaims:
         task.add_done_callback(self._background.discard)
 
     async def aclose(self) -> None:
-        if self._probe is not None:
-            self._probe.cancel()
+        self._outage.close()
         await self._redis.aclose()
 
     # ---- internals ----------------------------------------------------------------------
@@ -197,30 +196,7 @@ class FamilyClaims:
             await self._renew_script(keys=[self._key(family_key), self._live_prefix],
                                      args=[self._ttl_ms, family_key.hex()])
         except Exception as exc:
-            self._enter_fallback(exc)
-
-    def _enter_fallback(self, exc: Exception) -> None:
-        if self._fallback:
-            return
-        self._fallback = True
-        logger.warning("family claims: Redis unreachable (%r); new families placed by this replica's own "
-                       "rule until it answers again", exc)
-        if self._on_fallback_change is not None:
-            self._on_fallback_change(True)
-        self._probe = asyncio.get_running_loop().create_task(self._probe_until_back())
-
-    async def _probe_until_back(self) -> None:
-        while True:
-            await asyncio.sleep(self._probe_interval_s)
-            try:
-                await self._redis.ping()
-            except Exception:
-                continue
-            self._fallback = False
-            logger.warning("family claims: Redis is back; new families placed by shared claims again")
-            if self._on_fallback_change is not None:
-                self._on_fallback_change(False)
-            return
+            self._outage.enter(exc)
 
 
 def claim_candidates(proposed: str, workers: Sequence[WorkerStats], request: RouteRequest) -> list[tuple[str, int]]:

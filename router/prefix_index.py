@@ -71,6 +71,7 @@ class PrefixIndex:
         self._clock = clock
         self._in_flight: dict[int, _InFlight] = {}
         self._in_flight_holders: dict[BlockHash, dict[str, int]] = {}  # block -> {worker: claims}
+        self._live_holders: dict[BlockHash, dict[str, int]] = {}  # the same, requests not ended only
         self._expiries: list[tuple[float, int]] = []  # (expires_at, token) of ended claims, a heap
         # Per worker: distinct blocks claimed in flight there and not (yet) reported there.
         self._claimed_only: Counter[str] = Counter()
@@ -129,12 +130,34 @@ class PrefixIndex:
             count = claims[worker_id] = claims.get(worker_id, 0) + 1
             if count == 1 and block_hash not in reported:
                 self._claimed_only[worker_id] += 1
+        self._count_live(entry, +1)
         return token
+
+    def _count_live(self, entry: _InFlight, sign: int) -> None:
+        for block_hash in entry.block_hashes:
+            live = self._live_holders.setdefault(block_hash, {})
+            live[entry.worker_id] = live.get(entry.worker_id, 0) + sign
+            if live[entry.worker_id] <= 0:
+                del live[entry.worker_id]
+                if not live:
+                    del self._live_holders[block_hash]
+
+    def held_by_live_requests(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> int:
+        """Leading blocks of `block_hashes` that a request dispatched to `worker_id` and not
+        ended claims: the worker holds them for that request (pinned, in its table, or about
+        to be computed by it), so a newcomer sharing them adds nothing for them there."""
+        held = 0
+        for block_hash in block_hashes:
+            if worker_id not in self._live_holders.get(block_hash, ()):
+                break
+            held += 1
+        return held
 
     def end_in_flight(self, token: int) -> None:
         """The request ended: keep its claim `linger_s` more (its STORED events are on the way)."""
         entry = self._in_flight.get(token)
         if entry is not None and entry.expires_at is None:
+            self._count_live(entry, -1)
             entry.expires_at = self._clock() + self.linger_s
             heapq.heappush(self._expiries, (entry.expires_at, token))
 
@@ -242,6 +265,8 @@ class PrefixIndex:
 
     def _drop_in_flight(self, token: int) -> None:
         entry = self._in_flight.pop(token)
+        if entry.expires_at is None:  # dropped while its request runs (its worker removed)
+            self._count_live(entry, -1)
         for block_hash in entry.block_hashes:
             self._unclaim(block_hash, entry.worker_id, 1)
 

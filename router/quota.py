@@ -45,6 +45,7 @@ from typing import Callable, Protocol
 
 from kvmesh.core.config import TenantsConfig
 from kvmesh.router import quota_lua
+from kvmesh.router.redis_outage import RedisOutage
 from kvmesh.router.tenants import Tenant, TenantLimits
 from kvmesh.core.errors import InvalidRequestError, QuotaExceededError
 
@@ -317,10 +318,12 @@ class FallbackQuotaStore:
         """local_clock: the local buckets' clock (tests inject one, as RedisQuotaStore's clock_us)."""
         self.primary = primary
         self.local = InProcessQuotaStore(limit_fraction=1.0 / max(1, num_replicas), clock=local_clock)
-        self._probe_interval_s = probe_interval_s
-        self._on_change = on_fallback_change
-        self._fallback = False
-        self._probe_task: asyncio.Task | None = None
+        self._outage = RedisOutage(
+            primary.ping, probe_interval_s, on_change=on_fallback_change, on_back=self._replay_pending,
+            unavailable=(QuotaStoreUnavailableError,),
+            away="quota store: Redis unreachable ({exc}); serving with local limits divided by the replica count "
+                 "until it answers again",
+            back="quota store: Redis is back; shared limits resumed")
         # Settlements of Redis-issued reservations made while Redis was away, and releases of
         # reserve calls whose reply was lost, replayed on reconnect (the settle script acts only
         # on a reservation still in flight, so a replay, or a release of one never taken, is safe).
@@ -328,38 +331,22 @@ class FallbackQuotaStore:
 
     @property
     def fallback_active(self) -> bool:
-        return self._fallback
+        return self._outage.active
 
     @property
     def num_pending_settlements(self) -> int:
         return len(self._pending)
 
     def _enter_fallback(self, exc: Exception) -> None:
-        if self._fallback:
-            return
-        self._fallback = True
-        logger.warning("quota store: Redis unreachable (%s); serving with local limits divided by "
-                       "the replica count until it answers again", exc)
-        if self._on_change is not None:
-            self._on_change(True)
-        self._probe_task = asyncio.get_running_loop().create_task(self._probe_until_back())
+        self._outage.enter(exc)
 
-    async def _probe_until_back(self) -> None:
-        while True:
-            await asyncio.sleep(self._probe_interval_s)
-            try:
-                await self.primary.ping()
-                while self._pending:
-                    reservation, completion = self._pending[0]
-                    await self._finish_on_primary(reservation, completion)
-                    self._pending.pop(0)
-            except QuotaStoreUnavailableError:
-                continue
-            self._fallback = False
-            logger.warning("quota store: Redis is back; shared limits resumed")
-            if self._on_change is not None:
-                self._on_change(False)
-            return
+    async def _replay_pending(self) -> None:
+        """Redis answers again: the settlements made while it was away, in order, before the
+        shared limits resume (a failure keeps the outage on, the rest for the next probe)."""
+        while self._pending:
+            reservation, completion = self._pending[0]
+            await self._finish_on_primary(reservation, completion)
+            self._pending.pop(0)
 
     async def _finish_on_primary(self, reservation: Reservation, completion_tokens: int | None) -> None:
         if completion_tokens is None:
@@ -368,7 +355,7 @@ class FallbackQuotaStore:
             await self.primary.settle(reservation, completion_tokens)
 
     async def reserve(self, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> Reservation:
-        if not self._fallback:
+        if not self._outage.active:
             try:
                 return await self.primary.reserve(tenant, prompt_tokens, max_tokens)
             except QuotaStoreUnavailableError as exc:
@@ -384,7 +371,7 @@ class FallbackQuotaStore:
             else:
                 await self.local.settle(reservation, completion_tokens)
             return
-        if not self._fallback:
+        if not self._outage.active:
             try:
                 await self._finish_on_primary(reservation, completion_tokens)
                 return
@@ -399,11 +386,10 @@ class FallbackQuotaStore:
         await self._finish(reservation, None)
 
     async def usage(self, tenant: Tenant) -> QuotaUsage:
-        return await (self.local.usage(tenant) if self._fallback else self.primary.usage(tenant))
+        return await (self.local.usage(tenant) if self._outage.active else self.primary.usage(tenant))
 
     async def aclose(self) -> None:
-        if self._probe_task is not None:
-            self._probe_task.cancel()
+        self._outage.close()
         await self.primary.aclose()
 
 

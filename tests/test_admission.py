@@ -473,6 +473,96 @@ def test_a_follower_of_a_family_in_flight_is_charged_only_its_tail_where_the_fir
     asyncio.run(main())
 
 
+def test_the_router_charges_a_cached_prefix_as_the_worker_commits_it_held_or_let_go():
+    """The worker (its real scheduler) counts a cached prefix block once while a live request
+    holds it, and adds it again for a newcomer that pins it after everyone let it go. The
+    router's cost on the worker must be that same increment, from its report's held blocks,
+    its own requests in flight there, and what it has seen end since: charged as free, a
+    family's request after a pause cost 32 tokens here and 560 on the worker, which then
+    refused requests the router had admitted (the 2-worker campaign at 16 in flight)."""
+    from fake_paged_model import run_until_idle, FakePagedModel
+
+    from kvmesh.core.config import SchedulerConfig
+    from kvmesh.kv.hashing import hash_full_blocks
+    from kvmesh.kv.kv_cache_manager import KVCacheManager
+    from kvmesh.router.admission_budget import WorkerBudgets, cost_on_worker
+    from kvmesh.router.prefix_index import PrefixIndex
+    from kvmesh.worker.engine_loop.engine import worker_stats
+    from kvmesh.worker.engine_loop.request import Request
+    from kvmesh.worker.engine_loop.scheduler import Scheduler
+
+    block, clock = 16, FakeClock()
+    scheduler = Scheduler(SchedulerConfig(), KVCacheManager(128, block), clock=clock)
+    model = FakePagedModel(128, block)
+    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    prefix = list(range(1000, 1528))  # 33 full blocks, the family's system prompt
+    budgets, index = WorkerBudgets(RouterConfig(), clock), PrefixIndex(clock=clock)
+    sent = 0
+
+    def send(question: int) -> tuple[int, int, Request]:
+        """(the router's cost on w0, what the worker's committed grew by, the request)."""
+        nonlocal sent
+        sent += 1
+        prompt = prefix + [question] * 16
+        hashes = hash_full_blocks(prompt, block, ())
+        cached = min(33, len(hashes))  # the prefix index has the family's blocks there
+        held = max(index.held_by_live_requests("w0", hashes[:cached]), budgets.held_blocks("w0", hashes[:cached]))
+        cost = cost_on_worker(len(prompt), sampling, block, cached, held)
+        before = worker_stats(scheduler, "w0").kv_tokens_reserved
+        request = Request(f"r{sent}", prompt, sampling, arrival_time=clock())
+        scheduler.add_request(request)
+        index.add_in_flight("w0", hashes)
+        return cost, worker_stats(scheduler, "w0").kv_tokens_reserved - before, request
+
+    scheduler.add_request(Request("leader", prefix + [7] * 16, sampling, arrival_time=clock()))
+    run_until_idle(scheduler, model)  # the prefix is cached on w0, and nobody holds it
+    budgets.update_stats([worker_stats(scheduler, "w0")], taken_at=clock())
+    cost, grew, _ = send(1)  # after a pause: it pins the whole prefix, paid by nobody else
+    assert grew == 33 * block + 32 and cost == grew
+    cost, grew, _ = send(2)  # the first one is live here (this router's in-flight claim)
+    assert grew == 32 and cost == grew
+    index = PrefixIndex(clock=clock)  # another replica's view: its requests are not in it
+    budgets = WorkerBudgets(RouterConfig(), clock)
+    budgets.update_stats([worker_stats(scheduler, "w0")], taken_at=clock())
+    cost, grew, _ = send(3)  # held per the worker's report
+    assert grew == 32 and cost == grew
+
+
+def test_a_prefix_the_report_holds_stops_counting_as_held_once_its_request_ends_here_until_a_new_report():
+    """The report said w0's live requests hold the family's blocks; this router then saw the
+    request holding them end (credited against that report: the worker may have let them go).
+    Until a report requested after that, the blocks are charged again to the next request."""
+    async def main():
+        clock = FakeClock()
+        hashes = tuple(f"h{i}".encode() for i in range(4))
+        report = dataclasses.replace(stats("w0", reserved=200), held_block_hashes=frozenset(hashes))
+        admission = controller([report], clock=clock)
+        assert admission.held_blocks("w0", hashes) == 4 and admission.held_blocks("w0", (b"x",) + hashes) == 0
+        ticket = await admission.acquire(100)
+        ticket.block_hashes = hashes
+        clock.now += 1.0
+        admission.update_stats([dataclasses.replace(report)], taken_at=clock.now)  # its report holds it
+        ticket.release()  # credited against that report
+        assert admission.held_blocks("w0", hashes) == 0
+        clock.now += 0.1
+        admission.update_stats([dataclasses.replace(report)], taken_at=clock.now)  # requested after the end
+        assert admission.held_blocks("w0", hashes) == 4
+    asyncio.run(main())
+
+
+def test_a_cached_prefix_nobody_holds_counts_against_the_budget_but_not_the_load():
+    """Its request pins it: the worker's committed KV grows by it, its work does not (the
+    prefix is not computed). Counted as load, a family's request after a pause made its own
+    home look busy with a prefix's worth of work (16 workers simulated: computed max/min 3.76)."""
+    async def main():
+        admission = controller([stats("w0", reserved=0, capacity=2048)])
+        ticket = await admission.acquire(560, cost_for=lambda w: 560, load_for=lambda w: 32)
+        assert ticket.cost_tokens == 560 and ticket.load_tokens == 32
+        assert admission.in_flight_tokens() == {"w0": 32} and admission.mean_admitted_tokens() == 32
+        assert admission.snapshot().committed_tokens == 560
+    asyncio.run(main())
+
+
 def test_the_load_guard_s_mean_request_is_what_admissions_cost_their_workers_as_the_load_counts_it():
     """The 16-worker table's shape: a 6,000-token prefix cached on w0 + a 1,200-token question,
     32 output tokens. A cache hit adds 1,232 tokens to w0's load (its tail), a miss 7,232. The

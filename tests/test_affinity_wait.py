@@ -250,8 +250,11 @@ def test_a_request_its_prefix_worker_refused_waits_for_that_workers_next_report(
     """w0 (the prefix's worker) refused the request: the router's view of it was behind. Its
     stale figures say it has far more to compute (the load guard would move the request), and
     it is left out until its next report; the request waits for that report instead of
-    spilling at once to w1, and goes home when the report shows room. Without the report
-    within affinity_wait_s it spills; a refuser not holding the prefix is not waited for."""
+    spilling at once to w1, and goes home when the report shows room. A report that still
+    shows w0 full (yet the family's worker by the load guard) keeps it waiting past
+    affinity_wait_s for room there; no report and no room: it waits as long as a hold may
+    (half of max_queue_wait_s here), then spills. A refuser not holding the prefix is not
+    waited for."""
     async def main():
         admission, clock, config = _controller([stats("w0", reserved=100, to_compute=20_000), stats("w1")])
 
@@ -273,10 +276,27 @@ def test_a_request_its_prefix_worker_refused_waits_for_that_workers_next_report(
         assert ticket.worker_id == "w0" and chosen == ["w0"] and affinity.outcome("w0") is AffinityWaitOutcome.ROOM
         ticket.release()
 
+        affinity, retry, chosen = await refused_by_w0()
+        clock.now += 0.5
+        admission.update_stats([stats("w0", reserved=950), stats("w1")])  # the report: w0 still full
+        await asyncio.sleep(0.01)
+        clock.now += 1.1  # past affinity_wait_s: the refusal's home is still waited for
+        admission.update_stats([stats("w0", reserved=950), stats("w1")])
+        await asyncio.sleep(0.01)
+        assert not retry.done() and chosen == []
+        admission.update_stats([stats("w0", reserved=100), stats("w1")])  # room at home
+        ticket = await asyncio.wait_for(retry, 1.0)
+        assert ticket.worker_id == "w0" and affinity.outcome("w0") is AffinityWaitOutcome.ROOM
+        ticket.release()
+
         affinity, retry, _ = await refused_by_w0()
         clock.now += 1.1
-        # a report of w0 requested before its refusal (so no report since): it spills
+        # a report of w0 requested before its refusal (so no report since): still waiting
         admission.update_stats([stats("w0", reserved=100, to_compute=20_000), stats("w1")], taken_at=clock.now - 1.2)
+        await asyncio.sleep(0.01)
+        assert not retry.done()
+        clock.now += 1.5  # past half of max_queue_wait_s: it spills
+        admission.update_stats([stats("w0", reserved=100, to_compute=20_000), stats("w1")], taken_at=clock.now - 3.0)
         ticket = await asyncio.wait_for(retry, 1.0)
         assert ticket.worker_id == "w1" and affinity.outcome("w1") is AffinityWaitOutcome.TIMED_OUT
         ticket.release()

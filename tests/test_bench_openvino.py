@@ -1,6 +1,7 @@
 """load_tests/bench_openvino.py and its OpenVINO child: both sides get the same requests, the
 child protocol, the report's ratios. The OpenVINO side itself needs the OpenVINO GenAI
-environment and an IR (load_tests/openvino_peer.py); CI has neither, so that one test skips."""
+environment and an IR (load_tests/openvino_peer.py); CI has neither, and the test is marked slow
+(run it with `pytest -m slow tests/test_bench_openvino.py`)."""
 
 import dataclasses
 import os
@@ -57,6 +58,7 @@ def test_the_report_pairs_each_mode_with_the_best_ir(tiny_model_dir):
 _IR = openvino_peer.ir_dir("int8")
 
 
+@pytest.mark.slow  # ~10-20 s of OpenVINO on 2 cores: past the suite's budget where the venv exists (`pytest -m slow`)
 @pytest.mark.skipif(not os.path.exists(openvino_peer.DEFAULT_OV_PYTHON) or not (_IR / "openvino_model.xml").exists(),
                     reason="needs the OpenVINO GenAI environment and the embedded model's int8 IR "
                            "(python -m kvmesh.load_tests.openvino_peer)")

@@ -405,6 +405,29 @@ def test_a_prefix_an_admitted_request_will_compute_is_reserved_once_and_topped_u
     assert_pool_whole(scheduler)
 
 
+def test_a_prefix_claimed_by_a_waiting_request_stays_committed_and_resident_when_its_computer_ends():
+    """The follower was admitted against the prefix the leader was to compute (claimed, not
+    pinned: nothing was resident). The leader ends before the follower starts (one running
+    request at a time): the follower pins the prefix then, so the committed total keeps it
+    (leader's 20 tokens out, the prefix's 16 in: what a router counting the follower's claim
+    sees) and it cannot be evicted. Unpinned, the total dropped to the follower's 4, the room
+    was admitted into, and the follower's start added the prefix back past the budget."""
+    scheduler, model = build(num_blocks=32, block_size=4, max_num_seqs=1)
+    prefix = list(range(500, 516))  # 4 full blocks
+    leader = submit(scheduler, "leader", prefix + [1, 2], max_tokens=2)
+    follower = submit(scheduler, "follower", prefix + [3, 4], max_tokens=2)
+    assert follower.reserved_kv_tokens == 4 and follower.num_pinned_tokens == 0
+    while leader.status is not RequestStatus.FINISHED:
+        engine_step(scheduler, model)
+    assert follower.num_output_tokens == 0 and follower.num_pinned_tokens == 16
+    assert scheduler.stats().kv_tokens_reserved == 16 + 4  # the prefix, now pinned, and its own
+    engine_step(scheduler, model)  # the follower starts: nothing to top up
+    assert follower.reserved_kv_tokens == 4 and scheduler.stats().kv_tokens_reserved == 16 + 4
+    run_until_idle(scheduler, model)
+    assert follower.num_cached_tokens == 16 and follower.output_token_ids == expected_output(prefix + [3, 4], 2)
+    assert_pool_whole(scheduler)
+
+
 # ---- priority preemption (scheduler.priority_preemption) ----------------------------------
 
 def _run_collecting(scheduler, model):

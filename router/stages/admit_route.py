@@ -23,7 +23,7 @@ from kvmesh.kv.output_estimate import OutputLengthEstimator
 from kvmesh.router import affinity_wait, tracing
 from kvmesh.router.adapter_affinity import AdapterPlacement
 from kvmesh.router.admission import RouterAdmission
-from kvmesh.router.admission_budget import AdmissionTicket, cost_with_cached_prefix
+from kvmesh.router.admission_budget import AdmissionTicket, cost_on_worker, cost_with_cached_prefix
 from kvmesh.router.family_claims import FamilyClaims, claim_candidates
 from kvmesh.router.fairness import TenantBacklog, engine_priority
 from kvmesh.router.metrics import RouterMetrics
@@ -129,7 +129,7 @@ class Admitter:
                 self.metrics.observe_affinity_wait(waited.value, time.monotonic() - affinity.started_at)
             self.metrics.observe_route(decision.path.value)
             # Every policy's recent work is kept: prefix_aware breaks new-prefix ties by it.
-            self.latency.commit(decision, cost_for(decision.worker_id), num_prompt // block_size)
+            self.latency.commit(decision, load_for(decision.worker_id), num_prompt // block_size)
             if self.claims is not None and route_request.family_key is not None:
                 self.claims.keep_alive(route_request.family_key)  # the family is live: its claim stays
             decisions.append(decision)
@@ -137,14 +137,23 @@ class Admitter:
 
         priority_class = request.priority if request.priority_class is None else request.priority_class
 
-        def cost_for(worker_id: str) -> int:
+        def load_for(worker_id: str) -> int:  # what it computes there: its cached prefix is not work
             return cost_with_cached_prefix(num_prompt, sampling, block_size, matched.get(worker_id, 0), output)
+
+        def cost_for(worker_id: str) -> int:
+            # Cached blocks no live request holds there the request pins, and the worker adds
+            # them to its committed total (router/admission_budget.py, "Cached but not held").
+            cached = matched.get(worker_id, 0)
+            held = 0 if not cached else max(index.held_by_live_requests(worker_id, hashes[:cached]),
+                                            self.admission.held_blocks(worker_id, hashes[:cached]))
+            return cost_on_worker(num_prompt, sampling, block_size, cached, held, output)
 
         ticket = await self.admission.acquire(
             whole_cost, attempt=request.attempt,
             route=route, deadline_s=request.deadline_s, exclude=exclude, priority_class=priority_class,
-            max_wait_s=max_wait_s, queued_since=queued_since, cost_for=cost_for, hold=hold)
+            max_wait_s=max_wait_s, queued_since=queued_since, cost_for=cost_for, hold=hold, load_for=load_for)
         if hashes:  # the family's next request follows this one before the worker reports it
+            ticket.block_hashes = tuple(hashes)
             token = index.add_in_flight(ticket.worker_id, hashes)
             # Its worker frees its blocks less those other requests running there still hold.
             ticket.freed_on_release = lambda: cost_with_cached_prefix(

@@ -125,13 +125,16 @@ class RequestStream:
                         # bouncing to the client when the other worker is full too. When that
                         # worker holds its prefix it waits for the report first (affinity_wait.py).
                         if refused:
+                            logger.warning("worker %s refused request %s (cost %d here): %s", self.worker_id,
+                                           self.request_id, self._ticket.cost_tokens,
+                                           core.admission.budgets.describe(self.worker_id))
                             refusals_left -= 1
                             core.admission.note_refusal(self.worker_id)
                             core.metrics.observe_spill("worker_refused")
                         else:
                             reroutes_left -= 1
-                        logger.warning("worker %s %s before request %s produced output; re-routing", self.worker_id,
-                                       "refused" if refused else "failed", self.request_id)
+                        logger.warning("worker %s %s before request %s produced output (%s); re-routing",
+                                       self.worker_id, "refused" if refused else "failed", self.request_id, exc)
                     self._ticket.release()
                     self.decision, self._ticket, self._request = await core.admitter.admit(
                         self._request, frozenset() if refused else frozenset({self.worker_id}),

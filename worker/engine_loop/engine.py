@@ -460,4 +460,5 @@ def worker_stats(scheduler: Scheduler, worker_id: str) -> WorkerStats:
         num_preemptions_swap=s.num_preemptions_swap, num_preemptions_priority=s.num_preemptions_priority,
         num_outgrown_estimates=s.num_outgrown_estimates, prefix_event_seq=scheduler.kv.events.next_seq,
         tokens_to_compute=s.tokens_to_compute,
-        kv_tokens_reserved_shared=s.kv_tokens_reserved_shared, num_preemptions_priority_kv=s.num_preemptions_priority_kv)
+        kv_tokens_reserved_shared=s.kv_tokens_reserved_shared, num_preemptions_priority_kv=s.num_preemptions_priority_kv,
+        held_block_hashes=s.held_block_hashes)

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvmesh.core.config import SchedulerConfig
-from kvmesh.kv.kv_cache_manager import KVCacheManager, KVCacheStats
+from kvmesh.kv.kv_cache_manager import KVCacheManager, KVCacheStats, PrefixMatch
 from kvmesh.worker.engine_loop.admission import EngineAdmission, BatchingPolicy, RateMeter, make_batching_policy
 from kvmesh.core.errors import InvalidRequestError
 from kvmesh.worker.engine_loop.request import Request, RequestStatus
@@ -166,6 +166,10 @@ class SchedulerStats:
     # of num_preemptions_priority, KV reservations taken (of waiting requests too, which free no blocks)
     num_preemptions_priority_kv: int = 0
     kv_tokens_reserved_shared: int = 0  # of kv_tokens_reserved, what classes >= kv_reserved_below_class hold
+    # Hashes of the full prompt blocks live requests hold (pinned, in their tables, or to be
+    # computed by them): a newcomer sharing them adds nothing for them to kv_tokens_reserved,
+    # while one reusing a cached block outside this set adds it (pinned, paid by nobody).
+    held_block_hashes: frozenset[bytes] = frozenset()
 
 
 class Scheduler:
@@ -280,6 +284,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         (self.running if request in self.running else self.waiting).remove(request)
+        self._pin_for_claimants()
         self.kv.free(request)
         self.kv.unpin(request)
         self._claim_prompt_blocks(request, -1)
@@ -297,6 +302,26 @@ class Scheduler:
         request.finished_time = self.clock()
         del self.requests[request.request_id]
         self._newly_finished.append(FinishedRequest(request.request_id, status))
+
+    def _pin_for_claimants(self) -> None:
+        """Before a request lets its blocks go: waiting requests admitted against prompt blocks
+        another request was computing (claimed, not pinned: `_claimed_blocks_after`) pin those
+        now resident, as far as they counted them. Else the blocks fell out of the committed
+        total between their computer's end and the claimant's start (nobody held them), the
+        worker admitted into that room, and the claimant's start added them back past the
+        budget (or, evicted meanwhile, topped its reservation up): refusals of requests the
+        router had admitted on the worker's own report (the 2-worker campaign at 16 in flight)."""
+        if self.kv.prefix_cache is None:
+            return
+        block = self.kv.block_size
+        for waiting in self.waiting:
+            if waiting.num_reserved_cached_tokens <= waiting.num_pinned_tokens or waiting.num_computed_tokens:
+                continue
+            match = self.kv.match_prefix(waiting)
+            num_blocks = min(len(match.block_ids), waiting.num_reserved_cached_tokens // block)
+            if num_blocks * block > waiting.num_pinned_tokens:
+                self.kv.extend_pin(waiting, PrefixMatch(match.block_ids[:num_blocks], num_blocks * block))
+                waiting.num_pinned_tokens = num_blocks * block
 
     def _claim_prompt_blocks(self, request: Request, sign: int) -> None:
         """Count (sign +1) or forget (-1) the full prompt blocks an admitted request will hold."""
@@ -407,6 +432,7 @@ class Scheduler:
                 plan.swap_out.extend(pairs)
                 request.is_swapped = True
         if mode == "recompute":
+            self._pin_for_claimants()
             self.kv.free(request)
             request.num_computed_tokens = 0  # its outputs so far are recomputed as prompt
         request.status = RequestStatus.QUEUED
@@ -636,7 +662,8 @@ class Scheduler:
             drain_tokens_per_s=self.admission.drain.rate(), num_steps=self._num_steps, kv=kv_stats,
             tokens_to_compute=sum(tokens_left_to_compute(r) for r in self.requests.values()),
             num_preemptions_priority_kv=self.num_priority_preemptions_kv,
-            kv_tokens_reserved_shared=self._shared_class_committed_tokens(shared_tokens))
+            kv_tokens_reserved_shared=self._shared_class_committed_tokens(shared_tokens),
+            held_block_hashes=frozenset(self._prompt_block_claims))
 
     def _shared_class_committed_tokens(self, shared_tokens: int) -> int:
         """What the classes sharing the rest of a kept KV share commit: their reservations,
