@@ -20,7 +20,9 @@ llama.cpp. The modes (the model in fp32, as `kvmesh serve` picks on a CPU withou
                   GEMVs, token-exact: HF's tokens)
     native-int8   quant.weight int8 (per-row int8), the native step (auto)
     native-int4x  quant.weight gguf (the file's Q4_1 kept), the native step (auto), int4 layers
-                  exact (quant.int4_activations fp32: greedy tokens those of the dequantized model)
+                  exact (quant.int4_activations fp32: greedy tokens those of the dequantized model),
+                  each group's code x input sum times its scale (the factorised form, the default)
+    native-int4b  the same with each weight dequantized bit for bit as eager's (the other form)
     native-int4   the same with int8 activations (quant.int4_activations int8, llama.cpp's scheme)
     llama.cpp     llama-cpp-python's Llama on the same .gguf, batch 1 only, in a child process
                   run by --llama-python (an interpreter with llama_cpp installed), 2 threads
@@ -47,7 +49,9 @@ MODES = ("none", "gguf")  # memory: dequantized against kept
 # name: (quant.weight, model.cpu_native_max_tokens, quant.int4_activations)
 SPEED_MODES = {"eager-fp32": ("none", 0, "fp32"), "default": ("auto", None, "fp32"),
                "native-fp32": ("none", None, "fp32"), "native-int8": ("int8", None, "fp32"),
-               "native-int4x": ("gguf", None, "fp32"), "native-int4": ("gguf", None, "int8")}
+               "native-int4x": ("gguf", None, "fp32"), "native-int4b": ("gguf", None, "fp32"),
+               "native-int4": ("gguf", None, "int8")}
+BIT_EXACT_MODES = ("native-int4b",)  # the exact int4 layers' bit-exact form (NativeDecoder.int4_factored off)
 PROMPT_TOKENS = 32
 
 
@@ -119,6 +123,8 @@ def bench_speed(rounds: int, tokens: int, batches: list[int], llama_python: str 
     engines = {name: Engine.from_config(_config(weight, native=native, threads=threads, int4_activations=acts))
                for name, (weight, native, acts) in SPEED_MODES.items() if name in modes}
     for name, engine in engines.items():
+        if name in BIT_EXACT_MODES:
+            engine.runner.native_decoder.int4_factored = False
         print(f"{name}: CPU step {engine.runner.cpu_step.describe()}")
     runners = {name: (lambda b, t, tag, e=e: _decode_tok_s(e, b, t, tag)) for name, e in engines.items()}
     llama = None

@@ -316,57 +316,6 @@ def test_two_router_replicas_keep_each_family_on_its_worker(cluster):
     assert all(s.cached_tokens >= PREFIX_TOKENS for s in served), measured  # the single-cache oracle's hits
 
 
-def _claim_counts(config: KvmeshConfig) -> dict[str, float]:
-    """kvmesh_family_claims_total by outcome, summed over the replicas' published metrics."""
-    samples = scrape(f"http://127.0.0.1:{config.router.http_port}")
-    return {outcome: total(samples, "kvmesh_family_claims_total", outcome=outcome)
-            for outcome in ("won", "joined", "unavailable")}
-
-
-def test_two_router_replicas_agree_on_new_families_through_redis_claims(cluster, redis_server):
-    """Two replicas sharing a Redis (tenants.redis_url): the first requests of two new
-    families arrive at once on both replicas (each request on a connection of its own, which
-    the kernel spreads over the replicas sharing the port), nothing cached anywhere, each
-    replica with its own empty view. The shared claim gives each family one worker; without
-    it each replica places by its own rule. A round where the kernel gave one replica a
-    family's every request proves nothing about agreement, and is run again with fresh
-    families."""
-    config = _deploy(cluster.replace(tenants={"redis_url": redis_server.url}), policy="predicted_latency",
-                     num_replicas=2)
-    families_per_round, per_family = 2, 4
-    for attempt in range(4):
-        prefixes = _families(900 + attempt)[:families_per_round]
-        rng = random.Random(attempt)
-        workload = [(f, prefixes[f] + [rng.randrange(1000, 40000) for _ in range(SUFFIX_TOKENS)])
-                    for _ in range(per_family) for f in range(families_per_round)]
-
-        def send(i: int) -> tuple[Served, str]:
-            recorder = _WorkerRecorder()
-            channel = grpc.intercept_channel(
-                open_channel(f"127.0.0.1:{config.router.grpc_port}", own_connection=True), recorder)
-            with KvmeshClient("", channel=channel, retry_policy=RetryPolicy(max_attempts=8)) as client:
-                served = _send(client, recorder, f"claim-{attempt}-{i}", *workload[i])
-            return served, dict(recorder.calls[f"claim-{attempt}-{i}"][-1].trailing_metadata())[REPLICA_KEY]
-
-        with concurrent.futures.ThreadPoolExecutor(len(workload)) as pool:
-            results = list(pool.map(send, range(len(workload))))
-        workers = {f: {s.worker_id for s, _ in results if s.family == f} for f in range(families_per_round)}
-        replicas = {f: {r for s, r in results if s.family == f} for f in range(families_per_round)}
-        measured = f"attempt {attempt}: workers per family {workers}, replicas per family {replicas}"
-        print(f"\nMEASURED claims: {measured}")
-        assert all(len(w) == 1 for w in workers.values()), measured  # no family split
-        if all(len(r) == 2 for r in replicas.values()):
-            break
-    else:
-        pytest.skip("the kernel never spread a family's requests over both replicas")
-    # Claims ran (Redis answered every replica): each family won once, and asked again by the
-    # other replica, joined. Replicas publish their counters every 2 s: wait for them.
-    _wait_for(lambda: _claim_counts(config)["won"] >= families_per_round * (attempt + 1)
-              and _claim_counts(config)["joined"] >= families_per_round, timeout_s=30,
-              what=f"the claim counters (now {_claim_counts(config)})")
-    assert _claim_counts(config)["unavailable"] == 0
-
-
 def test_predicted_latency_keeps_families_home_and_reports_its_ttft_prediction_error(cluster):
     """The predicted-latency policy on the cluster (the code the simulator runs): new prefixes
     spread by recent work (two families per worker), each family's requests go to the worker
@@ -587,3 +536,55 @@ def test_a_request_waits_for_room_on_its_prefix_worker_instead_of_spilling(clust
     else:
         assert served.worker_id == other and served.cached_tokens < PREFIX_TOKENS, measured
         assert delta("kvmesh_routing_spills_total", reason="preferred_full") == 1, measured
+
+
+def _claim_counts(config: KvmeshConfig) -> dict[str, float]:
+    """kvmesh_family_claims_total by outcome, summed over the replicas' published metrics."""
+    samples = scrape(f"http://127.0.0.1:{config.router.http_port}")
+    return {outcome: total(samples, "kvmesh_family_claims_total", outcome=outcome)
+            for outcome in ("won", "joined", "unavailable")}
+
+
+def test_two_router_replicas_agree_on_new_families_through_redis_claims(cluster, redis_server):
+    """Last in the module: the other tests read counter deltas from /metrics, which sums the
+    previous deployments' replicas until their snapshots go stale. Two replicas sharing a Redis (tenants.redis_url): the first requests of two new
+    families arrive at once on both replicas (each request on a connection of its own, which
+    the kernel spreads over the replicas sharing the port), nothing cached anywhere, each
+    replica with its own empty view. The shared claim gives each family one worker; without
+    it each replica places by its own rule. A round where the kernel gave one replica a
+    family's every request proves nothing about agreement, and is run again with fresh
+    families."""
+    config = _deploy(cluster.replace(tenants={"redis_url": redis_server.url}), policy="predicted_latency",
+                     num_replicas=2)
+    families_per_round, per_family = 2, 4
+    for attempt in range(4):
+        prefixes = _families(900 + attempt)[:families_per_round]
+        rng = random.Random(attempt)
+        workload = [(f, prefixes[f] + [rng.randrange(1000, 40000) for _ in range(SUFFIX_TOKENS)])
+                    for _ in range(per_family) for f in range(families_per_round)]
+
+        def send(i: int) -> tuple[Served, str]:
+            recorder = _WorkerRecorder()
+            channel = grpc.intercept_channel(
+                open_channel(f"127.0.0.1:{config.router.grpc_port}", own_connection=True), recorder)
+            with KvmeshClient("", channel=channel, retry_policy=RetryPolicy(max_attempts=8)) as client:
+                served = _send(client, recorder, f"claim-{attempt}-{i}", *workload[i])
+            return served, dict(recorder.calls[f"claim-{attempt}-{i}"][-1].trailing_metadata())[REPLICA_KEY]
+
+        with concurrent.futures.ThreadPoolExecutor(len(workload)) as pool:
+            results = list(pool.map(send, range(len(workload))))
+        workers = {f: {s.worker_id for s, _ in results if s.family == f} for f in range(families_per_round)}
+        replicas = {f: {r for s, r in results if s.family == f} for f in range(families_per_round)}
+        measured = f"attempt {attempt}: workers per family {workers}, replicas per family {replicas}"
+        print(f"\nMEASURED claims: {measured}")
+        assert all(len(w) == 1 for w in workers.values()), measured  # no family split
+        if all(len(r) == 2 for r in replicas.values()):
+            break
+    else:
+        pytest.skip("the kernel never spread a family's requests over both replicas")
+    # Claims ran (Redis answered every replica): each family won once, and asked again by the
+    # other replica, joined. Replicas publish their counters every 2 s: wait for them.
+    _wait_for(lambda: _claim_counts(config)["won"] >= families_per_round * (attempt + 1)
+              and _claim_counts(config)["joined"] >= families_per_round, timeout_s=30,
+              what=f"the claim counters (now {_claim_counts(config)})")
+    assert _claim_counts(config)["unavailable"] == 0

@@ -365,12 +365,14 @@ def test_int4_groups_give_the_eager_logits_and_tokens(tiny_model_dir, group):
     assert worst < 1e-5, f"int4 logits differ from eager by {worst}"
 
 
-@pytest.mark.parametrize("int8_activations,tolerance", [(False, 1e-5), (True, 0.05)])
-def test_int4_kernel_equals_torch_on_every_scale_dtype_and_min(tiny_model_dir, int8_activations, tolerance):
+@pytest.mark.parametrize("int8_activations,factored,tolerance", [(False, True, 1e-5), (False, False, 1e-5),
+                                                                  (True, False, 0.05)])
+def test_int4_kernel_equals_torch_on_every_scale_dtype_and_min(tiny_model_dir, int8_activations, factored, tolerance):
     """Scales / zeros / mins in fp16 (GGUF Q4_0 / Q4_1), fp32 (Q4_K) and bf16, with and without
     a min term, odd token counts (the 8-token passes and their tail): every int4 layer's
     metadata rewritten, the native step's logits against the eager forward's (dequantize +
-    F.linear), for both activation paths."""
+    F.linear), for both activation paths and both fp32 forms (factorised, the default, and
+    each weight dequantized bit for bit)."""
     engine = _engine(tiny_model_dir, quant="int4", native=0)
     runner = engine.runner
     generator = torch.Generator().manual_seed(3)
@@ -393,6 +395,8 @@ def test_int4_kernel_equals_torch_on_every_scale_dtype_and_min(tiny_model_dir, i
                     first.scales = layer.scales[:first.out_features]
         runner.native_decoder = cpu_native_step.NativeDecoder.build(runner.model, runner.kv_caches, 13,
                                                                       int8_activations=int8_activations)
+        assert runner.native_decoder.int4_factored == (not int8_activations)  # the default form
+        runner.native_decoder.int4_factored = factored
         diffs = _check_each_step_against_eager(engine, lambda n, e, inputs: (_relative(n, e, inputs),
                                                                              len(inputs.input_ids)))
         # a new prompt each round (no cached prefix): one 11-token step, then decode rows

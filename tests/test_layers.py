@@ -66,6 +66,8 @@ COMPONENT_BENCHMARKS: dict[str, tuple[set[str], str]] = {
         {"worker.runner"}, "times the model runner's forward by the number of verified tokens"),
     "kvmesh.load_tests.bench_engine": (
         {"worker.kernels"}, "the GEMM reference rate uses the engine's own prepacked weights"),
+    "kvmesh.load_tests.bench_served": (
+        {"worker.public_api"}, "counts the served engine's steps from its worker actors' own metrics"),
     "kvmesh.load_tests.null_engine": (
         {"worker.runtime"}, "the router's own worker actor over a null engine: the serving stack measured alone"),
 }

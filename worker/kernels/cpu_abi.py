@@ -64,6 +64,7 @@ ModelDescriptor = _struct("ModelDescriptor", "kvmesh_model", (
     ("block_size", "int64_t"),  # K/V cache [num_blocks, block_size, Hkv, D], strides in elements:
     ("cache_block_stride", "int64_t"), ("cache_slot_stride", "int64_t"), ("cache_head_stride", "int64_t"),
     ("vocab", "int64_t"), ("lm_head_kind", "int64_t"), ("int8_activations", "int64_t"),
+    ("int4_factored", "int64_t"),  # fp32-activation int4 layers in kvmesh_gemv_int4's INT4_FACTORED form
     ("int4_group", "int64_t"),  # int4 layers: inputs per scale / zero / min, a multiple of 32
     ("int4_scale_dtype", "int64_t"), ("int4_zero_dtype", "int64_t"), ("int4_min_dtype", "int64_t"),  # META_*
     ("rms_norm_eps", "float"),

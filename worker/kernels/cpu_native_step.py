@@ -329,6 +329,10 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
         weight_kind=weight_kind, bf16=int(dtype == torch.bfloat16), block_size=k0.shape[1],
         cache_block_stride=strides[0], cache_slot_stride=strides[1], cache_head_stride=strides[2],
         vocab=lm.shape[0], lm_head_kind=lm_kind, int8_activations=int(int8_activations),
+        # fp32-activation int4 layers in the factorised form (fewer instructions a weight; the
+        # same weights, fp32 sums in another order: the embedded model keeps HF's tokens,
+        # tests/test_engine_exact.py); NativeDecoder.int4_factored = False is the bit-exact form
+        int4_factored=int(weight_kind == _W_I4 and not int8_activations),
         rms_norm_eps=float(cfg.rms_norm_eps), embed=_ptr(embed), embed_scales=_ptr(embed_scales),
         final_norm=_ptr(final_norm), rope_cos=_ptr(cos),
         rope_sin=_ptr(sin), lm_head_weight=_ptr(lm), lm_head_scales=_ptr(lm_scales), lm_head_packed=_ptr(packed[-1]),
@@ -392,6 +396,16 @@ class NativeDecoder:
         if failure:
             raise NotTaken(f"the native step refused the model: {CHECK_FAILURES.get(failure, failure)}")
         return cls(kernels, description, max_tokens, model.lm_head.gather_logits, int8_activations)
+
+    @property
+    def int4_factored(self) -> bool:
+        return bool(self._description.model.int4_factored)
+
+    @int4_factored.setter
+    def int4_factored(self, on: bool) -> None:
+        """fp32-activation int4 layers computed per group as scale x (sum of code x input) +
+        offset x (sum of inputs) (True) or each weight dequantized bit for bit as eager's (False)."""
+        self._description.model.int4_factored = int(on)
 
     def run(self, inputs) -> torch.Tensor | None:
         """inputs: the step's StepInputs (worker/runner/model_runner.py) -> fp32 logits

@@ -69,6 +69,7 @@ typedef struct {
     int64_t vocab;
     int64_t lm_head_kind;
     int64_t int8_activations;
+    int64_t int4_factored;
     int64_t int4_group;
     int64_t int4_scale_dtype;
     int64_t int4_zero_dtype;
@@ -213,12 +214,17 @@ static inline kvmesh_int4 int4_rows(kvmesh_int4 p, int64_t row0, int64_t K) {
     return p;
 }
 
-/* projections_avx2.c: y[b * ldy + n] = W[n] . x[b] for the int4 projection p, n in [n0, n1).
-   a8 = 0: each weight dequantized in registers exactly as quant/primitives.dequantize_int4_groupwise
-   computes it, fp32 activations; a8 = 1: activations quantized to int8 per 32-input block and
-   int8 x u4 products (llama.cpp's Q4_1 x Q8_1 scheme). Every variant. */
+/* kvmesh_gemv_int4's forms: INT4_EXACT each weight dequantized in registers exactly as
+   quant/primitives.dequantize_int4_groupwise computes it, fp32 activations; INT4_FACTORED fp32
+   activations, each group's sum of code x input times its scale (the same weights, fp32 sums
+   rounded in another order); INT4_A8 activations quantized to int8 per 32-input block and
+   int8 x u4 products (llama.cpp's Q4_1 x Q8_1 scheme). */
+enum { INT4_EXACT = 0, INT4_A8 = 1, INT4_FACTORED = 2 };
+
+/* projections_avx2.c: y[b * ldy + n] = W[n] . x[b] for the int4 projection p, n in [n0, n1), in
+   one of the forms above. Every variant. */
 KVMESH_INTERNAL void kvmesh_gemv_int4(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, const float *x,
-                                      int64_t ldx, int64_t B, float *y, int64_t ldy, const int a8);
+                                      int64_t ldx, int64_t B, float *y, int64_t ldy, const int form);
 
 /* projections_avx2.c: y[b * ldy + n] = W[n] . x[b] for int8 codes w [N][K] with one fp32 scale a
    32-input group, scales [N][K / 32] (W_I8G: an LM head that is a GGUF Q8_0 table); K % 32 == 0. */

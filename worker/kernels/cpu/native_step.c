@@ -86,6 +86,11 @@ static inline int take_chunk(const Step *s, int64_t phase, int64_t n, int64_t ch
     return 1;
 }
 
+/* The form kvmesh_gemv_int4 computes this model's int4 layers in */
+static inline int int4_form(const kvmesh_model *m) {
+    return m->int8_activations ? INT4_A8 : m->int4_factored ? INT4_FACTORED : INT4_EXACT;
+}
+
 /* One projection's rows [n0, n1): int4 weights by kvmesh_gemv_int4 (w: the codes; scales,
    zeros, mins and the group as the model describes them), every other kind by kvmesh_gemv. */
 static inline void project(const kvmesh_model *m, const int kind, const void *w, const void *wp, const void *scales,
@@ -96,7 +101,7 @@ static inline void project(const kvmesh_model *m, const int kind, const void *w,
         if (n0 >= n1 || B == 0) return;
         const kvmesh_int4 p = {(const uint8_t *)w, scales, zeros, mins, m->int4_group, (int)m->int4_scale_dtype,
                                (int)m->int4_zero_dtype, (int)m->int4_min_dtype};
-        kvmesh_gemv_int4(&p, K, n0, n1, x, ldx, B, y, ldy, a8);
+        kvmesh_gemv_int4(&p, K, n0, n1, x, ldx, B, y, ldy, int4_form(m));
     } else {
         kvmesh_gemv(w, wp, kind, scales, sbf16, K, n0, n1, x, ldx, B, y, ldy, x16, x_ready, a8);
     }
@@ -209,8 +214,8 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
                                          lp->gate_up_zeros, lp->gate_up_mins, m->int4_group,
                                          (int)m->int4_scale_dtype, (int)m->int4_zero_dtype, (int)m->int4_min_dtype};
                 const kvmesh_int4 gate = int4_rows(all, i0, H), up = int4_rows(all, I + i0, H);
-                kvmesh_gemv_int4(&gate, H, 0, w, h, H, B, gu, w, a8);
-                kvmesh_gemv_int4(&up, H, 0, w, h, H, B, gu + B * w, w, a8);
+                kvmesh_gemv_int4(&gate, H, 0, w, h, H, B, gu, w, int4_form(m));
+                kvmesh_gemv_int4(&up, H, 0, w, h, H, B, gu + B * w, w, int4_form(m));
             } else {
                 const char *gw = (const char *)lp->gate_up_weight;
                 const char *gs = (const char *)lp->gate_up_scales, *us = gs;

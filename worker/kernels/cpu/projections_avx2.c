@@ -411,6 +411,13 @@ static float *nibble_ordered_rows(const float *x, int64_t ldx, int64_t B, int64_
     return buf;
 }
 
+/* 16 codes of 8 bytes as fp32: the low nibbles (inputs 2i) into even, the high ones into odd */
+static inline __attribute__((always_inline)) void codes16(const uint8_t *p, __m256 *even, __m256 *odd) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *even = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0f)));
+    *odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+}
+
 /* R rows from `codes` (their metadata: meta + 2 G r) against C nibble-ordered token rows:
    res[r * C + j]. */
 static inline __attribute__((always_inline)) void int4_tile(const uint8_t *codes, int64_t K, int64_t group,
@@ -421,7 +428,6 @@ static inline __attribute__((always_inline)) void int4_tile(const uint8_t *codes
     for (int r = 0; r < R; r++)
         #pragma GCC unroll 8
         for (int j = 0; j < C; j++) acc[r][j] = _mm256_setzero_ps();
-    const __m256i low4 = _mm256_set1_epi32(0x0f);
     for (int64_t g = 0; g < G; g++) {
         __m256 s[4], c[4];
         #pragma GCC unroll 4
@@ -435,9 +441,9 @@ static inline __attribute__((always_inline)) void int4_tile(const uint8_t *codes
             __m256 even[4], odd[4];
             #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
-                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + r * (K / 2) + k / 2)));
-                even[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low4)), s[r], c[r]);
-                odd[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), s[r], c[r]);
+                codes16(codes + r * (K / 2) + k / 2, &even[r], &odd[r]);
+                even[r] = _mm256_fmadd_ps(even[r], s[r], c[r]);
+                odd[r] = _mm256_fmadd_ps(odd[r], s[r], c[r]);
             }
             #pragma GCC unroll 8
             for (int j = 0; j < C; j++) {
@@ -453,16 +459,82 @@ static inline __attribute__((always_inline)) void int4_tile(const uint8_t *codes
         for (int j = 0; j < C; j++) res[r * C + j] = hsum8(acc[r][j]);
 }
 
-/* The exact path: rows [n0, n1) in passes of R rows x up to 8 / R tokens; 0 where there was no
-   memory for the reordered rows (nothing written). */
+/* The factorised form of int4_tile: with w = code * s + c per group, W[n] . x = sum_g s_g (sum_k
+   code_k x_k) + sum_g c_g X_g (X_g: the group's input sum, xsum[j * G + g]), so each weight costs
+   one FMA a token and no dequantizing FMA. Not bit for bit eager's weights (each product
+   rounds as code x input, then the group's sum as x scale): fp32 sums in another order. Up to 4
+   accumulators (R x C <= 4), each with its group's partial sum beside it. */
+#define I4F_TILE_ACCUMULATORS 4
+
+static inline __attribute__((always_inline)) void int4_tile_factored(const uint8_t *codes, int64_t K, int64_t group,
+                                                                     const float *meta, int64_t G, const float *xp,
+                                                                     const float *xsum, const int R, const int C,
+                                                                     const int prefetch, float *res) {
+    __m256 acc[4][I4F_TILE_ACCUMULATORS], part[4][I4F_TILE_ACCUMULATORS];
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        #pragma GCC unroll 4
+        for (int j = 0; j < C; j++) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        #pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            #pragma GCC unroll 4
+            for (int j = 0; j < C; j++) part[r][j] = _mm256_setzero_ps();
+            if (prefetch && ((g * group) & 127) == 0)  /* the rows of the next pass */
+                _mm_prefetch((const char *)codes + (r + R) * (K / 2) + g * group / 2, _MM_HINT_T0);
+        }
+        for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
+            __m256 even[4], odd[4];
+            #pragma GCC unroll 4
+            for (int r = 0; r < R; r++) codes16(codes + r * (K / 2) + k / 2, &even[r], &odd[r]);
+            #pragma GCC unroll 4
+            for (int j = 0; j < C; j++) {
+                const __m256 xe = _mm256_loadu_ps(xp + j * K + k), xo = _mm256_loadu_ps(xp + j * K + k + 8);
+                #pragma GCC unroll 4
+                for (int r = 0; r < R; r++)
+                    part[r][j] = _mm256_fmadd_ps(odd[r], xo, _mm256_fmadd_ps(even[r], xe, part[r][j]));
+            }
+        }
+        #pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m256 s = _mm256_broadcast_ss(meta + 2 * G * r + g);
+            #pragma GCC unroll 4
+            for (int j = 0; j < C; j++) acc[r][j] = _mm256_fmadd_ps(part[r][j], s, acc[r][j]);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        #pragma GCC unroll 4
+        for (int j = 0; j < C; j++) res[r * C + j] = hsum8(acc[r][j]) + dot_f32(meta + 2 * G * r + G, xsum + j * G, G);
+}
+
+/* TILE(R, C) with constant R x C <= 4 for run-time r rows (4, 2 or 1), c tokens */
+#define TILE_BY_SHAPE4(TILE, r, c) do {                                                                      \
+    if ((r) == 4) TILE(4, 1);                                                                               \
+    else if ((r) == 2) { if ((c) == 2) TILE(2, 2); else TILE(2, 1); }                                       \
+    else switch (c) { case 4: TILE(1, 4); break; case 3: TILE(1, 3); break; case 2: TILE(1, 2); break;      \
+                      default: TILE(1, 1); }                                                                \
+} while (0)
+
+/* The exact path: rows [n0, n1) in passes of R rows x up to 8 / R tokens (the factorised form:
+   4 / R); 0 where there was no memory for the reordered rows (nothing written). */
 static int int4_gemv_exact(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, const float *x, int64_t ldx,
-                           int64_t B, float *y, int64_t ldy) {
+                           int64_t B, float *y, int64_t ldy, const int factored) {
     const int64_t G = K / p->group;
-    float *xp = nibble_ordered_rows(x, ldx, B, K, 2 * 4 * G);
+    float *xp = nibble_ordered_rows(x, ldx, B, K, 2 * 4 * G + B * G);
     if (!xp) return 0;
-    float *meta = xp + B * K, res[I4_TILE_ACCUMULATORS];
+    float *meta = xp + B * K, *xsum = meta + 2 * 4 * G, res[I4_TILE_ACCUMULATORS];
+    const int64_t tile = factored ? I4F_TILE_ACCUMULATORS : I4_TILE_ACCUMULATORS;
+    if (factored)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t g = 0; g < G; g++) {
+                float total = 0.0f;
+                for (int64_t k = g * p->group; k < (g + 1) * p->group; k++) total += x[b * ldx + k];
+                xsum[b * G + g] = total;
+            }
     for (int64_t n = n0; n < n1;) {
-        const int R = n1 - n >= rows_a_pass(B) ? rows_a_pass(B) : 1;
+        const int pass = factored ? (B >= 3 ? 1 : B == 2 ? 2 : 4) : rows_a_pass(B);
+        const int R = n1 - n >= pass ? pass : 1;
         int folds = 1;
         for (int r = 0; r < R && folds; r++) folds = int4_fma_meta(p, n + r, G, meta + 2 * G * r);
         if (!folds) {
@@ -472,11 +544,17 @@ static int int4_gemv_exact(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t 
         }
         const uint8_t *codes = p->codes + n * (K / 2);
         for (int64_t b = 0; b < B;) {
-            const int c = (int)(B - b < I4_TILE_ACCUMULATORS / R ? B - b : I4_TILE_ACCUMULATORS / R);
+            const int c = (int)(B - b < tile / R ? B - b : tile / R);
             const float *xb = xp + b * K;
+            if (factored) {
+#define I4F_TILE(R_, C_) int4_tile_factored(codes, K, p->group, meta, G, xb, xsum + b * G, R_, C_, b == 0, res)
+                TILE_BY_SHAPE4(I4F_TILE, R, c);
+#undef I4F_TILE
+            } else {
 #define I4_TILE(R_, C_) int4_tile(codes, K, p->group, meta, G, xb, R_, C_, b == 0, res)
-            TILE_BY_SHAPE(I4_TILE, R, c);
+                TILE_BY_SHAPE(I4_TILE, R, c);
 #undef I4_TILE
+            }
             for (int r = 0; r < R; r++)
                 for (int j = 0; j < c; j++) y[(b + j) * ldy + n + r] = res[r * c + j];
             b += c;
@@ -487,9 +565,9 @@ static int int4_gemv_exact(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t 
 }
 
 void kvmesh_gemv_int4(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, const float *x, int64_t ldx,
-                      int64_t B, float *y, int64_t ldy, const int a8) {
-    if (!a8 && int4_gemv_exact(p, K, n0, n1, x, ldx, B, y, ldy)) return;
-    int4_rows_one_by_one(p, K, n0, n1, x, ldx, B, y, ldy, a8);
+                      int64_t B, float *y, int64_t ldy, const int form) {
+    if (form != INT4_A8 && int4_gemv_exact(p, K, n0, n1, x, ldx, B, y, ldy, form == INT4_FACTORED)) return;
+    int4_rows_one_by_one(p, K, n0, n1, x, ldx, B, y, ldy, form == INT4_A8);
 }
 
 /* R rows of int8 codes (one fp32 scale a 32-input group) against C fp32 token rows: res[r * C + j].
