@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.load_tests.bench_engine import cpu_flags, percentile
-from kvmesh.load_tests.worker_metrics import worker_metric
+from kvmesh.load_tests.worker_metrics import read_worker_metrics
 from kvmesh.load_tests.bench_kv_tier import print_report
 
 APP_NAME = "kvmesh-bench-transfer"
@@ -129,13 +129,14 @@ async def _measure(model: str | None, spec: TransferBenchSpec, holder, other, ho
     for task in saturating:
         task.cancel()
     p50_transfer, p50_recompute = percentile(ttft[True], 50), percentile(ttft[False], 50)
+    metrics = read_worker_metrics(other)
     return TransferBenchReport(
         cpu_flags(), model or "embedded SmolLM2", asdict(spec), p50_transfer, p50_recompute,
         p50_recompute / p50_transfer, ttft[True], ttft[False], cached[True], cached[False],
-        worker_metric(other, "kvmesh_kv_transfer_blocks_total"),
-        worker_metric(other, "kvmesh_kv_tier_bytes_total", direction="transfer_in"),
-        worker_metric(other, "kvmesh_kv_tier_copy_seconds_total", kind="transfer"),
-        worker_metric(other, "kvmesh_kv_transfer_fallbacks_total"), running)
+        metrics.total("kvmesh_kv_transfer_blocks_total"),
+        metrics.total("kvmesh_kv_tier_bytes_total", direction="transfer_in"),
+        metrics.total("kvmesh_kv_tier_copy_seconds_total", kind="transfer"),
+        metrics.total("kvmesh_kv_transfer_fallbacks_total"), running)
 
 
 def run(model: str | None, spec: TransferBenchSpec) -> TransferBenchReport:

@@ -129,12 +129,12 @@ def engine_steps(app_name: str) -> tuple[float, float]:
     """(steps, seconds inside steps) the app's workers have run so far, from their own metrics:
     the served engine's steps against the in-process one's, and how much of the window its
     step thread spent outside them (handing deltas over, waiting for the GIL or a command)."""
-    from kvmesh.load_tests.worker_metrics import worker_metric  # Ray: only for the served side
+    from kvmesh.load_tests.worker_metrics import read_worker_metrics  # Ray: only for the served side
     from kvmesh.worker.public_api import find_workers  # Ray: as above
 
-    handles = find_workers((app_name,)).values()
-    return (sum(worker_metric(h, "kvmesh_step_time_seconds_count") for h in handles),
-            sum(worker_metric(h, "kvmesh_step_time_seconds_sum") for h in handles))
+    metrics = [read_worker_metrics(h) for h in find_workers((app_name,)).values()]
+    return (sum(m.total("kvmesh_step_time_seconds_count") for m in metrics),
+            sum(m.total("kvmesh_step_time_seconds_sum") for m in metrics))
 
 
 def seed_shaped_requests(config: KvmeshConfig, quick: bool) -> list[WorkloadRequest]:
