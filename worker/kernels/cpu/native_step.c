@@ -146,6 +146,9 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
     #pragma omp barrier  /* everyone has its workspace (or knows someone has none) */
     if (__atomic_load_n(&s->failed, __ATOMIC_RELAXED)) return;
     kvmesh_amx_tiles_begin();
+    /* each phase's chunk: rows of a projection (16-row aligned: AMX's packed blocks), tokens of attention */
+    const int64_t qkv_chunk = chunk_size(nqkv, T, 16), h_chunk = chunk_size(H, T, 16);
+    const int64_t gu_chunk = chunk_size(I, T, 16), token_chunk = chunk_size(B, T, 1);
     for (int64_t l = 0; l < L; l++) {
         const kvmesh_layer *lp = &m->layers[l];
         /* residual += previous layer's MLP output (the embedding itself at layer 0) */
@@ -156,11 +159,11 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
         rms_norm_rows(res, lp->input_norm, bf16, B, H, s->eps, h);
         const int64_t ph = l * PHASES;
         int64_t c0, c1;
-        for (int ready = 0; take_chunk(s, ph, nqkv, chunk_size(nqkv, T, 16), &c0, &c1); ready = 1)
+        for (int ready = 0; take_chunk(s, ph, nqkv, qkv_chunk, &c0, &c1); ready = 1)
             project(m, wk, lp->qkv_weight, lp->qkv_packed, lp->qkv_scales, lp->qkv_zeros, lp->qkv_mins, bf16, H,
                     c0, c1, h, H, B, s->qkv, nqkv, x16, ready, a8);
         #pragma omp barrier
-        /* RoPE on q and k heads, K/V into the cache, then attention: this thread's rows only */
+        /* RoPE on q and k heads, K/V into the cache: this thread's tokens */
         for (int64_t b = r0; b < r1; b++) {
             float *row = s->qkv + b * nqkv;
             const float *c = cos_t + s->positions[b] * D, *sn = sin_t + s->positions[b] * D;
@@ -187,7 +190,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
             for (int64_t e = 0; e < hq * D; e++) store_elem(s->q_attn, b * hq * D + e, row[e], bf16);
         }
         #pragma omp barrier  /* a request's tokens may sit on two threads: all K/V written first */
-        while (take_chunk(s, ph + 1, B, chunk_size(B, T, 1), &c0, &c1))
+        while (take_chunk(s, ph + 1, B, token_chunk, &c0, &c1))
             if ((bf16 ? kvmesh_paged_decode_bf16 : kvmesh_paged_decode_f32)(
                     s->q_attn, hq * D, D, lp->key_cache, lp->value_cache, cbs, css, chs, s->tables, s->t_rs,
                     s->seq_lens, s->rows, s->rows, c0, c1, s->attn_out, hq * D, D, hq, hkv, D, bs, scale))
@@ -195,7 +198,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
         #pragma omp barrier
         #pragma omp simd
         for (int64_t i = 0; i < B * hq * D; i++) attn[i] = load_elem(s->attn_out, i, bf16);
-        for (int ready = 0; take_chunk(s, ph + 2, H, chunk_size(H, T, 16), &c0, &c1); ready = 1)
+        for (int ready = 0; take_chunk(s, ph + 2, H, h_chunk, &c0, &c1); ready = 1)
             project(m, wk, lp->o_weight, lp->o_packed, lp->o_scales, lp->o_zeros, lp->o_mins, bf16, hq * D,
                     c0, c1, attn, hq * D, B, s->o_out, H, x16, ready, a8);
         #pragma omp barrier
@@ -204,7 +207,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
         rms_norm_rows(res, lp->post_attention_norm, bf16, B, H, s->eps, h);
         /* gate rows i and up rows I + i of each chunk of the intermediate width, then
            act = silu(gate) * up for them */
-        const int64_t gu_chunk = chunk_size(I, T, 16), es = w_elem_size(wk);
+        const int64_t es = w_elem_size(wk);
         float *gu = (float *)scratch(1, sizeof(float) * (size_t)(2 * B * gu_chunk));
         if (!gu) __atomic_store_n(&s->failed, 1, __ATOMIC_RELAXED);
         for (int ready = 0; gu && take_chunk(s, ph + 3, I, gu_chunk, &c0, &c1); ready = 1) {
@@ -239,7 +242,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
             }
         }
         #pragma omp barrier
-        for (int ready = 0; take_chunk(s, ph + 4, H, chunk_size(H, T, 16), &c0, &c1); ready = 1)
+        for (int ready = 0; take_chunk(s, ph + 4, H, h_chunk, &c0, &c1); ready = 1)
             project(m, wk, lp->down_weight, lp->down_packed, lp->down_scales, lp->down_zeros, lp->down_mins, bf16, I,
                     c0, c1, s->act, I, B, s->down_out, H, x16, ready, a8);
         #pragma omp barrier
