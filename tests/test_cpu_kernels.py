@@ -74,9 +74,10 @@ def test_the_variant_follows_the_cpu_flags(monkeypatch):
     assert runnable(set()) == [] and runnable({"avx2", "fma"}) == []  # no F16C: not even avx2
     assert runnable(avx2) == ["avx2"]
     assert runnable(avx512) == ["avx512", "avx2"]
-    assert runnable(avx512 | {"avx512_bf16"}) == ["avx512_bf16", "avx512", "avx2"]
+    assert runnable(avx512 | {"avx512_bf16", "avx512_vnni"}) == ["avx512_bf16", "avx512", "avx2"]
+    assert runnable(avx512 | {"avx512_bf16"}) == ["avx512", "avx2"]  # BF16 without VNNI (no such CPU)
     assert runnable(avx512 | {"amx_tile", "amx_bf16", "amx_int8"}) == ["avx512", "avx2"]  # AMX without BF16
-    assert runnable(avx512 | {"avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"})[0] == "amx"
+    assert runnable(avx512 | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"})[0] == "amx"
     runnable(set())
     assert "no AVX2" in cpu_build.unavailable_reason()
 
