@@ -95,6 +95,7 @@ class AffinityHold:
         self._until: float | None = None  # when the hold runs out; -inf once it never applies
         self._longest_s = 0.0  # the longest it may hold (set with `_until`)
         self.started_at: float | None = None  # when it first held out (None: it never did)
+        self.declined: str | None = None  # why it never held out though it would spill (`describe`)
 
     def holds(self, offered: Sequence[WorkerStats], view: Callable[[], ClusterLoad], rng: random.Random) -> bool:
         """True: hold out rather than take one of `offered` (the workers with room now).
@@ -133,6 +134,7 @@ class AffinityHold:
                 self.started_at = now if wait_s > 0 else None
             else:
                 self._until = -math.inf  # the load guard moves it anyway: waiting only delays the spill
+                self.declined = f"the policy sends it to {decision.worker_id} ({decision.path.value})"
         if now < self._until:
             return True
         return self.started_at is not None and now - self.started_at < self._longest_s \
@@ -234,6 +236,16 @@ class AffinityHold:
         home = min(uncached_prompt_tokens(prompt, self._matched.get(w, 0), block) for w in self._preferred)
         elsewhere = min(uncached_prompt_tokens(prompt, self._matched.get(w.worker_id, 0), block) for w in offered)
         return max(0, elsewhere - home) * self._state.cost.prefill_s_per_token
+
+    def describe(self, now: float | None = None) -> str:
+        """How the hold went, for a spill's log line."""
+        if self.started_at is not None:
+            return f"held {(self._clock() if now is None else now) - self.started_at:.2f}s of at most {self._longest_s:.2f}s"
+        if self.declined is not None:
+            return f"not held: {self.declined}"
+        if self._until is None:
+            return "not held: never asked (a try-now, no queue slot, or its home was offered)"
+        return "not held: no time left to hold (its deadline)"
 
     def outcome(self, chosen: str) -> AffinityWaitOutcome | None:
         """How the wait ended for a request routed to `chosen` (None: it never waited)."""
