@@ -128,7 +128,7 @@ class Admitter:
             if is_spill(matched, eligible, decision.worker_id):
                 self.metrics.observe_spill("preferred_full")
                 # Each spill may give a family a second worker: say why it did not wait.
-                logger.info("preferred_full spill to %s: prefix blocks per worker %s, room on %s, %s",
+                logger.warning("preferred_full spill to %s: prefix blocks per worker %s, room on %s, %s",
                             decision.worker_id, dict(matched), sorted(w.worker_id for w in eligible),
                             affinity.describe())
             waited = affinity.outcome(decision.worker_id)
