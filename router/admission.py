@@ -127,12 +127,14 @@ class RouterAdmission:
     # ---- inputs ---------------------------------------------------------------------------
 
     def update_stats(self, workers: Sequence[WorkerStats], taken_at: float | None = None,
-                     dispatches: Mapping[str, DispatchReport | None] | None = None) -> None:
+                     dispatches: Mapping[str, DispatchReport | None] | None = None,
+                     replicas_sharing: Mapping[str, int] | None = None) -> None:
         """Replace the workers' figures. `taken_at` (this controller's clock) is when the
         stats were requested: admissions sent before it are assumed counted by the workers,
-        except where `dispatches` says which are (WorkerBudgets.update_stats)."""
+        except where `dispatches` says which are (WorkerBudgets.update_stats).
+        `replicas_sharing`: worker id -> the other router replicas sending it requests."""
         taken_at = self._clock() if taken_at is None else taken_at
-        self.budgets.update_stats(workers, taken_at, dispatches)
+        self.budgets.update_stats(workers, taken_at, dispatches, replicas_sharing)
         self._pump()
 
     def now(self) -> float:

@@ -103,6 +103,17 @@ holds, where held means: claimed by one of this router's requests in flight ther
 (its prefix index), or in the worker's report (`WorkerStats.held_block_hashes`) and not of a
 request this router has seen end since.
 
+Several replicas: between two reports each router replica counts only its own dispatches,
+so two replicas sending the same worker requests both filled the room its report left, and the
+worker refused what the second sent (8-10 requests a run on the two-replica campaign at 16 in
+flight, with everything else counted exactly). Each replica therefore takes an equal share of
+the room a report leaves, `capacity - kv_tokens_reserved`, among the replicas sending that
+worker requests (its DispatchLog: those with dispatches live there or taken in since its
+previous poll, `WorkerPool.replicas_sharing`): with k others, the other k / (k + 1) of the room
+is kept for them until the next report (`kept_for_other_replicas`). A replica's own releases
+since the report stay its own credit. Alone on a worker (one replica, or the others quiet
+there) a replica has all of it, as before.
+
 Single-owner state on the replica's event loop: no locks.
 """
 
@@ -248,6 +259,8 @@ class WorkerBudgets:
         self._held: dict[str, set[AdmissionTicket]] = collections.defaultdict(set)
         # worker id -> which of this replica's dispatches its current report holds (None: it does not say)
         self._dispatches: Mapping[str, DispatchReport | None] = {}
+        # worker id -> how many other router replicas send it requests ("Several replicas")
+        self._replicas_sharing: Mapping[str, int] = {}
         # The load guard's unit (routing.imbalance_margin_tokens): the mean cost of recent
         # tickets, the same tokens `in_flight_tokens` adds to a worker's load.
         self._admitted_sizes = RequestSizeMeter()
@@ -255,11 +268,14 @@ class WorkerBudgets:
     # ---- inputs ---------------------------------------------------------------------------
 
     def update_stats(self, workers: Sequence[WorkerStats], taken_at: float,
-                     dispatches: Mapping[str, DispatchReport | None] | None = None) -> None:
+                     dispatches: Mapping[str, DispatchReport | None] | None = None,
+                     replicas_sharing: Mapping[str, int] | None = None) -> None:
         """Replace the workers' figures. `taken_at` (the admission clock) is when the stats
         were requested: admissions sent before it are assumed counted by the workers, unless
         `dispatches` (worker id -> which of this replica's dispatches those stats hold, read
-        with them) says exactly which are ("Counted exactly")."""
+        with them) says exactly which are ("Counted exactly"). `replicas_sharing`: worker id
+        -> the other router replicas sending it requests ("Several replicas")."""
+        self._replicas_sharing = replicas_sharing or {}
         for w in workers:  # a worker whose figures did not change keeps its own report time
             if self._stats.get(w.worker_id) is not w:
                 self._reported_at[w.worker_id] = taken_at
@@ -400,6 +416,15 @@ class WorkerBudgets:
                     + sum(t.cost_tokens for t in tickets if t.shared_class))
         return max(0, stats.kv_tokens_reserved - sum(credit for _, _, credit in released)) + sum(t.cost_tokens for t in tickets)
 
+    def kept_for_other_replicas(self, worker: WorkerStats) -> float:
+        """The part of the room the worker's report leaves that the other replicas sending it
+        requests may fill before its next report: k / (k + 1) of it with k of them."""
+        others = self._replicas_sharing.get(worker.worker_id, 0)
+        if others <= 0:
+            return 0.0
+        room = max(0, worker.kv_tokens_capacity - worker.kv_tokens_reserved)
+        return room * others / (others + 1)
+
     def in_shared_class(self, priority_class: int) -> bool:
         return priority_class >= self._reserved_below_class
 
@@ -412,6 +437,7 @@ class WorkerBudgets:
         worker never lets them past it, so those are tickets its stats already hold)."""
         capacity = worker.kv_tokens_capacity
         committed = self.committed(worker.worker_id, as_reported)
+        committed += self.kept_for_other_replicas(worker)  # this replica's room is its share
         shared_limit = self._shared_class_fraction * capacity
         if self.in_shared_class(priority_class):
             return committed + cost_tokens <= shared_limit

@@ -23,16 +23,23 @@ one of the workers with room (router/stages/admit_route.py, on arrival and at ev
   (under predicted_latency at least the prefill the spill would add, `_recompute_s`, and then
   as long as the preferred worker is predicted to drain and serve it sooner than the spill
   would, `_home_sooner`; never more than half the time left before its deadline, nor half of
-  `max_queue_wait_s`), after which it is routed as before (a spill). A degradation ladder's
-  try-now step never holds, nor does a request the queue has no slot for.
+  `max_queue_wait_s`), after which it is routed as before (a spill). Those first bounds weigh
+  a spill to another of the family's homes (one the spreading rule chose, holding its first
+  `spread_family_blocks` blocks); a spill to a worker holding none of the family would start
+  it a second home nobody chose, so that request waits as long as a hold may (half the time to
+  its deadline, half `max_queue_wait_s`). A degradation ladder's try-now step never holds, nor
+  does a request the queue has no slot for.
 - a request its prefix's worker refused (that worker's own admission; the router leaves the
   refuser out until its next report) first waits for that report, whatever the load guard
   made of the view the refusal proved stale; then the rule above, holding as long as a hold
   may (as a request of a claimed family does) while the refuser stays the family's worker.
 
-So a hold costs at most `affinity_wait_s` (plus one stats refresh, the next pump) of TTFT,
-or under predicted_latency what the prediction says a spill would cost anyway, and saves the
-other worker a whole-prompt prefill and a second copy of the prefix. 0 turns it off.
+So a hold between the family's homes costs at most `affinity_wait_s` (plus one stats
+refresh, the next pump) of TTFT, or under predicted_latency what the prediction says a spill
+would cost anyway; a hold that keeps the family on its one home costs at most the hold's
+bound, and saves the other worker a whole-prompt prefill and a second copy of the prefix.
+Measured on the 2-worker campaign: with only the first bounds, every family split left was a
+spill after the wait for a home that was really full ran out. 0 turns it off.
 """
 
 from __future__ import annotations
@@ -88,6 +95,7 @@ class AffinityHold:
         self._until: float | None = None  # when the hold runs out; -inf once it never applies
         self._longest_s = 0.0  # the longest it may hold (set with `_until`)
         self.started_at: float | None = None  # when it first held out (None: it never did)
+        self.declined: str | None = None  # why it never held out though it would spill (`describe`)
 
     def holds(self, offered: Sequence[WorkerStats], view: Callable[[], ClusterLoad], rng: random.Random) -> bool:
         """True: hold out rather than take one of `offered` (the workers with room now).
@@ -111,22 +119,37 @@ class AffinityHold:
                 wait_s = max(self._config.affinity_wait_s, self._recompute_s(offered))
                 self._longest_s = self._longest_hold_s()
                 claimed = self._request is not None and self._request.claimed_worker in self._preferred
-                if claimed or self._refused_by in self._preferred:
+                if claimed or self._refused_by in self._preferred or not self._spill_joins_a_home(offered):
                     # The replicas' shared claim names its worker: sent elsewhere, this request
                     # starts the family a second home while the other replicas' requests go to
                     # the claimed one (a split). Or its home refused it: the home's report since
                     # still leaves it the family's worker by the load guard, and only its budget
-                    # is short for now. Either way it waits for room there as long as a hold may.
+                    # is short for now. Or no worker with room holds the family at all: the
+                    # spill would start it a second home that the spreading rule (the load
+                    # guard's verdict above) did not choose. Each way it waits for room at home
+                    # as long as a hold may.
                     wait_s = self._longest_s
                 wait_s = min(wait_s, self._longest_s)
                 self._until = now + wait_s if wait_s > 0 else -math.inf
                 self.started_at = now if wait_s > 0 else None
             else:
                 self._until = -math.inf  # the load guard moves it anyway: waiting only delays the spill
+                self.declined = f"the policy sends it to {decision.worker_id} ({decision.path.value})"
         if now < self._until:
             return True
         return self.started_at is not None and now - self.started_at < self._longest_s \
             and self._home_sooner(offered, view)
+
+    def _spill_joins_a_home(self, offered: Sequence[WorkerStats]) -> bool:
+        """Some worker with room already holds the family (its first `spread_family_blocks`
+        prompt blocks, or as much as the preferred worker holds when that is fewer): a spill
+        there adds work to a home the family has, chosen once by the spreading rule, and the
+        ski-rental and drain rules below weigh its wait. A spill anywhere else starts a second
+        home nobody chose: on the 2-worker campaign every split left was such a spill after the
+        wait for a home that was really full ran out (docs/routing.md)."""
+        home_blocks = max((self._matched.get(w, 0) for w in self._preferred), default=0)
+        family_blocks = min(self._config.spread_family_blocks, home_blocks)
+        return family_blocks > 0 and any(self._matched.get(w.worker_id, 0) >= family_blocks for w in offered)
 
     def _matched_nothing(self) -> bool:
         return not any(self._matched.get(w, 0) for w in self._matched)
@@ -213,6 +236,16 @@ class AffinityHold:
         home = min(uncached_prompt_tokens(prompt, self._matched.get(w, 0), block) for w in self._preferred)
         elsewhere = min(uncached_prompt_tokens(prompt, self._matched.get(w.worker_id, 0), block) for w in offered)
         return max(0, elsewhere - home) * self._state.cost.prefill_s_per_token
+
+    def describe(self, now: float | None = None) -> str:
+        """How the hold went, for a spill's log line."""
+        if self.started_at is not None:
+            return f"held {(self._clock() if now is None else now) - self.started_at:.2f}s of at most {self._longest_s:.2f}s"
+        if self.declined is not None:
+            return f"not held: {self.declined}"
+        if self._until is None:
+            return "not held: never asked (a try-now, no queue slot, or its home was offered)"
+        return "not held: no time left to hold (its deadline)"
 
     def outcome(self, chosen: str) -> AffinityWaitOutcome | None:
         """How the wait ended for a request routed to `chosen` (None: it never waited)."""

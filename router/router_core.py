@@ -124,7 +124,9 @@ class RouterCore:
             self._on_worker_stats(pool.stats_for_routing(), None)
 
     def _on_worker_stats(self, stats: list[WorkerStats], taken_at: float | None) -> None:
-        self.admission.update_stats(stats, taken_at, self.pool.dispatches_seen_by(self.channels.replica_id))
+        replica_id = self.channels.replica_id
+        self.admission.update_stats(stats, taken_at, self.pool.dispatches_seen_by(replica_id),
+                                    self.pool.replicas_sharing(replica_id))
         self.adapter_placement.update(stats)
         self.metrics.update_worker_stats(stats)
         self.metrics.update_engine_snapshots(self.pool.engine_snapshots())

@@ -85,6 +85,7 @@ class _WorkerState:
     # Per router replica, which of its dispatches `stats` holds (WorkerPoll.dispatches, read
     # with the stats); None: the worker keeps no such log.
     dispatches: dict[str, DispatchReport] | None = None
+    previous_dispatches: dict[str, DispatchReport] | None = None  # the poll's before (replica_sharing)
 
     @property
     def routable(self) -> bool:
@@ -214,6 +215,22 @@ class WorkerPool:
         return {w: (s.dispatches.get(replica_id, _NO_DISPATCHES) if s.dispatches is not None else None)
                 for w, s in self._workers.items() if s.stats is not None}
 
+    def replicas_sharing(self, replica_id: str) -> dict[str, int]:
+        """worker id -> how many other router replicas are sending it requests: those whose
+        dispatches it still runs or queues, or took in since its previous poll (each worker's
+        own DispatchLog says; a worker that keeps none counts none). Between two reports each
+        replica counts only its own dispatches, so these share the room the report leaves
+        (router/admission_budget.py, "Several replicas")."""
+        sharing = {}
+        for worker_id, state in self._workers.items():
+            if state.stats is None or not state.dispatches:
+                continue
+            before = state.previous_dispatches or {}
+            sharing[worker_id] = sum(
+                1 for replica, report in state.dispatches.items()
+                if replica != replica_id and (report.live_seqs or report.seen_seq > before.get(replica, _NO_DISPATCHES).seen_seq))
+        return sharing
+
     def stats_for_routing(self) -> list[WorkerStats]:
         """Latest stats of every worker that has reported, `healthy` as the router sees it
         (a worker whose stream just failed is unhealthy even if its last stats said not)."""
@@ -325,6 +342,7 @@ class WorkerPool:
             self._changed.set()
             return
         state.info, state.stats = poll.info, poll.stats
+        state.previous_dispatches = state.dispatches
         state.dispatches = getattr(poll, "dispatches", None)  # a worker of an older version has none
         state.metrics_snapshot = poll.metrics_snapshot
         self.prefix_index.apply(poll.prefix_events)

@@ -869,3 +869,26 @@ def test_a_step_behind_another_waiting_only_for_the_next_report_waits_with_it_in
         assert a.sent_at <= b.sent_at and admission.snapshot().committed_tokens == 704 + 96
 
     asyncio.run(main())
+
+
+def test_two_replicas_sending_one_worker_requests_each_fill_only_their_share_of_its_room():
+    """Between two reports each replica counts only its own dispatches: both filled the room
+    the worker's report left and the worker refused what the second sent. Told the other
+    replica sends that worker requests too, each takes half of the room (the worker's total
+    stays within its capacity); alone there it takes all of it, as before."""
+    async def main():
+        report = [stats("w0", reserved=400, capacity=1000)]  # 600 tokens of room
+        replicas = [controller(report) for _ in range(2)]
+        for admission in replicas:
+            admission.update_stats(report, replicas_sharing={"w0": 1})
+        tickets = [await asyncio.wait_for(admission.acquire(300, max_wait_s=0), 1.0) for admission in replicas]
+        assert sum(t.cost_tokens for t in tickets) + 400 <= 1000  # the worker admits both
+        with pytest.raises(OverloadedError):  # this replica's half is spent
+            await replicas[0].acquire(100, max_wait_s=0)
+        tickets[0].release()  # its own request ended: its own credit, at once
+        assert (await asyncio.wait_for(replicas[0].acquire(300, max_wait_s=0), 1.0)).worker_id == "w0"
+        # the other replica quiet there (its dispatches neither live nor new): the whole room
+        alone = controller(report)
+        alone.update_stats(report, replicas_sharing={"w0": 0})
+        assert (await asyncio.wait_for(alone.acquire(600, max_wait_s=0), 1.0)).worker_id == "w0"
+    asyncio.run(main())

@@ -45,10 +45,15 @@ def test_preferred_workers_are_the_longest_matches_left_after_exclusion():
     assert preferred_workers({"w0": 0}) == set()
 
 
+# The family's second home (its first 16 blocks on w1 too, as the spreading rule leaves it).
+TWO_HOMES = {"w0": 30, "w1": 16}
+
+
 def test_holds_only_when_budget_alone_would_spill_and_only_for_affinity_wait_s():
+    """A spill to another of the family's homes: the hold lasts affinity_wait_s."""
     rng, clock, config = random.Random(0), FakeClock(), RouterConfig(policy="prefix_aware", affinity_wait_s=1.0)
     w0, w1 = stats("w0", reserved=950), stats("w1")
-    hold = AffinityHold(MATCHED, config, clock=clock)
+    hold = AffinityHold(TWO_HOMES, config, clock=clock)
     view = lambda: ([w0, w1], {}, 0.0)  # noqa: E731 - the cluster as the load guard sees it
     assert not hold.holds([w0, w1], view, rng)  # its worker is offered: no wait
     assert hold.holds([w1], view, rng)  # only the other one: wait
@@ -57,6 +62,8 @@ def test_holds_only_when_budget_alone_would_spill_and_only_for_affinity_wait_s()
     assert hold.holds([w1], view, rng)
     clock.now += 0.2  # the wait ran out: it spills
     assert not hold.holds([w1], view, rng)
+    # w1 holds only the first 15 blocks, less than the family's 16: not a home of the family
+    assert not AffinityHold({"w0": 30, "w1": 15}, config, clock=clock)._spill_joins_a_home([w1])
 
     # the load guard would move it anyway (w0 has far more work to compute): no wait at all
     busy = stats("w0", reserved=950, to_compute=20_000)
@@ -70,8 +77,9 @@ def test_holds_only_when_budget_alone_would_spill_and_only_for_affinity_wait_s()
 
 
 def test_under_predicted_latency_the_wait_is_at_least_the_prefill_a_spill_would_add():
-    """w0 holds 6,000 of the 6,010-token prompt: a spill to w1 computes them again, 2.4 s at
-    0.4 ms a token, so the request waits up to that (not the 1 s floor) before spilling."""
+    """w0 holds 6,000 of the 6,010-token prompt, w1 (the family's second home) its first 256:
+    a spill to w1 computes 5,744 again, 2.3 s at 0.4 ms a token, so the request waits up to
+    that (not the 1 s floor) before spilling."""
     from kvmesh.router.routing import PredictedLatencyState, RouteRequest
 
     rng, clock = random.Random(0), FakeClock()
@@ -79,15 +87,16 @@ def test_under_predicted_latency_the_wait_is_at_least_the_prefill_a_spill_would_
     # w0 has 7,000 tokens to compute first (2.8 s): no sooner than a spill, once the wait is over
     w0, w1 = stats("w0", reserved=950, to_compute=7000), stats("w1")
     state = PredictedLatencyState(config, 512, clock)
-    hold = AffinityHold({"w0": 375}, config, clock=clock, request=RouteRequest(6010, 16, b"family"), state=state)
+    hold = AffinityHold({"w0": 375, "w1": 16}, config, clock=clock, request=RouteRequest(6010, 16, b"family"),
+                        state=state)
     view = lambda: ([w0, w1], {}, 0.0)  # noqa: E731
     assert hold.holds([w1], view, rng)
-    clock.now += 2.3
+    clock.now += 2.2
     assert hold.holds([w1], view, rng)
     clock.now += 0.2
     assert not hold.holds([w1], view, rng) and hold.outcome("w1") is AffinityWaitOutcome.TIMED_OUT
     # A short prefix keeps the floor: 30 blocks, 0.19 s of prefill, waits affinity_wait_s.
-    short = AffinityHold(MATCHED, config, clock=clock, request=RouteRequest(490, 16, b"other"), state=state)
+    short = AffinityHold(TWO_HOMES, config, clock=clock, request=RouteRequest(490, 16, b"other"), state=state)
     assert short.holds([w1], view, rng)
     clock.now += 1.1
     assert not short.holds([w1], view, rng)
@@ -112,12 +121,13 @@ def test_under_predicted_latency_the_wait_tracks_the_drain_of_the_prefix_worker(
     cluster = {"w0": full(prompt_tokens=3000), "w1": stats("w1")}
     view = lambda: (list(cluster.values()), {}, 0.0)  # noqa: E731
 
-    def hold():
-        return AffinityHold({"w0": 375}, config, clock=clock, request=RouteRequest(6010, 16, b"family"), state=state)
+    def hold():  # w1: the family's second home (its first 16 blocks)
+        return AffinityHold({"w0": 375, "w1": 16}, config, clock=clock, request=RouteRequest(6010, 16, b"family"),
+                            state=state)
 
     waiting = hold()
     assert waiting.holds([cluster["w1"]], view, rng)
-    clock.now += 3.0  # past the 2.4 s floor: w0 (1.2 s of work) still beats a spill (2.4 s)
+    clock.now += 3.0  # past the 2.3 s floor: w0 (1.2 s of work) still beats a spill (2.3 s)
     assert waiting.holds([cluster["w1"]], view, rng)
     cluster["w0"] = full(prompt_tokens=7000)  # now 2.8 s: the spill is sooner
     assert not waiting.holds([cluster["w1"]], view, rng)
@@ -141,9 +151,9 @@ def _controller(workers, **router):
     return admission, clock, config
 
 
-def _family(admission, clock, config, chosen, **hold_args):
+def _family(admission, clock, config, chosen, matched=MATCHED, **hold_args):
     """acquire() for a request of the family cached on w0, with its affinity hold."""
-    affinity = AffinityHold(MATCHED, config, clock=clock, **hold_args)
+    affinity = AffinityHold(matched, config, clock=clock, **hold_args)
     rng = random.Random(0)
 
     def route(eligible, _):
@@ -176,23 +186,59 @@ def test_a_held_request_waits_for_its_worker_without_holding_up_the_queue_behind
 
 
 def test_a_held_request_spills_once_its_wait_runs_out():
+    """To another of the family's homes after affinity_wait_s; to a worker holding none of the
+    family (a second home nobody chose) only after half of max_queue_wait_s (2.5 s here)."""
     async def main():
         full = [stats("w0", reserved=950), stats("w1")]
-        admission, clock, config = _controller(full)
-        chosen = []
-        affinity, route, hold = _family(admission, clock, config, chosen)
-        family = asyncio.create_task(admission.acquire(580, cost_for=cost_for, route=route, hold=hold))
-        await asyncio.sleep(0.01)
-        admission.update_stats(full)  # a report with w0 still full, within the wait: still held
-        await asyncio.sleep(0.01)
-        assert not family.done()
-        clock.now += 1.5
-        admission.update_stats(full)  # the next report after the wait ran out: it spills to w1
-        ticket = await asyncio.wait_for(family, 1.0)
-        assert ticket.worker_id == "w1" and chosen == ["w1"]
-        assert affinity.outcome("w1") is AffinityWaitOutcome.TIMED_OUT
+        for matched, waits_s in ((TWO_HOMES, 1.0), (MATCHED, 2.5)):
+            admission, clock, config = _controller(full)
+            chosen = []
+            affinity, route, hold = _family(admission, clock, config, chosen, matched=matched)
+            family = asyncio.create_task(admission.acquire(580, cost_for=cost_for, route=route, hold=hold))
+            await asyncio.sleep(0.01)
+            admission.update_stats(full)  # a report with w0 still full, within the wait: still held
+            await asyncio.sleep(0.01)
+            assert not family.done()
+            clock.now += waits_s - 0.1
+            admission.update_stats(full)  # just before the bound: still held
+            await asyncio.sleep(0.01)
+            assert not family.done() and chosen == []
+            clock.now += 0.2
+            admission.update_stats(full)  # the next report after the wait ran out: it spills to w1
+            ticket = await asyncio.wait_for(family, 1.0)
+            assert ticket.worker_id == "w1" and chosen == ["w1"]
+            assert affinity.outcome("w1") is AffinityWaitOutcome.TIMED_OUT
 
     asyncio.run(main())
+
+
+def test_a_spill_that_would_start_the_family_a_second_home_waits_as_long_as_a_hold_may():
+    """predicted_latency, w0 full with its prefix, w1 holding none of the family: past the
+    ski-rental bound and while a spill is predicted sooner, the request still waits for room
+    on w0 (a spill would start a second home the spreading rule never chose), up to half of
+    max_queue_wait_s; a deadline caps it at half the time left, as any hold."""
+    from kvmesh.router.routing import PredictedLatencyState, RouteRequest
+
+    rng, clock = random.Random(0), FakeClock()
+    config = RouterConfig(policy="predicted_latency", affinity_wait_s=1.0, prefill_s_per_token=0.0004,
+                          max_queue_wait_s=20.0)
+    state = PredictedLatencyState(config, 512, clock)
+    w0, w1 = stats("w0", reserved=950, to_compute=7000), stats("w1")  # w0: 2.8 s of work, a spill 2.4 s
+    view = lambda: ([w0, w1], {}, 0.0)  # noqa: E731
+    hold = AffinityHold({"w0": 375}, config, clock=clock, request=RouteRequest(6010, 16, b"family"), state=state)
+    assert hold.holds([w1], view, rng)
+    clock.now += 9.9
+    assert hold.holds([w1], view, rng)
+    assert not hold.holds([w0, w1], view, rng) and hold.outcome("w0") is AffinityWaitOutcome.ROOM
+    late = AffinityHold({"w0": 375}, config, clock=clock, request=RouteRequest(6010, 16, b"family"), state=state)
+    assert late.holds([w1], view, rng)
+    clock.now += 10.1
+    assert not late.holds([w1], view, rng) and late.outcome("w1") is AffinityWaitOutcome.TIMED_OUT
+    near = AffinityHold({"w0": 375}, config, clock=clock, request=RouteRequest(6010, 16, b"family"), state=state,
+                        deadline_s=1000.0, wall_clock=lambda: 996.0)
+    assert near.holds([w1], view, rng)
+    clock.now += 2.1
+    assert not near.holds([w1], view, rng)
 
 
 def test_no_hold_for_a_try_now_a_full_queue_or_a_near_deadline():
@@ -238,7 +284,7 @@ def test_a_held_request_is_not_shed_for_the_queue_it_chose_to_wait_in():
                                                      deadline_s=time.time() + 5.0))
         await asyncio.sleep(0.01)
         assert not late.done()
-        clock.now += 1.5
+        clock.now += 15.1  # past half of max_queue_wait_s (w1 holds none of the family)
         admission.update_stats([stats("w0", reserved=950), roomy])
         tickets = await asyncio.wait_for(asyncio.gather(*held, late), 1.0)
         assert [t.worker_id for t in tickets] == ["w1"] * 4

@@ -66,3 +66,21 @@ def test_a_replica_waiting_for_its_workers_says_why_each_is_not_routable(caplog)
         assert not asyncio.run(pool.wait_routable(0.2, report_every_s=0.0))
     assert "waiting for a routable worker" in caplog.text and "no routable worker after 0s" in caplog.text
     assert "reports unhealthy" in caplog.text
+
+
+def test_the_replicas_sharing_a_worker_are_those_whose_dispatches_run_there_or_arrived_since_its_last_poll():
+    from kvmesh.core.config import KvmeshConfig
+    from kvmesh.core.seams import DispatchReport
+    from kvmesh.router.worker_pool import WorkerPool
+
+    pool = WorkerPool(KvmeshConfig(), "app")
+    busy, quiet, silent = _state("worker-0"), _state("worker-1"), _state("worker-2")
+    busy.dispatches = {"me": DispatchReport(5, frozenset({5})), "other": DispatchReport(3, frozenset({3})),
+                       "third": DispatchReport(9, frozenset())}
+    busy.previous_dispatches = {"third": DispatchReport(7, frozenset())}  # two more came and went since
+    quiet.dispatches = {"me": DispatchReport(5, frozenset({5})), "other": DispatchReport(3, frozenset())}
+    quiet.previous_dispatches = {"other": DispatchReport(3, frozenset())}  # nothing running, nothing new
+    silent.dispatches = None  # a worker that keeps no dispatch log
+    pool._workers = {"worker-0": busy, "worker-1": quiet, "worker-2": silent}
+    assert pool.replicas_sharing("me") == {"worker-0": 2, "worker-1": 0}
+    assert pool.replicas_sharing("other")["worker-1"] == 1  # "me" still runs there

@@ -12,6 +12,7 @@ client (its worker refused or failed) and to resume one on a survivor.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import time
 
@@ -31,6 +32,8 @@ from kvmesh.router.routing import (PREFIX_POLICIES, AdapterRouting, PredictedLat
                                    RouteRequest, RoutingDecision, choose_worker, family_key, is_spill)
 from kvmesh.router.stages.context import RequestContext
 from kvmesh.router.worker_pool import WorkerPool
+
+logger = logging.getLogger(__name__)
 
 
 def enter_fair_rank(ctx: RequestContext, backlog: TenantBacklog) -> None:
@@ -124,6 +127,10 @@ class Admitter:
                 placement.note_routed(decision.worker_id, request.adapter.name)
             if is_spill(matched, eligible, decision.worker_id):
                 self.metrics.observe_spill("preferred_full")
+                # Each spill may give a family a second worker: say why it did not wait.
+                logger.warning("preferred_full spill to %s: prefix blocks per worker %s, room on %s, %s",
+                            decision.worker_id, dict(matched), sorted(w.worker_id for w in eligible),
+                            affinity.describe())
             waited = affinity.outcome(decision.worker_id)
             if waited is not None:
                 self.metrics.observe_affinity_wait(waited.value, time.monotonic() - affinity.started_at)

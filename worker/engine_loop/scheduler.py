@@ -29,147 +29,23 @@ only ever means waiting or preempting; no exception.
 
 from __future__ import annotations
 
-import enum
 import logging
-import math
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from kvmesh.core.config import SchedulerConfig
-from kvmesh.kv.kv_cache_manager import KVCacheManager, KVCacheStats, PrefixMatch
+from kvmesh.kv.kv_cache_manager import KVCacheManager
 from kvmesh.worker.engine_loop.admission import EngineAdmission, BatchingPolicy, RateMeter, make_batching_policy
 from kvmesh.core.errors import InvalidRequestError
 from kvmesh.worker.engine_loop.request import Request, RequestStatus
-from kvmesh.worker.engine_loop.scheduler_output import FinishedRequest, ScheduledRequest, SchedulerOutput
+from kvmesh.worker.engine_loop.request_order import (known_tokens_to_compute, priority_victim_order, running_order,
+                                                     tokens_left_to_compute, waiting_order)
+from kvmesh.worker.engine_loop.scheduler_output import FinishedRequest, SchedulerOutput
+from kvmesh.worker.engine_loop.scheduler_stats import SchedulerStats, StepWindow
+from kvmesh.worker.engine_loop.shared_prompt_blocks import SharedPromptBlocks
+from kvmesh.worker.engine_loop.step_plan import AdmitOutcome, StepBudget, StepPlan
 
 logger = logging.getLogger(__name__)
-
-
-def _running_order(request: Request) -> tuple[int, float]:
-    """Served first = smallest; the preemption victim is the largest (newest, least important)."""
-    return (request.priority, request.arrival_time)
-
-
-def _waiting_order(request: Request) -> tuple[int, int, float]:
-    # Within a priority, preempted requests go to the front: they were admitted before.
-    return (request.priority, 0 if request.num_preemptions else 1, request.arrival_time)
-
-
-def _priority_victim_order(request: Request) -> tuple[int, float, float]:
-    """Priority preemption takes the largest: least important class, then the one that
-    started most recently (it has the least work to lose; one not started yet, none)."""
-    started = request.first_scheduled_time if request.first_scheduled_time is not None else math.inf
-    return (request.importance_class, started, request.arrival_time)
-
-
-def _known_tokens_to_compute(request: Request) -> int:
-    """Tokens the model still has to run for a waiting request: its pinned prefix will be
-    shared, not computed (at least one token always is, for the logits)."""
-    return max(1, request.num_tokens - max(request.num_computed_tokens, request.num_reserved_cached_tokens))
-
-
-def _output_tokens_left(request: Request) -> int:
-    """Output a request may still produce: what its reservation covers (max_tokens, or the
-    expected-output estimate, topped up as it grows) less what it has produced."""
-    return max(0, (request.reserved_output_tokens or request.sampling.max_tokens) - request.num_output_tokens)
-
-
-def tokens_left_to_compute(request: Request) -> int:
-    """Forward-pass tokens a request still costs this worker: the known tokens not yet
-    computed (a waiting request's pinned prefix left out) plus the output still to come,
-    less one (the forward of the last known token yields the next output). The router's load guard
-    compares workers by this sum, the work they have to do, not by the KV they hold: a
-    worker whose requests hit a long cached prefix holds much KV and has little to compute."""
-    return _known_tokens_to_compute(request) - 1 + _output_tokens_left(request)
-
-
-@dataclass
-class _StepBudget:
-    tokens_left: int  # max_num_batched_tokens
-    prefill_tokens_left: int  # max_prefill_tokens_per_step
-
-    def grant(self, num_tokens_to_compute: int) -> int:
-        """Tokens a request with this many tokens left to compute may run this step.
-        More than one left = a prefill chunk, which also draws on the prefill budget."""
-        granted = min(num_tokens_to_compute, self.tokens_left)
-        if num_tokens_to_compute > 1:
-            granted = min(granted, self.prefill_tokens_left)
-        return granted
-
-    def consume(self, num_tokens_to_compute: int, num_tokens: int) -> None:
-        self.tokens_left -= num_tokens
-        if num_tokens_to_compute > 1:
-            self.prefill_tokens_left -= num_tokens
-
-    def give_back(self, num_tokens_to_compute: int, num_tokens: int) -> None:
-        self.consume(num_tokens_to_compute, -num_tokens)
-
-
-@dataclass
-class _StepPlan:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    scheduled_ids: set[str] = field(default_factory=set)
-    preempted_ids: list[str] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    copy_blocks: list[tuple[int, int]] = field(default_factory=list)
-
-    def remove(self, request: Request) -> ScheduledRequest:
-        """Take a request back out of this step (priority preemption of an already
-        scheduled one); the caller returns its budget and blocks."""
-        entry = next(s for s in self.scheduled if s.request is request)
-        self.scheduled.remove(entry)
-        self.scheduled_ids.discard(request.request_id)
-        return entry
-
-    def add(self, request: Request, num_tokens: int, drafts: tuple[int, ...] = ()) -> None:
-        """Schedule `num_tokens` known tokens from num_computed_tokens on, then `drafts`."""
-        start = request.num_computed_tokens
-        self.scheduled.append(ScheduledRequest(
-            request=request, num_scheduled_tokens=num_tokens + len(drafts), num_computed_tokens=start,
-            token_ids=tuple(request.all_token_ids[start:start + num_tokens]) + drafts,
-            block_ids=tuple(request.block_ids), sample=start + num_tokens == request.num_tokens,
-            spec_token_ids=drafts))
-        self.scheduled_ids.add(request.request_id)
-
-
-class _Admission(enum.Enum):
-    ADMITTED = 1
-    SKIPPED = 2  # not this one yet (an n > 1 sibling waiting for its prompt); try the next
-    BLOCKED = 3  # out of budget or blocks: stop admitting this step
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    queued_prompt_tokens: int  # tokens waiting requests still have to compute
-    kv_tokens_used: int
-    kv_tokens_reserved: int
-    kv_tokens_budget: int
-    peak_kv_tokens: int  # over the stats window
-    mean_kv_tokens: float  # over the stats window (per step)
-    batch_fill_rate: float  # mean of scheduled tokens / max_num_batched_tokens per step
-    num_preemptions_recompute: int
-    num_preemptions_swap: int
-    num_preemptions_priority: int  # made for a more important waiting request (running ones also above)
-    num_outgrown_estimates: int  # admission_reserve=expected: requests that produced more than estimated
-    prefix_cache_hit_rate: float
-    output_tokens_per_s: float
-    drain_tokens_per_s: float  # reserved KV tokens returned per second
-    num_steps: int
-    kv: KVCacheStats
-    tokens_to_compute: int = 0  # prompt not yet computed + output still to come, running and waiting
-    # of num_preemptions_priority, KV reservations taken (of waiting requests too, which free no blocks)
-    num_preemptions_priority_kv: int = 0
-    kv_tokens_reserved_shared: int = 0  # of kv_tokens_reserved, what classes >= kv_reserved_below_class hold
-    # Hashes of the full prompt blocks live requests hold (pinned, in their tables, or to be
-    # computed by them): a newcomer sharing them adds nothing for them to kv_tokens_reserved,
-    # while one reusing a cached block outside this set adds it (pinned, paid by nobody).
-    held_block_hashes: frozenset[bytes] = frozenset()
 
 
 class Scheduler:
@@ -183,8 +59,7 @@ class Scheduler:
         self.admission = EngineAdmission(config, kv_manager.capacity_tokens, kv_manager.block_size,
                                              clock=clock, window_s=stats_window_s)
         self.requests: dict[str, Request] = {}  # every unfinished request
-        # chain hash -> unfinished requests whose prompt holds that full block (see add_request)
-        self._prompt_block_claims: dict[bytes, int] = {}
+        self.shared_blocks = SharedPromptBlocks(kv_manager)  # prompt blocks live requests hold or will compute
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._groups: dict[str, list[Request]] = {}  # n > 1: unfinished members by group_id
@@ -193,9 +68,8 @@ class Scheduler:
         self.num_priority_preemptions = 0
         self.num_priority_preemptions_kv = 0  # of those, KV reservations taken
         self._num_steps = 0
-        self._stats_window_s = stats_window_s
         self._output_tokens = RateMeter(stats_window_s, clock)
-        self._step_samples: deque[tuple[float, int, float]] = deque()  # (time, kv tokens, fill rate)
+        self._step_window = StepWindow(stats_window_s)
         # May a waiting request start? The engine's structured outputs answer False while the
         # request's grammar compiles in its own thread (worker/engine_loop/structured_output.py).
         self.is_ready: Callable[[Request], bool] = lambda request: True
@@ -210,9 +84,9 @@ class Scheduler:
         # Its resident prefix is pinned first (held until it ends), so the blocks admission
         # counts as cached cannot be evicted before it runs; a refusal unpins them. Blocks
         # an admitted request is about to compute (same chain hash in its prompt) are not
-        # reserved twice either: this one waits for them (_prefix_in_progress) and shares.
+        # reserved twice either: this one waits for them (SharedPromptBlocks.in_progress) and shares.
         pinned_tokens = self.kv.pin_prefix(request).num_tokens
-        cached_tokens = pinned_tokens + self._claimed_blocks_after(request, pinned_tokens) * self.kv.block_size
+        cached_tokens = pinned_tokens + self.shared_blocks.claimed_blocks_after(request, pinned_tokens) * self.kv.block_size
         try:
             taken = self.admission.check_capacity(request, len(self.waiting), cached_tokens, self._shared_tokens(),
                                                   self._reservations_to_take(request), self._shared_tokens_without)
@@ -223,7 +97,7 @@ class Scheduler:
         self.admission.reserve(request, cached_tokens)
         request.num_pinned_tokens = pinned_tokens
         request.num_reserved_cached_tokens = cached_tokens
-        self._claim_prompt_blocks(request, +1)
+        self.shared_blocks.claim(request, +1)
         request.status = RequestStatus.QUEUED
         self.kv.update_block_hashes(request)
         self.requests[request.request_id] = request
@@ -252,7 +126,7 @@ class Scheduler:
         victims = [r for r in self.requests.values() if r.reserved_kv_tokens
                    and r.importance_class > request.importance_class
                    and r.num_priority_preemptions < self.config.max_priority_preemptions]
-        return sorted(victims, key=_priority_victim_order, reverse=True)
+        return sorted(victims, key=priority_victim_order, reverse=True)
 
     def _take_reservations(self, victims: list[Request], request: Request) -> None:
         """`request` takes the victims' reservations: each owes its own from now on; a
@@ -284,10 +158,10 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         (self.running if request in self.running else self.waiting).remove(request)
-        self._pin_for_claimants()
+        self.shared_blocks.pin_for_claimants(self.waiting)
         self.kv.free(request)
         self.kv.unpin(request)
-        self._claim_prompt_blocks(request, -1)
+        self.shared_blocks.claim(request, -1)
         request.is_swapped = False
         if status is RequestStatus.FINISHED:
             self.admission.observe_finished(request)
@@ -302,52 +176,6 @@ class Scheduler:
         request.finished_time = self.clock()
         del self.requests[request.request_id]
         self._newly_finished.append(FinishedRequest(request.request_id, status))
-
-    def _pin_for_claimants(self) -> None:
-        """Before a request lets its blocks go: waiting requests admitted against prompt blocks
-        another request was computing (claimed, not pinned: `_claimed_blocks_after`) pin those
-        now resident, as far as they counted them. Else the blocks fell out of the committed
-        total between their computer's end and the claimant's start (nobody held them), the
-        worker admitted into that room, and the claimant's start added them back past the
-        budget (or, evicted meanwhile, topped its reservation up): refusals of requests the
-        router had admitted on the worker's own report (the 2-worker campaign at 16 in flight)."""
-        if self.kv.prefix_cache is None:
-            return
-        block = self.kv.block_size
-        for waiting in self.waiting:
-            if waiting.num_reserved_cached_tokens <= waiting.num_pinned_tokens or waiting.num_computed_tokens:
-                continue
-            match = self.kv.match_prefix(waiting)
-            num_blocks = min(len(match.block_ids), waiting.num_reserved_cached_tokens // block)
-            if num_blocks * block > waiting.num_pinned_tokens:
-                self.kv.extend_pin(waiting, PrefixMatch(match.block_ids[:num_blocks], num_blocks * block))
-                waiting.num_pinned_tokens = num_blocks * block
-
-    def _claim_prompt_blocks(self, request: Request, sign: int) -> None:
-        """Count (sign +1) or forget (-1) the full prompt blocks an admitted request will hold."""
-        for block_hash in request.block_hashes[:self._num_shareable_blocks(request)]:
-            count = self._prompt_block_claims.get(block_hash, 0) + sign
-            if count:
-                self._prompt_block_claims[block_hash] = count
-            else:
-                del self._prompt_block_claims[block_hash]
-
-    def _num_shareable_blocks(self, request: Request) -> int:
-        # As a prefix match is capped: the last prompt token is always computed.
-        return min(len(request.block_hashes), (request.num_prompt_tokens - 1) // self.kv.block_size)
-
-    def _claimed_blocks_after(self, request: Request, pinned_tokens: int) -> int:
-        """Prompt blocks after the pinned prefix that an admitted request's prompt also holds
-        (same chain hash): computed once by that one, shared by this one."""
-        if self.kv.prefix_cache is None:
-            return 0
-        start = pinned_tokens // self.kv.block_size
-        claimed = 0
-        for block_hash in request.block_hashes[start:self._num_shareable_blocks(request)]:
-            if block_hash not in self._prompt_block_claims:
-                break
-            claimed += 1
-        return claimed
 
     def _shared_tokens(self) -> int:
         return self.kv.num_pinned_blocks_unowned() * self.kv.block_size
@@ -367,8 +195,8 @@ class Scheduler:
         for request in [r for r in self.waiting if self.admission.is_expired(r, now)]:
             logger.info("request %s rejected: queued over %.1f s", request.request_id, self.config.max_queue_time_s)
             self._finish(request, RequestStatus.REJECTED)
-        budget = _StepBudget(self.config.max_num_batched_tokens, self.config.max_prefill_tokens_per_step)
-        plan = _StepPlan()
+        budget = StepBudget(self.config.max_num_batched_tokens, self.config.max_prefill_tokens_per_step)
+        plan = StepPlan()
         for request in [r for r in self.running if r.owed_kv_tokens]:
             self._preempt(request, plan)  # its reservation was taken (add_request): it may not grow
         num_owing_preempted = len(plan.preempted_ids)
@@ -386,8 +214,8 @@ class Scheduler:
         self._record_step(output, now)
         return output
 
-    def _schedule_running(self, budget: _StepBudget, plan: _StepPlan) -> None:
-        self.running.sort(key=_running_order)
+    def _schedule_running(self, budget: StepBudget, plan: StepPlan) -> None:
+        self.running.sort(key=running_order)
         # Decode tokens first, then prefill chunks (each group in priority order), so a long
         # prompt can never take the step's budget from requests that are generating.
         for request in sorted(self.running, key=lambda r: r.num_tokens_to_compute > 1):
@@ -399,7 +227,7 @@ class Scheduler:
                 continue
             drafts = self._drafts_that_fit(request, remaining, budget)
             while not self.kv.can_append(request, num_tokens):
-                victim = max((r for r in self.running if r.request_id not in plan.scheduled_ids), key=_running_order)
+                victim = max((r for r in self.running if r.request_id not in plan.scheduled_ids), key=running_order)
                 self._preempt(victim, plan)
                 if victim is request:
                     break
@@ -410,7 +238,7 @@ class Scheduler:
         for request in self.running:
             request.spec_token_ids = []  # proposals are for this step only
 
-    def _drafts_that_fit(self, request: Request, remaining: int, budget: _StepBudget) -> tuple[int, ...]:
+    def _drafts_that_fit(self, request: Request, remaining: int, budget: StepBudget) -> tuple[int, ...]:
         """The drafts a decoding request runs this step: as many as the step's token budget
         and the free blocks allow beyond its one decode token. Drafts never preempt anyone:
         a request short of blocks decodes plainly (or preempts for that one token)."""
@@ -421,7 +249,7 @@ class Scheduler:
             drafts = drafts[:-1]
         return tuple(drafts)
 
-    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.running.remove(request)
         mode = self.config.preemption_mode
         if mode == "swap":
@@ -432,7 +260,7 @@ class Scheduler:
                 plan.swap_out.extend(pairs)
                 request.is_swapped = True
         if mode == "recompute":
-            self._pin_for_claimants()
+            self.shared_blocks.pin_for_claimants(self.waiting)
             self.kv.free(request)
             request.num_computed_tokens = 0  # its outputs so far are recomputed as prompt
         request.status = RequestStatus.QUEUED
@@ -442,22 +270,22 @@ class Scheduler:
         plan.preempted_ids.append(request.request_id)
         logger.debug("preempted %s (%s)", request.request_id, mode)
 
-    def _schedule_waiting(self, budget: _StepBudget, plan: _StepPlan, now: float) -> None:
-        candidates = self.policy.admission_candidates(sorted(self.waiting, key=_waiting_order), now)
+    def _schedule_waiting(self, budget: StepBudget, plan: StepPlan, now: float) -> None:
+        candidates = self.policy.admission_candidates(sorted(self.waiting, key=waiting_order), now)
         for request in candidates:
             if request.owed_kv_tokens and not self._reserve_again(request):
                 continue  # its reservation was taken: it waits for the budget, others may run
             while True:
                 full = len(self.running) >= self.config.max_num_seqs or budget.tokens_left == 0
-                admission = _Admission.BLOCKED if full else self._try_admit(request, budget, plan, now)
-                if admission is not _Admission.BLOCKED:
+                admission = AdmitOutcome.BLOCKED if full else self._try_admit(request, budget, plan, now)
+                if admission is not AdmitOutcome.BLOCKED:
                     break
                 if not self._preempt_for_priority(request, budget, plan):
                     return  # the first that does not fit stops admission
 
-    def _preempt_for_priority(self, request: Request, budget: _StepBudget, plan: _StepPlan) -> bool:
+    def _preempt_for_priority(self, request: Request, budget: StepBudget, plan: StepPlan) -> bool:
         """Make room for a blocked waiting `request` by preempting one running request of a
-        strictly less important class (largest _priority_victim_order) that has been
+        strictly less important class (largest priority_victim_order) that has been
         preempted for priority fewer than max_priority_preemptions times. One victim per
         call: the caller retries the admission and calls again while it is still blocked.
         A victim already scheduled this step is taken out of the step first (its budget
@@ -468,7 +296,7 @@ class Scheduler:
         (thrashing); past the limit a request is never chosen again and runs to the end."""
         if not self.config.priority_preemption:
             return False
-        if budget.grant(_known_tokens_to_compute(request)) == 0 and not any(
+        if budget.grant(known_tokens_to_compute(request)) == 0 and not any(
                 r.request_id in plan.scheduled_ids and r.importance_class > request.importance_class
                 for r in self.running):
             return False  # out of step budget, and no victim would give any back: wait a step
@@ -476,7 +304,7 @@ class Scheduler:
                    and r.num_priority_preemptions < self.config.max_priority_preemptions]
         if not victims:
             return False
-        victim = max(victims, key=_priority_victim_order)
+        victim = max(victims, key=priority_victim_order)
         if victim.request_id in plan.scheduled_ids:
             entry = plan.remove(victim)
             budget.give_back(victim.num_tokens_to_compute, entry.num_scheduled_tokens)
@@ -487,35 +315,35 @@ class Scheduler:
                      request.request_id, request.importance_class)
         return True
 
-    def _try_admit(self, request: Request, budget: _StepBudget, plan: _StepPlan, now: float) -> _Admission:
+    def _try_admit(self, request: Request, budget: StepBudget, plan: StepPlan, now: float) -> AdmitOutcome:
         if request.is_swapped:
             remaining = request.num_tokens_to_compute
             num_tokens = budget.grant(remaining)
             if num_tokens == 0 or not self.kv.can_swap_in(request, num_tokens):
-                return _Admission.BLOCKED
+                return AdmitOutcome.BLOCKED
             plan.swap_in.extend(self.kv.swap_in(request, num_tokens))
             request.is_swapped = False
             return self._start_running(request, remaining, num_tokens, budget, plan, now)
         if not self.is_ready(request):
-            return _Admission.SKIPPED  # its grammar compiles: the ones behind it may start
+            return AdmitOutcome.SKIPPED  # its grammar compiles: the ones behind it may start
         must_wait, fork_source = self._group_gate(request)
         if must_wait:
-            return _Admission.SKIPPED
+            return AdmitOutcome.SKIPPED
         if fork_source is not None:
             num_tokens = budget.grant(1)  # a forked child recomputes only its last prompt token
             if num_tokens == 0 or not self.kv.can_fork(fork_source, request, num_tokens):
-                return _Admission.BLOCKED
+                return AdmitOutcome.BLOCKED
             plan.copy_blocks.extend(self.kv.fork(fork_source, request, num_tokens))
             self._note_cache_hit(request, request.num_computed_tokens)
             return self._start_running(request, 1, num_tokens, budget, plan, now)
         match = self.kv.match_prefix(request)
-        if self._prefix_in_progress(request, len(match.block_ids)):
-            return _Admission.SKIPPED  # a running request is computing its next blocks: share them
+        if self.shared_blocks.in_progress(request, len(match.block_ids), self.running):
+            return AdmitOutcome.SKIPPED  # a running request is computing its next blocks: share them
         match = self.kv.match_tier(request, match)  # blocks past the pool's hits, in host memory
         remaining = request.num_tokens - match.num_tokens
         num_tokens = budget.grant(remaining)
         if num_tokens == 0 or not self.kv.can_allocate(request, num_tokens, match):
-            return _Admission.BLOCKED
+            return AdmitOutcome.BLOCKED
         self._settle_reservation(request, match.resident())
         match = self.kv.allocate(request, num_tokens, match)
         self._note_cache_hit(request, match.num_tokens)
@@ -533,25 +361,6 @@ class Scheduler:
         self.admission.reserve_again(request, needed)
         request.num_pinned_tokens = request.num_reserved_cached_tokens = pinned_tokens
         return True
-
-    def _prefix_in_progress(self, request: Request, num_matched_blocks: int) -> bool:
-        """True when the block after the request's cached prefix is one a running request is
-        still prefilling (same chain hash, not yet computed). Admitting it now would compute
-        the same prefix twice, in the same batch, and cache one copy; waiting a step or a few
-        (the other's prefill chunks) turns all of it into a cache hit. Measured in the routing
-        simulator at 16 in flight: without this, a family's concurrent requests each
-        computed the whole 528-token prefix (hit rate 0.82 of a possible 0.91).
-        A preempted or finished leader no longer counts, so nobody waits forever."""
-        if (self.kv.prefix_cache is None or request.num_computed_tokens
-                or num_matched_blocks >= len(request.block_hashes)):
-            return False
-        wanted = request.block_hashes[num_matched_blocks]
-        bs = self.kv.block_size
-        for other in self.running:
-            first_uncomputed = other.num_computed_tokens // bs
-            if wanted in other.block_hashes[first_uncomputed:other.num_prompt_tokens // bs]:
-                return True
-        return False
 
     def _settle_reservation(self, request: Request, match) -> None:
         """At its start, pin the shared blocks the request was admitted against (so they stay
@@ -582,8 +391,8 @@ class Scheduler:
             request.num_cached_tokens = num_cached_tokens
             self.kv.record_prefix_query(request.num_prompt_tokens, num_cached_tokens)
 
-    def _start_running(self, request: Request, remaining: int, num_tokens: int, budget: _StepBudget,
-                       plan: _StepPlan, now: float) -> _Admission:
+    def _start_running(self, request: Request, remaining: int, num_tokens: int, budget: StepBudget,
+                       plan: StepPlan, now: float) -> AdmitOutcome:
         self.waiting.remove(request)
         self.running.append(request)
         resumed_decode = request.num_output_tokens > 0 and request.num_tokens_to_compute == 1
@@ -592,7 +401,7 @@ class Scheduler:
             request.first_scheduled_time = now
         budget.consume(remaining, num_tokens)
         plan.add(request, num_tokens)
-        return _Admission.ADMITTED
+        return AdmitOutcome.ADMITTED
 
     # ---- after the forward -----------------------------------------------------------------
 
@@ -635,25 +444,22 @@ class Scheduler:
 
     def _record_step(self, output: SchedulerOutput, now: float) -> None:
         kv_tokens = sum(r.num_computed_tokens for r in self.running) + output.total_num_scheduled_tokens
-        self._step_samples.append((now, kv_tokens, output.total_num_scheduled_tokens / output.token_budget))
-        while self._step_samples[0][0] < now - self._stats_window_s:
-            self._step_samples.popleft()
+        self._step_window.record(now, kv_tokens, output.total_num_scheduled_tokens / output.token_budget)
 
     def stats(self) -> SchedulerStats:
         kv_stats = self.kv.stats()
-        samples = self._step_samples
+        window = self._step_window
         shared_tokens = self._shared_tokens()  # walks every pin and block table: once per report
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting),
             num_swapped=sum(r.is_swapped for r in self.waiting),
-            queued_prompt_tokens=sum(_known_tokens_to_compute(r) for r in self.waiting),
+            queued_prompt_tokens=sum(known_tokens_to_compute(r) for r in self.waiting),
             kv_tokens_used=kv_stats.kv_tokens_used,
             # owed reservations included: the router must not offer their room to newcomers
             kv_tokens_reserved=self.admission.committed_tokens(shared_tokens) + self.admission.owed_tokens,
             kv_tokens_budget=self.admission.budget_tokens,
-            peak_kv_tokens=max((s[1] for s in samples), default=0),
-            mean_kv_tokens=sum(s[1] for s in samples) / len(samples) if samples else 0.0,
-            batch_fill_rate=sum(s[2] for s in samples) / len(samples) if samples else 0.0,
+            peak_kv_tokens=window.peak_kv_tokens(), mean_kv_tokens=window.mean_kv_tokens(),
+            batch_fill_rate=window.mean_fill_rate(),
             num_preemptions_recompute=self.num_preemptions["recompute"],
             num_preemptions_swap=self.num_preemptions["swap"],
             num_preemptions_priority=self.num_priority_preemptions,
@@ -663,7 +469,7 @@ class Scheduler:
             tokens_to_compute=sum(tokens_left_to_compute(r) for r in self.requests.values()),
             num_preemptions_priority_kv=self.num_priority_preemptions_kv,
             kv_tokens_reserved_shared=self._shared_class_committed_tokens(shared_tokens),
-            held_block_hashes=frozenset(self._prompt_block_claims))
+            held_block_hashes=self.shared_blocks.held_block_hashes())
 
     def _shared_class_committed_tokens(self, shared_tokens: int) -> int:
         """What the classes sharing the rest of a kept KV share commit: their reservations,

@@ -55,7 +55,7 @@ from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import DispatchReport, GenerateRequest, PrefixEventBatch, RequestDelta, WorkerStats, merge_deltas
 from kvmesh.worker.engine_loop.engine import Engine
 from kvmesh.core.errors import InvalidRequestError, KvmeshError
-from kvmesh.worker.engine_loop.scheduler import SchedulerStats
+from kvmesh.worker.engine_loop.scheduler_stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
