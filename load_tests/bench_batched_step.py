@@ -30,7 +30,6 @@ from kvmesh.core.seams import GenerateRequest, SamplingParams
 from kvmesh.load_tests import bench_served
 from kvmesh.load_tests.corpus import TokenCorpus
 from kvmesh.worker.engine_api import Engine, load_tokenizer
-from kvmesh.worker.kernels import cpu_native_step
 
 PROMPT_TOKENS = 45
 
@@ -61,7 +60,7 @@ def model_flops_a_row(engine: Engine) -> float:
 class TimedDecoder:
     """Wraps the engine's NativeDecoder.run to time each native call."""
 
-    def __init__(self, decoder: cpu_native_step.NativeDecoder):
+    def __init__(self, decoder):  # the engine runner's NativeDecoder
         self.decoder, self.last_s, self.last_cpu_s, self.last_tokens = decoder, 0.0, 0.0, 0
         self._run = decoder.run
 

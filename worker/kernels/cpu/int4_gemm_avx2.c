@@ -38,11 +38,6 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-static inline float load_meta(const void *p, int64_t i, const int dtype) {
-    if (dtype == META_F16) return _cvtsh_ss(((const uint16_t *)p)[i]);
-    return load_elem(p, i, dtype == META_BF16);
-}
-
 /* A per-thread panel of PANEL_ROWS x K fp32 weights; NULL: no memory. */
 static float *panel_buffer(int64_t K) {
     static __thread float *buf;
