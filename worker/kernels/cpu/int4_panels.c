@@ -148,7 +148,7 @@ static float *panel_scratch(size_t floats) {
 int kvmesh_gemv_int4_panels(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, const float *x, int64_t ldx,
                             int64_t B, float *y, int64_t ldy) {
     const int64_t G = K / p->group, blocks = K / 32, per = p->group / 32;
-    const Int8Rows xr = kvmesh_int8_rows(x, ldx, B, K);
+    const Int8Rows xr = kvmesh_int8_rows(x, ldx, B, K, 0);
     float *scale = panel_scratch((size_t)(16 * G + B * G));
     if (!xr.q || !scale) return 0;
     float *shift = scale + 8 * G, *xsum = shift + 8 * G;

@@ -246,7 +246,8 @@ KVMESH_INTERNAL void kvmesh_gemv_int4(const kvmesh_int4 *p, int64_t K, int64_t n
    q [B][K] each block's 16 even inputs then its 16 odd ones (the order of a block's low and
    high nibbles), scale [B][K/32] (x ~ q * scale), sum [B][K/32] the fp32 inputs' sum, qsum8
    [B][K/32] 8 x the sum of q (what centring the codes at 8 takes off the int8 products), meta:
-   room for the per-row kernel's row metadata. In a per-thread buffer; all NULL: no memory. */
+   room for the per-row kernel's row metadata. In a per-thread buffer; all NULL: no memory.
+   input_order: q in the inputs' own order instead (int8 codes: the LM head's Q8_0 table). */
 typedef struct {
     int8_t *q;
     float *scale;
@@ -254,7 +255,7 @@ typedef struct {
     int32_t *qsum8;
     float *meta;  /* [2 + 8][K / 32] */
 } Int8Rows;
-KVMESH_INTERNAL Int8Rows kvmesh_int8_rows(const float *x, int64_t ldx, int64_t B, int64_t K);
+KVMESH_INTERNAL Int8Rows kvmesh_int8_rows(const float *x, int64_t ldx, int64_t B, int64_t K, const int input_order);
 
 /* int4_panels.c: kvmesh_gemv_int4's INT4_A8 form over codes in 8-row panels, n0 and n1
    multiples of 8; 0 where there was no memory (nothing written). */
@@ -268,6 +269,11 @@ KVMESH_INTERNAL void kvmesh_gemv_int4_panels_fp32(const kvmesh_int4 *p, int64_t 
    32-input group, scales [N][K / 32] (W_I8G: an LM head that is a GGUF Q8_0 table); K % 32 == 0. */
 KVMESH_INTERNAL void kvmesh_gemv_i8g(const int8_t *w, const float *scales, int64_t K, int64_t n0, int64_t n1,
                                      const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy);
+
+/* The same against the tokens quantized to int8 per 32-input block (kvmesh_int8_rows): the LM
+   head of an int4 model run with int8 activations. */
+KVMESH_INTERNAL void kvmesh_gemv_i8g_a8(const int8_t *w, const float *scales, int64_t K, int64_t n0, int64_t n1,
+                                        const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy);
 
 /* int4_gemm_avx2.c: the same products for steps of at least kvmesh_gemm_min_rows() tokens (a
    panel of weight rows dequantized once a call, then FMA-bound tiles over every token): int4
