@@ -25,7 +25,7 @@ from kvmesh.router import affinity_wait, tracing
 from kvmesh.router.adapter_affinity import AdapterPlacement
 from kvmesh.router.admission import RouterAdmission
 from kvmesh.router.admission_budget import AdmissionTicket, cost_on_worker, cost_with_cached_prefix
-from kvmesh.router.family_claims import FamilyClaims, claim_candidates
+from kvmesh.router.family_claims import FamilyClaims, claim_candidates, claim_proposal
 from kvmesh.router.fairness import TenantBacklog, engine_priority
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.routing import (PREFIX_POLICIES, AdapterRouting, PredictedLatencyState, RoundRobinCursor,
@@ -184,12 +184,18 @@ class Admitter:
         candidates = [w for w in healthy if w.worker_id not in exclude]
         if not candidates:
             return route_request
-        proposal = choose_worker(matched, candidates, self._proposal_config, self._rng, self._cursor, in_flight,
-                                 mean_request_tokens, request=route_request, state=self.latency)
-        owner = await self.claims.claim(route_request.family_key,
-                                        claim_candidates(proposal.worker_id, candidates, route_request))
+        # A family this replica sent somewhere lately, its prefix since evicted (or not yet
+        # reported) and its claim expired: it proposes that worker again (see claim_proposal).
+        home = self.latency.live.latest_worker(route_request.family_key)
+        pick = claim_proposal(home, candidates, lambda: choose_worker(
+            matched, candidates, self._proposal_config, self._rng, self._cursor, in_flight, mean_request_tokens,
+            request=route_request, state=self.latency).worker_id)
+        owner = await self.claims.claim(route_request.family_key, claim_candidates(pick, candidates, route_request))
         if owner is None or owner not in {w.worker_id for w in candidates}:
             return route_request
+        if home is not None and owner != home:
+            logger.warning("family %s, sent to %s lately, claimed for %s", route_request.family_key.hex()[:12],
+                           home, owner)
         return dataclasses.replace(route_request, claimed_worker=owner)
 
     def _adapter_routing(self, request: GenerateRequest, eligible: list[WorkerStats]) -> AdapterRouting | None:
