@@ -125,13 +125,17 @@ class Admitter:
                 held = request.adapter.name in placement.adapters_on(decision.worker_id)
                 self.metrics.observe_adapter_routed(request.adapter.name, held)
                 placement.note_routed(decision.worker_id, request.adapter.name)
-            if is_spill(matched, eligible, decision.worker_id):
-                self.metrics.observe_spill("preferred_full")
-                # Each spill may give a family a second worker: say why it did not wait.
-                logger.warning("preferred_full spill to %s: prefix blocks per worker %s, room on %s, %s",
-                            decision.worker_id, dict(matched), sorted(w.worker_id for w in eligible),
-                            affinity.describe())
             waited = affinity.outcome(decision.worker_id)
+            spilled = is_spill(matched, eligible, decision.worker_id)
+            if spilled:
+                self.metrics.observe_spill("preferred_full")
+            if spilled or waited is affinity_wait.AffinityWaitOutcome.TIMED_OUT:
+                # Each may give a family a second worker (a new family's placement is no spill):
+                # say how its hold went.
+                logger.warning("%s to %s: prefix blocks per worker %s, claimed %s, room on %s, %s",
+                               "preferred_full spill" if spilled else "timed-out hold", decision.worker_id,
+                               dict(matched), route_request.claimed_worker, sorted(w.worker_id for w in eligible),
+                               affinity.describe())
             if waited is not None:
                 self.metrics.observe_affinity_wait(waited.value, time.monotonic() - affinity.started_at)
             self.metrics.observe_route(decision.path.value)
