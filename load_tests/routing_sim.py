@@ -384,7 +384,8 @@ class _SimRouter:
         pick = claim_proposal(self.latency_state.live.latest_worker(route_request.family_key), candidates,
                               lambda: choose_worker(matched, candidates, self.proposal_config, self.rng, self.cursor,
                                                     dict(self.load_since_poll), self.sizes.mean_tokens(),
-                                                    request=route_request, state=self.latency_state).worker_id)
+                                                    request=dataclasses.replace(route_request, proposing_claim=True),
+                                                    state=self.latency_state).worker_id)
         owner = self.run.claims.claim(route_request.family_key, claim_candidates(pick, candidates, route_request))
         return dataclasses.replace(route_request, claimed_worker=owner)
 

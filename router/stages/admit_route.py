@@ -193,7 +193,7 @@ class Admitter:
         home = self.latency.live.latest_worker(route_request.family_key)
         pick = claim_proposal(home, candidates, lambda: choose_worker(
             matched, candidates, self._proposal_config, self._rng, self._cursor, in_flight, mean_request_tokens,
-            request=route_request, state=self.latency).worker_id)
+            request=dataclasses.replace(route_request, proposing_claim=True), state=self.latency).worker_id)
         owner = await self.claims.claim(route_request.family_key, claim_candidates(pick, candidates, route_request))
         if owner is None or owner not in {w.worker_id for w in candidates}:
             return route_request
