@@ -23,7 +23,9 @@ llama.cpp. The modes (the model in fp32, as `kvmesh serve` picks on a CPU withou
                   exact (quant.int4_activations fp32: greedy tokens those of the dequantized model),
                   each group's code x input sum times its scale (the factorised form, the default)
     native-int4b  the same with each weight dequantized bit for bit as eager's (the other form)
-    native-int4   the same with int8 activations (quant.int4_activations int8, llama.cpp's scheme)
+    native-int4   the same with int8 activations (quant.int4_activations int8, llama.cpp's scheme),
+                  the codes in 8-row panels (int4_panels.c, the default for int8 activations)
+    native-int4r  the same one row at a time over the plain codes (NativeDecoder.int4_interleaved off)
     llama.cpp     llama-cpp-python's Llama on the same .gguf, batch 1 only, in a child process
                   run by --llama-python (an interpreter with llama_cpp installed), 2 threads
 
@@ -50,8 +52,9 @@ MODES = ("none", "gguf")  # memory: dequantized against kept
 SPEED_MODES = {"eager-fp32": ("none", 0, "fp32"), "default": ("auto", None, "fp32"),
                "native-fp32": ("none", None, "fp32"), "native-int8": ("int8", None, "fp32"),
                "native-int4x": ("gguf", None, "fp32"), "native-int4b": ("gguf", None, "fp32"),
-               "native-int4": ("gguf", None, "int8")}
+               "native-int4": ("gguf", None, "int8"), "native-int4r": ("gguf", None, "int8")}
 BIT_EXACT_MODES = ("native-int4b",)  # the exact int4 layers' bit-exact form (NativeDecoder.int4_factored off)
+ROW_MODES = ("native-int4r",)  # int8 activations one row at a time (NativeDecoder.int4_interleaved off)
 PROMPT_TOKENS = 32
 
 
@@ -125,6 +128,8 @@ def bench_speed(rounds: int, tokens: int, batches: list[int], llama_python: str 
     for name, engine in engines.items():
         if name in BIT_EXACT_MODES:
             engine.runner.native_decoder.int4_factored = False
+        if name in ROW_MODES:
+            engine.runner.native_decoder.int4_interleaved = False
         print(f"{name}: CPU step {engine.runner.cpu_step.describe()}")
     runners = {name: (lambda b, t, tag, e=e: _decode_tok_s(e, b, t, tag)) for name, e in engines.items()}
     llama = None

@@ -66,8 +66,10 @@ def _add_tokenizer(writer) -> int:
     return eos
 
 
-def write_tiny_llama_gguf(path: Path, type_name: str, seed: int = 0, overrides: dict | None = None) -> Path:
-    """A 2-layer random Llama whose projections are `type_name` (overrides: tensor name -> type)."""
+def write_tiny_llama_gguf(path: Path, type_name: str, seed: int = 0, overrides: dict | None = None,
+                          tied: bool = False) -> Path:
+    """A 2-layer random Llama whose projections are `type_name` (overrides: tensor name -> type);
+    tied: no output.weight, the LM head is the Q8_0 token table (as the embedded model's)."""
     import gguf
 
     s = SHAPE
@@ -88,7 +90,9 @@ def write_tiny_llama_gguf(path: Path, type_name: str, seed: int = 0, overrides: 
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_vocab_size(VOCAB)
     _add_tokenizer(writer)
-    shapes = {"token_embd.weight": ((VOCAB, s["hidden"]), "Q8_0"), "output.weight": ((VOCAB, s["hidden"]), "F16")}
+    shapes = {"token_embd.weight": ((VOCAB, s["hidden"]), "Q8_0")}
+    if not tied:
+        shapes["output.weight"] = ((VOCAB, s["hidden"]), "F16")
     for i in range(s["layers"]):
         kv = s["kv_heads"] * head_dim
         for name, shape in (("attn_q", (s["hidden"], s["hidden"])), ("attn_k", (kv, s["hidden"])),

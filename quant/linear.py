@@ -203,6 +203,10 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         # It is a second copy of the int4 weight (K/2 bytes per row), not part of the state.
         self._kernel_operands: tuple[torch.Tensor, torch.Tensor] | None = None
         self._kernel_unsupported = out_features % 16 != 0  # the kernel needs N % 16 == 0
+        # 8 where qweight's bytes are laid out in 8-row panels (primitives.interleave_int4_rows),
+        # in place, for the native step's int4 x int8 kernel (cpu_native_step.set_int4_panels);
+        # this layer then reads its codes through plain_qweight
+        self.panel_rows = 0
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int,
@@ -215,15 +219,20 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         dtype = linear.weight.dtype
         return cls(P.pack_int4(q), scale.to(dtype), zero.to(dtype), group_size, linear.bias, input_scale)
 
+    def plain_qweight(self) -> torch.Tensor:
+        """The codes in pack_int4's layout (a copy where they are laid out in panels)."""
+        return P.deinterleave_int4_rows(self.qweight) if self.panel_rows else self.qweight
+
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight this layer applies to its (AWQ-scaled) input: [N, K]."""
-        return P.dequantize_int4_groupwise(P.unpack_int4(self.qweight), self.scales, self.zeros, dtype, self.mins)
+        return P.dequantize_int4_groupwise(P.unpack_int4(self.plain_qweight()), self.scales, self.zeros, dtype,
+                                           self.mins)
 
     def _kernel_path(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self._kernel_unsupported:
             return None
         if self._kernel_operands is None:
-            q = P.unpack_int4(self.qweight).to(torch.int32)
+            q = P.unpack_int4(self.plain_qweight()).to(torch.int32)
             try:
                 packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INT4_KERNEL_INNER_K_TILES)
             except RuntimeError as exc:  # a shape this torch's kernel rejects: dequantize instead
@@ -243,7 +252,7 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         y = (None if _device_kernels is None
-             else _device_kernels.w4a16_matmul(x2, self.qweight, self.scales, self.zeros, self.group_size, self.mins))
+             else _device_kernels.w4a16_matmul(x2, self.plain_qweight(), self.scales, self.zeros, self.group_size, self.mins))
         if y is not None:
             return self._finish(y.reshape(*lead, self.out_features))
         operands = self._kernel_path() if x.device.type == "cpu" and x.dtype == torch.bfloat16 else None
@@ -256,15 +265,15 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
 
     def shard(self, dim: int, rank: int, world_size: int) -> "Int4WeightOnlyLinear":
         part, bias, input_scale = self._shard_common(dim, rank, world_size, self.group_size)
-        mins = self.mins
+        mins, qweight = self.mins, self.plain_qweight()
         if dim == 0:
-            return Int4WeightOnlyLinear(self.qweight[part].clone(), self.scales[part].clone(),
+            return Int4WeightOnlyLinear(qweight[part].clone(), self.scales[part].clone(),
                                         self.zeros[part].clone(), self.group_size, bias, input_scale,
                                         None if mins is None else mins[part].clone())
         g = self.group_size
         packed_cols = slice(part.start // 2, part.stop // 2)  # two int4 per byte along K
         group_cols = slice(part.start // g, part.stop // g)
-        return Int4WeightOnlyLinear(self.qweight[:, packed_cols].clone(), self.scales[:, group_cols].clone(),
+        return Int4WeightOnlyLinear(qweight[:, packed_cols].clone(), self.scales[:, group_cols].clone(),
                                     self.zeros[:, group_cols].clone(), g, bias, input_scale,
                                     None if mins is None else mins[:, group_cols].clone())
 
@@ -325,6 +334,7 @@ def merge_output_rows(layers: list[nn.Module]) -> _WeightOnlyLinear | None:
                and (lay.input_inv_scale is None or torch.equal(lay.input_inv_scale, first.input_inv_scale))
                and (getattr(lay, "mins", None) is None) == (getattr(first, "mins", None) is None)
                and lay.scales.dtype == first.scales.dtype  # GGUF layers keep their file's scale dtype
+               and not getattr(lay, "panel_rows", 0)  # codes in pack_int4's layout (not the native step's panels)
                for lay in layers)
     if not same:
         return None

@@ -168,3 +168,25 @@ def tinygemm_scale_and_zero(scale: torch.Tensor, zero: torch.Tensor, dtype: torc
     if mins is not None:
         z_float = z_float + mins.float()
     return torch.stack([scale.float().t(), z_float.t()], dim=-1).contiguous().to(dtype)
+
+
+INT4_PANEL_ROWS = 8  # rows of an int4 panel: the native step's int4 x int8 kernel (worker/kernels/cpu/int4_panels.c)
+
+
+def interleave_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """packed [N, K/2] (pack_int4's layout) -> the same bytes in 8-row panels: for rows [8P,
+    8P + 8) and each 32-input block (16 bytes a row), four chunks of 32 bytes, chunk c holding
+    each row's bytes 4c .. 4c + 3 in row order, so one 32-bit lane of a chunk is one row's (the
+    layout int4_panels.c reads). N % 8 == 0 and K % 32 == 0."""
+    n, half_k = packed.shape
+    if n % INT4_PANEL_ROWS or (2 * half_k) % 32:
+        raise ConfigError(f"int4 panels need rows % {INT4_PANEL_ROWS} and in_features % 32, got [{n}, {2 * half_k}]")
+    panels = packed.reshape(n // INT4_PANEL_ROWS, INT4_PANEL_ROWS, half_k // 16, 4, 4)  # [P, r, block, chunk, byte]
+    return panels.permute(0, 2, 3, 1, 4).reshape(n, half_k)
+
+
+def deinterleave_int4_rows(panels: torch.Tensor) -> torch.Tensor:
+    """The inverse of interleave_int4_rows: pack_int4's layout back."""
+    n, half_k = panels.shape
+    blocks = panels.reshape(n // INT4_PANEL_ROWS, half_k // 16, 4, INT4_PANEL_ROWS, 4)  # [P, block, chunk, r, byte]
+    return blocks.permute(0, 3, 1, 2, 4).reshape(n, half_k)

@@ -74,9 +74,10 @@ def test_the_variant_follows_the_cpu_flags(monkeypatch):
     assert runnable(set()) == [] and runnable({"avx2", "fma"}) == []  # no F16C: not even avx2
     assert runnable(avx2) == ["avx2"]
     assert runnable(avx512) == ["avx512", "avx2"]
-    assert runnable(avx512 | {"avx512_bf16"}) == ["avx512_bf16", "avx512", "avx2"]
+    assert runnable(avx512 | {"avx512_bf16", "avx512_vnni"}) == ["avx512_bf16", "avx512", "avx2"]
+    assert runnable(avx512 | {"avx512_bf16"}) == ["avx512", "avx2"]  # BF16 without VNNI (no such CPU)
     assert runnable(avx512 | {"amx_tile", "amx_bf16", "amx_int8"}) == ["avx512", "avx2"]  # AMX without BF16
-    assert runnable(avx512 | {"avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"})[0] == "amx"
+    assert runnable(avx512 | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"})[0] == "amx"
     runnable(set())
     assert "no AVX2" in cpu_build.unavailable_reason()
 
@@ -88,9 +89,9 @@ def test_the_header_declares_the_structs_python_passes():
     for struct in cpu_abi.STRUCTS:
         assert [name for name, _ in struct._fields_] == [name for name, _ in struct.c_fields]
     assert ctypes.sizeof(cpu_abi.LayerDescriptor) == 24 * 8
-    # 20 int64 fields, the float padded to 8 bytes, 9 pointers
-    assert ctypes.sizeof(cpu_abi.ModelDescriptor) == (20 + 1 + 9) * 8
-    assert cpu_abi.ModelDescriptor.embed.offset == 21 * 8
+    # 21 int64 fields, the float padded to 8 bytes, 9 pointers
+    assert ctypes.sizeof(cpu_abi.ModelDescriptor) == (21 + 1 + 9) * 8
+    assert cpu_abi.ModelDescriptor.embed.offset == 22 * 8
 
 
 @needs_compiler

@@ -372,7 +372,10 @@ def test_int4_kernel_equals_torch_on_every_scale_dtype_and_min(tiny_model_dir, i
     a min term, odd token counts (the 8-token passes and their tail): every int4 layer's
     metadata rewritten, the native step's logits against the eager forward's (dequantize +
     F.linear), for both activation paths and both fp32 forms (factorised, the default, and
-    each weight dequantized bit for bit)."""
+    each weight dequantized bit for bit). int8 activations run over the codes laid out in 8-row
+    panels (int4_panels.c): the same int8 products as the row-at-a-time kernel, summed in another
+    order, so each step's logits are that kernel's to fp32 rounding, and the eager layers,
+    reading the same bytes, compute the weights they did."""
     engine = _engine(tiny_model_dir, quant="int4", native=0)
     runner = engine.runner
     generator = torch.Generator().manual_seed(3)
@@ -393,18 +396,34 @@ def test_int4_kernel_equals_torch_on_every_scale_dtype_and_min(tiny_model_dir, i
                 layer.mins = (torch.randn(shape, generator=generator) * 0.02).to(scale_dtype) if with_mins else None
                 if first is not None:  # a fused group stays usable while its first member views the merged rows
                     first.scales = layer.scales[:first.out_features]
-        runner.native_decoder = cpu_native_step.NativeDecoder.build(runner.model, runner.kv_caches, 13,
-                                                                      int8_activations=int8_activations)
-        assert runner.native_decoder.int4_factored == (not int8_activations)  # the default form
-        runner.native_decoder.int4_factored = factored
-        diffs = _check_each_step_against_eager(engine, lambda n, e, inputs: (_relative(n, e, inputs),
-                                                                             len(inputs.input_ids)))
+        weights = [m.dequantized_weight() for m in runner.model.modules() if hasattr(m, "panel_rows")]
+        decoder = cpu_native_step.NativeDecoder.build(runner.model, runner.kv_caches, 13,
+                                                      int8_activations=int8_activations)
+        runner.native_decoder = decoder
+        assert decoder.int4_factored == (not int8_activations)  # the default form
+        assert decoder.int4_interleaved == int8_activations
+        assert all(torch.equal(w, m.dequantized_weight())
+                   for w, m in zip(weights, (m for m in runner.model.modules() if hasattr(m, "panel_rows"))))
+        decoder.int4_factored = factored
+        panels_vs_rows = []
+
+        def compare(native, eager, inputs):
+            if int8_activations:  # the same step by the row-at-a-time kernel over the plain codes
+                panels = native.clone()
+                decoder.int4_interleaved = False
+                panels_vs_rows.append(_relative(panels, type(decoder).run(decoder, inputs), inputs))
+                decoder.int4_interleaved = True
+                runner._eager_forward(inputs)  # eager's K/V back in the step's slots
+            return _relative(native, eager, inputs), len(inputs.input_ids)
+
+        diffs = _check_each_step_against_eager(engine, compare)
         # a new prompt each round (no cached prefix): one 11-token step, then decode rows
         tokens = generate_all_greedy(engine, [tuple(range(100 + 20 * i, 111 + 20 * i))], 6)
         assert all(len(t) == 6 for t in tokens.values())
         assert diffs and max(d for d, _ in diffs) < tolerance, (scale_dtype, zero_dtype, with_mins, fixed_zero,
                                                                 max(diffs))
         assert max(size for _, size in diffs) > 8, "a pass of 8 tokens and a tail"
+        assert len(panels_vs_rows) == len(diffs) * int8_activations and max(panels_vs_rows, default=0) < 1e-5
         assert runner.native_decoder.path == ("int4_avx2_a8" if int8_activations else "int4_avx2")
 
 

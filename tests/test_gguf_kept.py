@@ -129,7 +129,7 @@ def test_greedy_equals_the_gguf_dequantized_model(gguf_file):
     assert kept.parts.plan.weight_bytes < dequantized.parts.plan.weight_bytes
 
 
-def _native_int4_agrees_with_eager_kept(path, type_name: str) -> None:
+def _native_int4_agrees_with_eager_kept(path, type_name: str) -> cpu_native_step.NativeDecoder:
     """quant.int4_activations int8 (the fastest mode): the native step, int4 x int8 activations
     per 32 inputs. Each step it serves is re-run by the eager kept path on the same inputs:
     logits within the activations' int8 rounding, the same greedy token in nearly every row
@@ -153,6 +153,18 @@ def _native_int4_agrees_with_eager_kept(path, type_name: str) -> None:
     assert runner.native_decoder.steps_run >= NEW_TOKENS
     worst, same = max(d for d, _ in rows), sum(s for _, s in rows) / len(rows)
     assert worst < 0.05 and same >= 0.9, f"{type_name}: native int4 vs eager kept: logits {worst}, argmax {same:.0%}"
+    return runner.native_decoder
+
+
+@pytest.mark.skipif(cpu_native_step.unavailable_reason() is not None, reason="no native step")
+def test_int8_activations_read_a_tied_q8_0_head_with_int8_activations_too(tmp_path, cache_dir):
+    """The embedded model's shape: Q4_1 layers and the LM head tied to the Q8_0 token table.
+    With int8 activations the head is that table's groups against the hidden state quantized
+    per 32 inputs (kvmesh_gemv_i8g_a8, llama.cpp's Q8_0 x Q8_0): the eager kept path's logits
+    within the int8 rounding and its greedy token in nearly every step."""
+    path = gc.write_tiny_llama_gguf(tmp_path / "tied.gguf", "Q4_1", tied=True)
+    decoder = _native_int4_agrees_with_eager_kept(path, "Q4_1 tied")
+    assert decoder.head_q8_0 and decoder.int4_interleaved
 
 
 def test_a_type_without_an_exact_layout_is_refused_by_name(tmp_path, cache_dir):

@@ -67,6 +67,8 @@ ModelDescriptor = _struct("ModelDescriptor", "kvmesh_model", (
     ("int4_factored", "int64_t"),  # fp32-activation int4 layers in kvmesh_gemv_int4's INT4_FACTORED form
     ("int4_group", "int64_t"),  # int4 layers: inputs per scale / zero / min, a multiple of 32
     ("int4_scale_dtype", "int64_t"), ("int4_zero_dtype", "int64_t"), ("int4_min_dtype", "int64_t"),  # META_*
+    # int4 layers' codes in 8-row panels (int4_panels.c; int8_activations only)
+    ("int4_interleaved", "int64_t"),
     ("rms_norm_eps", "float"),
     ("embed", "const void *"),  # [V, H] in the model dtype, or int8 codes when embed_scales is set
     ("embed_scales", "const float *"),  # an int8 table's fp32 scales, one a 32-input group (GGUF Q8_0), or NULL

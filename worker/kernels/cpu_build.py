@@ -4,7 +4,7 @@ loaded through ctypes.
 
     variant       adds to AVX2 + FMA + F16C          native step projections
     amx           AVX-512 BF16 + AMX tiles           AMX tiles (bf16; the self-draft's int8)
-    avx512_bf16   AVX-512 F/BW/VL/DQ + BF16          VDPBF16PS
+    avx512_bf16   AVX-512 F/BW/VL/DQ + BF16 + VNNI   VDPBF16PS
     avx512        AVX-512 F/BW/VL/DQ                 AVX-512 FMA
     avx2          -                                  AVX2 FMA
     (every variant: int4 weights by the AVX2 int4 GEMV, the same code in each)
@@ -60,7 +60,10 @@ class IsaVariant:
 
 AVX2 = IsaVariant("avx2", frozenset({"avx2", "fma", "f16c"}), (), True)
 AVX512 = IsaVariant("avx512", AVX2.cpu_flags | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, _AVX512, True)
-AVX512_BF16 = IsaVariant("avx512_bf16", AVX512.cpu_flags | {"avx512_bf16"}, _AVX512 + ("-mavx512bf16",), True)
+# + VNNI (every CPU with AVX-512 BF16 has it: Cooper Lake, Sapphire Rapids, Zen 4): the int4 x
+# int8 panels' VPDPBUSD (int4_panels.c)
+AVX512_BF16 = IsaVariant("avx512_bf16", AVX512.cpu_flags | {"avx512_bf16", "avx512_vnni"},
+                         _AVX512 + ("-mavx512bf16", "-mavx512vnni"), True)
 AMX = IsaVariant("amx", AVX512_BF16.cpu_flags | {"amx_tile", "amx_bf16", "amx_int8"},
                  AVX512_BF16.cflags + ("-mamx-tile", "-mamx-bf16", "-mamx-int8"), True)
 VARIANTS = (AMX, AVX512_BF16, AVX512, AVX2)  # best first

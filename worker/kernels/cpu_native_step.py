@@ -55,14 +55,15 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvmesh.core.config import CPU_NATIVE_MAX_TOKENS
 from kvmesh.quant.int8_group_table import Int8GroupEmbedding, Int8GroupLMHead
 from kvmesh.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
-from kvmesh.quant.primitives import int8_groups_if_exact, quantize_int8_per_channel
+from kvmesh.quant.primitives import (INT4_PANEL_ROWS, deinterleave_int4_rows, int8_groups_if_exact,
+                                     interleave_int4_rows, quantize_int8_per_channel)
 from kvmesh.worker.kernels import cpu_abi, cpu_build
 
 logger = logging.getLogger(__name__)
@@ -240,6 +241,7 @@ class ModelDescription:
     weight_kind: int
     amx_packed_bytes: int
     int8_head_bytes: int = 0  # the step's int8 copy of a float LM head (per row, or a Q8_0 table's groups)
+    int4_layers: list = field(default_factory=list)  # an int4 model's decoder layers (their codes' layout: set_int4_panels)
 
 
 def describe(model, kv_caches: list, int8_activations: bool = False,
@@ -320,6 +322,9 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
         for name, value in fields.items():
             setattr(array[i], name, value)
     weight_kind = first.kind
+    panels = weight_kind == _W_I4 and int8_activations
+    if weight_kind == _W_I4:  # last: nothing is re-laid out for a model the step then refuses
+        set_int4_panels(model.model.layers, panels)
     int4 = {} if weight_kind != _W_I4 else {
         "int4_group": first.group, "int4_scale_dtype": _META_DTYPES[first.scales.dtype],
         "int4_zero_dtype": _META_DTYPES[first.zeros.dtype],
@@ -333,12 +338,45 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
         # same weights, fp32 sums in another order: the embedded model keeps HF's tokens,
         # tests/test_engine_exact.py); NativeDecoder.int4_factored = False is the bit-exact form
         int4_factored=int(weight_kind == _W_I4 and not int8_activations),
+        int4_interleaved=int(panels),
         rms_norm_eps=float(cfg.rms_norm_eps), embed=_ptr(embed), embed_scales=_ptr(embed_scales),
         final_norm=_ptr(final_norm), rope_cos=_ptr(cos),
         rope_sin=_ptr(sin), lm_head_weight=_ptr(lm), lm_head_scales=_ptr(lm_scales), lm_head_packed=_ptr(packed[-1]),
         layers=ctypes.addressof(array))
     return ModelDescription(descriptor, array, keep, weight_kind, sum(t.nbytes for t in packed if t is not None),
-                            head_copy_bytes)
+                            head_copy_bytes, list(model.model.layers) if weight_kind == _W_I4 else [])
+
+
+def _int4_linears(layer) -> list[Int4WeightOnlyLinear]:
+    """A decoder layer's int4 layers: its modules and the merged layers of its fused groups
+    (FusedQuantLinears, plain attributes of the attention and MLP blocks)."""
+    found = [m for m in layer.modules() if isinstance(m, Int4WeightOnlyLinear)]
+    for block in (layer.self_attn, layer.mlp):
+        found += [merged for value in vars(block).values()
+                  if isinstance(merged := getattr(value, "merged", None), Int4WeightOnlyLinear)]
+    return found
+
+
+def set_int4_panels(layers, on: bool) -> None:
+    """Every int4 layer of the decoder layers with its codes in 8-row panels (on: what the
+    int4 x int8 kernel reads, int4_panels.c) or in pack_int4's layout (off: the fp32-activation
+    kernels'), permuted in place: the layers keep one copy of their bytes, and read them through
+    plain_qweight (the eager steps). A fused layer's members view its rows: each storage is
+    permuted once, through the layer holding all of it, and every layer on it marked."""
+    rows = INT4_PANEL_ROWS if on else 0
+    with torch.no_grad():
+        for layer in layers:
+            int4 = [m for m in _int4_linears(layer) if m.panel_rows != rows]
+            owners: dict[int, Int4WeightOnlyLinear] = {}
+            for m in int4:
+                key = m.qweight.untyped_storage().data_ptr()
+                if key not in owners or m.qweight.numel() > owners[key].qweight.numel():
+                    owners[key] = m
+            for m in owners.values():
+                q = m.qweight
+                q.copy_((interleave_int4_rows(q) if on else deinterleave_int4_rows(q)).clone())
+            for m in int4:
+                m.panel_rows = rows
 
 
 class NativeDecoder:
@@ -367,6 +405,9 @@ class NativeDecoder:
         self.int8_amx = int8_activations and bool(kernels.features & _FEATURE_AMX_INT8) and kind == _W_I8
         self.amx_packed_bytes = description.amx_packed_bytes  # bf16 weights re-laid for AMX tiles
         self.int8_head_bytes = description.int8_head_bytes
+        self._int4_layers = description.int4_layers
+        # one int4 layer of the model, whose panel_rows says the codes' layout at each step
+        self._int4_probe = next((m for layer in self._int4_layers for m in _int4_linears(layer)), None)
         self.head_q8_0 = description.model.lm_head_kind == _W_I8G  # the head as a Q8_0 table's exact groups
         # what the layers' projections run on: AMX tiles, VDPBF16PS, AVX-512 FMAs ("fma", fp32 or
         # widened), AVX2 FMAs ("avx2", the avx2 build), or int4 groups dequantized in AVX2 registers
@@ -407,6 +448,19 @@ class NativeDecoder:
         offset x (sum of inputs) (True) or each weight dequantized bit for bit as eager's (False)."""
         self._description.model.int4_factored = int(on)
 
+    @property
+    def int4_interleaved(self) -> bool:
+        return bool(self._description.model.int4_interleaved)
+
+    @int4_interleaved.setter
+    def int4_interleaved(self, on: bool) -> None:
+        """int4 x int8 layers over codes in 8-row panels (True, the default: int4_panels.c) or one
+        row at a time over pack_int4's layout (False), the codes permuted in place to match."""
+        if not self._description.model.int8_activations or not self._int4_layers:
+            raise ValueError("int4 panels are the int8-activation int4 step's layout")
+        set_int4_panels(self._int4_layers, on)
+        self._description.model.int4_interleaved = int(on)
+
     def run(self, inputs) -> torch.Tensor | None:
         """inputs: the step's StepInputs (worker/runner/model_runner.py) -> fp32 logits
         [len(sample_at), vocab] (no rows for a mid-prompt chunk; a view of the decoder's own
@@ -415,6 +469,8 @@ class NativeDecoder:
         n = len(inputs.input_ids)
         if n > self.max_tokens:
             return None
+        if self._int4_probe is not None and bool(self._int4_probe.panel_rows) != self.int4_interleaved:
+            raise RuntimeError("another native decoder re-laid out this model's int4 codes")
         positions = torch.tensor(inputs.positions, dtype=torch.long)
         seq_lens = (positions + 1).to(torch.int32)  # each token attends to its request up to itself
         tables = inputs.block_table_tensor()

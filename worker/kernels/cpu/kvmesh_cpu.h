@@ -74,6 +74,7 @@ typedef struct {
     int64_t int4_scale_dtype;
     int64_t int4_zero_dtype;
     int64_t int4_min_dtype;
+    int64_t int4_interleaved;
     float rms_norm_eps;
     const void *embed;
     const float *embed_scales;
@@ -201,7 +202,22 @@ typedef struct {
     const void *scales, *zeros, *mins;
     int64_t group;
     int scale_dtype, zero_dtype, min_dtype;
+    int interleaved;  /* codes in 8-row panels (int4_panels.c), every row of the projection */
 } kvmesh_int4;
+
+/* One int4 metadata value (scale / zero / min, a META_* dtype) as fp32; eight from i on. */
+static inline float load_meta(const void *p, int64_t i, const int dtype) {
+    if (dtype == META_F16) return _cvtsh_ss(((const uint16_t *)p)[i]);
+    return load_elem(p, i, dtype == META_BF16);
+}
+
+static inline __m256 load8_meta(const void *p, int64_t i, const int dtype) {
+    if (dtype == META_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    if (dtype == META_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
 
 /* The int4 projection's rows [row0, ...) as a projection of its own (gate / up halves). */
 static inline kvmesh_int4 int4_rows(kvmesh_int4 p, int64_t row0, int64_t K) {
@@ -226,10 +242,38 @@ enum { INT4_EXACT = 0, INT4_A8 = 1, INT4_FACTORED = 2 };
 KVMESH_INTERNAL void kvmesh_gemv_int4(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, const float *x,
                                       int64_t ldx, int64_t B, float *y, int64_t ldy, const int form);
 
+/* Tokens' rows quantized to int8 per 32-input block (projections_avx2.c, kvmesh_int8_rows):
+   q [B][K] each block's 16 even inputs then its 16 odd ones (the order of a block's low and
+   high nibbles), scale [B][K/32] (x ~ q * scale), sum [B][K/32] the fp32 inputs' sum, qsum8
+   [B][K/32] 8 x the sum of q (what centring the codes at 8 takes off the int8 products), meta:
+   room for the per-row kernel's row metadata. In a per-thread buffer; all NULL: no memory.
+   input_order: q in the inputs' own order instead (int8 codes: the LM head's Q8_0 table). */
+typedef struct {
+    int8_t *q;
+    float *scale;
+    float *sum;
+    int32_t *qsum8;
+    float *meta;  /* [2 + 8][K / 32] */
+} Int8Rows;
+KVMESH_INTERNAL Int8Rows kvmesh_int8_rows(const float *x, int64_t ldx, int64_t B, int64_t K, const int input_order);
+
+/* int4_panels.c: kvmesh_gemv_int4's INT4_A8 form over codes in 8-row panels, n0 and n1
+   multiples of 8; 0 where there was no memory (nothing written). */
+KVMESH_INTERNAL int kvmesh_gemv_int4_panels(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, const float *x,
+                                            int64_t ldx, int64_t B, float *y, int64_t ldy);
+/* The same weights in fp32, one code at a time: panels where the int8 rows found no memory. */
+KVMESH_INTERNAL void kvmesh_gemv_int4_panels_fp32(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1,
+                                                  const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy);
+
 /* projections_avx2.c: y[b * ldy + n] = W[n] . x[b] for int8 codes w [N][K] with one fp32 scale a
    32-input group, scales [N][K / 32] (W_I8G: an LM head that is a GGUF Q8_0 table); K % 32 == 0. */
 KVMESH_INTERNAL void kvmesh_gemv_i8g(const int8_t *w, const float *scales, int64_t K, int64_t n0, int64_t n1,
                                      const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy);
+
+/* The same against the tokens quantized to int8 per 32-input block (kvmesh_int8_rows): the LM
+   head of an int4 model run with int8 activations. */
+KVMESH_INTERNAL void kvmesh_gemv_i8g_a8(const int8_t *w, const float *scales, int64_t K, int64_t n0, int64_t n1,
+                                        const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy);
 
 /* The calling thread's AMX tile configuration for a step, and its release (no-ops without AMX). */
 KVMESH_INTERNAL void kvmesh_amx_tiles_begin(void);

@@ -100,7 +100,7 @@ static inline void project(const kvmesh_model *m, const int kind, const void *w,
     if (kind == W_I4) {
         if (n0 >= n1 || B == 0) return;
         const kvmesh_int4 p = {(const uint8_t *)w, scales, zeros, mins, m->int4_group, (int)m->int4_scale_dtype,
-                               (int)m->int4_zero_dtype, (int)m->int4_min_dtype};
+                               (int)m->int4_zero_dtype, (int)m->int4_min_dtype, (int)m->int4_interleaved};
         kvmesh_gemv_int4(&p, K, n0, n1, x, ldx, B, y, ldy, int4_form(m));
     } else {
         kvmesh_gemv(w, wp, kind, scales, sbf16, K, n0, n1, x, ldx, B, y, ldy, x16, x_ready, a8);
@@ -215,7 +215,8 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
             if (wk == W_I4) {  /* rows i0.. and I + i0.. of the codes and their groups */
                 const kvmesh_int4 all = {(const uint8_t *)lp->gate_up_weight, lp->gate_up_scales,
                                          lp->gate_up_zeros, lp->gate_up_mins, m->int4_group,
-                                         (int)m->int4_scale_dtype, (int)m->int4_zero_dtype, (int)m->int4_min_dtype};
+                                         (int)m->int4_scale_dtype, (int)m->int4_zero_dtype, (int)m->int4_min_dtype,
+                                         (int)m->int4_interleaved};
                 const kvmesh_int4 gate = int4_rows(all, i0, H), up = int4_rows(all, I + i0, H);
                 kvmesh_gemv_int4(&gate, H, 0, w, h, H, B, gu, w, int4_form(m));
                 kvmesh_gemv_int4(&up, H, 0, w, h, H, B, gu + B * w, w, int4_form(m));
@@ -255,10 +256,17 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
     const int64_t V = m->vocab;
     /* The LM head keeps fp32 activations: quantizing the final hidden state per row flipped
        the self-draft's argmax often enough to cut its acceptance from 0.90 to 0.85 (bundled
-       chat prompts, measured 2026-12-02 on the SPR machine of docs/benchmarks.md). */
+       chat prompts, measured 2026-12-02 on the SPR machine of docs/benchmarks.md). An int4
+       model's int8-activation step (llama.cpp's scheme) takes a Q8_0 table head as llama.cpp
+       does, against the hidden state quantized per 32-input block: at batch 1 that head was
+       as long as all the int4 layers (SmolLM2-135M, 49152 x 576). */
+    const int head_a8 = m->int8_activations && m->weight_kind == W_I4;
     int64_t c0, c1;
     for (int ready = 0; take_chunk(s, L * PHASES, V, chunk_size(V, T, 16), &c0, &c1); ready = 1) {
-        if (m->lm_head_kind == W_I8G)  /* a GGUF Q8_0 table read as stored */
+        if (m->lm_head_kind == W_I8G && head_a8)
+            kvmesh_gemv_i8g_a8((const int8_t *)m->lm_head_weight, (const float *)m->lm_head_scales, H, c0, c1, picked,
+                               H, s->S, s->logits, V);
+        else if (m->lm_head_kind == W_I8G)  /* a GGUF Q8_0 table read as stored */
             kvmesh_gemv_i8g((const int8_t *)m->lm_head_weight, (const float *)m->lm_head_scales, H, c0, c1, picked, H,
                             s->S, s->logits, V);
         else

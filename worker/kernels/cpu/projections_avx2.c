@@ -85,10 +85,6 @@ void kvmesh_gemv_avx2(const void *w, const int kind, const void *scale, const in
             for (int64_t m = n0; m < n1; m++) y[b * ldy + m] *= load_elem(scale, m, sbf16);
 }
 
-static inline float load_meta(const void *p, int64_t i, const int dtype) {
-    if (dtype == META_F16) return _cvtsh_ss(((const uint16_t *)p)[i]);
-    return load_elem(p, i, dtype == META_BF16);
-}
 
 /* 32 codes (16 bytes: input 2i in the low nibble of byte i, 2i + 1 in the high one) as four
    vectors of 8 fp32 values in input order */
@@ -138,6 +134,14 @@ static inline __attribute__((always_inline)) void int4_row(const kvmesh_int4 *p,
     for (int j = 0; j < C; j++) res[j] = hsum8(acc[j]);
 }
 
+/* 32 bytes in input order -> the 16 even ones, then the 16 odd ones */
+static inline __m256i evens_then_odds(__m256i bytes) {
+    const __m256i pick = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                          0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    bytes = _mm256_shuffle_epi8(bytes, pick);  /* each 16: 8 evens then 8 odds */
+    return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+}
+
 /* int4 against int8 activations, as llama.cpp's AVX2 ggml_vec_dot_q4_1_q8_1: each token's row
    is quantized per 32-input block (one fp32 scale a block, its fp32 sum kept), laid out so a
    block's 16 code bytes line up with it unshuffled: the low nibbles (even inputs) then the high
@@ -145,31 +149,24 @@ static inline __attribute__((always_inline)) void int4_row(const kvmesh_int4 *p,
    and one VPMADDWD, against the ~30 instructions of dequantizing 32 weights to fp32: with
    (code - zero) * scale + min, sum_k x_k w_k = scale * sum_k x_k (code_k - 8) + (min + (8 - zero)
    * scale) * sum_k x_k, the first from the int8 products, the second from the block's fp32 sum. */
-typedef struct {
-    int8_t *q;       /* [B][K] the blocks' inputs: even inputs then odd ones */
-    float *scale;    /* [B][K / 32] */
-    float *sum;      /* [B][K / 32] the fp32 inputs' sum */
-    float *meta;     /* [2 + MAX_TOKENS_A_PASS][K / 32]: one row's block scales, shifts, scale products */
-} Int8Rows;
-
-static Int8Rows int8_rows(const float *x, int64_t ldx, int64_t B, int64_t K) {
+Int8Rows kvmesh_int8_rows(const float *x, int64_t ldx, int64_t B, int64_t K, const int input_order) {
     static __thread void *buf;
     static __thread size_t cap;
     /* + the row's block scales and shifts, and MAX_TOKENS_A_PASS rows of scale products */
-    const size_t need = (size_t)(B * K) + sizeof(float) * (size_t)((2 * B + 2 + MAX_TOKENS_A_PASS) * (K / 32)) + 64;
+    const size_t need = (size_t)(B * K) + sizeof(float) * (size_t)((3 * B + 2 + MAX_TOKENS_A_PASS) * (K / 32)) + 64;
     if (cap < need) {
         free(buf);
         buf = malloc(need);
         cap = buf ? need : 0;
     }
-    Int8Rows r = {0, 0, 0, 0};
+    Int8Rows r = {0, 0, 0, 0, 0};
     if (!buf) return r;
     r.scale = (float *)buf;
     r.sum = r.scale + B * (K / 32);
-    r.meta = r.sum + B * (K / 32);
+    r.qsum8 = (int32_t *)(r.sum + B * (K / 32));
+    r.meta = (float *)(r.qsum8 + B * (K / 32));
     r.q = (int8_t *)(r.meta + (2 + MAX_TOKENS_A_PASS) * (K / 32));
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256i evens = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
     for (int64_t b = 0; b < B; b++)
         for (int64_t k = 0; k < K; k += 32) {
             const float *xb = x + b * ldx + k;
@@ -195,11 +192,12 @@ static Int8Rows int8_rows(const float *x, int64_t ldx, int64_t B, int64_t K) {
             const __m256i w01 = _mm256_packs_epi32(qi[0], qi[1]), w23 = _mm256_packs_epi32(qi[2], qi[3]);
             __m256i bytes = _mm256_packs_epi16(w01, w23);  /* lanes interleaved: 0-3 8-11 16-19 24-27 | 4-7 ... */
             bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  /* input order */
-            const __m256i pick = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
-                                                  0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-            bytes = _mm256_shuffle_epi8(bytes, pick);  /* each 16: 8 evens then 8 odds */
-            bytes = _mm256_permutevar8x32_epi32(bytes, evens);  /* 16 evens, then 16 odds */
+            if (!input_order) bytes = evens_then_odds(bytes);
             _mm256_storeu_si256((__m256i *)(r.q + b * K + k), bytes);
+            const __m256i q16 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
+            __m128i q4 = _mm_add_epi32(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1));
+            q4 = _mm_add_epi32(q4, _mm_shuffle_epi32(q4, 0x4e));
+            r.qsum8[at] = 8 * _mm_cvtsi128_si32(_mm_add_epi32(q4, _mm_shuffle_epi32(q4, 0xb1)));
         }
     return r;
 }
@@ -285,8 +283,8 @@ static inline __attribute__((always_inline)) void int4_row_i8(const kvmesh_int4 
 static void int4_rows_one_by_one(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, const float *x,
                                  int64_t ldx, int64_t B, float *y, int64_t ldy, const int a8) {
     float res[MAX_TOKENS_A_PASS];
-    Int8Rows xr = {0, 0, 0, 0};
-    if (a8) xr = int8_rows(x, ldx, B, K);
+    Int8Rows xr = {0, 0, 0, 0, 0};
+    if (a8) xr = kvmesh_int8_rows(x, ldx, B, K, 0);
     const int int8 = xr.q != 0;  /* no memory for the int8 rows: the fp32 path */
     const int64_t blocks = K / 32;
     for (int64_t n = n0; n < n1; n++) {
@@ -341,13 +339,6 @@ static void int4_rows_one_by_one(const kvmesh_int4 *p, int64_t K, int64_t n0, in
 /* rows a pass for B tokens: 4 at batch 1-2, 2 at 3-4, then 1 (rows x tokens <= 8 accumulators) */
 static inline int rows_a_pass(int64_t B) { return B >= 5 ? 1 : B >= 3 ? 2 : 4; }
 
-static inline __m256 load8_meta(const void *p, int64_t i, const int dtype) {
-    if (dtype == META_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
-    if (dtype == META_BF16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
-    return _mm256_loadu_ps((const float *)p + i);
-}
 
 /* Row n's group scales into meta[0, G) and offsets c into meta[G, 2G); 0 where a group cannot
    fold exactly. With zero 0, c is the min: the same FMA as the general form (int4_row), whose
@@ -566,6 +557,11 @@ static int int4_gemv_exact(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t 
 
 void kvmesh_gemv_int4(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, const float *x, int64_t ldx,
                       int64_t B, float *y, int64_t ldy, const int form) {
+    if (p->interleaved) {  /* 8-row panels: int4_panels.c */
+        if (form != INT4_A8 || !kvmesh_gemv_int4_panels(p, K, n0, n1, x, ldx, B, y, ldy))
+            kvmesh_gemv_int4_panels_fp32(p, K, n0, n1, x, ldx, B, y, ldy);
+        return;
+    }
     if (form != INT4_A8 && int4_gemv_exact(p, K, n0, n1, x, ldx, B, y, ldy, form == INT4_FACTORED)) return;
     int4_rows_one_by_one(p, K, n0, n1, x, ldx, B, y, ldy, form == INT4_A8);
 }
@@ -619,6 +615,71 @@ void kvmesh_gemv_i8g(const int8_t *w, const float *scales, int64_t K, int64_t n0
 #define I8G_TILE(R_, C_) i8g_tile(codes, sc, K, x + b * ldx, ldx, R_, C_, res)
             TILE_BY_SHAPE(I8G_TILE, R, c);
 #undef I8G_TILE
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < c; j++) y[(b + j) * ldy + n + r] = res[r * c + j];
+            b += c;
+        }
+        n += R;
+    }
+}
+
+/* R rows of int8 codes (one fp32 scale a 32-input group) against C tokens' int8 rows (input
+   order): res[r * C + j]. A group's dot product is one VPMADDUBSW (|code| against the token's
+   int8 values carrying the code's sign; |code| <= 128, so a pair's sum stays below 2^15) and
+   one VPMADDWD, then one FMA by the code's scale times the token's block scale (llama.cpp's
+   Q8_0 x Q8_0). */
+static inline __attribute__((always_inline)) void i8g_tile_a8(const int8_t *codes, const float *scales, int64_t K,
+                                                              const Int8Rows *xr, int64_t b0, const int R, const int C,
+                                                              float *res) {
+    const int64_t G = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4][4];
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        #pragma GCC unroll 4
+        for (int j = 0; j < C; j++) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m256i w[4], aw[4];
+        #pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            w[r] = _mm256_loadu_si256((const __m256i *)(codes + r * K + 32 * g));
+            aw[r] = _mm256_sign_epi8(w[r], w[r]);
+        }
+        #pragma GCC unroll 4
+        for (int j = 0; j < C; j++) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(xr->q + (b0 + j) * K + 32 * g));
+            const float xs = xr->scale[(b0 + j) * G + g];
+            #pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[r], _mm256_sign_epi8(xq, w[r])), ones);
+                acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scales[r * G + g] * xs), acc[r][j]);
+            }
+        }
+    }
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        #pragma GCC unroll 4
+        for (int j = 0; j < C; j++) res[r * C + j] = hsum8(acc[r][j]);
+}
+
+void kvmesh_gemv_i8g_a8(const int8_t *w, const float *scales, int64_t K, int64_t n0, int64_t n1, const float *x,
+                        int64_t ldx, int64_t B, float *y, int64_t ldy) {
+    const Int8Rows xr = kvmesh_int8_rows(x, ldx, B, K, 1);
+    if (!xr.q) {  /* no memory for the int8 rows: fp32 activations */
+        kvmesh_gemv_i8g(w, scales, K, n0, n1, x, ldx, B, y, ldy);
+        return;
+    }
+    float res[I4F_TILE_ACCUMULATORS];
+    for (int64_t n = n0; n < n1;) {
+        const int pass = B >= 3 ? 1 : B == 2 ? 2 : 4;
+        const int R = n1 - n >= pass ? pass : 1;
+        const int8_t *codes = w + n * K;
+        const float *sc = scales + n * (K / 32);
+        for (int64_t b = 0; b < B;) {
+            const int c = (int)(B - b < I4F_TILE_ACCUMULATORS / R ? B - b : I4F_TILE_ACCUMULATORS / R);
+#define I8G_TILE_A8(R_, C_) i8g_tile_a8(codes, sc, K, &xr, b, R_, C_, res)
+            TILE_BY_SHAPE4(I8G_TILE_A8, R, c);
+#undef I8G_TILE_A8
             for (int r = 0; r < R; r++)
                 for (int j = 0; j < c; j++) y[(b + j) * ldy + n + r] = res[r * c + j];
             b += c;
