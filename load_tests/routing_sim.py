@@ -58,7 +58,7 @@ from kvmesh.kv.kv_cache_manager import KVCacheManager
 from kvmesh.load_tests.routing_campaign import family_workload, oracle_hit_rate
 from kvmesh.router.admission import cost_on_worker, cost_with_cached_prefix
 from kvmesh.router.affinity_wait import AffinityHold, AffinityWaitOutcome
-from kvmesh.router.family_claims import claim_candidates
+from kvmesh.router.family_claims import claim_candidates, claim_proposal
 from kvmesh.router.prefix_index import PrefixIndex
 from kvmesh.router.latency import StepCostModel
 from kvmesh.router.routing import (PREFIX_POLICIES, PredictedLatencyState, RequestSizeMeter, RoundRobinCursor, RouteRequest,
@@ -380,11 +380,13 @@ class _SimRouter:
     def _claimed(self, route_request: RouteRequest, matched: dict[str, int]) -> RouteRequest:
         """As Admitter._claimed: this replica proposes its own rule's pick from every worker;
         the family's first proposal stands."""
-        proposal = choose_worker(matched, list(self.stats.values()), self.proposal_config, self.rng, self.cursor,
-                                 dict(self.load_since_poll), self.sizes.mean_tokens(), request=route_request,
-                                 state=self.latency_state)
-        owner = self.run.claims.claim(route_request.family_key,
-                                      claim_candidates(proposal.worker_id, list(self.stats.values()), route_request))
+        candidates = list(self.stats.values())
+        pick = claim_proposal(self.latency_state.live.latest_worker(route_request.family_key), candidates,
+                              lambda: choose_worker(matched, candidates, self.proposal_config, self.rng, self.cursor,
+                                                    dict(self.load_since_poll), self.sizes.mean_tokens(),
+                                                    request=dataclasses.replace(route_request, proposing_claim=True),
+                                                    state=self.latency_state).worker_id)
+        owner = self.run.claims.claim(route_request.family_key, claim_candidates(pick, candidates, route_request))
         return dataclasses.replace(route_request, claimed_worker=owner)
 
     def try_dispatch(self, sim_request: _SimRequest) -> bool | None:

@@ -50,6 +50,18 @@ from kvmesh.router.redis_outage import RedisOutage
 from kvmesh.router.routing import RouteRequest
 
 _KEY_PREFIX = "kvmesh:family-claim:"
+
+
+def claim_proposal(recent_home: str | None, candidates: Sequence[WorkerStats], rule_pick: Callable[[], str]) -> str:
+    """The worker a replica proposes for a family nothing matched: where it sent the family's
+    requests lately (`LiveFamilies.latest_worker`) while that worker is a candidate, else its
+    one-replica rule's pick. A family whose prefix was evicted (or not yet reported) and whose
+    claim expired while its requests waited was placed anew, on the other worker by the rule,
+    while the other replica's requests still went home by their prefix: a split (one in a
+    two-replica campaign run at 16 in flight, its claim won twice)."""
+    if recent_home is not None and recent_home in {w.worker_id for w in candidates}:
+        return recent_home
+    return rule_pick()
 _MAX_REFRESHED = 4096  # families whose last refresh this replica remembers (least recent dropped)
 
 # KEYS[1] the family's claim key, KEYS[2] the prefix of the per-worker sets of live families

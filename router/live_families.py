@@ -11,6 +11,7 @@ routed there within the last `window_s`, a new family goes where its prefix fits
 
     live.note("worker-0", family_key, 34)   # a request of the family was routed there (its prompt's blocks)
     live.blocks("worker-0")                 # the families routed there within window_s, each counted once
+    live.latest_worker(family_key)          # where its latest request within window_s went
 
 A family on two workers (spread) counts on both. Kept incrementally (per worker, families in
 order of their last request, a running sum): reading is O(1) amortized, as routing needs.
@@ -40,6 +41,13 @@ class LiveFamilies:
         while len(families) > self._max_per_worker:
             _, (blocks, _) = families.popitem(last=False)
             self._sum[worker_id] -= blocks
+
+    def latest_worker(self, key: Hashable) -> str | None:
+        """The worker the family's latest request within window_s was routed to (None: none)."""
+        expired_before = self._clock() - self._window_s
+        latest = max(((families[key][1], worker_id) for worker_id, families in self._by_worker.items()
+                      if key in families and families[key][1] >= expired_before), default=None)
+        return latest[1] if latest is not None else None
 
     def blocks(self, worker_id: str) -> int:
         families = self._by_worker.get(worker_id)

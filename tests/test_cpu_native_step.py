@@ -427,6 +427,55 @@ def test_int4_kernel_equals_torch_on_every_scale_dtype_and_min(tiny_model_dir, i
         assert runner.native_decoder.path == ("int4_avx2_a8" if int8_activations else "int4_avx2")
 
 
+def test_batched_kernels_give_the_per_row_kernels_logits(tiny_model_dir):
+    """Steps of at least int4_gemm_min_rows tokens (8 by default) run the int4 layers and a Q8_0
+    LM head through the batched kernels (cpu/int4_gemm_avx2.c: weight panels dequantized once,
+    tiles over every token). Every step here runs both ways on the same inputs (threshold 1:
+    decode rows and token tails of 1-2 included; above every step: the per-row kernels): each
+    gives eager's logits to fp32 summation order, and the two are not a bit for bit copy of
+    each other (the switch took); the greedy tokens are eager's."""
+    from kvmesh.quant.primitives import dequantize_int8_groupwise
+
+    engine = _engine(tiny_model_dir, quant="int4", native=64)
+    runner = engine.runner
+    head = runner.model.lm_head.weight
+    generator = torch.Generator().manual_seed(7)
+    codes = torch.randint(-127, 128, head.shape, generator=generator, dtype=torch.int8)
+    codes[:, ::32] = 127  # ggml's Q8_0: each group's largest |code| is 127
+    scales = (torch.rand(head.shape[0], head.shape[1] // 32, generator=generator) * 1e-3 + 1e-4).half()
+    with torch.no_grad():
+        head.copy_(dequantize_int8_groupwise(codes, scales))
+    runner.native_decoder = cpu_native_step.NativeDecoder.build(runner.model, runner.kv_caches, 64)
+    decoder = runner.native_decoder
+    assert decoder.head_q8_0 and decoder.path == "int4_avx2" and decoder.int4_gemm_min_rows == 8
+    real_run, records = decoder.run, []
+
+    def both_ways(inputs):
+        try:
+            decoder.int4_gemm_min_rows = 1 << 30
+            per_row = real_run(inputs)
+            per_row = None if per_row is None else per_row.clone()
+            decoder.int4_gemm_min_rows = 1
+            batched = real_run(inputs)
+        finally:
+            decoder.int4_gemm_min_rows = 8
+        if batched is not None and inputs.sample_at:
+            eager = runner.model.compute_logits(runner._eager_forward(inputs)[torch.tensor(inputs.sample_at)]).float()
+            records.append((_relative(batched, eager, inputs), _relative(per_row, eager, inputs),
+                            torch.equal(batched, per_row), len(inputs.input_ids)))
+        return batched
+
+    decoder.run = both_ways
+    tokens = _generate(engine)
+    eager = _engine(tiny_model_dir, quant="int4", native=0)
+    with torch.no_grad():
+        eager.runner.model.lm_head.weight.copy_(head)
+    assert tokens == _generate(eager)
+    assert len(records) >= 20 and {1, 2, 3} <= {n % 3 + 1 for *_, n in records}, "every token tail"
+    assert max(r[0] for r in records) < 1e-5 and max(r[1] for r in records) < 1e-5, max(records)
+    assert not all(r[2] for r in records), "the batched kernels did not run"
+
+
 def test_an_lm_head_that_is_a_q8_0_table_is_read_as_its_int8_groups(tiny_model_dir):
     """An fp32 LM head whose every 32-input group is an int8 code times one scale (a GGUF Q8_0
     embedding dequantized at load, as the embedded model's is) is read as those codes and scales:

@@ -125,3 +125,25 @@ def test_claims_apply_only_with_several_replicas_a_redis_and_a_ttl():
     assert make_family_claims(config(num_replicas=2, family_claim_ttl_s=0), "app") is None
     assert make_family_claims(KvmeshConfig.from_dict({"router": {"num_replicas": 2}}), "app") is None
     assert isinstance(make_family_claims(config(num_replicas=2), "app"), FamilyClaims)
+
+
+def test_a_family_sent_somewhere_lately_is_proposed_there_again():
+    """Its prefix evicted and its claim expired, a family still in use is proposed where this
+    replica sent it last (within the live window), not placed anew by the rule."""
+    from kvmesh.core.seams import WorkerStats
+    from kvmesh.router.family_claims import claim_proposal
+    from kvmesh.router.live_families import LiveFamilies
+
+    now = [100.0]
+    live = LiveFamilies(30.0, clock=lambda: now[0])
+    live.note("w0", b"f", 33)
+    now[0] += 1.0
+    live.note("w1", b"f", 33)  # spread, or moved: the latest request went to w1
+    live.note("w0", b"g", 33)
+    workers = [WorkerStats(w, True, 16, *([0] * 10), 0.0, 0.0) for w in ("w0", "w1")]
+    rule = lambda: "w0"  # noqa: E731 - the one-replica rule's pick
+    assert live.latest_worker(b"f") == "w1" and claim_proposal(live.latest_worker(b"f"), workers, rule) == "w1"
+    assert claim_proposal("w1", workers[:1], rule) == "w0"  # w1 not a candidate (excluded, unhealthy)
+    assert live.latest_worker(b"new") is None and claim_proposal(None, workers, rule) == "w0"
+    now[0] += 31.0  # past the window: placed by the rule again
+    assert live.latest_worker(b"f") is None

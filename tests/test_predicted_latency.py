@@ -374,3 +374,34 @@ def test_a_new_family_goes_where_its_prefix_fits_beside_the_families_in_use_not_
     clock.now += 120.0  # the three went quiet: their blocks are evictable, w0 takes new families again
     assert place(b"f5") == "w0"
 
+
+
+def test_a_claim_proposal_weighs_the_work_every_replica_hears_not_its_own_dispatches():
+    """Proposing a new family's claim, a replica places by the blocks the workers stored (the
+    prefix events every replica hears) plus what it sent that no report holds yet; placing on
+    its own, by its own recent work. Its own work said w1 was idle, the events that w1 computed
+    most (the other replica's families)."""
+    config = dataclasses.replace(CONFIG, num_replicas=2, latency_tie_ratio=10.0)
+    state = PredictedLatencyState(config, 512, Clock())
+    state.work.observe("w0", 9000)
+    state.observe_stored("w1", 900)
+    workers = [stats("w0"), stats("w1")]
+    own = dataclasses.replace(config, num_replicas=1)  # the proposal's rule is the one-replica one
+    request = RouteRequest(PROMPT, BLOCK, b"family-new")
+    assert choose_worker({}, workers, own, random.Random(0), request=request, state=state).worker_id == "w1"
+    proposing = dataclasses.replace(request, proposing_claim=True)
+    assert choose_worker({}, workers, own, random.Random(0), request=proposing, state=state).worker_id == "w0"
+    # what it sent w0 since the last report counts there too
+    assert choose_worker({}, workers, own, random.Random(0), extra_load_tokens={"w0": 20_000}, request=proposing,
+                         state=state).worker_id == "w1"
+
+
+def test_with_several_replicas_a_replicas_own_dispatches_count_for_the_share_of_traffic_it_sees():
+    """Each of two replicas sends about half the requests: its recent-work meters count each
+    ticket twice, so the spreading rule's absolute bounds read the cluster's work."""
+    for replicas in (1, 2):
+        state = PredictedLatencyState(dataclasses.replace(CONFIG, num_replicas=replicas), 512, Clock())
+        state.commit(RoutingDecision("w0", 62, RoutingPath.PREFIX_MATCH, 0, 0.1, None, KEY), 100)
+        assert state.work.value("w0") == pytest.approx(100 * replicas)
+        assert state.family_work.value(KEY) == pytest.approx(100 * replicas)
+        assert state.family_hit_work.value(KEY) == pytest.approx(100 * replicas)

@@ -25,7 +25,7 @@ from kvmesh.router import affinity_wait, tracing
 from kvmesh.router.adapter_affinity import AdapterPlacement
 from kvmesh.router.admission import RouterAdmission
 from kvmesh.router.admission_budget import AdmissionTicket, cost_on_worker, cost_with_cached_prefix
-from kvmesh.router.family_claims import FamilyClaims, claim_candidates
+from kvmesh.router.family_claims import FamilyClaims, claim_candidates, claim_proposal
 from kvmesh.router.fairness import TenantBacklog, engine_priority
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.routing import (PREFIX_POLICIES, AdapterRouting, PredictedLatencyState, RoundRobinCursor,
@@ -125,13 +125,17 @@ class Admitter:
                 held = request.adapter.name in placement.adapters_on(decision.worker_id)
                 self.metrics.observe_adapter_routed(request.adapter.name, held)
                 placement.note_routed(decision.worker_id, request.adapter.name)
-            if is_spill(matched, eligible, decision.worker_id):
-                self.metrics.observe_spill("preferred_full")
-                # Each spill may give a family a second worker: say why it did not wait.
-                logger.warning("preferred_full spill to %s: prefix blocks per worker %s, room on %s, %s",
-                            decision.worker_id, dict(matched), sorted(w.worker_id for w in eligible),
-                            affinity.describe())
             waited = affinity.outcome(decision.worker_id)
+            spilled = is_spill(matched, eligible, decision.worker_id)
+            if spilled:
+                self.metrics.observe_spill("preferred_full")
+            if spilled or waited is affinity_wait.AffinityWaitOutcome.TIMED_OUT:
+                # Each may give a family a second worker (a new family's placement is no spill):
+                # say how its hold went.
+                logger.warning("%s to %s: prefix blocks per worker %s, claimed %s, room on %s, %s",
+                               "preferred_full spill" if spilled else "timed-out hold", decision.worker_id,
+                               dict(matched), route_request.claimed_worker, sorted(w.worker_id for w in eligible),
+                               affinity.describe())
             if waited is not None:
                 self.metrics.observe_affinity_wait(waited.value, time.monotonic() - affinity.started_at)
             self.metrics.observe_route(decision.path.value)
@@ -184,12 +188,18 @@ class Admitter:
         candidates = [w for w in healthy if w.worker_id not in exclude]
         if not candidates:
             return route_request
-        proposal = choose_worker(matched, candidates, self._proposal_config, self._rng, self._cursor, in_flight,
-                                 mean_request_tokens, request=route_request, state=self.latency)
-        owner = await self.claims.claim(route_request.family_key,
-                                        claim_candidates(proposal.worker_id, candidates, route_request))
+        # A family this replica sent somewhere lately, its prefix since evicted (or not yet
+        # reported) and its claim expired: it proposes that worker again (see claim_proposal).
+        home = self.latency.live.latest_worker(route_request.family_key)
+        pick = claim_proposal(home, candidates, lambda: choose_worker(
+            matched, candidates, self._proposal_config, self._rng, self._cursor, in_flight, mean_request_tokens,
+            request=dataclasses.replace(route_request, proposing_claim=True), state=self.latency).worker_id)
+        owner = await self.claims.claim(route_request.family_key, claim_candidates(pick, candidates, route_request))
         if owner is None or owner not in {w.worker_id for w in candidates}:
             return route_request
+        if home is not None and owner != home:
+            logger.warning("family %s, sent to %s lately, claimed for %s", route_request.family_key.hex()[:12],
+                           home, owner)
         return dataclasses.replace(route_request, claimed_worker=owner)
 
     def _adapter_routing(self, request: GenerateRequest, eligible: list[WorkerStats]) -> AdapterRouting | None:

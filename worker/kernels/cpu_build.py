@@ -165,6 +165,10 @@ class CpuKernels:
         self.native_step_check = lib.kvmesh_native_step_check
         self.native_step_check.argtypes = [ctypes.POINTER(cpu_abi.ModelDescriptor)]
         self.native_step_check.restype = ctypes.c_int
+        # the batched kernels' token threshold (int4_gemm_avx2.c), one setting for the process
+        self.set_gemm_min_rows, self.gemm_min_rows = lib.kvmesh_set_gemm_min_rows, lib.kvmesh_gemm_min_rows
+        self.set_gemm_min_rows.argtypes, self.set_gemm_min_rows.restype = [ctypes.c_int], ctypes.c_int
+        self.gemm_min_rows.argtypes, self.gemm_min_rows.restype = [], ctypes.c_int
         lib.kvmesh_cpu_init.restype = lib.kvmesh_cpu_features.restype = ctypes.c_int
         lib.kvmesh_cpu_init()  # asks Linux for AMX tile state (the amx build only)
         self.features = lib.kvmesh_cpu_features()

@@ -386,6 +386,7 @@ class NativeDecoder:
     def __init__(self, kernels: cpu_build.CpuKernels, description: ModelDescription, max_tokens: int,
                  gather_logits, int8_activations: bool = False):
         self._step = kernels.native_step
+        self._kernels = kernels
         self._description = description  # the descriptor and every tensor it points into
         self._model = ctypes.pointer(description.model)
         self._batch = cpu_abi.StepBatch()
@@ -460,6 +461,18 @@ class NativeDecoder:
             raise ValueError("int4 panels are the int8-activation int4 step's layout")
         set_int4_panels(self._int4_layers, on)
         self._description.model.int4_interleaved = int(on)
+
+    @property
+    def int4_gemm_min_rows(self) -> int:
+        return self._kernels.gemm_min_rows()
+
+    @int4_gemm_min_rows.setter
+    def int4_gemm_min_rows(self, rows: int) -> None:
+        """Steps of at least `rows` tokens run the int4 layers (fp32 activations) and a Q8_0 LM
+        head through the batched kernels (cpu/int4_gemm_avx2.c: a panel of weight rows dequantized
+        once, FMA-bound tiles over every token), fewer through the per-row ones. One setting for
+        every decoder of the process (the library's); benchmarks and tests move it."""
+        self._kernels.set_gemm_min_rows(rows)
 
     def run(self, inputs) -> torch.Tensor | None:
         """inputs: the step's StepInputs (worker/runner/model_runner.py) -> fp32 logits

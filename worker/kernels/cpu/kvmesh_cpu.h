@@ -275,6 +275,19 @@ KVMESH_INTERNAL void kvmesh_gemv_i8g(const int8_t *w, const float *scales, int64
 KVMESH_INTERNAL void kvmesh_gemv_i8g_a8(const int8_t *w, const float *scales, int64_t K, int64_t n0, int64_t n1,
                                         const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy);
 
+/* int4_gemm_avx2.c: the same products for steps of at least kvmesh_gemm_min_rows() tokens (a
+   panel of weight rows dequantized once a call, then FMA-bound tiles over every token): int4
+   with fp32 activations (the exact form's weights) and Q8_0 groups. 1 = y written, 0 = not
+   taken (fewer tokens, or no memory: the caller's per-row kernels run). */
+#define KVMESH_GEMM_DEFAULT_MIN_ROWS 8
+KVMESH_INTERNAL int kvmesh_gemm_int4(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, const float *x,
+                                     int64_t ldx, int64_t B, float *y, int64_t ldy);
+KVMESH_INTERNAL int kvmesh_gemm_i8g(const int8_t *w, const float *scales, int64_t K, int64_t n0, int64_t n1,
+                                    const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy);
+/* The batched kernels' threshold for the whole process (benchmarks A/B it); returns the old one. */
+int kvmesh_set_gemm_min_rows(int rows);
+int kvmesh_gemm_min_rows(void);
+
 /* The calling thread's AMX tile configuration for a step, and its release (no-ops without AMX). */
 KVMESH_INTERNAL void kvmesh_amx_tiles_begin(void);
 KVMESH_INTERNAL void kvmesh_amx_tiles_end(void);

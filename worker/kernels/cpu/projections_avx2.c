@@ -564,6 +564,7 @@ void kvmesh_gemv_int4(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, c
             kvmesh_gemv_int4_panels_fp32(p, K, n0, n1, x, ldx, B, y, ldy);
         return;
     }
+    if (form != INT4_A8 && kvmesh_gemm_int4(p, K, n0, n1, x, ldx, B, y, ldy)) return;  /* many tokens */
     if (form != INT4_A8 && int4_gemv_exact(p, K, n0, n1, x, ldx, B, y, ldy, form == INT4_FACTORED)) return;
     int4_rows_one_by_one(p, K, n0, n1, x, ldx, B, y, ldy, form == INT4_A8);
 }
@@ -616,6 +617,7 @@ static inline __attribute__((always_inline)) void i8g_tile_factored(const int8_t
 
 void kvmesh_gemv_i8g(const int8_t *w, const float *scales, int64_t K, int64_t n0, int64_t n1, const float *x,
                      int64_t ldx, int64_t B, float *y, int64_t ldy) {
+    if (kvmesh_gemm_i8g(w, scales, K, n0, n1, x, ldx, B, y, ldy)) return;  /* many tokens */
     float res[I4F_TILE_ACCUMULATORS];
     for (int64_t n = n0; n < n1;) {
         const int pass = rows_a_pass4(B);
