@@ -338,6 +338,8 @@ static void int4_rows_one_by_one(const kvmesh_int4 *p, int64_t K, int64_t n0, in
 
 /* rows a pass for B tokens: 4 at batch 1-2, 2 at 3-4, then 1 (rows x tokens <= 8 accumulators) */
 static inline int rows_a_pass(int64_t B) { return B >= 5 ? 1 : B >= 3 ? 2 : 4; }
+/* the same for the factorised tiles' rows x tokens <= 4 accumulators: 4 at batch 1, 2 at 2, then 1 */
+static inline int rows_a_pass4(int64_t B) { return B >= 3 ? 1 : B == 2 ? 2 : 4; }
 
 
 /* Row n's group scales into meta[0, G) and offsets c into meta[G, 2G); 0 where a group cannot
@@ -524,7 +526,7 @@ static int int4_gemv_exact(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t 
                 xsum[b * G + g] = total;
             }
     for (int64_t n = n0; n < n1;) {
-        const int pass = factored ? (B >= 3 ? 1 : B == 2 ? 2 : 4) : rows_a_pass(B);
+        const int pass = factored ? rows_a_pass4(B) : rows_a_pass(B);
         const int R = n1 - n >= pass ? pass : 1;
         int folds = 1;
         for (int r = 0; r < R && folds; r++) folds = int4_fma_meta(p, n + r, G, meta + 2 * G * r);
@@ -569,54 +571,64 @@ void kvmesh_gemv_int4(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, c
 
 /* R rows of int8 codes (one fp32 scale a 32-input group) against C fp32 token rows: res[r * C + j].
    Each weight is code * scale, exact for a GGUF Q8_0 table (a 7-bit code times an fp16 scale),
-   so the weights are those of its fp32 copy, read at a quarter of its bytes. */
-static inline __attribute__((always_inline)) void i8g_tile(const int8_t *codes, const float *scales, int64_t K,
-                                                           const float *x, int64_t ldx, const int R, const int C,
-                                                           float *res) {
+   so the weights are those of its fp32 copy, read at a quarter of its bytes.
+   Factorised as int4_tile_factored: per group, sum code x input (one FMA a weight and token,
+   no multiply by the scale), then that sum times the group's scale; fp32 sums rounded in
+   another order than code * scale * input. R x C <= 4. */
+static inline __attribute__((always_inline)) void i8g_tile_factored(const int8_t *codes, const float *scales,
+                                                                    int64_t K, const float *x, int64_t ldx,
+                                                                    const int R, const int C, float *res) {
     const int64_t G = K / 32;
-    __m256 acc[4][I4_TILE_ACCUMULATORS];
+    __m256 acc[4][I4F_TILE_ACCUMULATORS], part[4][I4F_TILE_ACCUMULATORS];
     #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
-        #pragma GCC unroll 8
+        #pragma GCC unroll 4
         for (int j = 0; j < C; j++) acc[r][j] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
-        __m256 s[4];
         #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) s[r] = _mm256_broadcast_ss(scales + r * G + g);
+        for (int r = 0; r < R; r++)
+            #pragma GCC unroll 4
+            for (int j = 0; j < C; j++) part[r][j] = _mm256_setzero_ps();
         #pragma GCC unroll 4
         for (int64_t k = 32 * g; k < 32 * g + 32; k += 8) {
             __m256 w[4];
             #pragma GCC unroll 4
             for (int r = 0; r < R; r++)
-                w[r] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                    _mm_loadl_epi64((const __m128i *)(codes + r * K + k)))), s[r]);
-            #pragma GCC unroll 8
+                w[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + r * K + k))));
+            #pragma GCC unroll 4
             for (int j = 0; j < C; j++) {
                 const __m256 xv = _mm256_loadu_ps(x + j * ldx + k);
                 #pragma GCC unroll 4
-                for (int r = 0; r < R; r++) acc[r][j] = _mm256_fmadd_ps(w[r], xv, acc[r][j]);
+                for (int r = 0; r < R; r++) part[r][j] = _mm256_fmadd_ps(w[r], xv, part[r][j]);
             }
+        }
+        #pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m256 s = _mm256_broadcast_ss(scales + r * G + g);
+            #pragma GCC unroll 4
+            for (int j = 0; j < C; j++) acc[r][j] = _mm256_fmadd_ps(part[r][j], s, acc[r][j]);
         }
     }
     #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
-        #pragma GCC unroll 8
+        #pragma GCC unroll 4
         for (int j = 0; j < C; j++) res[r * C + j] = hsum8(acc[r][j]);
 }
 
 void kvmesh_gemv_i8g(const int8_t *w, const float *scales, int64_t K, int64_t n0, int64_t n1, const float *x,
                      int64_t ldx, int64_t B, float *y, int64_t ldy) {
     if (kvmesh_gemm_i8g(w, scales, K, n0, n1, x, ldx, B, y, ldy)) return;  /* many tokens */
-    float res[I4_TILE_ACCUMULATORS];
+    float res[I4F_TILE_ACCUMULATORS];
     for (int64_t n = n0; n < n1;) {
-        const int R = n1 - n >= rows_a_pass(B) ? rows_a_pass(B) : 1;
+        const int pass = rows_a_pass4(B);
+        const int R = n1 - n >= pass ? pass : 1;
         const int8_t *codes = w + n * K;
         const float *sc = scales + n * (K / 32);
         for (int64_t b = 0; b < B;) {
-            const int c = (int)(B - b < I4_TILE_ACCUMULATORS / R ? B - b : I4_TILE_ACCUMULATORS / R);
-#define I8G_TILE(R_, C_) i8g_tile(codes, sc, K, x + b * ldx, ldx, R_, C_, res)
-            TILE_BY_SHAPE(I8G_TILE, R, c);
-#undef I8G_TILE
+            const int c = (int)(B - b < I4F_TILE_ACCUMULATORS / R ? B - b : I4F_TILE_ACCUMULATORS / R);
+#define I8G_TILE_F(R_, C_) i8g_tile_factored(codes, sc, K, x + b * ldx, ldx, R_, C_, res)
+            TILE_BY_SHAPE4(I8G_TILE_F, R, c);
+#undef I8G_TILE_F
             for (int r = 0; r < R; r++)
                 for (int j = 0; j < c; j++) y[(b + j) * ldy + n + r] = res[r * c + j];
             b += c;
@@ -673,7 +685,7 @@ void kvmesh_gemv_i8g_a8(const int8_t *w, const float *scales, int64_t K, int64_t
     }
     float res[I4F_TILE_ACCUMULATORS];
     for (int64_t n = n0; n < n1;) {
-        const int pass = B >= 3 ? 1 : B == 2 ? 2 : 4;
+        const int pass = rows_a_pass4(B);
         const int R = n1 - n >= pass ? pass : 1;
         const int8_t *codes = w + n * K;
         const float *sc = scales + n * (K / 32);
