@@ -225,10 +225,15 @@ class WorkerPool:
         for worker_id, state in self._workers.items():
             if state.stats is None or not state.dispatches:
                 continue
-            before = state.previous_dispatches or {}
+            # On a first poll (no earlier one to compare) only live dispatches count: the log
+            # remembers every replica that ever sent the worker anything, earlier deployments'
+            # gone ones included, and counted as new they took this replica's room for a whole
+            # refresh period.
+            before = state.previous_dispatches
             sharing[worker_id] = sum(
                 1 for replica, report in state.dispatches.items()
-                if replica != replica_id and (report.live_seqs or report.seen_seq > before.get(replica, _NO_DISPATCHES).seen_seq))
+                if replica != replica_id and (report.live_seqs or (
+                    before is not None and report.seen_seq > before.get(replica, _NO_DISPATCHES).seen_seq)))
         return sharing
 
     def stats_for_routing(self) -> list[WorkerStats]:

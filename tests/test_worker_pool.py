@@ -84,3 +84,6 @@ def test_the_replicas_sharing_a_worker_are_those_whose_dispatches_run_there_or_a
     pool._workers = {"worker-0": busy, "worker-1": quiet, "worker-2": silent}
     assert pool.replicas_sharing("me") == {"worker-0": 2, "worker-1": 0}
     assert pool.replicas_sharing("other")["worker-1"] == 1  # "me" still runs there
+    # a first poll: a replica the worker heard from once (an earlier deployment's) is not sharing
+    quiet.previous_dispatches = None
+    assert pool.replicas_sharing("me")["worker-1"] == 0
