@@ -32,13 +32,6 @@ int kvmesh_set_gemm_min_rows(int rows) {
 
 int kvmesh_gemm_min_rows(void) { return gemm_min_rows; }
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* A per-thread panel of PANEL_ROWS x K fp32 weights; NULL: no memory. */
 static float *panel_buffer(int64_t K) {
     static __thread float *buf;

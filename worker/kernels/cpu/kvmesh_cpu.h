@@ -205,6 +205,14 @@ typedef struct {
     int interleaved;  /* codes in 8-row panels (int4_panels.c), every row of the projection */
 } kvmesh_int4;
 
+/* The sum of a vector's 8 lanes (the per-row and the batched AVX2 kernels' dot products). */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
 /* One int4 metadata value (scale / zero / min, a META_* dtype) as fp32; eight from i on. */
 static inline float load_meta(const void *p, int64_t i, const int dtype) {
     if (dtype == META_F16) return _cvtsh_ss(((const uint16_t *)p)[i]);

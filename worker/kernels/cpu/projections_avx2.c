@@ -18,13 +18,6 @@
 #define MAX_TOKENS_A_PASS 8
 #define PREFETCH_ROWS 2  /* rows ahead: the hardware prefetcher alone under-reads these short rows */
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 static inline __m256 load_w8(const char *row, int64_t k, const int kind) {
     if (kind == W_I8)
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + k))));
