@@ -50,7 +50,8 @@ static inline void transpose8(const __m256 *in, float *out) {
 static void panel_meta(const kvmesh_int4 *p, int64_t n, int64_t G, float *scale, float *shift) {
     const __m256 eight = _mm256_set1_ps(8.0f);
     int64_t g = 0;
-    for (; g + 8 <= G; g += 8) {
+    for (; g < G && G >= 8; g += 8) {  /* a tail of G % 8 groups: the last 8 again, overlapping */
+        if (g + 8 > G) g = G - 8;
         __m256 s[PANEL_ROWS], h[PANEL_ROWS];
         for (int r = 0; r < PANEL_ROWS; r++) {
             const int64_t at = (n + r) * G + g;

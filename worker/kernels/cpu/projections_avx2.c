@@ -16,6 +16,9 @@
 #include "kvmesh_cpu.h"
 
 #define MAX_TOKENS_A_PASS 8
+/* passes of rows ahead that the Q8_0 head kernels prefetch: without it the head (49152 rows of
+   576 bytes at batch 1) streamed at ~half the rate the int4 rows, which prefetch, reach */
+#define I8G_PREFETCH_PASSES 2
 #define PREFETCH_ROWS 2  /* rows ahead: the hardware prefetcher alone under-reads these short rows */
 
 static inline __m256 load_w8(const char *row, int64_t k, const int kind) {
@@ -347,8 +350,11 @@ static int int4_fma_meta(const kvmesh_int4 *p, int64_t n, int64_t G, float *meta
     const int64_t at = n * G;
     const __m256 zero = _mm256_setzero_ps();
     __m256 bad = zero;
+    /* whole vectors of 8 groups; a tail of G % 8 groups as the last 8 again (overlapping: the
+       same values stored twice), since the scalar groups cost as much as the vectors */
     int64_t g = 0;
-    for (; g + 8 <= G; g += 8) {
+    for (; g < G && G >= 8; g += 8) {
+        if (g + 8 > G) g = G - 8;
         const __m256 s = load8_meta(p->scales, at + g, p->scale_dtype), z = load8_meta(p->zeros, at + g, p->zero_dtype);
         const __m256 m = p->mins ? load8_meta(p->mins, at + g, p->min_dtype) : zero;
         const __m256 prod = _mm256_mul_ps(z, s), z0 = _mm256_cmp_ps(z, zero, _CMP_EQ_OQ);
@@ -570,7 +576,8 @@ void kvmesh_gemv_int4(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, c
    another order than code * scale * input. R x C <= 4. */
 static inline __attribute__((always_inline)) void i8g_tile_factored(const int8_t *codes, const float *scales,
                                                                     int64_t K, const float *x, int64_t ldx,
-                                                                    const int R, const int C, float *res) {
+                                                                    const int R, const int C, const int prefetch,
+                                                                    float *res) {
     const int64_t G = K / 32;
     __m256 acc[4][I4F_TILE_ACCUMULATORS], part[4][I4F_TILE_ACCUMULATORS];
     #pragma GCC unroll 4
@@ -579,9 +586,12 @@ static inline __attribute__((always_inline)) void i8g_tile_factored(const int8_t
         for (int j = 0; j < C; j++) acc[r][j] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         #pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
+        for (int r = 0; r < R; r++) {
             #pragma GCC unroll 4
             for (int j = 0; j < C; j++) part[r][j] = _mm256_setzero_ps();
+            if (prefetch && (g & 1) == 0)  /* the rows a pass ahead: a 64-byte line is two groups */
+                _mm_prefetch((const char *)(codes + (r + I8G_PREFETCH_PASSES * R) * K + 32 * g), _MM_HINT_T0);
+        }
         #pragma GCC unroll 4
         for (int64_t k = 32 * g; k < 32 * g + 32; k += 8) {
             __m256 w[4];
@@ -619,7 +629,7 @@ void kvmesh_gemv_i8g(const int8_t *w, const float *scales, int64_t K, int64_t n0
         const float *sc = scales + n * (K / 32);
         for (int64_t b = 0; b < B;) {
             const int c = (int)(B - b < I4F_TILE_ACCUMULATORS / R ? B - b : I4F_TILE_ACCUMULATORS / R);
-#define I8G_TILE_F(R_, C_) i8g_tile_factored(codes, sc, K, x + b * ldx, ldx, R_, C_, res)
+#define I8G_TILE_F(R_, C_) i8g_tile_factored(codes, sc, K, x + b * ldx, ldx, R_, C_, b == 0, res)
             TILE_BY_SHAPE4(I8G_TILE_F, R, c);
 #undef I8G_TILE_F
             for (int r = 0; r < R; r++)
@@ -637,7 +647,7 @@ void kvmesh_gemv_i8g(const int8_t *w, const float *scales, int64_t K, int64_t n0
    Q8_0 x Q8_0). */
 static inline __attribute__((always_inline)) void i8g_tile_a8(const int8_t *codes, const float *scales, int64_t K,
                                                               const Int8Rows *xr, int64_t b0, const int R, const int C,
-                                                              float *res) {
+                                                              const int prefetch, float *res) {
     const int64_t G = K / 32;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[4][4];
@@ -649,6 +659,8 @@ static inline __attribute__((always_inline)) void i8g_tile_a8(const int8_t *code
         __m256i w[4], aw[4];
         #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
+            if (prefetch && (g & 1) == 0)
+                _mm_prefetch((const char *)(codes + (r + I8G_PREFETCH_PASSES * R) * K + 32 * g), _MM_HINT_T0);
             w[r] = _mm256_loadu_si256((const __m256i *)(codes + r * K + 32 * g));
             aw[r] = _mm256_sign_epi8(w[r], w[r]);
         }
@@ -684,7 +696,7 @@ void kvmesh_gemv_i8g_a8(const int8_t *w, const float *scales, int64_t K, int64_t
         const float *sc = scales + n * (K / 32);
         for (int64_t b = 0; b < B;) {
             const int c = (int)(B - b < I4F_TILE_ACCUMULATORS / R ? B - b : I4F_TILE_ACCUMULATORS / R);
-#define I8G_TILE_A8(R_, C_) i8g_tile_a8(codes, sc, K, &xr, b, R_, C_, res)
+#define I8G_TILE_A8(R_, C_) i8g_tile_a8(codes, sc, K, &xr, b, R_, C_, b == 0, res)
             TILE_BY_SHAPE4(I8G_TILE_A8, R, c);
 #undef I8G_TILE_A8
             for (int r = 0; r < R; r++)
