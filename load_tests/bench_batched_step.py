@@ -3,7 +3,7 @@ spends its time in the default mode (what `kvmesh serve` deploys: the embedded G
 kept, the native step), and the batched int4 kernel against the per-row one, A/B in one run:
 
     python -m kvmesh.load_tests.bench_batched_step [--batches 8,32,64] [--steps 24]
-        [--rounds 3] [--threads 2] [--ab]
+        [--rounds 3] [--threads 2] [--ab] [--set model.dtype=float32]
 
 Each batch: B requests with ~45-token prompts (the seed run's shape) are prefilled, then
 `--steps` decode steps are timed (contexts ~45-100 tokens). Per step: the engine's step wall,
@@ -102,8 +102,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="engine threads (default: what serve deploys)")
     ap.add_argument("--ab", action="store_true", help="batched int4 GEMM against the per-row kernels, step by step")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override on top of what serve deploys (repeatable), e.g. model.dtype=float32")
     args = ap.parse_args()
-    overrides = () if args.threads is None else (f"parallel.cpu_threads={args.threads}",)
+    overrides = tuple(args.set) + (() if args.threads is None else (f"parallel.cpu_threads={args.threads}",))
     config = bench_served.serve_config(None, overrides)
     engine = Engine.from_config(config)
     decoder = engine.runner.native_decoder

@@ -45,6 +45,9 @@ from kvmesh.load_tests.workloads import WorkloadRequest
 # kvmesh's candidate modes: overrides of the `kvmesh serve` config (the default: every field its own)
 KVMESH_MODES = {"default": (),
                 "fp32": ("quant.weight=none",),  # the GGUF dequantized, the native step's fp32 GEMVs
+                # the GGUF's int4 kept, fp32 activations (token-exact): the default where the CPU
+                # has no native bf16, a candidate where it has (auto picks bf16 there)
+                "exact-int4": ("model.dtype=fp32",),
                 "int4-int8-activations": ("quant.int4_activations=int8",)}  # llama.cpp's scheme, not token-exact
 # OpenVINO's KV cache (GB, its scheduler's cache_size): kvmesh's default pool is 1 GiB and the
 # seed run needs ~0.25 GB of it in fp16, so both sides hold the whole run
