@@ -75,7 +75,7 @@ class ModelConfig:
     # chunks, speculative verify rows) run the whole layer stack and the LM head as one native
     # call (worker/kernels/cpu_native_step.py: GEMVs over the model's own fp32 / bf16 / int8 /
     # int4 weights, the same paged KV cache); larger steps and what it does not take run eagerly.
-    # None = auto: for 16-bit models 64 on CPUs with AMX (its projections are AMX tiles too),
+    # None = auto: for 16-bit models 64 on CPUs with AMX or with VDPBF16PS and no AMX (Zen 4),
     # else 12 tokens per torch thread, at most 24 (where it measured faster than eager's GEMMs);
     # fp32 float weights 12 a thread, at most 24 (fp32 GEMVs; token-exact: the eager forward up
     # to the order of fp32 sums); fp32 int8 as 16-bit, fp32 int4 64 (eager dequantizes every

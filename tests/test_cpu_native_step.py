@@ -296,9 +296,10 @@ def test_bf16_projections_take_the_cpu_s_fastest_bf16_instructions(tiny_model_di
 
 
 def test_auto_step_size_follows_the_measured_crossover_with_eager():
-    """docs/benchmarks.md, "Forward paths on CPU": every step it takes with AMX, else 12 tokens a thread
-    up to 24."""
-    expected = [64, 64, 64] if cpu_native_step.amx_available() else [12, 24, 24]
+    """docs/benchmarks.md, "Forward paths on CPU": every step it takes with AMX or with VDPBF16PS on
+    a CPU without AMX tiles, else 12 tokens a thread up to 24."""
+    largest = cpu_native_step.amx_available() or cpu_native_step.dpbf16_without_amx()
+    expected = [64, 64, 64] if largest else [12, 24, 24]
     assert [cpu_native_step.max_tokens_for(None, torch.bfloat16, t) for t in (1, 2, 4)] == expected
     # fp32 float weights: fp32 GEMVs whatever the CPU (token-exact, on by default)
     assert [cpu_native_step.max_tokens_for(None, torch.float32, t) for t in (1, 2, 4)] == [12, 24, 24]
@@ -307,6 +308,15 @@ def test_auto_step_size_follows_the_measured_crossover_with_eager():
     # fp32 with quantized weights: eager dequantizes every call, so native by default
     assert cpu_native_step.max_tokens_for(None, torch.float32, 2, "int4") == 64
     assert cpu_native_step.max_tokens_for(None, torch.float32, 2, "int8") == expected[1]
+
+
+@pytest.mark.parametrize("amx,dpbf16_only,expected", [(True, False, 64), (False, True, 64), (False, False, 24)])
+def test_vdpbf16ps_without_amx_takes_the_largest_step(monkeypatch, amx, dpbf16_only, expected):
+    """A CPU with VDPBF16PS and no AMX tiles (Zen 4): the GEMVs stay ahead of eager's (AMX-less)
+    GEMMs to 64 tokens, so auto takes every step the native step can, as with AMX."""
+    monkeypatch.setattr(cpu_native_step, "amx_available", lambda: amx)
+    monkeypatch.setattr(cpu_native_step, "dpbf16_without_amx", lambda: dpbf16_only)
+    assert cpu_native_step.max_tokens_for(None, torch.bfloat16, 2) == expected
 
 
 def test_amx_packed_layout_is_tdpbf16ps_b_operand():

@@ -48,7 +48,7 @@ projection's input rounded to bf16 (VDPBF16PS or AMX, fp32 sums), as oneDNN's bf
 In fp32 the step is the eager one up to the order of fp32 sums (tests/test_cpu_native_step.py:
 logits within 1e-5, greedy tokens identical with chunked prefill and preemption); in bf16 it is closer to the fp32 model than eager bf16 is.
 On by default (`model.cpu_native_max_tokens`: auto = for 16-bit models steps of up to 64
-tokens with AMX, else 12 tokens per thread up to 24; fp32 float weights 12 a thread up to 24;
+tokens with AMX or VDPBF16PS without AMX, else 12 a thread up to 24; fp32 float weights 12 a thread up to 24;
 fp32 int4 64: see max_tokens_for; 0 = every step eager, the reference path), and for the
 self-draft's small steps (worker/engine_loop/self_draft.py), where only acceptance can change.
 """
@@ -524,10 +524,12 @@ def unavailable_reason() -> str | None:
 # model.cpu_native_max_tokens auto for 16-bit models: native steps up to where the eager
 # forward's GEMMs catch up (bf16, SmolLM2, docs/benchmarks.md, "Forward paths on CPU"). With AMX the
 # native projections are AMX tiles too and win at every size it takes (2 threads: 2.3x at 16
-# tokens, 1.6x at 64; 1 thread 1.3x at 64): the largest step, 64. Without AMX they are
-# VDPBF16PS / FMA GEMVs, ahead to about 12 tokens per thread (1 thread: 1.36x at 8, 1.07x at
-# 12, 0.87x at 16; 2 threads: 1.35x at 16, 1.10x at 24, 0.92x at 32), measured to 2 threads,
-# so no more than GEMV_MAX_TOKENS_CAP past them.
+# tokens, 1.6x at 64; 1 thread 1.3x at 64): the largest step, 64. VDPBF16PS GEMVs on a CPU
+# without AMX tiles (Zen 4) race eager GEMMs without AMX too, and stay ahead to the largest step
+# (2 threads: 1.27x at 32 tokens, 1.22x at 64): 64 as well. Otherwise (FMA GEMVs, or VDPBF16PS
+# against eager's AMX GEMMs) they are ahead to about 12 tokens per thread (1 thread: 1.36x at 8,
+# 1.07x at 12, 0.87x at 16; 2 threads: 1.35x at 16, 1.10x at 24, 0.92x at 32), measured to 2
+# threads, so no more than GEMV_MAX_TOKENS_CAP past them.
 GEMV_TOKENS_PER_THREAD = 12
 GEMV_MAX_TOKENS_CAP = 24
 
@@ -538,8 +540,16 @@ def amx_available() -> bool:
     return kernels is not None and bool(kernels.features & _FEATURE_AMX)
 
 
+def dpbf16_without_amx() -> bool:
+    """The CPU kernels' bf16 GEMVs are VDPBF16PS on a CPU with no AMX tiles at all (so eager's
+    oneDNN GEMMs have none either)."""
+    kernels = cpu_build.load() if unavailable_reason() is None else None
+    return (kernels is not None and bool(kernels.features & _FEATURE_DPBF16)
+            and "amx_tile" not in cpu_build.cpu_flags())
+
+
 def auto_max_tokens(threads: int) -> int:
-    if amx_available():
+    if amx_available() or dpbf16_without_amx():
         return CPU_NATIVE_MAX_TOKENS
     return min(GEMV_MAX_TOKENS_CAP, GEMV_TOKENS_PER_THREAD * max(1, threads))
 

@@ -18,8 +18,8 @@ made here, once, at construction, and kept as `cpu_step` (the worker's start lin
     torch        no native step: every step eager; `reason` says why (fp32 float models by
                  default, what the step does not implement, no kernels)
 
-model.cpu_native_max_tokens: auto (None) is steps of up to 64 tokens with AMX, else 12 tokens
-a thread up to 24, for 16-bit models and fp32 int8 models; fp32 float weights 12 a thread up to
+model.cpu_native_max_tokens: auto (None) is steps of up to 64 tokens with AMX or VDPBF16PS and no
+AMX (Zen 4), else 12 tokens a thread up to 24, for 16-bit models and fp32 int8 models; fp32 float weights 12 a thread up to
 24 (fp32 GEMVs on any CPU; token-exact); 64 for fp32 int4 models (eager dequantizes every call);
 0 = every step eager. `numerics` says what the step's sums are (numerics_of): the start line and
 kvmesh_model_info carry it beside the path.
