@@ -48,7 +48,8 @@ KVMESH_MODES = {"default": (),
                 # the GGUF's int4 kept, fp32 activations (token-exact): the default where the CPU
                 # has no native bf16, a candidate where it has (auto picks bf16 there)
                 "exact-int4": ("model.dtype=fp32",),
-                "int4-int8-activations": ("quant.int4_activations=int8",)}  # llama.cpp's scheme, not token-exact
+                # llama.cpp's scheme, not token-exact (fp32: where auto picks bf16 the GGUF is dequantized)
+                "int4-int8-activations": ("model.dtype=fp32", "quant.int4_activations=int8")}
 # OpenVINO's KV cache (GB, its scheduler's cache_size): kvmesh's default pool is 1 GiB and the
 # seed run needs ~0.25 GB of it in fp16, so both sides hold the whole run
 OV_CACHE_SIZE_GB = 1
