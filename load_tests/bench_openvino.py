@@ -49,7 +49,9 @@ KVMESH_MODES = {"default": (),
                 # has no native bf16, a candidate where it has (auto picks bf16 there)
                 "exact-int4": ("model.dtype=fp32",),
                 # llama.cpp's scheme, not token-exact (fp32: where auto picks bf16 the GGUF is dequantized)
-                "int4-int8-activations": ("model.dtype=fp32", "quant.int4_activations=int8")}
+                "int4-int8-activations": ("model.dtype=fp32", "quant.int4_activations=int8"),
+                # steps past 24 tokens eager (auto where the GEMVs are FMAs): the largest native step's A/B
+                "native-steps-24": ("model.cpu_native_max_tokens=24",)}
 # OpenVINO's KV cache (GB, its scheduler's cache_size): kvmesh's default pool is 1 GiB and the
 # seed run needs ~0.25 GB of it in fp16, so both sides hold the whole run
 OV_CACHE_SIZE_GB = 1
