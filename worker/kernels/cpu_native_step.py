@@ -526,7 +526,7 @@ def unavailable_reason() -> str | None:
 # native projections are AMX tiles too and win at every size it takes (2 threads: 2.3x at 16
 # tokens, 1.6x at 64; 1 thread 1.3x at 64): the largest step, 64. VDPBF16PS GEMVs on a CPU
 # without AMX tiles (Zen 4) race eager GEMMs without AMX too, and stay ahead to the largest step
-# (2 threads: 1.27x at 32 tokens, 1.22x at 64): 64 as well. Otherwise (FMA GEMVs, or VDPBF16PS
+# (2 threads: 1.27x at 32 tokens, 1.22x at 64; 1 thread: 1.03x, 1.22x): 64 as well. Otherwise (FMA GEMVs, or VDPBF16PS
 # against eager's AMX GEMMs) they are ahead to about 12 tokens per thread (1 thread: 1.36x at 8,
 # 1.07x at 12, 0.87x at 16; 2 threads: 1.35x at 16, 1.10x at 24, 0.92x at 32), measured to 2
 # threads, so no more than GEMV_MAX_TOKENS_CAP past them.
