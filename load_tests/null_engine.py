@@ -71,12 +71,14 @@ class NullEngine:
         self.scheduler = _NullScheduler()
         self.structured = _NoStructuredOutput()
         self.last_step_idle = False
+        self.idle_wait_s: float | None = None  # until the next request is due (after an idle step)
         self._running: dict[str, _Running] = {}
         self._max_running = config.scheduler.max_num_seqs
         self._tokens_out = 0
-        # When the next request is due: AsyncEngine calls `step` every ~2 ms while requests
-        # run, and a pass over every request each time would count this null engine's own
-        # polling as the stack's CPU (a real engine's step is its forward, not a poll).
+        # When the next request is due: after an idle step AsyncEngine sleeps until then
+        # (idle_wait_s), and a step before it returns at once. Polling or a pass over every
+        # request each time would count this null engine's own wake-ups as the stack's CPU
+        # (a real engine's step is its forward, not a poll).
         self._next_due_s = float("inf")
 
     def validate(self, request: GenerateRequest) -> list[int]:
@@ -110,6 +112,7 @@ class NullEngine:
         now = time.monotonic()
         if now < self._next_due_s:
             self.last_step_idle = True
+            self.idle_wait_s = self._next_due_s - now
             return []
         deltas: list[RequestDelta] = []
         next_due_s = float("inf")

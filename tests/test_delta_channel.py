@@ -82,6 +82,39 @@ def test_every_step_of_all_a_replica_s_requests_leaves_as_one_message():
     assert messages <= 2 * 10 + 2  # ~one a step (submits land a step or two apart), never one a request a step
 
 
+def test_the_step_thread_sleeps_until_an_idle_engine_s_next_work_is_due():
+    """An engine that says when its next work is due (idle_wait_s) is not polled meanwhile:
+    the null engine at 50 ms steps is stepped about once a step, not every 2 ms (which the
+    stack benchmark would count as the stack's CPU)."""
+    config = KvmeshConfig.from_dict({"scheduler": {"max_num_seqs": 4}})
+    null = NullEngine(config, step_s=0.05)
+    steps = 0
+    step = null.step
+
+    def counted_step():
+        nonlocal steps
+        steps += 1
+        return step()
+
+    null.step = counted_step
+
+    async def scenario():
+        engine = AsyncEngine(null)
+        channel = DeltaChannel(asyncio.get_running_loop())
+        ended = []
+        try:
+            await engine.submit(_request("r", max_tokens=8), channel, on_end=ended.append)
+            batches = channel.batches()
+            while not ended:
+                await asyncio.wait_for(anext(batches), 10)
+            await batches.aclose()
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(scenario())
+    assert steps <= 3 * 8  # 8 tokens over ~0.35 s: polling every 2 ms would step ~175 times
+
+
 def test_a_refused_submit_leaves_nothing_on_the_channel():
     config = KvmeshConfig.from_dict({"scheduler": {"max_num_seqs": 1}})
 

@@ -69,6 +69,9 @@ class Engine:
         self.num_forward_tokens = 0  # tokens run through the model since start (tests count these)
         self.num_failed_steps = 0
         self.last_step_idle = False  # the last step ran nothing (batching window open, n > 1 gate)
+        # How long the step thread may sleep after an idle step; None: unknown (a gate opens
+        # when a sibling or a window does), so it looks again shortly.
+        self.idle_wait_s: float | None = None
         # Phase timing of every step (core/step_phases.py); the runner marks its own phases.
         self.phase_clock = StepPhaseClock()
         self.runner.phase_clock = self.phase_clock

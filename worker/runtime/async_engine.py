@@ -343,7 +343,10 @@ class AsyncEngine:
                 self._wakeup.wait(_IDLE_WAIT_S)
                 self._wakeup.clear()
             elif self.engine.last_step_idle:  # requests wait on a window or a sibling: don't spin
-                self._wakeup.wait(_BLOCKED_WAIT_S)
+                # An engine that knows when its next work is due says so (a new command
+                # still wakes the thread at once); otherwise a short pause and look again.
+                due_in_s = self.engine.idle_wait_s
+                self._wakeup.wait(_BLOCKED_WAIT_S if due_in_s is None else min(_IDLE_WAIT_S, due_in_s))
                 self._wakeup.clear()
 
     def _drain_inbox(self) -> list[RequestDelta]:
