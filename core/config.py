@@ -341,10 +341,11 @@ class RouterConfig:
     # chart advertises it on the head, which its Service targets). None = anywhere.
     replica_resource: str | None = None
     # Messages a router replica writes to its clients a second, over all its streams: after a
-    # message a stream waits its share (in-flight streams / this, at most 1 s) and what its
-    # worker sent meanwhile goes out merged, so under load a message carries several tokens and
-    # the stack's CPU a token falls (vLLM's and SGLang's stream interval, sized by load). The
-    # first token and the final message never wait. 0 = a message per delta a worker sends.
+    # message a stream holds what its worker sends until the next tick of its share (in-flight
+    # streams / this, at most 1 s; one clock for the replica, router/stream_pacer.py) and sends
+    # it merged, so under load a message carries several tokens and the stack's CPU a token
+    # falls (vLLM's and SGLang's stream interval, sized by load). The first token and the final
+    # message never wait. 0 = a message per delta a worker sends.
     stream_messages_per_s: float = 2000.0
     # predicted_latency policy (router/routing.py, router/latency.py, router/hot_spread.py).
     # The engine's step-cost model the TTFT prediction uses: overhead + prefill tokens x

@@ -90,11 +90,12 @@ def _token_delta(run: list) -> TokenDelta:
     return _joined_as(TokenDelta, run)
 
 
-def _joined_as(make, run: list):
+def _joined_as(make, run: list, request_id: str | None = None):
     first = run[0]
+    request_id = request_id or first.request_id
     if len(run) == 1:
-        return make(first.request_id, first.sample_index, first.text, first.token_ids)
-    return make(first.request_id, first.sample_index, "".join(i.text for i in run),
+        return make(request_id, first.sample_index, first.text, first.token_ids)
+    return make(request_id, first.sample_index, "".join(i.text for i in run),
                 tuple(t for i in run for t in i.token_ids))
 
 
@@ -115,22 +116,28 @@ def request_id_of(item) -> str:
     return item[0] if type(item) is TokenDelta else item.request_id
 
 
-def to_request_deltas(items: list) -> list:
+def to_request_deltas(items: list, request_id: str | None = None) -> list:
     """A request's items as RequestDelta: each run of one sample's TokenDeltas joined into
-    one; RequestDelta and anything else (a ChannelFailure) as they are, in order."""
+    one (named `request_id` when given: the id the client knows, so the router's stream
+    passes it on as it is); RequestDelta and anything else (a ChannelFailure) as they are, in
+    order."""
     out: list = []
     run: list[TokenDelta] = []
     for item in items:
         if type(item) is TokenDelta:
             if run and run[-1].sample_index != item.sample_index:
-                out.append(_joined(run))
+                out.append(_joined_for(run, request_id))
                 run = []
             run.append(item)
             continue
         if run:
-            out.append(_joined(run))
+            out.append(_joined_for(run, request_id))
             run = []
         out.append(item)
     if run:
-        out.append(_joined(run))
+        out.append(_joined_for(run, request_id))
     return out
+
+
+def _joined_for(run: list, request_id: str | None) -> RequestDelta:
+    return _joined_as(_plain_request_delta, run, request_id)

@@ -43,6 +43,7 @@ from kvmesh.router.stages.degrade import admit_degrading
 from kvmesh.router.stages.quota import reserve_quota
 from kvmesh.router.stages.stream import RequestStream
 from kvmesh.router.stages.validate import RequestValidator, scoped_request_id
+from kvmesh.router.stream_pacer import StreamPacer
 from kvmesh.router.worker_channels import WorkerChannels
 from kvmesh.router.worker_pool import WorkerPool
 from kvmesh.core.seams import WorkerStats
@@ -116,6 +117,7 @@ class RouterCore:
                                  self.adapter_placement, self.output_estimate, claims)
         # One channel per worker for every request of this replica (router/worker_channels.py).
         self.channels = WorkerChannels(pool)
+        self.pacer = StreamPacer()  # paced streams' holds end together (router/stream_pacer.py)
         pool.on_stats = self._on_worker_stats
         # Polls answered before this point (the replica waits for a routable worker before it
         # builds its core) found no listener: start from them, not from nothing until the next

@@ -42,6 +42,7 @@ from kvmesh.core.delta_wire import TokenDelta
 from kvmesh.core.errors import DeadlineExceededError
 from kvmesh.core.seams import GenerateRequest, RequestDelta
 from kvmesh.router.channel_connection import ChannelConnection
+from kvmesh.router.stream_pacer import PaceTick
 from kvmesh.router.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -72,10 +73,12 @@ class Subscription:
     """One request's end of its worker's channel: its items (TokenDelta, RequestDelta, a
     ChannelFailure; core/delta_wire.py) wait here until `take` hands over all of them at once,
     so a request that reads late gets one list, not a queue entry per step. `ended` is set once
-    the last of them is here (a final, error or failure): a paced stream stops waiting then
-    (router/router_core.py)."""
+    the last of them is here (a final, error or failure): a paced stream stops holding then.
 
-    __slots__ = ("items", "ended", "incarnation", "_waiter")
+    The request's deadline is one timer for the whole stream (`expire_at`), not one per wait:
+    `take` runs once per message."""
+
+    __slots__ = ("items", "ended", "incarnation", "_waiter", "_holding", "_expired", "_deadline_timer")
 
     def __init__(self):
         self.items: list = []
@@ -83,32 +86,61 @@ class Subscription:
         # The incarnation that accepted the request (its submit's answer); None until then.
         self.incarnation: str | None = None
         self._waiter: asyncio.Future | None = None
+        self._holding = False  # waiting for a pace tick: only the stream's end wakes it early
+        self._expired = False
+        self._deadline_timer: asyncio.TimerHandle | None = None
+
+    def expire_at(self, deadline_s: float | None) -> None:
+        """Arm the request's deadline (time.time()); None: no deadline."""
+        if deadline_s is not None:
+            self._deadline_timer = asyncio.get_running_loop().call_later(max(0.0, deadline_s - time.time()),
+                                                                         self._expire)
+
+    def close(self) -> None:
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
 
     def put(self, item) -> None:
         self.items.append(item)
-        if type(item) is not TokenDelta and (not isinstance(item, RequestDelta) or item.finished or item.error_type):
+        ending = type(item) is not TokenDelta and (not isinstance(item, RequestDelta) or item.finished
+                                                    or item.error_type)
+        if ending:
             self.ended.set()
-        if self._waiter is not None and not self._waiter.done():
+        if self._waiter is not None and not self._waiter.done() and (ending or not self._holding):
             self._waiter.set_result(None)
 
-    async def take(self, deadline_s: float | None) -> list:
-        """Every item that arrived since the last `take` (at least one), in order;
-        DeadlineExceededError at `deadline_s` (time.time()). One timer per wait, not
-        asyncio.wait_for's task: this runs once per message."""
-        if not self.items:
-            self._waiter = asyncio.get_running_loop().create_future()
+    async def take(self, hold_until: PaceTick | None = None) -> list:
+        """Every item that arrived since the last `take` (at least one), in order. With
+        `hold_until` (the stream is paced: router/stream_pacer.py), what arrives is held until
+        that tick unless the stream's end arrives first. DeadlineExceededError once the
+        deadline has passed with nothing to hand over (a hold ends at the deadline, and what
+        it held is handed over first)."""
+        if hold_until is not None and not self.ended.is_set() and not self._expired:
+            self._holding = True
             try:
-                if deadline_s is None:
-                    await self._waiter
-                else:
-                    async with asyncio.timeout(max(0.0, deadline_s - time.time())):
-                        await self._waiter
-            except TimeoutError:
-                raise DeadlineExceededError("the request's deadline passed") from None
+                await self._wait(hold_until)
             finally:
-                self._waiter = None
+                self._holding = False
+        while not self.items:
+            if self._expired:
+                raise DeadlineExceededError("the request's deadline passed")
+            await self._wait(None)
         items, self.items = self.items, []
         return items
+
+    async def _wait(self, tick: PaceTick | None) -> None:
+        self._waiter = waiter = asyncio.get_running_loop().create_future()
+        if tick is not None:
+            tick.add(waiter)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _expire(self) -> None:
+        self._expired = True
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
 
 class WorkerChannels:
@@ -155,7 +187,9 @@ class WorkerChannels:
         return len(subs)
 
     def unsubscribe(self, worker_id: str, request_id: str) -> None:
-        self._subs.get(worker_id, {}).pop(request_id, None)
+        sub = self._subs.get(worker_id, {}).pop(request_id, None)
+        if sub is not None:
+            sub.close()
 
     def submit(self, worker_id: str, request: GenerateRequest) -> None:
         """Send the request to the worker (subscribe first), with the other ops of this tick

@@ -19,7 +19,6 @@ import asyncio
 import dataclasses
 import logging
 import sys
-import time
 from collections.abc import AsyncIterator
 
 from kvmesh.core import telemetry
@@ -89,8 +88,11 @@ class RequestStream:
                             final = delta
                             if delta.usage is not None:
                                 sample_usages[delta.sample_index] = delta.usage
-                        yield dataclasses.replace(delta, request_id=self.request_id,
-                                                  degraded=self.degraded if delta.finished else None)
+                        if delta.finished or delta.request_id != self.request_id:
+                            # A plain increment comes named for the client already (_worker_deltas).
+                            delta = dataclasses.replace(delta, request_id=self.request_id,
+                                                        degraded=self.degraded if delta.finished else None)
+                        yield delta
                     return
                 except (WorkerFailedError, OverloadedError) as exc:
                     others = core.others_routable(self.worker_id, self._on_fallback)
@@ -205,6 +207,7 @@ class RequestStream:
         core, worker_id, request = self._core, self.worker_id, self._request
         channels = core.channels
         subscription = channels.subscribe(worker_id, request.request_id)
+        subscription.expire_at(request.deadline_s)
         if request.kv_source is None and request.attempt == 1 and not request.resume_token_ids:
             # Numbered as it is sent: the worker's poll says whether its figures hold it, and
             # admission stops counting the ticket exactly then (router/admission_budget.py).
@@ -214,9 +217,11 @@ class RequestStream:
             request = dataclasses.replace(request, dispatch=(channels.replica_id, self._ticket.dispatch_seq))
         channels.submit(worker_id, request)
         finished = False
+        hold_until = None  # the first message is never held back
         try:
             while True:
-                for delta in _merged(to_request_deltas(await subscription.take(request.deadline_s))):
+                items = await subscription.take(hold_until)
+                for delta in _merged(to_request_deltas(items, self.request_id)):
                     if isinstance(delta, ReplicaStopping):  # this replica is stopping: the client resumes elsewhere
                         raise RouterReplicaStoppingError("the router replica is stopping; resume on another replica")
                     if isinstance(delta, ChannelFailure):
@@ -233,7 +238,7 @@ class RequestStream:
                     yield delta
                 if finished:
                     return
-                await _pace(subscription, core.stream_pace_s(), request.deadline_s)
+                hold_until = core.pacer.next_tick(core.stream_pace_s())
         finally:
             channels.unsubscribe(worker_id, request.request_id)
             if not finished:  # client gone, deadline, error: the engine must stop and free its blocks
@@ -252,17 +257,3 @@ def _merged(items: list) -> list:
         out += merge_deltas(run) + [item]
         run = []
     return out + merge_deltas(run) if run else out
-
-
-async def _pace(subscription, pace_s: float, deadline_s: float | None) -> None:
-    """Wait a stream's share of the replica's message budget before its next message, unless
-    its last delta (or a failure) is already queued; the deadline is left to Subscription.take."""
-    if pace_s <= 0 or subscription.ended.is_set():
-        return
-    if deadline_s is not None:
-        pace_s = min(pace_s, max(0.0, deadline_s - time.time()))
-    try:  # a timer, not wait_for's task: this runs once per message
-        async with asyncio.timeout(pace_s):
-            await subscription.ended.wait()
-    except TimeoutError:
-        pass
