@@ -69,6 +69,11 @@ class StreamRun:
     def tokens_per_stack_core_s(self) -> float:
         return self.tokens / max(1e-9, self.stack_cores * self.wall_s)
 
+    @property
+    def router_us_per_message(self) -> float:
+        """The router replicas' CPU per streamed message (what the bare grpc.aio floor bounds)."""
+        return 1e6 * self.account.cores_by_role.get("router replica", 0.0) * self.wall_s / max(1, self.messages)
+
 
 def stack_cores(account: process_cpu.CpuAccount) -> float:
     return sum(cores for role, cores in account.cores_by_role.items() if role != "client")
@@ -213,11 +218,17 @@ async def ttft_in_process(step_s: float, num_requests: int) -> float:
     return statistics.median(ttfts)
 
 
-def _stream_line(label: str, run: StreamRun) -> str:
-    return (f"{label} {run.streams:5d}: {run.tokens_per_s:9.0f} tok/s, "
+def _stream_line(label: str, run: StreamRun, floor=None) -> str:
+    """One stream run's figures; `floor` (grpc_floor.FloorRun) adds the router's CPU a message over it."""
+    line = (f"{label} {run.streams:5d}: {run.tokens_per_s:9.0f} tok/s, "
             f"{run.tokens_per_stack_core_s:9.0f} tok/s per stack core "
             f"({1e6 / run.tokens_per_stack_core_s:6.1f} us a token), stack {run.stack_cores:.2f} cores, "
-            f"{run.tokens / max(1, run.messages):.2f} tokens a message, TTFT P50 {run.ttft_p50_s * 1e3:.1f} ms")
+            f"{run.tokens / max(1, run.messages):.2f} tokens a message, TTFT P50 {run.ttft_p50_s * 1e3:.1f} ms, "
+            f"router replicas {run.router_us_per_message:.1f} us a message")
+    if floor is not None:
+        line += (f" (bare grpc.aio {floor.us_per_message:.1f}: "
+                 f"{run.router_us_per_message / max(1e-9, floor.us_per_message):.2f}x)")
+    return line
 
 
 async def run_grpc(args, config: KvmeshConfig, replicas: int) -> list[str]:
@@ -227,7 +238,7 @@ async def run_grpc(args, config: KvmeshConfig, replicas: int) -> list[str]:
         await client.generate(4)  # warm: channels open, connections up
         for streams in args.streams_list:
             run = await run_streams(client, streams, args.tokens)
-            lines.append(_stream_line(f"replicas {replicas}  streams", run))
+            lines.append(_stream_line(f"replicas {replicas}  streams", run, args.floors.get(streams)))
             print(lines[-1] + "\n    " + run.account.summary(), flush=True)
         rps, rps_core = await run_short(client, args.short)
         lines.append(f"replicas {replicas}  short requests: {rps:.0f} req/s, {rps_core:.0f} req/s per stack core")
@@ -294,10 +305,20 @@ def main(argv: list[str] | None = None) -> list[str]:
     p.add_argument("--ttft-requests", type=int, default=30)
     p.add_argument("--protocols", default="grpc", help="grpc, http or both (comma-separated)")
     p.add_argument("--http-streams", default="64,256", help="concurrent SSE streams over HTTP, comma-separated")
+    p.add_argument("--no-floor", action="store_true",
+                   help="skip the bare grpc.aio server's CPU a message at each stream count (load_tests/grpc_floor.py)")
     args = p.parse_args(argv)
     args.streams_list = [int(s) for s in args.streams.split(",")]
     args.http_streams_list = [int(s) for s in args.http_streams.split(",")]
     args.protocols = tuple(args.protocols.split(","))
+    # Here, not at the top: bench_stack_ab runs this file against older checkouts too.
+    from kvmesh.load_tests import grpc_floor
+
+    # Before the cluster starts: the floor's child has the machine to itself, as the stack will.
+    args.floors = {} if args.no_floor or "grpc" not in args.protocols else {
+        streams: grpc_floor.measure(streams, args.tokens, args.step_ms / 1000) for streams in args.streams_list}
+    for streams, floor in args.floors.items():
+        print(f"bare grpc.aio {streams:5d} streams: {floor.us_per_message:.1f} us of server CPU a message", flush=True)
     set_local_ray_env()  # as `kvmesh serve` starts one
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     lines = []

@@ -27,13 +27,17 @@ import sys
 import time
 from pathlib import Path
 
+from kvmesh.load_tests import grpc_floor
+
 _FIGURES = (  # (name, pattern over a round's summary lines, group)
     ("tok/s 64 streams", r"\d  streams\s+64: +(\d+) tok/s", 1),
     ("us/token 64 streams", r"\d  streams\s+64: .*?\(\s*([\d.]+) us a token\)", 1),
     ("tokens/message 64", r"\d  streams\s+64: .*? ([\d.]+) tokens a message", 1),
+    ("router us/message 64", r"\d  streams\s+64: .*?router replicas ([\d.]+) us a message", 1),
     ("tok/s 1024 streams", r"\d  streams\s+1024: +(\d+) tok/s", 1),
     ("us/token 1024 streams", r"\d  streams\s+1024: .*?\(\s*([\d.]+) us a token\)", 1),
     ("tokens/message 1024", r"\d  streams\s+1024: .*? ([\d.]+) tokens a message", 1),
+    ("router us/message 1024", r"\d  streams\s+1024: .*?router replicas ([\d.]+) us a message", 1),
     ("short req/s per core", r"short requests: \d+ req/s, (\d+) req/s per stack core", 1),
     ("TTFT added ms", r"added ([-\d.]+) ms", 1),
     ("unary gRPC round trip ms", r"round trip to the replica: ([-\d.]+) ms", 1),
@@ -68,7 +72,8 @@ def serve_rounds(args) -> None:
 
     bench_stack = _bench_stack()
     bench_args = argparse.Namespace(streams_list=[64, 1024], tokens=64, step_ms=20.0, workers=1, short=args.short,
-                                    ttft_requests=30, protocols=(args.protocol,), http_streams_list=HTTP_STREAMS)
+                                    ttft_requests=30, protocols=(args.protocol,), http_streams_list=HTTP_STREAMS,
+                                    floors={})  # the parent measures the floor between rounds
     set_local_ray_env()
     for attempt in range(5):  # a loaded machine misses Ray's node-start limit now and then
         try:
@@ -127,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
             if line.startswith("READY"):
                 break
     results: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
+    floors: list[float] = []  # the bare grpc.aio server's CPU a message at 64 streams, one a round
     for index in range(args.rounds):
         for name, child in children.items():
             t0 = time.perf_counter()
@@ -136,6 +142,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"round {index} {name} ({time.perf_counter() - t0:.0f} s):\n{text}", flush=True)
             if figures(text):
                 results[name].append(figures(text))
+        if args.protocol == "grpc":
+            floors.append(grpc_floor.measure(64, 64, 0.02).us_per_message)
+            print(f"round {index} bare grpc.aio, 64 streams: {floors[-1]:.1f} us a message", flush=True)
     for child in children.values():
         child.stdin.write("stop\n")
         child.stdin.close()
@@ -148,6 +157,12 @@ def main(argv: list[str] | None = None) -> None:
         if a and b:
             ma, mb = statistics.median(a), statistics.median(b)
             print(f"{name:24s} {ma:10.1f} {mb:10.1f} {mb / ma if ma else float('nan'):6.2f}")
+    if floors:
+        floor = statistics.median(floors)
+        print(f"bare grpc.aio us/message 64 streams: {floor:.1f} (rounds {', '.join(f'{f:.1f}' for f in floors)}); "
+              "router us/message 64 over it: " + ", ".join(
+                  f"{name} {statistics.median(r['router us/message 64'] for r in results[name]) / floor:.2f}x"
+                  for name in ("A", "B") if any("router us/message 64" in r for r in results[name])))
 
 
 if __name__ == "__main__":
