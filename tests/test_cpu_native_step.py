@@ -437,6 +437,59 @@ def test_int4_kernel_equals_torch_on_every_scale_dtype_and_min(tiny_model_dir, i
         assert runner.native_decoder.path == ("int4_avx2_a8" if int8_activations else "int4_avx2")
 
 
+@pytest.mark.parametrize("factored", [True, False])
+def test_int4_metadata_made_at_load_gives_the_per_call_logits_bit_for_bit(tiny_model_dir, factored):
+    """Groups of 32 (GGUF's): each int4 projection's scales and offsets are laid out for the
+    fp32-activation kernels once at load (the layer descriptor's *_packed fields), where every
+    group folds, and a step reading them gives the logits of the kernels regrouping the stored
+    metadata every call (the fields cleared), bit for bit, in both forms: GGUF Q4_1's layout
+    (zero 0, fp16 mins) and Q4_0's (zero 8, no min); general zeros with mins do not fold (none
+    made: the rows go one at a time). Codes in 8-row panels (int4 x int8) keep regrouping a call."""
+    engine = _int4_engine(tiny_model_dir, 32, 0)
+    runner = engine.runner
+    generator = torch.Generator().manual_seed(5)
+    fields = [f"{name}_packed" for name in ("qkv", "o", "gate_up", "down")]
+    for i, (fixed_zero, with_mins) in enumerate(((0.0, True), (8.0, False), (None, True))):
+        for model_layer in runner.model.model.layers:
+            attn, mlp = model_layer.self_attn, model_layer.mlp
+            for layer, first in ((attn.qkv.merged, attn.q_proj), (attn.o_proj, None), (mlp.gate_up.merged, mlp.gate_proj),
+                                 (mlp.down_proj, None)):
+                shape = layer.scales.shape
+                layer.scales = (torch.rand(shape, generator=generator) * 0.05 + 0.01).half()
+                layer.zeros = (torch.randint(5, 11, shape, generator=generator) if fixed_zero is None
+                               else torch.full(shape, fixed_zero)).half()
+                layer.mins = (torch.randn(shape, generator=generator) * 0.02).half() if with_mins else None
+                if first is not None:
+                    first.scales = layer.scales[:first.out_features]
+        if i == 0:  # panels: none made
+            panels = cpu_native_step.NativeDecoder.build(runner.model, runner.kv_caches, 13, int8_activations=True)
+            assert not any(getattr(layer, f) for layer in panels._description.layers for f in fields)
+            panels.int4_interleaved = False  # the plain rows again, for the fp32 decoder below
+        decoder = cpu_native_step.NativeDecoder.build(runner.model, runner.kv_caches, 13)
+        runner.native_decoder = decoder
+        decoder.int4_factored = factored
+        layers = decoder._description.layers
+        assert all(bool(getattr(layer, f)) == (fixed_zero is not None) for layer in layers for f in fields)
+        same = []
+
+        def compare(native, eager, inputs):
+            saved = [[getattr(layer, f) for f in fields] for layer in layers]
+            for layer in layers:
+                for f in fields:
+                    setattr(layer, f, 0)
+            per_call = type(decoder).run(decoder, inputs).clone()
+            for layer, values in zip(layers, saved):
+                for f, v in zip(fields, values):
+                    setattr(layer, f, v)
+            runner._eager_forward(inputs)  # eager's K/V back in the step's slots
+            same.append(torch.equal(native, per_call))
+            return len(inputs.input_ids)
+
+        sizes = _check_each_step_against_eager(engine, compare)
+        generate_all_greedy(engine, [tuple(range(100 + 20 * i, 111 + 20 * i))], 6)  # a new prompt: no cached prefix
+        assert sizes and max(sizes) > 8 and all(same), (fixed_zero, same)
+
+
 def test_batched_kernels_give_the_per_row_kernels_logits(tiny_model_dir):
     """Steps of at least int4_gemm_min_rows tokens (8 by default) run the int4 layers and a Q8_0
     LM head through the batched kernels (cpu/int4_gemm_avx2.c: weight panels dequantized once,

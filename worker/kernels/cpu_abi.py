@@ -43,7 +43,8 @@ def _struct(name: str, c_name: str, doc: str, fields: tuple[tuple[str, str], ...
 LayerDescriptor = _struct("LayerDescriptor", "kvmesh_layer", (
     "One decoder layer: norms, the four projections (weight, per-row scales for int8 or NULL,\n"
     "   the AMX-packed copy or NULL), its K/V cache; int4 projections: the weight is the packed\n"
-    "   codes [N][K/2], scales / zeros / mins (mins NULL where none) [N][K/group]."), (
+    "   codes [N][K/2], scales / zeros / mins (mins NULL where none) [N][K/group], the packed\n"
+    "   field the kernels' metadata made at load or NULL (kvmesh_int4.meta)."), (
     ("input_norm", "const void *"), ("post_attention_norm", "const void *"),
     ("qkv_weight", "const void *"), ("qkv_scales", "const void *"),
     ("o_weight", "const void *"), ("o_scales", "const void *"),

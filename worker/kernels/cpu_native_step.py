@@ -190,11 +190,12 @@ def amx_packed(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _layer_fields(layer, cache, dtype: torch.dtype,
-                  strides: tuple) -> tuple[dict[str, int], list[torch.Tensor], Projection, list[torch.Tensor | None]]:
+                  strides: tuple) -> tuple[dict[str, int], list[torch.Tensor], dict[str, Projection],
+                                           list[torch.Tensor | None]]:
     """One layer's LayerDescriptor fields but the packed copies (norms, the four projections'
-    weights, scales, zeros and mins, its K/V cache), the tensors behind them, its QKV projection
-    (the kind and int4 layout every projection of the layer shares), and the four projection
-    weights the AMX kernel could take packed (None where not bf16)."""
+    weights, scales, zeros and mins, its K/V cache), the tensors behind them, its four
+    projections by field prefix (qkv, o, gate_up, down: one kind and int4 layout), and the four
+    projection weights the AMX kernel could take packed (None where not bf16)."""
     attn, mlp = layer.self_attn, layer.mlp
     if cache.quantized or cache.key_cache.dtype != dtype or cache.value_cache.dtype != dtype:
         raise NotTaken(f"KV cache in {cache.key_cache.dtype}{' (quantized)' if cache.quantized else ''}")
@@ -218,8 +219,7 @@ def _layer_fields(layer, cache, dtype: torch.dtype,
         fields.update({f"{name}_weight": _ptr(p.weight), f"{name}_scales": _ptr(p.scales),
                        f"{name}_zeros": _ptr(p.zeros), f"{name}_mins": _ptr(p.mins)})
         tensors += p.tensors()
-    return fields, tensors, projections["qkv"], [p.weight if p.kind == _W_BF16 else None
-                                                  for p in projections.values()]
+    return fields, tensors, projections, [p.weight if p.kind == _W_BF16 else None for p in projections.values()]
 
 
 def _layout(p: Projection) -> tuple:
@@ -245,6 +245,8 @@ class ModelDescription:
     amx_packed_bytes: int
     int8_head_bytes: int = 0  # the step's int8 copy of a float LM head (per row, or a Q8_0 table's groups)
     int4_layers: list = field(default_factory=list)  # an int4 model's decoder layers (their codes' layout: set_int4_panels)
+    int4_projections: list = field(default_factory=list)  # their projections, a dict by field prefix a layer
+    int4_meta: list = field(default_factory=list)  # the projections' kernel metadata (set_int4_kernel_meta)
 
 
 def describe(model, kv_caches: list, int8_activations: bool = False,
@@ -278,12 +280,14 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
     layers: list[dict[str, int]] = []
     to_pack: list[torch.Tensor | None] = []  # four a layer, then the LM head
     layouts: dict[tuple, Projection] = {}
+    int4_projections: list[dict[str, Projection]] = []  # a layer's, for their kernel metadata
     for layer, cache in zip(model.model.layers, kv_caches, strict=True):
-        fields, tensors, qkv, bf16_weights = _layer_fields(layer, cache, dtype, strides)
+        fields, tensors, projections, bf16_weights = _layer_fields(layer, cache, dtype, strides)
         layers.append(fields)
         keep += tensors
         to_pack += bf16_weights
-        layouts.setdefault(_layout(qkv), qkv)
+        layouts.setdefault(_layout(projections["qkv"]), projections["qkv"])
+        int4_projections.append(projections)
     if len(layouts) != 1:
         raise NotTaken("projections of mixed kinds (or int4 groups / scale dtypes)")
     (first,) = layouts.values()
@@ -346,8 +350,48 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
         final_norm=_ptr(final_norm), rope_cos=_ptr(cos),
         rope_sin=_ptr(sin), lm_head_weight=_ptr(lm), lm_head_scales=_ptr(lm_scales), lm_head_packed=_ptr(packed[-1]),
         layers=ctypes.addressof(array))
-    return ModelDescription(descriptor, array, keep, weight_kind, sum(t.nbytes for t in packed if t is not None),
-                            head_copy_bytes, list(model.model.layers) if weight_kind == _W_I4 else [])
+    description = ModelDescription(descriptor, array, keep, weight_kind, sum(t.nbytes for t in packed if t is not None),
+                                   head_copy_bytes, list(model.model.layers) if weight_kind == _W_I4 else [],
+                                   int4_projections if weight_kind == _W_I4 else [])
+    set_int4_kernel_meta(description)
+    return description
+
+
+def int4_kernel_meta(p: Projection, panels: bool) -> torch.Tensor | None:
+    """An int4 projection's metadata as its fp32-activation kernels use it (kvmesh_int4.meta),
+    made once so a step does not regroup it a call: fp32 [N, 2G], row n's group scales then
+    offsets, the values int4_fma_meta computes a call (the offset the min where the zero is 0,
+    else -zero x scale where that product is exact), so the same results. None where the
+    kernel regroups a call: a group that folds neither way (those rows go one at a time),
+    codes in 8-row panels (int4 x int8: there the kernel is read-bound, and fp32 metadata
+    reads more bytes than the stored fp16 it replaces cost to regroup), and groups over 32
+    inputs (regrouping is 1/4 or less of group 32's share of a row; 8 bytes a group instead of
+    the stored 4 in bf16 would cost more)."""
+    if panels or p.group > 32:
+        return None
+    s, z = p.scales.float(), p.zeros.float()
+    m = p.mins.float() if p.mins is not None else torch.zeros_like(s)
+    prod = z * s
+    exact = z.double() * s.double() == prod.double()
+    if not bool(((z == 0) | ((m == 0) & (z == torch.round(z)) & exact)).all()):
+        return None
+    return torch.cat([s, torch.where(z == 0, m, 0.0 - prod)], dim=1).contiguous()
+
+
+def set_int4_kernel_meta(description: ModelDescription) -> None:
+    """Each int4 projection's kernel metadata (int4_kernel_meta) for its codes' current layout,
+    in the layer descriptor's *_packed field (the copy laid out for the kernel, as a bf16
+    weight's AMX copy; int4 has no other), kept with the description."""
+    if description.weight_kind != _W_I4:
+        return
+    panels = bool(description.model.int4_interleaved)
+    description.int4_meta = []
+    for fields, projections in zip(description.layers, description.int4_projections, strict=True):
+        for name, p in projections.items():
+            meta = int4_kernel_meta(p, panels)
+            setattr(fields, f"{name}_packed", _ptr(meta))
+            if meta is not None:
+                description.int4_meta.append(meta)
 
 
 def _int4_linears(layer) -> list[Int4WeightOnlyLinear]:
@@ -464,6 +508,7 @@ class NativeDecoder:
             raise ValueError("int4 panels are the int8-activation int4 step's layout")
         set_int4_panels(self._int4_layers, on)
         self._description.model.int4_interleaved = int(on)
+        set_int4_kernel_meta(self._description)
 
     @property
     def int4_gemm_min_rows(self) -> int:

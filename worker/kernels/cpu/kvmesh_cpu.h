@@ -24,7 +24,8 @@
 
 /* One decoder layer: norms, the four projections (weight, per-row scales for int8 or NULL,
    the AMX-packed copy or NULL), its K/V cache; int4 projections: the weight is the packed
-   codes [N][K/2], scales / zeros / mins (mins NULL where none) [N][K/group]. */
+   codes [N][K/2], scales / zeros / mins (mins NULL where none) [N][K/group], the packed
+   field the kernels' metadata made at load or NULL (kvmesh_int4.meta). */
 typedef struct {
     const void *input_norm;
     const void *post_attention_norm;
@@ -203,6 +204,10 @@ typedef struct {
     int64_t group;
     int scale_dtype, zero_dtype, min_dtype;
     int interleaved;  /* codes in 8-row panels (int4_panels.c), every row of the projection */
+    /* NULL, or the plain rows' metadata as the fp32-activation kernels use it, made at load
+       (cpu_native_step.int4_kernel_meta): row n's group scales then offsets, meta[n * 2G + g]
+       and meta[n * 2G + G + g], as int4_fma_meta computes them a call */
+    const float *meta;
 } kvmesh_int4;
 
 /* The sum of a vector's 8 lanes (the per-row and the batched AVX2 kernels' dot products). */
@@ -235,6 +240,7 @@ static inline kvmesh_int4 int4_rows(kvmesh_int4 p, int64_t row0, int64_t K) {
     p.scales = (const char *)p.scales + row0 * groups * meta_size[p.scale_dtype];
     p.zeros = (const char *)p.zeros + row0 * groups * meta_size[p.zero_dtype];
     if (p.mins) p.mins = (const char *)p.mins + row0 * groups * meta_size[p.min_dtype];
+    if (p.meta) p.meta += row0 * 2 * groups;
     return p;
 }
 

@@ -100,7 +100,8 @@ static inline void project(const kvmesh_model *m, const int kind, const void *w,
     if (kind == W_I4) {
         if (n0 >= n1 || B == 0) return;
         const kvmesh_int4 p = {(const uint8_t *)w, scales, zeros, mins, m->int4_group, (int)m->int4_scale_dtype,
-                               (int)m->int4_zero_dtype, (int)m->int4_min_dtype, (int)m->int4_interleaved};
+                               (int)m->int4_zero_dtype, (int)m->int4_min_dtype, (int)m->int4_interleaved,
+                               (const float *)wp};  /* an int4 projection's "packed" copy: its kernel metadata */
         kvmesh_gemv_int4(&p, K, n0, n1, x, ldx, B, y, ldy, int4_form(m));
     } else {
         kvmesh_gemv(w, wp, kind, scales, sbf16, K, n0, n1, x, ldx, B, y, ldy, x16, x_ready, a8);
@@ -216,7 +217,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
                 const kvmesh_int4 all = {(const uint8_t *)lp->gate_up_weight, lp->gate_up_scales,
                                          lp->gate_up_zeros, lp->gate_up_mins, m->int4_group,
                                          (int)m->int4_scale_dtype, (int)m->int4_zero_dtype, (int)m->int4_min_dtype,
-                                         (int)m->int4_interleaved};
+                                         (int)m->int4_interleaved, (const float *)lp->gate_up_packed};
                 const kvmesh_int4 gate = int4_rows(all, i0, H), up = int4_rows(all, I + i0, H);
                 kvmesh_gemv_int4(&gate, H, 0, w, h, H, B, gu, w, int4_form(m));
                 kvmesh_gemv_int4(&up, H, 0, w, h, H, B, gu + B * w, w, int4_form(m));

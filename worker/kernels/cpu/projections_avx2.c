@@ -515,7 +515,7 @@ static int int4_gemv_exact(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t 
     const int64_t G = K / p->group;
     float *xp = nibble_ordered_rows(x, ldx, B, K, 2 * 4 * G + B * G);
     if (!xp) return 0;
-    float *meta = xp + B * K, *xsum = meta + 2 * 4 * G, res[I4_TILE_ACCUMULATORS];
+    float *own = xp + B * K, *xsum = own + 2 * 4 * G, res[I4_TILE_ACCUMULATORS];
     const int64_t tile = factored ? I4F_TILE_ACCUMULATORS : I4_TILE_ACCUMULATORS;
     if (factored)
         for (int64_t b = 0; b < B; b++)
@@ -528,7 +528,8 @@ static int int4_gemv_exact(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t 
         const int pass = factored ? rows_a_pass4(B) : rows_a_pass(B);
         const int R = n1 - n >= pass ? pass : 1;
         int folds = 1;
-        for (int r = 0; r < R && folds; r++) folds = int4_fma_meta(p, n + r, G, meta + 2 * G * r);
+        const float *meta = p->meta ? p->meta + n * 2 * G : own;  /* made at load, or now */
+        for (int r = 0; r < R && folds && !p->meta; r++) folds = int4_fma_meta(p, n + r, G, own + 2 * G * r);
         if (!folds) {
             int4_rows_one_by_one(p, K, n, n + R, x, ldx, B, y, ldy, 0);
             n += R;
