@@ -68,7 +68,8 @@ def _run_engine(smollm2_dir, backend, native: int | None = None, **sched):
         assert engine.runner.cpu_step.numerics == "fp32, token-exact", engine.runner.cpu_step.describe()
         # quant.weight auto: the GGUF's own int4 for the .gguf file, fp32 for the HF folder
         assert engine.parts.weight_quant == ("gguf" if smollm2_dir is None else "none")
-        assert engine.runner.cpu_step.path == ("int4_avx2" if smollm2_dir is None else "avx2"), \
+        fp32_path = "fma" if cpu_native_step.avx512_build() else "avx2"  # chosen by the CPU's build
+        assert engine.runner.cpu_step.path == ("int4_avx2" if smollm2_dir is None else fp32_path), \
             engine.runner.cpu_step.describe()
         if smollm2_dir is None:
             _token_table_is_kept_as_its_q8_0_groups(engine)

@@ -585,6 +585,13 @@ def amx_available() -> bool:
     return kernels is not None and bool(kernels.features & _FEATURE_AMX)
 
 
+def avx512_build() -> bool:
+    """This CPU's kernels are an AVX-512 build: fp32 projections run on AVX-512 FMAs ("fma"),
+    not the avx2 build's ("avx2")."""
+    kernels = cpu_build.load() if unavailable_reason() is None else None
+    return kernels is not None and bool(kernels.features & _FEATURE_AVX512)
+
+
 def dpbf16_without_amx() -> bool:
     """The CPU kernels' bf16 GEMVs are VDPBF16PS on a CPU with no AMX tiles at all (so eager's
     oneDNN GEMMs have none either)."""
