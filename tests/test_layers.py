@@ -70,6 +70,9 @@ COMPONENT_BENCHMARKS: dict[str, tuple[set[str], str]] = {
         {"worker.public_api"}, "counts the served engine's steps from its worker actors' own metrics"),
     "kvmesh.load_tests.null_engine": (
         {"worker.runtime"}, "the router's own worker actor over a null engine: the serving stack measured alone"),
+    "kvmesh.load_tests.avx2_only": (
+        {"worker.kernels", "worker.runner"},
+        "runs a benchmark as on an AVX2-only CPU: narrows the kernel build's CPU flags and the native-bf16 check"),
 }
 WORKER_UNITS = ("kernels", "attention", "parallel", "model", "runner", "engine_loop", "runtime", "public_api",
                 "engine_api")
