@@ -80,9 +80,10 @@ def _merged(deltas: list[RequestDelta]) -> list:
     return [_token_delta([d]) if is_plain(d) else d for d in merge_deltas(deltas)]
 
 
-def _joined(run: list) -> RequestDelta:
-    """A run of one sample's increments (TokenDelta or plain RequestDelta) as one RequestDelta."""
-    return _joined_as(_plain_request_delta, run)
+def _joined(run: list, request_id: str | None = None) -> RequestDelta:
+    """A run of one sample's increments (TokenDelta or plain RequestDelta) as one RequestDelta,
+    named `request_id` when given (else the run's own)."""
+    return _joined_as(_plain_request_delta, run, request_id)
 
 
 def _token_delta(run: list) -> TokenDelta:
@@ -126,18 +127,14 @@ def to_request_deltas(items: list, request_id: str | None = None) -> list:
     for item in items:
         if type(item) is TokenDelta:
             if run and run[-1].sample_index != item.sample_index:
-                out.append(_joined_for(run, request_id))
+                out.append(_joined(run, request_id))
                 run = []
             run.append(item)
             continue
         if run:
-            out.append(_joined_for(run, request_id))
+            out.append(_joined(run, request_id))
             run = []
         out.append(item)
     if run:
-        out.append(_joined_for(run, request_id))
+        out.append(_joined(run, request_id))
     return out
-
-
-def _joined_for(run: list, request_id: str | None) -> RequestDelta:
-    return _joined_as(_plain_request_delta, run, request_id)
