@@ -71,7 +71,6 @@ class NullEngine:
         self.scheduler = _NullScheduler()
         self.structured = _NoStructuredOutput()
         self.last_step_idle = False
-        self.idle_wait_s: float | None = None  # until the next request is due (after an idle step)
         self._running: dict[str, _Running] = {}
         self._max_running = config.scheduler.max_num_seqs
         self._tokens_out = 0
@@ -105,6 +104,11 @@ class NullEngine:
         return [RequestDelta(request_id=request_id, finished=True, finish_reason=FinishReason.ABORT, sample_index=i)
                 for i, left in enumerate(running.sample_left) if left > 0]
 
+    @property
+    def idle_wait_s(self) -> float:
+        """Until the next request is due (AsyncEngine reads it after an idle step)."""
+        return max(0.0, self._next_due_s - time.monotonic())
+
     def has_unfinished(self) -> bool:
         return bool(self._running)
 
@@ -112,7 +116,6 @@ class NullEngine:
         now = time.monotonic()
         if now < self._next_due_s:
             self.last_step_idle = True
-            self.idle_wait_s = self._next_due_s - now
             return []
         deltas: list[RequestDelta] = []
         next_due_s = float("inf")
