@@ -52,6 +52,9 @@ _FIGURES = (  # (name, pattern over a round's summary lines, group)
     ("http TTFT P50 ms", r"http TTFT P50 at 1 in flight: ([-\d.]+) ms", 1),
 )
 HTTP_STREAMS = [64, 256]
+# One round's gRPC streams (the figures above read 64 and 1,024), tokens each and the null step;
+# the parent's bare grpc.aio floor is measured at the first stream count with the same tokens and step.
+ROUND_STREAMS, ROUND_TOKENS, ROUND_STEP_MS = [64, 1024], 64, 20.0
 
 
 def _bench_stack():
@@ -71,9 +74,9 @@ def serve_rounds(args) -> None:
     from kvmesh.router.launch import set_local_ray_env  # the running checkout's, as above
 
     bench_stack = _bench_stack()
-    bench_args = argparse.Namespace(streams_list=[64, 1024], tokens=64, step_ms=20.0, workers=1, short=args.short,
-                                    ttft_requests=30, protocols=(args.protocol,), http_streams_list=HTTP_STREAMS,
-                                    floors={})  # the parent measures the floor between rounds
+    bench_args = argparse.Namespace(streams_list=ROUND_STREAMS, tokens=ROUND_TOKENS, step_ms=ROUND_STEP_MS,
+                                    workers=1, short=args.short, ttft_requests=30, protocols=(args.protocol,),
+                                    http_streams_list=HTTP_STREAMS, floors={})  # the parent measures the floor between rounds
     set_local_ray_env()
     for attempt in range(5):  # a loaded machine misses Ray's node-start limit now and then
         try:
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
             if figures(text):
                 results[name].append(figures(text))
         if args.protocol == "grpc":
-            floors.append(grpc_floor.measure(64, 64, 0.02).us_per_message)
+            floors.append(grpc_floor.measure(ROUND_STREAMS[0], ROUND_TOKENS, ROUND_STEP_MS / 1000).us_per_message)
             print(f"round {index} bare grpc.aio, 64 streams: {floors[-1]:.1f} us a message", flush=True)
     for child in children.values():
         child.stdin.write("stop\n")
