@@ -23,13 +23,18 @@ def _final() -> RequestDelta:
     return RequestDelta("t/r", finished=True, finish_reason=FinishReason.LENGTH)
 
 
+async def _just_past_a_boundary(pacer: StreamPacer, pace_s: float) -> None:
+    """Wait for a tick of `pace_s`: the next one is then a whole period away, not a moment."""
+    aligned = asyncio.get_running_loop().create_future()
+    pacer.next_tick(pace_s).add(aligned)
+    await aligned
+
+
 def test_streams_holding_from_different_instants_wake_in_one_tick():
     async def main():
         pacer, loop = StreamPacer(), asyncio.get_running_loop()
         woke: list[float] = []
-        aligned = loop.create_future()
-        pacer.next_tick(0.05).add(aligned)
-        await aligned  # just past a boundary: the streams below all hold within one period
+        await _just_past_a_boundary(pacer, 0.05)  # the streams below all hold within one period
 
         async def stream(start_after_s: float) -> None:
             await asyncio.sleep(start_after_s)
@@ -60,7 +65,8 @@ def test_a_hold_keeps_increments_back_until_its_tick_then_hands_them_over_togeth
     async def main():
         pacer, loop = StreamPacer(), asyncio.get_running_loop()
         sub = Subscription()
-        tick = pacer.next_tick(0.08)
+        await _just_past_a_boundary(pacer, 0.2)  # the tick comes after the increments below
+        tick = pacer.next_tick(0.2)
         started = loop.time()
         taken = asyncio.ensure_future(sub.take(tick))
         for i in range(3):
@@ -77,8 +83,9 @@ def test_a_hold_keeps_increments_back_until_its_tick_then_hands_them_over_togeth
 
 def test_the_stream_end_ends_a_hold_at_once():
     async def main():
-        sub = Subscription()
-        taken = asyncio.ensure_future(sub.take(StreamPacer().next_tick(1.0)))
+        pacer, sub = StreamPacer(), Subscription()
+        await _just_past_a_boundary(pacer, 1.0)  # the tick is not what ends the hold
+        taken = asyncio.ensure_future(sub.take(pacer.next_tick(1.0)))
         await asyncio.sleep(0)
         sub.put(_token(1))
         sub.put(_final())
