@@ -15,7 +15,8 @@ llama.cpp. The modes (the model in fp32, as `kvmesh serve` picks on a CPU withou
 
     eager-fp32    quant.weight none, the eager forward (model.cpu_native_max_tokens 0)
     default       every setting its default (quant.weight auto): on CPUs without bf16 the file's
-                  Q4_1 kept and the native step's exact int4 (native-int4x), else native-fp32
+                  Q4_1 kept and the native step's exact int4 (native-int4x); on CPUs with bf16
+                  (model.dtype auto -> bf16) the file dequantized to bf16, the native bf16 step
     native-fp32   quant.weight none (the file dequantized to fp32), the native step (fp32
                   GEMVs, token-exact: HF's tokens)
     native-int8   quant.weight int8 (per-row int8), the native step (auto)
