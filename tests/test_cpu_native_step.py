@@ -14,7 +14,7 @@ import torch
 
 from kvmesh.core.config import ConfigError, KvmeshConfig
 from kvmesh.worker.engine_loop.engine import Engine
-from kvmesh.worker.kernels import cpu_build, cpu_native_step
+from kvmesh.worker.kernels import cpu_abi, cpu_build, cpu_native_step
 from kvmesh.worker.runner import cpu_model_runner
 
 from engine_runs import generate_all_greedy
@@ -488,6 +488,52 @@ def test_int4_metadata_made_at_load_gives_the_per_call_logits_bit_for_bit(tiny_m
         sizes = _check_each_step_against_eager(engine, compare)
         generate_all_greedy(engine, [tuple(range(100 + 20 * i, 111 + 20 * i))], 6)  # a new prompt: no cached prefix
         assert sizes and max(sizes) > 8 and all(same), (fixed_zero, same)
+
+
+def test_int8_row_panels_put_each_code_where_the_head_kernel_reads_it():
+    """cpu_native_step.int8_row_panels: row n's codes 4c .. 4c + 3 at panel n // 16, chunk c, slot
+    n % 16 (kvmesh_gemv_i8_panels' layout); the rows that pad the last panel are zero."""
+    codes = torch.randint(-127, 128, (37, 64), generator=torch.Generator().manual_seed(11), dtype=torch.int8)
+    panels = cpu_native_step.int8_row_panels(codes)
+    assert panels.shape == (3, 16, 16, 4) and panels.is_contiguous()
+    n, k = torch.meshgrid(torch.arange(37), torch.arange(64), indexing="ij")
+    assert torch.equal(panels[n // 16, k // 4, n % 16, k % 4], codes)
+    assert not panels[2, :, 37 - 32:].any()
+
+
+def test_int4_int8_step_reads_a_float_heads_int8_copy_in_panels_against_int8_activations(tiny_model_dir):
+    """The int4 x int8 step's int8 copy of a float LM head is kept only in 16-row panels
+    (lm_head_packed) and read against the final hidden state quantized per 32-input block
+    (int4_panels.c), as the int4 layers and a Q8_0 head are: each step's logits are those of the
+    same codes read as a Q8_0 table (every group scale its row's) by the Q8_0 x int8 head kernel,
+    to fp32 summation order (an fp32-activation read differs by the activations' int8 rounding)."""
+    from kvmesh.quant.primitives import quantize_int8_per_channel
+
+    engine = _int4_engine(tiny_model_dir, 32, 0)
+    runner = engine.runner
+    panels = cpu_native_step.NativeDecoder.build(runner.model, runner.kv_caches, 13, int8_activations=True)
+    runner.native_decoder = panels
+    head = runner.model.lm_head.weight
+    vocab, hidden = head.shape
+    model = panels._description.model
+    assert model.lm_head_kind == cpu_abi.WEIGHT_KINDS["W_I8"] and model.lm_head_packed == model.lm_head_weight
+    assert panels.int8_head_bytes == -(-vocab // 16) * 16 * hidden + vocab * 4  # the panels and fp32 row scales
+    q8_0 = cpu_native_step.NativeDecoder.build(runner.model, runner.kv_caches, 13, int8_activations=True)
+    codes, scales = quantize_int8_per_channel(head)
+    groups = scales[:, None].expand(vocab, hidden // 32).contiguous()
+    q8_0._description.keep += [codes, groups]
+    other = q8_0._description.model
+    other.lm_head_kind, other.lm_head_packed = cpu_abi.WEIGHT_KINDS["W_I8G"], 0
+    other.lm_head_weight, other.lm_head_scales = codes.data_ptr(), groups.data_ptr()
+
+    def compare(native, eager, inputs):
+        table = type(q8_0).run(q8_0, inputs).clone()
+        runner._eager_forward(inputs)  # eager's K/V back in the step's slots
+        return _relative(native, table, inputs)
+
+    diffs = _check_each_step_against_eager(engine, compare)
+    generate_all_greedy(engine, [tuple(range(100, 111))], 6)
+    assert diffs and max(diffs) < 1e-5, max(diffs)
 
 
 def test_batched_kernels_give_the_per_row_kernels_logits(tiny_model_dir):

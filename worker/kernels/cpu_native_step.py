@@ -189,6 +189,17 @@ def amx_packed(weight: torch.Tensor) -> torch.Tensor | None:
         return weight[:blocks * 16].view(blocks, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
+HEAD_PANEL_ROWS = 16  # int4_panels.c's kvmesh_gemv_i8_panels
+
+
+def int8_row_panels(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] (K % 4 == 0) in kvmesh_gemv_i8_panels' layout, [ceil(N/16)][K/4][16
+    rows][4]: row n's codes 4c .. 4c + 3 at panel n // 16, chunk c, slot n % 16; rows past N zero."""
+    n, k = codes.shape
+    padded = torch.cat([codes, codes.new_zeros(-n % HEAD_PANEL_ROWS, k)])
+    return padded.view(-1, HEAD_PANEL_ROWS, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
 def _layer_fields(layer, cache, dtype: torch.dtype,
                   strides: tuple) -> tuple[dict[str, int], list[torch.Tensor], dict[str, Projection],
                                            list[torch.Tensor | None]]:
@@ -293,14 +304,18 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
     (first,) = layouts.values()
     head = _lm_head(model.lm_head, dtype)
     head_copy_bytes = 0
+    head_panels = None
     if first.kind == _W_I4 and int8_activations and head.kind not in (_W_I8, _W_I8G):
         # The quantized step's LM head: the float head (SmolLM2's is the tied embedding, 113 MB
         # in fp32, twice its int4 layers' bytes) read as int8 rows with one scale each, a copy
         # made once: at batch 1 the head's bytes, not the int4 layers', were the step's largest
-        # read. Its activations stay fp32 (the step's final hidden state).
+        # read. Its codes only in 16-row panels, read against the final hidden state quantized
+        # per 32-input block, as the int4 layers (int4_panels.c): read a row at a time with fp32
+        # activations it streamed at ~half the int4 panels' rate (docs/benchmarks.md).
         codes, scales = quantize_int8_per_channel(head.weight)
         head = Projection(_W_I8, codes, scales.to(dtype))
-        head_copy_bytes = codes.nbytes + head.scales.nbytes
+        head_panels = int8_row_panels(codes)
+        head_copy_bytes = head_panels.nbytes + head.scales.nbytes
     elif head.kind == _W_F32 and first.kind in (_W_F32, _W_I4):
         # An fp32 head that is an int8 table with one scale a 32-input group (a GGUF Q8_0
         # embedding, as the embedded model's is, dequantized at load): read as its codes and
@@ -319,6 +334,8 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
             raise NotTaken("a non-contiguous embedding, LM head or table")
     if final_norm.dtype != dtype or cos.dtype != torch.float32 or lm.shape[1] != hidden:
         raise NotTaken("final norm or RoPE tables in another dtype, or an LM head of another width")
+    if head_panels is not None:  # the panels are the only copy kept: the step reads no rows of it
+        lm = head_panels
     keep += [embed, lm, final_norm, cos, sin, *scale_tensors]
     to_pack.append(lm if lm_kind == _W_BF16 else None)
     packed = [amx_packed(w) if w is not None and pack_for_amx else None for w in to_pack]
@@ -340,7 +357,7 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
         num_layers=len(layers), hidden=hidden, intermediate=inter, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
         weight_kind=weight_kind, bf16=int(dtype == torch.bfloat16), block_size=k0.shape[1],
         cache_block_stride=strides[0], cache_slot_stride=strides[1], cache_head_stride=strides[2],
-        vocab=lm.shape[0], lm_head_kind=lm_kind, int8_activations=int(int8_activations),
+        vocab=head.weight.shape[0], lm_head_kind=lm_kind, int8_activations=int(int8_activations),
         # fp32-activation int4 layers in the factorised form (fewer instructions a weight; the
         # same weights, fp32 sums in another order: the embedded model keeps HF's tokens,
         # tests/test_engine_exact.py); NativeDecoder.int4_factored = False is the bit-exact form
@@ -348,7 +365,7 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
         int4_interleaved=int(panels),
         rms_norm_eps=float(cfg.rms_norm_eps), embed=_ptr(embed), embed_scales=_ptr(embed_scales),
         final_norm=_ptr(final_norm), rope_cos=_ptr(cos),
-        rope_sin=_ptr(sin), lm_head_weight=_ptr(lm), lm_head_scales=_ptr(lm_scales), lm_head_packed=_ptr(packed[-1]),
+        rope_sin=_ptr(sin), lm_head_weight=_ptr(lm), lm_head_scales=_ptr(lm_scales), lm_head_packed=_ptr(head_panels if head_panels is not None else packed[-1]),
         layers=ctypes.addressof(array))
     description = ModelDescription(descriptor, array, keep, weight_kind, sum(t.nbytes for t in packed if t is not None),
                                    head_copy_bytes, list(model.model.layers) if weight_kind == _W_I4 else [],

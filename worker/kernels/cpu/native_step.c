@@ -258,13 +258,19 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
     /* The LM head keeps fp32 activations: quantizing the final hidden state per row flipped
        the self-draft's argmax often enough to cut its acceptance from 0.90 to 0.85 (bundled
        chat prompts, measured 2026-12-02 on the SPR machine of docs/benchmarks.md). An int4
-       model's int8-activation step (llama.cpp's scheme) takes a Q8_0 table head as llama.cpp
-       does, against the hidden state quantized per 32-input block: at batch 1 that head was
-       as long as all the int4 layers (SmolLM2-135M, 49152 x 576). */
+       model's int8-activation step (llama.cpp's scheme) takes its int8 head, a Q8_0 table or
+       the int8 copy of a float head in 16-row panels (lm_head_packed), as llama.cpp does,
+       against the hidden state quantized per 32-input block: at batch 1 that head was as long
+       as all the int4 layers (SmolLM2-135M, 49152 x 576; Llama-3.2-1B's, 128256 x 2048). */
     const int head_a8 = m->int8_activations && m->weight_kind == W_I4;
     int64_t c0, c1;
     for (int ready = 0; take_chunk(s, L * PHASES, V, chunk_size(V, T, 16), &c0, &c1); ready = 1) {
-        if (m->lm_head_kind == W_I8G && head_a8)
+        if (m->lm_head_kind == W_I8 && m->lm_head_packed) {  /* 16-row panels: chunks start on a panel */
+            if (!kvmesh_gemv_i8_panels((const int8_t *)m->lm_head_packed, m->lm_head_scales, bf16, H, c0, c1, picked,
+                                       H, s->S, s->logits, V))
+                kvmesh_gemv_i8_panels_fp32((const int8_t *)m->lm_head_packed, m->lm_head_scales, bf16, H, c0, c1,
+                                           picked, H, s->S, s->logits, V);
+        } else if (m->lm_head_kind == W_I8G && head_a8)
             kvmesh_gemv_i8g_a8((const int8_t *)m->lm_head_weight, (const float *)m->lm_head_scales, H, c0, c1, picked,
                                H, s->S, s->logits, V);
         else if (m->lm_head_kind == W_I8G)  /* a GGUF Q8_0 table read as stored */
@@ -315,6 +321,9 @@ int kvmesh_native_step_check(const kvmesh_model *m) {
         || m->lm_head_kind == W_I4 || ((m->lm_head_kind == W_I8G || m->embed_scales) && m->hidden % 32))
         return 3;
     if (m->bf16 != 0 && m->bf16 != 1) return 4;
+    /* an int8 head in panels: the int4 x int8 step's (int4_panels.c), whose chunks of rows are 16-aligned */
+    if (m->lm_head_packed && m->lm_head_kind == W_I8 && (!m->int8_activations || m->weight_kind != W_I4 || m->hidden % 32))
+        return 3;
     const int head_scaled = m->lm_head_kind == W_I8 || m->lm_head_kind == W_I8G;
     if (!m->embed || !m->final_norm || !m->rope_cos || !m->rope_sin || !m->lm_head_weight || m->vocab <= 0
         || head_scaled != (m->lm_head_scales != NULL))
