@@ -160,11 +160,14 @@ def _native_int4_agrees_with_eager_kept(path, type_name: str) -> cpu_native_step
 def test_int8_activations_read_a_tied_q8_0_head_with_int8_activations_too(tmp_path, cache_dir):
     """The embedded model's shape: Q4_1 layers and the LM head tied to the Q8_0 token table.
     With int8 activations the head is that table's groups against the hidden state quantized
-    per 32 inputs (kvmesh_gemv_i8g_a8, llama.cpp's Q8_0 x Q8_0): the eager kept path's logits
-    within the int8 rounding and its greedy token in nearly every step."""
+    per 32 inputs (llama.cpp's Q8_0 x Q8_0), its codes and group scales read in 16-row panels
+    (int4_panels.c, a copy beside the table): the eager kept path's logits within the int8
+    rounding and its greedy token in nearly every step."""
     path = gc.write_tiny_llama_gguf(tmp_path / "tied.gguf", "Q4_1", tied=True)
     decoder = _native_int4_agrees_with_eager_kept(path, "Q4_1 tied")
     assert decoder.head_q8_0 and decoder.int4_interleaved
+    model = decoder._description.model
+    assert model.lm_head_packed and model.lm_head_packed != model.lm_head_weight  # the table stays the embedding
 
 
 def test_a_type_without_an_exact_layout_is_refused_by_name(tmp_path, cache_dir):

@@ -194,10 +194,13 @@ HEAD_PANEL_ROWS = 16  # int4_panels.c's kvmesh_gemv_i8_panels
 
 def int8_row_panels(codes: torch.Tensor) -> torch.Tensor:
     """int8 codes [N, K] (K % 4 == 0) in kvmesh_gemv_i8_panels' layout, [ceil(N/16)][K/4][16
-    rows][4]: row n's codes 4c .. 4c + 3 at panel n // 16, chunk c, slot n % 16; rows past N zero."""
+    rows][4]: row n's codes 4c .. 4c + 3 at panel n // 16, chunk c, slot n % 16; rows past N zero.
+    A Q8_0 table's fp32 group scales [N, K/32] go through the same call as [ceil(N/16)][K/32][16]
+    (chunks of one value)."""
     n, k = codes.shape
     padded = torch.cat([codes, codes.new_zeros(-n % HEAD_PANEL_ROWS, k)])
-    return padded.view(-1, HEAD_PANEL_ROWS, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    per = 4 if codes.dtype == torch.int8 else 1
+    return padded.view(-1, HEAD_PANEL_ROWS, k // per, per).permute(0, 2, 1, 3).contiguous()
 
 
 def _layer_fields(layer, cache, dtype: torch.dtype,
@@ -325,6 +328,12 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
         if groups is not None:
             head = Projection(_W_I8G, *groups)
             head_copy_bytes = sum(t.nbytes for t in groups)
+    if first.kind == _W_I4 and int8_activations and head.kind == _W_I8G:
+        # A Q8_0 table head (the embedded GGUF's) read by the int4 x int8 step in panels too: a
+        # copy of its codes and fp32 group scales (the table itself stays the embedding)
+        head_panels = int8_row_panels(head.weight)
+        head = Projection(_W_I8G, head.weight, int8_row_panels(head.scales.float()))
+        head_copy_bytes += head_panels.nbytes + head.scales.nbytes
     lm_kind, lm, lm_scales = head.kind, head.weight, head.scales
     final_norm = model.model.norm.weight
     cos, sin = model.rotary.cos, model.rotary.sin_signed
@@ -334,8 +343,10 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
             raise NotTaken("a non-contiguous embedding, LM head or table")
     if final_norm.dtype != dtype or cos.dtype != torch.float32 or lm.shape[1] != hidden:
         raise NotTaken("final norm or RoPE tables in another dtype, or an LM head of another width")
-    if head_panels is not None:  # the panels are the only copy kept: the step reads no rows of it
+    if head_panels is not None and lm_kind == _W_I8:  # the panels are the only copy kept: the step reads no rows of it
         lm = head_panels
+    elif head_panels is not None:
+        keep.append(head_panels)
     keep += [embed, lm, final_norm, cos, sin, *scale_tensors]
     to_pack.append(lm if lm_kind == _W_BF16 else None)
     packed = [amx_packed(w) if w is not None and pack_for_amx else None for w in to_pack]

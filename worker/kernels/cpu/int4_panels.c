@@ -203,7 +203,8 @@ void kvmesh_gemv_int4_panels_fp32(const kvmesh_int4 *p, int64_t K, int64_t n0, i
     }
 }
 
-/* An int8 LM head with one scale a row (the int4 x int8 step's copy of a float head) against
+/* An int8 LM head with one scale a row (the int4 x int8 step's copy of a float head) or one a
+   32-input group (a GGUF Q8_0 table: group scales in panels too, [panel][block][16 rows]) against
    the tokens' int8 rows (input order, per 32-input block), over codes in 16-row panels: at batch
    1 the head read one row after another streamed at about half the rate the int4 panels reach
    (docs/benchmarks.md, decode on EPYC), and each load here serves 16 rows.
@@ -218,7 +219,7 @@ void kvmesh_gemv_int4_panels_fp32(const kvmesh_int4 *p, int64_t K, int64_t n0, i
 
 #if PANEL_VNNI && defined(__AVX512F__)
 /* 16 rows' sums over every block for one token: lanes = rows */
-static inline __m512 head_panel_token(const int8_t *panel, int64_t K, const Int8Rows *xr, int64_t b) {
+static inline __m512 head_panel_token(const int8_t *panel, const float *gs, int64_t K, const Int8Rows *xr, int64_t b) {
     const int64_t blocks = K / 32;
     const int8_t *q = xr->q + b * K;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
@@ -232,8 +233,14 @@ static inline __m512 head_panel_token(const int8_t *panel, int64_t K, const Int8
             const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(panel + 512 * blk + 64 * c), flip);
             dot = _mm512_dpbusd_epi32(dot, w, _mm512_set1_epi32(v));
         }
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(xr->scale[b * blocks + blk]), acc);
+        const __m512 sx = _mm512_set1_ps(xr->scale[b * blocks + blk]);
+        if (gs)  /* each row's own scale for the block: the offset off a block at a time */
+            acc = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps((float)(16 * xr->qsum8[b * blocks + blk]))),
+                                  _mm512_mul_ps(_mm512_loadu_ps(gs + 16 * blk), sx), acc);
+        else
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sx, acc);
     }
+    if (gs) return acc;
     float offset = 0.0f;  /* 128 x sum q = 16 x (8 x sum q), a block at a time */
     for (int64_t blk = 0; blk < blocks; blk++)
         offset += xr->scale[b * blocks + blk] * (float)(16 * xr->qsum8[b * blocks + blk]);
@@ -247,7 +254,8 @@ static inline __m256 head_half_chunk(const int8_t *codes, __m256i qv, __m256i do
 }
 
 /* the same in two halves of 8 rows: out[0 .. 16) */
-static inline void head_panel_token_avx2(const int8_t *panel, int64_t K, const Int8Rows *xr, int64_t b, float *out) {
+static inline void head_panel_token_avx2(const int8_t *panel, const float *gs, int64_t K, const Int8Rows *xr, int64_t b,
+                                         float *out) {
     const int64_t blocks = K / 32;
     const int8_t *q = xr->q + b * K;
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -259,41 +267,49 @@ static inline void head_panel_token_avx2(const int8_t *panel, int64_t K, const I
                 dot[h] = _mm256_castps_si256(head_half_chunk(panel + 512 * blk + 64 * c + 32 * h, qv, dot[h]));
         }
         const __m256 s = _mm256_set1_ps(xr->scale[b * blocks + blk]);
-        for (int h = 0; h < 2; h++) acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h]), s, acc[h]);
+        for (int h = 0; h < 2; h++)
+            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h]), gs ? _mm256_mul_ps(_mm256_loadu_ps(gs + 16 * blk + 8 * h), s) : s,
+                                     acc[h]);
     }
     _mm256_storeu_ps(out, acc[0]);
     _mm256_storeu_ps(out + 8, acc[1]);
 }
 #endif
 
-int kvmesh_gemv_i8_panels(const int8_t *w, const void *scale, const int sbf16, int64_t K, int64_t n0, int64_t n1,
-                          const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy) {
+int kvmesh_gemv_i8_panels(const int8_t *w, const void *scale, const int sbf16, const float *group_scales, int64_t K,
+                          int64_t n0, int64_t n1, const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy) {
     const Int8Rows xr = kvmesh_int8_rows(x, ldx, B, K, 1);
     if (!xr.q) return 0;
     float sums[HEAD_PANEL_ROWS];
     for (int64_t n = n0; n < n1; n += HEAD_PANEL_ROWS) {
         const int8_t *panel = w + n * K;
+        const float *gs = group_scales ? group_scales + n * (K / 32) : NULL;  /* [panel][block][16 rows] */
         const int64_t rows = n1 - n < HEAD_PANEL_ROWS ? n1 - n : HEAD_PANEL_ROWS;
         for (int64_t b = 0; b < B; b++) {
 #if PANEL_VNNI && defined(__AVX512F__)
-            _mm512_storeu_ps(sums, head_panel_token(panel, K, &xr, b));
+            _mm512_storeu_ps(sums, head_panel_token(panel, gs, K, &xr, b));
 #else
-            head_panel_token_avx2(panel, K, &xr, b, sums);
+            head_panel_token_avx2(panel, gs, K, &xr, b, sums);
 #endif
-            for (int64_t r = 0; r < rows; r++) y[b * ldy + n + r] = sums[r] * load_elem(scale, n + r, sbf16);
+            for (int64_t r = 0; r < rows; r++) y[b * ldy + n + r] = gs ? sums[r] : sums[r] * load_elem(scale, n + r, sbf16);
         }
     }
     return 1;
 }
 
-void kvmesh_gemv_i8_panels_fp32(const int8_t *w, const void *scale, const int sbf16, int64_t K, int64_t n0,
-                                int64_t n1, const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy) {
+void kvmesh_gemv_i8_panels_fp32(const int8_t *w, const void *scale, const int sbf16, const float *group_scales,
+                                int64_t K, int64_t n0, int64_t n1, const float *x, int64_t ldx, int64_t B, float *y,
+                                int64_t ldy) {
     for (int64_t n = n0; n < n1; n++) {
-        const int8_t *panel = w + (n - n % HEAD_PANEL_ROWS) * K;
+        const int64_t p = n - n % HEAD_PANEL_ROWS, r = n % HEAD_PANEL_ROWS;
+        const int8_t *panel = w + p * K;
         for (int64_t b = 0; b < B; b++) {
             float total = 0.0f;
-            for (int64_t k = 0; k < K; k++) total += (float)panel[64 * (k / 4) + 4 * (n % HEAD_PANEL_ROWS) + k % 4] * x[b * ldx + k];
-            y[b * ldy + n] = total * load_elem(scale, n, sbf16);
+            for (int64_t k = 0; k < K; k++) {
+                const float v = (float)panel[64 * (k / 4) + 4 * r + k % 4] * x[b * ldx + k];
+                total += group_scales ? v * group_scales[p * (K / 32) + 16 * (k / 32) + r] : v;
+            }
+            y[b * ldy + n] = group_scales ? total : total * load_elem(scale, n, sbf16);
         }
     }
 }

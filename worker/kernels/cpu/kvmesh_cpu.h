@@ -279,15 +279,18 @@ KVMESH_INTERNAL int kvmesh_gemv_int4_panels(const kvmesh_int4 *p, int64_t K, int
 KVMESH_INTERNAL void kvmesh_gemv_int4_panels_fp32(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1,
                                                   const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy);
 
-/* int4_panels.c: an int8 LM head with one scale a row (scale [N], bf16 when sbf16) whose codes
-   are in 16-row panels (cpu_native_step.int8_row_panels) against the tokens quantized to int8 per
-   32-input block, n0 a multiple of 16; 0 where there was no memory (nothing written). The fp32
-   form reads the same panels with fp32 activations (where the int8 rows found no memory). */
-KVMESH_INTERNAL int kvmesh_gemv_i8_panels(const int8_t *w, const void *scale, const int sbf16, int64_t K, int64_t n0,
-                                          int64_t n1, const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy);
-KVMESH_INTERNAL void kvmesh_gemv_i8_panels_fp32(const int8_t *w, const void *scale, const int sbf16, int64_t K,
-                                                int64_t n0, int64_t n1, const float *x, int64_t ldx, int64_t B,
-                                                float *y, int64_t ldy);
+/* int4_panels.c: an int8 LM head whose codes are in 16-row panels (cpu_native_step.int8_row_panels),
+   with one scale a row (scale [N], bf16 when sbf16) or, group_scales not NULL, one fp32 scale a
+   32-input group in panels too ([N / 16][K / 32][16]: a GGUF Q8_0 table), against the tokens
+   quantized to int8 per 32-input block, n0 a multiple of 16; 0 where there was no memory (nothing
+   written). The fp32 form reads the same panels with fp32 activations (where the int8 rows found
+   no memory). */
+KVMESH_INTERNAL int kvmesh_gemv_i8_panels(const int8_t *w, const void *scale, const int sbf16, const float *group_scales,
+                                          int64_t K, int64_t n0, int64_t n1, const float *x, int64_t ldx, int64_t B,
+                                          float *y, int64_t ldy);
+KVMESH_INTERNAL void kvmesh_gemv_i8_panels_fp32(const int8_t *w, const void *scale, const int sbf16,
+                                                const float *group_scales, int64_t K, int64_t n0, int64_t n1,
+                                                const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy);
 
 /* projections_avx2.c: y[b * ldy + n] = W[n] . x[b] for int8 codes w [N][K] with one fp32 scale a
    32-input group, scales [N][K / 32] (W_I8G: an LM head that is a GGUF Q8_0 table); K % 32 == 0. */

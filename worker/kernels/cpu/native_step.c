@@ -265,10 +265,12 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
     const int head_a8 = m->int8_activations && m->weight_kind == W_I4;
     int64_t c0, c1;
     for (int ready = 0; take_chunk(s, L * PHASES, V, chunk_size(V, T, 16), &c0, &c1); ready = 1) {
-        if (m->lm_head_kind == W_I8 && m->lm_head_packed) {  /* 16-row panels: chunks start on a panel */
-            if (!kvmesh_gemv_i8_panels((const int8_t *)m->lm_head_packed, m->lm_head_scales, bf16, H, c0, c1, picked,
+        if (m->lm_head_packed && (m->lm_head_kind == W_I8 || m->lm_head_kind == W_I8G)) {
+            /* 16-row panels (chunks start on a panel); a Q8_0 table's group scales (lm_head_scales) in panels too */
+            const float *gs = m->lm_head_kind == W_I8G ? (const float *)m->lm_head_scales : NULL;
+            if (!kvmesh_gemv_i8_panels((const int8_t *)m->lm_head_packed, m->lm_head_scales, bf16, gs, H, c0, c1, picked,
                                        H, s->S, s->logits, V))
-                kvmesh_gemv_i8_panels_fp32((const int8_t *)m->lm_head_packed, m->lm_head_scales, bf16, H, c0, c1,
+                kvmesh_gemv_i8_panels_fp32((const int8_t *)m->lm_head_packed, m->lm_head_scales, bf16, gs, H, c0, c1,
                                            picked, H, s->S, s->logits, V);
         } else if (m->lm_head_kind == W_I8G && head_a8)
             kvmesh_gemv_i8g_a8((const int8_t *)m->lm_head_weight, (const float *)m->lm_head_scales, H, c0, c1, picked,
@@ -322,7 +324,8 @@ int kvmesh_native_step_check(const kvmesh_model *m) {
         return 3;
     if (m->bf16 != 0 && m->bf16 != 1) return 4;
     /* an int8 head in panels: the int4 x int8 step's (int4_panels.c), whose chunks of rows are 16-aligned */
-    if (m->lm_head_packed && m->lm_head_kind == W_I8 && (!m->int8_activations || m->weight_kind != W_I4 || m->hidden % 32))
+    if (m->lm_head_packed && (m->lm_head_kind == W_I8 || m->lm_head_kind == W_I8G)
+        && (!m->int8_activations || m->weight_kind != W_I4 || m->hidden % 32))
         return 3;
     const int head_scaled = m->lm_head_kind == W_I8 || m->lm_head_kind == W_I8G;
     if (!m->embed || !m->final_norm || !m->rope_cos || !m->rope_sin || !m->lm_head_weight || m->vocab <= 0
