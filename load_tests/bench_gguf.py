@@ -20,9 +20,14 @@ llama.cpp. The modes (the model in fp32, as `kvmesh serve` picks on a CPU withou
     native-fp32   quant.weight none (the file dequantized to fp32), the native step (fp32
                   GEMVs, token-exact: HF's tokens)
     native-int8   quant.weight int8 (per-row int8), the native step (auto)
+    native-int4bf quant.weight gguf in a bf16 model on a CPU with VDPBF16PS (model.dtype auto there):
+                  each 4-row group of int4 codes dequantized to the bf16 values of the default's
+                  weights, VDPBF16PS products (int4_avx512_bf16: the default's logits bit for bit, the
+                  LM head read as its Q8_0 groups alike)
     native-int4x  quant.weight gguf (the file's Q4_1 kept), the native step (auto), int4 layers
                   exact (quant.int4_activations fp32: greedy tokens those of the dequantized model),
-                  each group's code x input sum times its scale (the factorised form, the default)
+                  each group's code x input sum times its scale (the factorised form, the default
+                  on CPUs without VDPBF16PS; on a bf16 one, the int4_bf16 form turned off)
     native-int4b  the same with each weight dequantized bit for bit as eager's (the other form)
     native-int4   the same with int8 activations (quant.int4_activations int8, llama.cpp's scheme),
                   the codes in 8-row panels (int4_panels.c, the default for int8 activations)
@@ -51,11 +56,14 @@ from kvmesh.worker.engine_api import Engine, embedded_gguf_path
 MODES = ("none", "gguf")  # memory: dequantized against kept
 # name: (quant.weight, model.cpu_native_max_tokens, quant.int4_activations)
 SPEED_MODES = {"eager-fp32": ("none", 0, "fp32"), "default": ("auto", None, "fp32"),
+               "native-int4bf": ("gguf", None, "fp32"),
                "native-fp32": ("none", None, "fp32"), "native-int8": ("int8", None, "fp32"),
                "native-int4x": ("gguf", None, "fp32"), "native-int4b": ("gguf", None, "fp32"),
                "native-int4": ("gguf", None, "int8"), "native-int4r": ("gguf", None, "int8")}
 BIT_EXACT_MODES = ("native-int4b",)  # the exact int4 layers' bit-exact form (NativeDecoder.int4_factored off)
-ROW_MODES = ("native-int4r",)  # int8 activations one row at a time (NativeDecoder.int4_interleaved off)
+ROW_MODES = ("native-int4r",)
+# int4 layers with fp32 activations in a bf16 model too (NativeDecoder.int4_bf16 off)
+FP32_ACTIVATION_MODES = ("native-int4x", "native-int4b")  # int8 activations one row at a time (NativeDecoder.int4_interleaved off)
 PROMPT_TOKENS = 32
 
 
@@ -127,6 +135,9 @@ def bench_speed(rounds: int, tokens: int, batches: list[int], llama_python: str 
     engines = {name: Engine.from_config(_config(weight, native=native, threads=threads, int4_activations=acts))
                for name, (weight, native, acts) in SPEED_MODES.items() if name in modes}
     for name, engine in engines.items():
+        decoder = engine.runner.native_decoder
+        if name in FP32_ACTIVATION_MODES and decoder is not None and decoder.int4_bf16:
+            decoder.int4_bf16 = False
         if name in BIT_EXACT_MODES:
             engine.runner.native_decoder.int4_factored = False
         if name in ROW_MODES:

@@ -207,6 +207,12 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         # in place, for the native step's int4 x int8 kernel (cpu_native_step.set_int4_panels);
         # this layer then reads its codes through plain_qweight
         self.panel_rows = 0
+        # Where set, a function of this layer giving its weight as the bf16 values of
+        # dequantized_weight(bf16) (the CPU kernels' dequantization, ~100x torch's); bf16 forwards then
+        # run F.linear on it, the float model's GEMM, instead of torch's int4 kernel. Set where the
+        # native step runs the layer as those bf16 weights (cpu_native_step, int4_bf16), so its
+        # eager steps (longer prefills) compute the same sums.
+        self.bf16_dense = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int,
@@ -255,10 +261,13 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
              else _device_kernels.w4a16_matmul(x2, self.plain_qweight(), self.scales, self.zeros, self.group_size, self.mins))
         if y is not None:
             return self._finish(y.reshape(*lead, self.out_features))
-        operands = self._kernel_path() if x.device.type == "cpu" and x.dtype == torch.bfloat16 else None
+        dense = self.bf16_dense is not None and x.device.type == "cpu" and x.dtype == torch.bfloat16
+        operands = self._kernel_path() if x.device.type == "cpu" and x.dtype == torch.bfloat16 and not dense else None
         if operands is not None:
             packed, scale_and_zero = operands
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), packed, self.group_size, scale_and_zero)
+        elif dense:
+            y = F.linear(x2, self.bf16_dense(self))
         else:
             y = F.linear(x2, self.dequantized_weight(x.dtype))
         return self._finish(y.reshape(*lead, self.out_features))

@@ -89,9 +89,9 @@ def test_the_header_declares_the_structs_python_passes():
     for struct in cpu_abi.STRUCTS:
         assert [name for name, _ in struct._fields_] == [name for name, _ in struct.c_fields]
     assert ctypes.sizeof(cpu_abi.LayerDescriptor) == 24 * 8
-    # 21 int64 fields, the float padded to 8 bytes, 9 pointers
-    assert ctypes.sizeof(cpu_abi.ModelDescriptor) == (21 + 1 + 9) * 8
-    assert cpu_abi.ModelDescriptor.embed.offset == 22 * 8
+    # 22 int64 fields, the float padded to 8 bytes, 9 pointers
+    assert ctypes.sizeof(cpu_abi.ModelDescriptor) == (22 + 1 + 9) * 8
+    assert cpu_abi.ModelDescriptor.embed.offset == 23 * 8
 
 
 @needs_compiler

@@ -617,3 +617,25 @@ def test_an_lm_head_that_is_a_q8_0_table_is_read_as_its_int8_groups(tiny_model_d
     with torch.no_grad():
         head[0, 0] += 1e-7  # one weight off the grid
     assert int8_groups_if_exact(head) is None
+
+
+@pytest.mark.skipif(cpu_native_step.unavailable_reason() is not None or cpu_build.load() is None
+                    or not cpu_build.load().features & cpu_abi.FEATURES["KVMESH_FEATURE_DPBF16"],
+                    reason="no VDPBF16PS build")
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_bf16_weights_are_quants_dequantization_rounded_to_bf16(group):
+    """The int4_bf16 form's weights (the kernels' int4 -> bf16, what its eager layers multiply):
+    quant's own dequantization in fp32 rounded to bf16, bit for bit, for RTN int4 (bf16 scales,
+    integer zeros) and with fp16 mins added (GGUF's offsets), 37 rows (a tail short of 4)."""
+    from kvmesh.quant.linear import Int4WeightOnlyLinear
+
+    generator = torch.Generator().manual_seed(3)
+    linear = torch.nn.Linear(256, 37, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(37, 256, generator=generator) * 0.05)
+    layer = Int4WeightOnlyLinear.from_linear(linear, group)
+    dense = cpu_native_step.Bf16Dense(cpu_build.load())
+    assert torch.equal(dense(layer), layer.dequantized_weight(torch.bfloat16))
+    layer.mins = (torch.randn(layer.scales.shape, generator=generator) * 0.02).half()
+    layer.scales = layer.scales.half()
+    assert torch.equal(dense(layer), layer.dequantized_weight(torch.bfloat16))

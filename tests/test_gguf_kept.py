@@ -25,7 +25,7 @@ from kvmesh.load_tests import gguf_checkpoints as gc
 from kvmesh.load_tests.family_checkpoints import greedy_continuations
 from kvmesh.quant.gguf_layouts import UnsupportedGgufTypeError
 from kvmesh.quant.linear import Int4WeightOnlyLinear, Int8GroupWeightOnlyLinear
-from kvmesh.worker.engine_api import Engine
+from kvmesh.worker.engine_api import Engine, embedded_gguf_path
 from kvmesh.worker.kernels import cpu_native_step
 from kvmesh.worker.model.gguf_loader import _unpermute_rows
 from kvmesh.worker.runner.model_setup import load_model, resolve_model
@@ -154,6 +154,47 @@ def _native_int4_agrees_with_eager_kept(path, type_name: str) -> cpu_native_step
     worst, same = max(d for d, _ in rows), sum(s for _, s in rows) / len(rows)
     assert worst < 0.05 and same >= 0.9, f"{type_name}: native int4 vs eager kept: logits {worst}, argmax {same:.0%}"
     return runner.native_decoder
+
+
+def _bf16_step_logits(path, weight: str, native: int) -> tuple[list[list[int]], list[torch.Tensor], Engine]:
+    """Greedy tokens of `path` in bf16 and the logits of every native step that sampled."""
+    config = _config(path, weight, native).replace(model={"dtype": "bf16"})
+    engine = Engine.from_config(config)
+    decoder, logits = engine.runner.native_decoder, []
+    real_run = decoder.run
+
+    def kept(inputs):
+        out = real_run(inputs)
+        if out is not None and inputs.sample_at:
+            logits.append(out.clone())
+        return out
+
+    decoder.run = kept
+    return greedy_continuations(engine, PROMPTS, NEW_TOKENS), logits, engine
+
+
+@pytest.mark.skipif(not cpu_native_step.dpbf16_without_amx(), reason="the bf16 model's GEMVs are not VDPBF16PS here")
+@pytest.mark.parametrize("tied", [False, True], ids=["f16-head", "tied-q8_0-head"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K", "embedded"])
+def test_bf16_int4_layers_compute_the_bf16_dequantized_models_logits(type_name, tied, tmp_path, cache_dir):
+    """quant.weight gguf in a bf16 model: the int4 layers (and a Q8_0 head) dequantized to bf16 a
+    4-row group at a time and multiplied by the bf16 model's VDPBF16PS GEMV: every native step's
+    logits those of the file dequantized at load (quant.weight none, rounded to bf16) bit for bit,
+    with the prompts' chunks run eagerly (native steps of <= 4 tokens: the eager int4 layers
+    multiply the same bf16 values) and natively."""
+    if type_name == "embedded":
+        if tied:
+            pytest.skip("the embedded file is one case")
+        path = embedded_gguf_path()
+    else:
+        path = gc.write_tiny_llama_gguf(tmp_path / "tiny.gguf", type_name, tied=tied)
+    for native in (4, 64):
+        want_tokens, want, _ = _bf16_step_logits(path, "none", native)
+        got_tokens, got, engine = _bf16_step_logits(path, "gguf", native)
+        assert engine.runner.cpu_step.path == "int4_avx512_bf16", engine.runner.cpu_step.describe()
+        assert got_tokens == want_tokens and len(got) == len(want) >= NEW_TOKENS - 1
+        for step, (g, w) in enumerate(zip(got, want)):
+            assert torch.equal(g, w), f"{type_name} step {step}: max diff {(g - w).abs().max()}"
 
 
 @pytest.mark.skipif(cpu_native_step.unavailable_reason() is not None, reason="no native step")

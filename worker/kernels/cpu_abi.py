@@ -70,6 +70,9 @@ ModelDescriptor = _struct("ModelDescriptor", "kvmesh_model", (
     ("int4_scale_dtype", "int64_t"), ("int4_zero_dtype", "int64_t"), ("int4_min_dtype", "int64_t"),  # META_*
     # int4 layers' codes in 8-row panels (int4_panels.c; int8_activations only)
     ("int4_interleaved", "int64_t"),
+    # a bf16 model's int4 layers and Q8_0 LM head dequantized to bf16 a 4-row group at a time,
+    # VDPBF16PS products (kvmesh_gemv_int4_bf16: the bf16 model's sums at the int4 bytes)
+    ("int4_bf16", "int64_t"),
     ("rms_norm_eps", "float"),
     ("embed", "const void *"),  # [V, H] in the model dtype, or int8 codes when embed_scales is set
     ("embed_scales", "const float *"),  # an int8 table's fp32 scales, one a 32-input group (GGUF Q8_0), or NULL

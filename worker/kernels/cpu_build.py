@@ -169,6 +169,10 @@ class CpuKernels:
         self.set_gemm_min_rows, self.gemm_min_rows = lib.kvmesh_set_gemm_min_rows, lib.kvmesh_gemm_min_rows
         self.set_gemm_min_rows.argtypes, self.set_gemm_min_rows.restype = [ctypes.c_int], ctypes.c_int
         self.gemm_min_rows.argtypes, self.gemm_min_rows.restype = [], ctypes.c_int
+        # an int4 projection dequantized to the bf16 values the native step's int4_bf16 form multiplies
+        self.int4_to_bf16 = lib.kvmesh_int4_to_bf16
+        self.int4_to_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_void_p, ctypes.c_int64]
+        self.int4_to_bf16.restype = ctypes.c_int
         lib.kvmesh_cpu_init.restype = lib.kvmesh_cpu_features.restype = ctypes.c_int
         lib.kvmesh_cpu_init()  # asks Linux for AMX tile state (the amx build only)
         self.features = lib.kvmesh_cpu_features()

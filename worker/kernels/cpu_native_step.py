@@ -36,7 +36,11 @@ scheme; int8_activations, what int4 models run) or each weight dequantized in re
 the eager layer does (fp32 activations: token-exact, the tests' reference); steps of 8 tokens
 and more (int4_gemm_min_rows) take those fp32-activation int4 layers and a Q8_0 LM head through
 a batched GEMM (cpu/int4_gemm_avx2.c: weight panels dequantized once a call, FMA-bound tiles
-over every token; 1.9x the per-row kernels at 64 decode rows on an AVX2 EPYC).
+over every token; 1.9x the per-row kernels at 64 decode rows on an AVX2 EPYC). In a bf16 model
+on a CPU with VDPBF16PS (quant.weight gguf, model.dtype bf16) int4 layers and a Q8_0 LM head
+run as that model's bf16 products instead (int4_bf16: each 4-row group dequantized to the bf16
+values the file dequantized at load holds, then the bf16 GEMV: its logits bit for bit, from the
+int4 bytes), and their eager layers multiply the same bf16 weights.
 Not taken (eager runs every step, one log line says why): AWQ input scales, biases, int8-group
 layers (GGUF Q8_0), quantized KV, tensor parallelism, non-CPU devices, widths not a multiple
 of 16, no C compiler.
@@ -86,7 +90,9 @@ CHECK_FAILURES = {1: "a width not a multiple of 16", 2: "query heads not a multi
                   5: "no embedding, final norm, RoPE table or LM head (or its scales)", 6: "no layers",
                   7: "a layer without a norm, weight or cache", 8: "int8 / int4 scales missing (or float ones given)",
                   9: "int4 groups not a multiple of 32 dividing every width (or an unknown scale dtype)",
-                  10: "int4 zeros missing (or given for other kinds)"}
+                  10: "int4 zeros missing (or given for other kinds)",
+                  11: "bf16 products for int4 layers outside a bf16 int4 model of widths a multiple of 32 "
+                      "(or a build without VDPBF16PS)"}
 
 
 class NotTaken(Exception):
@@ -264,11 +270,14 @@ class ModelDescription:
 
 
 def describe(model, kv_caches: list, int8_activations: bool = False,
-             pack_for_amx: bool = False) -> ModelDescription:
+             pack_for_amx: bool = False, bf16_products: bool = False) -> ModelDescription:
     """The model and its KV caches as the native step's descriptor; NotTaken (the reason)
     for what the step does not implement. pack_for_amx: bf16 weights also get a copy laid out
     for the AMX kernel (made only after every check has passed: packing is ~0.1 s and a
-    weights' worth of memory)."""
+    weights' worth of memory). bf16_products: the kernels have VDPBF16PS; a bf16 int4 model
+    without int8 activations then runs its int4 layers and a Q8_0 head as the bf16 model's
+    products (int4_bf16: each 4-row group dequantized to its bf16 values, the bf16 GEMV over
+    them; NativeDecoder then has its eager int4 layers dequantize to the same values)."""
     if model.coll.world_size != 1:
         raise NotTaken("tensor parallelism")
     refusal = model.arch.llama_shaped_refusal()
@@ -358,6 +367,7 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
             setattr(array[i], name, value)
     weight_kind = first.kind
     panels = weight_kind == _W_I4 and int8_activations
+    int4_bf16 = weight_kind == _W_I4 and dtype == torch.bfloat16 and bf16_products and not int8_activations
     if weight_kind == _W_I4:  # last: nothing is re-laid out for a model the step then refuses
         set_int4_panels(model.model.layers, panels)
     int4 = {} if weight_kind != _W_I4 else {
@@ -372,8 +382,8 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
         # fp32-activation int4 layers in the factorised form (fewer instructions a weight; the
         # same weights, fp32 sums in another order: the embedded model keeps HF's tokens,
         # tests/test_engine_exact.py); NativeDecoder.int4_factored = False is the bit-exact form
-        int4_factored=int(weight_kind == _W_I4 and not int8_activations),
-        int4_interleaved=int(panels),
+        int4_factored=int(weight_kind == _W_I4 and not int8_activations and not int4_bf16),
+        int4_interleaved=int(panels), int4_bf16=int(int4_bf16),
         rms_norm_eps=float(cfg.rms_norm_eps), embed=_ptr(embed), embed_scales=_ptr(embed_scales),
         final_norm=_ptr(final_norm), rope_cos=_ptr(cos),
         rope_sin=_ptr(sin), lm_head_weight=_ptr(lm), lm_head_scales=_ptr(lm_scales), lm_head_packed=_ptr(head_panels if head_panels is not None else packed[-1]),
@@ -454,6 +464,25 @@ def set_int4_panels(layers, on: bool) -> None:
                 m.panel_rows = rows
 
 
+class Bf16Dense:
+    """An int4 layer's weight as the bf16 values the int4_bf16 step multiplies (Int4WeightOnlyLinear.
+    bf16_dense): the kernels' kvmesh_int4_to_bf16, else quant's own dequantization (the same values)."""
+
+    def __init__(self, kernels: cpu_build.CpuKernels):
+        self._to_bf16 = kernels.int4_to_bf16
+
+    def __call__(self, layer: Int4WeightOnlyLinear) -> torch.Tensor:
+        out = torch.empty(layer.out_features, layer.in_features, dtype=torch.bfloat16)
+        meta = [t for t in (layer.scales, layer.zeros, layer.mins) if t is not None]
+        plain = not layer.panel_rows and layer.qweight.is_contiguous() and all(
+            t.is_contiguous() and t.dtype in _META_DTYPES for t in meta)
+        if plain and self._to_bf16(_ptr(layer.qweight), *(_ptr(t) for t in (layer.scales, layer.zeros, layer.mins)),
+                                   layer.group_size, *(_META_DTYPES[t.dtype] for t in meta), *[0] * (3 - len(meta)),
+                                   layer.out_features, layer.in_features, _ptr(out), torch.get_num_threads()):
+            return out
+        return layer.dequantized_weight(torch.bfloat16)
+
+
 class NativeDecoder:
     """The compiled step for one model and its KV caches. `run(inputs)` -> fp32 logits of the
     step's sampling rows for a step of at most `max_tokens` tokens, else None (run eagerly)."""
@@ -482,12 +511,16 @@ class NativeDecoder:
         self.amx_packed_bytes = description.amx_packed_bytes  # bf16 weights re-laid for AMX tiles
         self.int8_head_bytes = description.int8_head_bytes
         self._int4_layers = description.int4_layers
+        self._bf16_dense = Bf16Dense(kernels)
+        self._mark_bf16_dense()
         # one int4 layer of the model, whose panel_rows says the codes' layout at each step
         self._int4_probe = next((m for layer in self._int4_layers for m in _int4_linears(layer)), None)
         self.head_q8_0 = description.model.lm_head_kind == _W_I8G  # the head as a Q8_0 table's exact groups
         # what the layers' projections run on: AMX tiles, VDPBF16PS, AVX-512 FMAs ("fma", fp32 or
-        # widened), AVX2 FMAs ("avx2", the avx2 build), or int4 groups dequantized in AVX2 registers
-        self.path = (("int4_avx2_a8" if int8_activations else "int4_avx2") if kind == _W_I4 else
+        # widened), AVX2 FMAs ("avx2", the avx2 build), int4 groups dequantized in AVX2 registers,
+        # or int4 groups dequantized to bf16 for VDPBF16PS (a bf16 model's, int4_bf16)
+        self.path = (("int4_avx2_a8" if int8_activations else
+                      "int4_avx512_bf16" if description.model.int4_bf16 else "int4_avx2") if kind == _W_I4 else
                      "amx" if self.amx_packed_bytes or self.int8_amx else
                      "avx512_bf16" if kind == _W_BF16 and kernels.features & _FEATURE_DPBF16 else
                      "fma" if kernels.features & _FEATURE_AVX512 else "avx2")
@@ -508,7 +541,8 @@ class NativeDecoder:
             raise NotTaken(f"no CPU kernels ({cpu_build.load_failure()})")
         if not kernels.features & _FEATURE_NATIVE_STEP:
             raise NotTaken(f"the {kernels.variant.name} build has no native step")
-        description = describe(model, kv_caches, int8_activations, pack_for_amx=bool(kernels.features & _FEATURE_AMX))
+        description = describe(model, kv_caches, int8_activations, pack_for_amx=bool(kernels.features & _FEATURE_AMX),
+                               bf16_products=bool(kernels.features & _FEATURE_DPBF16))
         failure = kernels.native_step_check(ctypes.pointer(description.model))
         if failure:
             raise NotTaken(f"the native step refused the model: {CHECK_FAILURES.get(failure, failure)}")
@@ -523,6 +557,34 @@ class NativeDecoder:
         """fp32-activation int4 layers computed per group as scale x (sum of code x input) +
         offset x (sum of inputs) (True) or each weight dequantized bit for bit as eager's (False)."""
         self._description.model.int4_factored = int(on)
+
+    @property
+    def int4_bf16(self) -> bool:
+        return bool(self._description.model.int4_bf16)
+
+    @int4_bf16.setter
+    def int4_bf16(self, on: bool) -> None:
+        """A bf16 model's int4 layers (and a Q8_0 head) as the bf16 model's products (True: each
+        4-row group dequantized to bf16 for VDPBF16PS, eager layers on the same bf16 weights) or
+        with fp32 activations (False: kvmesh_gemv_int4's forms, torch's int4 kernel eagerly)."""
+        model = self._description.model
+        was = model.int4_bf16
+        model.int4_bf16 = int(on)
+        if on and self._kernels.native_step_check(ctypes.pointer(model)):
+            model.int4_bf16 = was
+            raise ValueError("bf16 products are for a bf16 int4 model's plain rows on a CPU with VDPBF16PS")
+        model.int4_factored = int(not on and not model.int8_activations) if self._int4_layers else 0
+        self._mark_bf16_dense()
+        if self.path.startswith("int4_avx"):
+            self.path = "int4_avx512_bf16" if on else "int4_avx2_a8" if model.int8_activations else "int4_avx2"
+
+    def _mark_bf16_dense(self) -> None:
+        """The int4 layers' eager forward on the bf16 weights this step multiplies (int4_bf16), or
+        torch's int4 kernel (not)."""
+        dense = self._bf16_dense if self._description.model.int4_bf16 else None
+        for layer in self._int4_layers:
+            for m in _int4_linears(layer):
+                m.bf16_dense = dense
 
     @property
     def int4_interleaved(self) -> bool:

@@ -15,6 +15,10 @@ made here, once, at construction, and kept as `cpu_step` (the worker's start lin
                  models run by default (quant.int4_activations fp32: token-exact)
     int4_avx2_a8 the same with int8 activations per 32-input block (llama.cpp's Q4 x Q8
                  scheme; quant.int4_activations int8): the fastest mode, not token-exact
+    int4_avx512_bf16  a bf16 model's int4 layers (e.g. quant.weight gguf, model.dtype bf16) on a
+                 CPU with VDPBF16PS: each 4-row group dequantized to the bf16 values of the model
+                 dequantized at load, then VDPBF16PS as its bf16 weights (the same logits, bit
+                 for bit, from the int4 bytes; a Q8_0 head alike)
     torch        no native step: every step eager; `reason` says why (fp32 float models by
                  default, what the step does not implement, no kernels)
 
@@ -45,7 +49,7 @@ logger = logging.getLogger(__name__)
 class CpuStepPath:
     """What serves a CPU runner's small steps (see the module doc)."""
 
-    path: str  # amx | avx512_bf16 | fma | avx2 | int4_avx2_a8 | int4_avx2 | torch
+    path: str  # amx | avx512_bf16 | fma | avx2 | int4_avx2_a8 | int4_avx2 | int4_avx512_bf16 | torch
     reason: str = ""  # why torch; empty otherwise
     max_tokens: int = 0  # the largest step the native step takes (0: torch)
     variant: str = ""  # the CPU kernels' build the native step runs (worker/kernels/cpu_build.py)
@@ -66,7 +70,7 @@ def numerics_of(decoder: cpu_native_step.NativeDecoder, dtype: torch.dtype) -> s
     if decoder.path == "int4_avx2_a8" or decoder.int8_amx:
         return "int8 activations, not token-exact"
     if dtype != torch.float32:
-        return f"{str(dtype).removeprefix('torch.')} model" + (", bf16 inputs" if decoder.path in ("amx", "avx512_bf16")
+        return f"{str(dtype).removeprefix('torch.')} model" + (", bf16 inputs" if decoder.path in ("amx", "avx512_bf16", "int4_avx512_bf16")
                                                                else ", fp32 activations")
     return "fp32, token-exact"
 

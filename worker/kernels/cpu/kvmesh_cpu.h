@@ -76,6 +76,7 @@ typedef struct {
     int64_t int4_zero_dtype;
     int64_t int4_min_dtype;
     int64_t int4_interleaved;
+    int64_t int4_bf16;
     float rms_norm_eps;
     const void *embed;
     const float *embed_scales;
@@ -255,6 +256,26 @@ enum { INT4_EXACT = 0, INT4_A8 = 1, INT4_FACTORED = 2 };
    one of the forms above. Every variant. */
 KVMESH_INTERNAL void kvmesh_gemv_int4(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, const float *x,
                                       int64_t ldx, int64_t B, float *y, int64_t ldy, const int form);
+
+/* projections.c: the same products for int4 weights and for int8 codes with one fp32 scale a
+   32-input group (a GGUF Q8_0 LM head) with bf16 products: each 4-row group dequantized to the
+   bf16 values of the model's float copy, then VDPBF16PS as bf16 weights (the bf16 model's sums bit
+   for bit); x16 and x_ready as kvmesh_gemv's. 0 in builds without VDPBF16PS (nothing written). */
+KVMESH_INTERNAL int kvmesh_gemv_int4_bf16(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, const float *x,
+                                          int64_t ldx, int64_t B, float *y, int64_t ldy, uint16_t *x16,
+                                          const int x_ready);
+KVMESH_INTERNAL int kvmesh_gemv_i8g_bf16(const int8_t *w, const float *scales, int64_t K, int64_t n0, int64_t n1,
+                                         const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy, uint16_t *x16,
+                                         const int x_ready);
+/* 1 where this build has them. */
+KVMESH_INTERNAL int kvmesh_bf16_products(void);
+/* An int4 projection's rows [0, N) (the kvmesh_int4 fields, plain rows) dequantized to those bf16
+   values, out [N][K], over `threads` OpenMP threads: the eager layer's weight in that mode
+   (quant/linear.py, bf16_dense). 0 where not done: no VDPBF16PS build, K or the group not
+   multiples of 32. */
+int kvmesh_int4_to_bf16(const uint8_t *codes, const void *scales, const void *zeros, const void *mins, int64_t group,
+                        int64_t scale_dtype, int64_t zero_dtype, int64_t min_dtype, int64_t N, int64_t K, uint16_t *out,
+                        int64_t threads);
 
 /* Tokens' rows quantized to int8 per 32-input block (projections_avx2.c, kvmesh_int8_rows):
    q [B][K] each block's 16 even inputs then its 16 odd ones (the order of a block's low and

@@ -9,7 +9,8 @@
     tokens that sample -> fp32 logits
 
    The projections are projections.c's (AVX-512 builds) or projections_avx2.c's (the avx2
-   build; int4 weights in every build). Every variant has the step. */
+   build; int4 weights with fp32 or int8 activations in every build; a bf16 model's int4 layers
+   as bf16 products where the build has VDPBF16PS, int4_bf16). Every variant has the step. */
 #include <math.h>
 #include <omp.h>
 
@@ -102,7 +103,8 @@ static inline void project(const kvmesh_model *m, const int kind, const void *w,
         const kvmesh_int4 p = {(const uint8_t *)w, scales, zeros, mins, m->int4_group, (int)m->int4_scale_dtype,
                                (int)m->int4_zero_dtype, (int)m->int4_min_dtype, (int)m->int4_interleaved,
                                (const float *)wp};  /* an int4 projection's "packed" copy: its kernel metadata */
-        kvmesh_gemv_int4(&p, K, n0, n1, x, ldx, B, y, ldy, int4_form(m));
+        if (m->int4_bf16) kvmesh_gemv_int4_bf16(&p, K, n0, n1, x, ldx, B, y, ldy, x16, x_ready);
+        else kvmesh_gemv_int4(&p, K, n0, n1, x, ldx, B, y, ldy, int4_form(m));
     } else {
         kvmesh_gemv(w, wp, kind, scales, sbf16, K, n0, n1, x, ldx, B, y, ldy, x16, x_ready, a8);
     }
@@ -219,8 +221,13 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
                                          (int)m->int4_scale_dtype, (int)m->int4_zero_dtype, (int)m->int4_min_dtype,
                                          (int)m->int4_interleaved, (const float *)lp->gate_up_packed};
                 const kvmesh_int4 gate = int4_rows(all, i0, H), up = int4_rows(all, I + i0, H);
-                kvmesh_gemv_int4(&gate, H, 0, w, h, H, B, gu, w, int4_form(m));
-                kvmesh_gemv_int4(&up, H, 0, w, h, H, B, gu + B * w, w, int4_form(m));
+                if (m->int4_bf16) {
+                    kvmesh_gemv_int4_bf16(&gate, H, 0, w, h, H, B, gu, w, x16, ready);
+                    kvmesh_gemv_int4_bf16(&up, H, 0, w, h, H, B, gu + B * w, w, x16, 1);
+                } else {
+                    kvmesh_gemv_int4(&gate, H, 0, w, h, H, B, gu, w, int4_form(m));
+                    kvmesh_gemv_int4(&up, H, 0, w, h, H, B, gu + B * w, w, int4_form(m));
+                }
             } else {
                 const char *gw = (const char *)lp->gate_up_weight;
                 const char *gs = (const char *)lp->gate_up_scales, *us = gs;
@@ -272,7 +279,10 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
                                        H, s->S, s->logits, V))
                 kvmesh_gemv_i8_panels_fp32((const int8_t *)m->lm_head_packed, m->lm_head_scales, bf16, gs, H, c0, c1,
                                            picked, H, s->S, s->logits, V);
-        } else if (m->lm_head_kind == W_I8G && head_a8)
+        } else if (m->lm_head_kind == W_I8G && m->int4_bf16)  /* the bf16 model's head values, bf16 products */
+            kvmesh_gemv_i8g_bf16((const int8_t *)m->lm_head_weight, (const float *)m->lm_head_scales, H, c0, c1,
+                                 picked, H, s->S, s->logits, V, x16, ready);
+        else if (m->lm_head_kind == W_I8G && head_a8)
             kvmesh_gemv_i8g_a8((const int8_t *)m->lm_head_weight, (const float *)m->lm_head_scales, H, c0, c1, picked,
                                H, s->S, s->logits, V);
         else if (m->lm_head_kind == W_I8G)  /* a GGUF Q8_0 table read as stored */
@@ -340,6 +350,10 @@ int kvmesh_native_step_check(const kvmesh_model *m) {
         for (int i = 0; i < 3; i++)
             if (dts[i] < META_F32 || dts[i] > META_F16) return 9;
     }
+    /* bf16 products: a bf16 model's plain int4 rows (fp32 activations otherwise), this build's VDPBF16PS */
+    if (m->int4_bf16 && (!i4 || m->bf16 != 1 || m->int8_activations || m->int4_interleaved || m->hidden % 32
+                         || m->intermediate % 32 || (m->num_q_heads * m->head_dim) % 32 || !kvmesh_bf16_products()))
+        return 11;
     for (int64_t l = 0; l < m->num_layers; l++) {
         const kvmesh_layer *lp = &m->layers[l];
         const int scaled = m->weight_kind == W_I8 || i4;

@@ -4,11 +4,12 @@
 
      AMX tiles           bf16 weights from their AMX-packed copy (TDPBF16PS), int8 weights
                          with int8 activations (TDPBSSD, the self-draft only), steps <= 64 rows
-     VDPBF16PS GEMVs     bf16 weights with AVX512_BF16
+     VDPBF16PS GEMVs     bf16 weights with AVX512_BF16; a bf16 model's int4 groups and Q8_0 LM
+                         head too, each 4-row group dequantized to its bf16 values first
      FMA GEMVs           every kind, widened to fp32 in registers (any AVX-512 CPU)
 
    Everything above the #else needs AVX-512; the avx2 build runs projections_avx2.c's AVX2 + FMA
-   GEMVs instead, and int4 weights go to projections_avx2.c in every build. */
+   GEMVs instead, and int4 weights with fp32 activations go to projections_avx2.c in every build. */
 #include "kvmesh_cpu.h"
 
 #ifdef __AVX512F__
@@ -87,9 +88,12 @@ static inline __attribute__((always_inline)) void tile4(const char *w, int64_t n
    row of an uneven share's tail), the B tokens TILE_ROWS at a time (pass p of `passes`), TILE(C)
    the GEMV's tile function for the tokens from b with a constant C (so its accumulators stay in
    registers) writing y[token * ldy + row]. */
-#define FOR_EACH_ROW_TILE(TILE) \
+#define FOR_EACH_ROW_TILE(TILE) FOR_EACH_ROW_GROUP((void)0, TILE)
+/* The same, with the statement GROUP run before each row group's tiles. */
+#define FOR_EACH_ROW_GROUP(GROUP, TILE) \
     const int passes = (int)((B + TILE_ROWS - 1) / TILE_ROWS); \
-    for (; n + 4 <= n1; n += 4) \
+    for (; n + 4 <= n1; n += 4) { \
+        GROUP; \
         for (int64_t b = 0; b < B; b += TILE_ROWS) { \
             const int64_t c = B - b < TILE_ROWS ? B - b : TILE_ROWS; \
             const int pass = (int)(b / TILE_ROWS); \
@@ -101,7 +105,8 @@ static inline __attribute__((always_inline)) void tile4(const char *w, int64_t n
                 case 2: TILE(2); break; \
                 default: TILE(1); \
             } \
-        }
+        } \
+    }
 
 /* y[b * ldy + n] = scale[n] * dot(W[n, :K], x[b * ldx, :K]) for n in [n0, n1), b < B (K % 16 == 0):
    four weight rows at a time against the batch rows TILE_ROWS at a time (the four rows stay in
@@ -153,7 +158,7 @@ static void rows_to_bf16(const float *x, int64_t ldx, int64_t B, int64_t K, uint
    projections 0.65-0.7x the time with T2; at 24-64 rows T0 is 1-4% ahead; Zen 4). */
 #define L2_PREFETCH_PASSES 3
 static inline __attribute__((always_inline)) void tile4_dp(const char *w, int64_t n, int64_t K, const uint16_t *x,
-        const int C, const int pass, const int passes, float *y, int64_t ldy) {
+        const int C, const int pass, const int passes, float *y, int64_t ldy, const int prefetch) {
     const int64_t row = K * 2;
     const char *r0 = w + n * row, *ahead = r0 + PREFETCH_GROUPS * 4 * row;
     __m512 acc[4][TILE_ROWS];
@@ -163,7 +168,7 @@ static inline __attribute__((always_inline)) void tile4_dp(const char *w, int64_
         for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_ps();
     int64_t next_line = pass;  /* the next 64-byte line of the rows (one a k-step) this pass prefetches */
     for (int64_t k = 0; k < K; k += 32) {
-        if (k / 32 == next_line) {
+        if (prefetch && k / 32 == next_line) {
             next_line += passes;
             if (passes <= L2_PREFETCH_PASSES)
                 #pragma GCC unroll 4
@@ -186,23 +191,185 @@ static inline __attribute__((always_inline)) void tile4_dp(const char *w, int64_
     for (int j = 0; j < C; j++) _mm_storeu_ps(y + j * ldy, sum4(acc[0][j], acc[1][j], acc[2][j], acc[3][j]));
 }
 
+/* One bf16 row r against the B rows of x: y[b * ldy] = r . x[b], tile4_dp's sums for that row
+   (one accumulator, reduced in _mm512_reduce_add_ps's order, as sum4 adds). */
+static inline void row_dp(const char *r, int64_t K, const uint16_t *x, int64_t B, float *y, int64_t ldy) {
+    for (int64_t b = 0; b < B; b++) {
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 32)
+            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512((const void *)(r + k * 2)),
+                                 (__m512bh)_mm512_loadu_si512((const void *)(x + b * K + k)));
+        y[b * ldy] = _mm512_reduce_add_ps(a);
+    }
+}
+
 static void gemv_bf16_dp(const void *w, int64_t K, int64_t n0, int64_t n1, const uint16_t *x, int64_t B,
                          float *y, int64_t ldy) {
     const char *wc = (const char *)w;
     int64_t n = n0;
-#define DP_TILE(C) tile4_dp(wc, n, K, x + b * K, C, pass, passes, y + b * ldy + n, ldy)
+#define DP_TILE(C) tile4_dp(wc, n, K, x + b * K, C, pass, passes, y + b * ldy + n, ldy, 1)
     FOR_EACH_ROW_TILE(DP_TILE)
 #undef DP_TILE
-    for (; n < n1; n++) {  /* the last rows of an uneven share: the same sums, one row at a time */
-        const char *r = wc + n * K * 2;
-        for (int64_t b = 0; b < B; b++) {
-            __m512 a = _mm512_setzero_ps();
-            for (int64_t k = 0; k < K; k += 32)
-                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512((const void *)(r + k * 2)),
-                                     (__m512bh)_mm512_loadu_si512((const void *)(x + b * K + k)));
-            y[b * ldy + n] = _mm512_reduce_add_ps(a);
+    for (; n < n1; n++) row_dp(wc + n * K * 2, K, x, B, y + n, ldy);  /* the last rows of an uneven share */
+}
+
+/* Stored weights with bf16 products: int4 groups (kvmesh_int4) or a Q8_0 table's int8 groups
+   (code x fp32 scale, K/32 a row), each 4-row group dequantized to bf16 into an L1 scratch
+   [4][K], then the same tile4_dp walk as bf16 weights over it for every token pass. A weight is
+   the value the model's float copy holds in bf16: for int4 ((code - zero) * scale) + min in fp32
+   (a multiply, then an add: quant/primitives.dequantize_int4_groupwise and gguf's own
+   dequantize, then torch's round to nearest even; for a GGUF product the FMA would round the
+   same, but a float scale's product need not be exact), for int8 code * scale (exact); so the
+   sums are those of bf16 weights bit for bit, from int4's ~0.3x of their bytes. An int4 group's
+   16 possible weights are computed once, as a bf16 table, and its codes look theirs up (VPERMW):
+   ~2 ns a group of 32 weights on a Zen 4 core, which at one token is most of the step (the bf16
+   GEMV itself reads from L1). The codes of the group PREFETCH_GROUPS ahead are prefetched a line
+   at a time through the dequantization (tile4_dp's own prefetch is off: the scratch is in L1). */
+#define DQ_RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)  /* rounding given: never contracted into an FMA */
+
+/* G metadata values (a META_* dtype) from i on -> fp32 out[0 .. G); 1 where all are 0 */
+static inline int meta_to_f32(const void *p, int64_t i, int64_t G, const int dtype, float *out) {
+    __mmask16 nonzero = 0;
+    for (int64_t g = 0; g < G; g += 16) {
+        const __mmask16 live = (__mmask16)(G - g >= 16 ? 0xffff : (1u << (G - g)) - 1u);
+        __m512 v;
+        if (dtype == META_F32) v = _mm512_maskz_loadu_ps(live, (const float *)p + i + g);
+        else {
+            const __m256i h = _mm256_maskz_loadu_epi16(live, (const uint16_t *)p + i + g);
+            v = dtype == META_F16 ? _mm512_cvtph_ps(h)
+                                  : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        }
+        nonzero |= _mm512_cmpneq_ps_mask(v, _mm512_setzero_ps());
+        _mm512_mask_storeu_ps(out + g, live, v);
+    }
+    return nonzero == 0;
+}
+
+/* Group g's 16 possible weights ((code - zero) * scale) + min as bf16, in words 0-15. ZERO: the
+   zeros are all 0 (GGUF Q4_1, Q4_K: the subtraction skipped); MINS: there are mins. */
+static inline __attribute__((always_inline)) __m512i int4_group_table(const float *s, const float *z, const float *m,
+                                                                     int64_t g, const int ZERO, const int MINS) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 q = ZERO ? iota : _mm512_sub_ps(iota, _mm512_set1_ps(z[g]));
+    __m512 w = _mm512_mul_round_ps(q, _mm512_set1_ps(s[g]), DQ_RN);
+    if (MINS) w = _mm512_add_round_ps(w, _mm512_set1_ps(m[g]), DQ_RN);
+    return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(w));
+}
+
+/* 32 inputs' codes (16 bytes) -> their bf16 weights from the group's table: dword i holds byte
+   i's low nibble (input 2i) in its low word and its high nibble (2i + 1) in the high word, the
+   32 table indices in input order. */
+static inline __attribute__((always_inline)) void int4_block_to_bf16(const uint8_t *codes, __m512i table,
+                                                                    uint16_t *out) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    const __m512i idx = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), _mm512_set1_epi32(0x000f000f), 0xa8);
+    _mm512_storeu_si512((void *)out, _mm512_permutexvar_epi16(idx, table));
+}
+
+/* One row's G groups of `group` inputs -> out [K] bf16; the codes `ahead` bytes on prefetched a
+   line (4 blocks) at a time. */
+static inline __attribute__((always_inline)) void int4_row_to_bf16(const uint8_t *codes, const float *s,
+        const float *z, const float *m, int64_t G, int64_t group, const int64_t ahead, uint16_t *out,
+        const int ZERO, const int MINS) {
+    if (group == 32) {  /* GGUF's: one block a group, four a line */
+        int64_t g = 0;
+        for (; g + 4 <= G; g += 4) {
+            _mm_prefetch((const char *)codes + ahead + g * 16, _MM_HINT_T0);
+            #pragma GCC unroll 4
+            for (int i = 0; i < 4; i++)
+                int4_block_to_bf16(codes + (g + i) * 16, int4_group_table(s, z, m, g + i, ZERO, MINS),
+                                   out + (g + i) * 32);
+        }
+        for (; g < G; g++) int4_block_to_bf16(codes + g * 16, int4_group_table(s, z, m, g, ZERO, MINS), out + g * 32);
+        return;
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const __m512i table = int4_group_table(s, z, m, g, ZERO, MINS);
+        for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
+            if ((k / 2) % 64 == 0) _mm_prefetch((const char *)codes + ahead + k / 2, _MM_HINT_T0);
+            int4_block_to_bf16(codes + k / 2, table, out + k);
         }
     }
+}
+
+/* rows [n, n + rows) of p -> out [rows][K] bf16 (their metadata is contiguous: one pass) */
+static inline __attribute__((always_inline)) void int4_rows_to_bf16(const kvmesh_int4 *p, int64_t n, const int rows,
+                                                                   int64_t K, uint16_t *out) {
+    const int64_t G = K / p->group, ahead = PREFETCH_GROUPS * 4 * (K / 2);
+    float meta[3 * rows * G];  /* the rows' scales, zeros, mins in fp32 */
+    float *s = meta, *z = meta + rows * G, *m = meta + 2 * rows * G;
+    meta_to_f32(p->scales, n * G, rows * G, p->scale_dtype, s);
+    const int zero = meta_to_f32(p->zeros, n * G, rows * G, p->zero_dtype, z);
+    if (p->mins) meta_to_f32(p->mins, n * G, rows * G, p->min_dtype, m);
+    for (int r = 0; r < rows; r++) {
+        const uint8_t *codes = p->codes + (n + r) * (K / 2);
+        const float *sr = s + r * G, *zr = z + r * G, *mr = m + r * G;
+        if (p->mins && zero) int4_row_to_bf16(codes, sr, zr, mr, G, p->group, ahead, out + r * K, 1, 1);
+        else if (p->mins) int4_row_to_bf16(codes, sr, zr, mr, G, p->group, ahead, out + r * K, 0, 1);
+        else int4_row_to_bf16(codes, sr, zr, mr, G, p->group, ahead, out + r * K, 0, 0);
+    }
+}
+
+/* rows [n, n + rows) of int8 codes w [N][K] with scales [N][K/32] -> out [rows][K] bf16 */
+static inline __attribute__((always_inline)) void i8g_rows_to_bf16(const int8_t *w, const float *scales, int64_t n,
+                                                                  const int rows, int64_t K, uint16_t *out) {
+    const int64_t ahead = PREFETCH_GROUPS * 4 * K;
+    for (int r = 0; r < rows; r++) {
+        const int8_t *codes = w + (n + r) * K;
+        for (int64_t k = 0; k < K; k += 32) {
+            if (k % 64 == 0) _mm_prefetch((const char *)codes + ahead + k, _MM_HINT_T0);
+            const __m512 s = _mm512_set1_ps(scales[(n + r) * (K / 32) + k / 32]);
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + k))));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + k + 16))));
+            _mm512_storeu_si512((void *)(out + r * K + k),
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_round_ps(hi, s, DQ_RN),
+                                                             _mm512_mul_round_ps(lo, s, DQ_RN)));
+        }
+    }
+}
+
+/* The walk over dequantized row groups: DEQUANT(rows) fills wb with rows [n, n + rows). */
+#define DEQUANT_DP_WALK(DEQUANT) do { \
+        uint16_t wb[4 * K]; \
+        const char *wc = (const char *)wb; \
+        int64_t n = n0; \
+        FOR_EACH_ROW_GROUP(DEQUANT(4), DQ_TILE) \
+        for (; n < n1; n++) { DEQUANT(1); row_dp(wc, K, x16, B, y + n, ldy); } \
+    } while (0)
+#define DQ_TILE(C) tile4_dp(wc, 0, K, x16 + b * K, C, pass, passes, y + b * ldy + n, ldy, 0)
+
+int kvmesh_gemv_int4_bf16(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, const float *x, int64_t ldx,
+                          int64_t B, float *y, int64_t ldy, uint16_t *x16, const int x_ready) {
+    if (n0 >= n1 || B == 0) return 1;
+    if (!x_ready) rows_to_bf16(x, ldx, B, K, x16);
+#define INT4_ROWS(rows) int4_rows_to_bf16(p, n, rows, K, wb)
+    DEQUANT_DP_WALK(INT4_ROWS);
+#undef INT4_ROWS
+    return 1;
+}
+
+int kvmesh_gemv_i8g_bf16(const int8_t *w, const float *scales, int64_t K, int64_t n0, int64_t n1, const float *x,
+                         int64_t ldx, int64_t B, float *y, int64_t ldy, uint16_t *x16, const int x_ready) {
+    if (n0 >= n1 || B == 0) return 1;
+    if (!x_ready) rows_to_bf16(x, ldx, B, K, x16);
+#define I8G_ROWS(rows) i8g_rows_to_bf16(w, scales, n, rows, K, wb)
+    DEQUANT_DP_WALK(I8G_ROWS);
+#undef I8G_ROWS
+    return 1;
+}
+#undef DQ_TILE
+
+int kvmesh_int4_to_bf16(const uint8_t *codes, const void *scales, const void *zeros, const void *mins, int64_t group,
+                        int64_t scale_dtype, int64_t zero_dtype, int64_t min_dtype, int64_t N, int64_t K, uint16_t *out,
+                        int64_t threads) {
+    if (K % 32 || group % 32 || K % group) return 0;
+    const kvmesh_int4 p = {codes, scales, zeros, mins, group, (int)scale_dtype, (int)zero_dtype, (int)min_dtype, 0, 0};
+    #pragma omp parallel for num_threads((int)(threads < 1 ? 1 : threads)) schedule(static)
+    for (int64_t n = 0; n < N; n += 4) {
+        if (n + 4 <= N) int4_rows_to_bf16(&p, n, 4, K, out + n * K);
+        else for (int64_t r = n; r < N; r++) int4_rows_to_bf16(&p, r, 1, K, out + r * K);
+    }
+    return 1;
 }
 #endif
 
@@ -460,6 +627,38 @@ void kvmesh_gemv(const void *w, const void *wp, const int kind, const void *scal
     kvmesh_gemv_avx2(w, kind, scale, sbf16, K, n0, n1, x, ldx, B, y, ldy);
 }
 #endif /* __AVX512F__ */
+
+#ifndef HAVE_DPBF16
+/* Builds without VDPBF16PS: not taken (kvmesh_native_step_check refuses bf16 products there). */
+int kvmesh_gemv_int4_bf16(const kvmesh_int4 *p, int64_t K, int64_t n0, int64_t n1, const float *x, int64_t ldx,
+                          int64_t B, float *y, int64_t ldy, uint16_t *x16, const int x_ready) {
+    (void)p; (void)K; (void)n0; (void)n1; (void)x; (void)ldx; (void)B; (void)y; (void)ldy; (void)x16; (void)x_ready;
+    return 0;
+}
+
+int kvmesh_gemv_i8g_bf16(const int8_t *w, const float *scales, int64_t K, int64_t n0, int64_t n1, const float *x,
+                         int64_t ldx, int64_t B, float *y, int64_t ldy, uint16_t *x16, const int x_ready) {
+    (void)w; (void)scales; (void)K; (void)n0; (void)n1; (void)x; (void)ldx; (void)B; (void)y; (void)ldy; (void)x16;
+    (void)x_ready;
+    return 0;
+}
+
+int kvmesh_int4_to_bf16(const uint8_t *codes, const void *scales, const void *zeros, const void *mins, int64_t group,
+                        int64_t scale_dtype, int64_t zero_dtype, int64_t min_dtype, int64_t N, int64_t K, uint16_t *out,
+                        int64_t threads) {
+    (void)codes; (void)scales; (void)zeros; (void)mins; (void)group; (void)scale_dtype; (void)zero_dtype;
+    (void)min_dtype; (void)N; (void)K; (void)out; (void)threads;
+    return 0;
+}
+#endif
+
+int kvmesh_bf16_products(void) {
+#ifdef HAVE_DPBF16
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 void kvmesh_amx_tiles_begin(void) {
 #ifdef HAVE_AMX
