@@ -67,10 +67,17 @@ class Int8GroupLMHead(nn.Module):
         # Not a submodule: the embedding owns the buffers, so a move or a state walk meets them once.
         self.__dict__["table"] = table
         self.vocab_size = vocab_size
+        # Where set, a function (codes, scales) -> those rows in bf16 (the CPU kernels'
+        # dequantization, the values of rows() in bf16): bf16 forwards take their rows from it,
+        # set where the native step reads this head as those bf16 rows (cpu_native_step, int4_bf16)
+        self.bf16_rows = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         table = self.table
-        parts = [F.linear(hidden, table.rows(start, start + HEAD_CHUNK_ROWS).to(hidden.dtype))
+        fast = self.bf16_rows is not None and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu"
+        parts = [F.linear(hidden, self.bf16_rows(table.codes[start:start + HEAD_CHUNK_ROWS],
+                                                 table.scales[start:start + HEAD_CHUNK_ROWS]) if fast
+                          else table.rows(start, start + HEAD_CHUNK_ROWS).to(hidden.dtype))
                  for start in range(0, table.num_embeddings, HEAD_CHUNK_ROWS)]
         return torch.cat(parts, dim=-1)
 

@@ -626,7 +626,8 @@ def test_an_lm_head_that_is_a_q8_0_table_is_read_as_its_int8_groups(tiny_model_d
 def test_int4_bf16_weights_are_quants_dequantization_rounded_to_bf16(group):
     """The int4_bf16 form's weights (the kernels' int4 -> bf16, what its eager layers multiply):
     quant's own dequantization in fp32 rounded to bf16, bit for bit, for RTN int4 (bf16 scales,
-    integer zeros) and with fp16 mins added (GGUF's offsets), 37 rows (a tail short of 4)."""
+    integer zeros) and with fp16 mins added (GGUF's offsets), 37 rows (a tail short of 4); a Q8_0
+    head's rows alike."""
     from kvmesh.quant.linear import Int4WeightOnlyLinear
 
     generator = torch.Generator().manual_seed(3)
@@ -639,3 +640,9 @@ def test_int4_bf16_weights_are_quants_dequantization_rounded_to_bf16(group):
     layer.mins = (torch.randn(layer.scales.shape, generator=generator) * 0.02).half()
     layer.scales = layer.scales.half()
     assert torch.equal(dense(layer), layer.dequantized_weight(torch.bfloat16))
+    # a Q8_0 head's rows (its eager forward in that mode): the table's rows in bf16
+    from kvmesh.quant.int8_group_table import Int8GroupEmbedding
+
+    codes = torch.randint(-127, 128, (37, 256), generator=generator, dtype=torch.int8)
+    table = Int8GroupEmbedding(codes, torch.rand(37, 8, generator=generator).half().float() * 1e-3, torch.bfloat16)
+    assert torch.equal(dense.q8_0_rows(table.codes, table.scales), table.rows(0, 37))

@@ -173,6 +173,9 @@ class CpuKernels:
         self.int4_to_bf16 = lib.kvmesh_int4_to_bf16
         self.int4_to_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_void_p, ctypes.c_int64]
         self.int4_to_bf16.restype = ctypes.c_int
+        self.i8g_to_bf16 = lib.kvmesh_i8g_to_bf16  # a Q8_0 head's rows alike
+        self.i8g_to_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int64]
+        self.i8g_to_bf16.restype = ctypes.c_int
         lib.kvmesh_cpu_init.restype = lib.kvmesh_cpu_features.restype = ctypes.c_int
         lib.kvmesh_cpu_init()  # asks Linux for AMX tile state (the amx build only)
         self.features = lib.kvmesh_cpu_features()

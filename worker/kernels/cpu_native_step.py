@@ -267,6 +267,7 @@ class ModelDescription:
     int4_layers: list = field(default_factory=list)  # an int4 model's decoder layers (their codes' layout: set_int4_panels)
     int4_projections: list = field(default_factory=list)  # their projections, a dict by field prefix a layer
     int4_meta: list = field(default_factory=list)  # the projections' kernel metadata (set_int4_kernel_meta)
+    q8_0_head: Int8GroupLMHead | None = None  # the model's head where the step reads it as its Q8_0 table
 
 
 def describe(model, kv_caches: list, int8_activations: bool = False,
@@ -392,6 +393,8 @@ def describe(model, kv_caches: list, int8_activations: bool = False,
                                    head_copy_bytes, list(model.model.layers) if weight_kind == _W_I4 else [],
                                    int4_projections if weight_kind == _W_I4 else [])
     set_int4_kernel_meta(description)
+    if lm_kind == _W_I8G and isinstance(model.lm_head, Int8GroupLMHead):
+        description.q8_0_head = model.lm_head
     return description
 
 
@@ -466,10 +469,21 @@ def set_int4_panels(layers, on: bool) -> None:
 
 class Bf16Dense:
     """An int4 layer's weight as the bf16 values the int4_bf16 step multiplies (Int4WeightOnlyLinear.
-    bf16_dense): the kernels' kvmesh_int4_to_bf16, else quant's own dequantization (the same values)."""
+    bf16_dense): the kernels' kvmesh_int4_to_bf16, else quant's own dequantization (the same values);
+    a Q8_0 head's rows alike (q8_0_rows)."""
 
     def __init__(self, kernels: cpu_build.CpuKernels):
         self._to_bf16 = kernels.int4_to_bf16
+        self._i8g_to_bf16 = kernels.i8g_to_bf16
+
+    def q8_0_rows(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """A Q8_0 head's rows (int8 codes [N, K], fp32 scales [N, K/32], contiguous) as the bf16
+        values code * scale (Int8GroupLMHead.bf16_rows)."""
+        out = torch.empty(codes.shape, dtype=torch.bfloat16)
+        if not self._i8g_to_bf16(_ptr(codes), _ptr(scales), codes.shape[0], codes.shape[1], _ptr(out),
+                                 torch.get_num_threads()):
+            out.copy_((codes.view(codes.shape[0], -1, 32).float() * scales[..., None]).view(codes.shape))
+        return out
 
     def __call__(self, layer: Int4WeightOnlyLinear) -> torch.Tensor:
         out = torch.empty(layer.out_features, layer.in_features, dtype=torch.bfloat16)
@@ -581,10 +595,12 @@ class NativeDecoder:
     def _mark_bf16_dense(self) -> None:
         """The int4 layers' eager forward on the bf16 weights this step multiplies (int4_bf16), or
         torch's int4 kernel (not)."""
-        dense = self._bf16_dense if self._description.model.int4_bf16 else None
+        on = bool(self._description.model.int4_bf16)
         for layer in self._int4_layers:
             for m in _int4_linears(layer):
-                m.bf16_dense = dense
+                m.bf16_dense = self._bf16_dense if on else None
+        if self._description.q8_0_head is not None:
+            self._description.q8_0_head.bf16_rows = self._bf16_dense.q8_0_rows if on else None
 
     @property
     def int4_interleaved(self) -> bool:

@@ -276,6 +276,11 @@ KVMESH_INTERNAL int kvmesh_bf16_products(void);
 int kvmesh_int4_to_bf16(const uint8_t *codes, const void *scales, const void *zeros, const void *mins, int64_t group,
                         int64_t scale_dtype, int64_t zero_dtype, int64_t min_dtype, int64_t N, int64_t K, uint16_t *out,
                         int64_t threads);
+/* The same for int8 codes [N][K] with fp32 scales [N][K/32] (a Q8_0 head's rows: code * scale):
+   the eager head's weight in that mode (quant/int8_group_table.py). 0 where not done (no
+   VDPBF16PS build, K not a multiple of 32). */
+int kvmesh_i8g_to_bf16(const int8_t *codes, const float *scales, int64_t N, int64_t K, uint16_t *out,
+                       int64_t threads);
 
 /* Tokens' rows quantized to int8 per 32-input block (projections_avx2.c, kvmesh_int8_rows):
    q [B][K] each block's 16 even inputs then its 16 odd ones (the order of a block's low and

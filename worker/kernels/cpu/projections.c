@@ -371,6 +371,17 @@ int kvmesh_int4_to_bf16(const uint8_t *codes, const void *scales, const void *ze
     }
     return 1;
 }
+
+int kvmesh_i8g_to_bf16(const int8_t *codes, const float *scales, int64_t N, int64_t K, uint16_t *out,
+                       int64_t threads) {
+    if (K % 32) return 0;
+    #pragma omp parallel for num_threads((int)(threads < 1 ? 1 : threads)) schedule(static)
+    for (int64_t n = 0; n < N; n += 4) {
+        if (n + 4 <= N) i8g_rows_to_bf16(codes, scales, n, 4, K, out + n * K);
+        else for (int64_t r = n; r < N; r++) i8g_rows_to_bf16(codes, scales, r, 1, K, out + r * K);
+    }
+    return 1;
+}
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(HAVE_DPBF16)
@@ -648,6 +659,12 @@ int kvmesh_int4_to_bf16(const uint8_t *codes, const void *scales, const void *ze
                         int64_t threads) {
     (void)codes; (void)scales; (void)zeros; (void)mins; (void)group; (void)scale_dtype; (void)zero_dtype;
     (void)min_dtype; (void)N; (void)K; (void)out; (void)threads;
+    return 0;
+}
+
+int kvmesh_i8g_to_bf16(const int8_t *codes, const float *scales, int64_t N, int64_t K, uint16_t *out,
+                       int64_t threads) {
+    (void)codes; (void)scales; (void)N; (void)K; (void)out; (void)threads;
     return 0;
 }
 #endif
