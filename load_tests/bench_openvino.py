@@ -48,6 +48,9 @@ KVMESH_MODES = {"default": (),
                 # the GGUF's int4 kept, fp32 activations (token-exact): the default where the CPU
                 # has no native bf16, a candidate where it has (auto picks bf16 there)
                 "exact-int4": ("model.dtype=fp32",),
+                # the GGUF's int4 kept in a bf16 model: on a VDPBF16PS CPU the bf16 default's
+                # products bit for bit, each weight dequantized to bf16 per step (int4_bf16)
+                "int4-bf16": ("quant.weight=gguf",),
                 # llama.cpp's scheme, not token-exact (fp32: where auto picks bf16 the GGUF is dequantized)
                 "int4-int8-activations": ("model.dtype=fp32", "quant.int4_activations=int8"),
                 # steps past 24 tokens eager (auto where the GEMVs are FMAs): the largest native step's A/B
