@@ -32,6 +32,7 @@ from kvmesh.quant import primitives as P
 from kvmesh.quant.linear import Int4WeightOnlyLinear, Int8GroupWeightOnlyLinear
 
 KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")  # quantized types served in their own bytes
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # the kept types that load as int4 groups
 FLOAT_TYPES = ("F32", "F16", "BF16")  # plain tensors: loaded in the model dtype
 GROUP_SIZE = 32  # every kept type scales groups of 32 inputs (Q4_K: its sub-blocks)
 

@@ -224,6 +224,22 @@ def test_gguf_mode_needs_a_gguf_file(tmp_path):
         resolve_model(_config(tmp_path, "gguf"))
 
 
+@pytest.mark.skipif(cpu_native_step.unavailable_reason() is not None, reason="no native step")
+@pytest.mark.parametrize("type_name, dpbf16_without_amx, want", [
+    ("Q4_1", True, "gguf"), ("Q4_K", True, "gguf"),  # 4-bit layers, VDPBF16PS and no AMX: the bytes kept
+    ("Q8_0", True, "none"),  # int8 layers: no bf16-product kernel takes them, the bf16 copy
+    ("Q4_1", False, "none"),  # AMX (or no VDPBF16PS): the bf16 copy
+])
+def test_quant_weight_auto_keeps_a_bf16_models_4_bit_layers_where_bf16_products_run_on_them(
+        type_name, dpbf16_without_amx, want, tmp_path, cache_dir, monkeypatch):
+    """In bf16, auto keeps a GGUF's int4 layers only where the native step reads them as the bf16
+    model's products (int4_bf16: the bf16 copy's logits, above) and that beats the copy."""
+    path = gc.write_tiny_llama_gguf(tmp_path / "tiny.gguf", type_name)
+    monkeypatch.setattr(cpu_native_step, "dpbf16_without_amx", lambda: dpbf16_without_amx)
+    config = _config(path, "auto").replace(model={"dtype": "bf16"})
+    assert resolve_model(config).weight_quant == want
+
+
 def test_quant_weight_auto_is_resolved_once_and_travels_on_the_spec(tmp_path, cache_dir, monkeypatch):
     """resolve_model resolves quant.weight auto and the ModelSpec carries it; load_model loads
     what the spec says without resolving again (tools and tests call both directly)."""

@@ -42,6 +42,19 @@ def _string_field(reader, key: str) -> str | None:
     return None if field is None else bytes(field.parts[field.data[0]]).decode()
 
 
+def int4_layers_only(path: Path) -> bool:
+    """The file is of an architecture kept quantized and every matrix of its decoder blocks is a
+    4-bit type (int4 groups): a model whose layers the native step can run as int4 with bf16
+    products (quant.weight auto's rule for bf16 models, worker/runner/model_setup.py)."""
+    import gguf  # the GGUF reader: only for .gguf models
+
+    reader = gguf.GGUFReader(str(path))
+    if _string_field(reader, "general.architecture") not in KEPT_ARCHITECTURES:
+        return False
+    types = {t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+    return bool(types) and types <= set(gguf_layouts.INT4_TYPES)
+
+
 def _unpermute_rows(raw: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's q / k row permutation (rows [h, d/2, 2] -> [h, 2, d/2]) on raw rows."""
     rows = raw.shape[0]

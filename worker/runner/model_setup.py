@@ -23,7 +23,7 @@ from kvmesh.worker.attention.torch_backend import TorchAttentionBackend
 from kvmesh.worker.runner import compiled_forward
 from kvmesh.worker.model.architecture import Architecture, UnsupportedModelError
 from kvmesh.worker.model.llama import LlamaForCausalLM
-from kvmesh.worker.model.gguf_loader import load_gguf_model
+from kvmesh.worker.model.gguf_loader import int4_layers_only, load_gguf_model
 from kvmesh.worker.model.loader import ensure_config_dir, ensure_hf_dir, load_hf_config, load_state_dict
 from kvmesh.worker.model.loader import resolve_model as resolve_hf_source
 from kvmesh.worker.kernels import cpu_native_step
@@ -106,27 +106,39 @@ class ModelSpec:
 
 def resolve_weight_quant(config: KvmeshConfig) -> KvmeshConfig:
     """quant.weight auto resolved (every other value as given): gguf for a .gguf model (the
-    embedded one included) when the model runs on a CPU in fp32 and the native step is
-    available there: its int4 layers dequantize each weight in registers (greedy tokens those
-    of the dequantized model, HF's) and read the file's ~4.5 bits a weight instead of fp32's 32
-    (docs/benchmarks.md: the faster exact mode). none elsewhere (bf16 models, CUDA, HF folders,
-    tensor parallelism)."""
+    embedded one included) where the native step runs on a CPU and reads the file's int4 at
+    least as fast as a float copy:
+    - in fp32: its int4 layers dequantize each weight in registers (greedy tokens those of the
+      dequantized model, HF's) and read the file's ~4.5 bits a weight instead of fp32's 32
+      (docs/benchmarks.md: the faster exact mode);
+    - in bf16 on a CPU with VDPBF16PS and no AMX, a file whose decoder layers are all 4-bit:
+      each weight dequantized to bf16 and the bf16 model's products (int4_bf16: the bf16 copy's
+      logits bit for bit), batch-1 decode 1.55x the bf16 copy and the seed-shaped run level
+      with it on Zen 4 (docs/benchmarks.md), a third of its weight bytes. With AMX the bf16
+      copy's tiles are faster at every batch.
+    none elsewhere (CUDA, HF folders, tensor parallelism, other bf16 CPUs or files)."""
     if config.quant.weight != "auto":
         return config
     chosen, why = "none", "not a .gguf model"
-    gguf = resolve_hf_source(config.model).gguf_path is not None
-    if gguf:
+    gguf_path = resolve_hf_source(config.model).gguf_path
+    if gguf_path is not None:
         device = pick_device(config)
         dtype = pick_dtype(config, device)
         native = cpu_native_step.unavailable_reason()
         if config.parallel.tensor_parallel_size > 1:
             why = "tensor parallelism"
-        elif device.type != "cpu" or dtype != torch.float32:
-            why = f"the model runs on {device.type} in {dtype}, not on a CPU in fp32"
+        elif device.type != "cpu":
+            why = f"the model runs on {device.type}"
         elif native is not None:
             why = f"no native step ({native})"
-        else:
+        elif dtype == torch.float32:
             chosen, why = "gguf", "a .gguf model on a CPU in fp32: its own int4, exact in the native step"
+        elif dtype != torch.bfloat16 or not cpu_native_step.dpbf16_without_amx():
+            why = f"the model runs in {dtype} on a CPU without VDPBF16PS, or with AMX (the bf16 copy is faster there)"
+        elif not int4_layers_only(gguf_path):
+            why = "a bf16 model whose .gguf decoder layers are not all 4-bit"
+        else:
+            chosen, why = "gguf", "a .gguf model of 4-bit layers in bf16 on a VDPBF16PS CPU: its own int4, bf16 products"
     logger.info("quant.weight auto -> %s (%s)", chosen, why)
     return config.replace(quant={"weight": chosen})
 
