@@ -4,7 +4,7 @@ requests, as ratios of one run, the sides alternating.
     python -m kvmesh.load_tests.openvino_peer          # once: the OpenVINO venv's IRs (see there)
     python -m kvmesh.load_tests.bench_openvino --rounds 2 --irs int8 --modes default
     python -m kvmesh.load_tests.bench_openvino --rounds 2 --irs fp16,int8,int4 \
-        --modes default,fp32,int4-int8-activations
+        --modes default,dequantized,int4-int8-activations
     python -m kvmesh.load_tests.bench_openvino --quick --rounds 2 --irs int8   # a smoke run
 
 The workload: the seed-shaped run (64 requests, the articles' length shape x0.25, all at t=0,
@@ -44,13 +44,14 @@ from kvmesh.load_tests.workloads import WorkloadRequest
 
 # kvmesh's candidate modes: overrides of the `kvmesh serve` config (the default: every field its own)
 KVMESH_MODES = {"default": (),
-                "fp32": ("quant.weight=none",),  # the GGUF dequantized, the native step's fp32 GEMVs
+                # the GGUF dequantized at load, in the dtype auto picks (fp32, or bf16 where native)
+                "dequantized": ("quant.weight=none",),
                 # the GGUF's int4 kept, fp32 activations (token-exact): the default where the CPU
                 # has no native bf16, a candidate where it has (auto picks bf16 there)
                 "exact-int4": ("model.dtype=fp32",),
-                # the GGUF's int4 kept in a bf16 model: on a VDPBF16PS CPU the bf16 default's
-                # products bit for bit, each weight dequantized to bf16 per step (int4_bf16)
-                "int4-bf16": ("quant.weight=gguf",),
+                # the GGUF's int4 kept in a bf16 model: on a VDPBF16PS CPU the dequantized bf16
+                # model's products bit for bit, each weight dequantized to bf16 per step (int4_bf16)
+                "int4-bf16": ("model.dtype=bf16", "quant.weight=gguf"),
                 # llama.cpp's scheme, not token-exact (fp32: where auto picks bf16 the GGUF is dequantized)
                 "int4-int8-activations": ("model.dtype=fp32", "quant.int4_activations=int8"),
                 # steps past 24 tokens eager (auto where the GEMVs are FMAs): the largest native step's A/B
