@@ -261,13 +261,13 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
              else _device_kernels.w4a16_matmul(x2, self.plain_qweight(), self.scales, self.zeros, self.group_size, self.mins))
         if y is not None:
             return self._finish(y.reshape(*lead, self.out_features))
-        dense = self.bf16_dense is not None and x.device.type == "cpu" and x.dtype == torch.bfloat16
-        operands = self._kernel_path() if x.device.type == "cpu" and x.dtype == torch.bfloat16 and not dense else None
+        cpu_bf16 = x.device.type == "cpu" and x.dtype == torch.bfloat16
+        if cpu_bf16 and self.bf16_dense is not None:
+            return self._finish(F.linear(x2, self.bf16_dense(self)).reshape(*lead, self.out_features))
+        operands = self._kernel_path() if cpu_bf16 else None
         if operands is not None:
             packed, scale_and_zero = operands
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), packed, self.group_size, scale_and_zero)
-        elif dense:
-            y = F.linear(x2, self.bf16_dense(self))
         else:
             y = F.linear(x2, self.dequantized_weight(x.dtype))
         return self._finish(y.reshape(*lead, self.out_features))

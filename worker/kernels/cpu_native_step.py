@@ -497,6 +497,12 @@ class Bf16Dense:
         return layer.dequantized_weight(torch.bfloat16)
 
 
+def _int4_path(model) -> str:
+    """What an int4 model's layers run on (NativeDecoder.path): int4 groups dequantized in AVX2
+    registers against int8 or fp32 activations, or to bf16 for VDPBF16PS (int4_bf16)."""
+    return "int4_avx2_a8" if model.int8_activations else "int4_avx512_bf16" if model.int4_bf16 else "int4_avx2"
+
+
 class NativeDecoder:
     """The compiled step for one model and its KV caches. `run(inputs)` -> fp32 logits of the
     step's sampling rows for a step of at most `max_tokens` tokens, else None (run eagerly)."""
@@ -533,8 +539,7 @@ class NativeDecoder:
         # what the layers' projections run on: AMX tiles, VDPBF16PS, AVX-512 FMAs ("fma", fp32 or
         # widened), AVX2 FMAs ("avx2", the avx2 build), int4 groups dequantized in AVX2 registers,
         # or int4 groups dequantized to bf16 for VDPBF16PS (a bf16 model's, int4_bf16)
-        self.path = (("int4_avx2_a8" if int8_activations else
-                      "int4_avx512_bf16" if description.model.int4_bf16 else "int4_avx2") if kind == _W_I4 else
+        self.path = (_int4_path(description.model) if kind == _W_I4 else
                      "amx" if self.amx_packed_bytes or self.int8_amx else
                      "avx512_bf16" if kind == _W_BF16 and kernels.features & _FEATURE_DPBF16 else
                      "fma" if kernels.features & _FEATURE_AVX512 else "avx2")
@@ -589,8 +594,8 @@ class NativeDecoder:
             raise ValueError("bf16 products are for a bf16 int4 model's plain rows on a CPU with VDPBF16PS")
         model.int4_factored = int(not on and not model.int8_activations) if self._int4_layers else 0
         self._mark_bf16_dense()
-        if self.path.startswith("int4_avx"):
-            self.path = "int4_avx512_bf16" if on else "int4_avx2_a8" if model.int8_activations else "int4_avx2"
+        if self._int4_layers:
+            self.path = _int4_path(model)
 
     def _mark_bf16_dense(self) -> None:
         """The int4 layers' eager forward on the bf16 weights this step multiplies (int4_bf16), or
