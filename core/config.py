@@ -210,6 +210,14 @@ class ParallelConfig:
     # every core while Ray still reserves a share for the router (`kvmesh serve` does on
     # machines of <= 4 cores: deploy/cmd_serve.py).
     cpu_threads: int | None = None
+    # CPU engines: how long a native-step thread spins at an OpenMP barrier before it sleeps,
+    # in libgomp's iterations (GOMP_SPINCOUNT in the engine processes' environment, set before
+    # torch loads libgomp). libgomp's default (300,000: milliseconds) keeps a thread spinning
+    # through every slice the OS hands the serving stack on its teammate's core; a short spin
+    # lets the waiting core go idle, so the preempted teammate resumes there instead of the
+    # whole team waiting for it (docs/deploy.md, the engine's share of the cores). None =
+    # libgomp's default, or whatever the environment already sets.
+    cpu_spin_count: int | None = 3000
     # Tensor parallelism: the longest a collective or a peer rank's step may take before the
     # step fails with WorkerFailedError and the group is rebuilt (a dead peer is usually
     # noticed sooner, when its connection closes).
@@ -238,6 +246,7 @@ class ParallelConfig:
         _one_of("parallel.attention_backend", self.attention_backend, ("auto", "torch", "cpu", "triton"))
         _check(self.worker_num_cpus is None or self.worker_num_cpus >= 0, "parallel.worker_num_cpus must be >= 0")
         _check(self.cpu_threads is None or self.cpu_threads >= 1, "parallel.cpu_threads must be >= 1")
+        _check(self.cpu_spin_count is None or self.cpu_spin_count >= 0, "parallel.cpu_spin_count must be >= 0")
         _check(self.collective_timeout_s > 0, "parallel.collective_timeout_s must be > 0")
 
 

@@ -13,8 +13,8 @@ import pytest
 from kvmesh.core.config import ConfigError, KvmeshConfig, ParallelConfig
 from kvmesh.core.seams import GenerateRequest, SamplingParams
 from e2e_cluster import own_ray, wait_for
-from kvmesh.worker.parallel.placement import (actor_resource_options, engine_bundles, engine_total,
-                                              missing_resources, rank_bundle)
+from kvmesh.worker.parallel.placement import (actor_resource_options, engine_bundles, engine_runtime_env,
+                                              engine_total, missing_resources, rank_bundle)
 
 
 def _parallel(**kw) -> ParallelConfig:
@@ -35,6 +35,14 @@ def test_a_custom_resource_stands_in_for_gpus():
     assert engine_total(parallel) == {"CPU": 1.0, "engine_slot": 2.0}
     assert actor_resource_options(rank_bundle(parallel)) == {"num_cpus": 0.5, "num_gpus": 0.0,
                                                              "resources": {"engine_slot": 1.0}}
+
+
+def test_an_engine_process_gets_the_openmp_spin_count():
+    assert engine_runtime_env(_parallel()) == {"env_vars": {"GOMP_SPINCOUNT": "3000"}}
+    assert engine_runtime_env(_parallel(cpu_spin_count=0)) == {"env_vars": {"GOMP_SPINCOUNT": "0"}}
+    assert engine_runtime_env(_parallel(cpu_spin_count=None)) == {}  # libgomp's own, or the environment's
+    with pytest.raises(ConfigError, match="cpu_spin_count"):
+        KvmeshConfig.from_dict({"parallel": {"cpu_spin_count": -1}})
 
 
 def test_missing_resources_names_the_scarce_one():

@@ -264,6 +264,18 @@ def test_poll_and_extra_keys(worker, actor_config):
 
 
 @pytest.mark.e2e
+def test_the_worker_process_starts_with_the_openmp_spin_count(worker):
+    """libgomp reads GOMP_SPINCOUNT once, when torch loads it: it must be in the actor
+    process's environment from its start (Ray's runtime_env), not set by the actor later."""
+    import ray
+
+    pid = ray.get(worker.__ray_call__.remote(lambda _self: os.getpid()))
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    assert environ.get(b"GOMP_SPINCOUNT") == b"3000"
+
+
+@pytest.mark.e2e
 def test_pool_follows_a_killed_worker_through_its_restart(worker, actor_config):
     """Routable -> killed (not routable) -> restarted by Ray (routable again, new incarnation,
     prefix view rebuilt from the new process's events)."""

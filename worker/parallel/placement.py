@@ -55,6 +55,14 @@ def actor_resource_options(bundle: dict[str, float]) -> dict:
     return {"num_cpus": bundle.get("CPU", 0.0), "num_gpus": bundle.get("GPU", 0.0), "resources": custom}
 
 
+def engine_runtime_env(parallel: ParallelConfig) -> dict:
+    """The Ray runtime_env of an engine's processes (a worker actor, a tensor-parallel rank):
+    the OpenMP spin of parallel.cpu_spin_count, which libgomp reads once, when torch loads it."""
+    if parallel.cpu_spin_count is None:
+        return {}
+    return {"env_vars": {"GOMP_SPINCOUNT": str(parallel.cpu_spin_count)}}
+
+
 def placement_group_name(actor_name: str) -> str:
     return PLACEMENT_GROUP_PREFIX + actor_name
 

@@ -44,7 +44,7 @@ from kvmesh.worker.runner.awq_calibration import awq_results_for
 from kvmesh.worker.runner.model_runner import BlockOps, ModelRunner, StepInputs
 from kvmesh.worker.runner.model_setup import allocate_rank_caches, load_model, pick_backend, resolve_model
 from kvmesh.worker.parallel.layers import check_splittable
-from kvmesh.worker.parallel.placement import actor_resource_options, rank_bundle
+from kvmesh.worker.parallel.placement import actor_resource_options, engine_runtime_env, rank_bundle
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +159,7 @@ class TensorParallelGroup:
         actor_cls = ray.remote(RankWorker)
         self.peers = [
             actor_cls.options(**actor_resource_options(bundle), max_restarts=0, max_task_retries=0,
+                              runtime_env=engine_runtime_env(par),
                               scheduling_strategy=PlacementGroupSchedulingStrategy(group, first_bundle + i)
                               ).remote(self.config, rank)
             for i, rank in enumerate(range(1, self.world_size))]

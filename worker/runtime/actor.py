@@ -61,8 +61,8 @@ from kvmesh.core.channel_frames import ChannelAddress
 from kvmesh.worker.runtime.channel_server import ChannelServer
 from kvmesh.worker.runtime.delta_channel import DeltaChannel
 from kvmesh.core.structured_output_metrics import StructuredOutputCollector
-from kvmesh.worker.parallel.placement import (actor_resource_options, engine_placement_group, rank_bundle,
-                                              remove_engine_placement_group)
+from kvmesh.worker.parallel.placement import (actor_resource_options, engine_placement_group, engine_runtime_env,
+                                              rank_bundle, remove_engine_placement_group)
 from kvmesh.core.seams import (DispatchReport, ErrorReport, FinishReason, GenerateRequest, PrefixEventBatch, RequestDelta,
                                RequestTimings, WorkerStats)
 
@@ -459,6 +459,7 @@ def worker_actor_options(config: KvmeshConfig, app_name: str, index: int, placem
     options = dict(name=worker_actor_name(app_name, index), namespace=WORKER_NAMESPACE,
                    lifetime="detached", get_if_exists=True, max_restarts=-1, max_task_retries=0,
                    max_concurrency=max(1000, 4 * config.scheduler.max_num_seqs),
+                   runtime_env=engine_runtime_env(config.parallel),
                    **actor_resource_options(rank_bundle(config.parallel)))
     if placement_group is not None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # Ray: only where actors start
