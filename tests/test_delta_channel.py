@@ -115,6 +115,42 @@ def test_the_step_thread_sleeps_until_an_idle_engine_s_next_work_is_due():
     assert steps <= 3 * 8  # 8 tokens over ~0.35 s: polling every 2 ms would step ~175 times
 
 
+def test_the_idle_step_thread_waits_for_a_command_instead_of_polling_its_inbox():
+    """With nothing to run, the step thread sleeps until a command sets its wakeup: over 0.4 s
+    idle it looks at the engine about once (a 50 ms poll would look ~8 times), and a request
+    submitted then still starts at once and runs to its end."""
+    config = KvmeshConfig.from_dict({"scheduler": {"max_num_seqs": 4}})
+    null = NullEngine(config, step_s=0.001)
+    looks = 0
+    has_unfinished = null.has_unfinished
+
+    def counted_has_unfinished():
+        nonlocal looks
+        looks += 1
+        return has_unfinished()
+
+    null.has_unfinished = counted_has_unfinished
+
+    async def scenario():
+        engine = AsyncEngine(null)
+        channel = DeltaChannel(asyncio.get_running_loop())
+        ended = []
+        try:
+            await asyncio.sleep(0.4)
+            idle_looks = looks
+            await asyncio.wait_for(engine.submit(_request("r", max_tokens=3), channel, on_end=ended.append), 0.5)
+            batches = channel.batches()
+            while not ended:
+                await asyncio.wait_for(anext(batches), 10)
+            await batches.aclose()
+            return idle_looks, ended
+        finally:
+            await engine.shutdown()
+
+    idle_looks, ended = asyncio.run(scenario())
+    assert idle_looks <= 3 and ended[0].finished
+
+
 def test_a_refused_submit_leaves_nothing_on_the_channel():
     config = KvmeshConfig.from_dict({"scheduler": {"max_num_seqs": 1}})
 

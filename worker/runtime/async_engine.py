@@ -59,7 +59,10 @@ from kvmesh.worker.engine_loop.scheduler_stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
-_IDLE_WAIT_S = 0.05  # how long the idle step thread sleeps between inbox checks
+# How long the idle step thread sleeps between inbox checks: a safety net only, since every
+# command and the stop set `_wakeup`. Each timed wake-up takes the GIL and the engine lock
+# beside an idle worker's event loop (20 a second at 0.05 s: docs/deploy.md, the idle account).
+_IDLE_WAIT_S = 1.0
 _BLOCKED_WAIT_S = 0.002  # pause when requests exist but the scheduler ran nothing
 _MAX_PACE_S = 1.0  # a paced stream still gets a message at least this often
 
