@@ -52,17 +52,43 @@ def machine_topology(num_cpus: int) -> tuple[int, int]:
     return workers, engine_cpus // workers
 
 
+# The environment of a local Ray that `kvmesh serve` (or a bench standing in for it) starts;
+# Ray's processes inherit it from the driver. Each periodic job off or slowed here woke a
+# process beside the engine's lockstep threads while nothing of kvmesh reads its output (the
+# idle account in docs/deploy.md, section 6, measured with load_tests/process_cpu.py):
+LOCAL_RAY_ENV = {
+    "RAY_AUTH_MODE": "disabled",  # a private cluster on this machine
+    # Ray starts its workers at nice 15, below GCS, raylet and the client, and the engines
+    # then lose their cores to every wake-up of those; at 0 they are level with them and
+    # above the router replica, which renices itself (router/app.py).
+    "RAY_worker_niceness": "0",
+    # Serve's controller reconciles every 1 s instead of 0.1 s: each pass wakes it and the
+    # GCS (0.03 of 2 cores at 0.1 s, 0.012 at 0.5 s); a deployment, a replica's restart or a
+    # health check (every 10 s) waits at most one pass more.
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1.0",
+    # Ray's own Prometheus metrics (ray_* on the node's export port, through the dashboard
+    # agent): kvmesh's /metrics is the router's (router/metrics.py), and a local cluster runs
+    # no dashboard to read Ray's.
+    "RAY_enable_metrics_collection": "0",
+    # Serve's replica copies its cached request counters into those metrics 10 times a second;
+    # our requests never pass Serve's handles, so there is nothing to copy but the wake-up.
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+    # Task state events (`ray list tasks`, the dashboard's timeline), sent by every Ray process
+    # to the GCS each second, and the event loops' per-handler statistics for Ray's debug logs.
+    "RAY_task_events_report_interval_ms": "0",
+    "RAY_event_stats": "0",
+    # The log monitor tails the workers' log files for drivers with log_to_driver, which
+    # `kvmesh serve` does not set; it looks for new files every 5 s instead of every 0.1 s
+    # (a glob of the session's log folder each time).
+    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+    "LOG_NAME_UPDATE_INTERVAL_S": "5",
+}
+
+
 def set_local_ray_env() -> None:
-    """Process plumbing for a local Ray that `kvmesh serve` (or a bench standing in for it)
-    starts: no auth on a private cluster, and Ray's workers at nice 0. Ray starts them at 15,
-    below GCS, raylet and the client, and the engines then lose their cores to every wake-up
-    of those; at 0 they are level with them and above the router replica, which renices
-    itself (router/app.py). Serve's controller reconciles every 0.5 s instead of 0.1 s: each
-    pass wakes it and the GCS beside the engine's threads (0.03 of 2 cores at 0.1 s, measured
-    with load_tests/bench_served.py), and a deployment or a health check needs no faster pass."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_worker_niceness", "0")
-    os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
+    """LOCAL_RAY_ENV into this process's environment, where the caller has not set a value."""
+    for name, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 def start_serving(config: KvmeshConfig, app_name: str = "kvmesh", address: str | None = None) -> None:
