@@ -82,73 +82,67 @@ def test_every_step_of_all_a_replica_s_requests_leaves_as_one_message():
     assert messages <= 2 * 10 + 2  # ~one a step (submits land a step or two apart), never one a request a step
 
 
+def _counted(null: NullEngine, method: str) -> list[int]:
+    """Count the calls of `null.<method>` from now on (a one-element list, read after the run)."""
+    calls = [0]
+    original = getattr(null, method)
+
+    def counted(*args):
+        calls[0] += 1
+        return original(*args)
+
+    setattr(null, method, counted)
+    return calls
+
+
+async def _run_to_end(engine: AsyncEngine, request: GenerateRequest) -> RequestDelta:
+    """Submit `request` on a channel of its own and read it to its end; its final delta."""
+    channel = DeltaChannel(asyncio.get_running_loop())
+    ended = []
+    await asyncio.wait_for(engine.submit(request, channel, on_end=ended.append), 10)
+    batches = channel.batches()
+    while not ended:
+        await asyncio.wait_for(anext(batches), 10)
+    await batches.aclose()
+    return ended[0]
+
+
 def test_the_step_thread_sleeps_until_an_idle_engine_s_next_work_is_due():
     """An engine that says when its next work is due (idle_wait_s) is not polled meanwhile:
     the null engine at 50 ms steps is stepped about once a step, not every 2 ms (which the
     stack benchmark would count as the stack's CPU)."""
-    config = KvmeshConfig.from_dict({"scheduler": {"max_num_seqs": 4}})
-    null = NullEngine(config, step_s=0.05)
-    steps = 0
-    step = null.step
-
-    def counted_step():
-        nonlocal steps
-        steps += 1
-        return step()
-
-    null.step = counted_step
+    null = NullEngine(KvmeshConfig.from_dict({"scheduler": {"max_num_seqs": 4}}), step_s=0.05)
+    steps = _counted(null, "step")
 
     async def scenario():
         engine = AsyncEngine(null)
-        channel = DeltaChannel(asyncio.get_running_loop())
-        ended = []
         try:
-            await engine.submit(_request("r", max_tokens=8), channel, on_end=ended.append)
-            batches = channel.batches()
-            while not ended:
-                await asyncio.wait_for(anext(batches), 10)
-            await batches.aclose()
+            await _run_to_end(engine, _request("r", max_tokens=8))
         finally:
             await engine.shutdown()
 
     asyncio.run(scenario())
-    assert steps <= 3 * 8  # 8 tokens over ~0.35 s: polling every 2 ms would step ~175 times
+    assert steps[0] <= 3 * 8  # 8 tokens over ~0.35 s: polling every 2 ms would step ~175 times
 
 
 def test_the_idle_step_thread_waits_for_a_command_instead_of_polling_its_inbox():
     """With nothing to run, the step thread sleeps until a command sets its wakeup: over 0.4 s
     idle it looks at the engine about once (a 50 ms poll would look ~8 times), and a request
     submitted then still starts at once and runs to its end."""
-    config = KvmeshConfig.from_dict({"scheduler": {"max_num_seqs": 4}})
-    null = NullEngine(config, step_s=0.001)
-    looks = 0
-    has_unfinished = null.has_unfinished
-
-    def counted_has_unfinished():
-        nonlocal looks
-        looks += 1
-        return has_unfinished()
-
-    null.has_unfinished = counted_has_unfinished
+    null = NullEngine(KvmeshConfig.from_dict({"scheduler": {"max_num_seqs": 4}}), step_s=0.001)
+    looks = _counted(null, "has_unfinished")
 
     async def scenario():
         engine = AsyncEngine(null)
-        channel = DeltaChannel(asyncio.get_running_loop())
-        ended = []
         try:
             await asyncio.sleep(0.4)
-            idle_looks = looks
-            await asyncio.wait_for(engine.submit(_request("r", max_tokens=3), channel, on_end=ended.append), 0.5)
-            batches = channel.batches()
-            while not ended:
-                await asyncio.wait_for(anext(batches), 10)
-            await batches.aclose()
-            return idle_looks, ended
+            idle_looks = looks[0]
+            return idle_looks, await _run_to_end(engine, _request("r", max_tokens=3))
         finally:
             await engine.shutdown()
 
-    idle_looks, ended = asyncio.run(scenario())
-    assert idle_looks <= 3 and ended[0].finished
+    idle_looks, final = asyncio.run(scenario())
+    assert idle_looks <= 3 and final.finished
 
 
 def test_a_refused_submit_leaves_nothing_on_the_channel():
