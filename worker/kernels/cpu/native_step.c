@@ -33,9 +33,10 @@ static void rms_norm_rows(const float *x, const void *weight, const int bf16, in
 /* Scratch kept per thread across steps (the OpenMP team is torch's pool: the same threads every
    step). A fresh malloc of these sizes (up to ~1 MB at 64 tokens) is a fresh mmap, and every
    page of it faults on first touch, every step. */
+#define SCRATCH_SLOTS 4  /* private rows, gate/up sums, the step's shared buffers, dequantized weight rows */
 static void *scratch(int slot, size_t bytes) {
-    static __thread void *buf[3];
-    static __thread size_t cap[3];
+    static __thread void *buf[SCRATCH_SLOTS];
+    static __thread size_t cap[SCRATCH_SLOTS];
     if (cap[slot] < bytes) {
         free(buf[slot]);
         buf[slot] = malloc(bytes);
@@ -55,7 +56,7 @@ typedef struct {
     int64_t S;
     float *logits;
     /* shared buffers */
-    float *qkv, *o_out, *act, *down_out;
+    float *qkv, *o_out, *gate_up, *act, *down_out;
     void *q_attn, *attn_out;
     int64_t *taken;  /* per phase (PHASES a layer, then the LM head): how far its work is handed out */
     int failed;
@@ -92,22 +93,95 @@ static inline int int4_form(const kvmesh_model *m) {
     return m->int8_activations ? INT4_A8 : m->int4_factored ? INT4_FACTORED : INT4_EXACT;
 }
 
-/* One projection's rows [n0, n1): int4 weights by kvmesh_gemv_int4 (w: the codes; scales,
-   zeros, mins and the group as the model describes them), every other kind by kvmesh_gemv. */
-static inline void project(const kvmesh_model *m, const int kind, const void *w, const void *wp, const void *scales,
-                           const void *zeros, const void *mins, const int sbf16, int64_t K, int64_t n0, int64_t n1,
-                           const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy, uint16_t *x16,
-                           const int x_ready, const int a8) {
-    if (kind == W_I4) {
-        if (n0 >= n1 || B == 0) return;
-        const kvmesh_int4 p = {(const uint8_t *)w, scales, zeros, mins, m->int4_group, (int)m->int4_scale_dtype,
-                               (int)m->int4_zero_dtype, (int)m->int4_min_dtype, (int)m->int4_interleaved,
-                               (const float *)wp};  /* an int4 projection's "packed" copy: its kernel metadata */
-        if (m->int4_bf16) kvmesh_gemv_int4_bf16(&p, K, n0, n1, x, ldx, B, y, ldy, x16, x_ready);
-        else kvmesh_gemv_int4(&p, K, n0, n1, x, ldx, B, y, ldy, int4_form(m));
-    } else {
-        kvmesh_gemv(w, wp, kind, scales, sbf16, K, n0, n1, x, ldx, B, y, ldy, x16, x_ready, a8);
+/* One projection's rows [n0, n1) for B <= TOKEN_BLOCK tokens: int4 weights by kvmesh_gemv_int4 (w:
+   the codes; scales, zeros, mins and the group as the model describes them), every other kind by
+   kvmesh_gemv. */
+static inline void project_tokens(const kvmesh_model *m, const int kind, const void *w, const void *wp,
+                                  const void *scales, const kvmesh_int4 *p, const int sbf16, int64_t K, int64_t n0,
+                                  int64_t n1, const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy,
+                                  uint16_t *x16, const int x_ready, const int a8) {
+    if (kind != W_I4) kvmesh_gemv(w, wp, kind, scales, sbf16, K, n0, n1, x, ldx, B, y, ldy, x16, x_ready, a8);
+    else if (m->int4_bf16) kvmesh_gemv_int4_bf16(p, K, n0, n1, x, ldx, B, y, ldy, x16, x_ready);
+    else kvmesh_gemv_int4(p, K, n0, n1, x, ldx, B, y, ldy, int4_form(m));
+}
+
+/* A step's tokens go to the GEMVs TOKEN_BLOCK at a time. The GEMVs walk every token they are given
+   past each 4-row weight group: at 64 tokens their bf16 inputs (64 x K x 2 bytes, 74-197 KB for
+   SmolLM2) stay in L2 while the chunk's rows pass, at a 512-token prefill step they were streamed
+   from L3 for every group (a 512-token step 416-444 ms eager, 349-351 ms blocked, unblocked slower:
+   docs/engine.md, "The native step"). A chunk's weight rows (~150-250 KB) are then read once a
+   block, from L2. */
+#define TOKEN_BLOCK 64
+
+/* One projection's rows [n0, n1) for all B tokens: y[b * ldy + n] = W[n] . x[b]. x16: the
+   thread's bf16 scratch for x, [B][K] (x_ready: it holds this x already). A bf16 model's int4 rows
+   (int4_bf16) are dequantized once a call into a private bf16 copy of the rows when the tokens
+   take several blocks (the same values kvmesh_gemv_int4_bf16 makes a group at a time, the same
+   VDPBF16PS walk over them: the same sums), not once a block. */
+static void project(const kvmesh_model *m, const int kind, const void *w, const void *wp, const void *scales,
+                    const void *zeros, const void *mins, const int sbf16, int64_t K, int64_t n0, int64_t n1,
+                    const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy, uint16_t *x16,
+                    const int x_ready, const int a8) {
+    if (n0 >= n1 || B == 0) return;
+    const kvmesh_int4 p = {(const uint8_t *)w, scales, zeros, mins, m->int4_group, (int)m->int4_scale_dtype,
+                           (int)m->int4_zero_dtype, (int)m->int4_min_dtype, (int)m->int4_interleaved,
+                           (const float *)wp};  /* an int4 projection's "packed" copy: its kernel metadata */
+    if (B <= TOKEN_BLOCK) {
+        project_tokens(m, kind, w, wp, scales, &p, sbf16, K, n0, n1, x, ldx, B, y, ldy, x16, x_ready, a8);
+        return;
     }
+    if (kind == W_I4 && m->int4_bf16) {
+        uint16_t *rows = (uint16_t *)scratch(3, sizeof(uint16_t) * (size_t)((n1 - n0) * K));
+        const kvmesh_int4 q = int4_rows(p, n0, K);
+        if (rows && kvmesh_int4_to_bf16(q.codes, q.scales, q.zeros, q.mins, q.group, q.scale_dtype, q.zero_dtype,
+                                        q.min_dtype, n1 - n0, K, rows, 1)) {
+            for (int64_t b0 = 0; b0 < B; b0 += TOKEN_BLOCK)
+                kvmesh_gemv(rows, NULL, W_BF16, NULL, sbf16, K, 0, n1 - n0, x + b0 * ldx, ldx,
+                            B - b0 < TOKEN_BLOCK ? B - b0 : TOKEN_BLOCK, y + b0 * ldy + n0, ldy, x16 + b0 * K,
+                            x_ready, 0);
+            return;
+        }
+    }
+    /* int8 x int8 AMX products lay a call's input out in their own form (and keep its scales per
+       thread): re-laid every block */
+    const int ready = x_ready && !(a8 && kind == W_I8);
+    for (int64_t b0 = 0; b0 < B; b0 += TOKEN_BLOCK)
+        project_tokens(m, kind, w, wp, scales, &p, sbf16, K, n0, n1, x + b0 * ldx, ldx,
+                       B - b0 < TOKEN_BLOCK ? B - b0 : TOKEN_BLOCK, y + b0 * ldy, ldy, x16 + b0 * K, ready, a8);
+}
+
+/* Vocabulary rows [c0, c1) of the LM head for S <= TOKEN_BLOCK final hidden rows x [S][H] ->
+   logits [S][vocab] (x16: the thread's bf16 scratch, x_ready as project's). The LM head keeps
+   fp32 activations: quantizing the final hidden state per row flipped the self-draft's argmax
+   often enough to cut its acceptance from 0.90 to 0.85 (bundled chat prompts, measured
+   2026-12-02 on the SPR machine of docs/benchmarks.md). An int4 model's int8-activation step
+   (llama.cpp's scheme) takes its int8 head, a Q8_0 table or the int8 copy of a float head in
+   16-row panels (lm_head_packed), as llama.cpp does, against the hidden state quantized per
+   32-input block: at batch 1 that head was as long as all the int4 layers (SmolLM2-135M, 49152 x
+   576; Llama-3.2-1B's, 128256 x 2048). */
+static void lm_head_rows(const kvmesh_model *m, int64_t c0, int64_t c1, const float *x, int64_t S, float *logits,
+                         uint16_t *x16, const int ready) {
+    const int64_t H = m->hidden, V = m->vocab;
+    const int bf16 = (int)m->bf16, head_a8 = m->int8_activations && m->weight_kind == W_I4;
+    if (m->lm_head_packed && (m->lm_head_kind == W_I8 || m->lm_head_kind == W_I8G)) {
+        /* 16-row panels (chunks start on a panel); a Q8_0 table's group scales (lm_head_scales) in panels too */
+        const float *gs = m->lm_head_kind == W_I8G ? (const float *)m->lm_head_scales : NULL;
+        if (!kvmesh_gemv_i8_panels((const int8_t *)m->lm_head_packed, m->lm_head_scales, bf16, gs, H, c0, c1, x, H, S,
+                                   logits, V))
+            kvmesh_gemv_i8_panels_fp32((const int8_t *)m->lm_head_packed, m->lm_head_scales, bf16, gs, H, c0, c1, x, H,
+                                       S, logits, V);
+    } else if (m->lm_head_kind == W_I8G && m->int4_bf16)  /* the bf16 model's head values, bf16 products */
+        kvmesh_gemv_i8g_bf16((const int8_t *)m->lm_head_weight, (const float *)m->lm_head_scales, H, c0, c1, x, H, S,
+                             logits, V, x16, ready);
+    else if (m->lm_head_kind == W_I8G && head_a8)
+        kvmesh_gemv_i8g_a8((const int8_t *)m->lm_head_weight, (const float *)m->lm_head_scales, H, c0, c1, x, H, S,
+                           logits, V);
+    else if (m->lm_head_kind == W_I8G)  /* a GGUF Q8_0 table read as stored */
+        kvmesh_gemv_i8g((const int8_t *)m->lm_head_weight, (const float *)m->lm_head_scales, H, c0, c1, x, H, S,
+                        logits, V);
+    else
+        kvmesh_gemv(m->lm_head_weight, m->lm_head_packed, (int)m->lm_head_kind, m->lm_head_scales, bf16, H, c0, c1, x,
+                    H, S, logits, V, x16, ready, 0);
 }
 
 /* Thread tid of T inside the step's OpenMP team (torch's own pool: the library links the
@@ -122,7 +196,6 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
     const int64_t cbs = m->cache_block_stride, css = m->cache_slot_stride, chs = m->cache_head_stride;
     const float *cos_t = m->rope_cos, *sin_t = m->rope_sin;
     const float scale = 1.0f / sqrtf((float)D);
-    const int64_t esz = bf16 ? 2 : 4;
     /* private: the residual stream, the normed input of the next projection, the attention
        output widened to fp32, one head's scratch, the rows that get logits (every thread keeps
        identical copies of the first three: cheaper than a barrier) */
@@ -208,43 +281,20 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
         #pragma omp simd
         for (int64_t i = 0; i < B * H; i++) res[i] += s->o_out[i];
         rms_norm_rows(res, lp->post_attention_norm, bf16, B, H, s->eps, h);
-        /* gate rows i and up rows I + i of each chunk of the intermediate width, then
-           act = silu(gate) * up for them */
-        const int64_t es = w_elem_size(wk);
-        float *gu = (float *)scratch(1, sizeof(float) * (size_t)(2 * B * gu_chunk));
-        if (!gu) __atomic_store_n(&s->failed, 1, __ATOMIC_RELAXED);
-        for (int ready = 0; gu && take_chunk(s, ph + 3, I, gu_chunk, &c0, &c1); ready = 1) {
-            const int64_t i0 = c0, w = c1 - c0;
-            if (wk == W_I4) {  /* rows i0.. and I + i0.. of the codes and their groups */
-                const kvmesh_int4 all = {(const uint8_t *)lp->gate_up_weight, lp->gate_up_scales,
-                                         lp->gate_up_zeros, lp->gate_up_mins, m->int4_group,
-                                         (int)m->int4_scale_dtype, (int)m->int4_zero_dtype, (int)m->int4_min_dtype,
-                                         (int)m->int4_interleaved, (const float *)lp->gate_up_packed};
-                const kvmesh_int4 gate = int4_rows(all, i0, H), up = int4_rows(all, I + i0, H);
-                if (m->int4_bf16) {
-                    kvmesh_gemv_int4_bf16(&gate, H, 0, w, h, H, B, gu, w, x16, ready);
-                    kvmesh_gemv_int4_bf16(&up, H, 0, w, h, H, B, gu + B * w, w, x16, 1);
-                } else {
-                    kvmesh_gemv_int4(&gate, H, 0, w, h, H, B, gu, w, int4_form(m));
-                    kvmesh_gemv_int4(&up, H, 0, w, h, H, B, gu + B * w, w, int4_form(m));
-                }
-            } else {
-                const char *gw = (const char *)lp->gate_up_weight;
-                const char *gs = (const char *)lp->gate_up_scales, *us = gs;
-                if (gs) { gs += i0 * esz; us += (I + i0) * esz; }
-                const char *gp = (const char *)lp->gate_up_packed;  /* packed: same element offsets */
-                kvmesh_gemv(gw + i0 * H * es, gp ? gp + i0 * H * es : 0, wk, gs, bf16, H, 0, w, h, H, B, gu, w,
-                            x16, ready, a8);
-                kvmesh_gemv(gw + (I + i0) * H * es, gp ? gp + (I + i0) * H * es : 0, wk, us, bf16, H, 0, w, h,
-                            H, B, gu + B * w, w, x16, 1, a8);
-            }
+        /* gate rows i and up rows I + i of each chunk of the intermediate width (columns i and
+           I + i of gate_up [B][2I]), then act = silu(gate) * up for them */
+        for (int ready = 0; take_chunk(s, ph + 3, I, gu_chunk, &c0, &c1); ready = 1) {
+            project(m, wk, lp->gate_up_weight, lp->gate_up_packed, lp->gate_up_scales, lp->gate_up_zeros,
+                    lp->gate_up_mins, bf16, H, c0, c1, h, H, B, s->gate_up, 2 * I, x16, ready, a8);
+            project(m, wk, lp->gate_up_weight, lp->gate_up_packed, lp->gate_up_scales, lp->gate_up_zeros,
+                    lp->gate_up_mins, bf16, H, I + c0, I + c1, h, H, B, s->gate_up, 2 * I, x16, 1, a8);
             for (int64_t b = 0; b < B; b++) {
-                const float *gb = gu + b * w, *ub = gu + B * w + b * w;
-                float *ab = s->act + b * I + i0;
+                const float *gb = s->gate_up + b * 2 * I, *ub = gb + I;
+                float *ab = s->act + b * I;
                 /* sigmoid(g) = 1 / (1 + e^-g) for g >= 0, e^g / (1 + e^g) below: both from
                    t = e^-|g| and a select, so the loop vectorises (as many exps as rows) */
                 #pragma omp simd
-                for (int64_t i = 0; i < w; i++) {
+                for (int64_t i = c0; i < c1; i++) {
                     const float g = gb[i], t = exp_nonpositive(-fabsf(g));
                     ab[i] = g * ((g >= 0.0f ? 1.0f : t) / (1.0f + t)) * ub[i];
                 }
@@ -262,36 +312,11 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
         for (int64_t i = 0; i < H; i++)
             picked[j * H + i] = bf16 ? round_bf16(h[s->sample_rows[j] * H + i]) : h[s->sample_rows[j] * H + i];
     const int64_t V = m->vocab;
-    /* The LM head keeps fp32 activations: quantizing the final hidden state per row flipped
-       the self-draft's argmax often enough to cut its acceptance from 0.90 to 0.85 (bundled
-       chat prompts, measured 2026-12-02 on the SPR machine of docs/benchmarks.md). An int4
-       model's int8-activation step (llama.cpp's scheme) takes its int8 head, a Q8_0 table or
-       the int8 copy of a float head in 16-row panels (lm_head_packed), as llama.cpp does,
-       against the hidden state quantized per 32-input block: at batch 1 that head was as long
-       as all the int4 layers (SmolLM2-135M, 49152 x 576; Llama-3.2-1B's, 128256 x 2048). */
-    const int head_a8 = m->int8_activations && m->weight_kind == W_I4;
     int64_t c0, c1;
-    for (int ready = 0; take_chunk(s, L * PHASES, V, chunk_size(V, T, 16), &c0, &c1); ready = 1) {
-        if (m->lm_head_packed && (m->lm_head_kind == W_I8 || m->lm_head_kind == W_I8G)) {
-            /* 16-row panels (chunks start on a panel); a Q8_0 table's group scales (lm_head_scales) in panels too */
-            const float *gs = m->lm_head_kind == W_I8G ? (const float *)m->lm_head_scales : NULL;
-            if (!kvmesh_gemv_i8_panels((const int8_t *)m->lm_head_packed, m->lm_head_scales, bf16, gs, H, c0, c1, picked,
-                                       H, s->S, s->logits, V))
-                kvmesh_gemv_i8_panels_fp32((const int8_t *)m->lm_head_packed, m->lm_head_scales, bf16, gs, H, c0, c1,
-                                           picked, H, s->S, s->logits, V);
-        } else if (m->lm_head_kind == W_I8G && m->int4_bf16)  /* the bf16 model's head values, bf16 products */
-            kvmesh_gemv_i8g_bf16((const int8_t *)m->lm_head_weight, (const float *)m->lm_head_scales, H, c0, c1,
-                                 picked, H, s->S, s->logits, V, x16, ready);
-        else if (m->lm_head_kind == W_I8G && head_a8)
-            kvmesh_gemv_i8g_a8((const int8_t *)m->lm_head_weight, (const float *)m->lm_head_scales, H, c0, c1, picked,
-                               H, s->S, s->logits, V);
-        else if (m->lm_head_kind == W_I8G)  /* a GGUF Q8_0 table read as stored */
-            kvmesh_gemv_i8g((const int8_t *)m->lm_head_weight, (const float *)m->lm_head_scales, H, c0, c1, picked, H,
-                            s->S, s->logits, V);
-        else
-            kvmesh_gemv(m->lm_head_weight, m->lm_head_packed, (int)m->lm_head_kind, m->lm_head_scales, bf16, H, c0,
-                        c1, picked, H, s->S, s->logits, V, x16, ready, 0);
-    }
+    for (int ready = 0; take_chunk(s, L * PHASES, V, chunk_size(V, T, 16), &c0, &c1); ready = 1)
+        for (int64_t j0 = 0; j0 < s->S; j0 += TOKEN_BLOCK)
+            lm_head_rows(m, c0, c1, picked + j0 * H, s->S - j0 < TOKEN_BLOCK ? s->S - j0 : TOKEN_BLOCK,
+                         s->logits + j0 * V, x16 + j0 * H, ready);
     kvmesh_amx_tiles_end();
 }
 
@@ -302,7 +327,7 @@ int kvmesh_native_step(const kvmesh_model *m, const kvmesh_step_batch *batch) {
     const int64_t esz = m->bf16 ? 2 : 4;
     const size_t phases = (size_t)(m->num_layers * PHASES + 1);
     int64_t *taken = (int64_t *)scratch(2, sizeof(int64_t) * phases
-                                       + sizeof(float) * (size_t)(B * (nqkv + 2 * m->hidden + m->intermediate))
+                                       + sizeof(float) * (size_t)(B * (nqkv + 2 * m->hidden + 3 * m->intermediate))
                                        + (size_t)(2 * B * qw * esz));
     if (!taken) return KVMESH_STEP_NO_MEMORY;
     memset(taken, 0, sizeof(int64_t) * phases);
@@ -313,7 +338,8 @@ int kvmesh_native_step(const kvmesh_model *m, const kvmesh_step_batch *batch) {
     s.qkv = shared;
     s.o_out = s.qkv + B * nqkv;
     s.down_out = s.o_out + B * m->hidden;
-    s.act = s.down_out + B * m->hidden;
+    s.gate_up = s.down_out + B * m->hidden;
+    s.act = s.gate_up + B * 2 * m->intermediate;
     s.q_attn = (void *)(s.act + B * m->intermediate);
     s.attn_out = (char *)s.q_attn + B * qw * esz;
     s.taken = taken;
