@@ -41,9 +41,9 @@ def _one_of(name: str, value: Any, allowed: tuple) -> None:
     _check(value in allowed, f"{name} must be one of {list(allowed)}, got {value!r}")
 
 
-# The largest step model.cpu_native_max_tokens may ask for, and its auto value on AMX CPUs:
-# the native step's AMX path holds a step's tokens in four 16-token tiles
-# (worker/kernels/cpu_native_step.py).
+# model.cpu_native_max_tokens' auto value for small steps on AMX CPUs (and VDPBF16PS ones without
+# AMX, fp32 int4 models): the native step's AMX path holds a call's tokens in four 16-token tiles
+# (worker/kernels/cpu_native_step.py). Larger steps go to the projections 64 tokens a call.
 CPU_NATIVE_MAX_TOKENS = 64
 
 
@@ -75,8 +75,10 @@ class ModelConfig:
     # chunks, speculative verify rows) run the whole layer stack and the LM head as one native
     # call (worker/kernels/cpu_native_step.py: GEMVs over the model's own fp32 / bf16 / int8 /
     # int4 weights, the same paged KV cache); larger steps and what it does not take run eagerly.
-    # None = auto: for 16-bit models 64 on CPUs with AMX or with VDPBF16PS and no AMX (Zen 4),
-    # else 12 tokens per torch thread, at most 24 (where it measured faster than eager's GEMMs);
+    # None = auto: for 16-bit models 64 on CPUs with AMX, every step up to the scheduler's
+    # max_num_batched_tokens on CPUs with VDPBF16PS and no AMX (Zen 4; prompt chunks whose
+    # attention is long run eagerly: cpu_native_step.PREFILL_ATTENTION_PAIRS_MAX), else 12
+    # tokens per torch thread, at most 24 (where it measured faster than eager's GEMMs);
     # fp32 float weights 12 a thread, at most 24 (fp32 GEMVs; token-exact: the eager forward up
     # to the order of fp32 sums); fp32 int8 as 16-bit, fp32 int4 64 (eager dequantizes every
     # call); 0 = off for any dtype (every step eager, the reference path).
@@ -86,8 +88,8 @@ class ModelConfig:
         _one_of("model.dtype", self.dtype, ("auto", "fp32", "bf16", "fp16"))
         _one_of("model.compile", self.compile, ("off", "decode"))
         _check(self.max_model_len is None or self.max_model_len >= 1, "model.max_model_len must be >= 1")
-        _check(self.cpu_native_max_tokens is None or 0 <= self.cpu_native_max_tokens <= CPU_NATIVE_MAX_TOKENS,
-               f"model.cpu_native_max_tokens must be in 0..{CPU_NATIVE_MAX_TOKENS} (or null: auto)")
+        _check(self.cpu_native_max_tokens is None or self.cpu_native_max_tokens >= 0,
+               "model.cpu_native_max_tokens must be >= 0 (or null: auto)")
 
 
 @dataclass(frozen=True)

@@ -32,14 +32,15 @@ PROMPTS = [tuple(range(100, 100 + n)) for n in (5, 37, 12, 50, 1, 23)]
 NEW_TOKENS = 20
 
 
-def _engine(model_dir: str, dtype: str = "fp32", quant: str = "none", native: int = 4, kv: str = "auto",
-            preemption: str = "recompute", prefill_chunk: int = 16, num_blocks: int = 16) -> Engine:
+def _engine(model_dir: str, dtype: str = "fp32", quant: str = "none", native: int | None = 4, kv: str = "auto",
+            preemption: str = "recompute", prefill_chunk: int = 16, num_blocks: int = 16,
+            step_tokens: int = 64) -> Engine:
     return Engine.from_config(KvmeshConfig.from_dict({
         "model": {"path": model_dir, "dtype": dtype, "max_model_len": 512, "cpu_native_max_tokens": native},
         "quant": {"weight": quant},
         # 16 blocks: 128 slots for ~330 tokens, so requests are preempted
         "cache": {"num_blocks": num_blocks, "block_size": 8, "kv_cache_dtype": kv},
-        "scheduler": {"max_num_batched_tokens": 64, "max_prefill_tokens_per_step": prefill_chunk,
+        "scheduler": {"max_num_batched_tokens": step_tokens, "max_prefill_tokens_per_step": prefill_chunk,
                       "preemption_mode": preemption,
                       "max_total_kv_tokens": 1 << 20, "max_queue_time_s": 3600},
         "parallel": {"device": "cpu"}}))
@@ -260,6 +261,60 @@ def test_what_it_does_not_implement_falls_back_with_the_reason(tiny_model_dir, c
     assert all(len(t) == NEW_TOKENS for t in _generate(engine).values())
 
 
+LONG_PROMPTS = [tuple(range(100 + n, 100 + 2 * n)) for n in (300, 140, 90, 5, 70)]
+
+
+def _long_prompt_steps(engine: Engine, guard: int | None = None) -> tuple[dict[str, list[int]], list[int], list[int]]:
+    """Greedy tokens of LONG_PROMPTS, and the sizes of the steps the native step took and refused
+    (guard: its prefill_attention_pairs_max)."""
+    decoder = engine.runner.native_decoder
+    if guard is not None:
+        decoder.prefill_attention_pairs_max = guard
+    real_run, taken, refused = decoder.run, [], []
+
+    def sized(inputs):
+        out = real_run(inputs)
+        (taken if out is not None else refused).append(len(inputs.input_ids))
+        return out
+
+    decoder.run = sized
+    return generate_all_greedy(engine, LONG_PROMPTS, NEW_TOKENS), taken, refused
+
+
+def test_prefill_steps_past_64_tokens_give_the_eager_tokens(tiny_model_dir):
+    """Steps of up to 200 tokens (prompt chunks of up to 150 over cached context, up to 300-token
+    prompts in three chunks, decode rows beside them) as one native call, the projections taking
+    the tokens 64 at a time: fp32 logits eager's to float rounding, the greedy tokens eager's; the
+    logits buffer holds the rows that sample, not the step's tokens."""
+    shape = {"prefill_chunk": 150, "step_tokens": 200, "num_blocks": 128}
+    eager = generate_all_greedy(_engine(tiny_model_dir, native=0, **shape), LONG_PROMPTS, NEW_TOKENS)
+    engine = _engine(tiny_model_dir, native=200, **shape)
+    diffs = _check_each_step_against_eager(engine, _relative)
+    tokens, taken, refused = _long_prompt_steps(engine)
+    assert max(taken) > 128 and not refused, "steps of three token blocks and more ran natively"
+    assert max(diffs) < 1e-5, f"fp32 logits differ from eager by {max(diffs)}"
+    assert tokens == eager
+    assert engine.runner.native_decoder.logits_rows <= 8
+
+
+def test_prompt_chunks_of_long_attention_run_eagerly(tiny_model_dir):
+    """A step whose prompt tokens attend to more (token, context) pairs than the guard allows runs
+    eagerly (the native step's attention reads a request's K/V once a token); the others natively,
+    decode steps whatever their context; the tokens are eager's either way."""
+    shape = {"prefill_chunk": 150, "step_tokens": 200, "num_blocks": 128}
+    eager = generate_all_greedy(_engine(tiny_model_dir, native=0, **shape), LONG_PROMPTS, NEW_TOKENS)
+    tokens, taken, refused = _long_prompt_steps(_engine(tiny_model_dir, native=200, **shape), guard=20_000)
+    assert refused and min(refused) > 100, "the long prompt's chunks ran eagerly"
+    assert max(taken) > 64 and min(taken) <= len(LONG_PROMPTS), "short chunks and decode steps ran natively"
+    assert tokens == eager
+
+
+def test_prefill_attention_pairs_count_each_prompt_tokens_context():
+    # a 150-token chunk over 300 cached tokens: 150 x 300 + 150 x 151 / 2; decode rows not counted
+    assert cpu_native_step.prefill_attention_pairs((150, 1, 1), (450, 900, 3)) == 150 * 300 + 150 * 151 // 2
+    assert cpu_native_step.prefill_attention_pairs((1, 1), (4000, 4000)) == 0
+
+
 @avx512_cpu_only
 def test_switched_off_by_the_environment(tiny_model_dir, monkeypatch, caplog):
     monkeypatch.setenv("KVMESH_NATIVE_DECODE", "0")
@@ -270,7 +325,7 @@ def test_switched_off_by_the_environment(tiny_model_dir, monkeypatch, caplog):
 
 def test_max_batch_is_validated():
     with pytest.raises(ConfigError, match="cpu_native_max_tokens"):
-        KvmeshConfig.from_dict({"model": {"cpu_native_max_tokens": 65}})
+        KvmeshConfig.from_dict({"model": {"cpu_native_max_tokens": -1}})
 
 
 def test_bf16_projections_take_the_cpu_s_fastest_bf16_instructions(tiny_model_dir):
@@ -310,13 +365,20 @@ def test_auto_step_size_follows_the_measured_crossover_with_eager():
     assert cpu_native_step.max_tokens_for(None, torch.float32, 2, "int8") == expected[1]
 
 
-@pytest.mark.parametrize("amx,dpbf16_only,expected", [(True, False, 64), (False, True, 64), (False, False, 24)])
-def test_vdpbf16ps_without_amx_takes_the_largest_step(monkeypatch, amx, dpbf16_only, expected):
-    """A CPU with VDPBF16PS and no AMX tiles (Zen 4): the GEMVs stay ahead of eager's (AMX-less)
-    GEMMs to 64 tokens, so auto takes every step the native step can, as with AMX."""
+@pytest.mark.parametrize("amx,dpbf16_only,expected", [(True, False, 64), (False, True, 512), (False, False, 24)])
+def test_vdpbf16ps_without_amx_takes_every_step_of_the_budget(monkeypatch, amx, dpbf16_only, expected):
+    """A CPU with VDPBF16PS and no AMX tiles (Zen 4): the GEMVs, 64 tokens a call, stay ahead of
+    eager's (AMX-less) GEMMs to the scheduler's 512-token steps, so auto takes every step of a bf16
+    model's bf16 or int4 (bf16 products) weights; with AMX 64; int8 weights and int4 x int8
+    activations keep the small-step size."""
     monkeypatch.setattr(cpu_native_step, "amx_available", lambda: amx)
     monkeypatch.setattr(cpu_native_step, "dpbf16_without_amx", lambda: dpbf16_only)
-    assert cpu_native_step.max_tokens_for(None, torch.bfloat16, 2) == expected
+    assert cpu_native_step.max_tokens_for(None, torch.bfloat16, 2, max_step_tokens=512) == expected
+    assert cpu_native_step.max_tokens_for(None, torch.bfloat16, 2, "int4", max_step_tokens=512) == expected
+    small = 64 if amx or dpbf16_only else 24
+    assert cpu_native_step.max_tokens_for(None, torch.bfloat16, 2, "int4", True, max_step_tokens=512) == small
+    assert cpu_native_step.max_tokens_for(None, torch.bfloat16, 2, "int8", max_step_tokens=512) == small
+    assert cpu_native_step.max_tokens_for(None, torch.bfloat16, 2, max_step_tokens=32) == min(expected, 64)
 
 
 def test_amx_packed_layout_is_tdpbf16ps_b_operand():

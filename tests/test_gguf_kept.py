@@ -156,21 +156,28 @@ def _native_int4_agrees_with_eager_kept(path, type_name: str) -> cpu_native_step
     return runner.native_decoder
 
 
-def _bf16_step_logits(path, weight: str, native: int) -> tuple[list[list[int]], list[torch.Tensor], Engine]:
-    """Greedy tokens of `path` in bf16 and the logits of every native step that sampled."""
+def _bf16_step_logits(path, weight: str, native: int | None, prompts=PROMPTS,
+                      **scheduler) -> tuple[list[list[int]], list[torch.Tensor], Engine]:
+    """Greedy tokens of `path` in bf16 and the logits of every native step that sampled (the sizes
+    of the steps it ran: engine.native_step_sizes)."""
     config = _config(path, weight, native).replace(model={"dtype": "bf16"})
+    if scheduler:
+        config = config.replace(scheduler=scheduler, cache={"num_blocks": 128})
     engine = Engine.from_config(config)
     decoder, logits = engine.runner.native_decoder, []
     real_run = decoder.run
+    engine.native_step_sizes = []
 
     def kept(inputs):
         out = real_run(inputs)
+        if out is not None:
+            engine.native_step_sizes.append(len(inputs.input_ids))
         if out is not None and inputs.sample_at:
             logits.append(out.clone())
         return out
 
     decoder.run = kept
-    return greedy_continuations(engine, PROMPTS, NEW_TOKENS), logits, engine
+    return greedy_continuations(engine, prompts, NEW_TOKENS), logits, engine
 
 
 @pytest.mark.skipif(not cpu_native_step.dpbf16_without_amx(), reason="the bf16 model's GEMVs are not VDPBF16PS here")
@@ -195,6 +202,24 @@ def test_bf16_int4_layers_compute_the_bf16_dequantized_models_logits(type_name, 
         assert got_tokens == want_tokens and len(got) == len(want) >= NEW_TOKENS - 1
         for step, (g, w) in enumerate(zip(got, want)):
             assert torch.equal(g, w), f"{type_name} step {step}: max diff {(g - w).abs().max()}"
+
+
+@pytest.mark.skipif(not cpu_native_step.dpbf16_without_amx(), reason="the bf16 model's GEMVs are not VDPBF16PS here")
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K"])
+def test_bf16_int4_prefill_steps_past_64_tokens_keep_the_dequantized_models_logits(type_name, tmp_path, cache_dir):
+    """Steps of up to 200 tokens (auto on a VDPBF16PS CPU without AMX: every step of the budget):
+    the int4 rows are dequantized to bf16 once a step and the tokens go 64 at a time through the
+    same VDPBF16PS walk, so every step's logits stay the dequantized bf16 model's bit for bit."""
+    path = gc.write_tiny_llama_gguf(tmp_path / "tiny.gguf", type_name, tied=True)
+    prompts = [list(range(100, 100 + n)) for n in (180, 150, 30)]
+    budget = {"max_num_batched_tokens": 200, "max_prefill_tokens_per_step": 190}
+    want_tokens, want, _ = _bf16_step_logits(path, "none", None, prompts, **budget)
+    got_tokens, got, engine = _bf16_step_logits(path, "gguf", None, prompts, **budget)
+    assert engine.runner.cpu_step.path == "int4_avx512_bf16" and engine.runner.native_max_tokens == 200
+    assert max(engine.native_step_sizes) > 128, "steps of three token blocks ran natively"
+    assert got_tokens == want_tokens and len(got) == len(want) >= NEW_TOKENS - 1
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"{type_name} step {step}: max diff {(g - w).abs().max()}"
 
 
 @pytest.mark.skipif(cpu_native_step.unavailable_reason() is not None, reason="no native step")

@@ -241,7 +241,8 @@ def build_engine_parts(config: KvmeshConfig, worker_id: str = "worker-0") -> Eng
         if device.type == "cpu":
             runner = CpuModelRunner(model, backend, kv_caches, swap_caches, plan.block_size, seed=config.model.seed,
                                     native_max_tokens=config.model.cpu_native_max_tokens,
-                                    int4_int8_activations=config.quant.int4_activations == "int8")
+                                    int4_int8_activations=config.quant.int4_activations == "int8",
+                                    max_step_tokens=config.scheduler.max_num_batched_tokens)
         else:
             runner = ModelRunner(model, backend, device, kv_caches, swap_caches, plan.block_size,
                                  seed=config.model.seed)

@@ -27,8 +27,8 @@ AMX, bf16 weights go through AMX tiles (16 tokens times a 16-row weight block pe
 so up to 64 tokens cost about what reading the weights costs); otherwise GEMVs (fp32 FMA, int8
 and bf16 widened in registers, bf16 pairs by VDPBF16PS where the CPU has it; AVX2 + FMA in the
 avx2 build, for CPUs without AVX-512), memory-bound at a
-handful of tokens, where the packed GEMMs are not yet efficient. Larger steps run eagerly
-(oneDNN / AMX GEMMs). Weights it takes: plain fp32 / bf16 (the fused QKV and gate-up weights, o, down, the LM head) and
+handful of tokens, where the packed GEMMs are not yet efficient. Steps past max_tokens run
+eagerly (oneDNN / AMX GEMMs); steps past 64 tokens give the projections 64 tokens a call. Weights it takes: plain fp32 / bf16 (the fused QKV and gate-up weights, o, down, the LM head) and
 weight-only int8 with one scale per row (quant.weight: int8, and the self-draft's int8 head),
 and int4 groups as stored (quant.weight: int4, GGUF Q4_0 / Q4_1 / Q4_K kept): by one AVX2
 kernel in every build, int4 x int8 activations per 32-input block (llama.cpp's Q4_1 x Q8_1
@@ -52,7 +52,9 @@ projection's input rounded to bf16 (VDPBF16PS or AMX, fp32 sums), as oneDNN's bf
 In fp32 the step is the eager one up to the order of fp32 sums (tests/test_cpu_native_step.py:
 logits within 1e-5, greedy tokens identical with chunked prefill and preemption); in bf16 it is closer to the fp32 model than eager bf16 is.
 On by default (`model.cpu_native_max_tokens`: auto = for 16-bit models steps of up to 64
-tokens with AMX or VDPBF16PS without AMX, else 12 a thread up to 24; fp32 float weights 12 a thread up to 24;
+tokens with AMX, every step of the scheduler's budget for a bf16 model's bf16 or int4 weights with
+VDPBF16PS and no AMX (its tokens 64 a projection call; prompt chunks of long attention eager:
+PREFILL_ATTENTION_PAIRS_MAX), else 12 a thread up to 24; fp32 float weights 12 a thread up to 24;
 fp32 int4 64: see max_tokens_for; 0 = every step eager, the reference path), and for the
 self-draft's small steps (worker/engine_loop/self_draft.py), where only acceptance can change.
 """
@@ -518,11 +520,15 @@ class NativeDecoder:
         self._gather_logits = gather_logits  # the head's own trim of padded vocabulary rows
         self.vocab = description.model.vocab
         self.max_tokens = max_tokens
-        self._rows = torch.arange(max_tokens, dtype=torch.long)
+        # prompt tokens' attention the step takes (PREFILL_ATTENTION_PAIRS_MAX; benchmarks move it)
+        self.prefill_attention_pairs_max = PREFILL_ATTENTION_PAIRS_MAX
+        self._rows = torch.arange(0, dtype=torch.long)
         self.steps_run = 0  # steps this decoder served (tests and benchmarks read it)
         # The logits are written into this buffer, rows [0, S), and returned as a view valid
         # until the next step (as CUDA graphs' static outputs are): a fresh [64, 49152] fp32
         # tensor a step cost ~6 ms of first-touch page faults (a third of the LM head's time).
+        # Sized by the rows that sample (a power of two from 8 up), not the step's tokens: a
+        # 512-token prefill step samples one row a request (max_tokens rows: 100 MB at 512).
         self._logits = torch.empty(0, self.vocab, dtype=torch.float32)
         self.variant = kernels.variant.name  # the library's instruction set (cpu_build.VARIANTS)
         kind = description.weight_kind
@@ -566,6 +572,11 @@ class NativeDecoder:
         if failure:
             raise NotTaken(f"the native step refused the model: {CHECK_FAILURES.get(failure, failure)}")
         return cls(kernels, description, max_tokens, model.lm_head.gather_logits, int8_activations)
+
+    @property
+    def logits_rows(self) -> int:
+        """Rows of the logits buffer (it grows with the rows a step samples, not its tokens)."""
+        return self._logits.shape[0]
 
     @property
     def int4_factored(self) -> bool:
@@ -639,7 +650,8 @@ class NativeDecoder:
         buffer, overwritten by its next step), or None when the step has more than max_tokens
         tokens."""
         n = len(inputs.input_ids)
-        if n > self.max_tokens:
+        if n > self.max_tokens or prefill_attention_pairs(inputs.query_lens, inputs.seq_lens) \
+                > self.prefill_attention_pairs_max:
             return None
         if self._int4_probe is not None and bool(self._int4_probe.panel_rows) != self.int4_interleaved:
             raise RuntimeError("another native decoder re-laid out this model's int4 codes")
@@ -654,7 +666,10 @@ class NativeDecoder:
         slots = torch.tensor(inputs.slot_mapping, dtype=torch.long)
         sample_rows = torch.tensor(inputs.sample_at, dtype=torch.long)
         if self._logits.shape[0] < len(inputs.sample_at):
-            self._logits = torch.empty(self.max_tokens, self.vocab, dtype=torch.float32)
+            self._logits = torch.empty(max(8, 1 << (len(inputs.sample_at) - 1).bit_length()), self.vocab,
+                                       dtype=torch.float32)
+        if len(self._rows) < n:
+            self._rows = torch.arange(n, dtype=torch.long)
         logits = self._logits[:len(inputs.sample_at)]
         b = self._batch
         b.num_tokens, b.tokens, b.positions, b.slots = n, tokens.data_ptr(), positions.data_ptr(), slots.data_ptr()
@@ -668,6 +683,23 @@ class NativeDecoder:
             raise MemoryError("native step: no memory for its workspace")
         self.steps_run += 1
         return self._gather_logits(logits)
+
+
+# The native step's attention is the paged decode kernel run once a token (cpu/paged_attention.c):
+# each token of a prompt chunk reads its request's K/V again, where eager's flash attention reads
+# a block of K/V once for a block of queries (SmolLM2 bf16, 2 threads, Zen 4: ~0.73 ms against
+# ~0.57 ms a thousand pairs). A step whose prompt tokens attend to more (token, context) pairs
+# than this runs eagerly: past it the attention costs more than the native projections save (a
+# 512-token chunk at context 0, 131k pairs: 0.82x eager's time; at 1024, 656k: 1.03x; this is
+# the chunk at 512, 393k; docs/engine.md, "The native step"; load_tests/bench_prefill_step.py).
+PREFILL_ATTENTION_PAIRS_MAX = 512 * 512 + 512 * 513 // 2
+
+
+def prefill_attention_pairs(query_lens, seq_lens) -> int:
+    """The (token, context) pairs of a step's prompt tokens: a request with q > 1 tokens this step
+    and L after it attends q x (L - q) + q (q + 1) / 2 (decode rows, q = 1, are not counted: eager
+    runs them through the same kernel)."""
+    return sum(q * (n - q) + q * (q + 1) // 2 for q, n in zip(query_lens, seq_lens) if q > 1)
 
 
 def unavailable_reason() -> str | None:
@@ -723,7 +755,8 @@ def quantized_weights(model) -> str | None:
     return "int4" if Int4WeightOnlyLinear in kinds else "int8" if Int8WeightOnlyLinear in kinds else None
 
 
-def max_tokens_for(configured: int | None, dtype: torch.dtype, threads: int, quantized: str | None = None) -> int:
+def max_tokens_for(configured: int | None, dtype: torch.dtype, threads: int, quantized: str | None = None,
+                   int8_activations: bool = False, max_step_tokens: int = CPU_NATIVE_MAX_TOKENS) -> int:
     """model.cpu_native_max_tokens resolved: auto (None) is auto_max_tokens(threads) for
     16-bit models and fp32 int8 models. fp32 float weights run fp32 GEMVs whatever the CPU (AMX
     tiles are bf16): 12 tokens a thread, at most 24; in fp32 the step is token-exact (the eager
@@ -731,11 +764,18 @@ def max_tokens_for(configured: int | None, dtype: torch.dtype, threads: int, qua
     embedded model), 1.4x eager at batch 1 and 4.3x at batch 8 on an AVX2 EPYC
     (docs/benchmarks.md). fp32 int4 to the largest step: their eager forward dequantizes every
     weight on every call (int4 at batch 1: 0.05x the float model, docs/quantization.md), and a
-    64-token native step costs less than dequantizing the weights once."""
+    64-token native step costs less than dequantizing the weights once. A bf16 model's bf16 or
+    int4 weights on a CPU with VDPBF16PS and no AMX (Zen 4: avx512_bf16, int4_avx512_bf16) take
+    every step up to the scheduler's max_num_batched_tokens (max_step_tokens): the projections go
+    64 tokens a call and stayed ahead of eager's oneDNN GEMMs at a 512-token prefill step
+    (docs/engine.md, "The native step"), where eager's non-GEMM half (SDPA, norms, RoPE, copies)
+    is as long as its GEMMs."""
     if configured is not None:
         return configured
     if dtype == torch.float32 and quantized == "int4":
         return CPU_NATIVE_MAX_TOKENS
     if dtype == torch.float32 and quantized is None:
         return min(GEMV_MAX_TOKENS_CAP, GEMV_TOKENS_PER_THREAD * max(1, threads))
+    if dtype == torch.bfloat16 and quantized in (None, "int4") and not int8_activations and dpbf16_without_amx():
+        return max(CPU_NATIVE_MAX_TOKENS, max_step_tokens)
     return auto_max_tokens(threads)

@@ -22,8 +22,10 @@ made here, once, at construction, and kept as `cpu_step` (the worker's start lin
     torch        no native step: every step eager; `reason` says why (fp32 float models by
                  default, what the step does not implement, no kernels)
 
-model.cpu_native_max_tokens: auto (None) is steps of up to 64 tokens with AMX or VDPBF16PS and no
-AMX (Zen 4), else 12 tokens a thread up to 24, for 16-bit models and fp32 int8 models; fp32 float weights 12 a thread up to
+model.cpu_native_max_tokens: auto (None) is steps of up to 64 tokens with AMX, every step up to the
+scheduler's budget on a CPU with VDPBF16PS and no AMX (Zen 4: bf16 models' bf16 and int4 weights;
+prompt chunks of long attention run eagerly), else 12 tokens a thread up to 24, for 16-bit models
+and fp32 int8 models; fp32 float weights 12 a thread up to
 24 (fp32 GEMVs on any CPU; token-exact); 64 for fp32 int4 models (eager dequantizes every call);
 0 = every step eager. `numerics` says what the step's sums are (numerics_of): the start line and
 kvmesh_model_info carry it beside the path.
@@ -79,15 +81,17 @@ class CpuModelRunner(ModelRunner):
     def __init__(self, model, backend: AttentionBackend, kv_caches: list[LayerKVCache],
                  swap_caches: list[LayerKVCache] | None, block_size: int, seed: int = 0,
                  native_max_tokens: int | None = None, self_draft: bool = False,
-                 int4_int8_activations: bool = False):
+                 int4_int8_activations: bool = False, max_step_tokens: int = cpu_native_step.CPU_NATIVE_MAX_TOKENS):
         """native_max_tokens: model.cpu_native_max_tokens (None = auto); self_draft: the
         self-draft's runner (auto size whatever the dtype, int8 activations);
-        int4_int8_activations: quant.int4_activations int8 (else int4 layers are exact)."""
+        int4_int8_activations: quant.int4_activations int8 (else int4 layers are exact);
+        max_step_tokens: scheduler.max_num_batched_tokens (the largest step auto may take)."""
         super().__init__(model, backend, torch.device("cpu"), kv_caches, swap_caches, block_size, seed=seed)
         self.native_decoder: cpu_native_step.NativeDecoder | None = None
-        self.cpu_step = self._choose(native_max_tokens, self_draft, int4_int8_activations)
+        self.cpu_step = self._choose(native_max_tokens, self_draft, int4_int8_activations, max_step_tokens)
 
-    def _choose(self, configured: int | None, self_draft: bool, int4_int8_activations: bool) -> CpuStepPath:
+    def _choose(self, configured: int | None, self_draft: bool, int4_int8_activations: bool,
+                max_step_tokens: int) -> CpuStepPath:
         what = "the self-draft" if self_draft else "the model"
         threads = torch.get_num_threads()
         dtype = next(self.model.parameters()).dtype
@@ -95,7 +99,8 @@ class CpuModelRunner(ModelRunner):
         if self_draft:
             max_tokens = configured if configured is not None else cpu_native_step.auto_max_tokens(threads)
         else:
-            max_tokens = cpu_native_step.max_tokens_for(configured, dtype, threads, quantized)
+            max_tokens = cpu_native_step.max_tokens_for(configured, dtype, threads, quantized,
+                                                        quantized == "int4" and int4_int8_activations, max_step_tokens)
         if not max_tokens:
             reason = "model.cpu_native_max_tokens 0"
             logger.info("CPU step for %s: torch (%s)", what, reason)
