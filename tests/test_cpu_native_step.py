@@ -303,8 +303,10 @@ def test_prompt_chunks_of_long_attention_run_eagerly(tiny_model_dir):
     decode steps whatever their context; the tokens are eager's either way."""
     shape = {"prefill_chunk": 150, "step_tokens": 200, "num_blocks": 128}
     eager = generate_all_greedy(_engine(tiny_model_dir, native=0, **shape), LONG_PROMPTS, NEW_TOKENS)
-    tokens, taken, refused = _long_prompt_steps(_engine(tiny_model_dir, native=200, **shape), guard=20_000)
+    engine = _engine(tiny_model_dir, native=200, **shape)
+    tokens, taken, refused = _long_prompt_steps(engine, guard=20_000)
     assert refused and min(refused) > 100, "the long prompt's chunks ran eagerly"
+    assert engine.runner.eager_step_reasons["prefill_attention"] == len(refused)
     assert max(taken) > 64 and min(taken) <= len(LONG_PROMPTS), "short chunks and decode steps ran natively"
     assert tokens == eager
 

@@ -138,4 +138,6 @@ class CpuModelRunner(ModelRunner):
             logits = self.native_decoder.run(inputs)
             if logits is not None:
                 return logits if inputs.sample_at else None
+            if len(inputs.input_ids) <= self.native_decoder.max_tokens:  # refused for its prompt attention
+                self.eager_step_reasons["prefill_attention"] += 1
         return super().forward(inputs)

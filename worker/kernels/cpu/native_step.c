@@ -33,7 +33,7 @@ static void rms_norm_rows(const float *x, const void *weight, const int bf16, in
 /* Scratch kept per thread across steps (the OpenMP team is torch's pool: the same threads every
    step). A fresh malloc of these sizes (up to ~1 MB at 64 tokens) is a fresh mmap, and every
    page of it faults on first touch, every step. */
-#define SCRATCH_SLOTS 4  /* private rows, gate/up sums, the step's shared buffers, dequantized weight rows */
+#define SCRATCH_SLOTS 3  /* private rows, dequantized weight rows, the step's shared buffers */
 static void *scratch(int slot, size_t bytes) {
     static __thread void *buf[SCRATCH_SLOTS];
     static __thread size_t cap[SCRATCH_SLOTS];
@@ -131,7 +131,7 @@ static void project(const kvmesh_model *m, const int kind, const void *w, const 
         return;
     }
     if (kind == W_I4 && m->int4_bf16) {
-        uint16_t *rows = (uint16_t *)scratch(3, sizeof(uint16_t) * (size_t)((n1 - n0) * K));
+        uint16_t *rows = (uint16_t *)scratch(1, sizeof(uint16_t) * (size_t)((n1 - n0) * K));
         const kvmesh_int4 q = int4_rows(p, n0, K);
         if (rows && kvmesh_int4_to_bf16(q.codes, q.scales, q.zeros, q.mins, q.group, q.scale_dtype, q.zero_dtype,
                                         q.min_dtype, n1 - n0, K, rows, 1)) {
