@@ -106,11 +106,10 @@ static inline void project_tokens(const kvmesh_model *m, const int kind, const v
 }
 
 /* A step's tokens go to the GEMVs TOKEN_BLOCK at a time. The GEMVs walk every token they are given
-   past each 4-row weight group: at 64 tokens their bf16 inputs (64 x K x 2 bytes, 74-197 KB for
-   SmolLM2) stay in L2 while the chunk's rows pass, at a 512-token prefill step they were streamed
-   from L3 for every group (a 512-token step 416-444 ms eager, 349-351 ms blocked, unblocked slower:
-   docs/engine.md, "The native step"). A chunk's weight rows (~150-250 KB) are then read once a
-   block, from L2. */
+   past each 4-row weight group: 64 tokens' bf16 inputs (64 x K x 2 bytes, 74-197 KB for SmolLM2)
+   stay in L2 while the chunk's rows pass, where a 512-token prefill step's are 0.6-1.5 MB. A
+   chunk's weight rows (~150-250 KB) are then read once a block, from L2 (a 512-token step 0.81x
+   eager's time on Zen 4: docs/engine.md, "Native step"). */
 #define TOKEN_BLOCK 64
 
 /* One projection's rows [n0, n1) for all B tokens: y[b * ldy + n] = W[n] . x[b]. x16: the
