@@ -117,7 +117,8 @@ def test_streams_of_a_killed_worker_resume_on_the_survivor_with_the_same_text(cl
 
 DRAIN_STREAMS = 16
 DRAIN_MAX_TOKENS = 200  # 16 streams' prompt + max_tokens fit one worker's KV budget (4,096 tokens)
-DRAIN_ROUNDS = 3  # a fast machine can finish a worker's streams before the drain call lands
+DRAIN_ROUNDS = 5  # a fast machine (or a slow rollout: Serve may start the new replica first) can finish
+# every stream before the fault lands; such a round is run again
 DRAIN_PROMPTS = [f"Drain {i}: the ledger of the east harbour records" for i in range(DRAIN_STREAMS)]
 
 
