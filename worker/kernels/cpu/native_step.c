@@ -30,10 +30,20 @@ static void rms_norm_rows(const float *x, const void *weight, const int bf16, in
     }
 }
 
+/* out[i] = silu(g[i]) * u[i]: sigmoid(g) = 1 / (1 + e^-g) for g >= 0, e^g / (1 + e^g) below, both
+   from t = e^-|g| and a select, so the loop vectorises (as many exps as rows) */
+static inline void silu_mul(const float *g, const float *u, int64_t n, float *out) {
+    #pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        const float t = exp_nonpositive(-fabsf(g[i]));
+        out[i] = g[i] * ((g[i] >= 0.0f ? 1.0f : t) / (1.0f + t)) * u[i];
+    }
+}
+
 /* Scratch kept per thread across steps (the OpenMP team is torch's pool: the same threads every
    step). A fresh malloc of these sizes (up to ~1 MB at 64 tokens) is a fresh mmap, and every
    page of it faults on first touch, every step. */
-#define SCRATCH_SLOTS 3  /* private rows, dequantized weight rows, the step's shared buffers */
+#define SCRATCH_SLOTS 4  /* private rows, dequantized weight rows, the step's shared buffers, gate/up sums */
 static void *scratch(int slot, size_t bytes) {
     static __thread void *buf[SCRATCH_SLOTS];
     static __thread size_t cap[SCRATCH_SLOTS];
@@ -195,6 +205,7 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
     const int64_t cbs = m->cache_block_stride, css = m->cache_slot_stride, chs = m->cache_head_stride;
     const float *cos_t = m->rope_cos, *sin_t = m->rope_sin;
     const float scale = 1.0f / sqrtf((float)D);
+    const int64_t esz = bf16 ? 2 : 4;
     /* private: the residual stream, the normed input of the next projection, the attention
        output widened to fp32, one head's scratch, the rows that get logits (every thread keeps
        identical copies of the first three: cheaper than a barrier) */
@@ -280,24 +291,47 @@ static void step_thread(Step *s, const int64_t tid, const int64_t T) {
         #pragma omp simd
         for (int64_t i = 0; i < B * H; i++) res[i] += s->o_out[i];
         rms_norm_rows(res, lp->post_attention_norm, bf16, B, H, s->eps, h);
-        /* gate rows i and up rows I + i of each chunk of the intermediate width (columns i and
-           I + i of gate_up [B][2I]), then act = silu(gate) * up for them */
-        for (int ready = 0; take_chunk(s, ph + 3, I, gu_chunk, &c0, &c1); ready = 1) {
-            project(m, wk, lp->gate_up_weight, lp->gate_up_packed, lp->gate_up_scales, lp->gate_up_zeros,
-                    lp->gate_up_mins, bf16, H, c0, c1, h, H, B, s->gate_up, 2 * I, x16, ready, a8);
-            project(m, wk, lp->gate_up_weight, lp->gate_up_packed, lp->gate_up_scales, lp->gate_up_zeros,
-                    lp->gate_up_mins, bf16, H, I + c0, I + c1, h, H, B, s->gate_up, 2 * I, x16, 1, a8);
-            for (int64_t b = 0; b < B; b++) {
-                const float *gb = s->gate_up + b * 2 * I, *ub = gb + I;
-                float *ab = s->act + b * I;
-                /* sigmoid(g) = 1 / (1 + e^-g) for g >= 0, e^g / (1 + e^g) below: both from
-                   t = e^-|g| and a select, so the loop vectorises (as many exps as rows) */
-                #pragma omp simd
-                for (int64_t i = c0; i < c1; i++) {
-                    const float g = gb[i], t = exp_nonpositive(-fabsf(g));
-                    ab[i] = g * ((g >= 0.0f ? 1.0f : t) / (1.0f + t)) * ub[i];
-                }
+        /* gate rows i and up rows I + i of each chunk of the intermediate width, then
+           act = silu(gate) * up for them: up to TOKEN_BLOCK tokens into this thread's [2][B][w]
+           scratch, more through project()'s token blocks into columns i and I + i of gate_up [B][2I] */
+        const int64_t es = w_elem_size(wk);
+        float *gu = B <= TOKEN_BLOCK ? (float *)scratch(3, sizeof(float) * (size_t)(2 * B * gu_chunk)) : s->gate_up;
+        if (!gu) __atomic_store_n(&s->failed, 1, __ATOMIC_RELAXED);
+        for (int ready = 0; gu && take_chunk(s, ph + 3, I, gu_chunk, &c0, &c1); ready = 1) {
+            const int64_t i0 = c0, w = c1 - c0;
+            if (B > TOKEN_BLOCK) {
+                project(m, wk, lp->gate_up_weight, lp->gate_up_packed, lp->gate_up_scales, lp->gate_up_zeros,
+                        lp->gate_up_mins, bf16, H, c0, c1, h, H, B, gu, 2 * I, x16, ready, a8);
+                project(m, wk, lp->gate_up_weight, lp->gate_up_packed, lp->gate_up_scales, lp->gate_up_zeros,
+                        lp->gate_up_mins, bf16, H, I + c0, I + c1, h, H, B, gu, 2 * I, x16, 1, a8);
+                for (int64_t b = 0; b < B; b++)
+                    silu_mul(gu + b * 2 * I + i0, gu + b * 2 * I + I + i0, w, s->act + b * I + i0);
+                continue;
             }
+            if (wk == W_I4) {  /* rows i0.. and I + i0.. of the codes and their groups */
+                const kvmesh_int4 all = {(const uint8_t *)lp->gate_up_weight, lp->gate_up_scales,
+                                         lp->gate_up_zeros, lp->gate_up_mins, m->int4_group,
+                                         (int)m->int4_scale_dtype, (int)m->int4_zero_dtype, (int)m->int4_min_dtype,
+                                         (int)m->int4_interleaved, (const float *)lp->gate_up_packed};
+                const kvmesh_int4 gate = int4_rows(all, i0, H), up = int4_rows(all, I + i0, H);
+                if (m->int4_bf16) {
+                    kvmesh_gemv_int4_bf16(&gate, H, 0, w, h, H, B, gu, w, x16, ready);
+                    kvmesh_gemv_int4_bf16(&up, H, 0, w, h, H, B, gu + B * w, w, x16, 1);
+                } else {
+                    kvmesh_gemv_int4(&gate, H, 0, w, h, H, B, gu, w, int4_form(m));
+                    kvmesh_gemv_int4(&up, H, 0, w, h, H, B, gu + B * w, w, int4_form(m));
+                }
+            } else {
+                const char *gw = (const char *)lp->gate_up_weight;
+                const char *gs = (const char *)lp->gate_up_scales, *us = gs;
+                if (gs) { gs += i0 * esz; us += (I + i0) * esz; }
+                const char *gp = (const char *)lp->gate_up_packed;  /* packed: same element offsets */
+                kvmesh_gemv(gw + i0 * H * es, gp ? gp + i0 * H * es : 0, wk, gs, bf16, H, 0, w, h, H, B, gu, w,
+                            x16, ready, a8);
+                kvmesh_gemv(gw + (I + i0) * H * es, gp ? gp + (I + i0) * H * es : 0, wk, us, bf16, H, 0, w, h,
+                            H, B, gu + B * w, w, x16, 1, a8);
+            }
+            for (int64_t b = 0; b < B; b++) silu_mul(gu + b * w, gu + B * w + b * w, w, s->act + b * I + i0);
         }
         #pragma omp barrier
         for (int ready = 0; take_chunk(s, ph + 4, H, h_chunk, &c0, &c1); ready = 1)
