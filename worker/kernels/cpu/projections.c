@@ -151,6 +151,24 @@ static void rows_to_bf16(const float *x, int64_t ldx, int64_t B, int64_t K, uint
                                                              _mm512_loadu_ps(x + b * ldx + k)));
 }
 
+/* One k-step of a 4 x C bf16 tile: acc[i][j] += wv[i] . x[j * K ..] (32 inputs), VDPBF16PS. */
+static inline __attribute__((always_inline)) void dp4_step(__m512 acc[4][TILE_ROWS], const __m512bh wv[4],
+                                                          const uint16_t *x, int64_t K, const int C) {
+    #pragma GCC unroll 6
+    for (int j = 0; j < C; j++) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + j * K));
+        #pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[i], xv);
+    }
+}
+
+/* A 4 x C tile's sums: y[j * ldy + i] = the lanes of acc[i][j] added */
+static inline __attribute__((always_inline)) void store_sums4(__m512 acc[4][TILE_ROWS], const int C, float *y,
+                                                             int64_t ldy) {
+    #pragma GCC unroll 6
+    for (int j = 0; j < C; j++) _mm_storeu_ps(y + j * ldy, sum4(acc[0][j], acc[1][j], acc[2][j], acc[3][j]));
+}
+
 /* tile4 for bf16 weights and bf16 activation rows x [C][K]: y[j * ldy + i] = W[n + i] . x[j].
    Up to L2_PREFETCH_PASSES passes a group (steps of up to 18 rows) the group ahead is prefetched
    into L2 only: into L1 (T0) its prefetches held the L1's miss slots the tile's own loads wait
@@ -180,15 +198,9 @@ static inline __attribute__((always_inline)) void tile4_dp(const char *w, int64_
         __m512bh wv[4];
         #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) wv[i] = (__m512bh)_mm512_loadu_si512((const void *)(r0 + i * row + k * 2));
-        #pragma GCC unroll 6
-        for (int j = 0; j < C; j++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + j * K + k));
-            #pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[i], xv);
-        }
+        dp4_step(acc, wv, x + k, K, C);
     }
-    #pragma GCC unroll 6
-    for (int j = 0; j < C; j++) _mm_storeu_ps(y + j * ldy, sum4(acc[0][j], acc[1][j], acc[2][j], acc[3][j]));
+    store_sums4(acc, C, y, ldy);
 }
 
 /* One bf16 row r against the B rows of x: y[b * ldy] = r . x[b], tile4_dp's sums for that row
@@ -388,15 +400,9 @@ static inline __attribute__((always_inline)) void tile4_int4(const kvmesh_int4 *
             _mm512_storeu_si512((void *)(wb + i * K + k), v);
             wv[i] = (__m512bh)v;
         }
-        #pragma GCC unroll 6
-        for (int j = 0; j < C; j++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + j * K + k));
-            #pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[i], xv);
-        }
+        dp4_step(acc, wv, x + k, K, C);
     }
-    #pragma GCC unroll 6
-    for (int j = 0; j < C; j++) _mm_storeu_ps(y + j * ldy, sum4(acc[0][j], acc[1][j], acc[2][j], acc[3][j]));
+    store_sums4(acc, C, y, ldy);
 }
 
 /* kvmesh_gemv_int4_bf16's rows [n0, n1): a row group of a one-pass step (<= TILE_ROWS tokens)
