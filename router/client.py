@@ -91,6 +91,7 @@ class _Call:
         self.attempt = 1
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.trace_context = dict(trace_context or {})
+        self.reconnect_first = False  # the last attempt failed UNAVAILABLE: see RetryPolicy.reconnect_wait_s
 
     def time_left_s(self) -> float | None:
         if self.deadline is None:
@@ -123,7 +124,15 @@ class _Call:
             raise typed from None
         logger.debug("attempt %d failed with %s; retrying in %.3f s", self.attempt, code.name, decision.delay_s)
         self.attempt += 1
+        self.reconnect_first = code == grpc.StatusCode.UNAVAILABLE
         return decision.delay_s
+
+    def reconnect_wait_s(self) -> float:
+        """How long the next attempt may wait for the channel to connect (0: it need not)."""
+        if not self.reconnect_first:
+            return 0.0
+        left = None if self.deadline is None else self.deadline - time.monotonic()
+        return max(0.0, min(self.client.policy.reconnect_wait_s, left if left is not None else float("inf")))
 
 
 class _Resumption:
@@ -136,8 +145,12 @@ class _Resumption:
         self.token_ids: list[int] = list(request.resume_token_ids)
         self.text_chars = request.resume_text_chars
         self.finished_samples: set[int] = set()
+        # Messages with tokens or text delivered over all attempts: an attempt that fails before
+        # its first token still continues a stream that delivered some earlier (a resumption).
+        self.delivered = 0
 
     def observe(self, delta: RequestDelta) -> None:
+        self.delivered += _delivered(delta)
         if not delta.error:
             self.token_ids.extend(delta.token_ids)
             self.text_chars += len(delta.text)
@@ -225,10 +238,11 @@ class KvmeshClient(_ClientBase):
                     logger.debug("stream complete; its call then ended %s", error.code().name)
                     self.budget.record_success()
                     return
-                delay_s = call.on_failure(error, received, self.restart_mid_stream, resumption.enabled)
+                delay_s = call.on_failure(error, resumption.delivered, self.restart_mid_stream, resumption.enabled)
             finally:
                 stream.cancel()  # no-op once finished; aborts the request if the caller stopped early
             self._sleep(delay_s)
+            self._wait_for_connection(call.reconnect_wait_s())
             resumption.after_failure(received)
             if received and not resumption.enabled:
                 yield StreamRestart(call.attempt, "stream failed mid-way; restarted from scratch")
@@ -254,6 +268,15 @@ class KvmeshClient(_ClientBase):
                 return response
             except grpc.RpcError as error:
                 self._sleep(call.on_failure(error))
+                self._wait_for_connection(call.reconnect_wait_s())
+
+    def _wait_for_connection(self, timeout_s: float) -> None:
+        """Until the channel connects or `timeout_s` passes (the attempt then runs anyway)."""
+        if timeout_s > 0:
+            try:
+                grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+            except grpc.FutureTimeoutError:
+                pass
 
     def close(self) -> None:
         self._channel.close()
@@ -300,10 +323,11 @@ class AsyncKvmeshClient(_ClientBase):
                     logger.debug("stream complete; its call then ended %s", error.code().name)
                     self.budget.record_success()
                     return
-                delay_s = call.on_failure(error, received, self.restart_mid_stream, resumption.enabled)
+                delay_s = call.on_failure(error, resumption.delivered, self.restart_mid_stream, resumption.enabled)
             finally:
                 stream.cancel()
             await asyncio.sleep(delay_s)
+            await self._wait_for_connection(call.reconnect_wait_s())
             resumption.after_failure(received)
             if received and not resumption.enabled:
                 yield StreamRestart(call.attempt, "stream failed mid-way; restarted from scratch")
@@ -330,6 +354,15 @@ class AsyncKvmeshClient(_ClientBase):
                 return response
             except grpc.RpcError as error:
                 await asyncio.sleep(call.on_failure(error))
+                await self._wait_for_connection(call.reconnect_wait_s())
+
+    async def _wait_for_connection(self, timeout_s: float) -> None:
+        """Until the channel connects or `timeout_s` passes (the attempt then runs anyway)."""
+        if timeout_s > 0:
+            try:
+                await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
 
     async def close(self) -> None:
         await self._channel.close()

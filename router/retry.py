@@ -50,6 +50,12 @@ class RetryPolicy:
     # Retry budget (gRPC retry throttling).
     budget_max_tokens: float = 10.0
     budget_token_ratio: float = 0.1
+    # After UNAVAILABLE the next attempt first waits up to this long for the channel to connect:
+    # a channel whose connection failed waits out gRPC's reconnect backoff (1 s +- 20 % at
+    # first) and fails every call meanwhile at once, so retries sent then are spent without
+    # reaching a server (a router replica killed: its clients' resumptions, sent within
+    # milliseconds, would all fail though the other replica serves the port).
+    reconnect_wait_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -58,6 +64,8 @@ class RetryPolicy:
             raise ValueError("need 0 <= initial_backoff_s <= max_backoff_s and multiplier >= 1")
         if self.budget_max_tokens <= 0 or not 0 < self.budget_token_ratio <= 1:
             raise ValueError("need budget_max_tokens > 0 and budget_token_ratio in (0, 1]")
+        if self.reconnect_wait_s < 0:
+            raise ValueError("need reconnect_wait_s >= 0")
 
 
 def backoff_s(retry_number: int, policy: RetryPolicy, rng: random.Random, retry_after_s: float | None = None) -> float:

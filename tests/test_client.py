@@ -15,6 +15,7 @@ import asyncio
 import collections
 import dataclasses
 import random
+import socket
 import threading
 import time
 
@@ -121,19 +122,19 @@ def _worker_stats(worker_id, healthy):
 class ServerThread:
     """The aio server on its own event loop thread, so blocking clients can call it too."""
 
-    def __init__(self, tls_config: TlsConfig = TlsConfig()):
+    def __init__(self, tls_config: TlsConfig = TlsConfig(), port: int = 0):
         self.servicer = ScriptedKvmesh()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.port = asyncio.run_coroutine_threadsafe(self._start(tls_config), self.loop).result(10)
+        self.port = asyncio.run_coroutine_threadsafe(self._start(tls_config, port), self.loop).result(10)
         # A TLS client checks the name: the test certificates are for localhost.
         self.target = f"{'localhost' if tls_config.enabled else '127.0.0.1'}:{self.port}"
 
-    async def _start(self, tls_config: TlsConfig):
+    async def _start(self, tls_config: TlsConfig, port: int):
         self.server = grpc.aio.server()
         pb_grpc.add_KvmeshServicer_to_server(self.servicer, self.server)
-        port = tls.add_grpc_port(self.server, "127.0.0.1:0", tls_config)  # plaintext unless configured
+        port = tls.add_grpc_port(self.server, f"127.0.0.1:{port}", tls_config)  # plaintext unless configured
         await self.server.start()
         return port
 
@@ -324,6 +325,46 @@ def test_connection_refused_is_unavailable_and_typed():
         with pytest.raises(WorkerFailedError) as info:
             list(client.generate("ok", timeout_s=5))
     assert info.value.attempts == 2
+
+
+def test_a_retry_after_a_failed_connection_waits_for_the_channel_to_connect():
+    """The first attempt finds no server (connection refused); one is listening before the
+    retry. gRPC's channel waits out its reconnect backoff (~1 s) and fails every call sent
+    meanwhile at once: retries sent without waiting for the connection would all fail (as a
+    killed router replica's resumptions did while the other replica served the port)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    servers = []
+
+    def sleep_then_serve(delay_s: float) -> None:  # the client's wait before its first retry
+        if not servers:
+            servers.append(ServerThread(port=port))
+        time.sleep(delay_s)
+
+    policy = RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.05)
+    try:
+        with KvmeshClient(f"127.0.0.1:{port}", retry_policy=policy, sleep=sleep_then_serve) as client:
+            assert collect_text(client.generate("ok", request_id="r-reconnect", timeout_s=30)) == "".join(WORDS)
+
+        servers.pop().stop()
+
+        async def main():  # the asyncio client: the server starts once its first attempt was refused
+            async with AsyncKvmeshClient(f"127.0.0.1:{port}", retry_policy=policy, own_connection=True) as client:
+                async def collect():
+                    return [d async for d in client.generate("ok", request_id="a-reconnect", timeout_s=30)]
+                task = asyncio.create_task(collect())
+                deadline = time.monotonic() + 10
+                while (client._channel.get_state() != grpc.ChannelConnectivity.TRANSIENT_FAILURE
+                       and not task.done() and time.monotonic() < deadline):
+                    await asyncio.sleep(0.002)
+                servers.append(await asyncio.get_running_loop().run_in_executor(None, ServerThread, TlsConfig(), port))
+                return await task
+        assert collect_text(asyncio.run(main())) == "".join(WORDS)
+        assert [call[0] for call in servers[0].servicer.calls["a-reconnect"]][-1] > 1  # a retry got through
+    finally:
+        for srv in servers:
+            srv.stop()
 
 
 # ---- asyncio client ----------------------------------------------------------------------
