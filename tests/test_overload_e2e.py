@@ -23,6 +23,7 @@ Two retry disciplines over the same burst:
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import gc
@@ -246,6 +247,16 @@ def _max_concurrent_tokens(attempts: list[Attempt]) -> int:
     return peak
 
 
+def _attempt_account(attempts: list[Attempt]) -> dict:
+    """What a failed burst saw: attempts by (attempt number, code, details) and when they
+    started relative to the first (a burst that never overloaded shows whether its requests
+    arrived spread out or were answered by something other than this app's admission)."""
+    account = collections.Counter((a.attempt, a.code.name if a.code else None, a.details[:80]) for a in attempts)
+    first = min((a.started_s for a in attempts), default=0.0)
+    starts_ms = sorted(1000 * (a.started_s - first) for a in attempts if a.attempt == 1)
+    return {"attempts": dict(account), "first_attempt_starts_ms": [round(t) for t in starts_ms]}
+
+
 def _summary(name: str, outcome: Outcome, attempts: list[Attempt], wall_s: float) -> dict:
     rejected = [a for a in attempts if a.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
     return {"policy": name, "sent": NUM_USERS, "succeeded": outcome.succeeded,
@@ -288,8 +299,10 @@ def test_overload_rejects_fast_caps_retries_and_loses_nothing(cluster):
         assert outcome.completion_tokens == MAX_TOKENS * outcome.succeeded
         # Overload answers are RESOURCE_EXHAUSTED with a retry-after.
         rejected = [a for a in attempts if a.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
-        assert rejected and all(a.retry_after_s is not None and a.retry_after_s > 0 for a in rejected)
-        assert {a.code for a in attempts} <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert rejected, (name, _attempt_account(attempts))
+        assert all(a.retry_after_s is not None and a.retry_after_s > 0 for a in rejected)
+        assert {a.code for a in attempts} <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, (
+            name, _attempt_account(attempts))
         # First attempts are turned away without waiting for capacity: the router says why
         # it refused, and most first-attempt refusals are the ones given on arrival (the
         # queue is full, or no room now), not a queue wait that ran out. The reason, not a
