@@ -14,26 +14,27 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable
 
 GRID_S = 0.001  # paces round up to whole milliseconds, so streams of nearly one pace share ticks
 
 
 class PaceTick:
-    """One instant of the grid: the futures of the streams holding until then."""
+    """One instant of the grid: what to call then for each stream holding until it (a
+    Subscription's hold ends there: it wakes its stream only when it holds something)."""
 
-    __slots__ = ("waiters",)
+    __slots__ = ("callbacks",)
 
     def __init__(self):
-        self.waiters: list[asyncio.Future] = []
+        self.callbacks: list[Callable[[PaceTick], None]] = []
 
-    def add(self, waiter: asyncio.Future) -> None:
-        self.waiters.append(waiter)
+    def add(self, on_tick: Callable[[PaceTick], None]) -> None:
+        self.callbacks.append(on_tick)
 
     def fire(self) -> None:
-        for waiter in self.waiters:
-            if not waiter.done():  # a stream that ended (or was cancelled) meanwhile
-                waiter.set_result(None)
-        self.waiters = []
+        callbacks, self.callbacks = self.callbacks, []
+        for on_tick in callbacks:
+            on_tick(self)
 
 
 class StreamPacer:

@@ -75,10 +75,14 @@ class Subscription:
     so a request that reads late gets one list, not a queue entry per step. `ended` is set once
     the last of them is here (a final, error or failure): a paced stream stops holding then.
 
+    A `take` suspends its stream once: a pace tick that passes with nothing held ends the hold
+    without waking it, and the next item wakes it at once (a stream slower than its pace, the
+    usual case under a batched engine's steps, would otherwise wake twice a message).
+
     The request's deadline is one timer for the whole stream (`expire_at`), not one per wait:
     `take` runs once per message."""
 
-    __slots__ = ("items", "ended", "incarnation", "_waiter", "_holding", "_expired", "_deadline_timer")
+    __slots__ = ("items", "ended", "incarnation", "_waiter", "_hold_tick", "_expired", "_deadline_timer")
 
     def __init__(self):
         self.items: list = []
@@ -86,7 +90,7 @@ class Subscription:
         # The incarnation that accepted the request (its submit's answer); None until then.
         self.incarnation: str | None = None
         self._waiter: asyncio.Future | None = None
-        self._holding = False  # waiting for a pace tick: only the stream's end wakes it early
+        self._hold_tick: PaceTick | None = None  # holding until this tick: only the stream's end wakes it early
         self._expired = False
         self._deadline_timer: asyncio.TimerHandle | None = None
 
@@ -102,12 +106,11 @@ class Subscription:
 
     def put(self, item) -> None:
         self.items.append(item)
-        ending = type(item) is not TokenDelta and (not isinstance(item, RequestDelta) or item.finished
-                                                    or item.error_type)
-        if ending:
+        if type(item) is not TokenDelta and (not isinstance(item, RequestDelta) or item.finished or item.error_type):
             self.ended.set()
-        if self._waiter is not None and not self._waiter.done() and (ending or not self._holding):
-            self._waiter.set_result(None)
+            self._hold_tick = None
+        if self._hold_tick is None:
+            self._wake()
 
     async def take(self, hold_until: PaceTick | None = None) -> list:
         """Every item that arrived since the last `take` (at least one), in order. With
@@ -116,31 +119,38 @@ class Subscription:
         deadline has passed with nothing to hand over (a hold ends at the deadline, and what
         it held is handed over first)."""
         if hold_until is not None and not self.ended.is_set() and not self._expired:
-            self._holding = True
-            try:
-                await self._wait(hold_until)
-            finally:
-                self._holding = False
-        while not self.items:
-            if self._expired:
-                raise DeadlineExceededError("the request's deadline passed")
-            await self._wait(None)
+            self._hold_tick = hold_until
+            hold_until.add(self._tick_passed)
+        try:
+            while self._hold_tick is not None or not self.items:
+                if self._expired:
+                    if self.items:
+                        break
+                    raise DeadlineExceededError("the request's deadline passed")
+                self._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+        finally:
+            self._hold_tick = None
         items, self.items = self.items, []
         return items
 
-    async def _wait(self, tick: PaceTick | None) -> None:
-        self._waiter = waiter = asyncio.get_running_loop().create_future()
-        if tick is not None:
-            tick.add(waiter)
-        try:
-            await waiter
-        finally:
-            self._waiter = None
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _tick_passed(self, tick: PaceTick) -> None:
+        """The hold's tick: hand over what was held; with nothing held, the next item goes at once."""
+        if self._hold_tick is tick:
+            self._hold_tick = None
+            if self.items:
+                self._wake()
 
     def _expire(self) -> None:
         self._expired = True
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        self._wake()
 
 
 class WorkerChannels:

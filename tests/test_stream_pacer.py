@@ -26,7 +26,7 @@ def _final() -> RequestDelta:
 async def _just_past_a_boundary(pacer: StreamPacer, pace_s: float) -> None:
     """Wait for a tick of `pace_s`: the next one is then a whole period away, not a moment."""
     aligned = asyncio.get_running_loop().create_future()
-    pacer.next_tick(pace_s).add(aligned)
+    pacer.next_tick(pace_s).add(lambda tick: aligned.set_result(None))
     await aligned
 
 
@@ -143,3 +143,49 @@ def test_a_cancelled_stream_does_not_cancel_the_others_on_its_tick():
         return await asyncio.wait_for(asyncio.gather(*tasks[1:]), 0.5)
 
     assert asyncio.run(main()) == [[_token(1)], [_token(1)]]
+
+
+class _Suspensions:
+    """Awaits a coroutine and counts how often it suspended (each suspension is one wake-up of
+    its task by the event loop)."""
+
+    def __init__(self, coro):
+        self.coro, self.count = coro, 0
+
+    def __await__(self):
+        inner = self.coro.__await__()
+        try:
+            awaited = inner.send(None)
+            while True:
+                self.count += 1
+                awaited = inner.send((yield awaited))
+        except StopIteration as stop:
+            return stop.value
+
+
+def test_a_tick_that_passes_with_nothing_held_does_not_wake_the_stream():
+    async def main():
+        pacer, sub = StreamPacer(), Subscription()
+        take = _Suspensions(sub.take(pacer.next_tick(0.01)))
+        taken = asyncio.ensure_future(take)
+        await asyncio.sleep(0.05)  # the tick passes: nothing arrived meanwhile
+        assert not taken.done()
+        sub.put(_token(1))  # after the tick: handed over at once
+        return await asyncio.wait_for(taken, 0.5), take.count
+
+    items, suspensions = asyncio.run(main())
+    assert items == [_token(1)]
+    assert suspensions == 1  # woken by the item, not also by the empty tick
+
+
+def test_a_hold_cancelled_before_its_tick_leaves_the_next_take_unheld():
+    async def main():
+        pacer, sub = StreamPacer(), Subscription()
+        taken = asyncio.ensure_future(sub.take(pacer.next_tick(0.02)))
+        await asyncio.sleep(0)
+        taken.cancel()
+        await asyncio.sleep(0.04)  # the cancelled hold's tick fires
+        sub.put(_token(2))
+        return await asyncio.wait_for(sub.take(None), 0.5)
+
+    assert asyncio.run(main()) == [_token(2)]
