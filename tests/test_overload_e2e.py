@@ -146,8 +146,10 @@ def _prompts(seed: int) -> list[list[int]]:
 SAMPLING = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-def _backoff_user(channel, prompt: list[int], outcome: Outcome, lock: threading.Lock) -> None:
+def _backoff_user(channel, prompt: list[int], outcome: Outcome, lock: threading.Lock,
+                  start: threading.Barrier) -> None:
     client = KvmeshClient("", channel=channel, retry_policy=RetryPolicy(max_attempts=MAX_ATTEMPTS))
+    start.wait()
     started = time.monotonic()
     try:
         deltas = list(client.generate(prompt_token_ids=prompt, sampling=SAMPLING, timeout_s=120))
@@ -164,10 +166,12 @@ def _backoff_user(channel, prompt: list[int], outcome: Outcome, lock: threading.
         outcome.latencies_s.append(time.monotonic() - started)
 
 
-def _naive_user(channel, prompt: list[int], outcome: Outcome, lock: threading.Lock) -> None:
+def _naive_user(channel, prompt: list[int], outcome: Outcome, lock: threading.Lock,
+                start: threading.Barrier) -> None:
     """Retries at once, ignoring retry-after; marks the attempt number like the library."""
     stub = kvmesh_pb2_grpc.KvmeshStub(channel)
     request = convert.inbound_to_pb(convert.InboundRequest(prompt_token_ids=tuple(prompt), sampling=SAMPLING))
+    start.wait()
     started = time.monotonic()
     for attempt in range(1, MAX_ATTEMPTS + 1):
         try:
@@ -204,14 +208,20 @@ def _no_collector_pauses():
 
 
 def _burst(config: KvmeshConfig, user, seed: int) -> tuple[Outcome, list[Attempt], float]:
-    """All users at once; returns their outcome, every attempt, and the wall time (s)."""
+    """All users at once; returns their outcome, every attempt, and the wall time (s).
+    The connection is up and every user's thread is ready before any sends (a barrier), so
+    the burst arrives together however slowly this process starts its threads."""
     recorder = _AttemptRecorder()
-    channel = grpc.intercept_channel(grpc.insecure_channel(f"127.0.0.1:{config.router.grpc_port}"), recorder)
-    outcome, lock = Outcome(), threading.Lock()
+    plain = grpc.insecure_channel(f"127.0.0.1:{config.router.grpc_port}")
+    grpc.channel_ready_future(plain).result(timeout=30)
+    channel = grpc.intercept_channel(plain, recorder)
+    outcome, lock, start = Outcome(), threading.Lock(), threading.Barrier(NUM_USERS + 1)
     try:
         with _no_collector_pauses(), concurrent.futures.ThreadPoolExecutor(NUM_USERS) as pool:
+            futures = [pool.submit(user, channel, p, outcome, lock, start) for p in _prompts(seed)]
+            start.wait(timeout=60)
             started = time.monotonic()
-            for future in [pool.submit(user, channel, p, outcome, lock) for p in _prompts(seed)]:
+            for future in futures:
                 future.result()
             wall_s = time.monotonic() - started
     finally:
