@@ -710,3 +710,34 @@ def test_int4_bf16_weights_are_quants_dequantization_rounded_to_bf16(group):
     codes = torch.randint(-127, 128, (37, 256), generator=generator, dtype=torch.int8)
     table = Int8GroupEmbedding(codes, torch.rand(37, 8, generator=generator).half().float() * 1e-3, torch.bfloat16)
     assert torch.equal(dense.q8_0_rows(table.codes, table.scales), table.rows(0, 37))
+
+
+@pytest.mark.skipif(cpu_native_step.unavailable_reason() is not None or cpu_build.load() is None
+                    or not cpu_build.load().features & cpu_abi.FEATURES["KVMESH_FEATURE_DPBF16"],
+                    reason="no VDPBF16PS build")
+def test_int4_bf16_tables_take_one_fma_only_where_the_product_is_exact():
+    """Zeros all 0 with mins (GGUF Q4_1's form): with fp16 scales every code x scale is exact in
+    fp32, so the kernels build a group's table with one FMA; with fp32 scales they keep the
+    multiply and the add. Here an fp32 scale (1 + 2^-23) x code 5 rounds, and the min puts the
+    add's sum on a bf16 tie (1 + 2^-8) that one FMA's sum (1 + 2^-8 + 2^-22) rounds the other way:
+    the weights must still be quant's own, bit for bit, in both dtypes."""
+    from kvmesh.quant import primitives
+    from kvmesh.quant.linear import Int4WeightOnlyLinear
+
+    generator = torch.Generator().manual_seed(4)
+    rows, inputs, group = 9, 128, 32
+    codes = torch.randint(0, 16, (rows, inputs), generator=generator)
+    codes[:, ::3] = 5
+    zeros = torch.zeros(rows, inputs // group)
+    scales = torch.full((rows, inputs // group), 1 + 2 ** -23)
+    mins = torch.full((rows, inputs // group), float.fromhex("-0x1.ff8004p+1"))
+    layer = Int4WeightOnlyLinear(primitives.pack_int4(codes), scales, zeros, group, mins=mins)
+    expected = layer.dequantized_weight(torch.bfloat16)
+    one_rounding = (codes.double() * scales.double().repeat_interleave(group, 1)
+                    + mins.double().repeat_interleave(group, 1)).float().to(torch.bfloat16)
+    assert (one_rounding != expected).sum() >= rows * inputs // 3, "the data no longer tells the forms apart"
+    dense = cpu_native_step.Bf16Dense(cpu_build.load())
+    assert torch.equal(dense(layer), expected)
+    layer.scales = (torch.rand(rows, inputs // group, generator=generator) * 1e-2).half()
+    layer.mins = (torch.randn(rows, inputs // group, generator=generator) * 0.02).half()
+    assert torch.equal(dense(layer), layer.dequantized_weight(torch.bfloat16))

@@ -230,8 +230,8 @@ static void gemv_bf16_dp(const void *w, int64_t K, int64_t n0, int64_t n1, const
    [4][K], then the same tile4_dp walk as bf16 weights over it for every token pass. A weight is
    the value the model's float copy holds in bf16: for int4 ((code - zero) * scale) + min in fp32
    (a multiply, then an add: quant/primitives.dequantize_int4_groupwise and gguf's own
-   dequantize, then torch's round to nearest even; for a GGUF product the FMA would round the
-   same, but a float scale's product need not be exact), for int8 code * scale (exact); so the
+   dequantize, then torch's round to nearest even; one FMA only where the product is exact:
+   TABLE_FMA), for int8 code * scale (exact); so the
    sums are those of bf16 weights bit for bit, from int4's ~0.3x of their bytes. An int4 group's
    16 possible weights are computed once, as a bf16 table, and its codes look theirs up (VPERMW):
    ~2 ns a group of 32 weights on a Zen 4 core, which at one token is most of the step (the bf16
@@ -257,15 +257,35 @@ static inline int meta_to_f32(const void *p, int64_t i, int64_t G, const int dty
     return nonzero == 0;
 }
 
+/* How a row group's tables are computed, the same values in each form:
+     TABLE_SUB      (code - zero) * scale, then + min: a multiply and an add, each rounded
+     TABLE_MUL_ADD  the zeros all 0 (GGUF Q4_1, Q4_K): the subtraction skipped
+     TABLE_FMA      the zeros all 0 and fp16 scales (GGUF Q4_1): code * scale has at most
+                    4 + 11 significant bits, exact in fp32, so one FMA rounds code * scale + min
+                    as the add after the multiply does (15 x 65504 never overflows): one op of
+                    the ~11 a group of 32 weights costs at one token, the one-token projections
+                    ~0.9x the time (C harness, Zen 4). Other scales (fp32: Q4_K's d x sc, quant's
+                    own) keep the multiply and the add. */
+enum { TABLE_SUB = 0, TABLE_MUL_ADD = 1, TABLE_FMA = 2 };
+
+/* the table form of p's row group whose zeros are all 0 (zero) or not */
+static inline int int4_table_form(const kvmesh_int4 *p, const int zero) {
+    if (!zero) return TABLE_SUB;
+    return p->scale_dtype == META_F16 ? TABLE_FMA : TABLE_MUL_ADD;
+}
+
 /* Group g's 16 possible weights ((code - zero) * scale) + min as bf16, in words 0-15 and again in
-   16-31 (so a lookup's index bit 4 selects nothing). ZERO: the zeros are all 0 (GGUF Q4_1, Q4_K:
-   the subtraction skipped); MINS: there are mins. */
+   16-31 (so a lookup's index bit 4 selects nothing). FORM: a TABLE_* form; MINS: there are mins. */
 static inline __attribute__((always_inline)) __m512i int4_group_table(const float *s, const float *z, const float *m,
-                                                                     int64_t g, const int ZERO, const int MINS) {
+                                                                     int64_t g, const int FORM, const int MINS) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 q = ZERO ? iota : _mm512_sub_ps(iota, _mm512_set1_ps(z[g]));
-    __m512 w = _mm512_mul_round_ps(q, _mm512_set1_ps(s[g]), DQ_RN);
-    if (MINS) w = _mm512_add_round_ps(w, _mm512_set1_ps(m[g]), DQ_RN);
+    __m512 w;
+    if (FORM == TABLE_FMA && MINS) w = _mm512_fmadd_ps(iota, _mm512_set1_ps(s[g]), _mm512_set1_ps(m[g]));
+    else {
+        const __m512 q = FORM == TABLE_SUB ? _mm512_sub_ps(iota, _mm512_set1_ps(z[g])) : iota;
+        w = _mm512_mul_round_ps(q, _mm512_set1_ps(s[g]), DQ_RN);
+        if (MINS) w = _mm512_add_round_ps(w, _mm512_set1_ps(m[g]), DQ_RN);
+    }
     return (__m512i)_mm512_cvtne2ps_pbh(w, w);
 }
 
@@ -317,22 +337,22 @@ static inline __attribute__((always_inline)) void int4_block_to_bf16(const uint8
    line (4 blocks) at a time. */
 static inline __attribute__((always_inline)) void int4_row_to_bf16(const uint8_t *codes, const float *s,
         const float *z, const float *m, int64_t G, int64_t group, const int64_t ahead, uint16_t *out,
-        const int ZERO, const int MINS, const int VBMI) {
+        const int FORM, const int MINS, const int VBMI) {
     if (group == 32) {  /* GGUF's: one block a group, four a line */
         int64_t g = 0;
         for (; g + 4 <= G; g += 4) {
             _mm_prefetch((const char *)codes + ahead + g * 16, _MM_HINT_T0);
             #pragma GCC unroll 4
             for (int i = 0; i < 4; i++)
-                int4_block_to_bf16(codes + (g + i) * 16, int4_group_table(s, z, m, g + i, ZERO, MINS),
+                int4_block_to_bf16(codes + (g + i) * 16, int4_group_table(s, z, m, g + i, FORM, MINS),
                                    out + (g + i) * 32, VBMI);
         }
         for (; g < G; g++)
-            int4_block_to_bf16(codes + g * 16, int4_group_table(s, z, m, g, ZERO, MINS), out + g * 32, VBMI);
+            int4_block_to_bf16(codes + g * 16, int4_group_table(s, z, m, g, FORM, MINS), out + g * 32, VBMI);
         return;
     }
     for (int64_t g = 0; g < G; g++) {
-        const __m512i table = int4_group_table(s, z, m, g, ZERO, MINS);
+        const __m512i table = int4_group_table(s, z, m, g, FORM, MINS);
         for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
             if ((k / 2) % 64 == 0) _mm_prefetch((const char *)codes + ahead + k / 2, _MM_HINT_T0);
             int4_block_to_bf16(codes + k / 2, table, out + k, VBMI);
@@ -356,13 +376,16 @@ static inline __attribute__((always_inline)) void int4_rows_to_bf16(const kvmesh
     const int64_t G = K / p->group, ahead = PREFETCH_GROUPS * 4 * (K / 2);
     float meta[3 * rows * G];  /* the rows' scales, zeros, mins */
     const float *s = meta, *z = meta + rows * G, *m = meta + 2 * rows * G;
-    const int zero = int4_meta_to_f32(p, n, rows, G, meta);
+    const int form = int4_table_form(p, int4_meta_to_f32(p, n, rows, G, meta));
     for (int r = 0; r < rows; r++) {
         const uint8_t *codes = p->codes + (n + r) * (K / 2);
         const float *sr = s + r * G, *zr = z + r * G, *mr = m + r * G;
-        if (p->mins && zero) int4_row_to_bf16(codes, sr, zr, mr, G, p->group, ahead, out + r * K, 1, 1, VBMI);
-        else if (p->mins) int4_row_to_bf16(codes, sr, zr, mr, G, p->group, ahead, out + r * K, 0, 1, VBMI);
-        else int4_row_to_bf16(codes, sr, zr, mr, G, p->group, ahead, out + r * K, 0, 0, VBMI);
+        uint16_t *o = out + r * K;
+        if (p->mins && form == TABLE_FMA) int4_row_to_bf16(codes, sr, zr, mr, G, p->group, ahead, o, TABLE_FMA, 1, VBMI);
+        else if (p->mins && form == TABLE_MUL_ADD)
+            int4_row_to_bf16(codes, sr, zr, mr, G, p->group, ahead, o, TABLE_MUL_ADD, 1, VBMI);
+        else if (p->mins) int4_row_to_bf16(codes, sr, zr, mr, G, p->group, ahead, o, TABLE_SUB, 1, VBMI);
+        else int4_row_to_bf16(codes, sr, zr, mr, G, p->group, ahead, o, TABLE_SUB, 0, VBMI);
     }
 }
 
