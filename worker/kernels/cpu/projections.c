@@ -381,7 +381,8 @@ static inline __attribute__((always_inline)) void int4_rows_to_bf16(const kvmesh
         const uint8_t *codes = p->codes + (n + r) * (K / 2);
         const float *sr = s + r * G, *zr = z + r * G, *mr = m + r * G;
         uint16_t *o = out + r * K;
-        if (p->mins && form == TABLE_FMA) int4_row_to_bf16(codes, sr, zr, mr, G, p->group, ahead, o, TABLE_FMA, 1, VBMI);
+        if (p->mins && form == TABLE_FMA)
+            int4_row_to_bf16(codes, sr, zr, mr, G, p->group, ahead, o, TABLE_FMA, 1, VBMI);
         else if (p->mins && form == TABLE_MUL_ADD)
             int4_row_to_bf16(codes, sr, zr, mr, G, p->group, ahead, o, TABLE_MUL_ADD, 1, VBMI);
         else if (p->mins) int4_row_to_bf16(codes, sr, zr, mr, G, p->group, ahead, o, TABLE_SUB, 1, VBMI);
