@@ -328,7 +328,8 @@ def test_overload_rejects_fast_caps_retries_and_loses_nothing(cluster):
         # overlap the one it replaced: allowed for by two requests (a full-suite run under a
         # CPU-heavy neighbour saw 448 tokens, four requests; quiet runs see two or three).
         retries = [a for a in attempts if a.attempt > 1]
-        assert any("retry lane" in a.details for a in retries if a.code == grpc.StatusCode.RESOURCE_EXHAUSTED)
+        assert any("retry lane" in a.details for a in retries if a.code == grpc.StatusCode.RESOURCE_EXHAUSTED), (
+            name, _attempt_account(attempts))
         assert (_max_concurrent_tokens(retries)
                 <= RETRY_LANE_FRACTION * capacity_tokens + 2 * (PROMPT_TOKENS + MAX_TOKENS))
 
