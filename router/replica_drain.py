@@ -2,8 +2,10 @@
 scale-down, the app deleted).
 
     1. both listeners close at once: new connections reach the other replicas on the ports
-       (router/grpc_ingress.py, router/http_ingress.py); new calls on open gRPC connections
-       are refused, idle HTTP keep-alive connections close;
+       (router/grpc_ingress.py, router/http_ingress.py); idle HTTP keep-alive connections
+       close; requests not yet streaming (waiting in admission) and any that still reach the
+       replica end `replica_stopping` (UNAVAILABLE / 503) at once, through their own call
+       (router/starting_requests.py): the client retries them on another replica;
     2. the streams in flight (gRPC Generate calls, HTTP requests: SSE streams) get
        router.drain_grace_s to finish;
     3. the rest are handed to their clients (router/worker_channels.py `hand_off_all`): a gRPC
@@ -11,6 +13,12 @@ scale-down, the app deleted).
        from the tokens it received; an SSE stream gets the same error as an in-band event,
        then `[DONE]` (docs/api.md);
     4. HANDOFF_FLUSH_S later both servers cancel whatever is left.
+
+A gRPC call that reaches the server in the instant its stop begins, before the server hands
+it to the servicer, is ended by gRPC core itself, CANCELLED without `x-kvmesh-error`
+(grpc/grpc#41785; no server API closes the listener and the connections without it): the
+kvmesh client takes that for UNAVAILABLE (status_map.code_to_act_on), and docs/api.md tells
+other clients to do the same.
 
 Serve runs this from the replica's `__del__` after its own wait loop
 (graceful_shutdown_wait_loop_s), within graceful_shutdown_timeout_s, which build_router_app
@@ -42,7 +50,11 @@ async def drain_replica(grpc_server: grpc.aio.Server, servicer, http: HttpIngres
     RouterCore)."""
     # Each server's stop closes its listener now and waits for its calls until the grace
     # plus the flush, then cancels them: ours end before that, by the hand-off below.
+    refused = servicer.core.starting.refuse_all()
     stopping = [asyncio.ensure_future(grpc_server.stop(grace_s + HANDOFF_FLUSH_S))]
+    if refused:
+        logger.info("router replica stopping: %d request(s) not yet streaming (waiting in admission) refused, "
+                    "to be retried on another replica", refused)
     if http is not None:
         stopping.append(asyncio.ensure_future(http.shutdown(grace_s + HANDOFF_FLUSH_S)))
 
@@ -53,7 +65,7 @@ async def drain_replica(grpc_server: grpc.aio.Server, servicer, http: HttpIngres
     while in_flight() and time.monotonic() < deadline:
         await asyncio.sleep(_DRAIN_POLL_S)
     live = in_flight()
-    servicer.core.channels.hand_off_all()  # also refuses whatever is still in admission
+    servicer.core.channels.hand_off_all()
     if live:
         logger.info("router replica stopping: %d stream(s) or request(s) still running after the %.1f s drain "
                     "grace handed to their clients", live, grace_s)

@@ -43,6 +43,7 @@ from kvmesh.router.stages.degrade import admit_degrading
 from kvmesh.router.stages.quota import reserve_quota
 from kvmesh.router.stages.stream import RequestStream
 from kvmesh.router.stages.validate import RequestValidator, scoped_request_id
+from kvmesh.router.starting_requests import StartingRequests
 from kvmesh.router.stream_pacer import StreamPacer
 from kvmesh.router.worker_channels import WorkerChannels
 from kvmesh.router.worker_pool import WorkerPool
@@ -56,7 +57,6 @@ from kvmesh.core.errors import (
     PermissionDeniedError,
     QueueSlotTakenError,
     QuotaExceededError,
-    RouterReplicaStoppingError,
     UnauthenticatedError,
 )
 
@@ -117,6 +117,7 @@ class RouterCore:
                                  self.adapter_placement, self.output_estimate, claims)
         # One channel per worker for every request of this replica (router/worker_channels.py).
         self.channels = WorkerChannels(pool)
+        self.starting = StartingRequests()  # refused at once when the replica stops (router/replica_drain.py)
         self.pacer = StreamPacer()  # paced streams' holds end together (router/stream_pacer.py)
         pool.on_stats = self._on_worker_stats
         # Polls answered before this point (the replica waits for a routable worker before it
@@ -141,9 +142,13 @@ class RouterCore:
 
         Spans: kvmesh.request (ended by the stream) with auth, quota, admission and route
         children; the worker process records its own spans below kvmesh.stream, from the
-        carrier in GenerateRequest.trace_context (worker/runtime/actor.py)."""
-        if self.channels.handing_off:  # stopping: the client's next connection reaches another replica
-            raise RouterReplicaStoppingError("the router replica is stopping; retry on another replica")
+        carrier in GenerateRequest.trace_context (worker/runtime/actor.py).
+
+        A replica that stops refuses the requests still here, and every later one, with
+        RouterReplicaStoppingError (router/starting_requests.py)."""
+        return await self.starting.run(self._run_stages(inbound))
+
+    async def _run_stages(self, inbound: InboundRequest) -> RequestStream:
         arrived_s = time.time()  # TTFT and e2e latency start here, not at the worker
         root = self._tracer.start_span(tracing.SPAN_REQUEST, context=tracing.extract_context(inbound.trace_context),
                                        kind=tracing.SpanKind.SERVER)

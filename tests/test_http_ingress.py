@@ -19,6 +19,7 @@ from tls_certs import ThrowawayPki
 from kvmesh.core.config import RouterConfig, TlsConfig
 from kvmesh.load_tests.grpc_target import free_port
 from kvmesh.router.http_ingress import HttpIngress
+from kvmesh.router.starting_requests import StartingRequests
 
 
 def _app(release: threading.Event | None = None) -> FastAPI:
@@ -167,6 +168,7 @@ class _HandOff:
 
     def __init__(self, release: threading.Event):
         self.channels = self
+        self.starting = StartingRequests()
         self.release = release
         self.num_hand_offs = 0
 
