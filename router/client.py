@@ -12,7 +12,8 @@ TLS: `KvmeshClient(target, api_key=..., credentials=grpc_channel_credentials(ca_
 (router/tls.py; add cert_file/key_file for mutual TLS). An API key is a bearer secret: send
 it over TLS whenever the network between client and router is not yours.
 
-Retries (router/retry.py): RESOURCE_EXHAUSTED and UNAVAILABLE only, exponential backoff
+Retries (router/retry.py): RESOURCE_EXHAUSTED and UNAVAILABLE only (and a CANCELLED that no
+kvmesh handler sent, counted as UNAVAILABLE: status_map.code_to_act_on), exponential backoff
 with full jitter on top of the server's `retry-after-ms`, a shared retry budget (gRPC retry
 throttling), attempt numbers sent as `x-kvmesh-attempt` so the router puts retries in its
 retry lane, and an overall deadline (`timeout_s`) that covers every attempt and the sleeps
@@ -110,6 +111,8 @@ class _Call:
                    resuming: bool = False) -> float:
         """Seconds to wait before the next attempt, or raise the typed error."""
         code, details, trailing = error.code(), error.details(), error.trailing_metadata()
+        if not self.client.closed:  # closing the client cancels its calls: that CANCELLED is ours
+            code = status_map.code_to_act_on(code, details, trailing)
         retry_after_s = status_map.retry_after_from_status(trailing, details)
         left = None if self.deadline is None else self.deadline - time.monotonic()
         decision = decide_retry(code, self.attempt, retry_after_s, self.client.policy, self.client.budget,
@@ -184,6 +187,7 @@ class _ClientBase:
         self.rng = rng or random.Random()
         self.restart_mid_stream = restart_mid_stream
         self.resume_mid_stream = resume_mid_stream
+        self.closed = False  # close() called: a call it cancelled is not retried
 
     @staticmethod
     def build_request(prompt: str | None, messages: Sequence[dict] | None, prompt_token_ids: Sequence[int] | None,
@@ -279,6 +283,7 @@ class KvmeshClient(_ClientBase):
                 pass
 
     def close(self) -> None:
+        self.closed = True
         self._channel.close()
 
     def __enter__(self) -> "KvmeshClient":
@@ -365,6 +370,7 @@ class AsyncKvmeshClient(_ClientBase):
                 pass
 
     async def close(self) -> None:
+        self.closed = True
         await self._channel.close()
 
     async def __aenter__(self) -> "AsyncKvmeshClient":

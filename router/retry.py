@@ -20,8 +20,9 @@ cannot multiply the load on a struggling server (the articles' retry storm).
 
 Only RESOURCE_EXHAUSTED (overload, quota) and UNAVAILABLE (worker failed, connection
 refused) are retried; never INVALID_ARGUMENT, UNAUTHENTICATED, DEADLINE_EXCEEDED or
-CANCELLED. Streaming: a stream that already delivered tokens is not retried unless the
-caller opted into restarting from scratch (see router/client.py).
+CANCELLED (router/client.py first reads a CANCELLED that no kvmesh handler sent as
+UNAVAILABLE: status_map.code_to_act_on). Streaming: a stream that already delivered tokens is
+not retried unless the caller opted into restarting from scratch (see router/client.py).
 
 Resumption is not throttled: a stream continued from the tokens it delivered (its router
 replica or worker went away mid-stream) asks for the rest of work the server had accepted,

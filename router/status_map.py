@@ -176,6 +176,20 @@ def is_retryable(code: grpc.StatusCode) -> bool:
     return code in RETRYABLE_GRPC_CODES
 
 
+def code_to_act_on(code: grpc.StatusCode, details: str | None,
+                   trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> grpc.StatusCode:
+    """The code a client that did not cancel the call itself acts on. A CANCELLED without a
+    kvmesh error kind was not sent by a kvmesh handler (every status kvmesh sends carries
+    its kind, a cancel too): gRPC core sends it for the calls a server had received but not yet
+    handed to its application when its shutdown began (a stopping router replica whose last
+    calls raced its listener's close; grpc/grpc#41785). That is UNAVAILABLE: retry elsewhere."""
+    if code != grpc.StatusCode.CANCELLED:
+        return code
+    kind = metadata_value(trailing_metadata, ERROR_KIND_KEY) or metadata_value(split_details(details or "")[1],
+                                                                               ERROR_KIND_KEY)
+    return code if kind else grpc.StatusCode.UNAVAILABLE
+
+
 def metadata_value(metadata: Iterable[tuple[str, str | bytes]] | None, key: str) -> str | None:
     for k, v in metadata or ():
         if k.lower() == key:

@@ -34,6 +34,7 @@ from kvmesh.core.errors import (
     InvalidRequestError,
     OverloadedError,
     QuotaExceededError,
+    RequestCancelledError,
     WorkerFailedError,
 )
 
@@ -43,7 +44,7 @@ FAST = RetryPolicy(max_attempts=4, initial_backoff_s=0.001, max_backoff_s=0.01)
 
 class ScriptedKvmesh(pb_grpc.KvmeshServicer):
     """Behaviour chosen by the prompt: ok | overload:N | unavailable_mid | unavailable_first |
-    unavailable_after_final | invalid | slow | hang | quota."""
+    unavailable_after_final | invalid | slow | hang | quota | reset_first | cancelled."""
 
     def __init__(self):
         self.calls: dict[str, list] = collections.defaultdict(list)  # request_id -> [(attempt, meta, t)]
@@ -65,6 +66,12 @@ class ScriptedKvmesh(pb_grpc.KvmeshServicer):
             await status_map.abort_grpc(context, InvalidRequestError("max_tokens too large"))
         if script == "unavailable_first" and attempt == 1:
             await status_map.abort_grpc(context, WorkerFailedError("worker died"))
+        if script == "reset_first" and attempt == 1:
+            # What gRPC core answers for a call that raced its server's shutdown: CANCELLED,
+            # no kvmesh error kind (grpc/grpc#41785).
+            await context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+        if script == "cancelled":
+            await status_map.abort_grpc(context, RequestCancelledError("cancelled by its owner"))
         if script == "slow":
             await asyncio.sleep(5)
         try:
@@ -198,6 +205,15 @@ def test_failure_before_any_token_is_retried_transparently(server):
         deltas = list(client.generate("unavailable_first", request_id="r-first"))
     assert not any(isinstance(d, StreamRestart) for d in deltas)
     assert collect_text(deltas) == "".join(WORDS)
+
+
+def test_a_cancelled_no_kvmesh_handler_sent_is_retried_and_a_kvmesh_cancel_is_not(server):
+    with KvmeshClient(server.target, retry_policy=FAST) as client:
+        deltas = list(client.generate("reset_first", request_id="r-reset"))
+        assert collect_text(deltas) == "".join(WORDS) and len(server.servicer.calls["r-reset"]) == 2
+        with pytest.raises(RequestCancelledError):
+            list(client.generate("cancelled", request_id="r-cancelled"))
+    assert len(server.servicer.calls["r-cancelled"]) == 1
 
 
 def test_mid_stream_failure_resumes_with_what_was_received_no_token_twice(server):
