@@ -267,12 +267,42 @@ def _streams_under(cluster, reference, fault) -> list[int]:
         print(f"round {len(went_back)}: {went_back[-1]} of {DRAIN_STREAMS} streams went back to the server")
         if went_back[-1]:
             break
-    if not went_back[-1]:
-        # Every stream matched its reference and none failed, but the fault never met a running
-        # stream: Serve started the new replica before stopping the old, and the tiny model's
-        # 200 tokens ran out first. The cut itself is then not exercised here; say so.
-        pytest.skip(f"every round's streams ended before the fault landed ({went_back})")
+    assert went_back[-1], f"every round's streams ended before the fault landed ({went_back})"
     return went_back
+
+
+def _streams_throughout(cluster, reference, fault) -> tuple[int, int]:
+    """16 clients, each streaming its prompt again and again from before `fault()` starts
+    until after it returns, so streams are always in flight whenever the fault lands (a
+    rollout's moment of stopping an old replica is Serve's to choose: it may start the new
+    one first and take seconds). Every stream must equal its greedy reference. Returns
+    (streams run, streams that went back to the server)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    target = f"127.0.0.1:{cluster.router.grpc_port}"
+    fault_over = threading.Event()
+
+    def client(index: int) -> list[tuple[tuple[str, list[int]], int]]:
+        runs = []
+        while not runs or not fault_over.is_set():
+            runs.append(_client_stream(target, DRAIN_PROMPTS[index], threading.Event()))
+        return runs
+
+    wait_for(_two_running_replicas, timeout_s=120, what="two running router replicas")
+    with ThreadPoolExecutor(DRAIN_STREAMS) as pool:
+        futures = [pool.submit(client, i) for i in range(DRAIN_STREAMS)]
+        try:
+            fault()
+        finally:
+            fault_over.set()
+        runs = [f.result(timeout=240) for f in futures]
+    for i, client_runs in enumerate(runs):
+        for output, _ in client_runs:
+            assert output == reference[i], f"a stream of prompt {i} differs from its greedy reference"
+    streams = sum(len(r) for r in runs)
+    went_back = sum(1 for r in runs for _, waits in r if waits)
+    print(f"{streams} streams over the fault, {went_back} went back to the server")
+    return streams, went_back
 
 
 def _workers_idle() -> bool:
@@ -289,9 +319,10 @@ def _workers_idle() -> bool:
 
 
 def test_serve_deploy_of_a_changed_config_under_16_streams_fails_nothing(cluster, reference):
-    """`serve deploy` of a changed router config while 16 streams run: Serve replaces both
-    router replicas, one at a time; each being replaced drains (drain_grace_s 0: the streams it
-    carries end retryably at once) and its clients resume on the other replica. 0 failed, each
+    """`serve deploy` of a changed router config while 16 clients stream continuously: Serve
+    replaces both router replicas, one at a time; each being replaced drains (drain_grace_s 0:
+    the streams it carries end retryably at once, calls still starting or racing its stop are
+    refused retryably) and its clients resume or retry on the other replica. 0 failed, each
     stream equal to its greedy reference, and the workers hold nothing afterwards."""
     from kvmesh.router.launch import redeploy_router
 
@@ -303,7 +334,8 @@ def test_serve_deploy_of_a_changed_config_under_16_streams_fails_nothing(cluster
         deployed.append(changed)
         wait_for(_two_running_replicas, timeout_s=120, what="the old router replicas to stop")
 
-    _streams_under(cluster, reference, redeploy)
+    _, went_back = _streams_throughout(cluster, reference, redeploy)
+    assert went_back >= 1, "no stream was in flight on a replica when Serve stopped it"
     wait_for(_workers_idle, timeout_s=60, what="both workers idle after the redeploy")
 
 
