@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
 from kvmesh.core.errors import RouterReplicaStoppingError
+from kvmesh.core.seams import FinishReason, RequestDelta
+from kvmesh.load_tests.grpc_target import free_port
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
-from kvmesh.router import status_map
+from kvmesh.router import convert, status_map
+from kvmesh.router.client import KvmeshClient
 from kvmesh.router.grpc_edge import add_kvmesh_service
 from kvmesh.router.grpc_service import ReplicaGrpcServicer
 from kvmesh.router.replica_drain import drain_replica
+from kvmesh.router.retry import RetryPolicy
 from kvmesh.router.starting_requests import StartingRequests
 
 # Long enough that a call left to wait for the hand-off would outlive the client's deadline.
@@ -146,3 +152,97 @@ def test_a_call_that_reaches_the_servicer_after_the_drain_began_is_refused_unava
     assert code == grpc.StatusCode.UNAVAILABLE
     assert trailers[status_map.ERROR_KIND_KEY] == status_map.status_for(RouterReplicaStoppingError("")).kind
     assert not replica.core.waiting.is_set()  # refused before admission
+
+
+def _one_word(request) -> pb.GenerateResponse:
+    return convert.delta_to_pb(RequestDelta(request.request_id, text="word", token_ids=(7,), finished=True,
+                                            finish_reason=FinishReason.LENGTH))
+
+
+class _StoppingKvmesh(pb_grpc.KvmeshServicer):
+    """Generate: one finished word, except the prompt "hold", which waits until the server stops."""
+
+    async def Generate(self, request, context):  # noqa: N802
+        if request.prompt == "hold":
+            await asyncio.Event().wait()
+        yield _one_word(request)
+
+
+class _StayingKvmesh(pb_grpc.KvmeshServicer):
+    """Generate: one finished word (a blocking server: its threads are not the stopping loop's)."""
+
+    def Generate(self, request, context):  # noqa: N802
+        yield _one_word(request)
+
+
+class _StoppingServer:
+    """A grpc.aio server on `port` (SO_REUSEPORT, as the replicas bind it) on a loop of its own."""
+
+    def __init__(self, port: int):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.server = self.run(self._start(port))
+
+    async def _start(self, port: int) -> grpc.aio.Server:
+        server = grpc.aio.server(options=(("grpc.so_reuseport", 1),))
+        pb_grpc.add_KvmeshServicer_to_server(_StoppingKvmesh(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        return server
+
+    def run(self, coro, timeout_s: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.run(self.server.stop(None))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+def _staying_server(port: int) -> grpc.Server:
+    server = grpc.server(ThreadPoolExecutor(4), options=(("grpc.so_reuseport", 1),))
+    pb_grpc.add_KvmeshServicer_to_server(_StayingKvmesh(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    return server
+
+
+def test_a_call_racing_a_replicas_stop_is_cancelled_by_grpc_core_and_the_client_retries_it_elsewhere():
+    """gRPC core ends with CANCELLED a call it received but had not yet handed to the
+    application when the server's stop begins (grpc/grpc#41785): the replica never sees it.
+    Made certain here: while the stopping server's loop is busy, a first call takes the one
+    request gRPC keeps open for the application and the client's call arrives behind it; the
+    stop follows without a turn of the loop. The kvmesh client reads that CANCELLED (no
+    x-kvmesh-error) as UNAVAILABLE and gets its answer from the replica that stays on the port."""
+    port = free_port()
+    stopping = _StoppingServer(port)
+    staying = None
+    held_channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    busy = threading.Event()
+    try:
+        with KvmeshClient(f"127.0.0.1:{port}", retry_policy=RetryPolicy(max_attempts=3, initial_backoff_s=0.01),
+                          own_connection=True) as client:
+            list(client.generate("warm-up"))  # the client's connection is to the stopping server
+            grpc.channel_ready_future(held_channel).result(10)
+            staying = _staying_server(port)  # binds beside it: the retry's new connection finds it
+
+            async def busy_then_stop():
+                busy.set()
+                time.sleep(1.0)  # the loop takes no call meanwhile (a blocking sleep, on purpose)
+                await stopping.server.stop(0.5)
+
+            stop = asyncio.run_coroutine_threadsafe(busy_then_stop(), stopping.loop)
+            assert busy.wait(10)
+            held_call = pb_grpc.KvmeshStub(held_channel).Generate(pb.GenerateRequest(prompt="hold"), timeout=30)
+            time.sleep(0.2)  # the held call first: it takes the open request
+            deltas = list(client.generate("raced", timeout_s=20))
+            stop.result(30)
+        assert [d.text for d in deltas] == ["word"] and deltas[-1].finished
+        with pytest.raises(grpc.RpcError):
+            list(held_call)
+    finally:
+        held_channel.close()
+        stopping.close()
+        if staying is not None:
+            staying.stop(None)
