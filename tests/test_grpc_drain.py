@@ -66,32 +66,40 @@ class _AdmissionWaitCore:
             raise
 
 
-class ReplicaThread:
-    """One replica's gRPC server on an event loop of its own (as each replica has)."""
+class ServerOnItsLoop:
+    """A started grpc.aio server on an event loop of its own (as each replica has); `add`
+    registers the servicer, `address` is where it listens."""
 
-    def __init__(self):
-        self.core = _AdmissionWaitCore()
-        self.servicer = ReplicaGrpcServicer(self.core)
+    def __init__(self, add, address: str = "127.0.0.1:0", options: tuple = ()):
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        self.server, port = self.run(self._start())
-        self.target = f"127.0.0.1:{port}"
+        self.server, self.port = self.run(self._start(add, address, options))
+
+    async def _start(self, add, address: str, options: tuple):
+        server = grpc.aio.server(options=options)
+        add(server)
+        port = server.add_insecure_port(address)
+        await server.start()
+        return server, port
 
     def run(self, coro, timeout_s: float = 30.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    async def _start(self):
-        server = grpc.aio.server()
-        add_kvmesh_service(self.servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        return server, port
 
     def close(self) -> None:
         self.run(self.server.stop(None))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
+
+
+class ReplicaThread(ServerOnItsLoop):
+    """One replica's gRPC edge: the real servicer over the admission-wait core."""
+
+    def __init__(self):
+        self.core = _AdmissionWaitCore()
+        self.servicer = ReplicaGrpcServicer(self.core)
+        super().__init__(lambda server: add_kvmesh_service(self.servicer, server))
+        self.target = f"127.0.0.1:{self.port}"
 
 
 @pytest.fixture
@@ -175,31 +183,6 @@ class _StayingKvmesh(pb_grpc.KvmeshServicer):
         yield _one_word(request)
 
 
-class _StoppingServer:
-    """A grpc.aio server on `port` (SO_REUSEPORT, as the replicas bind it) on a loop of its own."""
-
-    def __init__(self, port: int):
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-        self.server = self.run(self._start(port))
-
-    async def _start(self, port: int) -> grpc.aio.Server:
-        server = grpc.aio.server(options=(("grpc.so_reuseport", 1),))
-        pb_grpc.add_KvmeshServicer_to_server(_StoppingKvmesh(), server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        return server
-
-    def run(self, coro, timeout_s: float = 30.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def close(self) -> None:
-        self.run(self.server.stop(None))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-
-
 def _staying_server(port: int) -> grpc.Server:
     server = grpc.server(ThreadPoolExecutor(4), options=(("grpc.so_reuseport", 1),))
     pb_grpc.add_KvmeshServicer_to_server(_StayingKvmesh(), server)
@@ -216,7 +199,8 @@ def test_a_call_racing_a_replicas_stop_is_cancelled_by_grpc_core_and_the_client_
     stop follows without a turn of the loop. The kvmesh client reads that CANCELLED (no
     x-kvmesh-error) as UNAVAILABLE and gets its answer from the replica that stays on the port."""
     port = free_port()
-    stopping = _StoppingServer(port)
+    stopping = ServerOnItsLoop(lambda server: pb_grpc.add_KvmeshServicer_to_server(_StoppingKvmesh(), server),
+                               f"127.0.0.1:{port}", (("grpc.so_reuseport", 1),))
     staying = None
     held_channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     busy = threading.Event()
