@@ -1,5 +1,7 @@
-"""A stopping router replica's gRPC edge over a real grpc.aio server, without Ray: every call it
-accepted ends retryably (UNAVAILABLE replica_stopping), never CANCELLED or a wait for the grace.
+"""A stopping router replica's edges over a real grpc.aio server (and the OpenAI route), without
+Ray: every call it accepted ends retryably (UNAVAILABLE / 503 replica_stopping), never a wait for
+the grace; and the one CANCELLED a stopping server cannot avoid (gRPC core's, for a call racing
+its stop) is retried by the kvmesh client.
 
 The servicer is the real ReplicaGrpcServicer over a stand-in RouterCore whose stages wait as
 admission does when the workers are full, run through the real StartingRequests as
@@ -8,6 +10,7 @@ RouterCore.start runs them; the drain is router/replica_drain.py's."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -230,3 +233,32 @@ def test_a_call_racing_a_replicas_stop_is_cancelled_by_grpc_core_and_the_client_
         stopping.close()
         if staying is not None:
             staying.stop(None)
+
+
+def test_an_http_request_waiting_in_admission_gets_503_replica_stopping_when_the_drain_begins():
+    """The OpenAI edge's half of the same refusal: RouterCore.start raises, the route answers
+    503 `replica_stopping` with Retry-After 0 before any byte of a stream is sent."""
+    from starlette.requests import Request
+
+    from kvmesh.router.openai_http import generate_response
+
+    body = json.dumps({"model": "m", "prompt": "hello", "stream": True}).encode()
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+                       "headers": [(b"content-type", b"application/json")]}, receive)
+
+    async def drained_while_waiting():
+        core = _AdmissionWaitCore()
+        answer = asyncio.ensure_future(generate_response(core, request, chat=False))
+        while not core.waiting.is_set():
+            await asyncio.sleep(0.01)
+        core.starting.refuse_all()
+        return await answer, core
+
+    response, core = asyncio.run(drained_while_waiting())
+    assert response.status_code == 503 and core.cancelled_waits == 1
+    assert response.headers[status_map.ERROR_KIND_KEY] == "replica_stopping"
+    assert response.headers["retry-after-ms"] == "0"
