@@ -358,6 +358,14 @@ class RouterConfig:
     # falls (vLLM's and SGLang's stream interval, sized by load). The first token and the final
     # message never wait. 0 = a message per delta a worker sends.
     stream_messages_per_s: float = 2000.0
+    # The replica's threads run at Linux's SCHED_IDLE (router/app.py): they get a core only
+    # when no engine thread wants it (or a sliver of a busy core, so they never starve).
+    # For a machine whose engine threads take every core (`kvmesh serve` on <= 4 cores,
+    # router/launch.py): a replica woken for a step's tokens then waits for a core the
+    # engine leaves idle (a barrier's wait, the step's own Python) instead of preempting
+    # one of the engine's lockstep threads mid-phase while the others wait for it at the
+    # next barrier (docs/deploy.md). False: the replica only runs nicer than the engines.
+    sched_idle: bool = False
     # predicted_latency policy (router/routing.py, router/latency.py, router/hot_spread.py).
     # The engine's step-cost model the TTFT prediction uses: overhead + prefill tokens x
     # per-token + decoding sequences x per-sequence (defaults: the CPU engine, measured by

@@ -23,7 +23,7 @@ import sys
 import threading
 
 from kvmesh.core.config import ConfigError, KvmeshConfig, apply_overrides
-from kvmesh.router.launch import drain_serving, machine_topology, start_serving, stop_serving
+from kvmesh.router.launch import drain_serving, machine_defaults, start_serving, stop_serving
 
 # Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
 # (and `--help` answers) without loading torch, Ray or transformers.
@@ -57,8 +57,8 @@ def config_from_args(args: argparse.Namespace) -> KvmeshConfig:
     config = KvmeshConfig.from_yaml(args.config) if args.config else KvmeshConfig()
     data = config.to_dict()
     if not args.config and args.workers is None:  # the local defaults (router/launch.py)
-        workers, threads = machine_topology(os.cpu_count() or 1)
-        data["parallel"].update(num_workers=workers, cpu_threads=threads)
+        for section, fields in machine_defaults(os.cpu_count() or 1).items():
+            data[section].update(fields)
     flag_fields = {("model", "path"): args.model, ("parallel", "num_workers"): args.workers,
                    ("parallel", "tensor_parallel_size"): args.tp, ("router", "host"): args.host,
                    ("router", "grpc_port"): args.grpc_port, ("router", "http_port"): args.http_port,
@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     router = config.router
     parallel = config.parallel
     print(f"kvmesh serve: {os.cpu_count()} CPU(s): {parallel.num_workers} worker(s) x "
-          f"{parallel.engine_threads()} engine thread(s), {config.router.num_replicas} router replica(s); "
+          f"{parallel.engine_threads()} engine thread(s), {config.router.num_replicas} router replica(s)"
+          f"{' (SCHED_IDLE: on cores the engine leaves idle)' if router.sched_idle else ''}; "
           f"starting {config.model.path or 'embedded SmolLM2'} (the first start converts the model) ...", flush=True)
     try:
         try:

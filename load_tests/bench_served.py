@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from kvmesh.core.config import KvmeshConfig, apply_overrides
 from kvmesh.load_tests import process_cpu
 from kvmesh.load_tests.workloads import WorkloadRequest
-from kvmesh.router.launch import machine_topology, set_local_ray_env
+from kvmesh.router.launch import machine_defaults, set_local_ray_env
 
 if TYPE_CHECKING:  # bench_engine loads torch: the run imports it only after main() applied --env
     from kvmesh.load_tests.bench_engine import EngineRunFigures
@@ -57,9 +57,9 @@ class SideFigures:
 
 def serve_config(model: str | None, overrides: tuple[str, ...] = ()) -> KvmeshConfig:
     """The config `kvmesh serve [--model M] [--set ...]` deploys on this machine, on loopback."""
-    workers, threads = machine_topology(os.cpu_count() or 1)
     data = KvmeshConfig().to_dict()
-    data["parallel"].update(num_workers=workers, cpu_threads=threads)
+    for section, fields in machine_defaults(os.cpu_count() or 1).items():
+        data[section].update(fields)
     data["router"]["host"] = "127.0.0.1"
     if model:
         data["model"]["path"] = model

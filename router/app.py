@@ -73,10 +73,11 @@ METRICS_PUBLISH_INTERVAL_S = 2.0
 
 
 # Above the deployment class: Serve captures the names its methods use when it is decorated.
-def lower_process_priority(increment: int) -> None:
-    """Add `increment` to the niceness of every thread of this process (Linux keeps a nice
-    value per thread; threads started later inherit their starter's). Raising niceness needs
-    no privilege; where it fails, the replica runs as it was."""
+def lower_process_priority(increment: int, sched_idle: bool = False) -> None:
+    """Add `increment` to the niceness of every thread of this process and, with `sched_idle`,
+    move each to SCHED_IDLE (router.sched_idle). Linux keeps both per thread, and threads
+    started later inherit their starter's. Lowering either needs no privilege; where it fails,
+    the replica runs as it was."""
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
@@ -84,16 +85,18 @@ def lower_process_priority(increment: int) -> None:
     for tid in tids:
         try:
             os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+            if sched_idle:
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
         except OSError as exc:
-            logger.debug("renice of thread %d: %s", tid, exc)
+            logger.debug("lowering the priority of thread %d: %s", tid, exc)
 
 
 @serve.deployment(name="KvmeshRouter", ray_actor_options={"num_cpus": ROUTER_REPLICA_NUM_CPUS})
 class KvmeshRouter:
     async def __init__(self, config_dict: dict):
         quiet_client_errors()  # Serve would log each refused request with a traceback
-        lower_process_priority(ROUTER_NICE_INCREMENT)
         config = KvmeshConfig.from_dict(config_dict)
+        lower_process_priority(ROUTER_NICE_INCREMENT, config.router.sched_idle)
         app_name = serve.get_replica_context().app_name
         self.pool = WorkerPool(config, app_name)
         self.pool.start()

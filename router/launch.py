@@ -52,6 +52,15 @@ def machine_topology(num_cpus: int) -> tuple[int, int]:
     return workers, engine_cpus // workers
 
 
+def machine_defaults(num_cpus: int) -> dict[str, dict]:
+    """The config fields a bare local `kvmesh serve` fits to a machine of `num_cpus` cores, by
+    section: the topology above, and where the engines' threads take every core, a router
+    replica that runs only on cores they leave idle (router.sched_idle)."""
+    workers, threads = machine_topology(num_cpus)
+    return {"parallel": {"num_workers": workers, "cpu_threads": threads},
+            "router": {"sched_idle": workers * threads >= num_cpus}}
+
+
 # The environment of a local Ray that `kvmesh serve` (or a bench standing in for it) starts;
 # Ray's processes inherit it from the driver. Each periodic job off or slowed here woke a
 # process beside the engine's lockstep threads while nothing of kvmesh reads its output (the

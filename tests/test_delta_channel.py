@@ -11,7 +11,7 @@ import pytest
 from kvmesh.core import delta_wire
 from kvmesh.core.config import KvmeshConfig
 from kvmesh.core.seams import FinishReason, GenerateRequest, RequestDelta, SamplingParams, Usage
-from kvmesh.router.launch import machine_topology
+from kvmesh.router.launch import machine_defaults, machine_topology
 from kvmesh.load_tests.null_engine import NullEngine
 from kvmesh.worker.runtime.async_engine import AsyncEngine
 from kvmesh.worker.runtime.delta_channel import DeltaChannel
@@ -219,3 +219,12 @@ def test_packed_messages_carry_every_token_and_final_in_order_whatever_the_split
                                            (16, (3, 5))])
 def test_serve_topology_fits_the_machine(cpus, expected):
     assert machine_topology(cpus) == expected
+
+
+@pytest.mark.parametrize("cpus,sched_idle", [(1, True), (2, True), (4, True), (8, False), (16, False)])
+def test_router_runs_on_idle_cores_where_the_engine_takes_every_core(cpus, sched_idle):
+    """Up to 4 cores the engine has a thread on each, so the router replica gets SCHED_IDLE;
+    above, one core is left to the stack and the replica keeps the ordinary policy."""
+    workers, threads = machine_topology(cpus)
+    assert machine_defaults(cpus) == {"parallel": {"num_workers": workers, "cpu_threads": threads},
+                                      "router": {"sched_idle": sched_idle}}

@@ -40,6 +40,7 @@ def test_serve_flags_map_onto_config(tmp_path):
     embedded = config_from_args(parser.parse_args(["serve"]))
     workers, threads = machine_topology(os.cpu_count() or 1)
     assert (embedded.parallel.num_workers, embedded.parallel.engine_threads()) == (workers, threads)
+    assert embedded.router.sched_idle == (workers * threads >= (os.cpu_count() or 1))
     assert embedded.parallel.worker_num_cpus is None  # Ray's share: derived from the cluster at start
     assert embedded.model.path is None  # SmolLM2
     path = tmp_path / "kvmesh.yaml"
@@ -48,6 +49,7 @@ def test_serve_flags_map_onto_config(tmp_path):
         ["serve", "--config", str(path), "--http-port", "9100", "--max-num-seqs", "5", "--tp", "2",
          "--set", "scheduler.max_num_seqs=7"]))
     assert config.parallel.num_workers == 3 and config.parallel.tensor_parallel_size == 2
+    assert not config.router.sched_idle  # a config file: the machine defaults stay out
     assert config.router.policy == "least_loaded" and config.router.http_port == 9100
     assert config.scheduler.max_num_seqs == 7
     assert cli.main(["serve", "--workers", "0"]) == 2  # invalid config: exit 2, nothing started
