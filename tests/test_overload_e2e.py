@@ -4,11 +4,16 @@ tiny-Llama workers whose limits are set small. One cluster for the module.
 
 Capacity, from the config below (the router's budget is each worker's KV tokens):
 
-    worker: 32 blocks x 16 = 512 KV tokens; a request costs 48 prompt + 64 output = 112
-            -> 4 admitted per worker (2 running, max_num_seqs, and 2 in its queue)
+    worker: 46 blocks x 16 = 736 KV tokens; a request costs 48 prompt + 128 output = 176
+            -> 4 admitted per worker (1 running, max_num_seqs, and 3 in its queue)
     router: max_queue_len 4 -> 3 first-attempt slots + floor(4 x 0.25) = 1 retry slot;
-            admitted retries may hold at most 0.25 x 1024 = 256 KV tokens (2 requests)
+            admitted retries may hold at most 0.25 x 1472 = 368 KV tokens (2 requests)
     total:  8 admitted + 3 queued = 11 first attempts; the burst is 36 (3.3x)
+
+One request runs at a time per worker, 128 tokens long, so the cluster finishes about 6
+requests a second: however slowly a contended router takes the burst's calls in (full-suite
+CI runs saw them reach admission over ~1 s although they left the client within 3 ms), the
+burst outruns what ends meanwhile and the queue overflows.
 
 Each simulated user is its own client (its own retry budget, as separate processes would
 have) on one shared channel. Every attempt is observed by a client interceptor: its
@@ -50,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 APP_NAME = "kvmesh-overload-e2e"
 PROMPT_TOKENS = 48
-MAX_TOKENS = 64
+MAX_TOKENS = 128
 NUM_USERS = 36
 MAX_ATTEMPTS = 4
 RETRY_LANE_FRACTION = 0.25
@@ -65,15 +70,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.shared_ray, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def overload_config(tiny_model_dir) -> KvmeshConfig:
-    # The tiny model steps in ~2.5 ms, so at the default pace (2,000 messages a second over the
-    # replica's streams) the 8 running streams alone keep the router's event loop busy, and on
-    # a contended box (the full suite: the router at nice 15 under this process's 36 client
-    # threads) its loop then takes in the burst's calls only as fast as streams end: a CI run's
-    # 36 backoff first attempts reached admission so spread out that none was refused. Paced at
-    # 200 a second (a message carries ~16 tokens) the loop is free to take the burst in at once;
-    # the first token and the final message never wait, so admission and retry timing are as
-    # before.
-    return tiny_cluster_config(tiny_model_dir, num_workers=2, max_num_seqs=2, num_blocks=32, max_new_tokens=None,
+    # The tiny model steps in ~2.5 ms: at the default pace (2,000 messages a second over the
+    # replica's streams) each running stream writes a message a token, work the router's event
+    # loop does beside taking the burst's calls in. Paced at 200 a second it writes less; the
+    # first token and the final message never wait, so admission and retry timing are as before.
+    return tiny_cluster_config(tiny_model_dir, num_workers=2, max_num_seqs=1, num_blocks=46, max_new_tokens=None,
                                router={"policy": "least_loaded", "stats_refresh_s": 0.05, "max_queue_len": 4,
                                        "retry_lane_fraction": RETRY_LANE_FRACTION, "max_queue_wait_s": 20.0,
                                        "stream_messages_per_s": 200.0})
@@ -340,10 +341,10 @@ def test_overload_rejects_fast_caps_retries_and_loses_nothing(cluster):
         on_arrival = [a for a in first_rejections if any(r in a.details for r in ARRIVAL_REFUSALS)]
         assert len(on_arrival) > len(first_rejections) / 2, [a.details for a in first_rejections]
         # Retries go through their lane: it turns them away, and those it admitted never held
-        # more than its share of the KV budget (256 tokens: two of these 112-token requests).
+        # more than its share of the KV budget (368 tokens: two of these 176-token requests).
         # Seen from the client, a release shows up late, so the next admitted retry can
         # overlap the one it replaced: allowed for by two requests (a full-suite run under a
-        # CPU-heavy neighbour saw 448 tokens, four requests; quiet runs see two or three).
+        # CPU-heavy neighbour saw four requests; quiet runs see two or three).
         retries = [a for a in attempts if a.attempt > 1]
         assert any("retry lane" in a.details for a in retries if a.code == grpc.StatusCode.RESOURCE_EXHAUSTED), (
             _attempt_account(name, attempts))
