@@ -185,9 +185,15 @@ def code_to_act_on(code: grpc.StatusCode, details: str | None,
     calls raced its listener's close; grpc/grpc#41785). That is UNAVAILABLE: retry elsewhere."""
     if code != grpc.StatusCode.CANCELLED:
         return code
-    kind = metadata_value(trailing_metadata, ERROR_KIND_KEY) or metadata_value(split_details(details or "")[1],
-                                                                               ERROR_KIND_KEY)
-    return code if kind else grpc.StatusCode.UNAVAILABLE
+    return code if error_kind_from_status(trailing_metadata, details) else grpc.StatusCode.UNAVAILABLE
+
+
+def error_kind_from_status(trailing_metadata: Iterable[tuple[str, str | bytes]] | None,
+                           details: str | None) -> str | None:
+    """The kvmesh error kind a status carries: trailing `x-kvmesh-error`, else the details' tag
+    (a proxy may keep only code and details); None when no kvmesh handler sent it."""
+    return (metadata_value(trailing_metadata, ERROR_KIND_KEY)
+            or metadata_value(split_details(details or "")[1], ERROR_KIND_KEY))
 
 
 def metadata_value(metadata: Iterable[tuple[str, str | bytes]] | None, key: str) -> str | None:
@@ -266,8 +272,8 @@ _KIND_BY_CODE = {
 def error_from_grpc(code: grpc.StatusCode, details: str | None,
                     trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> KvmeshError:
     """Rebuild the typed kvmesh error a server (or the channel) reported."""
-    message, tagged = split_details(details or "")
-    kind = metadata_value(trailing_metadata, ERROR_KIND_KEY) or metadata_value(tagged, ERROR_KIND_KEY)
+    message = split_details(details or "")[0]
+    kind = error_kind_from_status(trailing_metadata, details)
     rule = _RULE_BY_KIND.get(kind or "") or _RULE_BY_KIND.get(_KIND_BY_CODE.get(code, ""))
     message = message or code.name
     if rule is None:
