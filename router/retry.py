@@ -3,13 +3,16 @@
 Waiting (AWS "exponential backoff and jitter", full jitter, with the server's retry-after
 as a floor):
 
-    cap_n   = min(max_backoff_s, initial_backoff_s x multiplier^(n-1))     n = retry number (1, 2, ...)
-    sleep_n = retry_after_s + uniform(0, cap_n)                            retry_after_s = 0 if not sent
+    cap_n   = min(max_backoff_s, max(initial_backoff_s x multiplier^(n-1), retry_after_s))
+    sleep_n = retry_after_s + uniform(0, cap_n)          n = retry number (1, 2, ...); retry_after_s = 0 if not sent
 
 Full jitter spreads clients that failed together over the whole window instead of waking
 them in lock-step; the server's retry-after is honoured as a minimum (it was computed from
-the measured drain rate and the queue ahead), and the jitter goes on top so clients told
-the same retry-after still do not return in the same instant.
+the measured drain rate and the queue ahead), and the jitter goes on top. The window is at
+least as long as the retry-after itself: a burst refused together is told about the same
+wait (each refusal sees the same queue), and the room it was told about frees over the
+following wait too, not in one instant; a fixed 0.1 s of jitter on a wait of seconds brought
+them back together, to be refused again (tests/test_overload_e2e.py).
 
 Budget (gRPC retry throttling, gRFC A6): a token bucket holding at most `max_tokens`
 (starting full). Every failed attempt with a retryable code takes 1 token; every success
@@ -71,8 +74,9 @@ class RetryPolicy:
 
 def backoff_s(retry_number: int, policy: RetryPolicy, rng: random.Random, retry_after_s: float | None = None) -> float:
     """Seconds to sleep before retry `retry_number` (1 = the first retry)."""
-    cap_s = min(policy.max_backoff_s, policy.initial_backoff_s * policy.multiplier ** (retry_number - 1))
-    return max(0.0, retry_after_s or 0.0) + rng.uniform(0.0, cap_s)
+    after_s = max(0.0, retry_after_s or 0.0)
+    cap_s = min(policy.max_backoff_s, max(policy.initial_backoff_s * policy.multiplier ** (retry_number - 1), after_s))
+    return after_s + rng.uniform(0.0, cap_s)
 
 
 class RetryBudget:

@@ -425,7 +425,11 @@ def test_full_jitter_backoff_stays_in_its_window_and_honours_retry_after():
         samples = [backoff_s(retry_number, policy, rng) for _ in range(200)]
         assert all(0 <= s <= cap for s in samples)
         assert max(samples) > 0.8 * cap and min(samples) < 0.2 * cap  # spread over the whole window
-    assert all(2.0 <= backoff_s(1, policy, rng, retry_after_s=2.0) <= 2.1 for _ in range(50))
+    # Retry-after is the floor, and the jitter window is at least as long as it (up to the
+    # max): clients told the same wait come back spread over it, not within 0.1 s of each other.
+    told = [backoff_s(1, RetryPolicy(max_backoff_s=5.0), rng, retry_after_s=2.0) for _ in range(200)]
+    assert all(2.0 <= s <= 4.0 for s in told) and max(told) > 3.6 and min(told) < 2.4
+    assert all(2.0 <= backoff_s(1, policy, rng, retry_after_s=2.0) <= 3.0 for _ in range(50))  # max_backoff_s 1
 
 
 def test_retry_budget_limits_retries_to_a_fraction_of_successes():
