@@ -49,8 +49,11 @@ Over the limit (lane full, or the wait ran out) the answer is immediate: `Overlo
 with `retry_after_s = tokens that must drain / measured drain rate`, where the tokens are
 the request's overflow on its best worker plus the cost of everything queued ahead of it,
 and the drain rate is the sum of the healthy workers' `output_tokens_per_s` (reservations are
-freed as output is produced, so this errs long, never short). Before any rate has been
-measured the answer is one stats refresh interval: nothing better is known until then.
+freed as output is produced, so this errs long, never short). A retry refused by its lane
+is told no sooner than the running retries should leave room in the lane's budget: they end
+at their share of the drain (their tokens over all committed tokens). So is a refused first
+attempt: it comes back as a retry. Before any rate has been measured the answer is one stats
+refresh interval: nothing better is known until then.
 
 `acquire` returns an `AdmissionTicket`; releasing it (a `with` block, or `release()`,
 idempotent) on every terminal path returns the in-flight reservation. Single-owner state on
@@ -423,7 +426,8 @@ class RouterAdmission:
     def _overloaded(self, cost_tokens: int, attempt: int, reason: str, ahead: int | None = None) -> OverloadedError:
         lane = self._retry_lane if attempt > 1 else self._first_lane
         ahead = self._ahead_of(lane, None) if ahead is None else ahead
-        retry_after_s = self.retry_after_s(cost_tokens, ahead)
+        # It comes back as a retry, through the retry lane: no sooner than that has room.
+        retry_after_s = max(self.retry_after_s(cost_tokens, ahead), self._retry_budget_wait_s(cost_tokens))
         logger.debug("admission rejected (%s): cost=%d ahead=%d retry_after=%.3fs", reason, cost_tokens, ahead,
                      retry_after_s)
         lane_name = "retry" if attempt > 1 else "first-attempt"
@@ -441,6 +445,22 @@ class RouterAdmission:
         raise DeadlineUnmeetableError(
             f"server overloaded: expected queue wait {expected_wait_s:.2f} s exceeds the {max(0.0, remaining_s):.2f} s "
             "left before the request's deadline", retry_after_s=retry_after_s)
+
+    def _retry_budget_wait_s(self, cost_tokens: int) -> float:
+        """Seconds until the retries running now (and those queued for the lane) leave room in
+        the retry budget for `cost_tokens` more: what a refused retry waits for besides the
+        queues. The running retries end at their share of the drain (their tokens over all
+        committed tokens), not at the whole drain rate: a retry lane refusal told the whole
+        rate came back while the lane was still full, to be refused again."""
+        live = self._retry_tokens_live
+        healthy = self.budgets.healthy()
+        drain = sum(w.output_tokens_per_s for w in healthy)
+        if live == 0 or drain <= 0:
+            return 0.0
+        budget = self._config.retry_lane_fraction * sum(w.kv_tokens_capacity for w in healthy)
+        excess = live + sum(w.cost_tokens for w in self._retry_lane) + cost_tokens - budget
+        committed = sum(self.budgets.committed(w.worker_id) for w in healthy)
+        return max(0.0, excess) * max(committed, live) / (drain * live)
 
     def expected_wait_s(self, cost_tokens: int, tokens_ahead: int) -> float | None:
         """Seconds until `tokens_ahead` plus this request's overflow should have drained at the

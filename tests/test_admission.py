@@ -295,6 +295,28 @@ def test_running_retries_hold_at_most_their_fraction_of_capacity():
     asyncio.run(main())
 
 
+def test_a_retry_refused_by_its_lane_is_told_when_the_running_retries_leave_room():
+    async def main():
+        # Capacity 2,000 tokens draining 100 output tokens/s; retries may hold 0.2 x 2,000 = 400.
+        # max_queue_len 5 -> 1 retry slot.
+        admission = controller([stats("w0", capacity=2000, rate=100.0)], max_queue_len=5, retry_lane_fraction=0.2)
+        running = [await admission.acquire(200, attempt=2) for _ in range(2)]  # the lane's budget is full
+        firsts = [await admission.acquire(200) for _ in range(6)]  # 1,600 tokens committed in all
+        queued = asyncio.ensure_future(admission.acquire(200, attempt=2))  # the lane's one slot
+        await settle()
+        with pytest.raises(OverloadedError, match="retry lane") as refused:
+            await admission.acquire(200, attempt=2)
+        # Room for it: 400 running + 200 queued + 200 - 400 = 400 tokens of the running retries
+        # must end, and they end at their share of the drain, 400 / 1,600 of 100 tokens/s:
+        # 400 / 25 = 16 s. The queues alone say 2 s (it fits the KV; 200 tokens queued ahead).
+        assert refused.value.retry_after_s == pytest.approx(16.0)
+        queued.cancel()
+        await asyncio.gather(queued, return_exceptions=True)
+        for ticket in running + firsts:
+            ticket.release()
+    asyncio.run(main())
+
+
 def test_waiting_too_long_is_overloaded_and_a_sooner_deadline_is_deadline_exceeded():
     async def main():
         # No drain rate measured yet: nothing says the deadline is unmeetable, so it waits.
