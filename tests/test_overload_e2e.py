@@ -23,7 +23,8 @@ retry-after, and when it started, delivered its first message and ended.
 Two retry disciplines over the same burst:
   naive    retry at once on RESOURCE_EXHAUSTED / UNAVAILABLE, up to the same attempt cap,
            ignoring retry-after (still marking attempt numbers, so only the timing differs)
-  backoff  KvmeshClient: exponential backoff with full jitter on top of retry-after
+  backoff  KvmeshClient: retry-after, then full jitter over a window at least as long
+           (router/retry.py)
 """
 
 from __future__ import annotations
@@ -267,6 +268,16 @@ def _max_concurrent_tokens(attempts: list[Attempt]) -> int:
     return peak
 
 
+def _recovered_share(outcome: Outcome, attempts: list[Attempt]) -> float:
+    """Of the users whose first attempt was refused, the share that got in by retrying (each
+    user makes one first attempt; a user refused first and then served is a success whose
+    first attempt was not OK)."""
+    first = [a for a in attempts if a.attempt == 1]
+    refused_first = sum(a.code != grpc.StatusCode.OK for a in first)
+    recovered = outcome.succeeded - sum(a.code == grpc.StatusCode.OK for a in first)
+    return recovered / refused_first if refused_first else 0.0
+
+
 def _attempt_account(name: str, attempts: list[Attempt]) -> str:
     """What a failed burst saw, as a message pytest prints whole: attempts by (attempt number,
     code, details), and the first attempts' starts, first messages and ends in ms after the
@@ -340,14 +351,15 @@ def test_overload_rejects_fast_caps_retries_and_loses_nothing(cluster):
         assert first_rejections and any(a.code == grpc.StatusCode.OK and a.attempt == 1 for a in attempts)
         on_arrival = [a for a in first_rejections if any(r in a.details for r in ARRIVAL_REFUSALS)]
         assert len(on_arrival) > len(first_rejections) / 2, [a.details for a in first_rejections]
-        # Retries go through their lane: it turns them away, and those it admitted never held
-        # more than its share of the KV budget (368 tokens: two of these 176-token requests).
-        # Seen from the client, a release shows up late, so the next admitted retry can
-        # overlap the one it replaced: allowed for by two requests (a full-suite run under a
-        # CPU-heavy neighbour saw four requests; quiet runs see two or three).
+        # Retries go through their lane: it turns hammering away, and those it admitted never
+        # held more than its share of the KV budget (368 tokens: two of these 176-token
+        # requests). Seen from the client, a release shows up late, so the next admitted retry
+        # can overlap the one it replaced: allowed for by two requests (a full-suite run under
+        # a CPU-heavy neighbour saw four requests; quiet runs see two or three).
         retries = [a for a in attempts if a.attempt > 1]
-        assert any("retry lane" in a.details for a in retries if a.code == grpc.StatusCode.RESOURCE_EXHAUSTED), (
-            _attempt_account(name, attempts))
+        if name == "naive":
+            assert any("retry lane" in a.details for a in retries if a.code == grpc.StatusCode.RESOURCE_EXHAUSTED), (
+                _attempt_account(name, attempts))
         assert (_max_concurrent_tokens(retries)
                 <= RETRY_LANE_FRACTION * capacity_tokens + 2 * (PROMPT_TOKENS + MAX_TOKENS))
 
@@ -363,7 +375,13 @@ def test_overload_rejects_fast_caps_retries_and_loses_nothing(cluster):
             retry_attempts=sum(a.attempt > 1 for a in attempts),
             retry_lane_rejections=sum("retry lane" in a.details for a in attempts),
             retry_peak_tokens=_max_concurrent_tokens([a for a in attempts if a.attempt > 1]),
+            recovered_share=_recovered_share(outcome, attempts),
             capacity_tokens=capacity_tokens)
         print(f"\nMEASURED overload {summaries[name]}")
-    # No collapse: waiting as told does at least as well as hammering.
-    assert summaries["backoff"]["succeeded"] >= summaries["naive"]["succeeded"]
+    # No collapse, and waiting as told pays: of the users whose first attempt was refused, a
+    # larger share gets in by waiting out retry-after (with jitter as long again) than by
+    # retrying at once. A share, not a count of successes: how many first attempts a burst's
+    # refusals hit depends on how fast a contended router takes the calls in, which neither
+    # policy chooses (a full-suite run: the naive burst's calls reached admission over ~1.5 s
+    # and 25 of 36 first attempts got in, against 11 when they arrive together).
+    assert summaries["backoff"]["recovered_share"] > summaries["naive"]["recovered_share"], summaries
