@@ -366,6 +366,11 @@ class RouterConfig:
     # one of the engine's lockstep threads mid-phase while the others wait for it at the
     # next barrier (docs/deploy.md). False: the replica only runs nicer than the engines.
     sched_idle: bool = False
+    # ...while the replica carries this many streams or more; at half of it or fewer it runs at
+    # its nice again, so a lightly loaded replica's first token does not wait for an idle core
+    # (router/thread_priority.py; leaving SCHED_IDLE needs CAP_SYS_NICE or RLIMIT_NICE, else
+    # the replica stays there). 0: SCHED_IDLE throughout.
+    sched_idle_min_streams: int = 4
     # predicted_latency policy (router/routing.py, router/latency.py, router/hot_spread.py).
     # The engine's step-cost model the TTFT prediction uses: overhead + prefill tokens x
     # per-token + decoding sequences x per-sequence (defaults: the CPU engine, measured by
@@ -402,6 +407,7 @@ class RouterConfig:
         _check(0 <= self.retry_lane_fraction <= 1, "router.retry_lane_fraction must be in [0, 1]")
         _check(self.stats_refresh_s > 0, "router.stats_refresh_s must be > 0")
         _check(self.max_queue_wait_s > 0, "router.max_queue_wait_s must be > 0")
+        _check(self.sched_idle_min_streams >= 0, "router.sched_idle_min_streams must be >= 0")
         _check(self.max_stream_resumptions >= 0, "router.max_stream_resumptions must be >= 0")
         _check(self.drain_grace_s >= 0, "router.drain_grace_s must be >= 0")
         _check(self.imbalance_margin_requests >= 0, "router.imbalance_margin_requests must be >= 0")

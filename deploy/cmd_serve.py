@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 
-from kvmesh.core.config import ConfigError, KvmeshConfig, apply_overrides
+from kvmesh.core.config import ConfigError, KvmeshConfig, RouterConfig, apply_overrides
 from kvmesh.router.launch import drain_serving, machine_defaults, start_serving, stop_serving
 
 # Function-level imports: each `kvmesh` command imports only what it runs, so the CLI starts
@@ -70,6 +70,14 @@ def config_from_args(args: argparse.Namespace) -> KvmeshConfig:
     return apply_overrides(KvmeshConfig.from_dict(data), args.overrides)
 
 
+def _sched_idle_note(router: RouterConfig) -> str:
+    if not router.sched_idle:
+        return ""
+    if router.sched_idle_min_streams == 0:
+        return " (SCHED_IDLE: on cores the engine leaves idle)"
+    return (f" (SCHED_IDLE from {router.sched_idle_min_streams} streams: on cores the engine leaves idle)")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
@@ -82,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     parallel = config.parallel
     print(f"kvmesh serve: {os.cpu_count()} CPU(s): {parallel.num_workers} worker(s) x "
           f"{parallel.engine_threads()} engine thread(s), {config.router.num_replicas} router replica(s)"
-          f"{' (SCHED_IDLE: on cores the engine leaves idle)' if router.sched_idle else ''}; "
+          f"{_sched_idle_note(router)}; "
           f"starting {config.model.path or 'embedded SmolLM2'} (the first start converts the model) ...", flush=True)
     try:
         try:

@@ -23,7 +23,6 @@ down is healthy but answers UNAVAILABLE / 503, since restarting it would not bri
 """
 
 import logging
-import os
 
 from ray import serve
 
@@ -41,6 +40,7 @@ from kvmesh.router.metrics import RouterMetrics, get_or_create_board, start_publ
 from kvmesh.router.family_claims import make_family_claims
 from kvmesh.router.quota import make_quota_store
 from kvmesh.router.router_core import RouterCore
+from kvmesh.router.thread_priority import SchedIdleUnderLoad, lower_process_priority
 from kvmesh.router.worker_pool import WorkerPool
 from kvmesh.worker.public_api import load_tokenizer
 
@@ -72,31 +72,13 @@ SHUTDOWN_MARGIN_S = GRACEFUL_SHUTDOWN_WAIT_LOOP_S + HANDOFF_FLUSH_S + 5.0
 METRICS_PUBLISH_INTERVAL_S = 2.0
 
 
-# Above the deployment class: Serve captures the names its methods use when it is decorated.
-def lower_process_priority(increment: int, sched_idle: bool = False) -> None:
-    """Add `increment` to the niceness of every thread of this process and, with `sched_idle`,
-    move each to SCHED_IDLE (router.sched_idle). Linux keeps both per thread, and threads
-    started later inherit their starter's. Lowering either needs no privilege; where it fails,
-    the replica runs as it was."""
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [0]
-    for tid in tids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
-            if sched_idle:
-                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        except OSError as exc:
-            logger.debug("lowering the priority of thread %d: %s", tid, exc)
-
-
 @serve.deployment(name="KvmeshRouter", ray_actor_options={"num_cpus": ROUTER_REPLICA_NUM_CPUS})
 class KvmeshRouter:
     async def __init__(self, config_dict: dict):
         quiet_client_errors()  # Serve would log each refused request with a traceback
         config = KvmeshConfig.from_dict(config_dict)
-        lower_process_priority(ROUTER_NICE_INCREMENT, config.router.sched_idle)
+        lower_process_priority(ROUTER_NICE_INCREMENT)
+        sched_idle = SchedIdleUnderLoad(config.router.sched_idle_min_streams) if config.router.sched_idle else None
         app_name = serve.get_replica_context().app_name
         self.pool = WorkerPool(config, app_name)
         self.pool.start()
@@ -122,7 +104,8 @@ class KvmeshRouter:
         self.board = get_or_create_board(app_name)
         self._publisher = start_publishing(self.board, metrics, METRICS_PUBLISH_INTERVAL_S)
         self.core = RouterCore(config, self.pool, tokenizer, authenticator, quota, model_name, metrics, tracer,
-                               make_family_claims(config, app_name, metrics))
+                               make_family_claims(config, app_name, metrics),
+                               on_streams_changed=sched_idle.streams_changed if sched_idle is not None else None)
         self._servicer = ReplicaGrpcServicer(self.core)
         self._grpc_server = await start_grpc_server(self._servicer, config.router)
         self._http = HttpIngress(openai_http.build_replica_app(self.core, self.board), config.router)

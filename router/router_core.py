@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmesh.core.config import KvmeshConfig
@@ -83,9 +84,12 @@ class ClusterView:
 class RouterCore:
     def __init__(self, config: KvmeshConfig, pool: WorkerPool, tokenizer, authenticator: Authenticator,
                  quota: QuotaStore, model_name: str, metrics: RouterMetrics | None = None,
-                 tracer=None, claims: FamilyClaims | None = None):
+                 tracer=None, claims: FamilyClaims | None = None,
+                 on_streams_changed: Callable[[int], None] | None = None):
         """`claims`: the replicas' shared new-family claims (router/family_claims.py), with
-        several replicas and a Redis; None: each replica places new families by its own rule."""
+        several replicas and a Redis; None: each replica places new families by its own rule.
+        `on_streams_changed(streams)`: told each time the replica's stream count changes (the
+        replica's thread priority follows it: router/thread_priority.py)."""
         self.config = config
         self.pool = pool
         self.tokenizer = tokenizer
@@ -104,7 +108,8 @@ class RouterCore:
         pool.prefix_index.on_stored = self.latency.observe_stored  # recent work as every replica hears it
         self.adapters = AdapterRegistry(config.lora, config.tenants.tenant_refresh_s)
         self.adapter_placement = AdapterPlacement()  # which workers hold which adapters (affinity)
-        self.in_flight = 0
+        self.in_flight = 0  # streams open (count_stream)
+        self._on_streams_changed = on_streams_changed
         self.live_request_ids: set[str] = set()  # scoped ids of this replica's admitted requests
         self.backlog = TenantBacklog()  # per-tenant in-flight: the fair rank (router/fairness.py)
         # Workers that reserve on expected output: the router costs requests the same way,
@@ -251,6 +256,12 @@ class RouterCore:
         field configures them), what request budgets are rounded to."""
         info = self.pool.any_info()
         return info.block_size if info is not None else self.config.cache.block_size
+
+    def count_stream(self, change: int) -> None:
+        """A stream opened (+1) or ended (-1)."""
+        self.in_flight += change
+        if self._on_streams_changed is not None:
+            self._on_streams_changed(self.in_flight)
 
     def stream_pace_s(self) -> float:
         """How long a stream waits after a message: its share of router.stream_messages_per_s."""

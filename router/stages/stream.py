@@ -67,7 +67,7 @@ class RequestStream:
 
     async def __aiter__(self) -> AsyncIterator[RequestDelta]:
         core = self._core
-        core.in_flight += 1
+        core.count_stream(1)
         streamed_tokens = 0  # by this router, in this request
         # n = 1: the output so far (a client's resumption included), what a resumption starts from
         streamed_ids: list[int] = list(self._request.resume_token_ids)
@@ -145,7 +145,7 @@ class RequestStream:
             # Everything synchronous first: a client that goes away cancels this task, and a
             # second cancel arriving during the await below must not skip the metrics or spans.
             failure = sys.exc_info()[1]
-            core.in_flight -= 1
+            core.count_stream(-1)
             core.live_request_ids.discard(self._request.request_id)
             core.backlog.leave(self._request.tenant_id)
             self._ticket.release()
