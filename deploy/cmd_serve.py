@@ -75,7 +75,7 @@ def _sched_idle_note(router: RouterConfig) -> str:
         return ""
     if router.sched_idle_min_streams == 0:
         return " (SCHED_IDLE: on cores the engine leaves idle)"
-    return (f" (SCHED_IDLE from {router.sched_idle_min_streams} streams: on cores the engine leaves idle)")
+    return f" (SCHED_IDLE from {router.sched_idle_min_streams} streams: on cores the engine leaves idle)"
 
 
 def run(args: argparse.Namespace) -> int:
