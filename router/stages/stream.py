@@ -79,9 +79,11 @@ class RequestStream:
         sample_usages: dict[int, Usage] = {}  # n > 1: each sample's final reports its own
         try:
             while True:
+                dispatch_tokens = 0  # from the worker this request was sent to last
                 try:
                     async for delta in self._worker_deltas():
                         streamed_tokens += len(delta.token_ids)
+                        dispatch_tokens += len(delta.token_ids)
                         streamed_ids.extend(delta.token_ids)
                         streamed_chars += len(delta.text)
                         if delta.finished:
@@ -96,8 +98,10 @@ class RequestStream:
                     return
                 except (WorkerFailedError, OverloadedError) as exc:
                     others = core.others_routable(self.worker_id, self._on_fallback)
-                    refused = isinstance(exc, OverloadedError) and not streamed_tokens
-                    if streamed_tokens:
+                    # A worker's own admission refused this dispatch before its first token (a
+                    # resumption included): re-admitted below, its resume state kept.
+                    refused = isinstance(exc, OverloadedError) and not dispatch_tokens
+                    if streamed_tokens and not refused:
                         resumable = (isinstance(exc, WorkerFailedError) and resumptions_left > 0
                                      and self._request.sampling.n == 1 and others
                                      and len(streamed_ids) < self._request.sampling.max_tokens)
