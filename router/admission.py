@@ -256,7 +256,7 @@ class RouterAdmission:
             num_in_flight=len(self._live), retry_tokens_in_flight=self._retry_tokens_live,
             committed_tokens=sum(self.budgets.committed(w.worker_id) for w in healthy),
             capacity_tokens=sum(w.kv_tokens_capacity for w in healthy),
-            drain_tokens_per_s=sum(w.output_tokens_per_s for w in healthy),
+            drain_tokens_per_s=self._drain_tokens_per_s(),
             num_deadline_shed=self._num_deadline_shed, num_evicted=self._num_evicted)
 
     # ---- internals ------------------------------------------------------------------------
@@ -268,11 +268,15 @@ class RouterAdmission:
         return [w for w in lane if (w.priority_class, w.enqueued_at) <= (priority_class, place) and usable - w.exclude
                 and not w.holding]
 
+    def _retry_budget_tokens(self) -> float:
+        """What admitted retries may hold together: router.retry_lane_fraction of the healthy
+        workers' KV capacity."""
+        return self._config.retry_lane_fraction * sum(w.kv_tokens_capacity for w in self.budgets.healthy())
+
     def _retry_budget_allows(self, cost_tokens: int) -> bool:
         if self._retry_tokens_live == 0:
             return True  # one retry may always run
-        capacity = sum(w.kv_tokens_capacity for w in self.budgets.healthy())
-        return self._retry_tokens_live + cost_tokens <= self._config.retry_lane_fraction * capacity
+        return self._retry_tokens_live + cost_tokens <= self._retry_budget_tokens()
 
     def _try_admit(self, cost_tokens: int, attempt: int, route: RouteFn | None,
                    queued_since: float | None, cost_for: CostFn | None = None,
@@ -453,20 +457,22 @@ class RouterAdmission:
         committed tokens), not at the whole drain rate: a retry lane refusal told the whole
         rate came back while the lane was still full, to be refused again."""
         live = self._retry_tokens_live
-        healthy = self.budgets.healthy()
-        drain = sum(w.output_tokens_per_s for w in healthy)
+        drain = self._drain_tokens_per_s()
         if live == 0 or drain <= 0:
             return 0.0
-        budget = self._config.retry_lane_fraction * sum(w.kv_tokens_capacity for w in healthy)
-        excess = live + sum(w.cost_tokens for w in self._retry_lane) + cost_tokens - budget
-        committed = sum(self.budgets.committed(w.worker_id) for w in healthy)
+        excess = live + sum(w.cost_tokens for w in self._retry_lane) + cost_tokens - self._retry_budget_tokens()
+        committed = sum(self.budgets.committed(w.worker_id) for w in self.budgets.healthy())
         return max(0.0, excess) * max(committed, live) / (drain * live)
+
+    def _drain_tokens_per_s(self) -> float:
+        """The healthy workers' measured output tokens a second (0 before any is measured)."""
+        return sum(w.output_tokens_per_s for w in self.budgets.healthy())
 
     def expected_wait_s(self, cost_tokens: int, tokens_ahead: int) -> float | None:
         """Seconds until `tokens_ahead` plus this request's overflow should have drained at the
         measured rate; None before any rate is measured (or with no healthy worker)."""
         healthy = self.budgets.healthy()
-        drain = sum(w.output_tokens_per_s for w in healthy)
+        drain = self._drain_tokens_per_s()
         if drain <= 0 or not healthy:
             return None
         overflow = min(max(0, self.budgets.committed(w.worker_id) + cost_tokens - w.kv_tokens_capacity) for w in healthy)
